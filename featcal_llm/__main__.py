@@ -1,0 +1,3 @@
+from featcal_llm.cli import main
+
+main()

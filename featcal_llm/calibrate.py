@@ -1,0 +1,300 @@
+"""The forward-order FeatCal loop over decoder layers (featcal_method.md, "Forward-order schedule").
+
+For layer l: load layer l of the merged model (the `cal` layer, still merged)
+and of each expert; record statistics with hooks while running cal on h_cal
+and expert i on h_exp,i; fold each task into the group systems; solve; load
+the solution into cal; advance h_cal through the *updated* layer. Only one
+layer of each model exists at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from featcal_llm.architectures import Architecture, InputGroup
+from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.errors import FeatCalError
+from featcal_llm.layers import LayerRunner, hooked
+from featcal_llm.solve import GroupSystem, add_task, anchor, ridge_solve, solve_bias, solve_norm
+from featcal_llm.stats import (
+    GroupStatistics,
+    accumulate_cross,
+    accumulate_gram,
+    accumulate_normalized_square,
+    accumulate_sum,
+)
+from featcal_llm.streams import TokenBatch, embed, to_host
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    lam: float
+    alpha: float
+    rho: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What to calibrate; derived once from the recipe and the architecture."""
+
+    architecture: Architecture
+    projections: frozenset[str]
+    norms: bool
+    biases: bool
+    hyper: Hyperparameters
+
+    def groups(self) -> tuple[InputGroup, ...]:
+        return tuple(
+            group
+            for group in self.architecture.groups
+            if self.selected(group) or (self.norms and group.norm)
+        )
+
+    def selected(self, group: InputGroup) -> tuple[str, ...]:
+        return tuple(p for p in group.projections if p in self.projections)
+
+
+@dataclass
+class Models:
+    merged: CheckpointReader
+    base: CheckpointReader
+    experts: dict[str, CheckpointReader]  # task name → expert checkpoint
+
+
+Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
+
+
+def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, pin: bool) -> tuple[Streams, Streams]:
+    """h_cal from the merged embedding for every task; h_exp,i from expert i's own embedding."""
+    name = plan.architecture.embed_tokens
+    merged_embedding = models.merged.get(name)
+    cal = {task: [embed(b, merged_embedding, dtype, pin) for b in task_batches] for task, task_batches in batches.items()}
+    del merged_embedding
+    experts = {}
+    for task, task_batches in batches.items():
+        embedding = models.experts[task].get(name)
+        vocabulary = embedding.shape[0]
+        largest = max(int(b.input_ids.max()) for b in task_batches)
+        if largest >= vocabulary:
+            raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest}")
+        experts[task] = [embed(b, embedding, dtype, pin) for b in task_batches]
+    return cal, experts
+
+
+def _check_like(merged: dict[str, torch.Tensor], other: dict[str, torch.Tensor], who: str, layer: int) -> None:
+    for name, tensor in merged.items():
+        if name not in other:
+            raise FeatCalError(f"{who}: layer {layer}: tensor {name} is missing")
+        if other[name].shape != tensor.shape:
+            raise FeatCalError(f"{who}: layer {layer}: {name} has shape {tuple(other[name].shape)}, merged model has {tuple(tensor.shape)}")
+
+
+def _norm_epsilon(module: torch.nn.Module) -> float:
+    for attribute in ("variance_epsilon", "eps", "epsilon"):
+        if hasattr(module, attribute):
+            return float(getattr(module, attribute))
+    raise FeatCalError(f"internal: cannot find the epsilon of {type(module).__name__}")
+
+
+def _compose(callbacks: dict[str, list[Callable]]) -> dict[str, Callable]:
+    def chain(functions):
+        def run(x, y):
+            for function in functions:
+                function(x, y)
+        return run
+    return {path: chain(functions) for path, functions in callbacks.items()}
+
+
+def record_task(
+    layer: int,
+    runner: LayerRunner,
+    plan: CalibrationPlan,
+    cal_layer: torch.nn.Module,
+    expert_layer: torch.nn.Module,
+    batches: list[TokenBatch],
+    cal_stream: list[torch.Tensor],
+    expert_stream: list[torch.Tensor],
+    pin: bool,
+) -> tuple[dict[str, GroupStatistics], list[torch.Tensor]]:
+    """One task's statistics for every input group, and expert i's layer output (h_exp for the next layer)."""
+    device = runner.device
+    stats: dict[str, GroupStatistics] = {}
+    for group in plan.groups():
+        first = cal_layer.get_submodule(group.projections[0])
+        stats[group.name] = GroupStatistics.empty(
+            first.in_features,
+            {p: cal_layer.get_submodule(p).out_features for p in plan.selected(group)},
+            with_means=plan.biases and any(cal_layer.get_submodule(p).bias is not None for p in plan.selected(group)),
+            with_norm=plan.norms and group.norm is not None,
+            device=device,
+        )
+    next_stream = []
+    for batch, h_cal_host, h_exp_host in zip(batches, cal_stream, expert_stream):
+        keep = batch.keep.to(device)
+        x_cal: dict[str, torch.Tensor] = {}
+        cal_hooks: dict[str, list[Callable]] = {}
+        expert_hooks: dict[str, list[Callable]] = {}
+        for group in plan.groups():
+            group_stats = stats[group.name]
+
+            def on_cal_input(x, _y, name=group.name, s=group_stats):
+                rows = x[keep]
+                x_cal[name] = rows
+                accumulate_gram(s.gram, rows)
+                if s.sum_cal is not None:
+                    accumulate_sum(s.sum_cal, rows)
+
+            cal_hooks.setdefault(group.projections[0], []).append(on_cal_input)
+            if group_stats.norm_sq is not None:
+                epsilon = _norm_epsilon(cal_layer.get_submodule(group.norm))
+                cal_hooks.setdefault(group.norm, []).append(
+                    lambda x, _y, s=group_stats, e=epsilon: accumulate_normalized_square(s.norm_sq, x[keep], e)
+                )
+            if group_stats.sum_exp is not None:
+                expert_hooks.setdefault(group.projections[0], []).append(
+                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
+                )
+            for projection in plan.selected(group):
+                bias = expert_layer.get_submodule(projection).bias
+
+                def on_expert_output(_x, y, name=group.name, s=group_stats, p=projection, b=bias):
+                    rows = y[keep]
+                    if b is not None:
+                        rows = rows - b
+                    accumulate_cross(s.cross[p], rows, x_cal[name])
+
+                expert_hooks.setdefault(projection, []).append(on_expert_output)
+
+        h_cal = h_cal_host.to(device, non_blocking=True)
+        h_exp = h_exp_host.to(device, non_blocking=True)
+        context = runner.context(batch, h_cal)
+        with torch.no_grad():
+            with hooked(cal_layer, _compose(cal_hooks)):
+                runner.forward(cal_layer, h_cal, context)
+            with hooked(expert_layer, _compose(expert_hooks)):
+                h_next = runner.forward(expert_layer, h_exp, context)
+        if not bool(torch.isfinite(h_next[keep]).all()):
+            raise FeatCalError(f"layer {layer}: expert produced NaN/Inf hidden states")
+        next_stream.append(to_host(h_next, batch.keep, pin))
+        for s in stats.values():
+            s.tokens += batch.tokens
+        del x_cal, h_cal, h_exp, h_next
+    return stats, next_stream
+
+
+def advance(
+    runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], pin: bool
+) -> list[torch.Tensor]:
+    """The stream's next-layer input: `layer` applied batch by batch, results back on the host."""
+    advanced = []
+    for batch, host in zip(batches, stream):
+        hidden = host.to(runner.device, non_blocking=True)
+        advanced.append(to_host(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep, pin))
+    return advanced
+
+
+def solve_layer(
+    plan: CalibrationPlan,
+    systems: dict[str, GroupSystem],
+    merged: dict[str, torch.Tensor],
+    base: dict[str, torch.Tensor],
+    layer: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Calibrated tensors of one layer (names relative to the layer), in the merged checkpoint's dtypes."""
+    hyper = plan.hyper
+    solved: dict[str, torch.Tensor] = {}
+
+    def anchored(name: str) -> torch.Tensor:
+        return anchor(merged[name].to(device), base[name].to(device), hyper.rho)
+
+    for group in plan.groups():
+        system = systems[group.name]
+        selected = plan.selected(group)
+        if selected:
+            solutions = ridge_solve(
+                system.lhs,
+                {p: system.rhs[p] for p in selected},
+                {p: anchored(f"{p}.weight") for p in selected},
+                hyper.lam,
+                hyper.eps,
+                where=f"layer {layer} {group.name}",
+            )
+            for projection, weight in solutions.items():
+                solved[f"{projection}.weight"] = weight
+                if projection in system.bias_sum:
+                    solved[f"{projection}.bias"] = solve_bias(system, projection, weight, anchored(f"{projection}.bias"), hyper.lam)
+        if plan.norms and group.norm:
+            solved[f"{group.norm}.weight"] = solve_norm(system, anchored(f"{group.norm}.weight"), hyper.lam)
+    for name, tensor in solved.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise FeatCalError(f"layer {layer}: solution for {name} has NaN/Inf")
+        solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
+    return solved
+
+
+def calibrate(
+    models: Models,
+    plan: CalibrationPlan,
+    runner: LayerRunner,
+    batches: dict[str, list[TokenBatch]],
+    num_layers: int,
+    staging: Path,
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Run the whole forward-order schedule; returns tensor name → staging file holding its new value."""
+    pin = runner.device.type == "cuda"
+    cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, pin)
+    total_tokens = sum(b.tokens for task_batches in batches.values() for b in task_batches)
+    replacements: dict[str, Path] = {}
+    bar = tqdm(total=num_layers, desc="FeatCal", unit="layer", file=sys.stderr, disable=not progress)
+    bar.set_postfix(tokens=total_tokens, tasks=len(batches))
+    for layer in range(num_layers):
+        prefix = plan.architecture.prefix(layer)
+        merged_weights = models.merged.tensors(prefix)
+        cal_layer = runner.build(layer, merged_weights, f"merged model {models.merged.directory}")
+        systems: dict[str, GroupSystem] = {}
+        next_expert_streams: Streams = {}
+        for task, reader in models.experts.items():
+            expert_weights = reader.tensors(prefix)
+            _check_like(merged_weights, expert_weights, f"expert {task}", layer)
+            expert_layer = runner.build(layer, expert_weights, f"expert {task}")
+            stats, next_expert_streams[task] = record_task(
+                layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], pin
+            )
+            del expert_layer
+            for group in plan.groups():
+                systems[group.name] = add_task(
+                    systems.get(group.name),
+                    stats[group.name],
+                    {p: expert_weights[f"{p}.weight"] for p in plan.selected(group)},
+                    {p: expert_weights[f"{p}.bias"] for p in plan.selected(group) if f"{p}.bias" in expert_weights and plan.biases},
+                    expert_weights.get(f"{group.norm}.weight") if group.norm else None,
+                    plan.hyper.alpha,
+                    plan.hyper.eps,
+                )
+            del stats, expert_weights
+        base_weights = models.base.tensors(prefix)
+        _check_like(merged_weights, base_weights, f"base model {models.base.directory}", layer)
+        solved = solve_layer(plan, systems, merged_weights, base_weights, layer, runner.device)
+        del systems, base_weights
+        staged = staging / f"layer-{layer:05d}.safetensors"
+        save_file({prefix + name: t.contiguous() for name, t in solved.items()}, staged)
+        replacements.update({prefix + name: staged for name in solved})
+
+        cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
+        for task, task_batches in batches.items():
+            cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin)
+        expert_streams = next_expert_streams
+        del cal_layer, merged_weights
+        bar.update(1)
+    bar.close()
+    return replacements

@@ -1,0 +1,123 @@
+"""Safetensors checkpoints read one tensor at a time, and the calibrated checkpoint written shard by shard.
+
+Reading never materialises a model: `CheckpointReader.tensors(prefix)` opens the
+shards lazily (memory-mapped by safetensors) and copies out only what is asked.
+Writing keeps the merged checkpoint's shard layout, names, shapes and dtypes,
+so anything that loads the merged model loads the calibrated one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from featcal_llm.errors import FeatCalError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+class CheckpointReader:
+    """Name → shard map of a safetensors checkpoint (sharded with an index, or a single file)."""
+
+    def __init__(self, directory: str | Path, what: str):
+        self.directory = Path(directory)
+        self.what = what
+        if not self.directory.is_dir():
+            raise FeatCalError(f"{what}: {self.directory}: model directory does not exist")
+        index_path = self.directory / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise FeatCalError(f"{what}: {index_path}: not a safetensors index (expected a 'weight_map' mapping)") from None
+            self.weight_map: dict[str, str] = dict(weight_map)
+        elif (self.directory / SINGLE_FILE).is_file():
+            with safe_open(self.directory / SINGLE_FILE, framework="pt") as handle:
+                self.weight_map = {name: SINGLE_FILE for name in handle.keys()}
+        elif any(self.directory.glob("*.bin")):
+            raise FeatCalError(f"{what}: {self.directory}: only pickled .bin weights found; featcal-llm reads safetensors only (convert with transformers' save_pretrained)")
+        else:
+            raise FeatCalError(f"{what}: {self.directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
+        for shard in sorted(set(self.weight_map.values())):
+            if not (self.directory / shard).is_file():
+                raise FeatCalError(f"{what}: {index_path}: points at missing shard file {shard}")
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.directory / shard, framework="pt")
+        return self._handles[shard]
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def shards(self) -> dict[str, list[str]]:
+        """Shard file → tensor names, in the order the index lists them."""
+        layout: dict[str, list[str]] = {}
+        for name, shard in self.weight_map.items():
+            layout.setdefault(shard, []).append(name)
+        return layout
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise FeatCalError(f"{self.what}: {self.directory}: tensor {name} is missing")
+        try:
+            return self._handle(shard).get_tensor(name)
+        except Exception as error:
+            raise FeatCalError(f"{self.what}: {self.directory / shard}: cannot read tensor {name} ({error})") from None
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with `prefix`, keyed by the rest of its name."""
+        return {name[len(prefix):]: self.get(name) for name in self.weight_map if name.startswith(prefix)}
+
+    def shard_metadata(self, shard: str) -> dict[str, str] | None:
+        return self._handle(shard).metadata()
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def write_calibrated_checkpoint(
+    merged: CheckpointReader, replacements: dict[str, Path], output: Path
+) -> None:
+    """Write every merged shard again, taking calibrated tensors from their staging files.
+
+    `replacements` maps a tensor name to the safetensors file that holds its new
+    value. Peak memory is one shard.
+    """
+    staged: dict[Path, object] = {}
+    for shard, names in merged.shards().items():
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            source = replacements.get(name)
+            if source is None:
+                tensors[name] = merged.get(name)
+                continue
+            if source not in staged:
+                staged[source] = safe_open(source, framework="pt")
+            value = staged[source].get_tensor(name)
+            original = merged.get(name)
+            if value.shape != original.shape or value.dtype != original.dtype:
+                raise FeatCalError(f"internal: calibrated {name} is {value.dtype}{tuple(value.shape)}, merged is {original.dtype}{tuple(original.shape)}")
+            tensors[name] = value
+        save_file(tensors, output / shard, metadata=merged.shard_metadata(shard) or {"format": "pt"})
+        del tensors
+    if (merged.directory / INDEX_FILE).is_file():
+        shutil.copy2(merged.directory / INDEX_FILE, output / INDEX_FILE)
+
+
+def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README.md",)) -> None:
+    """Config, generation config, tokenizer and anything else that is not weights."""
+    for item in sorted(source.iterdir()):
+        if item.name in skip or item.name == INDEX_FILE or item.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if item.is_file():
+            shutil.copy2(item, output / item.name)

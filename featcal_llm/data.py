@@ -1,0 +1,127 @@
+"""Calibration records → token sequences, one list per expert.
+
+Records come from `datasets.load_dataset` (a local file, a local dataset
+directory or a hub id), are turned into text by the configured format and
+tokenised with the merged model's tokenizer. No padding here: batching and
+masks belong to the streams.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.recipe import DataSpec
+
+# MergeBench formats its *_val sets with this template (the response included).
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{response}"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n{response}"
+)
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
+    """The records of one expert's calibration set, as a `datasets.Dataset`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(spec.path)
+    if not path.is_absolute() and base_dir is not None and not path.exists() and (base_dir / path).exists():
+        path = base_dir / path
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise FeatCalError(f"{where}.path: {path}: unsupported file type (expected {', '.join(FILE_BUILDERS)})")
+            if path.stat().st_size == 0:
+                raise FeatCalError(f"{where}.path: {path}: file is empty")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), spec.name, split=spec.split)
+        looks_like_hub_id = not path.is_absolute() and len(path.parts) == 2 and not spec.path.startswith(".") and path.suffix == ""
+        if not looks_like_hub_id:
+            raise FeatCalError(f"{where}.path: {path}: calibration file not found")
+        return datasets.load_dataset(spec.path, spec.name, split=spec.split)
+    except FeatCalError:
+        raise
+    except Exception as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FeatCalError(f"{where}.path: {spec.path}: cannot load calibration data ({message})") from None
+
+
+def _field(record: dict, key: str, where: str, index: int) -> Any:
+    if key not in record:
+        raise FeatCalError(f"{where}: record {index} has no field {key!r} (fields: {', '.join(record)})")
+    return record[key]
+
+
+def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str:
+    if spec.format == "text":
+        return str(_field(record, spec.text, where, index))
+    if spec.format == "alpaca":
+        instruction = _field(record, spec.instruction, where, index)
+        response = _field(record, spec.response, where, index)
+        extra = record.get(spec.input) if spec.input else None
+        template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
+        return template.format(instruction=instruction, input=extra, response=response)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
+    if spec.messages:
+        messages = _field(record, spec.messages, where, index)
+    else:
+        messages = [
+            {"role": "user", "content": str(_field(record, spec.prompt, where, index))},
+            {"role": "assistant", "content": str(_field(record, spec.response, where, index))},
+        ]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str) -> list[list[int]]:
+    """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled."""
+    sequences = []
+    for index, text in enumerate(texts):
+        has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+        ids = tokenizer(text, add_special_tokens=not has_bos, truncation=True, max_length=max_length)["input_ids"]
+        if len(ids) == 0:
+            raise FeatCalError(f"{where}: record {index} tokenises to nothing")
+        sequences.append(list(ids))
+    return sequences
+
+
+def calibration_sequences(
+    data: dict[str, DataSpec],
+    experts: list[str],
+    tokenizer: Any,
+    samples: int,
+    max_length: int,
+    shuffle: bool,
+    seed: int,
+    recipe_path: Path,
+) -> dict[str, list[list[int]]]:
+    """Expert name → token id lists. Fewer records than requested is a warning, not an error."""
+    import warnings
+
+    result = {}
+    for expert in experts:
+        spec = data[expert]
+        where = f"{recipe_path}: featcal.data.{expert}"
+        records = load_records(spec, where, recipe_path.parent)
+        if len(records) == 0:
+            raise FeatCalError(f"{where}.path: {spec.path}: no records")
+        if shuffle:
+            records = records.shuffle(seed=seed)
+        wanted = spec.samples or samples
+        if len(records) < wanted:
+            warnings.warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them", stacklevel=2)
+        records = records.select(range(min(wanted, len(records))))
+        texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
+        result[expert] = tokenize_texts(texts, tokenizer, max_length, where)
+    return result

@@ -1,0 +1,5 @@
+"""User-facing errors: one line naming the file or key and what was expected."""
+
+
+class FeatCalError(Exception):
+    """A problem with the user's input; the CLI prints it on one line and exits non-zero."""

@@ -1,0 +1,100 @@
+"""Real transformers decoder layers, built one at a time from checkpoint tensors, and hooks on them.
+
+Attention, RoPE and masking are the model family's own code: we instantiate
+its decoder layer and rotary embedding from the checkpoint's config and build
+the causal/padding mask with `transformers.masking_utils.create_causal_mask`.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from featcal_llm.architectures import Architecture
+from featcal_llm.errors import FeatCalError
+from featcal_llm.streams import TokenBatch
+
+
+class LayerRunner:
+    def __init__(self, architecture: Architecture, config: Any, device: torch.device, dtype: torch.dtype):
+        self.architecture = architecture
+        self.config = copy.deepcopy(config)
+        self.config._attn_implementation = "sdpa"
+        self.config.use_cache = False
+        self.device = device
+        self.dtype = dtype
+        self.rotary = architecture.rotary_class()(config=self.config).to(device)
+
+    def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:
+        """A decoder layer on the compute device holding `weights` (names relative to the layer)."""
+        with torch.device("meta"):
+            layer = self.architecture.layer_class()(self.config, layer_index)
+        expected = set(layer.state_dict())
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            problem = f"missing {sorted(missing)[0]}" if missing else f"unexpected {sorted(unexpected)[0]}"
+            raise FeatCalError(f"{where}: layer {layer_index} tensors do not match the architecture ({problem})")
+        state = {name: tensor.to(device=self.device, dtype=self.dtype) for name, tensor in weights.items()}
+        layer.load_state_dict(state, assign=True, strict=True)
+        layer.requires_grad_(False)
+        return layer.eval()
+
+    def context(self, batch: TokenBatch, hidden: torch.Tensor) -> dict[str, Any]:
+        """Keyword arguments of a decoder layer call for this batch: mask, positions, rotary embeddings."""
+        from transformers.masking_utils import create_causal_mask
+
+        keep = batch.keep.to(self.device)
+        position_ids = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0).expand(hidden.shape[0], -1)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=keep.long(),
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        return {
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            "position_embeddings": self.rotary(hidden, position_ids=position_ids),
+            "use_cache": False,
+        }
+
+    @staticmethod
+    @torch.inference_mode()
+    def forward(layer: torch.nn.Module, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        output = layer(hidden, **context)
+        return output[0] if isinstance(output, tuple) else output
+
+
+HookFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    if args:
+        return args[0]
+    for key in ("input", "hidden_states", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    raise FeatCalError("internal: a hooked module was called without a tensor input")
+
+
+@contextmanager
+def hooked(layer: torch.nn.Module, callbacks: dict[str, HookFn]) -> Iterator[None]:
+    """Call `callbacks[path](input, output)` whenever the submodule at `path` runs."""
+    handles = []
+    try:
+        for path, callback in callbacks.items():
+            module = layer.get_submodule(path)
+            handles.append(
+                module.register_forward_hook(
+                    lambda _m, args, kwargs, output, fn=callback: fn(_first_input(args, kwargs), output),
+                    with_kwargs=True,
+                )
+            )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

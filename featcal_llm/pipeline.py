@@ -1,0 +1,151 @@
+"""`featcal-llm run`: recipe in, calibrated checkpoint out.
+
+The steps, each its own module: validate the recipe → check the models agree →
+tokenise the calibration data → merge with mergekit if needed → the layer loop
+→ write the checkpoint into a temporary sibling and rename it into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal_llm.architectures import architecture_for, select_projections
+from featcal_llm.calibrate import CalibrationPlan, Hyperparameters, Models, calibrate
+from featcal_llm.card import write_card
+from featcal_llm.checkpoint import CheckpointReader, copy_side_files, write_calibrated_checkpoint
+from featcal_llm.data import calibration_sequences
+from featcal_llm.errors import FeatCalError
+from featcal_llm.layers import LayerRunner
+from featcal_llm.merge import ensure_merged
+from featcal_llm.recipe import Recipe, load_recipe, resolve_model_path
+from featcal_llm.streams import make_batches
+
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise FeatCalError(f"featcal.device: {requested} requested but CUDA is not available")
+    return torch.device(requested)
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, requested)
+
+
+def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    if not (directory / "config.json").is_file():
+        raise FeatCalError(f"{what}: {directory}: config.json is missing")
+    try:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise FeatCalError(f"{what}: {directory / 'config.json'}: cannot be read ({str(error).splitlines()[0]})") from None
+
+
+def check_compatible(reference: Any, other: Any, what: str) -> None:
+    """Experts, base and merge must share architecture and every shape the layer loop depends on."""
+    if list(reference.architectures or []) != list(other.architectures or []):
+        raise FeatCalError(f"{what}: architecture {other.architectures} differs from the base model's {reference.architectures}")
+    for key in SHAPE_KEYS:
+        if getattr(reference, key, None) != getattr(other, key, None):
+            raise FeatCalError(f"{what}: config {key} = {getattr(other, key, None)} differs from the base model's {getattr(reference, key, None)}")
+
+
+def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise FeatCalError(f"{what}: {source}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
+    return tokenizer
+
+
+def _check_output(recipe: Recipe, output: Path, force: bool) -> None:
+    where = f"{recipe.path}: featcal.output"
+    if output.exists() and not force:
+        raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
+    parent = output.parent if str(output.parent) else Path(".")
+    parent = parent.resolve()
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise FeatCalError(f"{where}: {output}: directory is not writable")
+
+
+def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True) -> Path:
+    """Calibrate the merge described by the recipe; returns the output directory."""
+    recipe = load_recipe(recipe_path)
+    featcal = recipe.featcal
+    output, merged_path = Path(featcal.output), Path(featcal.merged)
+    _check_output(recipe, output, force)
+    compute_device = resolve_device(device or featcal.device)
+    compute_dtype = resolve_dtype(featcal.dtype, compute_device)
+    trust = featcal.trust_remote_code
+
+    base_dir = resolve_model_path(recipe.base, f"{recipe.path}: base_model")
+    expert_dirs = {e.name: resolve_model_path(e.reference, f"{recipe.path}: models: {e.name}") for e in recipe.experts}
+    base_config = _load_config(base_dir, f"{recipe.path}: base_model", trust)
+    for name, directory in expert_dirs.items():
+        check_compatible(base_config, _load_config(directory, f"expert {name}", trust), f"expert {name}")
+    architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
+    plan = CalibrationPlan(
+        architecture=architecture,
+        projections=select_projections(architecture, featcal.modules, str(recipe.path)),
+        norms=featcal.norms,
+        biases=featcal.biases,
+        hyper=Hyperparameters(lam=featcal.lambda_, alpha=featcal.alpha, rho=featcal.rho, eps=featcal.eps),
+    )
+
+    tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
+    tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
+    sequences = calibration_sequences(
+        featcal.data, [e.name for e in recipe.experts], tokenizer, featcal.samples, featcal.max_length,
+        featcal.shuffle, featcal.seed, recipe.path,
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in sequences.items()}
+
+    merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
+    merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
+    check_compatible(base_config, merged_config, f"merged model {merged_dir}")
+    models = Models(
+        merged=CheckpointReader(merged_dir, f"merged model {merged_dir}"),
+        base=CheckpointReader(base_dir, f"base model {base_dir}"),
+        experts={name: CheckpointReader(d, f"expert {name}") for name, d in expert_dirs.items()},
+    )
+    runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype)
+
+    partial = output.with_name(f".{output.name}.featcal-partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "layers").mkdir(parents=True)
+    try:
+        replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, partial / "layers", progress)
+        checkpoint = partial / "checkpoint"
+        checkpoint.mkdir()
+        write_calibrated_checkpoint(models.merged, replacements, checkpoint)
+        copy_side_files(merged_dir, checkpoint)
+        tokens = {task: sum(b.tokens for b in task_batches) for task, task_batches in batches.items()}
+        write_card(checkpoint, recipe, str(recipe.merge_config and featcal.merged), tokens)
+        if output.exists():
+            shutil.rmtree(output)
+        checkpoint.rename(output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    if featcal.eval is not None:
+        from featcal_llm.evaluation import run_after_calibration
+
+        print(run_after_calibration(featcal.eval, merged_dir, output, recipe.path.parent))
+    return output

@@ -1,0 +1,196 @@
+"""A mergekit recipe plus its ``featcal:`` block, validated.
+
+The mergekit part is parsed by mergekit's own ``MergeConfiguration`` (so what
+``mergekit-yaml`` accepts we accept); the ``featcal:`` block is ours and is
+strict: an unknown or misspelled key is an error that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from featcal_llm.errors import FeatCalError
+
+try:  # the evaluation package owns its own block; the engine works without it
+    from featcal_llm.evaluation.config import EvalSection
+except ImportError:  # pragma: no cover - only while the evaluation package is absent
+    EvalSection = dict[str, Any]  # type: ignore[misc,assignment]
+
+
+class DataSpec(BaseModel):
+    """Where one expert's calibration texts come from and how to turn records into text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    split: str = "train"
+    name: str | None = Field(None, description="dataset configuration name for load_dataset")
+    format: Literal["text", "alpaca", "chat"] = "text"
+    text: str = "text"
+    instruction: str = "instruction"
+    input: str | None = "input"
+    response: str = "response"
+    prompt: str = "prompt"
+    messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
+    samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
+
+
+class FeatCalConfig(BaseModel):
+    """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    merged: str
+    output: str
+    data: dict[str, DataSpec]
+    samples: int = Field(256, ge=1)
+    max_length: int = Field(2048, ge=2)
+    lambda_: float = Field(1e-5, alias="lambda", gt=0)
+    alpha: float = Field(0.15, ge=0.0, le=1.0)
+    rho: float = 0.5
+    eps: float = Field(1e-8, gt=0)
+    shuffle: bool = False
+    seed: int = 0
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
+    modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
+    norms: bool = Field(False, description="also update RMSNorm scales")
+    biases: bool = Field(True, description="update biases of projections that have one")
+    tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
+    trust_remote_code: bool = False
+    eval: EvalSection | None = None  # type: ignore[valid-type]
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda") or value.startswith("cuda:"):
+            return value
+        raise ValueError("expected auto, cpu, cuda or cuda:N")
+
+
+@dataclass(frozen=True)
+class Expert:
+    """An expert as the recipe names it, with where its weights live."""
+
+    name: str  # exactly as written under `models:`; keys `featcal.data`
+    reference: Any  # mergekit ModelReference
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    text: str
+    merge_config: Any  # mergekit MergeConfiguration
+    featcal: FeatCalConfig
+    base: Any  # mergekit ModelReference
+    experts: tuple[Expert, ...]
+
+
+def _format_validation_error(path: Path, error: ValidationError, prefix: str) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    key = f"{prefix}.{location}" if location else prefix
+    if first["type"] == "extra_forbidden":
+        return f"{path}: {key}: unknown key"
+    if first["type"] == "missing":
+        return f"{path}: {key}: required key is missing"
+    return f"{path}: {key}: {first['msg']} (got {first.get('input')!r})"
+
+
+def _read_yaml_mapping(path: Path) -> dict:
+    if not path.is_file():
+        raise FeatCalError(f"{path}: recipe file not found")
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise FeatCalError(f"{path}: not valid YAML{where}") from None
+    if not isinstance(raw, dict):
+        raise FeatCalError(f"{path}: expected a YAML mapping (a mergekit recipe), got {type(raw).__name__}")
+    return raw
+
+
+def _experts_of(merge_config: Any) -> list[Any]:
+    """Every input model except the base, in recipe order, from `models:` or `slices:`."""
+    references: list[Any] = []
+    if merge_config.models:
+        references = [entry.model for entry in merge_config.models]
+    else:
+        slices = merge_config.slices or [
+            s for module in (merge_config.modules or {}).values() for s in (module.slices or [])
+        ]
+        for output_slice in slices:
+            references.extend(source.model for source in output_slice.sources)
+    unique: list[Any] = []
+    for reference in references:
+        if reference != merge_config.base_model and reference not in unique:
+            unique.append(reference)
+    return unique
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe without touching any model or dataset."""
+    from mergekit.config import MergeConfiguration
+
+    path = Path(path)
+    raw = _read_yaml_mapping(path)
+    block = raw.pop("featcal", None)
+    if block is None:
+        raise FeatCalError(f"{path}: featcal: block is missing (add it after the mergekit recipe)")
+    if not isinstance(block, dict):
+        raise FeatCalError(f"{path}: featcal: expected a mapping")
+    try:
+        merge_config = MergeConfiguration.model_validate(raw)
+    except ValidationError as error:
+        raise FeatCalError(_format_validation_error(path, error, "recipe")) from None
+    except Exception as error:  # mergekit raises RuntimeError from its own validators
+        raise FeatCalError(f"{path}: not a valid mergekit recipe: {error}") from None
+    try:
+        featcal = FeatCalConfig.model_validate(block)
+    except ValidationError as error:
+        raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
+    if merge_config.base_model is None:
+        raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")
+
+    experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
+    if not experts:
+        raise FeatCalError(f"{path}: models: no expert besides the base model")
+    names = [expert.name for expert in experts]
+    for name in names:
+        if name not in featcal.data:
+            raise FeatCalError(f"{path}: featcal.data: no calibration data for expert {name!r}")
+    for key in featcal.data:
+        if key not in names:
+            raise FeatCalError(f"{path}: featcal.data.{key}: not an expert of this recipe (experts: {', '.join(names)})")
+    return Recipe(
+        path=path,
+        text=path.read_text(encoding="utf-8"),
+        merge_config=merge_config,
+        featcal=featcal,
+        base=merge_config.base_model,
+        experts=experts,
+    )
+
+
+def resolve_model_path(reference: Any, what: str) -> Path:
+    """A local directory for a mergekit ModelReference, downloading from the hub only for hub ids."""
+    path = Path(reference.model.path)
+    if path.exists():
+        if not path.is_dir():
+            raise FeatCalError(f"{what}: {path}: expected a model directory")
+        return path
+    looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1
+    if looks_local:
+        raise FeatCalError(f"{what}: {path}: model directory does not exist")
+    try:
+        return Path(reference.local_path())
+    except Exception as error:
+        raise FeatCalError(f"{what}: {path}: not a local directory and could not be fetched from the hub ({type(error).__name__})") from None

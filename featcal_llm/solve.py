@@ -1,0 +1,141 @@
+"""The closed-form FeatCal updates (Eq. 10-17, 55 and our RMSNorm adaptation), as pure functions.
+
+Tasks are folded into a `GroupSystem` one at a time, so only one task's raw
+statistics need to exist at once:
+
+    lhs = Σ_i ω_i G_i                  rhs_p = Σ_i ω_i R_i,p
+    W*_p (lhs + (λ + eps) I) = rhs_p + λ W_anc,p
+
+with G_i = gram_i / n_i, R_i = α cross_i / n_i + (1 − α) W_i G_i and
+ω_i = 1 / max(‖G_i‖_F, eps).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.stats import GroupStatistics
+
+SOLVE_DTYPE = torch.float64
+RESIDUAL_TOLERANCE = 1e-6
+MAX_RIDGE_RETRIES = 6
+
+
+@dataclass
+class GroupSystem:
+    """One input group's normal equations, summed over the tasks seen so far."""
+
+    lhs: torch.Tensor
+    rhs: dict[str, torch.Tensor]
+    omega_sum: float = 0.0
+    bias_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # Σ ω_i (b_i + W_i μ_tgt,i)
+    weighted_mean_cal: torch.Tensor | None = None  # Σ ω_i μ_cal,i
+    norm_numerator: torch.Tensor | None = None  # Σ q_i ⊙ γ_i
+    norm_denominator: torch.Tensor | None = None  # Σ q_i
+
+
+def task_weight(gram_mean: torch.Tensor, eps: float) -> float:
+    """ω_i = 1 / max(‖G_i‖_F, eps) (Eq. 14): makes λ a relative ridge."""
+    return 1.0 / max(float(torch.linalg.matrix_norm(gram_mean.to(SOLVE_DTYPE))), eps)
+
+
+def add_task(
+    system: GroupSystem | None,
+    stats: GroupStatistics,
+    expert_weights: dict[str, torch.Tensor],
+    expert_biases: dict[str, torch.Tensor],
+    expert_norm: torch.Tensor | None,
+    alpha: float,
+    eps: float,
+) -> GroupSystem:
+    """Fold one task's statistics of one input group into the running system."""
+    if stats.tokens == 0:
+        raise FeatCalError("internal: a task contributed no tokens")
+    n = float(stats.tokens)
+    device = stats.gram.device
+    gram_mean = stats.gram.to(SOLVE_DTYPE) / n
+    omega = task_weight(gram_mean, eps)
+    if system is None:
+        system = GroupSystem(
+            lhs=torch.zeros_like(gram_mean),
+            rhs={name: torch.zeros(cross.shape, dtype=SOLVE_DTYPE, device=device) for name, cross in stats.cross.items()},
+        )
+    system.lhs.add_(gram_mean, alpha=omega)
+    system.omega_sum += omega
+    for name, cross in stats.cross.items():
+        weight = expert_weights[name].to(device=device, dtype=SOLVE_DTYPE)
+        target_cross = cross.to(SOLVE_DTYPE).div_(n).mul_(alpha).add_(weight @ gram_mean, alpha=1.0 - alpha)
+        system.rhs[name].add_(target_cross, alpha=omega)
+    if stats.sum_cal is not None:
+        mean_cal = stats.sum_cal.to(SOLVE_DTYPE) / n
+        mean_target = alpha * stats.sum_exp.to(SOLVE_DTYPE) / n + (1.0 - alpha) * mean_cal
+        if system.weighted_mean_cal is None:
+            system.weighted_mean_cal = torch.zeros_like(mean_cal)
+        system.weighted_mean_cal.add_(mean_cal, alpha=omega)
+        for name, bias in expert_biases.items():
+            weight = expert_weights[name].to(device=device, dtype=SOLVE_DTYPE)
+            term = bias.to(device=device, dtype=SOLVE_DTYPE) + weight @ mean_target
+            system.bias_sum[name] = system.bias_sum.get(name, torch.zeros_like(term)).add_(term, alpha=omega)
+    if stats.norm_sq is not None and expert_norm is not None:
+        q = stats.norm_sq.to(SOLVE_DTYPE) / n
+        gamma = expert_norm.to(device=device, dtype=SOLVE_DTYPE)
+        if system.norm_numerator is None:
+            system.norm_numerator, system.norm_denominator = torch.zeros_like(q), torch.zeros_like(q)
+        system.norm_numerator.add_(q * gamma)
+        system.norm_denominator.add_(q)
+    return system
+
+
+def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
+    """W_anc = ρ W_mer + (1 − ρ) W_base (Eq. 11), in the solve dtype."""
+    merged, base = merged.to(SOLVE_DTYPE), base.to(device=merged.device, dtype=SOLVE_DTYPE)
+    return rho * merged + (1.0 - rho) * base
+
+
+def ridge_solve(
+    lhs: torch.Tensor, rhs: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor], lam: float, eps: float, where: str
+) -> dict[str, torch.Tensor]:
+    """W*_p = (rhs_p + λ A_p)(lhs + (λ + eps) I)⁻¹ by one Cholesky factorisation per group.
+
+    The factorisation is checked by its residual; a failed or inaccurate solve
+    is retried with a ten times larger ridge and a warning, never returned silently.
+    """
+    identity = torch.eye(lhs.shape[0], dtype=lhs.dtype, device=lhs.device)
+    ridge = lam + eps
+    for attempt in range(MAX_RIDGE_RETRIES + 1):
+        system = lhs + ridge * identity
+        factor, info = torch.linalg.cholesky_ex(system)
+        solutions, worst = {}, 0.0
+        if int(info) == 0:
+            for name, right in rhs.items():
+                target = right + lam * anchors[name]
+                solution = torch.cholesky_solve(target.T, factor).T
+                residual = torch.linalg.matrix_norm(solution @ system - target) / max(float(torch.linalg.matrix_norm(target)), 1e-300)
+                worst = max(worst, float(residual))
+                solutions[name] = solution
+            finite = all(bool(torch.isfinite(s).all()) for s in solutions.values())
+            if finite and worst <= RESIDUAL_TOLERANCE:
+                return solutions
+        reason = "not positive definite" if int(info) != 0 else f"relative residual {worst:.2e}"
+        if attempt == MAX_RIDGE_RETRIES:
+            break
+        warnings.warn(f"{where}: solve {reason}; retrying with ridge {ridge * 10:.3g}", stacklevel=2)
+        ridge *= 10
+    raise FeatCalError(f"{where}: closed-form solve failed ({reason}) even with ridge {ridge:.3g}")
+
+
+def solve_bias(
+    system: GroupSystem, name: str, solved_weight: torch.Tensor, bias_anchor: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """b* = (Σ ω_i (b_i + W_i μ_tgt,i − W* μ_cal,i) + λ b_anc) / (Σ ω_i + λ)  (Eq. 55)."""
+    numerator = system.bias_sum[name] - solved_weight @ system.weighted_mean_cal + lam * bias_anchor
+    return numerator / (system.omega_sum + lam)
+
+
+def solve_norm(system: GroupSystem, norm_anchor: torch.Tensor, lam: float) -> torch.Tensor:
+    """γ* = (Σ q_i γ_i + λ γ_anc) / (Σ q_i + λ), element-wise."""
+    return (system.norm_numerator + lam * norm_anchor) / (system.norm_denominator + lam)

@@ -1,0 +1,16 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from scenario import build_scenario  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def scenario(tmp_path_factory):
+    """Three experts, three layers, sharded checkpoints; merged by the first `run` that needs it."""
+    return build_scenario(tmp_path_factory.mktemp("scenario"))

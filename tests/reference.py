@@ -1,0 +1,80 @@
+"""An independent, brute-force FeatCal written straight from featcal_method.md.
+
+Whole HF models in memory, one sequence at a time (so no padding at all),
+forward hooks that keep every token's features, float64 statistics and one
+Gram per projection, R_i computed literally as (1/n) Σ (W_i x_tgt) x_calᵀ.
+Slow and memory-hungry on purpose: it shares no code with the product.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+NORMS = {"input_layernorm": "self_attn.q_proj", "post_attention_layernorm": "mlp.gate_proj"}
+
+
+def _capture(layer: torch.nn.Module, names: tuple[str, ...], store: dict[str, list[torch.Tensor]], outputs: bool = False):
+    handles = []
+    for name in names:
+        def hook(_module, args, output, name=name):
+            tensor = output if outputs else args[0]
+            store.setdefault(name, []).append(tensor.detach().reshape(-1, tensor.shape[-1]).double())
+        handles.append(layer.get_submodule(name).register_forward_hook(hook))
+    return handles
+
+
+@torch.no_grad()
+def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float, norms: bool = False):
+    """Returns the calibrated model (float64)."""
+    cal = copy.deepcopy(merged).double().eval()
+    base = copy.deepcopy(base).double().eval()
+    experts = {name: copy.deepcopy(model).double().eval() for name, model in experts.items()}
+    for layer_index, cal_layer in enumerate(cal.model.layers):
+        base_layer = base.model.layers[layer_index]
+        grams, rights, weights, norm_q = {}, {}, {}, {}
+        for task, expert in experts.items():
+            expert_layer = expert.model.layers[layer_index]
+            x_cal, x_exp, norm_in = {}, {}, {}
+            handles = _capture(cal_layer, PROJECTIONS, x_cal) + _capture(expert_layer, PROJECTIONS, x_exp)
+            if norms:
+                handles += _capture(cal_layer, tuple(NORMS), norm_in)
+            for sequence in sequences[task]:
+                ids = torch.tensor([sequence])
+                cal(input_ids=ids)
+                expert(input_ids=ids)
+            for handle in handles:
+                handle.remove()
+            for name in PROJECTIONS:
+                xc, xe = torch.cat(x_cal[name]), torch.cat(x_exp[name])
+                n = xc.shape[0]
+                w_i = expert_layer.get_submodule(name).weight.double()
+                x_tgt = alpha * xe + (1 - alpha) * xc
+                gram = xc.T @ xc / n
+                omega = 1.0 / max(float(torch.linalg.matrix_norm(gram)), eps)
+                grams.setdefault(name, []).append(omega * gram)
+                rights.setdefault(name, []).append(omega * ((x_tgt @ w_i.T).T @ xc) / n)
+            if norms:
+                for norm, _ in NORMS.items():
+                    x = torch.cat(norm_in[norm])
+                    eps_norm = cal_layer.get_submodule(norm).variance_epsilon
+                    z = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps_norm)
+                    norm_q.setdefault(norm, []).append(((z * z).mean(0), expert_layer.get_submodule(norm).weight.double()))
+        for name in PROJECTIONS:
+            module = cal_layer.get_submodule(name)
+            w_anchor = rho * module.weight + (1 - rho) * base_layer.get_submodule(name).weight
+            lhs = sum(grams[name]) + (lam + eps) * torch.eye(module.weight.shape[1], dtype=torch.float64)
+            rhs = sum(rights[name]) + lam * w_anchor
+            weights[name] = torch.linalg.solve(lhs.T, rhs.T).T
+        new_norms = {}
+        for norm in NORMS if norms else ():
+            gamma_anchor = rho * cal_layer.get_submodule(norm).weight + (1 - rho) * base_layer.get_submodule(norm).weight
+            numerator = sum(q * g for q, g in norm_q[norm]) + lam * gamma_anchor
+            new_norms[norm] = numerator / (sum(q for q, _ in norm_q[norm]) + lam)
+        for name, weight in weights.items():
+            cal_layer.get_submodule(name).weight.copy_(weight)
+        for norm, gamma in new_norms.items():
+            cal_layer.get_submodule(norm).weight.copy_(gamma)
+    return cal
