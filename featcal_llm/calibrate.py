@@ -135,6 +135,7 @@ def record_task(
             with_means=plan.biases and any(cal_layer.get_submodule(p).bias is not None for p in plan.selected(group)),
             with_norm=plan.norms and group.norm is not None,
             device=device,
+            dtype=runner.stats_dtype,
         )
     next_stream = []
     for batch, h_cal_host, h_exp_host in zip(batches, cal_stream, expert_stream):

@@ -19,13 +19,21 @@ from featcal_llm.streams import TokenBatch
 
 
 class LayerRunner:
-    def __init__(self, architecture: Architecture, config: Any, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        architecture: Architecture,
+        config: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        stats_dtype: torch.dtype = torch.float32,
+    ):
         self.architecture = architecture
         self.config = copy.deepcopy(config)
         self.config._attn_implementation = "sdpa"
         self.config.use_cache = False
         self.device = device
         self.dtype = dtype
+        self.stats_dtype = stats_dtype  # accumulation precision of the calibration statistics
         self.rotary = architecture.rotary_class()(config=self.config).to(device)
 
     def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:

@@ -37,8 +37,16 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: bfloat16 on GPUs, float32 on CPUs unless the recipe says otherwise."""
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, requested)
+
+
+def resolve_stats_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """float64 sums on CPU cost little and make results independent of batching; GPUs sum in float32."""
+    if requested == "auto":
+        return torch.float32 if device.type == "cuda" else torch.float64
     return getattr(torch, requested)
 
 
@@ -99,7 +107,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     expert_dirs = {e.name: resolve_model_path(e.reference, f"{recipe.path}: models: {e.name}") for e in recipe.experts}
     base_config = _load_config(base_dir, f"{recipe.path}: base_model", trust)
     for name, directory in expert_dirs.items():
-        check_compatible(base_config, _load_config(directory, f"expert {name}", trust), f"expert {name}")
+        check_compatible(base_config, _load_config(directory, f"expert {name}", trust), f"expert {name}: {directory / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
     plan = CalibrationPlan(
         architecture=architecture,
@@ -120,13 +128,15 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
 
     merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
-    check_compatible(base_config, merged_config, f"merged model {merged_dir}")
+    check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
     models = Models(
         merged=CheckpointReader(merged_dir, f"merged model {merged_dir}"),
         base=CheckpointReader(base_dir, f"base model {base_dir}"),
         experts={name: CheckpointReader(d, f"expert {name}") for name, d in expert_dirs.items()},
     )
-    runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype)
+    runner = LayerRunner(
+        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, compute_device)
+    )
 
     partial = output.with_name(f".{output.name}.featcal-partial")
     shutil.rmtree(partial, ignore_errors=True)

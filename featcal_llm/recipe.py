@@ -57,7 +57,10 @@ class FeatCalConfig(BaseModel):
     shuffle: bool = False
     seed: int = 0
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = "auto"
+    stats_dtype: Literal["auto", "float32", "float64"] = Field(
+        "auto", description="accumulation precision; auto: float64 on CPU, float32 on GPU"
+    )
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
     norms: bool = Field(False, description="also update RMSNorm scales")

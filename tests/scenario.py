@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +33,14 @@ class Scenario:
 
 
 def random_texts(seed: int, count: int, min_words: int = 1, max_words: int = 12) -> list[str]:
+    """Words and random character runs, so that every character occurs and layer-0 features span the space."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(count)]
+    alphabet = string.ascii_letters + string.digits + string.punctuation
+
+    def word() -> str:
+        return rng.choice(WORDS) if rng.random() < 0.5 else "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 7)))
+
+    return [" ".join(word() for _ in range(rng.randint(min_words, max_words))) for _ in range(count)]
 
 
 def build_scenario(
