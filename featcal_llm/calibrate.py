@@ -22,6 +22,7 @@ from featcal_llm.architectures import Architecture, InputGroup
 from featcal_llm.checkpoint import CheckpointReader
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner, hooked
+from featcal_llm.profiling import NullTimer
 from featcal_llm.solve import GroupSystem, add_task, anchor, ridge_solve, solve_bias, solve_norm
 from featcal_llm.stats import (
     GroupStatistics,
@@ -104,11 +105,12 @@ def _norm_epsilon(module: torch.nn.Module) -> float:
     raise FeatCalError(f"internal: cannot find the epsilon of {type(module).__name__}")
 
 
-def _compose(callbacks: dict[str, list[Callable]]) -> dict[str, Callable]:
+def _compose(callbacks: dict[str, list[Callable]], timer) -> dict[str, Callable]:
     def chain(functions):
         def run(x, y):
-            for function in functions:
-                function(x, y)
+            with timer.phase("statistics"):
+                for function in functions:
+                    function(x, y)
         return run
     return {path: chain(functions) for path, functions in callbacks.items()}
 
@@ -123,6 +125,7 @@ def record_task(
     cal_stream: list[torch.Tensor],
     expert_stream: list[torch.Tensor],
     pin: bool,
+    timer=NullTimer(),
 ) -> tuple[dict[str, GroupStatistics], list[torch.Tensor]]:
     """One task's statistics for every input group, and expert i's layer output (h_exp for the next layer)."""
     device = runner.device
@@ -177,10 +180,10 @@ def record_task(
         h_cal = h_cal_host.to(device, non_blocking=True)
         h_exp = h_exp_host.to(device, non_blocking=True)
         context = runner.context(batch, h_cal)
-        with torch.no_grad():
-            with hooked(cal_layer, _compose(cal_hooks)):
+        with torch.no_grad(), timer.phase("forward"):
+            with hooked(cal_layer, _compose(cal_hooks, timer)):
                 runner.forward(cal_layer, h_cal, context)
-            with hooked(expert_layer, _compose(expert_hooks)):
+            with hooked(expert_layer, _compose(expert_hooks, timer)):
                 h_next = runner.forward(expert_layer, h_exp, context)
         if not bool(torch.isfinite(h_next[keep]).all()):
             raise FeatCalError(f"layer {layer}: expert produced NaN/Inf hidden states")
@@ -192,14 +195,35 @@ def record_task(
 
 
 def advance(
-    runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], pin: bool
+    runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], pin: bool, timer=NullTimer()
 ) -> list[torch.Tensor]:
     """The stream's next-layer input: `layer` applied batch by batch, results back on the host."""
     advanced = []
-    for batch, host in zip(batches, stream):
-        hidden = host.to(runner.device, non_blocking=True)
-        advanced.append(to_host(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep, pin))
+    with timer.phase("forward"):
+        for batch, host in zip(batches, stream):
+            hidden = host.to(runner.device, non_blocking=True)
+            advanced.append(to_host(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep, pin))
     return advanced
+
+
+def fold_task(
+    plan: CalibrationPlan,
+    systems: dict[str, GroupSystem],
+    stats: dict[str, GroupStatistics],
+    expert_weights: dict[str, torch.Tensor],
+) -> None:
+    """Add one task's statistics to every input group's system (so they can be freed)."""
+    for group in plan.groups():
+        selected = plan.selected(group)
+        systems[group.name] = add_task(
+            systems.get(group.name),
+            stats[group.name],
+            {p: expert_weights[f"{p}.weight"] for p in selected},
+            {p: expert_weights[f"{p}.bias"] for p in selected if plan.biases and f"{p}.bias" in expert_weights},
+            expert_weights.get(f"{group.norm}.weight") if group.norm else None,
+            plan.hyper.alpha,
+            plan.hyper.eps,
+        )
 
 
 def solve_layer(
@@ -250,6 +274,7 @@ def calibrate(
     num_layers: int,
     staging: Path,
     progress: bool = True,
+    timer=NullTimer(),
 ) -> dict[str, Path]:
     """Run the whole forward-order schedule; returns tensor name → staging file holding its new value."""
     pin = runner.device.type == "cuda"
@@ -260,40 +285,37 @@ def calibrate(
     bar.set_postfix(tokens=total_tokens, tasks=len(batches))
     for layer in range(num_layers):
         prefix = plan.architecture.prefix(layer)
-        merged_weights = models.merged.tensors(prefix)
-        cal_layer = runner.build(layer, merged_weights, f"merged model {models.merged.directory}")
+        with timer.phase("read"):
+            merged_weights = models.merged.tensors(prefix)
+            cal_layer = runner.build(layer, merged_weights, f"merged model {models.merged.directory}")
         systems: dict[str, GroupSystem] = {}
         next_expert_streams: Streams = {}
         for task, reader in models.experts.items():
-            expert_weights = reader.tensors(prefix)
-            _check_like(merged_weights, expert_weights, f"expert {task}", layer)
-            expert_layer = runner.build(layer, expert_weights, f"expert {task}")
+            with timer.phase("read"):
+                expert_weights = reader.tensors(prefix)
+                _check_like(merged_weights, expert_weights, f"expert {task}", layer)
+                expert_layer = runner.build(layer, expert_weights, f"expert {task}")
             stats, next_expert_streams[task] = record_task(
-                layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], pin
+                layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], pin, timer
             )
             del expert_layer
-            for group in plan.groups():
-                systems[group.name] = add_task(
-                    systems.get(group.name),
-                    stats[group.name],
-                    {p: expert_weights[f"{p}.weight"] for p in plan.selected(group)},
-                    {p: expert_weights[f"{p}.bias"] for p in plan.selected(group) if f"{p}.bias" in expert_weights and plan.biases},
-                    expert_weights.get(f"{group.norm}.weight") if group.norm else None,
-                    plan.hyper.alpha,
-                    plan.hyper.eps,
-                )
+            with timer.phase("solve"):
+                fold_task(plan, systems, stats, expert_weights)
             del stats, expert_weights
-        base_weights = models.base.tensors(prefix)
-        _check_like(merged_weights, base_weights, f"base model {models.base.directory}", layer)
-        solved = solve_layer(plan, systems, merged_weights, base_weights, layer, runner.device)
+        with timer.phase("read"):
+            base_weights = models.base.tensors(prefix)
+            _check_like(merged_weights, base_weights, f"base model {models.base.directory}", layer)
+        with timer.phase("solve"):
+            solved = solve_layer(plan, systems, merged_weights, base_weights, layer, runner.device)
         del systems, base_weights
         staged = staging / f"layer-{layer:05d}.safetensors"
-        save_file({prefix + name: t.contiguous() for name, t in solved.items()}, staged)
+        with timer.phase("write"):
+            save_file({prefix + name: t.contiguous() for name, t in solved.items()}, staged)
         replacements.update({prefix + name: staged for name in solved})
 
         cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
         for task, task_batches in batches.items():
-            cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin)
+            cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin, timer)
         expert_streams = next_expert_streams
         del cal_layer, merged_weights
         bar.update(1)
