@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from featcal_llm.architectures import Architecture, InputGroup
@@ -23,6 +22,7 @@ from featcal_llm.checkpoint import CheckpointReader
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner, hooked
 from featcal_llm.profiling import NullTimer
+from featcal_llm.resume import StagingArea
 from featcal_llm.solve import GroupSystem, add_task, anchor, ridge_solve, solve_bias, solve_norm
 from featcal_llm.stats import (
     GroupStatistics,
@@ -266,24 +266,52 @@ def solve_layer(
     return solved
 
 
+def replay_layer(
+    layer: int,
+    models: Models,
+    plan: CalibrationPlan,
+    runner: LayerRunner,
+    batches: dict[str, list[TokenBatch]],
+    calibrated: dict[str, torch.Tensor],
+    cal_streams: Streams,
+    expert_streams: Streams,
+    pin: bool,
+) -> None:
+    """Advance every stream through an already calibrated layer (resume): forward passes only."""
+    prefix = plan.architecture.prefix(layer)
+    merged_weights = models.merged.tensors(prefix)
+    solved = {name[len(prefix):]: tensor for name, tensor in calibrated.items()}
+    cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
+    for task, task_batches in batches.items():
+        cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin)
+        expert_layer = runner.build(layer, models.experts[task].tensors(prefix), f"expert {task}")
+        expert_streams[task] = advance(runner, expert_layer, task_batches, expert_streams[task], pin)
+
+
 def calibrate(
     models: Models,
     plan: CalibrationPlan,
     runner: LayerRunner,
     batches: dict[str, list[TokenBatch]],
     num_layers: int,
-    staging: Path,
+    staging: StagingArea,
     progress: bool = True,
     timer=NullTimer(),
 ) -> dict[str, Path]:
-    """Run the whole forward-order schedule; returns tensor name → staging file holding its new value."""
+    """Run the whole forward-order schedule; returns tensor name → staged file holding its new value.
+
+    Layers the staging area already holds are replayed, not recomputed.
+    """
     pin = runner.device.type == "cuda"
     cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, pin)
     total_tokens = sum(b.tokens for task_batches in batches.values() for b in task_batches)
-    replacements: dict[str, Path] = {}
     bar = tqdm(total=num_layers, desc="FeatCal", unit="layer", file=sys.stderr, disable=not progress)
     bar.set_postfix(tokens=total_tokens, tasks=len(batches))
     for layer in range(num_layers):
+        if layer < staging.completed:
+            replay_layer(layer, models, plan, runner, batches, staging.load(layer), cal_streams, expert_streams, pin)
+            bar.update(1)
+            continue
         prefix = plan.architecture.prefix(layer)
         with timer.phase("read"):
             merged_weights = models.merged.tensors(prefix)
@@ -308,10 +336,8 @@ def calibrate(
         with timer.phase("solve"):
             solved = solve_layer(plan, systems, merged_weights, base_weights, layer, runner.device)
         del systems, base_weights
-        staged = staging / f"layer-{layer:05d}.safetensors"
         with timer.phase("write"):
-            save_file({prefix + name: t.contiguous() for name, t in solved.items()}, staged)
-        replacements.update({prefix + name: staged for name in solved})
+            staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()})
 
         cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
         for task, task_batches in batches.items():
@@ -320,4 +346,4 @@ def calibrate(
         del cal_layer, merged_weights
         bar.update(1)
     bar.close()
-    return replacements
+    return staging.replacements()

@@ -78,11 +78,38 @@ class CheckpointReader:
         """Every tensor whose name starts with `prefix`, keyed by the rest of its name."""
         return {name[len(prefix):]: self.get(name) for name in self.weight_map if name.startswith(prefix)}
 
+    def layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Name → (shape, dtype) from the shard headers alone; checks the index against the shards."""
+        layout = {}
+        for shard, names in self.shards().items():
+            try:
+                handle = self._handle(shard)
+                present = set(handle.keys())
+            except Exception as error:
+                raise FeatCalError(f"{self.what}: {self.directory / shard}: not a readable safetensors file ({error})") from None
+            for name in names:
+                if name not in present:
+                    raise FeatCalError(f"{self.what}: {self.directory / shard}: tensor {name} listed in the index is missing from the shard")
+                tensor = handle.get_slice(name)
+                layout[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
+        return layout
+
     def shard_metadata(self, shard: str) -> dict[str, str] | None:
         return self._handle(shard).metadata()
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def check_same_layers(reference: dict, other: dict, prefix: str, what: str) -> None:
+    """Every decoder-layer tensor of the merged model exists in `other` with the same shape."""
+    for name, (shape, _) in reference.items():
+        if not name.startswith(prefix):
+            continue
+        if name not in other:
+            raise FeatCalError(f"{what}: tensor {name} is missing")
+        if other[name][0] != shape:
+            raise FeatCalError(f"{what}: {name} has shape {list(other[name][0])}, the merged model has {list(shape)}")
 
 
 def write_calibrated_checkpoint(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.recipe import DataSpec
 
 # MergeBench formats its *_val sets with this template (the response included).
@@ -107,8 +107,6 @@ def calibration_sequences(
     recipe_path: Path,
 ) -> dict[str, list[list[int]]]:
     """Expert name → token id lists. Fewer records than requested is a warning, not an error."""
-    import warnings
-
     result = {}
     for expert in experts:
         spec = data[expert]
@@ -120,7 +118,7 @@ def calibration_sequences(
             records = records.shuffle(seed=seed)
         wanted = spec.samples or samples
         if len(records) < wanted:
-            warnings.warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them", stacklevel=2)
+            warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them")
         records = records.select(range(min(wanted, len(records))))
         texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
         result[expert] = tokenize_texts(texts, tokenizer, max_length, where)

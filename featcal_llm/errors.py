@@ -3,3 +3,10 @@
 
 class FeatCalError(Exception):
     """A problem with the user's input; the CLI prints it on one line and exits non-zero."""
+
+
+def warn(message: str) -> None:
+    """A one-line warning on stderr, in the same voice as errors."""
+    import sys
+
+    print(f"featcal-llm: warning: {message}", file=sys.stderr)

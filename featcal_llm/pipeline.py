@@ -17,12 +17,15 @@ import torch
 from featcal_llm.architectures import architecture_for, select_projections
 from featcal_llm.calibrate import CalibrationPlan, Hyperparameters, Models, calibrate
 from featcal_llm.card import write_card
-from featcal_llm.checkpoint import CheckpointReader, copy_side_files, write_calibrated_checkpoint
+from featcal_llm import __version__
+from featcal_llm.checkpoint import CheckpointReader, check_same_layers, copy_side_files, write_calibrated_checkpoint
 from featcal_llm.data import calibration_sequences
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner
 from featcal_llm.merge import ensure_merged
+from featcal_llm.profiling import NullTimer
 from featcal_llm.recipe import Recipe, load_recipe, resolve_model_path
+from featcal_llm.resume import StagingArea, checkpoint_identity, fingerprint, sequences_digest
 from featcal_llm.streams import make_batches
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
@@ -89,12 +92,67 @@ def _check_output(recipe: Recipe, output: Path, force: bool) -> None:
     probe = parent
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise FeatCalError(f"{where}: {output}: {probe} is not a directory")
     if not os.access(probe, os.W_OK):
         raise FeatCalError(f"{where}: {output}: directory is not writable")
 
 
-def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True) -> Path:
-    """Calibrate the merge described by the recipe; returns the output directory."""
+def _check_vocabulary(sequences: dict[str, list[list[int]]], configs: dict[str, Any]) -> None:
+    for task, task_sequences in sequences.items():
+        largest = max(max(sequence) for sequence in task_sequences)
+        vocabulary = getattr(configs[task], "vocab_size", None)
+        if vocabulary is not None and largest >= vocabulary:
+            raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest} (tokenizer mismatch?)")
+
+
+def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, Path], layer_prefix: str) -> Models:
+    """Open every checkpoint and check, from shard headers only, that their layer tensors line up."""
+    models = Models(
+        merged=CheckpointReader(merged_dir, f"merged model {merged_dir}"),
+        base=CheckpointReader(base_dir, f"base model {base_dir}"),
+        experts={name: CheckpointReader(d, f"expert {name}") for name, d in expert_dirs.items()},
+    )
+    reference = models.merged.layout()
+    for reader in (models.base, *models.experts.values()):
+        check_same_layers(reference, reader.layout(), layer_prefix, f"{reader.what}: {reader.directory}")
+    return models
+
+
+def _run_fingerprint(recipe: Recipe, sequences, models: Models, runner: LayerRunner, batch_tokens: int) -> str:
+    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device"})
+    return fingerprint(
+        [
+            __version__,
+            featcal,
+            recipe.merge_config.model_dump(mode="json"),
+            sequences_digest(sequences),
+            checkpoint_identity(models.merged.directory),
+            checkpoint_identity(models.base.directory),
+            {task: checkpoint_identity(reader.directory) for task, reader in models.experts.items()},
+            [str(runner.device), str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
+        ]
+    )
+
+
+def _publish(checkpoint: Path, output: Path) -> None:
+    """Move the finished checkpoint into place; an old output (--force) is swapped out, then removed."""
+    if output.exists():
+        trash = output.with_name(f".{output.name}.featcal-old")
+        shutil.rmtree(trash, ignore_errors=True)
+        output.rename(trash)
+        checkpoint.rename(output)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        checkpoint.rename(output)
+
+
+def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None) -> Path:
+    """Calibrate the merge described by the recipe; returns the output directory.
+
+    Progress is kept in a hidden sibling of the output after every layer; rerunning
+    the same command after a crash resumes from it.
+    """
     recipe = load_recipe(recipe_path)
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
@@ -106,8 +164,9 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     base_dir = resolve_model_path(recipe.base, f"{recipe.path}: base_model")
     expert_dirs = {e.name: resolve_model_path(e.reference, f"{recipe.path}: models: {e.name}") for e in recipe.experts}
     base_config = _load_config(base_dir, f"{recipe.path}: base_model", trust)
-    for name, directory in expert_dirs.items():
-        check_compatible(base_config, _load_config(directory, f"expert {name}", trust), f"expert {name}: {directory / 'config.json'}")
+    expert_configs = {name: _load_config(d, f"expert {name}", trust) for name, d in expert_dirs.items()}
+    for name, config in expert_configs.items():
+        check_compatible(base_config, config, f"expert {name}: {expert_dirs[name] / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
     plan = CalibrationPlan(
         architecture=architecture,
@@ -123,37 +182,30 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         featcal.data, [e.name for e in recipe.experts], tokenizer, featcal.samples, featcal.max_length,
         featcal.shuffle, featcal.seed, recipe.path,
     )
+    _check_vocabulary(sequences, expert_configs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in sequences.items()}
 
     merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
-    models = Models(
-        merged=CheckpointReader(merged_dir, f"merged model {merged_dir}"),
-        base=CheckpointReader(base_dir, f"base model {base_dir}"),
-        experts={name: CheckpointReader(d, f"expert {name}") for name, d in expert_dirs.items()},
-    )
+    models = _open_checkpoints(merged_dir, base_dir, expert_dirs, architecture.layer_prefix.split("{")[0])
     runner = LayerRunner(
         architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, compute_device)
     )
 
     partial = output.with_name(f".{output.name}.featcal-partial")
+    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, models, runner, featcal.batch_tokens))
+    replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, staging, progress, timer or NullTimer())
+    checkpoint = partial / "checkpoint"
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    checkpoint.mkdir()
+    write_calibrated_checkpoint(models.merged, replacements, checkpoint)
+    copy_side_files(merged_dir, checkpoint)
+    tokens = {task: sum(b.tokens for b in task_batches) for task, task_batches in batches.items()}
+    write_card(checkpoint, recipe, featcal.merged, tokens)
+    _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
-    (partial / "layers").mkdir(parents=True)
-    try:
-        replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, partial / "layers", progress)
-        checkpoint = partial / "checkpoint"
-        checkpoint.mkdir()
-        write_calibrated_checkpoint(models.merged, replacements, checkpoint)
-        copy_side_files(merged_dir, checkpoint)
-        tokens = {task: sum(b.tokens for b in task_batches) for task, task_batches in batches.items()}
-        write_card(checkpoint, recipe, str(recipe.merge_config and featcal.merged), tokens)
-        if output.exists():
-            shutil.rmtree(output)
-        checkpoint.rename(output)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     if featcal.eval is not None:
         from featcal_llm.evaluation import run_after_calibration
 

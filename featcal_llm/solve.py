@@ -12,12 +12,11 @@ with G_i = gram_i / n_i, R_i = α cross_i / n_i + (1 − α) W_i G_i and
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.stats import GroupStatistics
 
 SOLVE_DTYPE = torch.float64
@@ -123,7 +122,7 @@ def ridge_solve(
         reason = "not positive definite" if int(info) != 0 else f"relative residual {worst:.2e}"
         if attempt == MAX_RIDGE_RETRIES:
             break
-        warnings.warn(f"{where}: solve {reason}; retrying with ridge {ridge * 10:.3g}", stacklevel=2)
+        warn(f"{where}: solve {reason}; retrying with ridge {ridge * 10:.3g}")
         ridge *= 10
     raise FeatCalError(f"{where}: closed-form solve failed ({reason}) even with ridge {ridge:.3g}")
 

@@ -14,3 +14,14 @@ from scenario import build_scenario  # noqa: E402
 def scenario(tmp_path_factory):
     """Three experts, three layers, sharded checkpoints; merged by the first `run` that needs it."""
     return build_scenario(tmp_path_factory.mktemp("scenario"))
+
+
+@pytest.fixture(scope="session")
+def merged_scenario(scenario):
+    """The scenario with its merged model built by mergekit."""
+    from featcal_llm.merge import ensure_merged
+    from featcal_llm.recipe import load_recipe
+
+    recipe = load_recipe(scenario.recipe)
+    ensure_merged(recipe, scenario.root / "merged", "cpu")
+    return scenario

@@ -1,74 +1,184 @@
-"""Bad input: one line naming the culprit, a non-zero exit, nothing written (issue 2, proof 5)."""
+"""Bad input: one line naming the culprit, a non-zero exit, nothing written (issues 2 and 4)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from featcal_llm.cli import main
 from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
 
 
-def _recipe(scenario, tmp_path, mutate) -> tuple:
-    recipe = yaml.safe_load(scenario.recipe.read_text())
-    recipe["featcal"]["output"] = str(tmp_path / "out")
-    mutate(recipe, tmp_path)
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path, tmp_path / "out"
-
-
-def _drop_data(recipe, _):
-    recipe["featcal"]["data"].pop(recipe["models"][1]["model"])
-
-
-def _unknown_key(recipe, _):
-    recipe["featcal"]["lamda"] = 0.1
-
-
-def _missing_file(recipe, tmp_path):
-    first = recipe["models"][0]["model"]
-    recipe["featcal"]["data"][first]["path"] = str(tmp_path / "nowhere.jsonl")
-
-
-def _mismatched_expert(recipe, tmp_path):
+def _odd_expert(recipe, tmp_path, **overrides) -> None:
+    """Replace the last expert by a freshly built model whose config differs by `overrides`."""
     tokenizer = build_char_tokenizer()
-    config = tiny_llama_config(len(tokenizer), num_hidden_layers=3, intermediate_size=96)
+    settings = dict(num_hidden_layers=3, vocab_size=len(tokenizer))
+    settings.update(overrides)
+    config = tiny_llama_config(**settings)
     odd = save_model(new_tiny_llama(config, seed=5), tokenizer, tmp_path / "odd-expert")
-    old = recipe["models"][2]["model"]
-    recipe["models"][2]["model"] = str(odd)
-    recipe["featcal"]["data"][str(odd)] = recipe["featcal"]["data"].pop(old)
+    _replace_expert(recipe, odd)
+
+
+def _replace_expert(recipe, new_path) -> None:
+    old = recipe["models"][-1]["model"]
+    recipe["models"][-1]["model"] = str(new_path)
+    recipe["featcal"]["data"][str(new_path)] = recipe["featcal"]["data"].pop(old)
+
+
+def _first_data(recipe) -> dict:
+    return recipe["featcal"]["data"][recipe["models"][0]["model"]]
+
+
+def _data_file(recipe, tmp_path, content: str) -> None:
+    path = tmp_path / "cal.jsonl"
+    path.write_text(content)
+    _first_data(recipe)["path"] = str(path)
+
+
+def _copy_merged(recipe, tmp_path) -> Path:
+    copy = tmp_path / "merged-copy"
+    shutil.copytree(recipe["featcal"]["merged"], copy)
+    recipe["featcal"]["merged"] = str(copy)
+    return copy
+
+
+def _drop_tensor_from_shard(recipe, tmp_path):
+    merged = _copy_merged(recipe, tmp_path)
+    shard = merged / "model.safetensors"
+    tensors = load_file(shard)
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in [*tensors, "model.layers.1.mlp.up_proj.weight"]}}
+    (merged / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _index_to_missing_shard(recipe, tmp_path):
+    merged = _copy_merged(recipe, tmp_path)
+    tensors = load_file(merged / "model.safetensors")
+    weight_map = {name: "model.safetensors" for name in tensors}
+    weight_map["model.layers.0.mlp.up_proj.weight"] = "model-00002-of-00002.safetensors"
+    (merged / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _pickled_expert(recipe, tmp_path):
+    source = Path(recipe["models"][-1]["model"])
+    pickled = tmp_path / "pickled-expert"
+    pickled.mkdir()
+    shutil.copy(source / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    _replace_expert(recipe, pickled)
+
+
+def _set(*path, value):
+    def mutate(recipe, _tmp):
+        target = recipe
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+def _text(content: str):
+    def write(_recipe, tmp_path) -> str:
+        (tmp_path / "bad.yaml").write_text(content)
+    write.raw = True
+    return write
 
 
 CASES = {
-    "missing data entry": (_drop_data, ["bad.yaml: featcal.data", "no calibration data for expert", "expert1"]),
-    "unknown key": (_unknown_key, ["bad.yaml: featcal.lamda: unknown key"]),
-    "missing calibration file": (_missing_file, ["bad.yaml: featcal.data.", "nowhere.jsonl", "not found"]),
-    "mismatched expert shapes": (_mismatched_expert, ["odd-expert/config.json", "intermediate_size = 96"]),
+    "recipe is not YAML": (_text("merge_method: [task_arithmetic\n"), ["bad.yaml: not valid YAML"]),
+    "recipe is not a mapping": (_text("- a\n- b\n"), ["bad.yaml: expected a YAML mapping"]),
+    "featcal block missing": (lambda r, _: r.pop("featcal"), ["bad.yaml: featcal: block is missing"]),
+    "merge_method missing": (lambda r, _: r.pop("merge_method"), ["bad.yaml: recipe.merge_method: required key is missing"]),
+    "unknown key": (_set("featcal", "lamda", value=0.1), ["bad.yaml: featcal.lamda: unknown key"]),
+    "misspelled key": (_set("featcal", "aplha", value=0.1), ["bad.yaml: featcal.aplha: unknown key"]),
+    "lambda not positive": (_set("featcal", "lambda", value=0.0), ["bad.yaml: featcal.lambda:", "greater than 0"]),
+    "alpha above one": (_set("featcal", "alpha", value=1.5), ["bad.yaml: featcal.alpha:", "less than or equal to 1"]),
+    "eps not positive": (_set("featcal", "eps", value=-1e-8), ["bad.yaml: featcal.eps:", "greater than 0"]),
+    "samples below one": (_set("featcal", "samples", value=0), ["bad.yaml: featcal.samples:", "greater than or equal to 1"]),
+    "max_length below two": (_set("featcal", "max_length", value=1), ["bad.yaml: featcal.max_length:", "greater than or equal to 2"]),
+    "unknown projection": (_set("featcal", "modules", value=["q_proj", "qkv_proj"]), ["featcal.modules: unknown projection 'qkv_proj'"]),
+    "cuda without a GPU": (_set("featcal", "device", value="cuda"), ["featcal.device: cuda requested but CUDA is not available"]),
+    "missing data entry": (lambda r, _: r["featcal"]["data"].pop(r["models"][1]["model"]), ["bad.yaml: featcal.data: no calibration data for expert", "expert1"]),
+    "data for a non-expert": (lambda r, _: r["featcal"]["data"].__setitem__("someone/else", {"path": "x.jsonl"}), ["featcal.data.someone/else: not an expert"]),
+    "expert path does not exist": (lambda r, t: _replace_expert(r, t / "no-such-expert"), ["no-such-expert: model directory does not exist"]),
+    "base path does not exist": (lambda r, t: r.__setitem__("base_model", str(t / "no-base")), ["base_model", "no-base: model directory does not exist"]),
+    "expert of another architecture": (
+        lambda r, t: (_odd_expert(r, t), _patch_json(t / "odd-expert" / "config.json", architectures=["MistralForCausalLM"], model_type="mistral")),
+        ["odd-expert/config.json", "architecture ['MistralForCausalLM']"],
+    ),
+    "expert with another layer count": (lambda r, t: _odd_expert(r, t, num_hidden_layers=2), ["odd-expert/config.json", "num_hidden_layers = 2"]),
+    "expert with another hidden size": (lambda r, t: _odd_expert(r, t, hidden_size=32), ["odd-expert/config.json", "hidden_size = 32"]),
+    "expert with another intermediate size": (lambda r, t: _odd_expert(r, t, intermediate_size=96), ["odd-expert/config.json", "intermediate_size = 96"]),
+    "expert vocabulary too small": (lambda r, t: _odd_expert(r, t, vocab_size=20), ["cannot embed calibration token id"]),
+    "pickled .bin weights": (_pickled_expert, ["pickled-expert", "only pickled .bin weights found"]),
+    "tensor missing from its shard": (_drop_tensor_from_shard, ["model.layers.1.mlp.up_proj.weight listed in the index is missing from the shard"]),
+    "index points at a missing shard": (_index_to_missing_shard, ["points at missing shard file model-00002-of-00002.safetensors"]),
+    "calibration file missing": (lambda r, t: _first_data(r).__setitem__("path", str(t / "nowhere.jsonl")), ["bad.yaml: featcal.data.", "nowhere.jsonl: calibration file not found"]),
+    "calibration file empty": (lambda r, t: _data_file(r, t, ""), ["cal.jsonl: file is empty"]),
+    "calibration file unreadable": (lambda r, t: _data_file(r, t, "{not json\n"), ["cal.jsonl: cannot load calibration data"]),
+    "calibration field missing": (lambda r, t: _data_file(r, t, '{"body": "x"}\n'), ["record 0 has no field 'text'"]),
+    "text that tokenises to nothing": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"text": ""}\n'), ["record 1 tokenises to nothing"]),
+    "calibration file of unknown type": (lambda r, t: (_data_file(r, t, "x"), _first_data(r).__setitem__("path", str(_touch(t / "cal.txt")))), ["cal.txt: unsupported file type"]),
+    "output under a file": (lambda r, t: r["featcal"].__setitem__("output", str(_touch(t / "a-file") / "out")), ["featcal.output", "a-file is not a directory"]),
 }
 
 
+def _touch(path: Path) -> Path:
+    path.write_text("x")
+    return path
+
+
+def _patch_json(path: Path, **values) -> None:
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def _recipe(scenario, tmp_path, mutate) -> tuple[Path, Path]:
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    path = tmp_path / "bad.yaml"
+    if getattr(mutate, "raw", False):
+        mutate(recipe, tmp_path)
+        return path, tmp_path / "out"
+    mutate(recipe, tmp_path)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path, Path(recipe.get("featcal", {}).get("output", tmp_path / "out"))
+
+
+def test_the_matrix_has_at_least_twenty_cases():
+    assert len(CASES) >= 20
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_clear_line(scenario, tmp_path, case):
+def test_bad_input_is_one_clear_line(merged_scenario, tmp_path, case):
     mutate, expected = CASES[case]
-    recipe, output = _recipe(scenario, tmp_path, mutate)
+    recipe, output = _recipe(merged_scenario, tmp_path, mutate)
+    before = sorted(p.name for p in tmp_path.iterdir())
     result = CliRunner().invoke(main, ["run", str(recipe)])
-    message = result.stderr.strip() if hasattr(result, "stderr") else result.output.strip()
-    assert result.exit_code != 0
-    assert len(message.splitlines()) == 1, message
-    assert message.startswith("featcal-llm: error: ")
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, (result.exit_code, lines, result.exception)
+    assert all(line.startswith("featcal-llm: ") for line in lines), lines  # no traceback, no noise
+    errors = [line for line in lines if line.startswith("featcal-llm: error: ")]
+    assert len(errors) == 1, lines
+    message = errors[0]
     for fragment in expected:
         assert fragment in message, (fragment, message)
     assert not output.exists()
-    assert not any(p.name.endswith("featcal-partial") for p in tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "something was written"
 
 
-def test_existing_output_is_refused_without_force(scenario, tmp_path):
-    recipe, output = _recipe(scenario, tmp_path, lambda r, _: None)
+def test_existing_output_is_refused_without_force(merged_scenario, tmp_path):
+    recipe, output = _recipe(merged_scenario, tmp_path, lambda r, _: None)
     output.mkdir()
     (output / "keep.txt").write_text("mine")
     result = subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(recipe)], capture_output=True, text=True, timeout=300)

@@ -1,0 +1,121 @@
+"""Progress that survives a crash: calibrated layers staged on disk, fingerprinted.
+
+After each layer its calibrated tensors are written to `layers/layer-NNNNN.safetensors`
+(written under a temporary name, then renamed) and `state.json` records how
+many layers are done and the fingerprint of everything that determines the
+result. A rerun with the same fingerprint continues after the last finished
+layer, rebuilding the hidden-state streams by replaying the finished layers
+(forward passes only, much cheaper than storing the streams). Anything else
+in the staging directory is discarded with a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from featcal_llm.errors import warn
+
+STATE_FILE = "state.json"
+
+
+def _write_atomically(path: Path, write) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    write(temporary)
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def fingerprint(parts: Iterable[Any]) -> str:
+    """sha256 over a JSON rendering of `parts` (strings, numbers, lists, dicts)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def checkpoint_identity(directory: Path) -> list:
+    """Cheap identity of a checkpoint: config and index bytes, weight file names, sizes and mtimes."""
+    identity = []
+    for item in sorted(directory.iterdir()):
+        if item.name in ("config.json", "model.safetensors.index.json"):
+            identity.append([item.name, hashlib.sha256(item.read_bytes()).hexdigest()])
+        elif item.suffix == ".safetensors":
+            stat = item.stat()
+            identity.append([item.name, stat.st_size, stat.st_mtime_ns])
+    return identity
+
+
+def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
+    digest = hashlib.sha256()
+    for task in sorted(sequences):
+        digest.update(task.encode())
+        for sequence in sequences[task]:
+            digest.update(torch.tensor(sequence, dtype=torch.int64).numpy().tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+class StagingArea:
+    """The `layers/` directory of a run's partial output, plus its state file."""
+
+    def __init__(self, root: Path, run_fingerprint: str):
+        self.root = root
+        self.layers = root / "layers"
+        self.fingerprint = run_fingerprint
+        state = self._read_state()
+        if state is not None and state.get("fingerprint") != run_fingerprint:
+            warn(f"saved progress in {root} was made with a different recipe, data, models or settings; starting over")
+            state = None
+        if state is None:
+            shutil.rmtree(root, ignore_errors=True)
+            self.layers.mkdir(parents=True)
+            self.completed = 0
+            self._write_state()
+        else:
+            self.completed = int(state["completed_layers"])
+            if self.completed:
+                warn(f"resuming from {root}: {self.completed} layer(s) already calibrated")
+
+    def _read_state(self) -> dict | None:
+        try:
+            return json.loads((self.root / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write_state(self) -> None:
+        state = {"fingerprint": self.fingerprint, "completed_layers": self.completed}
+        _write_atomically(self.root / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
+
+    def layer_file(self, layer: int) -> Path:
+        return self.layers / f"layer-{layer:05d}.safetensors"
+
+    def commit(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Persist one calibrated layer (full tensor names) and mark it done."""
+        if layer != self.completed:
+            raise RuntimeError(f"internal: layer {layer} committed after {self.completed} completed layers")
+        _write_atomically(self.layer_file(layer), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p))
+        self.completed = layer + 1
+        self._write_state()
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        with safe_open(self.layer_file(layer), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}
+
+    def replacements(self) -> dict[str, Path]:
+        """Tensor name → staged file, for every completed layer."""
+        mapping = {}
+        for layer in range(self.completed):
+            with safe_open(self.layer_file(layer), framework="pt") as handle:
+                mapping.update({name: self.layer_file(layer) for name in handle.keys()})
+        return mapping

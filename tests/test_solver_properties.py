@@ -1,0 +1,101 @@
+"""Property tests of the closed-form solve on random symmetric positive semi-definite systems (issue 4)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featcal_llm.solve import add_task, anchor, ridge_solve, task_weight
+from featcal_llm.stats import GroupStatistics
+
+dimensions = st.integers(min_value=1, max_value=12)
+seeds = st.integers(min_value=0, max_value=2**31 - 1)
+
+
+def random_psd(d: int, rank: int, generator: torch.Generator) -> torch.Tensor:
+    factor = torch.randn(d, rank, generator=generator, dtype=torch.float64)
+    return factor @ factor.T
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=dimensions, m=dimensions, rank=st.integers(0, 12), lam=st.floats(1e-6, 1e3), seed=seeds)
+def test_solution_satisfies_the_normal_equations(d, m, rank, lam, seed):
+    generator = torch.Generator().manual_seed(seed)
+    lhs = random_psd(d, min(rank, d), generator)
+    lhs = lhs / max(float(torch.linalg.matrix_norm(lhs)), 1.0)
+    rhs = torch.randn(m, d, generator=generator, dtype=torch.float64)
+    target = torch.randn(m, d, generator=generator, dtype=torch.float64)
+    eps = 1e-8
+    solution = ridge_solve(lhs, {"p": rhs}, {"p": target}, lam, eps, "test")["p"]
+    system = lhs + (lam + eps) * torch.eye(d, dtype=torch.float64)
+    residual = solution @ system - (rhs + lam * target)
+    assert float(torch.linalg.matrix_norm(residual)) <= 1e-8 * (1 + float(torch.linalg.matrix_norm(rhs + lam * target)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=dimensions, m=dimensions, seed=seeds)
+def test_huge_lambda_returns_the_anchor_and_tiny_lambda_the_unregularised_fit(d, m, seed):
+    generator = torch.Generator().manual_seed(seed)
+    lhs = random_psd(d, d, generator) + 0.5 * torch.eye(d, dtype=torch.float64)  # full rank
+    rhs = torch.randn(m, d, generator=generator, dtype=torch.float64)
+    target = torch.randn(m, d, generator=generator, dtype=torch.float64)
+    far = ridge_solve(lhs, {"p": rhs}, {"p": target}, 1e12, 1e-12, "test")["p"]
+    assert torch.allclose(far, target, rtol=1e-6, atol=1e-6)
+    near = ridge_solve(lhs, {"p": rhs}, {"p": target}, 1e-12, 1e-12, "test")["p"]
+    assert torch.allclose(near, rhs @ torch.linalg.inv(lhs), rtol=1e-6, atol=1e-8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=dimensions, m=dimensions, tokens=st.integers(1, 30), alpha=st.floats(0, 1), seed=seeds)
+def test_add_task_builds_omega_g_and_omega_w_c(d, m, tokens, alpha, seed):
+    """The folded system equals ω G and ω W_i x_tgt x_calᵀ / n written out token by token."""
+    generator = torch.Generator().manual_seed(seed)
+    x_cal = torch.randn(tokens, d, generator=generator, dtype=torch.float64)
+    x_exp = torch.randn(tokens, d, generator=generator, dtype=torch.float64)
+    weight = torch.randn(m, d, generator=generator, dtype=torch.float64)
+    stats = GroupStatistics.empty(d, {"p": m}, with_means=False, with_norm=False, device=torch.device("cpu"), dtype=torch.float64)
+    stats.gram += x_cal.T @ x_cal
+    stats.cross["p"] += (x_exp @ weight.T).T @ x_cal
+    stats.tokens = tokens
+    system = add_task(None, stats, {"p": weight}, {}, None, alpha, 1e-8)
+    gram = x_cal.T @ x_cal / tokens
+    omega = task_weight(gram, 1e-8)
+    x_target = alpha * x_exp + (1 - alpha) * x_cal
+    assert torch.allclose(system.lhs, omega * gram)
+    assert torch.allclose(system.rhs["p"], omega * (x_target @ weight.T).T @ x_cal / tokens)
+
+
+@given(rho=st.floats(-2, 3))
+def test_anchor_interpolates_and_extrapolates(rho):
+    merged, base = torch.tensor([2.0]), torch.tensor([1.0])
+    assert torch.allclose(anchor(merged, base, rho), torch.tensor([1.0 + rho], dtype=torch.float64))
+
+
+def test_failed_factorisation_is_retried_with_a_larger_ridge_and_a_warning(monkeypatch, capsys):
+    import featcal_llm.solve as solve
+
+    real = torch.linalg.cholesky_ex
+    calls = []
+
+    def fail_first(matrix):
+        calls.append(float(matrix[0, 0]))
+        factor, info = real(matrix)
+        return factor, (torch.tensor(1) if len(calls) == 1 else info)
+
+    monkeypatch.setattr(solve.torch.linalg, "cholesky_ex", fail_first)
+    lhs = torch.eye(3, dtype=torch.float64)
+    solution = ridge_solve(lhs, {"p": torch.ones(2, 3, dtype=torch.float64)}, {"p": torch.zeros(2, 3, dtype=torch.float64)}, 1.0, 0.0, "layer 7 mlp_input")["p"]
+    assert calls == [2.0, 11.0]  # ridge 1 → 10
+    assert torch.allclose(solution, torch.full((2, 3), 1 / 11, dtype=torch.float64))
+    assert "featcal-llm: warning: layer 7 mlp_input: solve not positive definite; retrying with ridge 10" in capsys.readouterr().err
+
+
+def test_a_solve_that_never_succeeds_is_an_error_not_a_silent_write():
+    import pytest
+
+    from featcal_llm.errors import FeatCalError
+
+    lhs = torch.full((2, 2), float("nan"), dtype=torch.float64)
+    with pytest.raises(FeatCalError, match="layer 3 attention_input: closed-form solve failed"):
+        ridge_solve(lhs, {"p": torch.ones(1, 2, dtype=torch.float64)}, {"p": torch.zeros(1, 2, dtype=torch.float64)}, 1.0, 0.0, "layer 3 attention_input")
