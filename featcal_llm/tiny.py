@@ -68,16 +68,19 @@ def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:
     return LlamaConfig(**settings)
 
 
-def new_tiny_llama(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+def new_tiny_llama(config, seed: int) -> torch.nn.Module:
+    """A randomly initialised causal LM of the config's family (Llama unless the config says otherwise)."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = config.pad_token_id
     return model.eval()
 
 
-def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausalLM:
+def perturbed_copy(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
     """A stand-in for a fine-tuned expert: the model plus seeded relative noise on every weight."""
-    clone = LlamaForCausalLM(model.config).eval()
+    clone = type(model)(model.config).eval()
     clone.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -34,7 +34,7 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
     experts = {name: copy.deepcopy(model).double().eval() for name, model in experts.items()}
     for layer_index, cal_layer in enumerate(cal.model.layers):
         base_layer = base.model.layers[layer_index]
-        grams, rights, weights, norm_q = {}, {}, {}, {}
+        grams, rights, weights, norm_q, bias_terms = {}, {}, {}, {}, {}
         for task, expert in experts.items():
             expert_layer = expert.model.layers[layer_index]
             x_cal, x_exp, norm_in = {}, {}, {}
@@ -56,6 +56,9 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
                 omega = 1.0 / max(float(torch.linalg.matrix_norm(gram)), eps)
                 grams.setdefault(name, []).append(omega * gram)
                 rights.setdefault(name, []).append(omega * ((x_tgt @ w_i.T).T @ xc) / n)
+                b_i = expert_layer.get_submodule(name).bias
+                if b_i is not None:  # Eq. 55 needs ω_i, b_i + W_i μ_tgt,i and μ_cal,i
+                    bias_terms.setdefault(name, []).append((omega, b_i.double() + w_i @ x_tgt.mean(0), xc.mean(0)))
             if norms:
                 for norm, _ in NORMS.items():
                     x = torch.cat(norm_in[norm])
@@ -68,6 +71,12 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
             lhs = sum(grams[name]) + (lam + eps) * torch.eye(module.weight.shape[1], dtype=torch.float64)
             rhs = sum(rights[name]) + lam * w_anchor
             weights[name] = torch.linalg.solve(lhs.T, rhs.T).T
+        new_biases = {}
+        for name, terms in bias_terms.items():
+            module = cal_layer.get_submodule(name)
+            b_anchor = rho * module.bias + (1 - rho) * base_layer.get_submodule(name).bias
+            numerator = sum(omega * (target - weights[name] @ mean_cal) for omega, target, mean_cal in terms) + lam * b_anchor
+            new_biases[name] = numerator / (sum(omega for omega, _, _ in terms) + lam)
         new_norms = {}
         for norm in NORMS if norms else ():
             gamma_anchor = rho * cal_layer.get_submodule(norm).weight + (1 - rho) * base_layer.get_submodule(norm).weight
@@ -75,6 +84,8 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
             new_norms[norm] = numerator / (sum(q for q, _ in norm_q[norm]) + lam)
         for name, weight in weights.items():
             cal_layer.get_submodule(name).weight.copy_(weight)
+        for name, bias in new_biases.items():
+            cal_layer.get_submodule(name).bias.copy_(bias)
         for norm, gamma in new_norms.items():
             cal_layer.get_submodule(norm).weight.copy_(gamma)
     return cal

@@ -50,11 +50,21 @@ def build_scenario(
     samples: int = 16,
     noise: float = 0.2,
     shard_size: str | int = "40KB",
+    family: str = "llama",
     **config_overrides,
 ) -> Scenario:
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
-    config = tiny_llama_config(len(tokenizer), num_hidden_layers=layers, **config_overrides)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
+        settings.update(config_overrides)
+        config = Qwen2Config(**settings)
+        config.architectures = ["Qwen2ForCausalLM"]
+    else:
+        config = tiny_llama_config(len(tokenizer), num_hidden_layers=layers, **config_overrides)
     base_model = new_tiny_llama(config, seed=0)
     base = save_model(base_model, tokenizer, root / "base", max_shard_size=shard_size)
     expert_paths, data_paths = {}, {}

@@ -64,3 +64,22 @@ def test_matches_brute_force(scenario, norms, tmp_path):
     assert any("down_proj" in n for n in changed) and any("q_proj" in n for n in changed)
     assert ("input_layernorm" in " ".join(changed)) == norms
     assert all(torch.equal(ours[n], merged[n]) for n in ours if "layers" not in n)
+
+
+def test_qwen2_biases_match_brute_force(tmp_path):
+    """A family added as a table entry: Qwen2's q/k/v biases follow Eq. 55."""
+    from scenario import build_scenario
+
+    qwen = build_scenario(tmp_path / "qwen", experts=2, layers=2, family="qwen2")
+    output = run_recipe(qwen.recipe, progress=False)
+    reference = brute_force_featcal(
+        load(qwen.root / "merged"), load(qwen.base), {str(p): load(p) for p in qwen.experts.values()},
+        {str(qwen.experts[n]): s for n, s in calibration_sequences(qwen, 16, 64).items()},
+        1e-3, 0.3, 0.5, 1e-8,
+    ).state_dict()
+    ours, merged = read_weights(output), read_weights(qwen.root / "merged")
+    biases = [n for n in ours if n.endswith("proj.bias")]
+    assert len(biases) == 2 * 3
+    for name in ours:
+        assert relative_error(ours[name].reshape(ours[name].shape[0], -1), reference[name].reshape(ours[name].shape[0], -1)) <= 1e-4, name
+    assert all(not torch.equal(ours[n], merged[n]) for n in biases)
