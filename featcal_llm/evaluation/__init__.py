@@ -1,0 +1,23 @@
+"""MergeBench-style evaluation: suites in eval/, lm-eval (vLLM or hf) in one subprocess per
+model, cached results, EvalPlus grading, leaderboards.
+
+Importing this package is cheap (pydantic only); lm-eval, torch and vLLM load in the worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from featcal_llm.evaluation.config import BackendSettings, EvalSection
+
+__all__ = ["BackendSettings", "EvalSection", "run_after_calibration"]
+
+
+def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path) -> str:
+    """Score the merged and the calibrated model with one pipeline; return the comparison table.
+
+    Called by `run recipe.yaml` after calibration when the recipe has `featcal.eval:`.
+    """
+    from featcal_llm.evaluation.compare import compare_after_calibration
+
+    return compare_after_calibration(section, Path(merged_dir), Path(calibrated_dir), Path(recipe_dir))

@@ -1,0 +1,94 @@
+"""lm-eval model backends: vLLM on GPUs, lm-eval's `hf` everywhere else.
+
+Only the arguments are built here (in the parent process); the model itself is created in the
+per-model worker, so importing this module never imports torch, vLLM or lm-eval.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation.config import BackendSettings
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def cuda_available() -> bool:
+    if not _installed("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def require_lm_eval() -> None:
+    if not _installed("lm_eval"):
+        raise FeatCalError("eval: lm-eval is not installed; install the extra: pip install 'featcal-llm[eval]'")
+
+
+def resolve_backend_name(settings: BackendSettings, origin: str = "--backend") -> str:
+    """auto -> vllm when CUDA is present, else hf; a missing backend is a one-line error."""
+    require_lm_eval()
+    name = settings.name
+    if name == "auto":
+        name = "vllm" if cuda_available() else "hf"
+        if name == "vllm" and not _installed("vllm"):
+            raise FeatCalError(
+                f"{origin}: auto picked vllm (CUDA is present) but vLLM is not installed; "
+                "install the extra: pip install 'featcal-llm[vllm]', or pass --backend hf"
+            )
+    if name == "vllm" and not _installed("vllm"):
+        raise FeatCalError(f"{origin}: vllm is not installed; install the extra: pip install 'featcal-llm[vllm]'")
+    if name == "hf" and not (_installed("torch") and _installed("transformers")):
+        raise FeatCalError(f"{origin}: hf needs torch and transformers; pip install 'featcal-llm[eval]'")
+    return name
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """Everything the worker needs to build the lm-eval model; recorded in every result."""
+
+    name: str
+    model_args: dict
+    batch_size: int | str
+
+    def identity(self) -> dict:
+        """The part that can change scores: everything but the model path."""
+        args = {k: v for k, v in self.model_args.items() if k != "pretrained"}
+        return {"name": self.name, "model_args": args, "batch_size": self.batch_size}
+
+
+def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,
+                 model_max_positions: int | None) -> BackendPlan:
+    """Build lm-eval `model_args` for one model.
+
+    The context length is the suite's (or the user's) capped at the model's
+    max_position_embeddings: vLLM refuses a longer max_model_len, and without a cap Llama-3.x's
+    131,072 makes vLLM size its KV cache for sequences no task produces.
+    """
+    length = settings.max_model_len or context_length
+    if settings.max_model_len is None and model_max_positions:
+        length = min(length, model_max_positions)
+    if name == "vllm":
+        if settings.device:
+            raise FeatCalError("backend.device: not used by vllm; select GPUs with CUDA_VISIBLE_DEVICES")
+        args = {
+            "pretrained": str(model_dir),
+            "dtype": settings.dtype,
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "gpu_memory_utilization": settings.gpu_memory_utilization,
+            "max_model_len": length,
+            "seed": settings.seed,
+        }
+        return BackendPlan("vllm", args, settings.batch_size or "auto")
+    if settings.tensor_parallel_size != 1:
+        raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")
+    device = settings.device or ("cuda" if cuda_available() else "cpu")
+    args = {"pretrained": str(model_dir), "dtype": settings.dtype, "device": device, "max_length": length}
+    batch = settings.batch_size or ("auto" if device.startswith("cuda") else 1)
+    return BackendPlan("hf", args, batch)

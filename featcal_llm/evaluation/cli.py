@@ -1,0 +1,123 @@
+"""`python -m featcal_llm eval MODEL_DIR...` and `python -m featcal_llm leaderboard`.
+
+Thin: parse options into an `EvalSection` (the same model a recipe's `eval:` block uses, so
+both paths validate identically), call the runner, print. Heavy imports stay in the bodies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from featcal_llm.errors import FeatCalError
+
+
+def _parse_pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
+    pairs = {}
+    for value in values:
+        key, sep, path = value.partition("=")
+        if not sep or not key or not path:
+            raise FeatCalError(f"{option} {value}: expected TASK=PATH")
+        pairs[key] = path
+    return pairs
+
+
+def _models(arguments: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """MODEL_DIR or LABEL=MODEL_DIR; the label defaults to the directory name."""
+    models, labels = [], set()
+    for argument in arguments:
+        label, sep, path = argument.partition("=")
+        if not sep:
+            label, path = Path(argument).resolve().name, argument
+        if label in labels:
+            raise FeatCalError(f"{argument}: label '{label}' is used twice; name models with LABEL=MODEL_DIR")
+        labels.add(label)
+        models.append((label, Path(path)))
+    return models
+
+
+def _batch_size(value: str | None):
+    if value is None or value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise FeatCalError(f"--batch-size {value}: expected a positive integer or auto")
+    return int(value)
+
+
+@click.command("eval")
+@click.argument("models", nargs=-1, required=True)
+@click.option("--suite", default="mergebench", show_default=True, help="Suite name in eval/ or a suite YAML.")
+@click.option("--tasks", default=None, help="Comma-separated task ids of the suite (default: all).")
+@click.option("--backend", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
+              help="auto = vllm when CUDA is present, else lm-eval's hf.")
+@click.option("--dtype", default="auto", show_default=True, help="auto, bfloat16, float16 or float32.")
+@click.option("--batch-size", default=None, help="Integer or auto (default: vllm auto; hf auto on CUDA, 1 on CPU).")
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="vLLM GPUs per model.")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="vLLM memory fraction.")
+@click.option("--max-model-len", type=int, default=None, help="Context length (default: the suite's, capped by the model).")
+@click.option("--device", default=None, help="hf backend device (cuda, cuda:N, cpu).")
+@click.option("--chat-template", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="auto = on for -Instruct/-chat models; recorded either way.")
+@click.option("--allow-code-execution", is_flag=True,
+              help="Run model-written code for HumanEval+/MBPP+ (one subprocess per sample, with a time limit).")
+@click.option("--limit", type=int, default=None, help="First N items per task (smoke runs; recorded).")
+@click.option("--max-gen-toks", type=int, default=None, help="Override every task's max_gen_toks (smoke runs; recorded).")
+@click.option("--output", default="eval-results", show_default=True, help="Results directory.")
+@click.option("--data", "data", multiple=True, help="TASK=PATH: a local file or dataset directory for a task.")
+@click.option("--nltk-data", default=None, help="Directory holding NLTK's punkt_tab (needed by IFEval).")
+@click.option("--code-workers", type=int, default=None, help="Programs graded in parallel (default: min(8, CPUs)).")
+@click.option("--quiet", is_flag=True, help="Do not echo the worker's log (it is still written to OUTPUT/logs).")
+def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parallel_size, gpu_memory_utilization,
+                 max_model_len, device, chat_template, allow_code_execution, limit, max_gen_toks, output, data,
+                 nltk_data, code_workers, quiet) -> None:
+    """Score MODEL_DIR... (or LABEL=MODEL_DIR) on a suite, one subprocess per model, with a cache."""
+    from featcal_llm.evaluation.config import section_from_options
+    from featcal_llm.evaluation.leaderboard import build_leaderboard
+    from featcal_llm.evaluation.runner import evaluate_model
+
+    section = section_from_options(
+        {
+            "suite": suite,
+            "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+            "backend": {"name": backend, "dtype": dtype, "batch_size": _batch_size(batch_size),
+                        "tensor_parallel_size": tensor_parallel_size,
+                        "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+                        "device": device},
+            "chat_template": chat_template,
+            "allow_code_execution": allow_code_execution,
+            "limit": limit,
+            "max_gen_toks": max_gen_toks,
+            "output": output,
+            "data": _parse_pairs(data, "--data"),
+            "nltk_data": nltk_data,
+            "code_workers": code_workers,
+        },
+        base=Path.cwd(),
+    )
+    echo = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
+    summaries = []
+    for label, path in _models(models):
+        summaries.append(evaluate_model(path, label, section, echo=echo))
+        click.echo(f"{label}: summary written to {Path(section.output) / (summaries[-1]['label'] + '.json')}")
+    files = [Path(section.output) / f"{s['label']}.json" for s in summaries]
+    markdown, _ = build_leaderboard(files, Path(section.output), stem="last-eval")
+    click.echo(markdown, nl=False)
+
+
+@click.command("leaderboard")
+@click.argument("results", nargs=-1)
+@click.option("--output", default=None, help="Where to write leaderboard.md/.csv/.png (default: the first RESULTS dir).")
+@click.option("--reference", "references", multiple=True,
+              help="Add the paper's rows: Llama-3.2-3B-Instruct, Llama-3.1-8B-Instruct or all.")
+@click.option("--suite", default=None, help="Suite (default: the one the results were scored with).")
+@click.option("--name", "stem", default="leaderboard", show_default=True, help="Output file stem.")
+def leaderboard(results, output, references, suite, stem) -> None:
+    """Turn RESULTS (summary files or results directories; default: eval-results) into a table."""
+    from featcal_llm.evaluation.leaderboard import build_leaderboard
+
+    paths = [Path(p) for p in results] or [Path("eval-results")]
+    target = Path(output) if output else (paths[0] if paths[0].is_dir() else paths[0].parent)
+    markdown, files = build_leaderboard(paths, target, references=list(references), suite_name=suite, stem=stem)
+    click.echo(markdown, nl=False)
+    click.echo(f"written: {files['markdown']}, {files['csv']}, {files['png']}", err=True)

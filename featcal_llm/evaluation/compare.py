@@ -1,0 +1,60 @@
+"""`run recipe.yaml` with an `eval:` block: merged vs calibrated, one pipeline, one table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation.config import EvalSection
+from featcal_llm.evaluation.leaderboard import Row, reference_rows, render_markdown, summary_rows, write_csv, write_png
+from featcal_llm.evaluation.modelinfo import ChatDecision, chat_template_text, check_model_dir, decide_chat_template
+from featcal_llm.evaluation.runner import evaluate_model, safe_label
+from featcal_llm.evaluation.suite import load_suite
+
+
+def _same_decision(decision: ChatDecision, model_dir: Path) -> ChatDecision:
+    """The calibrated model is scored exactly like the merge it came from."""
+    import hashlib
+
+    template = chat_template_text(model_dir)
+    if decision.applied and template is None:
+        raise FeatCalError(f"{model_dir}: the merged model is scored with its chat template, but this tokenizer has none")
+    sha = hashlib.sha256(template.encode()).hexdigest() if template else None
+    return ChatDecision(decision.applied, f"as the merged model ({decision.reason})", sha)
+
+
+def _labels(merged_dir: Path, calibrated_dir: Path) -> tuple[str, str]:
+    merged, calibrated = safe_label(merged_dir.name), safe_label(calibrated_dir.name)
+    if merged == calibrated:
+        merged, calibrated = f"{merged}-merged", f"{calibrated}-calibrated"
+    return merged, calibrated
+
+
+def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path,
+                              echo=lambda line: print(line, file=sys.stderr)) -> str:
+    section = section.resolve(recipe_dir)
+    merged_dir, calibrated_dir = check_model_dir(merged_dir), check_model_dir(calibrated_dir)
+    merged_chat = decide_chat_template(merged_dir, section.chat_template)
+    calibrated_chat = _same_decision(merged_chat, calibrated_dir)
+    merged_label, calibrated_label = _labels(merged_dir, calibrated_dir)
+    merged = evaluate_model(merged_dir, merged_label, section, chat=merged_chat, echo=echo)
+    calibrated = evaluate_model(calibrated_dir, calibrated_label, section, chat=calibrated_chat, echo=echo)
+
+    suite = load_suite(section.suite)
+    ours = summary_rows([merged, calibrated], suite)
+    delta_scores = {
+        task: (ours[1].scores[task] - ours[0].scores[task])
+        if ours[0].scores[task] is not None and ours[1].scores[task] is not None else None
+        for task in suite.tasks
+    }
+    delta_average = (ours[1].average - ours[0].average) if None not in (ours[0].average, ours[1].average) else None
+    delta = Row("Δ calibrated − merged", delta_scores, delta_average, "", signed=True)
+    references = reference_rows([section.reference], suite) if section.reference else []
+    rows = references + ours + [delta]
+    markdown = render_markdown(rows, suite)
+    output = Path(section.output)
+    (output / "after-calibration.md").write_text(markdown)
+    write_csv(rows, suite, output / "after-calibration.csv")
+    write_png(rows, suite, output / "after-calibration.png")
+    return markdown

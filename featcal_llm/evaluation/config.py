@@ -1,0 +1,140 @@
+"""Settings of one evaluation run, shared by the CLI and a recipe's `featcal.eval:` block.
+
+Only pydantic lives here, so the recipe loader can import `EvalSection` without pulling in
+lm-eval, torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+BackendName = Literal["auto", "vllm", "hf"]
+ChatTemplateMode = Literal["auto", "on", "off"]
+
+
+class BackendSettings(BaseModel):
+    """How lm-eval drives the model; every field is recorded and is part of the cache key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: BackendName = Field("auto", description="auto = vllm when CUDA is present, else hf")
+    dtype: str = Field("auto", description="auto keeps the checkpoint dtype (bfloat16 for Llama)")
+    batch_size: PositiveInt | Literal["auto"] | None = Field(
+        None, description="None = vllm: auto; hf: auto on CUDA, 1 on CPU"
+    )
+    tensor_parallel_size: PositiveInt = 1
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: PositiveInt | None = Field(
+        None,
+        description="context length (vllm max_model_len, hf max_length); None = the suite's "
+        "context_length capped at the model's max_position_embeddings",
+    )
+    device: str | None = Field(None, description="hf only: cuda, cuda:N or cpu (vllm: CUDA_VISIBLE_DEVICES)")
+    seed: int = Field(1234, description="vllm sampling seed (lm-eval's default)")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        allowed = {"auto", "bfloat16", "float16", "float32"}
+        if value not in allowed:
+            raise ValueError(f"expected one of {sorted(allowed)}")
+        return value
+
+
+class EvalSection(BaseModel):
+    """The `featcal.eval:` block of a recipe: score the merged and calibrated models after `run`.
+
+    Relative paths (suite file, output, data overrides, nltk_data) are relative to the recipe.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    suite: str = Field("mergebench", description="a suite in eval/ by name, or a suite YAML path")
+    tasks: list[str] | None = Field(None, description="subset of the suite's task ids; None = all")
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    chat_template: ChatTemplateMode = Field(
+        "auto", description="auto = on when the model or its merge base is an -Instruct/chat model"
+    )
+    allow_code_execution: bool = Field(
+        False, description="run model-written code for HumanEval+/MBPP+ (subprocess per sample)"
+    )
+    limit: PositiveInt | None = Field(None, description="first N items per task (smoke runs only)")
+    max_gen_toks: PositiveInt | None = Field(None, description="override every task's max_gen_toks")
+    output: str = Field("eval-results", description="results directory")
+    data: dict[str, str] = Field(default_factory=dict, description="task id -> local file or directory")
+    nltk_data: str | None = Field(None, description="directory holding NLTK's punkt_tab (IFEval)")
+    code_workers: PositiveInt | None = Field(None, description="programs run in parallel (default: min(8, CPUs))")
+    reference: str | None = Field(
+        None, description="paper rows to print alongside, e.g. 'Llama-3.2-3B-Instruct'"
+    )
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value):
+        """YAML 1.1 reads an unquoted `on`/`off` as a boolean."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+    @model_validator(mode="after")
+    def _code_needs_opt_in(self) -> "EvalSection":
+        """Catch a suite with code tasks and no opt-in when the recipe is read, not after hours
+        of calibration. A suite given by a relative path is checked when it runs."""
+        from featcal_llm.errors import FeatCalError
+        from featcal_llm.evaluation.suite import code_opt_in_problem, load_suite
+
+        by_name = not (self.suite.endswith((".yaml", ".yml")) or "/" in self.suite)
+        if not by_name and not Path(self.suite).expanduser().is_absolute():
+            return self
+        try:
+            suite = load_suite(self.suite)
+            problem = code_opt_in_problem(suite, suite.select(self.tasks, "tasks"), self.allow_code_execution)
+        except FeatCalError as error:
+            raise ValueError(str(error)) from None
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def resolve(self, base: Path) -> "EvalSection":
+        """A copy whose relative paths are made absolute against `base` (the recipe's folder)."""
+
+        def absolute(value: str) -> str:
+            path = Path(value).expanduser()
+            return str(path if path.is_absolute() else (base / path))
+
+        suite = self.suite
+        if suite.endswith((".yaml", ".yml")) or "/" in suite:
+            suite = absolute(suite)
+        return self.model_copy(
+            update={
+                "suite": suite,
+                "output": absolute(self.output),
+                "data": {task: absolute(path) for task, path in self.data.items()},
+                "nltk_data": absolute(self.nltk_data) if self.nltk_data else None,
+            }
+        )
+
+
+_OPTION_NAMES = {"backend.name": "--backend", "allow_code_execution": "--allow-code-execution"}
+
+
+def section_from_options(options: dict, base: Path) -> EvalSection:
+    """Validate CLI options with the recipe's model; errors name the option, on one line."""
+    from pydantic import ValidationError
+
+    from featcal_llm.errors import FeatCalError
+
+    try:
+        section = EvalSection.model_validate(options)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        if not where:
+            raise FeatCalError(f"eval: {message}") from None
+        option = _OPTION_NAMES.get(where) or "--" + where.split(".")[-1].replace("_", "-")
+        raise FeatCalError(f"eval {option}: {message}") from None
+    return section.resolve(base)

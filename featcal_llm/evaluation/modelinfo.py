@@ -1,0 +1,152 @@
+"""What the harness needs to know about a model directory without loading it.
+
+The fingerprint (weights, config, tokenizer, chat template) is what results are cached by, so
+the same weights under another path or label hit the cache and changed weights never do. The
+chat-template decision is made here once per model and recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from featcal_llm.errors import FeatCalError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CONFIG_FILES = (
+    "config.json", "generation_config.json", "model.safetensors.index.json",
+    "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "chat_template.json",
+)
+_INSTRUCT = re.compile(r"instruct|chat|(^|[-_/])it($|[-_/])", re.IGNORECASE)
+
+
+def check_model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise FeatCalError(f"{path}: not a model directory (no config.json)")
+    return path.resolve()
+
+
+def fingerprint_files(model_dir: Path) -> list[Path]:
+    files = [p for p in model_dir.iterdir() if p.is_file() and (
+        p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES or p.suffix == ".jinja")]
+    return sorted(files)
+
+
+class FileHashMemo:
+    """sha256 per file, remembered by (path, size, mtime) in a JSON file next to the results,
+    so an 8B checkpoint is hashed once, not on every `eval` call."""
+
+    def __init__(self, memo_path: Path):
+        self.path = memo_path
+        try:
+            self.entries: dict = json.loads(memo_path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def sha256(self, file: Path) -> str:
+        stat = file.stat()
+        key = str(file.resolve())
+        entry = self.entries.get(key)
+        if entry and entry["size"] == stat.st_size and entry["mtime_ns"] == stat.st_mtime_ns:
+            return entry["sha256"]
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+        self.entries[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
+        return self.entries[key]["sha256"]
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+def model_fingerprint(model_dir: Path, memo: FileHashMemo) -> str:
+    """sha256 over (file name, file sha256) of the weights, config and tokenizer files."""
+    files = fingerprint_files(model_dir)
+    if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
+        raise FeatCalError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    listing = [[f.name, memo.sha256(f)] for f in files]
+    memo.save()
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def chat_template_text(model_dir: Path) -> str | None:
+    """The tokenizer's chat template as transformers would find it, or None."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        template = _read_json(model_dir / name).get("chat_template")
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list) and template:  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            return named.get("default") or next(iter(named.values()))
+    return None
+
+
+def max_positions(model_dir: Path) -> int | None:
+    config = _read_json(model_dir / "config.json")
+    config = config.get("text_config", config)
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def _lineage_names(model_dir: Path) -> list[str]:
+    """The model's own name, its recorded hub name and, for a merge, its merge base."""
+    names = [model_dir.name, str(_read_json(model_dir / "config.json").get("_name_or_path") or "")]
+    mergekit = model_dir / "mergekit_config.yml"
+    if mergekit.is_file():
+        try:
+            recipe = yaml.safe_load(mergekit.read_text()) or {}
+        except yaml.YAMLError:
+            recipe = {}
+        base = recipe.get("base_model") if isinstance(recipe, dict) else None
+        if isinstance(base, dict):
+            base = base.get("model")
+        if base:
+            names.append(str(base))
+    return [name for name in names if name]
+
+
+@dataclass(frozen=True)
+class ChatDecision:
+    applied: bool
+    reason: str
+    template_sha256: str | None
+
+
+def decide_chat_template(model_dir: Path, mode: str) -> ChatDecision:
+    """auto: on for -Instruct/-chat/-it models (by name, hub name or merge base) that have a
+    template; on/off: forced. Always recorded with the reason."""
+    template = chat_template_text(model_dir)
+    sha = hashlib.sha256(template.encode()).hexdigest() if template else None
+    if mode == "on":
+        if template is None:
+            raise FeatCalError(f"{model_dir}: --chat-template on, but the tokenizer has no chat template")
+        return ChatDecision(True, "forced on", sha)
+    if mode == "off":
+        return ChatDecision(False, "forced off", sha)
+    if template is None:
+        return ChatDecision(False, "auto: the tokenizer has no chat template", None)
+    for name in _lineage_names(model_dir):
+        if _INSTRUCT.search(name):
+            return ChatDecision(True, f"auto: '{name}' is an instruct/chat model", sha)
+    return ChatDecision(False, "auto: no instruct/chat name in the model, its _name_or_path or merge base", sha)

@@ -1,0 +1,217 @@
+"""Evaluate models: plan (fingerprint, cache lookup), run missing tasks in a per-model worker
+subprocess, and write the model's summary. This runs in the user's process and never imports
+lm-eval, vLLM or torch's CUDA side (the worker does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation import cache
+from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
+from featcal_llm.evaluation.config import EvalSection
+from featcal_llm.evaluation.modelinfo import (
+    ChatDecision,
+    FileHashMemo,
+    check_model_dir,
+    decide_chat_template,
+    max_positions,
+    model_fingerprint,
+)
+from featcal_llm.evaluation.suite import Suite, code_opt_in_problem, load_suite
+from featcal_llm.evaluation.worker import USER_ERROR_EXIT
+
+SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # lm-eval's defaults
+SUMMARY_SCHEMA = "featcal-llm/eval-summary/1"
+
+
+def safe_label(label: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._")
+    if not cleaned:
+        raise FeatCalError(f"label '{label}': needs at least one letter or digit")
+    return cleaned
+
+
+def _lm_eval_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lm_eval")
+    except PackageNotFoundError:
+        return None
+
+
+@dataclass
+class TaskPlan:
+    task_id: str
+    key: str
+    key_fields: dict
+    directory: Path
+    data: Path | None
+
+    @property
+    def cached(self) -> bool:
+        return cache.read_entry(self.directory) is not None
+
+
+def _task_plans(suite: Suite, task_ids: list[str], section: EvalSection, fingerprint: str,
+                backend_identity: dict, chat: ChatDecision, output: Path) -> list[TaskPlan]:
+    plans = []
+    lm_eval_version = _lm_eval_version()
+    for task_id in task_ids:
+        data = Path(section.data[task_id]) if task_id in section.data else None
+        fields = {
+            "model": fingerprint,
+            "suite": suite.name,
+            "suite_version": suite.version,
+            "task": task_id,
+            "task_definition": suite.task_fingerprint(task_id),
+            "data": cache.data_fingerprint(data) if data is not None and data.exists() else None,
+            "backend": backend_identity,
+            "chat_template": chat.applied,
+            "limit": section.limit,
+            "max_gen_toks": section.max_gen_toks,
+            "seeds": SEEDS,
+            "lm_eval": lm_eval_version,
+        }
+        key = cache.cache_key(fields)
+        plans.append(TaskPlan(task_id, key, fields, cache.entry_dir(output, key), data))
+    return plans
+
+
+def _check_data_keys(section: EvalSection, suite: Suite, task_ids: list[str]) -> None:
+    for task_id, path in section.data.items():
+        if task_id not in suite.tasks:
+            raise FeatCalError(f"data.{task_id}: not a task of suite {suite.name} ({', '.join(suite.tasks)})")
+        if not Path(path).exists():
+            raise FeatCalError(f"data.{task_id}: {path} does not exist")
+
+
+def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]) -> None:
+    logs = output / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{label}.log"
+    with tempfile.TemporaryDirectory(prefix="featcal-eval-") as scratch:
+        job_path, error_file = Path(scratch) / "job.json", Path(scratch) / "error.json"
+        job["error_file"] = str(error_file)
+        job_path.write_text(json.dumps(job, indent=1))
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        last_line = ""
+        with log_path.open("a") as log:
+            log.write(f"\n===== worker for {label} ({job['model']['path']})\n")
+            process = subprocess.Popen(
+                [sys.executable, "-m", "featcal_llm.evaluation.worker", str(job_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1,
+            )
+            assert process.stdout is not None
+            for line in process.stdout:
+                log.write(line)
+                if line.strip():
+                    last_line = line.strip()[-300:]
+                echo(line.rstrip("\n"))
+            returncode = process.wait()
+        if returncode == USER_ERROR_EXIT and error_file.is_file():
+            raise FeatCalError(json.loads(error_file.read_text())["message"])
+        if returncode != 0:
+            raise FeatCalError(
+                f"{label}: the evaluation worker failed (exit {returncode}): {last_line}; finished tasks "
+                f"are cached, rerun to resume; full log: {log_path}"
+            )
+
+
+def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: ChatDecision | None = None,
+                   echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    """Score one model on the section's suite, reusing cached tasks; returns its summary."""
+    model_dir = check_model_dir(Path(model_dir))
+    label = safe_label(label)
+    suite = load_suite(section.suite)
+    task_ids = suite.select(section.tasks, "tasks")
+    problem = code_opt_in_problem(suite, task_ids, section.allow_code_execution)
+    if problem:
+        raise FeatCalError(f"eval: {problem}")
+    _check_data_keys(section, suite, task_ids)
+    output = Path(section.output)
+    backend_name = resolve_backend_name(section.backend)
+    backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir))
+    chat = chat or decide_chat_template(model_dir, section.chat_template)
+    fingerprint = model_fingerprint(model_dir, FileHashMemo(output / "fingerprints.json"))
+    plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)
+
+    pending = [plan for plan in plans if not plan.cached]
+    for plan in plans:
+        if plan.cached:
+            echo(f"[featcal-eval] {label}: {plan.task_id} cached ({plan.directory.name})")
+    if pending:
+        job = {
+            "label": label,
+            "model": {"path": str(model_dir), "fingerprint": fingerprint},
+            "suite_path": str(suite.path),
+            "tasks": [{"id": p.task_id, "label": suite.tasks[p.task_id].label, "metric": suite.tasks[p.task_id].metric,
+                       "lm_eval_task": suite.tasks[p.task_id].lm_eval_task or "",
+                       "key": p.key, "key_fields": p.key_fields, "dir": str(p.directory),
+                       "data": str(p.data) if p.data else None} for p in pending],
+            "backend": {"name": backend.name, "model_args": backend.model_args, "batch_size": backend.batch_size},
+            "chat": {"applied": chat.applied, "reason": chat.reason, "template_sha256": chat.template_sha256},
+            "fewshot_as_multiturn": suite.fewshot_as_multiturn,
+            "limit": section.limit,
+            "max_gen_toks": section.max_gen_toks,
+            "allow_code_execution": section.allow_code_execution,
+            "code_workers": section.code_workers,
+            "nltk_data": section.nltk_data,
+            "seeds": SEEDS,
+        }
+        _run_worker(job, output, label, echo)
+        missing = [p.task_id for p in pending if not p.cached]
+        if missing:
+            raise FeatCalError(f"{label}: the worker finished without results for {', '.join(missing)}")
+    summary = _summary(label, model_dir, fingerprint, suite, plans, backend.identity(), chat, section, output)
+    (output / f"{label}.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _summary(label: str, model_dir: Path, fingerprint: str, suite: Suite, plans: list[TaskPlan],
+             backend: dict, chat: ChatDecision, section: EvalSection, output: Path) -> dict:
+    scale = 100.0 if suite.report.scale == "percent" else 1.0
+    tasks = {}
+    for plan in plans:
+        record = cache.read_entry(plan.directory)
+        assert record is not None
+        value = float(record["task"]["value"])
+        tasks[plan.task_id] = {
+            "label": suite.tasks[plan.task_id].label,
+            "metric": record["task"]["metric"],
+            "value": value,
+            "score": value * scale,
+            "n": (record["lm_eval"].get("n-samples") or {}).get("effective"),
+            "cache_key": plan.key,
+            "result": str((plan.directory / cache.RESULT_FILE).relative_to(output)),
+            "samples": str((plan.directory / cache.SAMPLES_FILE).relative_to(output)),
+        }
+    complete = set(tasks) == set(suite.tasks)
+    average = sum(t["score"] for t in tasks.values()) / len(tasks) if complete else None
+    return {
+        "schema": SUMMARY_SCHEMA,
+        "label": label,
+        "model": {"path": str(model_dir), "fingerprint": fingerprint},
+        "suite": {"name": suite.name, "version": suite.version, "path": str(suite.path)},
+        "report": suite.report.model_dump(),
+        "backend": backend,
+        "chat_template": {"applied": chat.applied, "reason": chat.reason, "template_sha256": chat.template_sha256},
+        "limit": section.limit,
+        "max_gen_toks": section.max_gen_toks,
+        "seeds": SEEDS,
+        "tasks": tasks,
+        "complete": complete,
+        "average": average,
+    }

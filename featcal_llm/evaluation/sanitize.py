@@ -1,0 +1,113 @@
+"""EvalPlus-style post-processing of model-written Python, with the standard `ast` module.
+
+EvalPlus (evalplus/sanitize.py) does this with tree-sitter; the steps are the same:
+1. keep the longest run of lines that parses (drops prose and markdown around the code);
+2. keep the imports, and the top-level classes, functions (with a `return`) and simple
+   assignments that the entry point reaches through the names it uses;
+3. if nothing is left, fall back to step 1's code.
+One deliberate difference: a decorated function (`@lru_cache def f`) is kept here; EvalPlus's
+tree-sitter walk silently drops it, which fails correct solutions.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+
+_ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def code_extract(text: str) -> str:
+    """The longest (by non-blank lines) contiguous block of lines that is valid Python."""
+    text = _ANSI.sub("", text)
+    if _parses(text):
+        return text
+    lines = text.split("\n")
+    best, best_span = 0, (0, 0)
+    for start in range(len(lines)):
+        for end in range(start + 1, len(lines)):
+            length = sum(1 for line in lines[start : end + 1] if line.strip())
+            if length > best and _parses("\n".join(lines[start : end + 1])):
+                best, best_span = length, (start, end)
+    return "\n".join(lines[best_span[0] : best_span[1] + 1])
+
+
+def _names_in(source: str) -> set[str]:
+    """Every identifier token in `source` (what tree-sitter's identifier nodes give EvalPlus)."""
+    names: set[str] = set()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.NAME:
+                names.add(token.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return names
+
+
+def _has_return(node: ast.AST) -> bool:
+    return any(isinstance(child, ast.Return) for child in ast.walk(node))
+
+
+def _segment(code_lines: list[str], node: ast.stmt) -> str:
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "\n".join(code_lines[first - 1 : node.end_lineno])
+
+
+def _definition_name(node: ast.stmt) -> str | None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return node.target.id
+    return None
+
+
+def _reachable(entry_point: str, dependencies: dict[str, set[str]]) -> set[str]:
+    seen, queue = {entry_point}, [entry_point]
+    while queue:
+        for name in dependencies.get(queue.pop(0), ()):
+            if name not in seen:
+                seen.add(name)
+                queue.append(name)
+    return seen
+
+
+def sanitize(text: str, entry_point: str | None = None) -> str:
+    """The program EvalPlus would grade for this completion."""
+    code = code_extract(text)
+    lines = code.split("\n")
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return code
+    imports: list[str] = []
+    definitions: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(_segment(lines, node))
+            continue
+        name = _definition_name(node)
+        if name is None or name in taken:
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _has_return(node):
+            continue
+        definitions.append((name, _segment(lines, node)))
+        taken.add(name)
+    if entry_point:
+        dependencies = {name: _names_in(source) for name, source in definitions}
+        keep = _reachable(entry_point, dependencies)
+        definitions = [(name, source) for name, source in definitions if name in keep]
+    sanitized = "\n".join(imports + [source for _, source in definitions]).strip()
+    return sanitized or code

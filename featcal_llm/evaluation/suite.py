@@ -1,0 +1,153 @@
+"""Evaluation suites: versioned YAML data in `eval/`, validated here.
+
+A suite pins, per task, the lm-eval task (a registry name or a task YAML of ours), the few-shot
+count, generation kwargs and the one metric that is reported. Everything that changes a score
+is in the file, so the file (with its version) is what a result is cached and compared by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from featcal_llm.errors import FeatCalError
+
+
+def eval_root() -> Path:
+    """The `eval/` folder: $FEATCAL_EVAL_DIR, else the one next to the package (a checkout)."""
+    override = os.environ.get("FEATCAL_EVAL_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / "eval"
+
+
+class Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scale: Literal["percent", "fraction"] = "percent"
+    decimals: int = Field(1, ge=0, le=4)
+    average: Literal["mean"] = "mean"
+
+
+class TaskSpec(BaseModel):
+    """One benchmark of a suite."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str
+    lm_eval_task: str | None = Field(None, description="a task name in lm-eval's registry")
+    task_file: str | None = Field(None, description="a task YAML of ours, relative to the suite")
+    num_fewshot: int = Field(ge=0)
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    metric: str = Field(description="the lm-eval results key reported, '<metric>,<filter>'")
+    executes_code: bool = False
+    code_timeout_s: float | None = Field(None, gt=0, description="wall-clock limit per program")
+    why: str
+
+    @model_validator(mode="after")
+    def _one_definition(self) -> "TaskSpec":
+        if (self.lm_eval_task is None) == (self.task_file is None):
+            raise ValueError("give exactly one of lm_eval_task or task_file")
+        if "," not in self.metric:
+            raise ValueError("metric must be '<metric>,<filter>' as in lm-eval's results")
+        if self.executes_code and self.code_timeout_s is None:
+            raise ValueError("a task that executes code needs code_timeout_s")
+        return self
+
+
+class Suite(BaseModel):
+    """A set of tasks scored by one identical pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    version: str
+    description: str
+    context_length: PositiveInt
+    fewshot_as_multiturn: bool = True
+    chat_template: str = Field(description="the rule for applying the chat template (documentation)")
+    report: Report = Field(default_factory=Report)
+    tasks: dict[str, TaskSpec]
+
+    path: Path | None = Field(None, exclude=True)
+
+    def task_path(self, task_id: str) -> Path | None:
+        spec = self.tasks[task_id]
+        if spec.task_file is None:
+            return None
+        assert self.path is not None
+        return (self.path.parent / spec.task_file).resolve()
+
+    def select(self, task_ids: list[str] | None, origin: str) -> list[str]:
+        """The task ids to run, in suite order; unknown ids are a user error naming `origin`."""
+        if not task_ids:
+            return list(self.tasks)
+        unknown = [task for task in task_ids if task not in self.tasks]
+        if unknown:
+            raise FeatCalError(
+                f"{origin}: unknown task {', '.join(unknown)}; the suite has {', '.join(self.tasks)}"
+            )
+        return [task for task in self.tasks if task in task_ids]
+
+    def task_fingerprint(self, task_id: str) -> str:
+        """Hash of everything in the suite that defines this task, including our task YAML."""
+        spec = self.tasks[task_id].model_dump(exclude={"why", "label"})
+        task_path = self.task_path(task_id)
+        if task_path is not None:
+            spec["task_file_sha256"] = hashlib.sha256(task_path.read_bytes()).hexdigest()
+        blob = json.dumps(
+            {"suite": self.name, "version": self.version, "fewshot_as_multiturn": self.fewshot_as_multiturn,
+             "task": task_id, "spec": spec},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def code_opt_in_problem(suite: Suite, task_ids: list[str], allowed: bool) -> str | None:
+    """The message for running code tasks without the user's opt-in, or None."""
+    code = [task for task in task_ids if suite.tasks[task].executes_code]
+    if not code or allowed:
+        return None
+    return (
+        f"{', '.join(code)} execute model-written code: pass --allow-code-execution "
+        "(recipe: allow_code_execution: true) to run each program in a subprocess with a time limit, "
+        "or leave them out with --tasks / tasks:"
+    )
+
+
+def resolve_suite_path(name_or_path: str) -> Path:
+    """A suite name (`mergebench`) means `eval/<name>.yaml`; anything else is a path."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
+        return candidate
+    return eval_root() / f"{name_or_path}.yaml"
+
+
+def load_suite(name_or_path: str) -> Suite:
+    path = resolve_suite_path(name_or_path)
+    if not path.is_file():
+        raise FeatCalError(f"{path}: suite file not found (give a suite name in eval/ or a YAML path)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise FeatCalError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise FeatCalError(f"{path}: expected a mapping with name, version, tasks")
+    try:
+        suite = Suite.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise FeatCalError(f"{path}: {where}: {first['msg']}") from None
+    suite.path = path.resolve()
+    for task_id in suite.tasks:
+        task_path = suite.task_path(task_id)
+        if task_path is not None and not task_path.is_file():
+            raise FeatCalError(f"{path}: tasks.{task_id}.task_file: {task_path} does not exist")
+    return suite

@@ -1,0 +1,193 @@
+"""The per-model worker: `python -m featcal_llm.evaluation.worker JOB.json`.
+
+One process per model, because vLLM does not give GPU memory back between models. The worker
+builds every pending task first (datasets, IFEval/code preflight) so that data problems show up
+before a model is loaded, then loads the model once and runs the tasks one by one through
+lm-eval's `simple_evaluate`, writing each finished task to the cache before starting the next:
+a crash loses at most the task in flight.
+
+Exit codes: 0 done; 3 a user error, whose one-line message is in the job's `error_file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+
+USER_ERROR_EXIT = 3
+PUNKT_INSTRUCTIONS = {"length_constraints:number_sentences", "change_case:capital_word_frequency"}
+
+
+def block_nltk_downloads() -> None:
+    """lm-eval's IFEval module calls nltk.download('punkt_tab') at import; offline that hangs or
+    fails noisily. Nothing is downloaded at evaluation time: the preflight below reports instead."""
+    import nltk
+
+    def refuse(*_args, **_kwargs) -> bool:
+        return False
+
+    nltk.download = refuse
+
+
+def punkt_available() -> bool:
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab/english/")
+    except LookupError:
+        return False
+    return True
+
+
+def preflight_ifeval(task_id: str, task) -> None:
+    """Two IFEval checkers (sentence counts, capital-word counts) need NLTK's punkt_tab; fail
+    before the model loads rather than after hours of generation."""
+    needs = sorted({i for doc in task.eval_docs for i in doc.get("instruction_id_list", []) if i in PUNKT_INSTRUCTIONS})
+    if needs and not punkt_available():
+        raise FeatCalError(
+            f"{task_id}: IFEval needs NLTK's punkt_tab data (for {', '.join(needs)}) and it is not installed; "
+            "on a machine with internet run `python -m nltk.downloader -d DIR punkt_tab`, copy DIR here "
+            "and pass --nltk-data DIR (or set NLTK_DATA)"
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("lm_eval", "vllm", "transformers", "torch", "datasets", "featcal-llm", "math-verify", "nltk"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    found["python"] = sys.version.split()[0]
+    return found
+
+
+def _write_result(task: dict, job: dict, output: dict, name: str, config: dict, chat_template: str | None,
+                  started: float) -> None:
+    import hashlib
+
+    from featcal_llm.evaluation.cache import write_entry
+
+    metrics = output["results"][name]
+    metric_key = task["metric"]
+    if metric_key not in metrics:
+        raise FeatCalError(
+            f"{job['suite_path']}: tasks.{task['id']}.metric: '{metric_key}' is not in lm-eval's results "
+            f"(has {', '.join(k for k in metrics if k != 'alias')})"
+        )
+    record = {
+        "schema": "featcal-llm/eval-result/1",
+        "cache_key": task["key"],
+        "key_fields": task["key_fields"],
+        "task": {"id": task["id"], "label": task["label"], "lm_eval_name": name, "metric": metric_key,
+                 "value": metrics[metric_key], "settings": config},
+        "model": job["model"],
+        "backend": job["backend"],
+        "chat_template": {**job["chat"], "applied_template_sha256":
+                          hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
+                          "fewshot_as_multiturn": job["fewshot_as_multiturn"]},
+        "seeds": job["seeds"],
+        "limit": job["limit"],
+        "versions": _versions(),
+        "metrics": metrics,
+        "lm_eval": {key: output.get(key, {}).get(name) for key in ("versions", "n-shot", "higher_is_better", "n-samples")}
+        | {"config": output.get("config"), "date": output.get("date"),
+           "pretty_env_info": output.get("pretty_env_info"),
+           "task_hash": (output.get("task_hashes") or {}).get(name)},
+        "started": started,
+        "duration_s": round(time.time() - started, 3),
+    }
+    samples = output.get("samples", {}).get(name, [])
+    write_entry(Path(task["dir"]), _jsonable(record), [_jsonable(sample) for sample in samples])
+
+
+def run(job: dict) -> None:
+    if job.get("nltk_data"):
+        os.environ["NLTK_DATA"] = job["nltk_data"]
+    if any(task["lm_eval_task"].startswith("ifeval") for task in job["tasks"]):
+        block_nltk_downloads()
+
+    import lm_eval
+    from lm_eval.api.registry import get_model
+
+    from featcal_llm.evaluation import evalplus
+    from featcal_llm.evaluation.suite import load_suite
+    from featcal_llm.evaluation.tasks import describe, resolve_task_config, task_manager
+
+    suite = load_suite(job["suite_path"])
+    manager = task_manager(suite)
+    built = []
+    for task in job["tasks"]:
+        spec = suite.tasks[task["id"]]
+        if spec.executes_code and not job["allow_code_execution"]:
+            raise FeatCalError(f"{task['id']}: executes model-written code; pass --allow-code-execution")
+        data = Path(task["data"]) if task.get("data") else None
+        config = resolve_task_config(suite, task["id"], data=data, max_gen_toks=job["max_gen_toks"])
+        try:
+            loaded = manager.load([config])["tasks"]
+        except Exception as error:  # datasets/hub errors: name the task and the data source
+            source = task.get("data") or config.get("dataset_path")
+            raise FeatCalError(f"{task['id']}: could not load its data from {source} ({type(error).__name__}: "
+                               f"{str(error).splitlines()[0] if str(error) else ''}); pass --data {task['id']}=PATH "
+                               "for a local copy") from None
+        (name, task_object), = loaded.items()
+        if name.startswith("ifeval"):
+            preflight_ifeval(task["id"], task_object)
+        built.append((task, spec, name, task_object, describe(config)))
+
+    backend = job["backend"]
+    print(f"[featcal-eval] loading {job['model']['path']} with lm-eval backend {backend['name']}", flush=True)
+    lm = get_model(backend["name"]).create_from_arg_obj(backend["model_args"], {"batch_size": backend["batch_size"]})
+    chat_template = lm.chat_template(True) if job["chat"]["applied"] else None
+
+    for task, spec, name, task_object, config in built:
+        started = time.time()
+        print(f"[featcal-eval] {job['label']}: {task['id']} ({name})", flush=True)
+        if spec.executes_code:
+            evalplus.configure(allow=True, timeout_s=spec.code_timeout_s, workers=job.get("code_workers"))
+        seeds = job["seeds"]
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[task_object],
+            task_manager=manager,
+            batch_size=backend["batch_size"],
+            limit=job["limit"],
+            log_samples=True,
+            apply_chat_template=job["chat"]["applied"],
+            fewshot_as_multiturn=job["fewshot_as_multiturn"],
+            random_seed=seeds["random"],
+            numpy_random_seed=seeds["numpy"],
+            torch_random_seed=seeds["torch"],
+            fewshot_random_seed=seeds["fewshot"],
+            confirm_run_unsafe_code=bool(spec.executes_code and job["allow_code_execution"]),
+        )
+        evalplus.configure(allow=False, timeout_s=evalplus._SETTINGS.timeout_s)
+        _write_result(task, job, output, name, config, chat_template, started)
+        print(f"[featcal-eval] {job['label']}: {task['id']} done", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(Path(argv[1]).read_text())
+    try:
+        run(job)
+    except FeatCalError as error:
+        Path(job["error_file"]).write_text(json.dumps({"message": str(error)}))
+        print(f"[featcal-eval] error: {error}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

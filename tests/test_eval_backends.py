@@ -1,0 +1,155 @@
+"""Backend choice and argument plumbing: what reaches lm-eval's hf / vllm classes and vllm.LLM.
+
+No GPU here, so vLLM itself cannot run: a stand-in `vllm` package (same module layout and entry
+points lm-eval's VLLM class imports) records what lm-eval passes to `vllm.LLM` and
+`SamplingParams` when our worker drives it through a real `eval` run.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation import backends
+from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
+from featcal_llm.evaluation.config import BackendSettings
+
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
+
+
+@pytest.fixture(scope="module")
+def tiny_instruct_model(tmp_path_factory):
+    """A random tiny Llama with a chat template, named like an -Instruct model."""
+    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    model = new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed=0)
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny-Instruct")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_vllm_model_args():
+    settings = BackendSettings(name="vllm", tensor_parallel_size=2, gpu_memory_utilization=0.8, dtype="bfloat16")
+    plan = plan_backend("vllm", settings, Path("/m"), context_length=4096, model_max_positions=131072)
+    assert plan.model_args == {"pretrained": "/m", "dtype": "bfloat16", "tensor_parallel_size": 2,
+                               "gpu_memory_utilization": 0.8, "max_model_len": 4096, "seed": 1234}
+    assert plan.batch_size == "auto"
+    assert plan.identity() == {"name": "vllm", "batch_size": "auto", "model_args": {
+        "dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "max_model_len": 4096, "seed": 1234}}
+    # capped at the model's positions unless the user sets it
+    assert plan_backend("vllm", BackendSettings(), Path("/m"), 4096, 2048).model_args["max_model_len"] == 2048
+    assert plan_backend("vllm", BackendSettings(max_model_len=8192), Path("/m"), 4096, 2048).model_args["max_model_len"] == 8192
+    with pytest.raises(FeatCalError, match="backend.device: not used by vllm"):
+        plan_backend("vllm", BackendSettings(device="cuda:1"), Path("/m"), 4096, None)
+
+
+def test_hf_model_args(monkeypatch):
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    plan = plan_backend("hf", BackendSettings(), Path("/m"), 4096, 1024)
+    assert plan.model_args == {"pretrained": "/m", "dtype": "auto", "device": "cpu", "max_length": 1024}
+    assert plan.batch_size == 1
+    with pytest.raises(FeatCalError, match="only the vllm backend shards"):
+        plan_backend("hf", BackendSettings(tensor_parallel_size=2), Path("/m"), 4096, None)
+
+
+def test_backend_resolution_and_missing_extras(monkeypatch):
+    installed = {"lm_eval": True, "vllm": False, "torch": True, "transformers": True}
+    monkeypatch.setattr(backends, "_installed", lambda name: installed[name])
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    assert resolve_backend_name(BackendSettings()) == "hf"
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    with pytest.raises(FeatCalError, match=r"auto picked vllm \(CUDA is present\) but vLLM is not installed; install the extra: pip install 'featcal-llm\[vllm\]'"):
+        resolve_backend_name(BackendSettings())
+    with pytest.raises(FeatCalError, match=r"--backend: vllm is not installed; install the extra"):
+        resolve_backend_name(BackendSettings(name="vllm"))
+    installed["vllm"] = True
+    assert resolve_backend_name(BackendSettings()) == "vllm"
+    installed["lm_eval"] = False
+    with pytest.raises(FeatCalError, match=r"lm-eval is not installed; install the extra: pip install 'featcal-llm\[eval\]'"):
+        resolve_backend_name(BackendSettings(name="hf"))
+
+
+FAKE_VLLM = {
+    "vllm/__init__.py": '''
+        import json, os
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+        class TokensPrompt(dict):
+            pass
+        class _Completion:
+            def __init__(self, text):
+                self.text = text
+        class _Request:
+            def __init__(self, text):
+                self.outputs = [_Completion(text)]
+        class _Engine:
+            model_config = None
+        def _log(entry):
+            with open(os.environ["FAKE_VLLM_LOG"], "a") as handle:
+                handle.write(json.dumps(entry) + "\\n")
+        class LLM:
+            def __init__(self, **kwargs):
+                self.llm_engine = _Engine()
+                _log({"LLM": kwargs})
+            def generate(self, prompts, sampling_params=None, **kwargs):
+                _log({"SamplingParams": [p.kwargs for p in sampling_params], "n": len(prompts)})
+                return [_Request(" B") for _ in prompts]
+    ''',
+    "vllm/lora/__init__.py": "",
+    "vllm/lora/request.py": "class LoRARequest:\n    pass\n",
+    "vllm/tokenizers.py": '''
+        def get_tokenizer(name, **kwargs):
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(name)
+    ''',
+    "vllm/renderers/__init__.py": "",
+    "vllm/renderers/hf.py": "def resolve_chat_template(**kwargs):\n    return None\n",
+    "vllm-0.12.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.12.0\n",
+}
+
+
+@pytest.mark.slow
+def test_vllm_backend_plumbing_through_a_real_eval_run(tmp_path, monkeypatch, tiny_instruct_model):
+    pytest.importorskip("lm_eval")
+    from featcal_llm.cli import main
+
+    fake = tmp_path / "fake_vllm"
+    for name, text in FAKE_VLLM.items():
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text(textwrap.dedent(text))
+    log = tmp_path / "vllm.log"
+    monkeypatch.syspath_prepend(str(fake))
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    result = CliRunner().invoke(main, [
+        "eval", str(tiny_instruct_model), "--backend", "vllm", "--tasks", "arc_challenge",
+        "--gpu-memory-utilization", "0.5", "--output", str(tmp_path / "out"),
+        "--data", f"arc_challenge={FIXTURES / 'arc_challenge.jsonl'}",
+    ])
+    assert result.exit_code == 0, result.output
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["LLM"] == {
+        "model": str(tiny_instruct_model), "revision": None, "dtype": "auto", "tokenizer": None,
+        "tokenizer_mode": "auto", "tokenizer_revision": None, "trust_remote_code": False,
+        "tensor_parallel_size": 1, "max_model_len": 1024, "max_num_seqs": None, "quantization": None,
+        "seed": 1234, "enable_lora": False, "max_lora_rank": 16, "gpu_memory_utilization": 0.5,
+    }
+    sampling = calls[1]["SamplingParams"]
+    assert calls[1]["n"] == 3 and len(sampling) == 3
+    assert sampling[0]["max_tokens"] == 100 and sampling[0]["temperature"] == 0.0
+    assert {"\n\n", "."} <= set(sampling[0]["stop"])
+    summary = json.loads((tmp_path / "out" / "tiny-Instruct.json").read_text())
+    assert summary["backend"]["name"] == "vllm"
+    assert summary["tasks"]["arc_challenge"]["value"] == pytest.approx(1 / 3)  # " B" is right for item 1 only

@@ -1,0 +1,139 @@
+"""End to end on CPU with lm-eval's hf backend: a tiny local model over local fixture versions of
+the six MergeBench tasks -> results + samples, cache hits, resume, leaderboard, and the
+after-calibration comparison. Scores of a random model are 0; the plumbing is what is checked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("lm_eval")
+
+from featcal_llm.cli import main  # noqa: E402
+from featcal_llm.evaluation import EvalSection, run_after_calibration  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
+SIX = ["math500", "gsm8k", "humaneval_plus", "mbpp_plus", "ifeval", "arc_challenge"]
+DATA = [arg for task in SIX for arg in ("--data", f"{task}={FIXTURES / f'{task}.jsonl'}")]
+
+
+def _tiny(path: Path, seed: int) -> Path:
+    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    return save_model(new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed), tokenizer, path)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _eval(model: Path, out: Path, *extra: str):
+    args = ["eval", str(model), "--backend", "hf", "--max-gen-toks", "8", "--allow-code-execution",
+            "--output", str(out), *DATA, *extra]
+    return CliRunner().invoke(main, args)
+
+
+@pytest.mark.slow
+def test_eval_writes_results_hits_cache_resumes_and_ranks(tmp_path):
+    model = _tiny(tmp_path / "tiny-Instruct", seed=0)
+    out = tmp_path / "results"
+    first = _eval(model, out)
+    assert first.exit_code == 0, first.output
+    summary = json.loads((out / "tiny-Instruct.json").read_text())
+    assert list(summary["tasks"]) == SIX and summary["complete"] and summary["average"] == 0.0
+    assert summary["chat_template"]["applied"] is True  # "-Instruct" in the name, template present
+    for task_id, entry in summary["tasks"].items():
+        record = json.loads((out / entry["result"]).read_text())
+        assert record["task"]["id"] == task_id and record["cache_key"] == entry["cache_key"]
+        assert set(record["versions"]) >= {"lm_eval", "vllm", "transformers", "torch"}
+        assert record["versions"]["vllm"] is None and record["versions"]["lm_eval"]
+        assert record["seeds"] == {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}
+        assert record["backend"]["model_args"]["max_length"] == 1024 and record["backend"]["batch_size"] == 1
+        assert record["chat_template"]["applied_template_sha256"] == summary["chat_template"]["template_sha256"]
+        assert record["task"]["settings"]["generation_kwargs"]["max_gen_toks"] == 8
+        assert record["lm_eval"]["n-samples"] == {"original": 3, "effective": 3}
+        samples = (out / entry["samples"]).read_text().splitlines()
+        assert len({json.loads(line)["doc_id"] for line in samples}) == 3
+    code_sample = json.loads((out / summary["tasks"]["mbpp_plus"]["samples"]).read_text().splitlines()[0])
+    assert json.loads(code_sample["filtered_resps"][0])["status"] in {"failed", "timeout", "crashed"}
+
+    log = out / "logs" / "tiny-Instruct.log"
+    second = _eval(model, out)
+    assert second.exit_code == 0, second.output
+    assert second.output.count(" cached (") == 6
+    assert log.read_text().count("===== worker") == 1  # no worker was started
+
+    # a crash mid-run loses only unfinished tasks: drop one entry, only that task runs again
+    shutil.rmtree(out / "cache" / summary["tasks"]["ifeval"]["cache_key"])
+    third = _eval(model, out)
+    assert third.exit_code == 0, third.output
+    assert third.output.count(" cached (") == 5
+    assert "tiny-Instruct: ifeval (ifeval)" in log.read_text().split("===== worker")[-1]
+    assert "gsm8k (" not in log.read_text().split("===== worker")[-1]
+
+    board = CliRunner().invoke(main, ["leaderboard", str(out), "--reference", "Llama-3.2-3B-Instruct"])
+    assert board.exit_code == 0, board.output
+    lines = (out / "leaderboard.md").read_text().splitlines()
+    assert lines[0] == "| Model | MATH-500 | GSM8K | HumanEval+ | MBPP+ | IFEval | ARC-C | Avg. | Source |"
+    assert "| tiny-Instruct | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | this harness (hf, chat, max_gen_toks 8) |" in lines
+    assert ("| Llama-3.2-3B-Instruct · w/ FeatCal (paper) | 47.0 | 78.0 | 53.0 | 55.3 | 66.5 | 72.5 | 62.1 "
+            "| paper, Table 4 |") in lines
+    csv_rows = (out / "leaderboard.csv").read_text().splitlines()
+    assert csv_rows[0] == "model,math500,gsm8k,humaneval_plus,mbpp_plus,ifeval,arc_challenge,average,source,settings,reference"
+    assert (out / "leaderboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_model_and_bad_data_are_one_line_errors(tmp_path):
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "nope"), "--tasks", "gsm8k"])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"featcal-llm: error: {tmp_path / 'nope'}: not a model directory (no config.json)"
+    model = _tiny(tmp_path / "m", seed=0)
+    result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "gsm8k", "--data", "gsm8k=/no/such.jsonl",
+                                       "--backend", "hf"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "featcal-llm: error: data.gsm8k: /no/such.jsonl does not exist"
+
+
+@pytest.mark.slow
+def test_ifeval_without_punkt_fails_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path / "empty-nltk"))
+    model = _tiny(tmp_path / "tiny-Instruct", seed=0)
+    result = CliRunner().invoke(main, ["eval", str(model), "--backend", "hf", "--tasks", "ifeval", "--output",
+                                       str(tmp_path / "out"), "--data", f"ifeval={FIXTURES / 'ifeval_punkt.jsonl'}"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1].startswith(
+        "featcal-llm: error: ifeval: IFEval needs NLTK's punkt_tab data (for length_constraints:number_sentences)")
+    assert "loading" not in result.output
+
+
+@pytest.mark.slow
+def test_run_after_calibration_compares_merged_and_calibrated(tmp_path):
+    recipe_dir = tmp_path / "recipe"
+    recipe_dir.mkdir()
+    merged = _tiny(tmp_path / "merged", seed=1)
+    # same weights under another directory: scored once, the second is a cache hit by fingerprint
+    calibrated = shutil.copytree(merged, tmp_path / "calibrated")
+    section = EvalSection.model_validate({
+        "tasks": ["arc_challenge"], "backend": {"name": "hf"}, "chat_template": "off", "max_gen_toks": 4,
+        "output": "eval", "data": {"arc_challenge": str(FIXTURES / "arc_challenge.jsonl")},
+        "reference": "Llama-3.1-8B-Instruct",
+    })
+    table = run_after_calibration(section, merged, calibrated, recipe_dir)
+    assert (recipe_dir / "eval" / "logs" / "merged.log").is_file()
+    assert not (recipe_dir / "eval" / "logs" / "calibrated.log").exists()
+    lines = table.splitlines()
+    assert "| merged | – | – | – | – | – | 0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
+    assert "| calibrated | – | – | – | – | – | 0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
+    assert "| Δ calibrated − merged | – | – | – | – | – | +0.0 | – |  |" in lines
+    assert any(line.startswith("| Llama-3.1-8B-Instruct · Task Arithmetic (paper) |") for line in lines)
+    assert (recipe_dir / "eval" / "after-calibration.md").read_text() == table
+    assert json.loads((recipe_dir / "eval" / "calibrated.json").read_text())["chat_template"]["reason"].startswith(
+        "as the merged model")

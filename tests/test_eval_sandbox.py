@@ -1,0 +1,72 @@
+"""The per-sample code runner and the EvalPlus-style sanitizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from featcal_llm.evaluation.evalplus import mbpp_entry_point
+from featcal_llm.evaluation.sandbox import run_program
+from featcal_llm.evaluation.sanitize import code_extract, sanitize
+
+
+@pytest.mark.parametrize(
+    ("program", "status"),
+    [
+        ("assert sum([1, 2]) == 3\n", "passed"),
+        ("assert sum([1, 2]) == 4\n", "failed"),
+        ("import sys\nsys.exit(0)\nassert False\n", "failed"),        # leaving early is not passing
+        ("import os\nos._exit(0)\n", "failed"),
+        ("x = bytearray(64 * 1024 ** 3)\n", "failed"),                # MemoryError under the limit
+        ("import ctypes\nctypes.string_at(0)\n", "crashed"),          # segfault
+        ("while True:\n    pass\n", "timeout"),
+        ("import shutil\nshutil.rmtree('/')\n", "failed"),             # disabled by the guard
+    ],
+)
+def test_run_program_verdicts(program, status):
+    result = run_program(program, timeout_s=1.5, memory_mib=1024)
+    assert result.status == status, result.detail
+    assert result.passed is (status == "passed")
+    assert result.duration_s < 10
+
+
+def test_process_spawning_is_disabled():
+    result = run_program("import os\nos.fork()\n", timeout_s=5)
+    assert result.status == "failed" and "NoneType" in result.detail
+
+
+def test_code_extract_keeps_the_longest_parsable_block():
+    text = "Here is the code:\ndef f(x):\n    return x + 1\n```\nIt adds one."
+    assert code_extract(text) == "def f(x):\n    return x + 1"
+
+
+def test_sanitize_keeps_what_the_entry_point_needs():
+    text = (
+        "import math\n"
+        "from typing import List\n\n"
+        "LIMIT = 10\n\n"
+        "def helper(v):\n    return math.sqrt(v) + LIMIT\n\n"
+        "def unrelated():\n    return 0\n\n"
+        "def no_return():\n    print('x')\n\n"
+        "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)\n\n"
+        "print(solve([1, 4]))\n"
+        "assert solve([]) == 0\n"
+    )
+    expected = (
+        "import math\nfrom typing import List\n"
+        "LIMIT = 10\n"
+        "def helper(v):\n    return math.sqrt(v) + LIMIT\n"
+        "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)"
+    )
+    assert sanitize(text, "solve") == expected
+
+
+def test_sanitize_keeps_decorated_functions_and_falls_back_to_code():
+    text = "import functools\n@functools.lru_cache(None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    assert sanitize(text, "fib") == text.strip()
+    assert sanitize("x = 1\nprint(x)\n", "missing") == "x = 1\nprint(x)\n"
+
+
+def test_mbpp_entry_point_is_the_function_the_assert_calls():
+    code = "def helper(a):\n    return a\ndef volume_cone(r, h):\n    return helper(r) * h\n"
+    assert mbpp_entry_point(code, "assert math.isclose(volume_cone(5, 12), 314.15, rel_tol=0.001)") == "volume_cone"
+    assert mbpp_entry_point("x = 1", "assert f(1) == 1") is None

@@ -1,0 +1,138 @@
+"""Suite files, the eval: section and option validation: bad input is one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation import EvalSection
+from featcal_llm.evaluation.config import section_from_options
+from featcal_llm.evaluation.suite import eval_root, load_suite
+
+SIX = ["math500", "gsm8k", "humaneval_plus", "mbpp_plus", "ifeval", "arc_challenge"]
+
+
+def test_mergebench_suite_pins_the_six_tasks():
+    suite = load_suite("mergebench")
+    assert list(suite.tasks) == SIX
+    assert [t.label for t in suite.tasks.values()] == ["MATH-500", "GSM8K", "HumanEval+", "MBPP+", "IFEval", "ARC-C"]
+    assert {k: t.metric for k, t in suite.tasks.items()} == {
+        "math500": "math_verify,none",
+        "gsm8k": "exact_match,flexible-extract",
+        "humaneval_plus": "pass@1,evalplus",
+        "mbpp_plus": "pass@1,evalplus",
+        "ifeval": "prompt_level_strict_acc,none",
+        "arc_challenge": "exact_match,remove_whitespace",
+    }
+    assert [k for k, t in suite.tasks.items() if t.executes_code] == ["humaneval_plus", "mbpp_plus"]
+    # chain-of-thought tasks get room past lm-eval's 256-token default
+    assert suite.tasks["math500"].generation_kwargs["max_gen_toks"] == 2048
+    assert all(t.generation_kwargs.get("max_gen_toks", 0) > 256 for k, t in suite.tasks.items() if k != "arc_challenge")
+    assert (suite.report.scale, suite.report.decimals) == ("percent", 1)
+    assert all(len(t.why) > 80 for t in suite.tasks.values())
+
+
+def test_task_fingerprint_follows_the_definition(tmp_path):
+    suite = load_suite("mergebench")
+    text = (eval_root() / "mergebench.yaml").read_text()
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(text.replace("max_gen_toks: 2048", "max_gen_toks: 1024"))
+    (tmp_path / "tasks").symlink_to(eval_root() / "tasks")
+    changed = load_suite(str(copy))
+    assert changed.task_fingerprint("math500") != suite.task_fingerprint("math500")
+    assert changed.task_fingerprint("gsm8k") == suite.task_fingerprint("gsm8k")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.pop("version"), "bad.yaml: version: Field required"),
+        (lambda d: d["tasks"]["gsm8k"].update(metric="exact_match"), "bad.yaml: tasks.gsm8k: Value error, metric must be '<metric>,<filter>'"),
+        (lambda d: d["tasks"]["math500"].update(shots=4), "bad.yaml: tasks.math500.shots: Extra inputs are not permitted"),
+        (lambda d: d["tasks"]["mbpp_plus"].update(task_file="tasks/nope.yaml"), "tasks.mbpp_plus.task_file:"),
+    ],
+)
+def test_bad_suite_is_one_line_naming_the_key(tmp_path, edit, message):
+    data = yaml.safe_load((eval_root() / "mergebench.yaml").read_text())
+    edit(data)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    (tmp_path / "tasks").symlink_to(eval_root() / "tasks")
+    with pytest.raises(FeatCalError) as error:
+        load_suite(str(bad))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_eval_section_requires_opt_in_for_code_tasks():
+    with pytest.raises(ValueError, match="humaneval_plus, mbpp_plus execute model-written code"):
+        EvalSection.model_validate({"suite": "mergebench"})
+    assert EvalSection.model_validate({"tasks": ["gsm8k", "ifeval"]}).tasks == ["gsm8k", "ifeval"]
+    assert EvalSection.model_validate({"allow_code_execution": True, "chat_template": True}).chat_template == "on"
+    with pytest.raises(ValueError, match="unknown task gsm9k"):
+        EvalSection.model_validate({"tasks": ["gsm9k"]})
+    with pytest.raises(ValueError, match="Extra inputs"):
+        EvalSection.model_validate({"allow_code_execution": True, "backend": {"tp": 2}})
+
+
+def test_section_resolves_paths_against_the_recipe(tmp_path):
+    section = EvalSection.model_validate(
+        {"tasks": ["gsm8k"], "output": "results", "data": {"gsm8k": "data/gsm8k.jsonl"}, "suite": "suites/my.yaml"}
+    ).resolve(tmp_path)
+    assert section.output == str(tmp_path / "results")
+    assert section.data == {"gsm8k": str(tmp_path / "data/gsm8k.jsonl")}
+    assert section.suite == str(tmp_path / "suites/my.yaml")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"backend": {"gpu_memory_utilization": 1.5}}, "eval --gpu-memory-utilization: Input should be less than or equal to 1"),
+        ({"backend": {"dtype": "fp8"}}, "eval --dtype:"),
+        ({"limit": 0}, "eval --limit: Input should be greater than 0"),
+        ({}, "eval: humaneval_plus, mbpp_plus execute model-written code: pass --allow-code-execution"),
+    ],
+)
+def test_cli_options_errors(options, message):
+    with pytest.raises(FeatCalError) as error:
+        section_from_options(options, Path.cwd())
+    assert str(error.value).startswith(message)
+
+
+def test_task_configs_resolve_from_lm_eval_and_our_yamls():
+    pytest.importorskip("lm_eval")
+    from featcal_llm.evaluation.tasks import resolve_task_config
+
+    suite = load_suite("mergebench")
+    fixtures = eval_root() / "fixtures" / "mergebench"
+    names = {}
+    for task_id in SIX:
+        config = resolve_task_config(suite, task_id, data=fixtures / f"{task_id}.jsonl", max_gen_toks=None)
+        names[task_id] = config["task"]
+        assert config["dataset_path"] == "json"
+        assert config["dataset_kwargs"] == {"data_files": {config["test_split"]: str(fixtures / f"{task_id}.jsonl")}}
+        assert config["num_fewshot"] == suite.tasks[task_id].num_fewshot
+        for key, value in suite.tasks[task_id].generation_kwargs.items():
+            assert config["generation_kwargs"][key] == value
+    assert names == {"math500": "minerva_math500", "gsm8k": "gsm8k_cot_llama", "humaneval_plus": "evalplus_humaneval_plus",
+                     "mbpp_plus": "evalplus_mbpp_plus", "ifeval": "ifeval", "arc_challenge": "arc_challenge_chat"}
+    # our MBPP+ grades the full EvalPlus `test` field, never lm-eval's three-assert target
+    mbpp = resolve_task_config(suite, "mbpp_plus", data=None, max_gen_toks=7)
+    assert mbpp["dataset_path"] == "evalplus/mbppplus" and mbpp["generation_kwargs"]["max_gen_toks"] == 7
+    assert mbpp["filter_list"][0]["filter"][0]["filter_fn"].__name__ == "mbpp_verdicts"
+
+
+def test_file_override_refuses_few_shot_from_the_dataset(tmp_path):
+    pytest.importorskip("lm_eval")
+    from featcal_llm.evaluation.tasks import apply_data_override
+
+    data = tmp_path / "arc.jsonl"
+    data.write_text("{}\n")
+    config = {"num_fewshot": 25, "test_split": "test", "fewshot_split": "train"}
+    with pytest.raises(FeatCalError, match="data.arc_challenge: a single file holds only the test split"):
+        apply_data_override(config, data, "arc_challenge")
+    with pytest.raises(FeatCalError, match="data.arc_challenge: .*arc.txt: expected one of"):
+        (tmp_path / "arc.txt").write_text("")
+        apply_data_override({"num_fewshot": 0, "test_split": "test"}, tmp_path / "arc.txt", "arc_challenge")
