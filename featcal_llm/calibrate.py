@@ -31,7 +31,8 @@ from featcal_llm.stats import (
     accumulate_normalized_square,
     accumulate_sum,
 )
-from featcal_llm.streams import TokenBatch, embed, to_host
+from featcal_llm.prefetch import LayerPrefetcher, LayerTensors
+from featcal_llm.streams import HostStore, TokenBatch, embed
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,11 @@ class Models:
 Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
 
 
-def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, pin: bool) -> tuple[Streams, Streams]:
+def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, store: HostStore) -> tuple[Streams, Streams]:
     """h_cal from the merged embedding for every task; h_exp,i from expert i's own embedding."""
     name = plan.architecture.embed_tokens
     merged_embedding = models.merged.get(name)
-    cal = {task: [embed(b, merged_embedding, dtype, pin) for b in task_batches] for task, task_batches in batches.items()}
+    cal = {task: [embed(b, merged_embedding, dtype, store) for b in task_batches] for task, task_batches in batches.items()}
     del merged_embedding
     experts = {}
     for task, task_batches in batches.items():
@@ -86,7 +87,7 @@ def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, li
         largest = max(int(b.input_ids.max()) for b in task_batches)
         if largest >= vocabulary:
             raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest}")
-        experts[task] = [embed(b, embedding, dtype, pin) for b in task_batches]
+        experts[task] = [embed(b, embedding, dtype, store) for b in task_batches]
     return cal, experts
 
 
@@ -124,10 +125,14 @@ def record_task(
     batches: list[TokenBatch],
     cal_stream: list[torch.Tensor],
     expert_stream: list[torch.Tensor],
-    pin: bool,
+    store: HostStore,
     timer=NullTimer(),
-) -> tuple[dict[str, GroupStatistics], list[torch.Tensor]]:
-    """One task's statistics for every input group, and expert i's layer output (h_exp for the next layer)."""
+) -> dict[str, GroupStatistics]:
+    """One task's statistics for every input group.
+
+    `expert_stream` is advanced in place to expert i's layer output (h_exp for
+    the next layer), batch by batch, so old and new streams never coexist.
+    """
     device = runner.device
     stats: dict[str, GroupStatistics] = {}
     for group in plan.groups():
@@ -140,8 +145,7 @@ def record_task(
             device=device,
             dtype=runner.stats_dtype,
         )
-    next_stream = []
-    for batch, h_cal_host, h_exp_host in zip(batches, cal_stream, expert_stream):
+    for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
         keep = batch.keep.to(device)
         x_cal: dict[str, torch.Tensor] = {}
         cal_hooks: dict[str, list[Callable]] = {}
@@ -187,23 +191,21 @@ def record_task(
                 h_next = runner.forward(expert_layer, h_exp, context)
         if not bool(torch.isfinite(h_next[keep]).all()):
             raise FeatCalError(f"layer {layer}: expert produced NaN/Inf hidden states")
-        next_stream.append(to_host(h_next, batch.keep, pin))
+        expert_stream[index] = store.store(h_next, batch.keep)
         for s in stats.values():
             s.tokens += batch.tokens
         del x_cal, h_cal, h_exp, h_next
-    return stats, next_stream
+    return stats
 
 
 def advance(
-    runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], pin: bool, timer=NullTimer()
-) -> list[torch.Tensor]:
-    """The stream's next-layer input: `layer` applied batch by batch, results back on the host."""
-    advanced = []
+    runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], store: HostStore, timer=NullTimer()
+) -> None:
+    """Replace the stream, batch by batch and in place, by `layer` applied to it."""
     with timer.phase("forward"):
-        for batch, host in zip(batches, stream):
+        for index, (batch, host) in enumerate(zip(batches, stream)):
             hidden = host.to(runner.device, non_blocking=True)
-            advanced.append(to_host(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep, pin))
-    return advanced
+            stream[index] = store.store(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep)
 
 
 def fold_task(
@@ -268,24 +270,20 @@ def solve_layer(
 
 def replay_layer(
     layer: int,
-    models: Models,
-    plan: CalibrationPlan,
+    tensors: LayerTensors,
     runner: LayerRunner,
     batches: dict[str, list[TokenBatch]],
     calibrated: dict[str, torch.Tensor],
     cal_streams: Streams,
     expert_streams: Streams,
-    pin: bool,
+    store: HostStore,
 ) -> None:
     """Advance every stream through an already calibrated layer (resume): forward passes only."""
-    prefix = plan.architecture.prefix(layer)
-    merged_weights = models.merged.tensors(prefix)
-    solved = {name[len(prefix):]: tensor for name, tensor in calibrated.items()}
-    cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
+    cal_layer = runner.build(layer, {**tensors.merged, **calibrated}, "merged model")
     for task, task_batches in batches.items():
-        cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin)
-        expert_layer = runner.build(layer, models.experts[task].tensors(prefix), f"expert {task}")
-        expert_streams[task] = advance(runner, expert_layer, task_batches, expert_streams[task], pin)
+        advance(runner, cal_layer, task_batches, cal_streams[task], store)
+        expert_layer = runner.build(layer, tensors.experts[task], f"expert {task}")
+        advance(runner, expert_layer, task_batches, expert_streams[task], store)
 
 
 def calibrate(
@@ -295,6 +293,7 @@ def calibrate(
     batches: dict[str, list[TokenBatch]],
     num_layers: int,
     staging: StagingArea,
+    store: HostStore,
     progress: bool = True,
     timer=NullTimer(),
 ) -> dict[str, Path]:
@@ -302,48 +301,65 @@ def calibrate(
 
     Layers the staging area already holds are replayed, not recomputed.
     """
-    pin = runner.device.type == "cuda"
-    cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, pin)
+    cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, store)
     total_tokens = sum(b.tokens for task_batches in batches.values() for b in task_batches)
+    prefetcher = LayerPrefetcher(
+        models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=runner.device.type == "cuda"
+    )
     bar = tqdm(total=num_layers, desc="FeatCal", unit="layer", file=sys.stderr, disable=not progress)
     bar.set_postfix(tokens=total_tokens, tasks=len(batches))
-    for layer in range(num_layers):
-        if layer < staging.completed:
-            replay_layer(layer, models, plan, runner, batches, staging.load(layer), cal_streams, expert_streams, pin)
-            bar.update(1)
-            continue
-        prefix = plan.architecture.prefix(layer)
-        with timer.phase("read"):
-            merged_weights = models.merged.tensors(prefix)
-            cal_layer = runner.build(layer, merged_weights, f"merged model {models.merged.directory}")
-        systems: dict[str, GroupSystem] = {}
-        next_expert_streams: Streams = {}
-        for task, reader in models.experts.items():
+    try:
+        for layer in range(num_layers):
             with timer.phase("read"):
-                expert_weights = reader.tensors(prefix)
-                _check_like(merged_weights, expert_weights, f"expert {task}", layer)
-                expert_layer = runner.build(layer, expert_weights, f"expert {task}")
-            stats, next_expert_streams[task] = record_task(
-                layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], pin, timer
-            )
-            del expert_layer
-            with timer.phase("solve"):
-                fold_task(plan, systems, stats, expert_weights)
-            del stats, expert_weights
-        with timer.phase("read"):
-            base_weights = models.base.tensors(prefix)
-            _check_like(merged_weights, base_weights, f"base model {models.base.directory}", layer)
-        with timer.phase("solve"):
-            solved = solve_layer(plan, systems, merged_weights, base_weights, layer, runner.device)
-        del systems, base_weights
-        with timer.phase("write"):
-            staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()})
-
-        cal_layer = runner.build(layer, {**merged_weights, **solved}, f"merged model {models.merged.directory}")
-        for task, task_batches in batches.items():
-            cal_streams[task] = advance(runner, cal_layer, task_batches, cal_streams[task], pin, timer)
-        expert_streams = next_expert_streams
-        del cal_layer, merged_weights
-        bar.update(1)
-    bar.close()
+                tensors = prefetcher.get(layer)
+            if layer < staging.completed:
+                prefix = plan.architecture.prefix(layer)
+                calibrated = {name[len(prefix):]: t for name, t in staging.load(layer).items()}
+                replay_layer(layer, tensors, runner, batches, calibrated, cal_streams, expert_streams, store)
+            else:
+                calibrate_layer(layer, tensors, plan, runner, batches, cal_streams, expert_streams, staging, store, timer)
+            del tensors
+            bar.update(1)
+    finally:
+        prefetcher.close()
+        bar.close()
     return staging.replacements()
+
+
+def calibrate_layer(
+    layer: int,
+    tensors: LayerTensors,
+    plan: CalibrationPlan,
+    runner: LayerRunner,
+    batches: dict[str, list[TokenBatch]],
+    cal_streams: Streams,
+    expert_streams: Streams,
+    staging: StagingArea,
+    store: HostStore,
+    timer=NullTimer(),
+) -> None:
+    """Record, solve, stage and advance one layer (steps 2a-2c of the schedule)."""
+    merged_weights = tensors.merged
+    with timer.phase("load"):
+        cal_layer = runner.build(layer, merged_weights, "merged model")
+    systems: dict[str, GroupSystem] = {}
+    for task, expert_weights in tensors.experts.items():
+        _check_like(merged_weights, expert_weights, f"expert {task}", layer)
+        with timer.phase("load"):
+            expert_layer = runner.build(layer, expert_weights, f"expert {task}")
+        stats = record_task(layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], store, timer)
+        del expert_layer
+        with timer.phase("solve"):
+            fold_task(plan, systems, stats, expert_weights)
+        del stats
+    _check_like(merged_weights, tensors.base, "base model", layer)
+    with timer.phase("solve"):
+        solved = solve_layer(plan, systems, merged_weights, tensors.base, layer, runner.device)
+    del systems
+    prefix = plan.architecture.prefix(layer)
+    with timer.phase("write"):
+        staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()})
+    with timer.phase("load"):
+        cal_layer = runner.build(layer, {**merged_weights, **solved}, "merged model")
+    for task, task_batches in batches.items():
+        advance(runner, cal_layer, task_batches, cal_streams[task], store, timer)

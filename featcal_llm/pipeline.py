@@ -26,7 +26,7 @@ from featcal_llm.merge import ensure_merged
 from featcal_llm.profiling import NullTimer
 from featcal_llm.recipe import Recipe, load_recipe, resolve_model_path
 from featcal_llm.resume import StagingArea, checkpoint_identity, fingerprint, sequences_digest
-from featcal_llm.streams import make_batches
+from featcal_llm.streams import HostStore, make_batches
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
@@ -98,6 +98,13 @@ def _check_output(recipe: Recipe, output: Path, force: bool) -> None:
         raise FeatCalError(f"{where}: {output}: directory is not writable")
 
 
+def stream_budget(host_memory_gb: float | None) -> int:
+    """Bytes of RAM the hidden-state streams may use before spilling: the setting, or half the machine."""
+    if host_memory_gb is not None:
+        return int(host_memory_gb * 2**30)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+
+
 def _check_vocabulary(sequences: dict[str, list[list[int]]], configs: dict[str, Any]) -> None:
     for task, task_sequences in sequences.items():
         largest = max(max(sequence) for sequence in task_sequences)
@@ -120,7 +127,7 @@ def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, P
 
 
 def _run_fingerprint(recipe: Recipe, sequences, models: Models, runner: LayerRunner, batch_tokens: int) -> str:
-    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device"})
+    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb"})
     return fingerprint(
         [
             __version__,
@@ -196,7 +203,9 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
 
     partial = output.with_name(f".{output.name}.featcal-partial")
     staging = StagingArea(partial, _run_fingerprint(recipe, sequences, models, runner, featcal.batch_tokens))
-    replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, staging, progress, timer or NullTimer())
+    store = HostStore(stream_budget(featcal.host_memory_gb), partial / "spill", pin=compute_device.type == "cuda")
+    replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, staging, store, progress, timer or NullTimer())
+    shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
     checkpoint.mkdir()

@@ -61,6 +61,9 @@ class FeatCalConfig(BaseModel):
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
         "auto", description="accumulation precision; auto: float64 on CPU, float32 on GPU"
     )
+    host_memory_gb: float | None = Field(
+        None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"
+    )
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
     norms: bool = Field(False, description="also update RMSNorm scales")

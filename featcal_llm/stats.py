@@ -15,6 +15,7 @@ d × d cross moment: W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -62,12 +63,38 @@ def masked_tokens(features: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return features[keep]
 
 
+@functools.cache
+def _half_inputs_float_output(device: torch.device) -> bool:
+    """Whether this GPU multiplies bf16 matrices into a float32 result (tensor cores, no rounding to bf16)."""
+    try:
+        a = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
+        product = torch.mm(a.T, a, out_dtype=torch.float32)
+        reference = a.T.float() @ a.float()
+        return product.dtype == torch.float32 and bool(torch.allclose(product, reference, rtol=1e-3, atol=1e-3))
+    except Exception:  # older torch or a backend without aten::mm.dtype
+        return False
+
+
+def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total += left @ right, with float32-or-better accumulation.
+
+    On a GPU, bf16/fp16 features go through the tensor cores with a float32
+    result; everywhere else they are upcast first (exact) and multiplied in
+    the accumulator's precision.
+    """
+    half = left.dtype in (torch.bfloat16, torch.float16) and total.dtype == torch.float32
+    if half and left.is_cuda and _half_inputs_float_output(left.device):
+        total.add_(torch.mm(left, right, out_dtype=torch.float32))
+    else:
+        total.addmm_(left.to(total.dtype), right.to(total.dtype))
+
+
 def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor) -> None:
-    gram.addmm_(x_cal.T.to(gram.dtype), x_cal.to(gram.dtype))
+    _add_product(gram, x_cal.T, x_cal)
 
 
 def accumulate_cross(cross: torch.Tensor, y_exp: torch.Tensor, x_cal: torch.Tensor) -> None:
-    cross.addmm_(y_exp.T.to(cross.dtype), x_cal.to(cross.dtype))
+    _add_product(cross, y_exp.T, x_cal)
 
 
 def accumulate_sum(total: torch.Tensor, rows: torch.Tensor) -> None:

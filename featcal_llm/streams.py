@@ -8,7 +8,11 @@ a time, so GPU memory never holds more than one batch of activations.
 
 from __future__ import annotations
 
+import itertools
+import math
+import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,18 +54,52 @@ def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0)
     return batches
 
 
-def embed(batch: TokenBatch, embedding: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Look the batch's tokens up in an embedding matrix; padding positions are zero."""
-    hidden = torch.nn.functional.embedding(batch.input_ids, embedding).to(dtype)
-    hidden[~batch.keep] = 0
-    return hidden.pin_memory() if pin else hidden
+class HostStore:
+    """Host memory for stream batches: RAM up to a byte budget, memory-mapped files beyond it.
+
+    RAM batches are pinned when a GPU computes, so host→device copies run at full
+    bandwidth. A spilled batch lives in an unlinked file under `spill_dir`; the
+    page cache keeps it in memory when it can and the kernel writes it out when
+    it must, so resident memory stays near the budget.
+    """
+
+    def __init__(self, budget_bytes: int | None, spill_dir: Path | None, pin: bool):
+        self.budget = budget_bytes
+        self.spill_dir = spill_dir
+        self.pin = pin
+        self.in_ram = 0
+        self.peak_in_ram = 0
+        self.spilled = 0
+        self._counter = itertools.count()
+
+    def _release(self, nbytes: int) -> None:
+        self.in_ram -= nbytes
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.budget is None or self.in_ram + nbytes <= self.budget or self.spill_dir is None:
+            tensor = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            self.in_ram += nbytes
+            self.peak_in_ram = max(self.peak_in_ram, self.in_ram)
+            weakref.finalize(tensor, self._release, nbytes)
+            return tensor
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / f"batch-{next(self._counter)}.bin"
+        with open(path, "wb") as handle:
+            handle.truncate(nbytes)
+        tensor = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        path.unlink()  # the mapping keeps the data; nothing is left behind on exit
+        self.spilled += nbytes
+        return tensor
+
+    def store(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Copy one batch to the host with padding zeroed, so padding can never turn into NaN."""
+        hidden = hidden.masked_fill(~keep.to(hidden.device).unsqueeze(-1), 0)
+        host = self.allocate(tuple(hidden.shape), hidden.dtype)
+        host.copy_(hidden)
+        return host
 
 
-def to_host(hidden: torch.Tensor, keep: torch.Tensor, pin: bool) -> torch.Tensor:
-    """Move one batch's output back to the host, zeroing padding so it can never turn into NaN."""
-    hidden = hidden.masked_fill(~keep.to(hidden.device).unsqueeze(-1), 0)
-    if hidden.device.type == "cpu":
-        return hidden
-    host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=pin)
-    host.copy_(hidden, non_blocking=False)
-    return host
+def embed(batch: TokenBatch, embedding: torch.Tensor, dtype: torch.dtype, store: HostStore) -> torch.Tensor:
+    """Look the batch's tokens up in an embedding matrix, straight into host stream storage."""
+    return store.store(torch.nn.functional.embedding(batch.input_ids, embedding).to(dtype), batch.keep)

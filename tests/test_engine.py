@@ -135,3 +135,28 @@ def test_mergekit_yaml_accepts_the_recipe_with_the_featcal_block(scenario, tmp_p
     raw = yaml.safe_load(scenario.recipe.read_text())
     assert "featcal" in raw
     MergeConfiguration.model_validate(raw)
+
+
+def test_streams_spilled_to_disk_give_identical_weights(merged_scenario, tmp_path):
+    in_ram = run_recipe(merged_scenario.write_recipe(tmp_path / "a.yaml", output=str(tmp_path / "ram")), progress=False)
+    spilled = run_recipe(merged_scenario.write_recipe(tmp_path / "b.yaml", output=str(tmp_path / "disk"), host_memory_gb=1e-6), progress=False)
+    first, second = read_weights(in_ram), read_weights(spilled)
+    assert all(torch.equal(first[n], second[n]) for n in first)
+    assert not (tmp_path / ".disk.featcal-partial").exists()
+
+
+def test_host_store_spills_beyond_its_budget(tmp_path):
+    from featcal_llm.streams import HostStore
+
+    store = HostStore(budget_bytes=1000, spill_dir=tmp_path / "spill", pin=False)
+    small = store.allocate((10, 10), torch.float32)  # 400 bytes: RAM
+    large = store.allocate((20, 20), torch.float32)  # 1600 bytes: over budget, spilled
+    assert store.in_ram == 400 and store.spilled == 1600
+    large.fill_(2.0)
+    small.fill_(1.0)
+    assert float(large.sum()) == 800.0 and list((tmp_path / "spill").iterdir()) == []  # unlinked, still mapped
+    del small
+    import gc
+
+    gc.collect()
+    assert store.in_ram == 0

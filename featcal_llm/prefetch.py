@@ -1,0 +1,59 @@
+"""Read the next layer's tensors in a background thread while the current layer computes.
+
+Reading (safetensors copies out of the page cache or from disk) and computing
+overlap; the main thread only waits for what is not ready yet. At most two
+layers' tensors of each model are on the host at once.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from featcal_llm.checkpoint import CheckpointReader
+
+
+@dataclass
+class LayerTensors:
+    merged: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor]
+    experts: dict[str, dict[str, torch.Tensor]]
+
+
+class LayerPrefetcher:
+    def __init__(self, merged: CheckpointReader, base: CheckpointReader, experts: dict[str, CheckpointReader], prefix_of, num_layers: int, pin: bool):
+        self._readers = (merged, base, experts)
+        self._prefix_of = prefix_of
+        self._num_layers = num_layers
+        self._pin = pin
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featcal-prefetch")
+        self._pending: dict[int, Future] = {}
+
+    def _read(self, layer: int) -> LayerTensors:
+        merged, base, experts = self._readers
+        prefix = self._prefix_of(layer)
+
+        def load(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+            tensors = reader.tensors(prefix)
+            return {k: v.pin_memory() for k, v in tensors.items()} if self._pin else tensors
+
+        return LayerTensors(load(merged), load(base), {task: load(reader) for task, reader in experts.items()})
+
+    def _submit(self, layer: int) -> None:
+        if 0 <= layer < self._num_layers and layer not in self._pending:
+            self._pending[layer] = self._pool.submit(self._read, layer)
+
+    def get(self, layer: int) -> LayerTensors:
+        """Layer `layer`'s tensors (waiting if needed); starts reading layer + 1."""
+        self._submit(layer)
+        future = self._pending.pop(layer)
+        self._submit(layer + 1)
+        return future.result()
+
+    def close(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
