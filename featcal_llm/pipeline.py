@@ -218,5 +218,5 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     if featcal.eval is not None:
         from featcal_llm.evaluation import run_after_calibration
 
-        print(run_after_calibration(featcal.eval, merged_dir, output, recipe.path.parent))
+        print(run_after_calibration(featcal.eval, merged_dir, output, Path.cwd()))  # relative paths: as mergekit's
     return output
