@@ -74,6 +74,36 @@ class Models:
 Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
 
 
+class StatisticsWorkspace:
+    """Statistics buffers allocated once and zeroed per task: a fresh multi-GB allocation per task costs seconds of page faults."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, dict[str, GroupStatistics]] = {}
+
+    def zeroed(self, plan: "CalibrationPlan", layer: torch.nn.Module, runner: LayerRunner) -> dict[str, GroupStatistics]:
+        key = tuple(
+            (group.name, tuple((p, tuple(layer.get_submodule(p).weight.shape), layer.get_submodule(p).bias is not None) for p in group.projections))
+            for group in plan.groups()
+        )
+        if key not in self._buffers:
+            self._buffers.clear()
+            self._buffers[key] = {
+                group.name: GroupStatistics.empty(
+                    layer.get_submodule(group.projections[0]).in_features,
+                    {p: layer.get_submodule(p).out_features for p in plan.selected(group)},
+                    with_means=plan.biases and any(layer.get_submodule(p).bias is not None for p in plan.selected(group)),
+                    with_norm=plan.norms and group.norm is not None,
+                    device=runner.device,
+                    dtype=runner.stats_dtype,
+                )
+                for group in plan.groups()
+            }
+        stats = self._buffers[key]
+        for group_stats in stats.values():
+            group_stats.reset()
+        return stats
+
+
 def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, store: HostStore) -> tuple[Streams, Streams]:
     """h_cal from the merged embedding for every task; h_exp,i from expert i's own embedding."""
     name = plan.architecture.embed_tokens
@@ -126,6 +156,7 @@ def record_task(
     cal_stream: list[torch.Tensor],
     expert_stream: list[torch.Tensor],
     store: HostStore,
+    workspace: "StatisticsWorkspace",
     timer=NullTimer(),
 ) -> dict[str, GroupStatistics]:
     """One task's statistics for every input group.
@@ -134,17 +165,7 @@ def record_task(
     the next layer), batch by batch, so old and new streams never coexist.
     """
     device = runner.device
-    stats: dict[str, GroupStatistics] = {}
-    for group in plan.groups():
-        first = cal_layer.get_submodule(group.projections[0])
-        stats[group.name] = GroupStatistics.empty(
-            first.in_features,
-            {p: cal_layer.get_submodule(p).out_features for p in plan.selected(group)},
-            with_means=plan.biases and any(cal_layer.get_submodule(p).bias is not None for p in plan.selected(group)),
-            with_norm=plan.norms and group.norm is not None,
-            device=device,
-            dtype=runner.stats_dtype,
-        )
+    stats = workspace.zeroed(plan, cal_layer, runner)
     for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
         keep = batch.keep.to(device)
         x_cal: dict[str, torch.Tensor] = {}
@@ -306,6 +327,7 @@ def calibrate(
     prefetcher = LayerPrefetcher(
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=runner.device.type == "cuda"
     )
+    workspace = StatisticsWorkspace()
     bar = tqdm(total=num_layers, desc="FeatCal", unit="layer", file=sys.stderr, disable=not progress)
     bar.set_postfix(tokens=total_tokens, tasks=len(batches))
     try:
@@ -317,7 +339,7 @@ def calibrate(
                 calibrated = {name[len(prefix):]: t for name, t in staging.load(layer).items()}
                 replay_layer(layer, tensors, runner, batches, calibrated, cal_streams, expert_streams, store)
             else:
-                calibrate_layer(layer, tensors, plan, runner, batches, cal_streams, expert_streams, staging, store, timer)
+                calibrate_layer(layer, tensors, plan, runner, batches, cal_streams, expert_streams, staging, store, workspace, timer)
             del tensors
             bar.update(1)
     finally:
@@ -336,6 +358,7 @@ def calibrate_layer(
     expert_streams: Streams,
     staging: StagingArea,
     store: HostStore,
+    workspace: StatisticsWorkspace,
     timer=NullTimer(),
 ) -> None:
     """Record, solve, stage and advance one layer (steps 2a-2c of the schedule)."""
@@ -347,7 +370,9 @@ def calibrate_layer(
         _check_like(merged_weights, expert_weights, f"expert {task}", layer)
         with timer.phase("load"):
             expert_layer = runner.build(layer, expert_weights, f"expert {task}")
-        stats = record_task(layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], store, timer)
+        stats = record_task(
+            layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], store, workspace, timer
+        )
         del expert_layer
         with timer.phase("solve"):
             fold_task(plan, systems, stats, expert_weights)

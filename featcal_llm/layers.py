@@ -45,9 +45,6 @@ class LayerRunner:
         if missing or unexpected:
             problem = f"missing {sorted(missing)[0]}" if missing else f"unexpected {sorted(unexpected)[0]}"
             raise FeatCalError(f"{where}: layer {layer_index} tensors do not match the architecture ({problem})")
-        for name, tensor in weights.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise FeatCalError(f"{where}: layer {layer_index} {name} contains NaN or Inf")
         state = {name: tensor.to(device=self.device, dtype=self.dtype) for name, tensor in weights.items()}
         layer.load_state_dict(state, assign=True, strict=True)
         layer.requires_grad_(False)

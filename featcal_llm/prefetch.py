@@ -1,7 +1,8 @@
 """Read the next layer's tensors in a background thread while the current layer computes.
 
-Reading (safetensors copies out of the page cache or from disk) and computing
-overlap; the main thread only waits for what is not ready yet. At most two
+Reading (safetensors copies out of the page cache or from disk), the NaN/Inf
+check of every weight and computing overlap; the main thread only waits for
+what is not ready yet. At most two
 layers' tensors of each model are on the host at once.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.errors import FeatCalError
 
 
 @dataclass
@@ -36,8 +38,14 @@ class LayerPrefetcher:
         prefix = self._prefix_of(layer)
 
         def load(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-            tensors = reader.tensors(prefix)
-            return {k: v.pin_memory() for k, v in tensors.items()} if self._pin else tensors
+            tensors = {}
+            for name, tensor in reader.tensors(prefix).items():
+                # safetensors hands out memory-mapped tensors: copy here so the disk read happens in this thread.
+                tensor = tensor.pin_memory() if self._pin else tensor.clone()
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise FeatCalError(f"{reader.what}: layer {layer} {name} contains NaN or Inf")
+                tensors[name] = tensor
+            return tensors
 
         return LayerTensors(load(merged), load(base), {task: load(reader) for task, reader in experts.items()})
 

@@ -16,7 +16,7 @@ d × d cross moment: W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +29,12 @@ class GroupStatistics:
     sum_exp: torch.Tensor | None = None
     norm_sq: torch.Tensor | None = None
     tokens: int = 0
+
+    def reset(self) -> None:
+        for tensor in (self.gram, *self.cross.values(), self.sum_cal, self.sum_exp, self.norm_sq):
+            if tensor is not None:
+                tensor.zero_()
+        self.tokens = 0
 
     @classmethod
     def empty(
@@ -49,18 +55,6 @@ class GroupStatistics:
             sum_exp=zeros(input_dim) if with_means else None,
             norm_sq=zeros(input_dim) if with_norm else None,
         )
-
-
-@dataclass
-class TaskStatistics:
-    """Everything one task contributes to one layer's solve."""
-
-    groups: dict[str, GroupStatistics] = field(default_factory=dict)
-
-
-def masked_tokens(features: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(batch, seq, d) features and a (batch, seq) keep-mask → (tokens, d) rows of real tokens."""
-    return features[keep]
 
 
 @functools.cache

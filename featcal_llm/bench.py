@@ -1,0 +1,56 @@
+"""`featcal-llm bench`: time the layer loop per phase on synthetic Llama-3.1-8B-shaped checkpoints.
+
+Thin command; the work is in `featcal_llm.benchmark`. Heavy imports stay inside the command.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("bench")
+@click.option("--layers", default=2, show_default=True, help="Decoder layers to calibrate.")
+@click.option("--distinct-layers", type=int, default=None, help="Layers stored on disk (layer l reads stored layer l mod this); default: all, or what fits on disk.")
+@click.option("--experts", default=3, show_default=True, help="Number of experts (tasks).")
+@click.option("--sequences", default=2, show_default=True, help="Calibration sequences per expert.")
+@click.option("--seq-len", default=256, show_default=True, help="Tokens per sequence.")
+@click.option("--tokens", type=int, default=None, help="Tokens per expert (overrides --sequences; whole sequences of --seq-len).")
+@click.option("--batch-tokens", default=16384, show_default=True, help="Padded tokens per forward batch (featcal.batch_tokens).")
+@click.option("--hidden", default=4096, show_default=True, help="Hidden size (Llama-3.1-8B: 4096).")
+@click.option("--intermediate", default=14336, show_default=True, help="MLP intermediate size (Llama-3.1-8B: 14336).")
+@click.option("--heads", default=32, show_default=True, help="Attention heads.")
+@click.option("--kv-heads", default=8, show_default=True, help="Key/value heads.")
+@click.option("--vocab", default=128, show_default=True, help="Vocabulary size (kept small).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), help="Compute dtype (auto: bfloat16 on GPU, float32 on CPU).")
+@click.option("--stats-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "float64"]), help="Statistics accumulation dtype (auto: float64 on CPU, float32 on GPU).")
+@click.option("--lam", default=3.0, show_default=True, help="Ridge λ (paper's 8B setting).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where checkpoints are cached and probe files written [default: $TMPDIR/featcal-llm-bench].")
+@click.option("--rebuild", is_flag=True, help="Rebuild the synthetic checkpoints even if cached.")
+@click.option("--clean", is_flag=True, help="Delete the synthetic checkpoints after the run.")
+@click.option("--warm-cache", is_flag=True, help="Do not drop checkpoint files from the page cache before reading them.")
+@click.option("--no-finalize", is_flag=True, help="Skip timing write_calibrated_checkpoint (the final full-checkpoint write).")
+@click.option("--peak-size", type=int, default=None, help="Square matmul size for the peak rate [default: 2048 on CPU, 8192 on GPU].")
+@click.option("--probe-mb", type=int, default=None, help="Size of the disk probe file in MiB [default: two layers' weights, 64..2048].")
+@click.option("--shard-mb", default=500, show_default=True, help="Maximum shard size of the synthetic checkpoints (MB).")
+@click.option("--extrapolate-to", default=32, show_default=True, help="Layer count for the extrapolated total.")
+@click.option("--threads", type=int, default=None, help="torch.set_num_threads for the run.")
+@click.option("--host-memory-gb", type=float, default=None, help="RAM budget of the hidden-state streams before they spill to memory-mapped files [default: the engine's, half the RAM].")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON on stdout instead of the table.")
+def bench(**kwargs) -> None:
+    """Benchmark the FeatCal layer loop on synthetic 8B-shaped checkpoints: per-phase time, FLOPs, bytes, roofline ratios."""
+    import json
+
+    from featcal_llm.benchmark.driver import BenchOptions, run_benchmark
+    from featcal_llm.benchmark.report import render, summarize
+
+    as_json = kwargs.pop("as_json")
+    finalize = not kwargs.pop("no_finalize")
+    options = BenchOptions(finalize=finalize, **kwargs)
+    summary = summarize(run_benchmark(options, log=lambda message: click.echo(message, err=True)))
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, default=str))
+    else:
+        click.echo(render(summary))

@@ -1,0 +1,77 @@
+"""`featcal-llm bench` at tiny shapes: the JSON has every phase, counts and ratios (never timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from featcal_llm.bench import bench
+from featcal_llm.benchmark import costs
+from featcal_llm.benchmark.synthetic import SyntheticSpec
+
+PHASES = ("read", "forward", "statistics", "solve", "write")
+TINY = ["--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--peak-size", "128", "--probe-mb", "4", "--seq-len", "64"]
+
+
+def _run(tmp_path, *extra):
+    result = CliRunner().invoke(bench, [*TINY, "--workdir", str(tmp_path), "--json", *extra], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_bench_json_reports_every_phase(tmp_path):
+    data = _run(tmp_path, "--layers", "2", "--tokens", "256")
+
+    assert [r["layer"] for r in data["layers"]] == [0, 1]
+    for phase in PHASES:
+        row = data["phases"][phase]
+        assert row["seconds"] >= 0
+        assert 0 < row["ratio"] < math.inf, (phase, row)
+        assert 0 < row["peak"] < math.inf
+    assert data["phases"]["read (background)"]["gb"] == data["phases"]["read"]["gb"] > 0
+    assert data["phases"]["other"]["seconds"] >= 0
+    for phase in ("forward", "statistics", "solve"):
+        assert data["flops_per_layer"][phase] > 0
+        assert data["phases"][phase]["gflop"] > 0
+    for phase in ("read", "write"):
+        assert data["phases"][phase]["gb"] > 0
+    assert data["run"]["tokens_per_expert"] == {f"expert{i}": 256 for i in range(3)}
+    assert data["layers"][0]["bytes_read"] == 5 * SyntheticSpec(hidden=64, intermediate=128, heads=4, kv_heads=2).layer_bytes()
+    assert data["memory"]["peak_rss_lifetime"] > 0
+    assert data["memory"]["peak_rss"] is None or data["memory"]["peak_rss"] > 0
+    assert data["memory"]["peak_gpu"] is None  # CPU run
+    assert data["per_layer"]["lower_bound_seconds"] > 0
+    assert data["extrapolated"]["layers"] == 32 and data["extrapolated"]["seconds"] > 0
+    assert data["finalize"]["bytes_written"] > 0
+    assert all(v > 0 for v in data["machine"]["matmul_flops"].values())
+    assert data["machine"]["disk"]["read_cold"] > 0 and data["machine"]["disk"]["write"] > 0
+
+    # the checkpoints are cached: a second run reuses them, and stored layers can be reused for more layers
+    again = _run(tmp_path, "--layers", "3", "--distinct-layers", "2", "--tokens", "64", "--experts", "2", "--no-finalize")
+    assert again["run"]["stored_layers"] == 2 and [r["layer"] for r in again["layers"]] == [0, 1, 2]
+    assert again["finalize"] is None and again["run"]["experts"] == 2
+
+
+def test_flop_counts_match_hand_computation():
+    from transformers import LlamaConfig
+
+    from featcal_llm.architectures import ARCHITECTURES
+    from featcal_llm.calibrate import CalibrationPlan, Hyperparameters
+
+    architecture = ARCHITECTURES["LlamaForCausalLM"]
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    plan = CalibrationPlan(architecture, frozenset(architecture.projections()), False, True, Hyperparameters(1.0, 0.15, 0.5, 1e-8))
+    shape = costs.layer_shape(architecture, config, plan)
+    d, i, kv = 64, 128, 32
+    params = d * d + 2 * kv * d + d * d + 3 * i * d
+    assert shape.linear_params == params
+    assert costs.forward_flops(shape, [10, 20]) == 2 * params * 30 + 2 * (100 + 400) * d
+    grams = 3 * d * d + i * i
+    crosses = params  # Σ m·d over every projection
+    assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + crosses)
+    fold = 2 * ((d + 2 * kv) * d * d + d * d * d + 2 * i * d * d + d * i * i)
+    assert costs.fold_flops(shape) == fold
+    assert costs.ridge_flops(shape) == pytest.approx((3 * d**3 + i**3) / 3 + 2 * fold)
