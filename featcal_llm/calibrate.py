@@ -30,6 +30,7 @@ from featcal_llm.stats import (
     accumulate_gram,
     accumulate_normalized_square,
     accumulate_sum,
+    targets_per_token,
 )
 from featcal_llm.prefetch import LayerPrefetcher, LayerTensors
 from featcal_llm.streams import HostStore, TokenBatch, embed
@@ -166,6 +167,9 @@ def record_task(
     """
     device = runner.device
     stats = workspace.zeroed(plan, cal_layer, runner)
+    task_tokens = sum(batch.tokens for batch in batches)
+    for group_stats in stats.values():
+        group_stats.cross_is_target = targets_per_token(task_tokens, group_stats.gram.shape[0])
     for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
         keep = batch.keep.to(device)
         x_cal: dict[str, torch.Tensor] = {}
@@ -192,12 +196,14 @@ def record_task(
                     lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
                 )
             for projection in plan.selected(group):
-                bias = expert_layer.get_submodule(projection).bias
+                module = expert_layer.get_submodule(projection)
 
-                def on_expert_output(_x, y, name=group.name, s=group_stats, p=projection, b=bias):
-                    rows = y[keep]
-                    if b is not None:
-                        rows = rows - b
+                def on_expert_output(_x, y, name=group.name, s=group_stats, p=projection, m=module):
+                    rows = y[keep]  # y_exp = W_i x_exp (+ b_i)
+                    if m.bias is not None:
+                        rows = rows - m.bias
+                    if s.cross_is_target:  # W_i x_tgt = α y_exp + (1 − α) W_i x_cal
+                        rows = torch.lerp(torch.nn.functional.linear(x_cal[name], m.weight), rows, plan.hyper.alpha)
                     accumulate_cross(s.cross[p], rows, x_cal[name])
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)

@@ -52,12 +52,13 @@ def add_task(
     alpha: float,
     eps: float,
 ) -> GroupSystem:
-    """Fold one task's statistics of one input group into the running system."""
+    """Fold one task's statistics of one input group into the running system (consuming the statistics)."""
     if stats.tokens == 0:
         raise FeatCalError("internal: a task contributed no tokens")
     n = float(stats.tokens)
     device = stats.gram.device
-    gram_mean = stats.gram.to(SOLVE_DTYPE) / n
+    stats.gram.div_(n)  # the statistics are consumed: G_i = Σ x xᵀ / n in place, no d × d copy
+    gram_mean = stats.gram.to(SOLVE_DTYPE)
     omega = task_weight(gram_mean, eps)
     if system is None:
         system = GroupSystem(
@@ -67,8 +68,11 @@ def add_task(
     system.lhs.add_(gram_mean, alpha=omega)
     system.omega_sum += omega
     for name, cross in stats.cross.items():
-        # W_i G_i (the (1 − α) W_i x_cal part) in the statistics' precision: float32 on GPUs, float64 on CPUs.
-        weight_gram = (expert_weights[name].to(device=device, dtype=stats.gram.dtype) @ stats.gram).to(SOLVE_DTYPE).div_(n)
+        if stats.cross_is_target:  # already Σ (W_i x_tgt) x_calᵀ
+            system.rhs[name].add_(cross.to(SOLVE_DTYPE), alpha=omega / n)
+            continue
+        # R_i = α Σ y_exp x_calᵀ / n + (1 − α) W_i G_i; W_i G_i in the statistics' precision (float32 on GPUs).
+        weight_gram = (expert_weights[name].to(device=device, dtype=stats.gram.dtype) @ stats.gram).to(SOLVE_DTYPE)
         target_cross = cross.to(SOLVE_DTYPE).div_(n).mul_(alpha).add_(weight_gram, alpha=1.0 - alpha)
         system.rhs[name].add_(target_cross, alpha=omega)
     if stats.sum_cal is not None:
@@ -108,17 +112,19 @@ def ridge_solve(
 ) -> dict[str, torch.Tensor]:
     """W*_p = (rhs_p + λ A_p)(lhs + (λ + eps) I)⁻¹ by one Cholesky factorisation per group.
 
-    Each solution is checked by its residual (sketched with a seeded random
+    `lhs` is consumed (the ridge is added to its diagonal in place). Each
+    solution is checked by its residual (sketched with a seeded random
     probe, so the check is cheap and deterministic); a failed or inaccurate
     solve is retried with a ten times larger ridge and a warning, never
     returned silently.
     """
     generator = torch.Generator(device=lhs.device).manual_seed(0)
     probe = torch.randn(lhs.shape[0], RESIDUAL_PROBES, generator=generator, device=lhs.device, dtype=lhs.dtype)
-    ridge = lam + eps
+    ridge, on_diagonal = lam + eps, 0.0
+    system = lhs  # the ridge goes onto lhs's diagonal in place: no second d × d matrix
     for attempt in range(MAX_RIDGE_RETRIES + 1):
-        system = lhs.clone()
-        system.diagonal().add_(ridge)
+        system.diagonal().add_(ridge - on_diagonal)
+        on_diagonal = ridge
         factor, info = torch.linalg.cholesky_ex(system)
         solutions, worst = {}, 0.0
         if int(info) == 0:

@@ -4,7 +4,8 @@ For one task and one input group (projections reading the same input) we keep
 sums over the task's non-padding tokens t, in float32 or better:
 
 * ``gram``     Σ_t x_cal x_calᵀ                      (d × d, shared by the group)
-* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d, never d × d)
+* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d, never d × d), or
+                   Σ_t (W_i x_tgt) x_calᵀ directly when the task has few tokens
 * ``sum_cal``, ``sum_exp``  Σ_t x_cal, Σ_t x_exp       (bias update only)
 * ``norm_sq``  Σ_t (x / rms(x))² of the group's norm input (RMSNorm update only)
 
@@ -29,12 +30,15 @@ class GroupStatistics:
     sum_exp: torch.Tensor | None = None
     norm_sq: torch.Tensor | None = None
     tokens: int = 0
+    # True when `cross` already holds Σ (W_i x_tgt) x_calᵀ, built token by token (see `targets_per_token`).
+    cross_is_target: bool = False
 
     def reset(self) -> None:
         for tensor in (self.gram, *self.cross.values(), self.sum_cal, self.sum_exp, self.norm_sq):
             if tensor is not None:
                 tensor.zero_()
         self.tokens = 0
+        self.cross_is_target = False
 
     @classmethod
     def empty(
@@ -55,6 +59,15 @@ class GroupStatistics:
             sum_exp=zeros(input_dim) if with_means else None,
             norm_sq=zeros(input_dim) if with_norm else None,
         )
+
+
+def targets_per_token(tokens: int, input_dim: int) -> bool:
+    """Build R_i token by token (W_i x_tgt per token, 2·m·d·n FLOPs) rather than from W_i G_i (2·m·d² FLOPs).
+
+    Both give R_i = W_i C_i exactly; the cheaper one wins, which is per token
+    when a task has fewer tokens than the projection has inputs.
+    """
+    return tokens < input_dim
 
 
 @functools.cache

@@ -27,7 +27,7 @@ def test_solution_satisfies_the_normal_equations(d, m, rank, lam, seed):
     rhs = torch.randn(m, d, generator=generator, dtype=torch.float64)
     target = torch.randn(m, d, generator=generator, dtype=torch.float64)
     eps = 1e-8
-    solution = ridge_solve(lhs, {"p": rhs}, {"p": target}, lam, eps, "test")["p"]
+    solution = ridge_solve(lhs.clone(), {"p": rhs}, {"p": target}, lam, eps, "test")["p"]
     system = lhs + (lam + eps) * torch.eye(d, dtype=torch.float64)
     residual = solution @ system - (rhs + lam * target)
     assert float(torch.linalg.matrix_norm(residual)) <= 1e-8 * (1 + float(torch.linalg.matrix_norm(rhs + lam * target)))
@@ -40,9 +40,9 @@ def test_huge_lambda_returns_the_anchor_and_tiny_lambda_the_unregularised_fit(d,
     lhs = random_psd(d, d, generator) + 0.5 * torch.eye(d, dtype=torch.float64)  # full rank
     rhs = torch.randn(m, d, generator=generator, dtype=torch.float64)
     target = torch.randn(m, d, generator=generator, dtype=torch.float64)
-    far = ridge_solve(lhs, {"p": rhs}, {"p": target}, 1e12, 1e-12, "test")["p"]
+    far = ridge_solve(lhs.clone(), {"p": rhs}, {"p": target}, 1e12, 1e-12, "test")["p"]
     assert torch.allclose(far, target, rtol=1e-6, atol=1e-6)
-    near = ridge_solve(lhs, {"p": rhs}, {"p": target}, 1e-12, 1e-12, "test")["p"]
+    near = ridge_solve(lhs.clone(), {"p": rhs}, {"p": target}, 1e-12, 1e-12, "test")["p"]
     assert torch.allclose(near, rhs @ torch.linalg.inv(lhs), rtol=1e-6, atol=1e-8)
 
 
