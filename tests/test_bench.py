@@ -71,7 +71,13 @@ def test_flop_counts_match_hand_computation():
     assert costs.forward_flops(shape, [10, 20]) == 2 * params * 30 + 2 * (100 + 400) * d
     grams = 3 * d * d + i * i
     crosses = params  # Σ m·d over every projection
-    assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + crosses)
+    # 7 tokens < every input dim: R_i per token, so W_i x_cal doubles the cross term and no W_i G_i is folded
+    assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + 2 * crosses)
+    assert costs.fold_flops(shape, 7) == 0
+    # 100 tokens: per token for the down_proj group only (input 128), W_i G_i for the three groups of input 64
+    down = i * d  # Σ m·d of down_proj
+    assert costs.statistics_flops(shape, 100) == 2 * 100 * (grams + crosses + down)
     fold = 2 * ((d + 2 * kv) * d * d + d * d * d + 2 * i * d * d + d * i * i)
-    assert costs.fold_flops(shape) == fold
-    assert costs.ridge_flops(shape) == pytest.approx((3 * d**3 + i**3) / 3 + 2 * fold)
+    assert costs.fold_flops(shape, 1000) == fold
+    assert costs.fold_flops(shape, 100) == fold - 2 * d * i * i
+    assert costs.ridge_flops(shape) == pytest.approx((3 * d**3 + i**3) / 3 + fold)

@@ -8,10 +8,13 @@ per-sequence token counts:
   cal advanced through the updated layer); each is 2·params·T for the linear
   projections plus causal attention 2·T²·(heads·head_dim) per sequence
   (QKᵀ and AV are 4·T²·d for the full square; only the causal half is useful).
-* statistics, per task: 2·n·d² per input group (Gram) + 2·n·m·d per projection (cross).
-* solve: per task and projection W_i·G_i (2·m·d², `add_task`); per group a
-  Cholesky d³/3; per projection cholesky_solve 2·m·d² and the residual check
-  `solution @ system` 2·m·d². Retries with a larger ridge are not counted.
+* statistics, per task: 2·n·d² per input group (Gram) + 2·n·m·d per projection
+  (cross), plus 2·n·m·d for W_i x_cal when the group builds R_i per token
+  (`stats.targets_per_token`: fewer tokens n than inputs d).
+* solve: per task and projection W_i·G_i (2·m·d², `add_task`) unless R_i was
+  built per token; per group a Cholesky d³/3; per projection cholesky_solve
+  2·m·d² and the sketched residual check (8 probe columns, negligible).
+  Retries with a larger ridge are not counted.
 """
 
 from __future__ import annotations
@@ -58,17 +61,24 @@ def forward_flops(shape: LayerShape, sequence_lengths: list[int]) -> float:
 
 
 def statistics_flops(shape: LayerShape, tokens: int) -> float:
+    from featcal_llm.stats import targets_per_token
+
     total = 0.0
     for group in shape.groups:
         d = group.input_dim
+        per_token = 2.0 if targets_per_token(tokens, d) else 1.0
         total += 2.0 * tokens * d * d
-        total += sum(2.0 * tokens * m * d for m in group.outputs.values())
+        total += sum(per_token * 2.0 * tokens * m * d for m in group.outputs.values())
     return total
 
 
-def fold_flops(shape: LayerShape) -> float:
-    """W_i G_i for one task (`add_task`)."""
-    return sum(2.0 * m * g.input_dim**2 for g in shape.groups for m in g.outputs.values())
+def fold_flops(shape: LayerShape, tokens: int) -> float:
+    """W_i G_i for one task (`add_task`), for the groups that did not build R_i per token."""
+    from featcal_llm.stats import targets_per_token
+
+    return sum(
+        2.0 * m * g.input_dim**2 for g in shape.groups for m in g.outputs.values() if not targets_per_token(tokens, g.input_dim)
+    )
 
 
 def ridge_flops(shape: LayerShape) -> float:
@@ -79,7 +89,7 @@ def ridge_flops(shape: LayerShape) -> float:
             continue
         d = g.input_dim
         total += d**3 / 3.0
-        total += sum(4.0 * m * d * d for m in g.outputs.values())
+        total += sum(2.0 * m * d * d for m in g.outputs.values())
     return total
 
 
@@ -87,7 +97,7 @@ def layer_flops(shape: LayerShape, task_sequences: dict[str, list[int]]) -> dict
     """Phase → FLOPs of one layer."""
     forward = sum(3.0 * forward_flops(shape, lengths) for lengths in task_sequences.values())
     statistics = sum(statistics_flops(shape, sum(lengths)) for lengths in task_sequences.values())
-    solve = len(task_sequences) * fold_flops(shape) + ridge_flops(shape)
+    solve = sum(fold_flops(shape, sum(lengths)) for lengths in task_sequences.values()) + ridge_flops(shape)
     return {"forward": forward, "statistics": statistics, "solve": solve}
 
 
