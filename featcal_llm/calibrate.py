@@ -12,57 +12,28 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from featcal_llm.architectures import Architecture, InputGroup
 from featcal_llm.checkpoint import CheckpointReader
 from featcal_llm.errors import FeatCalError
-from featcal_llm.layers import LayerRunner, hooked
-from featcal_llm.profiling import NullTimer
-from featcal_llm.resume import StagingArea
-from featcal_llm.solve import GroupSystem, add_task, anchor, ridge_solve, solve_bias, solve_norm
-from featcal_llm.stats import (
-    GroupStatistics,
-    accumulate_cross,
-    accumulate_gram,
-    accumulate_normalized_square,
-    accumulate_sum,
-    targets_per_token,
-)
+from featcal_llm.layers import LayerRunner
+from featcal_llm.plan import CalibrationPlan, Hyperparameters  # noqa: F401  (re-exported for callers)
 from featcal_llm.prefetch import LayerPrefetcher, LayerTensors
+from featcal_llm.profiling import NullTimer
+from featcal_llm.record import StatisticsWorkspace, record_task
+from featcal_llm.resume import StagingArea
+from featcal_llm.solve import (
+    GroupSystem,
+    add_task,
+    anchor,
+    ridge_solve,
+    solve_bias,
+    solve_norm,
+)
+from featcal_llm.stats import GroupStatistics
 from featcal_llm.streams import HostStore, TokenBatch, embed
-
-
-@dataclass(frozen=True)
-class Hyperparameters:
-    lam: float
-    alpha: float
-    rho: float
-    eps: float
-
-
-@dataclass(frozen=True)
-class CalibrationPlan:
-    """What to calibrate; derived once from the recipe and the architecture."""
-
-    architecture: Architecture
-    projections: frozenset[str]
-    norms: bool
-    biases: bool
-    hyper: Hyperparameters
-
-    def groups(self) -> tuple[InputGroup, ...]:
-        return tuple(
-            group
-            for group in self.architecture.groups
-            if self.selected(group) or (self.norms and group.norm)
-        )
-
-    def selected(self, group: InputGroup) -> tuple[str, ...]:
-        return tuple(p for p in group.projections if p in self.projections)
 
 
 @dataclass
@@ -73,36 +44,6 @@ class Models:
 
 
 Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
-
-
-class StatisticsWorkspace:
-    """Statistics buffers allocated once and zeroed per task: a fresh multi-GB allocation per task costs seconds of page faults."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, dict[str, GroupStatistics]] = {}
-
-    def zeroed(self, plan: "CalibrationPlan", layer: torch.nn.Module, runner: LayerRunner) -> dict[str, GroupStatistics]:
-        key = tuple(
-            (group.name, tuple((p, tuple(layer.get_submodule(p).weight.shape), layer.get_submodule(p).bias is not None) for p in group.projections))
-            for group in plan.groups()
-        )
-        if key not in self._buffers:
-            self._buffers.clear()
-            self._buffers[key] = {
-                group.name: GroupStatistics.empty(
-                    layer.get_submodule(group.projections[0]).in_features,
-                    {p: layer.get_submodule(p).out_features for p in plan.selected(group)},
-                    with_means=plan.biases and any(layer.get_submodule(p).bias is not None for p in plan.selected(group)),
-                    with_norm=plan.norms and group.norm is not None,
-                    device=runner.device,
-                    dtype=runner.stats_dtype,
-                )
-                for group in plan.groups()
-            }
-        stats = self._buffers[key]
-        for group_stats in stats.values():
-            group_stats.reset()
-        return stats
 
 
 def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, store: HostStore) -> tuple[Streams, Streams]:
@@ -128,101 +69,6 @@ def _check_like(merged: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
             raise FeatCalError(f"{who}: layer {layer}: tensor {name} is missing")
         if other[name].shape != tensor.shape:
             raise FeatCalError(f"{who}: layer {layer}: {name} has shape {tuple(other[name].shape)}, merged model has {tuple(tensor.shape)}")
-
-
-def _norm_epsilon(module: torch.nn.Module) -> float:
-    for attribute in ("variance_epsilon", "eps", "epsilon"):
-        if hasattr(module, attribute):
-            return float(getattr(module, attribute))
-    raise FeatCalError(f"internal: cannot find the epsilon of {type(module).__name__}")
-
-
-def _compose(callbacks: dict[str, list[Callable]], timer) -> dict[str, Callable]:
-    def chain(functions):
-        def run(x, y):
-            with timer.phase("statistics"):
-                for function in functions:
-                    function(x, y)
-        return run
-    return {path: chain(functions) for path, functions in callbacks.items()}
-
-
-def record_task(
-    layer: int,
-    runner: LayerRunner,
-    plan: CalibrationPlan,
-    cal_layer: torch.nn.Module,
-    expert_layer: torch.nn.Module,
-    batches: list[TokenBatch],
-    cal_stream: list[torch.Tensor],
-    expert_stream: list[torch.Tensor],
-    store: HostStore,
-    workspace: "StatisticsWorkspace",
-    timer=NullTimer(),
-) -> dict[str, GroupStatistics]:
-    """One task's statistics for every input group.
-
-    `expert_stream` is advanced in place to expert i's layer output (h_exp for
-    the next layer), batch by batch, so old and new streams never coexist.
-    """
-    device = runner.device
-    stats = workspace.zeroed(plan, cal_layer, runner)
-    task_tokens = sum(batch.tokens for batch in batches)
-    for group_stats in stats.values():
-        group_stats.cross_is_target = targets_per_token(task_tokens, group_stats.gram.shape[0])
-    for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
-        keep = batch.keep.to(device)
-        x_cal: dict[str, torch.Tensor] = {}
-        cal_hooks: dict[str, list[Callable]] = {}
-        expert_hooks: dict[str, list[Callable]] = {}
-        for group in plan.groups():
-            group_stats = stats[group.name]
-
-            def on_cal_input(x, _y, name=group.name, s=group_stats):
-                rows = x[keep]
-                x_cal[name] = rows
-                accumulate_gram(s.gram, rows)
-                if s.sum_cal is not None:
-                    accumulate_sum(s.sum_cal, rows)
-
-            cal_hooks.setdefault(group.projections[0], []).append(on_cal_input)
-            if group_stats.norm_sq is not None:
-                epsilon = _norm_epsilon(cal_layer.get_submodule(group.norm))
-                cal_hooks.setdefault(group.norm, []).append(
-                    lambda x, _y, s=group_stats, e=epsilon: accumulate_normalized_square(s.norm_sq, x[keep], e)
-                )
-            if group_stats.sum_exp is not None:
-                expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
-                )
-            for projection in plan.selected(group):
-                module = expert_layer.get_submodule(projection)
-
-                def on_expert_output(_x, y, name=group.name, s=group_stats, p=projection, m=module):
-                    rows = y[keep]  # y_exp = W_i x_exp (+ b_i)
-                    if m.bias is not None:
-                        rows = rows - m.bias
-                    if s.cross_is_target:  # W_i x_tgt = α y_exp + (1 − α) W_i x_cal
-                        rows = torch.lerp(torch.nn.functional.linear(x_cal[name], m.weight), rows, plan.hyper.alpha)
-                    accumulate_cross(s.cross[p], rows, x_cal[name])
-
-                expert_hooks.setdefault(projection, []).append(on_expert_output)
-
-        h_cal = h_cal_host.to(device, non_blocking=True)
-        h_exp = h_exp_host.to(device, non_blocking=True)
-        context = runner.context(batch, h_cal)
-        with torch.no_grad(), timer.phase("forward"):
-            with hooked(cal_layer, _compose(cal_hooks, timer)):
-                runner.forward(cal_layer, h_cal, context)
-            with hooked(expert_layer, _compose(expert_hooks, timer)):
-                h_next = runner.forward(expert_layer, h_exp, context)
-        if not bool(torch.isfinite(h_next[keep]).all()):
-            raise FeatCalError(f"layer {layer}: expert produced NaN/Inf hidden states")
-        expert_stream[index] = store.store(h_next, batch.keep)
-        for s in stats.values():
-            s.tokens += batch.tokens
-        del x_cal, h_cal, h_exp, h_next
-    return stats
 
 
 def advance(

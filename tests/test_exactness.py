@@ -87,10 +87,10 @@ def test_qwen2_biases_match_brute_force(tmp_path):
 
 def test_per_token_targets_give_the_same_weights_as_w_times_g(merged_scenario, tmp_path, monkeypatch):
     """R_i built token by token (few tokens) and from W_i G_i (many tokens) are the same maths."""
-    import featcal_llm.calibrate as calibrate
+    import featcal_llm.record as record
 
     via_gram = run_recipe(merged_scenario.write_recipe(tmp_path / "a.yaml", output=str(tmp_path / "gram")), progress=False)
-    monkeypatch.setattr(calibrate, "targets_per_token", lambda tokens, input_dim: True)
+    monkeypatch.setattr(record, "targets_per_token", lambda tokens, input_dim: True)
     per_token = run_recipe(merged_scenario.write_recipe(tmp_path / "b.yaml", output=str(tmp_path / "token")), progress=False)
     first, second = read_weights(via_gram), read_weights(per_token)
     worst = max(relative_error(second[n], first[n]) for n in first)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
