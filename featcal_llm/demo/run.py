@@ -1,0 +1,346 @@
+"""The demo orchestrator: data → base → experts → recipe → merge + FeatCal → scores → report.
+
+Every stage writes into the workdir and records a key (a hash of everything it
+depends on) in ``.demo-cache.json``; a rerun skips every stage whose key and
+output are unchanged, so a cached demo only re-reads its scores and reprints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from featcal_llm.demo.config import FULL, QUICK, DemoConfig, digest
+
+CACHE_FILE = ".demo-cache.json"
+RECIPE_FILE = "recipe.yaml"
+RESULTS_JSON = "results.json"
+RESULTS_PNG = "results.png"
+RESULTS_TABLE = "results.md"
+MERGED_DIR = "merged"
+OUTPUT_DIR = "featcal"
+MERGED_ROW = "merged (task arithmetic)"
+CALIBRATED_ROW = "merged + FeatCal"
+
+
+class _Log:
+    def __init__(self, echo: Callable[[str], None]):
+        self.echo = echo
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        self.echo(f"[{time.perf_counter() - self.start:6.1f}s] {message}")
+
+
+class _Cache:
+    def __init__(self, workdir: Path):
+        self.path = workdir / CACHE_FILE
+        self.workdir = workdir
+        self.state = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def fresh(self, stage: str, key: str, *outputs: str) -> bool:
+        return self.state.get(stage) == key and all((self.workdir / o).exists() for o in outputs)
+
+    def mark(self, stage: str, key) -> None:
+        self.state[stage] = key
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
+    """The mergekit recipe with its featcal block; every path is relative to the workdir."""
+    models = "\n".join(f"  - model: experts/{t}\n    parameters: {{weight: {cfg.ta_weight}}}" for t in cfg.tasks)
+    data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: text, text: text}}" for t in cfg.tasks)
+    return f"""\
+# FeatCal demo recipe, written by `python -m featcal_llm demo` into its workdir.
+# Every path is relative to that workdir (mergekit resolves model paths against the
+# current directory), so run it from there:  cd demo-work && featcal-llm run {RECIPE_FILE} --force
+# featcal hyper-parameters were chosen on the demo's dev split (featcal_llm/demo/SWEEP.md).
+merge_method: task_arithmetic
+base_model: base
+models:
+{models}
+dtype: float32
+featcal:
+  merged: {MERGED_DIR}
+  output: {OUTPUT_DIR}
+  data:
+{data}
+  samples: {cfg.samples}
+  max_length: {cfg.max_length}
+  lambda: {cfg.lam:g}
+  alpha: {cfg.alpha:g}
+  rho: {cfg.rho:g}
+  eps: {cfg.eps:g}
+  device: {device}
+  batch_tokens: 4096
+"""
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _build_base(cfg: DemoConfig, workdir: Path, device: str, log) -> None:
+    from featcal_llm.demo.tasks import pretraining_corpus, read_jsonl
+    from featcal_llm.demo.train import pretrain
+    from featcal_llm.tiny import CHARACTERS, build_char_tokenizer, new_tiny_llama, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(
+        len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+    )
+    model = new_tiny_llama(config, cfg.seed).to(device)
+    train = {task: read_jsonl(workdir / "data" / task / "train.jsonl") for task in cfg.tasks}
+    text = pretraining_corpus(CHARACTERS, train, cfg.seed, cfg.skill_fraction)
+    ids = tokenizer.convert_tokens_to_ids(list(text))  # one token per character
+    log(f"base: pre-training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter Llama "
+        f"({cfg.num_hidden_layers} layers, GQA {cfg.num_attention_heads}/{cfg.num_key_value_heads}) "
+        f"on {len(ids) / 1e3:.0f}k characters of generic text (Python's reference prose, with sums, "
+        f"word games and sequences in plain sentences)")
+    pretrain(model, ids, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, seq_len=cfg.pretrain_seq_len,
+             lr=cfg.pretrain_lr, seed=cfg.seed, every=max(1, cfg.pretrain_steps // 6),
+             progress=lambda s, n, loss: log(f"base: step {s}/{n}  loss {loss:.3f}"))
+    _save_atomically(model.cpu(), tokenizer, workdir / "base")
+
+
+def _save_atomically(model, tokenizer, path: Path) -> None:
+    from featcal_llm.tiny import save_model
+
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tokenizer, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads: int, started: float) -> str:
+    """Fine-tune every weight of the base on one task; runs in a worker process when the demo has cores."""
+    _set_threads(threads)
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    from featcal_llm.demo.tasks import read_jsonl
+    from featcal_llm.demo.train import finetune
+    from featcal_llm.tiny import build_char_tokenizer
+
+    root = Path(workdir)
+    log = _Log(lambda m: print(m, flush=True))
+    log.start = started
+    tokenizer = build_char_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(root / "base").to(device)
+    records = read_jsonl(root / "data" / task / "train.jsonl")
+    steps = cfg.finetune_steps[task]
+    finetune(model, tokenizer, records, steps=steps, batch_size=cfg.finetune_batch, lr=cfg.finetune_lr,
+             seed=cfg.seed + 1 + cfg.tasks.index(task), every=max(1, steps // 5),
+             progress=lambda s, n, loss: log(f"expert {task}: step {s}/{n}  loss {loss:.3f}"))
+    _save_atomically(model.cpu(), tokenizer, root / "experts" / task)
+    return task
+
+
+def _train_experts(cfg: DemoConfig, workdir: Path, tasks: list[str], device: str, workers: int, log) -> None:
+    if not tasks:
+        return
+    log(f"experts: fully fine-tuning {', '.join(tasks)} from the base"
+        + (f" in {workers} worker processes" if workers > 1 else ""))
+    started = log.start
+    if workers <= 1 or device != "cpu" or len(tasks) == 1:
+        for task in tasks:
+            _train_expert(cfg, str(workdir), task, device, max(1, _threads()), started)
+        return
+    import multiprocessing
+
+    # longest first, so two workers balance the load
+    order = sorted(tasks, key=lambda t: -cfg.finetune_steps[t])
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_train_expert, cfg, str(workdir), t, device, 1, started) for t in order]
+        for future in futures:
+            future.result()
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _model_rows(cfg: DemoConfig) -> dict[str, str]:
+    """Table row name → model directory, in table order."""
+    rows = {"base": "base"}
+    rows.update({f"expert:{t}": f"experts/{t}" for t in cfg.tasks})
+    rows[MERGED_ROW] = MERGED_DIR
+    rows[CALIBRATED_ROW] = OUTPUT_DIR
+    return rows
+
+
+def _score_model(path: Path, data: Path, tasks: tuple[str, ...], splits: tuple[str, ...], device: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from featcal_llm.demo.score import exact_match
+    from featcal_llm.demo.tasks import read_jsonl
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device)
+    return {split: {t: exact_match(model, tokenizer, read_jsonl(data / t / f"{split}.jsonl")) for t in tasks}
+            for split in splits}
+
+
+def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str = "cpu",
+             config: DemoConfig | None = None, echo: Callable[[str], None] = print,
+             threads: int | None = None) -> dict:
+    """Build (or reuse) the scenario in ``workdir``, merge, calibrate, score and report; returns the results."""
+    cfg = config or (QUICK if quick else FULL)
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    # one thread per process: tiny matrices gain little from intra-op threads, and a
+    # shared CPU punishes oversubscription; the experts train in parallel processes
+    workers = 1 if quick or device != "cpu" else min(os.cpu_count() or 1, threads or 2, len(cfg.tasks))
+    threads = threads or 1
+    _set_threads(threads)
+    _quiet_transformers()
+    log = _Log(echo)
+    cache = _Cache(workdir)
+    timings: dict[str, float] = {}
+    log(f"FeatCal demo in {workdir} ({'quick' if cfg == QUICK else 'full'} scenario, config {cfg.key()}, "
+        f"{threads} thread{'s' * (threads > 1)}, {workers} expert worker{'s' * (workers > 1)}, device {device})")
+
+    # 1. data
+    t0 = time.perf_counter()
+    data_key = cfg.key("seed", "tasks", "train_size", "cal_size", "dev_size", "test_size")
+    if cache.fresh("data", data_key, "data"):
+        log("data: cached")
+    else:
+        from featcal_llm.demo.tasks import TASKS, make_splits, write_jsonl
+
+        sizes = {"train": cfg.train_size, "cal": cfg.cal_size, "dev": cfg.dev_size, "test": cfg.test_size}
+        for task in cfg.tasks:
+            for split, records in make_splits(TASKS[task], sizes, cfg.seed).items():
+                write_jsonl(records, workdir / "data" / task / f"{split}.jsonl")
+            log(f"data: {task}: {TASKS[task].description}; disjoint splits {sizes}")
+        cache.mark("data", data_key)
+    timings["data"] = time.perf_counter() - t0
+
+    # 2. base
+    t0 = time.perf_counter()
+    base_key = digest([data_key, cfg.key("seed", "skill_fraction", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "pretrain_steps", "pretrain_batch", "pretrain_seq_len",
+                               "pretrain_lr"), device])
+    if cache.fresh("base", base_key, "base/config.json"):
+        log("base: cached")
+    else:
+        _build_base(cfg, workdir, device, log)
+        cache.mark("base", base_key)
+    timings["base"] = time.perf_counter() - t0
+
+    # 3. experts
+    t0 = time.perf_counter()
+    expert_keys = {t: digest([base_key, data_key, t, cfg.finetune_steps[t], cfg.finetune_batch, cfg.finetune_lr])
+                   for t in cfg.tasks}
+    todo = [t for t in cfg.tasks if not cache.fresh(f"expert:{t}", expert_keys[t], f"experts/{t}/config.json")]
+    if len(todo) < len(cfg.tasks):
+        log(f"experts: cached {', '.join(t for t in cfg.tasks if t not in todo)}")
+    _train_experts(cfg, workdir, todo, device, min(workers, len(todo)), log)
+    for task in todo:
+        cache.mark(f"expert:{task}", expert_keys[task])
+    timings["experts"] = time.perf_counter() - t0
+
+    # 4. recipe, merge and calibration through the code path of `featcal-llm run`
+    t0 = time.perf_counter()
+    recipe = recipe_text(cfg, device)
+    (workdir / RECIPE_FILE).write_text(recipe)
+    merge_key = digest([expert_keys, recipe])
+    if cache.fresh("featcal", merge_key, f"{MERGED_DIR}/config.json", f"{OUTPUT_DIR}/config.json"):
+        log("merge + FeatCal: cached")
+    else:
+        from featcal_llm.pipeline import run_recipe
+
+        for stale in (MERGED_DIR, OUTPUT_DIR):
+            shutil.rmtree(workdir / stale, ignore_errors=True)
+        log(f"merge + FeatCal: featcal-llm run {RECIPE_FILE} (mergekit task_arithmetic, weight {cfg.ta_weight} each; "
+            f"lambda {cfg.lam:g}, alpha {cfg.alpha:g}, rho {cfg.rho:g}, {cfg.samples} samples per task)")
+        with contextlib.chdir(workdir):
+            run_recipe(Path(RECIPE_FILE), force=True, device=device)
+        cache.mark("featcal", merge_key)
+    timings["merge_and_featcal"] = time.perf_counter() - t0
+
+    # 5. scores
+    t0 = time.perf_counter()
+    model_keys = {"base": base_key, **{f"expert:{t}": expert_keys[t] for t in cfg.tasks},
+                  MERGED_ROW: digest([merge_key, "merged"]), CALIBRATED_ROW: merge_key}
+    splits = ("dev", "test")
+    scores_cache = cache.state.get("scores", {})
+    results: dict[str, dict] = {}
+    for row, directory in _model_rows(cfg).items():
+        key = digest([model_keys[row], data_key])
+        if scores_cache.get(row, {}).get("key") == key:
+            results[row] = scores_cache[row]["scores"]
+            log(f"score: {row}: cached")
+            continue
+        results[row] = _score_model(workdir / directory, workdir / "data", cfg.tasks, splits, device)
+        scores_cache[row] = {"key": key, "scores": results[row]}
+        cache.mark("scores", scores_cache)
+        log(f"score: {row}: test " + "  ".join(f"{t} {results[row]['test'][t]:.1f}" for t in cfg.tasks))
+    timings["scoring"] = time.perf_counter() - t0
+
+    return _report(cfg, workdir, results, timings, log, echo)
+
+
+def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, log, echo) -> dict:
+    from featcal_llm.demo.report import bar_chart, gap_recovery, recovery_sentence, table, write_json
+
+    tasks = list(cfg.tasks)
+    test = {row: scores["test"] for row, scores in results.items()}
+    dev = {row: scores["dev"] for row, scores in results.items()}
+    recovery = gap_recovery(test, tasks, MERGED_ROW, CALIBRATED_ROW)
+    experts_ok = {t: test[f"expert:{t}"][t] >= (cfg.expert_bar or 0) for t in tasks}
+    text = table(test, tasks)
+    sentence = recovery_sentence(recovery)
+    (workdir / RESULTS_TABLE).write_text(
+        "Greedy exact match (%) on the demo's test split\n\n" + text + "\n\n" + sentence + "\n")
+    bar_chart(test, tasks, workdir / RESULTS_PNG, "FeatCal demo: exact match on the test split")
+    payload = {
+        "config": cfg.as_dict(),
+        "config_key": cfg.key(),
+        "metric": "greedy exact match (%)",
+        "test": test,
+        "dev": dev,
+        "gap_recovery_test": recovery,
+        "gap_recovery_dev": gap_recovery(dev, tasks, MERGED_ROW, CALIBRATED_ROW),
+        "experts_meet_bar": experts_ok,
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "files": {"recipe": RECIPE_FILE, "calibrated": OUTPUT_DIR, "merged": MERGED_DIR, "chart": RESULTS_PNG,
+                  "table": RESULTS_TABLE},
+    }
+    write_json(workdir / RESULTS_JSON, payload)
+    echo("")
+    echo("Greedy exact match (%) on the test split:")
+    echo(text)
+    echo("")
+    echo(sentence)
+    if cfg.expert_bar is not None and not all(experts_ok.values()):
+        echo(f"warning: an expert is below {cfg.expert_bar:g}% on its own task: "
+             + ", ".join(t for t, ok in experts_ok.items() if not ok))
+    log(f"wrote {workdir / RESULTS_JSON}, {workdir / RESULTS_PNG}, {workdir / RESULTS_TABLE}; "
+        f"calibrated model in {workdir / OUTPUT_DIR}")
+    return payload
