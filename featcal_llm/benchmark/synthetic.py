@@ -70,11 +70,11 @@ class SyntheticSpec:
         return self.layers * self.layer_bytes() + (2 * self.vocab * self.hidden + self.hidden) * size
 
     def config(self):
-        from transformers import LlamaConfig
+        from featcal_llm.tiny import tiny_llama_config
 
-        return LlamaConfig(
+        return tiny_llama_config(
+            self.vocab,
             architectures=["LlamaForCausalLM"],
-            vocab_size=self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.intermediate,
             num_hidden_layers=self.layers,
@@ -82,11 +82,6 @@ class SyntheticSpec:
             num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim,
             max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
             dtype=self.dtype,
             rope_parameters={  # Llama-3.1's
                 "rope_type": "llama3",
