@@ -39,23 +39,14 @@ def run(recipe: Path, force: bool, device: str | None) -> None:
     click.echo(f"calibrated checkpoint written to {output}")
 
 
-def _register_optional_commands() -> None:
-    """Commands owned by sub-packages; each module keeps its heavy imports inside the command."""
-    import importlib
+def _register_subcommands() -> None:
+    """Commands owned by sub-packages; each keeps its heavy imports inside the command body."""
+    from featcal_llm.bench import bench
+    from featcal_llm.demo.cli import demo
+    from featcal_llm.evaluation.cli import eval_command, leaderboard
 
-    for module_name, attribute in (
-        ("featcal_llm.demo.cli", "demo"),
-        ("featcal_llm.evaluation.cli", "eval_command"),
-        ("featcal_llm.evaluation.cli", "leaderboard"),
-        ("featcal_llm.bench", "bench"),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name and module_name.startswith(error.name):
-                continue
-            raise
-        main.add_command(getattr(module, attribute))
+    for command in (demo, eval_command, leaderboard, bench):
+        main.add_command(command)
 
 
-_register_optional_commands()
+_register_subcommands()
