@@ -98,7 +98,7 @@ def record_task(
         group_stats.cross_is_target = targets_per_token(task_tokens, group_stats.gram.shape[0])
     for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
         keep = batch.keep.to(device)
-        x_cal: dict[str, torch.Tensor] = {}
+        x_cal = {}  # input group → this batch's x_cal rows, shared by the expert hooks
         cal_hooks: dict[str, list[Callable]] = {}
         expert_hooks: dict[str, list[Callable]] = {}
         for group in plan.groups():
