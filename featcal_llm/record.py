@@ -147,5 +147,5 @@ def record_task(
         expert_stream[index] = store.store(h_next, batch.keep)
         for s in stats.values():
             s.tokens += batch.tokens
-        del x_cal, h_cal, h_exp, h_next
+        del h_cal, h_exp, h_next
     return stats
