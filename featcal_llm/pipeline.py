@@ -14,18 +14,29 @@ from typing import Any
 
 import torch
 
-from featcal_llm.architectures import architecture_for, select_projections
-from featcal_llm.calibrate import CalibrationPlan, Hyperparameters, Models, calibrate
-from featcal_llm.card import write_card
 from featcal_llm import __version__
-from featcal_llm.checkpoint import CheckpointReader, check_same_layers, copy_side_files, write_calibrated_checkpoint
+from featcal_llm.architectures import architecture_for, select_projections
+from featcal_llm.calibrate import Models, calibrate
+from featcal_llm.card import write_card
+from featcal_llm.checkpoint import (
+    CheckpointReader,
+    check_same_layers,
+    copy_side_files,
+    write_calibrated_checkpoint,
+)
 from featcal_llm.data import calibration_sequences
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner
 from featcal_llm.merge import ensure_merged
+from featcal_llm.plan import CalibrationPlan, Hyperparameters
 from featcal_llm.profiling import NullTimer
 from featcal_llm.recipe import Recipe, load_recipe, resolve_model_path
-from featcal_llm.resume import StagingArea, checkpoint_identity, fingerprint, sequences_digest
+from featcal_llm.resume import (
+    StagingArea,
+    checkpoint_identity,
+    fingerprint,
+    sequences_digest,
+)
 from featcal_llm.streams import HostStore, make_batches
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")

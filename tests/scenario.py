@@ -10,7 +10,13 @@ from pathlib import Path
 
 import yaml
 
-from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, perturbed_copy, save_model, tiny_llama_config
+from featcal_llm.tiny import (
+    build_char_tokenizer,
+    new_tiny_llama,
+    perturbed_copy,
+    save_model,
+    tiny_llama_config,
+)
 
 WORDS = "the merge of experts loses skill calibration restores features layer by layer with ridge regression".split()
 

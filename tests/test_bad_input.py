@@ -14,7 +14,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from featcal_llm.cli import main
-from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+from featcal_llm.tiny import (
+    build_char_tokenizer,
+    new_tiny_llama,
+    save_model,
+    tiny_llama_config,
+)
 
 
 def _odd_expert(recipe, tmp_path, **overrides) -> None:

@@ -59,7 +59,7 @@ def test_flop_counts_match_hand_computation():
     from transformers import LlamaConfig
 
     from featcal_llm.architectures import ARCHITECTURES
-    from featcal_llm.calibrate import CalibrationPlan, Hyperparameters
+    from featcal_llm.plan import CalibrationPlan, Hyperparameters
 
     architecture = ARCHITECTURES["LlamaForCausalLM"]
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -11,11 +11,11 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from test_exactness import load, read_weights, relative_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.tiny import build_char_tokenizer, save_model
-from test_exactness import load, read_weights, relative_error
 
 
 def test_batching_and_padding_do_not_change_the_result(scenario, tmp_path):

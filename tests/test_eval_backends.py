@@ -25,7 +25,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergeben
 @pytest.fixture(scope="module")
 def tiny_instruct_model(tmp_path_factory):
     """A random tiny Llama with a chat template, named like an -Instruct model."""
-    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+    from featcal_llm.tiny import (
+        build_char_tokenizer,
+        new_tiny_llama,
+        save_model,
+        tiny_llama_config,
+    )
 
     tokenizer = build_char_tokenizer()
     model = new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed=0)

@@ -22,7 +22,12 @@ DATA = [arg for task in SIX for arg in ("--data", f"{task}={FIXTURES / f'{task}.
 
 
 def _tiny(path: Path, seed: int) -> Path:
-    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+    from featcal_llm.tiny import (
+        build_char_tokenizer,
+        new_tiny_llama,
+        save_model,
+        tiny_llama_config,
+    )
 
     tokenizer = build_char_tokenizer()
     return save_model(new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed), tokenizer, path)

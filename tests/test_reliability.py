@@ -14,9 +14,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from scenario import build_scenario
 
 from featcal_llm.cli import main
-from scenario import build_scenario
 
 
 def tree_hash(directory: Path) -> str:

@@ -112,15 +112,11 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from transformers import AutoConfig
 
     from featcal_llm.architectures import architecture_for, select_projections
-    from featcal_llm.calibrate import (
-        CalibrationPlan,
-        Hyperparameters,
-        Models,
-        calibrate,
-    )
+    from featcal_llm.calibrate import Models, calibrate
     from featcal_llm.checkpoint import copy_side_files, write_calibrated_checkpoint
     from featcal_llm.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
+    from featcal_llm.plan import CalibrationPlan, Hyperparameters
     from featcal_llm.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
 

@@ -96,7 +96,12 @@ def _set_threads(threads: int) -> None:
 def _build_base(cfg: DemoConfig, workdir: Path, device: str, log) -> None:
     from featcal_llm.demo.tasks import pretraining_corpus, read_jsonl
     from featcal_llm.demo.train import pretrain
-    from featcal_llm.tiny import CHARACTERS, build_char_tokenizer, new_tiny_llama, tiny_llama_config
+    from featcal_llm.tiny import (
+        CHARACTERS,
+        build_char_tokenizer,
+        new_tiny_llama,
+        tiny_llama_config,
+    )
 
     tokenizer = build_char_tokenizer()
     config = tiny_llama_config(
@@ -307,7 +312,13 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
 
 
 def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, log, echo) -> dict:
-    from featcal_llm.demo.report import bar_chart, gap_recovery, recovery_sentence, table, write_json
+    from featcal_llm.demo.report import (
+        bar_chart,
+        gap_recovery,
+        recovery_sentence,
+        table,
+        write_json,
+    )
 
     tasks = list(cfg.tasks)
     test = {row: scores["test"] for row, scores in results.items()}

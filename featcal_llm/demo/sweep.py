@@ -15,6 +15,7 @@ from featcal_llm.demo.config import FULL, DemoConfig
 from featcal_llm.demo.report import average
 from featcal_llm.demo.run import _quiet_transformers, recipe_text
 
+
 def _points() -> list[dict]:
     """Alpha x lambda at the recipe's TA weight and rho, then rho, TA weight and sample count one at a time."""
     base = {"ta_weight": 0.5, "lam": 1e-3, "alpha": 0.5, "rho": 1.0, "samples": 256}

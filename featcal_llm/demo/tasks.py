@@ -135,7 +135,6 @@ def generic_text(allowed: str) -> str:
     Characters outside ``allowed`` are dropped, runs of blank space are folded.
     """
     import re
-
     from pydoc_data.topics import topics
 
     text = "\n".join(topics[key] for key in sorted(topics))

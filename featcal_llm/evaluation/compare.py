@@ -7,8 +7,20 @@ from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation.config import EvalSection
-from featcal_llm.evaluation.leaderboard import Row, reference_rows, render_markdown, summary_rows, write_csv, write_png
-from featcal_llm.evaluation.modelinfo import ChatDecision, chat_template_text, check_model_dir, decide_chat_template
+from featcal_llm.evaluation.leaderboard import (
+    Row,
+    reference_rows,
+    render_markdown,
+    summary_rows,
+    write_csv,
+    write_png,
+)
+from featcal_llm.evaluation.modelinfo import (
+    ChatDecision,
+    chat_template_text,
+    check_model_dir,
+    decide_chat_template,
+)
 from featcal_llm.evaluation.runner import evaluate_model, safe_label
 from featcal_llm.evaluation.suite import load_suite
 
