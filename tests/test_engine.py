@@ -160,3 +160,16 @@ def test_host_store_spills_beyond_its_budget(tmp_path):
 
     gc.collect()
     assert store.in_ram == 0
+
+
+def test_bfloat16_compute_stays_close_to_float32(merged_scenario, tmp_path):
+    """The GPU default (bf16 forward passes, float32 statistics) on CPU: same weights to bf16 accuracy."""
+    reference = read_weights(run_recipe(merged_scenario.write_recipe(tmp_path / "a.yaml", output=str(tmp_path / "f32")), progress=False))
+    half = read_weights(
+        run_recipe(merged_scenario.write_recipe(tmp_path / "b.yaml", output=str(tmp_path / "bf16"), dtype="bfloat16", stats_dtype="float32"), progress=False)
+    )
+    errors = {n: relative_error(half[n], reference[n]) for n in reference if "proj" in n}
+    worst = max(errors.values())
+    print(f"bf16 compute vs float32: worst relative difference {worst:.2e}")
+    assert 0 < worst <= 5e-2
+    assert all(half[n].dtype == reference[n].dtype for n in reference)
