@@ -98,9 +98,7 @@ def _check_output(recipe: Recipe, output: Path, force: bool) -> None:
     where = f"{recipe.path}: featcal.output"
     if output.exists() and not force:
         raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
-    parent = output.parent if str(output.parent) else Path(".")
-    parent = parent.resolve()
-    probe = parent
+    probe = output.parent.resolve()  # the nearest existing ancestor decides writability
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
