@@ -122,7 +122,8 @@ def test_hanging_and_crashing_programs_fail_without_stopping_the_run(suite):
         "import ctypes\n\ndef mean(numbers):\n    ctypes.string_at(0)\n    return 0.0\n",
         HUMANEVAL_COMPLETIONS[2],
     ]
-    score, samples = grade(suite, "humaneval_plus", completions, allow_code_execution=True, timeout_s=1.5)
+    score, samples = grade(suite, "humaneval_plus", completions, allow_code_execution=True,
+                           code_limits={"min_time_limit_s": 0.5, "cap_s": 3.0})
     verdicts = [json.loads(s["filtered_resps"][0]) for s in samples]
     assert [v["status"] for v in verdicts] == ["timeout", "crashed", "passed"]
     assert [s["primary"] for s in samples] == [0.0, 0.0, 1.0]

@@ -43,7 +43,7 @@ def test_recipe_validates(name):
     section = EvalSection.model_validate(featcal["eval"])
     assert section.chat_template == "on" and section.allow_code_execution
     assert section.backend.name == "vllm" and section.reference == model
-    assert section.suite == "mergebench" and load_suite(section.suite).version == "1"
+    assert section.suite == "mergebench" and load_suite(section.suite).version == "2"
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))

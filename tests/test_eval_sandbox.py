@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from featcal_llm.evaluation.evalplus import mbpp_entry_point
 from featcal_llm.evaluation.sandbox import run_program
 from featcal_llm.evaluation.sanitize import code_extract, sanitize
 
@@ -60,13 +59,9 @@ def test_sanitize_keeps_what_the_entry_point_needs():
     assert sanitize(text, "solve") == expected
 
 
-def test_sanitize_keeps_decorated_functions_and_falls_back_to_code():
+def test_sanitize_drops_decorated_functions_as_evalplus_and_falls_back_to_code():
     text = "import functools\n@functools.lru_cache(None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
-    assert sanitize(text, "fib") == text.strip()
+    assert sanitize(text, "fib") == "import functools"
+    alone = "@staticmethod\ndef fib(n):\n    return n\n"  # nothing else kept: EvalPlus falls back to the code
+    assert sanitize(alone, "fib") == alone
     assert sanitize("x = 1\nprint(x)\n", "missing") == "x = 1\nprint(x)\n"
-
-
-def test_mbpp_entry_point_is_the_function_the_assert_calls():
-    code = "def helper(a):\n    return a\ndef volume_cone(r, h):\n    return helper(r) * h\n"
-    assert mbpp_entry_point(code, "assert math.isclose(volume_cone(5, 12), 314.15, rel_tol=0.001)") == "volume_cone"
-    assert mbpp_entry_point("x = 1", "assert f(1) == 1") is None

@@ -1,10 +1,17 @@
-"""HumanEval+ / MBPP+ grading on the full EvalPlus test suites, as lm-eval task hooks.
+"""HumanEval+ / MBPP+ graded as EvalPlus grades them, as lm-eval task hooks.
 
-The task YAMLs in `eval/tasks/` point here (`!function featcal_llm.evaluation.evalplus.*`):
-a custom filter turns each completion into a verdict (sanitize, build the program with the
-dataset's EvalPlus `test` field, run it in a subprocess) and `process_results` reads pass@1
-off the verdict. Verdicts are JSON strings, so lm-eval's per-sample log keeps the sanitized
-solution, the status and the error next to the raw completion.
+The task YAMLs in `eval/tasks/` point here (`!function featcal_llm.evaluation.evalplus.*`).
+`*_process_docs` read each hub row as EvalPlus's grader would (oracle.py: the entry point from the
+test's own call, the tolerance, EvalPlus's special oracle, and which known-bad hub rows that
+patches); a custom filter turns each completion into a verdict (sanitize, then EvalPlus's
+differential test in the sandbox, harness.py) and `process_results` reads pass@1 off the verdict.
+Verdicts are JSON strings, so lm-eval's per-sample log keeps the sanitized solution, the status, the
+first failing input and the time limits next to the raw completion.
+
+Time limits are EvalPlus's: per input max(min_time_limit, factor x the canonical solution's time
+on that input) (4 s and 4 by default), the whole run capped at `cap_s`; all in CPU seconds, so a
+verdict does not depend on how many programs run in parallel. The canonical solution's times are
+measured once per problem per process.
 
 Programs run only after `configure(allow=True, ...)`, which the evaluation worker calls when the
 user passed the opt-in flag; otherwise the filter refuses before running anything.
@@ -12,14 +19,15 @@ user passed the opt-in flag; otherwise the filter refuses before running anythin
 
 from __future__ import annotations
 
-import ast
+import hashlib
 import json
 import os
-import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from featcal_llm.evaluation.sandbox import ExecutionResult, run_program
+from featcal_llm.evaluation.oracle import HUB_PATCHES, oracle_for, parse_hub_test
+from featcal_llm.evaluation.sandbox import ExecutionResult, run_job
 from featcal_llm.evaluation.sanitize import sanitize
 
 
@@ -30,7 +38,9 @@ class CodeExecutionRefused(RuntimeError):
 @dataclass
 class _Settings:
     allow: bool = False
-    timeout_s: float = 20.0
+    cap_s: float = 60.0            # EvalPlus's EVALPLUS_TIMEOUT_PER_TASK
+    min_time_limit_s: float = 4.0  # EvalPlus's DEFAULT_MIN_TIME_LIMIT
+    time_limit_factor: float = 4.0  # EvalPlus's DEFAULT_GT_TIME_LIMIT_FACTOR
     workers: int = max(1, min(8, os.cpu_count() or 1))
     memory_mib: int = 4096
 
@@ -38,73 +48,127 @@ class _Settings:
 _SETTINGS = _Settings()
 
 
-def configure(*, allow: bool, timeout_s: float, workers: int | None = None, memory_mib: int = 4096) -> None:
-    """Set by the evaluation worker before each code task runs."""
+def configure(*, allow: bool, cap_s: float | None = None, min_time_limit_s: float | None = None,
+              time_limit_factor: float | None = None, workers: int | None = None, memory_mib: int | None = None) -> None:
+    """Set by the evaluation worker before each code task runs (None keeps a value)."""
     _SETTINGS.allow = allow
-    _SETTINGS.timeout_s = timeout_s
-    _SETTINGS.memory_mib = memory_mib
+    for name, value in (("cap_s", cap_s), ("min_time_limit_s", min_time_limit_s),
+                        ("time_limit_factor", time_limit_factor), ("memory_mib", memory_mib)):
+        if value is not None:
+            setattr(_SETTINGS, name, value)
     if workers is not None:
         _SETTINGS.workers = max(1, workers)
 
 
-# --------------------------------------------------------------------------- programs
+def configure_task(spec, *, allow: bool, workers: int | None = None, **overrides) -> None:
+    """The limits a suite task sets (TaskSpec.code_*), with per-call overrides (tests, re-grading)."""
+    limits = {"cap_s": spec.code_timeout_s, "min_time_limit_s": spec.code_min_time_limit_s,
+              "time_limit_factor": spec.code_time_limit_factor}
+    configure(allow=allow, workers=workers, **{**limits, **overrides})
 
 
-def humaneval_program(solution: str, doc: dict) -> str:
-    """EvalPlus/bigcode: the solution, the dataset's `test` (defines check), then the call."""
-    return f"{solution}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+def wall_backstop_s() -> float:
+    """Wall-clock backstop for a program that blocks without using CPU; scaled by the load, so a
+    busy machine never turns a CPU-bounded program into a timeout."""
+    load = max(1.0, _SETTINGS.workers / (os.cpu_count() or 1))
+    return 2 * _SETTINGS.cap_s * load + 5
 
 
-def mbpp_program(solution: str, doc: dict) -> str:
-    """The solution, the problem's `test_imports`, then the dataset's full `test` script."""
-    imports = "\n".join(doc.get("test_imports") or [])
-    return f"{solution}\n\n{imports}\n\n{doc['test']}\n"
+# --------------------------------------------------------------------------- documents
 
 
-def mbpp_entry_point(code: str, assertion: str) -> str | None:
-    """EvalPlus's rule: the reference solution's function whose name the first assert uses."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return None
-    names = sorted(node.name for node in tree.body if isinstance(node, ast.FunctionDef))
-    called = [name for name in names if re.search(rf"\b{re.escape(name)}\s*\(", assertion)]
-    used = called or [name for name in names if name in assertion]
-    return used[0] if used else None
+def _add_fields(doc: dict, dataset: str) -> dict:
+    test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
+    oracle = oracle_for(dataset, test.entry_point)
+    return {"evalplus_entry_point": test.entry_point, "evalplus_oracle": oracle,
+            "evalplus_patch": HUB_PATCHES.get(oracle, "")}
+
+
+def humaneval_process_docs(dataset):
+    """evalplus/humanevalplus rows, with the fields EvalPlus's grader needs."""
+    return dataset.map(lambda doc: _add_fields(doc, "humaneval"))
 
 
 def mbpp_process_docs(dataset):
-    """Add EvalPlus's MBPP+ prompt and entry point to each row of evalplus/mbppplus."""
+    """evalplus/mbppplus rows: EvalPlus's MBPP+ prompt, and the entry point the test itself calls."""
 
-    def add_fields(doc: dict) -> dict:
-        first_assert = doc["test_list"][0]
-        return {
-            "evalplus_prompt": f'"""\n{doc["prompt"]}\n{first_assert}\n"""\n',
-            "entry_point": mbpp_entry_point(doc["code"], first_assert) or "",
-        }
+    def add(doc: dict) -> dict:
+        return {"evalplus_prompt": f'"""\n{doc["prompt"]}\n{doc["test_list"][0]}\n"""\n', **_add_fields(doc, "mbpp")}
 
-    return dataset.map(add_fields)
+    return dataset.map(add)
 
 
 # --------------------------------------------------------------------------- grading
 
 
-def grade(completion: str, doc: dict, build_program) -> dict:
-    """Sanitize one completion, run it against the full tests, return a JSON-able verdict."""
-    solution = sanitize(completion.replace("\t", "    "), doc.get("entry_point") or None)
-    result: ExecutionResult = run_program(build_program(solution, doc), _SETTINGS.timeout_s, _SETTINGS.memory_mib)
-    return {"passed": result.passed, "status": result.status, "detail": result.detail,
-            "duration_s": round(result.duration_s, 3), "solution": solution}
+def _dataset(doc: dict) -> str:
+    return "mbpp" if "test_list" in doc else "humaneval"
 
 
-def _verdicts(resps: list[list[str]], docs: list[dict], build_program) -> list[list[str]]:
+def reference_solution(doc: dict) -> str:
+    """EvalPlus's ground truth: prompt + canonical_solution (HumanEval+), the MBPP `code`."""
+    return doc["code"] if _dataset(doc) == "mbpp" else doc["prompt"] + doc["canonical_solution"]
+
+
+def _job(doc: dict, solution: str, mode: str, ref_times: list[float] | None) -> dict:
+    dataset = _dataset(doc)
+    test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
+    return {"mode": mode, "dataset": dataset, "entry_point": test.entry_point, "atol": test.atol,
+            "oracle": oracle_for(dataset, test.entry_point), "setup": test.setup, "solution": solution,
+            "ref_times": ref_times, "min_time_limit": _SETTINGS.min_time_limit_s,
+            "time_limit_factor": _SETTINGS.time_limit_factor}
+
+
+def _execute(job: dict) -> ExecutionResult:
+    return run_job(job, cap_s=_SETTINGS.cap_s, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib)
+
+
+_REFERENCE: dict[str, ExecutionResult] = {}
+_REFERENCE_LOCKS: dict[str, threading.Lock] = {}
+_LOCK = threading.Lock()
+
+
+def reference_run(doc: dict) -> ExecutionResult:
+    """The canonical solution on every input, with its CPU time per input (memoized per problem)."""
+    key = hashlib.sha256(json.dumps([reference_solution(doc), doc["test"], _SETTINGS.cap_s]).encode()).hexdigest()
+    with _LOCK:
+        lock = _REFERENCE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _REFERENCE:
+            _REFERENCE[key] = _execute(_job(doc, reference_solution(doc), "reference", None))
+        return _REFERENCE[key]
+
+
+def grade_solution(solution: str, doc: dict) -> ExecutionResult:
+    """EvalPlus's differential test of an already sanitized solution."""
+    reference = reference_run(doc)
+    times = reference.verdict.get("times")  # None if the canonical solution did not run: the cap per input
+    return _execute(_job(doc, solution, "grade", times))
+
+
+def grade(completion: str, doc: dict) -> dict:
+    """Sanitize one completion, run EvalPlus's test, return a JSON-able verdict."""
+    entry_point = doc.get("evalplus_entry_point") or doc.get("entry_point") or None
+    solution = sanitize(completion.replace("\t", "    "), entry_point)
+    result = grade_solution(solution, doc)
+    verdict = {"passed": result.passed, "status": result.status, "detail": result.detail,
+               "duration_s": round(result.duration_s, 3), "solution": solution}
+    for key in ("n", "passed_inputs", "limits_s"):
+        if key in result.verdict:
+            verdict[key] = result.verdict[key]
+    if doc.get("evalplus_patch"):
+        verdict["patch"] = doc["evalplus_patch"]
+    return verdict
+
+
+def _verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
     if not _SETTINGS.allow:
         raise CodeExecutionRefused(
             "code execution is off: pass --allow-code-execution (or eval.allow_code_execution: true)"
         )
     jobs = [(completion, doc) for responses, doc in zip(resps, docs) for completion in responses]
     with ThreadPoolExecutor(max_workers=_SETTINGS.workers) as pool:
-        verdicts = list(pool.map(lambda job: json.dumps(grade(job[0], job[1], build_program)), jobs))
+        verdicts = list(pool.map(lambda job: json.dumps(grade(job[0], job[1])), jobs))
     grouped, position = [], 0
     for responses in resps:
         grouped.append(verdicts[position : position + len(responses)])
@@ -113,11 +177,11 @@ def _verdicts(resps: list[list[str]], docs: list[dict], build_program) -> list[l
 
 
 def humaneval_verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
-    return _verdicts(resps, docs, humaneval_program)
+    return _verdicts(resps, docs)
 
 
 def mbpp_verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
-    return _verdicts(resps, docs, mbpp_program)
+    return _verdicts(resps, docs)
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:

@@ -31,7 +31,7 @@ def _replay_lm(completions: list[str]):
 
 
 def grade_completions(suite: Suite, task_id: str, completions: list[str], *, data: Path | None,
-                      allow_code_execution: bool = False, timeout_s: float | None = None) -> tuple[float, list[dict]]:
+                      allow_code_execution: bool = False, code_limits: dict | None = None) -> tuple[float, list[dict]]:
     """The suite's primary metric over the items, and lm-eval's per-sample records (by doc_id)
     restricted to the metric's filter."""
     import lm_eval
@@ -47,12 +47,12 @@ def grade_completions(suite: Suite, task_id: str, completions: list[str], *, dat
     config = resolve_task_config(suite, task_id, data=data, max_gen_toks=None)
     (name, task), = manager.load([config])["tasks"].items()
     if spec.executes_code:
-        evalplus.configure(allow=allow_code_execution, timeout_s=timeout_s or spec.code_timeout_s)
+        evalplus.configure_task(spec, allow=allow_code_execution, **(code_limits or {}))
     try:
         output = lm_eval.simple_evaluate(model=_replay_lm(completions), tasks=[task], task_manager=manager,
                                          log_samples=True, confirm_run_unsafe_code=True)  # the gate is evalplus.configure
     finally:
-        evalplus.configure(allow=False, timeout_s=evalplus._SETTINGS.timeout_s)
+        evalplus.configure(allow=False)
     metric, filter_name = spec.metric.split(",", 1)
     samples = sorted((s for s in output["samples"][name] if s["filter"] == filter_name), key=lambda s: s["doc_id"])
     for sample in samples:

@@ -1,76 +1,35 @@
-"""Run one model-written program in its own subprocess, with a wall-clock limit.
+"""Run model-written code in its own subprocess (`harness.py`), with limits, and read its verdict.
 
-This is isolation against accidents (infinite loops, crashes, runaway memory, stray file
-deletes), not a security boundary: the program runs as the current user, with the network the
-machine has. That is why code execution is off unless the user opts in.
+What this is: isolation against accidents. Each program runs in a fresh interpreter (`python -I`) in
+a new temporary directory and session, with a memory limit, a CPU-time limit per input and per run,
+a file-size limit, a cap on new processes/threads (RLIMIT_NPROC), process creation and destructive
+`os`/`shutil`/`subprocess` functions disabled, and `open`/`os.open` refusing to write outside its
+directory. The verdict comes back over a pipe, never from the program's stdout, and the job file
+(with the expected outputs) is deleted before the program runs.
 
-A program passes only if it runs to its end: the bootstrap prints a random token after the
-program returns, so `sys.exit(0)` or `os._exit(0)` half-way is a failure, as is any exception,
-signal, memory error or timeout. The verdict never depends on the program's own output.
+What this is not: a security boundary. The program runs as the current user, with the machine's
+network and read access to its files; Python-level guards can be undone by code written to undo
+them (ctypes, a forged write to the verdict pipe). RLIMIT_NPROC does not bind root. Only run models
+you would run code from, or run the whole evaluation in a container or VM.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 Status = Literal["passed", "failed", "timeout", "crashed"]
 
-# Runs in the child: limits, a reliability guard in the spirit of human-eval/EvalPlus, then the
-# program. argv: program path, token, memory limit (MiB), CPU seconds.
-_BOOTSTRAP = r"""
-import builtins, os, sys
-path, token, memory_mib, cpu_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-del sys.argv[1:]
-try:
-    import resource
-    limit = memory_mib * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024 * 1024, 64 * 1024 * 1024))
-except (ImportError, ValueError, OSError):
-    pass
-try:
-    import numpy  # EvalPlus tests import it; load it before the guard below
-except ImportError:
-    pass
-source = open(path).read()
-import shutil, subprocess
-for module, names in (
-    (os, ("kill", "killpg", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir",
-          "setuid", "fork", "forkpty", "rename", "renames", "truncate", "replace", "unlink",
-          "fchmod", "fchown", "chmod", "chown", "chroot", "lchown", "execv", "execve",
-          "spawnv", "spawnve", "popen")),
-    (shutil, ("rmtree", "move", "chown")),
-    (subprocess, ("Popen", "run", "call", "check_call", "check_output")),
-):
-    for name in names:
-        if hasattr(module, name):
-            setattr(module, name, None)
-builtins.help = None
-for name in ("ipdb", "joblib", "psutil", "tkinter"):
-    sys.modules[name] = None
-try:
-    exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-except BaseException as error:
-    import traceback
-    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr, limit=-3)
-    sys.stderr.flush()
-    os._exit(1)
-sys.stdout.write("\n" + token + "\n")
-sys.stdout.flush()
-os._exit(0)
-"""
-
+HARNESS = Path(__file__).with_name("harness.py")
+EXTRA_TASKS = 16  # new processes/threads a program may start (numpy's, a small pool)
 _TAIL_BYTES = 2000
 
 
@@ -80,6 +39,7 @@ class ExecutionResult:
     returncode: int | None
     duration_s: float
     detail: str
+    verdict: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -104,44 +64,83 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_program(program: str, timeout_s: float, memory_mib: int = 4096) -> ExecutionResult:
-    """Execute `program` in a fresh interpreter in a temporary directory; never raises for
-    anything the program does."""
-    token = secrets.token_hex(16)
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_verdict(raw: bytes) -> dict | None:
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    if len(lines) != 1:  # none (it died), or more than the harness writes (someone else wrote too)
+        return None
+    try:
+        verdict = json.loads(lines[0])
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) and verdict.get("status") in ("passed", "failed", "timeout") else None
+
+
+def run_job(job: dict, *, cap_s: float, wall_s: float, memory_mib: int = 4096) -> ExecutionResult:
+    """Run one harness job (see harness.py); never raises for anything the program does.
+
+    `cap_s` is the CPU-time limit of the whole run; `wall_s` a wall-clock backstop for programs
+    that block without using CPU (set it with the machine's load in mind)."""
     with tempfile.TemporaryDirectory(prefix="featcal-exec-") as workdir:
         work = Path(workdir)
-        (work / "program.py").write_text(program)
-        stdout_path, stderr_path = work / "stdout", work / "stderr"
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "HOME": workdir, "TMPDIR": workdir}
-        started = time.monotonic()
-        with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(work / "program.py"), token,
-                 str(memory_mib), str(int(timeout_s) + 1)],
-                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True,
-            )
-            try:
-                returncode = process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(process)
-                elapsed = time.monotonic() - started
-                return ExecutionResult("timeout", None, elapsed, f"no result within {timeout_s:g} s")
-        elapsed = time.monotonic() - started
-        # Grandchildren the program may have left behind go with its session.
+        read_end, write_end = os.pipe()
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        stdout_tail, stderr_tail = _tail(stdout_path), _tail(stderr_path).strip()
-    finished = stdout_tail.rstrip("\n").rsplit("\n", 1)[-1] == token
-    if returncode == 0 and finished:
-        return ExecutionResult("passed", 0, elapsed, "")
+            (work / "job.json").write_text(json.dumps({**job, "verdict_fd": write_end, "cap_s": cap_s,
+                                                       "memory_mib": memory_mib, "extra_tasks": EXTRA_TASKS}))
+            stdout_path, stderr_path = work / "stdout", work / "stderr"
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0",
+                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                   "HOME": workdir, "TMPDIR": workdir}
+            started = time.monotonic()
+            with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+                process = subprocess.Popen(
+                    [sys.executable, "-I", "-B", str(HARNESS)], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                    stdout=out, stderr=err, start_new_session=True, pass_fds=(write_end,),
+                )
+                os.close(write_end)
+                write_end = -1
+                try:
+                    returncode = process.wait(timeout=wall_s)
+                except subprocess.TimeoutExpired:
+                    _kill_group(process)
+                    return ExecutionResult("timeout", None, time.monotonic() - started,
+                                           f"no result within {wall_s:g} s (wall clock)")
+            elapsed = time.monotonic() - started
+            try:  # grandchildren the program may have left behind go with its session
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            verdict = _parse_verdict(_read_all(read_end))
+            stderr_tail = _tail(stderr_path).strip()
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
     if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
-        return ExecutionResult("crashed", returncode, elapsed, f"killed by {name}. {stderr_tail[-500:]}".strip())
-    if returncode == 0:
-        return ExecutionResult("failed", 0, elapsed, "exited before the tests finished")
-    return ExecutionResult("failed", returncode, elapsed, stderr_tail[-500:] or f"exit code {returncode}")
+        number = -returncode
+        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
+        status = "timeout" if name == "SIGXCPU" else "crashed"
+        return ExecutionResult(status, returncode, elapsed, f"killed by {name}. {stderr_tail[-500:]}".strip())
+    if verdict is None:
+        detail = "exited before the tests finished" if returncode == 0 else (stderr_tail[-500:] or f"exit code {returncode}")
+        return ExecutionResult("failed", returncode, elapsed, detail)
+    return ExecutionResult(verdict["status"], returncode, elapsed, verdict.get("error", ""), verdict)
+
+
+def run_program(program: str, timeout_s: float, memory_mib: int = 4096) -> ExecutionResult:
+    """Execute a whole program; it passes only if it runs to its end within `timeout_s` CPU seconds."""
+    return run_job({"mode": "script", "program": program}, cap_s=timeout_s, wall_s=2 * timeout_s + 5,
+                   memory_mib=memory_mib)

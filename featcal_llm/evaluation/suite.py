@@ -54,7 +54,9 @@ class TaskSpec(BaseModel):
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
     metric: str = Field(description="the lm-eval results key reported, '<metric>,<filter>'")
     executes_code: bool = False
-    code_timeout_s: float | None = Field(None, gt=0, description="wall-clock limit per program")
+    code_timeout_s: float | None = Field(None, gt=0, description="CPU seconds per program, all inputs (EvalPlus: 60)")
+    code_min_time_limit_s: float = Field(4.0, ge=0, description="EvalPlus's minimum CPU seconds per input")
+    code_time_limit_factor: float = Field(4.0, gt=0, description="EvalPlus's factor on the canonical time per input")
     why: str
 
     @model_validator(mode="after")

@@ -156,7 +156,7 @@ def run(job: dict) -> None:
         started = time.time()
         print(f"[featcal-eval] {job['label']}: {task['id']} ({name})", flush=True)
         if spec.executes_code:
-            evalplus.configure(allow=True, timeout_s=spec.code_timeout_s, workers=job.get("code_workers"))
+            evalplus.configure_task(spec, allow=True, workers=job.get("code_workers"))
         seeds = job["seeds"]
         output = lm_eval.simple_evaluate(
             model=lm,
@@ -173,7 +173,7 @@ def run(job: dict) -> None:
             fewshot_random_seed=seeds["fewshot"],
             confirm_run_unsafe_code=bool(spec.executes_code and job["allow_code_execution"]),
         )
-        evalplus.configure(allow=False, timeout_s=evalplus._SETTINGS.timeout_s)
+        evalplus.configure(allow=False)
         _write_result(task, job, output, name, config, chat_template, started)
         print(f"[featcal-eval] {job['label']}: {task['id']} done", flush=True)
 
