@@ -28,6 +28,33 @@ def test_run_program_verdicts(program, status):
     assert result.duration_s < 10
 
 
+def test_writes_outside_the_sandbox_directory_are_refused(tmp_path):
+    target = tmp_path / "escaped.txt"
+    for program in (f"open({str(target)!r}, 'w').write('x')\n",
+                    f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\n",
+                    f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n"):
+        result = run_program(program, timeout_s=5)
+        assert result.status == "failed" and "PermissionError" in result.detail, result.detail
+    assert not target.exists()
+    inside = run_program("open('scratch.txt', 'w').write('x')\nassert open('scratch.txt').read() == 'x'\n", timeout_s=5)
+    assert inside.passed, inside.detail
+
+
+def test_posix_spawn_is_disabled_and_processes_are_capped():
+    spawn = run_program("import os\nos.posix_spawn('/bin/true', ['/bin/true'], dict(os.environ))\n", timeout_s=5)
+    assert spawn.status == "failed" and "NoneType" in spawn.detail
+    limits = "line = [l for l in open('/proc/self/limits') if l.startswith('Max processes')][0]\nassert 'unlimited' not in line, line\n"
+    assert run_program(limits, timeout_s=5).passed
+
+
+def test_a_program_cannot_pass_by_printing_what_the_harness_would():
+    # the verdict travels over a pipe: printing tokens from the command line (the old check) is not passing
+    forged = ("import json, os\nparts = open('/proc/self/cmdline').read().split('\\0')\n"
+              "print(json.dumps({'status': 'passed'}))\nprint(parts[-4])\nos._exit(0)\n")
+    result = run_program(forged, timeout_s=5)
+    assert result.status == "failed" and result.detail == "exited before the tests finished"
+
+
 def test_process_spawning_is_disabled():
     result = run_program("import os\nos.fork()\n", timeout_s=5)
     assert result.status == "failed" and "NoneType" in result.detail
