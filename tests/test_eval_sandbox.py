@@ -50,7 +50,7 @@ def test_posix_spawn_is_disabled_and_processes_are_capped():
 def test_a_program_cannot_pass_by_printing_what_the_harness_would():
     # the verdict travels over a pipe: printing tokens from the command line (the old check) is not passing
     forged = ("import json, os\nparts = open('/proc/self/cmdline').read().split('\\0')\n"
-              "print(json.dumps({'status': 'passed'}))\nprint(parts[-4])\nos._exit(0)\n")
+              "print(json.dumps({'status': 'passed'}))\nprint(parts[-4], flush=True)\nos._exit(0)\n")
     result = run_program(forged, timeout_s=5)
     assert result.status == "failed" and result.detail == "exited before the tests finished"
 
