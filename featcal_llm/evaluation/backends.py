@@ -64,12 +64,14 @@ class BackendPlan:
 
 
 def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,
-                 model_max_positions: int | None) -> BackendPlan:
+                 model_max_positions: int | None, chat_template_args: dict | None = None) -> BackendPlan:
     """Build lm-eval `model_args` for one model.
 
     The context length is the suite's (or the user's) capped at the model's
     max_position_embeddings: vLLM refuses a longer max_model_len, and without a cap Llama-3.x's
-    131,072 makes vLLM size its KV cache for sequences no task produces.
+    131,072 makes vLLM size its KV cache for sequences no task produces. `chat_template_args`
+    (the suite's, e.g. a fixed `date_string` for Llama-3.x templates that print today's date) go to
+    lm-eval's chat templating; `engine_args` are passed through unchanged.
     """
     length = settings.max_model_len or context_length
     if settings.max_model_len is None and model_max_positions:
@@ -85,10 +87,23 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
             "max_model_len": length,
             "seed": settings.seed,
         }
-        return BackendPlan("vllm", args, settings.batch_size or "auto")
+        if settings.data_parallel_size != 1:
+            args["data_parallel_size"] = settings.data_parallel_size
+        return BackendPlan("vllm", _extend(args, settings, chat_template_args), settings.batch_size or "auto")
     if settings.tensor_parallel_size != 1:
         raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")
+    if settings.data_parallel_size != 1:
+        raise FeatCalError("backend.data_parallel_size: only the vllm backend runs replicas")
     device = settings.device or ("cuda" if cuda_available() else "cpu")
     args = {"pretrained": str(model_dir), "dtype": settings.dtype, "device": device, "max_length": length}
     batch = settings.batch_size or ("auto" if device.startswith("cuda") else 1)
-    return BackendPlan("hf", args, batch)
+    return BackendPlan("hf", _extend(args, settings, chat_template_args), batch)
+
+
+def _extend(args: dict, settings: BackendSettings, chat_template_args: dict | None) -> dict:
+    clash = sorted(set(settings.engine_args) & (set(args) | {"chat_template_args"}))
+    if clash:
+        raise FeatCalError(f"backend.engine_args.{clash[0]}: set by its own option, not through engine_args")
+    if chat_template_args:
+        args = {**args, "chat_template_args": dict(chat_template_args)}
+    return {**args, **settings.engine_args}

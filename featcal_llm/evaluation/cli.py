@@ -37,6 +37,19 @@ def _models(arguments: tuple[str, ...]) -> list[tuple[str, Path]]:
     return models
 
 
+def _engine_args(values: tuple[str, ...]) -> dict:
+    """KEY=VALUE with YAML scalars (true, 8, 0.5, text)."""
+    import yaml
+
+    parsed = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key.isidentifier():
+            raise FeatCalError(f"--engine-arg {value}: expected KEY=VALUE")
+        parsed[key] = yaml.safe_load(raw) if raw else ""
+    return parsed
+
+
 def _batch_size(value: str | None):
     if value is None or value == "auto":
         return value
@@ -54,6 +67,10 @@ def _batch_size(value: str | None):
 @click.option("--dtype", default="auto", show_default=True, help="auto, bfloat16, float16 or float32.")
 @click.option("--batch-size", default=None, help="Integer or auto (default: vllm auto; hf auto on CUDA, 1 on CPU).")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="vLLM GPUs per model.")
+@click.option("--data-parallel-size", type=int, default=1, show_default=True,
+              help="vLLM model replicas (needs ray; GPUs used = tensor x data parallel size).")
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help="KEY=VALUE passed through to vllm.LLM / the hf model (repeatable), e.g. enforce_eager=true.")
 @click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="vLLM memory fraction.")
 @click.option("--max-model-len", type=int, default=None, help="Context length (default: the suite's, capped by the model).")
 @click.option("--device", default=None, help="hf backend device (cuda, cuda:N, cpu).")
@@ -68,7 +85,8 @@ def _batch_size(value: str | None):
 @click.option("--nltk-data", default=None, help="Directory holding NLTK's punkt_tab (needed by IFEval).")
 @click.option("--code-workers", type=int, default=None, help="Programs graded in parallel (default: min(8, CPUs)).")
 @click.option("--quiet", is_flag=True, help="Do not echo the worker's log (it is still written to OUTPUT/logs).")
-def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parallel_size, gpu_memory_utilization,
+def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parallel_size, data_parallel_size,
+                 engine_args, gpu_memory_utilization,
                  max_model_len, device, chat_template, allow_code_execution, limit, max_gen_toks, output, data,
                  nltk_data, code_workers, quiet) -> None:
     """Score MODEL_DIR... (or LABEL=MODEL_DIR) on a suite, one subprocess per model, with a cache."""
@@ -81,7 +99,8 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
             "suite": suite,
             "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
             "backend": {"name": backend, "dtype": dtype, "batch_size": _batch_size(batch_size),
-                        "tensor_parallel_size": tensor_parallel_size,
+                        "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
+                        "engine_args": _engine_args(engine_args),
                         "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
                         "device": device},
             "chat_template": chat_template,

@@ -7,7 +7,7 @@ lm-eval, torch or vLLM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -33,6 +33,12 @@ class BackendSettings(BaseModel):
         None, description="None = vllm: auto; hf: auto on CUDA, 1 on CPU"
     )
     tensor_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt = Field(1, description="vllm: model replicas (lm-eval runs them with Ray)")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="more lm-eval model_args, passed through to vllm.LLM (e.g. enforce_eager, "
+        "max_num_seqs, swap_space) or to the hf model; may not repeat a key set above",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     max_model_len: PositiveInt | None = Field(
         None,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.evaluation import cache
+from featcal_llm.evaluation import cache, provenance
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import (
@@ -40,15 +40,6 @@ def safe_label(label: str) -> str:
     return cleaned
 
 
-def _lm_eval_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lm_eval")
-    except PackageNotFoundError:
-        return None
-
-
 @dataclass
 class TaskPlan:
     task_id: str
@@ -62,26 +53,37 @@ class TaskPlan:
         return cache.read_entry(self.directory) is not None
 
 
+def key_fields(suite: Suite, task_id: str, section: EvalSection, fingerprint: str, backend_identity: dict,
+               chat: ChatDecision) -> dict:
+    """Everything a task's score depends on; its hash is the cache key."""
+    data = Path(section.data[task_id]) if task_id in section.data else None
+    local = cache.data_fingerprint(data) if data is not None and data.exists() else None
+    source = provenance.task_source(suite, task_id)
+    spec = suite.tasks[task_id]
+    return {
+        "model": fingerprint,
+        "suite": suite.name,
+        "suite_version": suite.version,
+        "task": task_id,
+        "task_definition": suite.task_fingerprint(task_id),
+        "task_source": source["sha256"],
+        "dataset": provenance.dataset_identity(suite, task_id, source, local),
+        "grader": provenance.grader_source_sha256() if spec.executes_code else None,
+        "backend": backend_identity,
+        "chat_template": chat.applied,
+        "limit": section.limit,
+        "max_gen_toks": section.max_gen_toks,
+        "seeds": SEEDS,
+        "versions": provenance.package_versions(),
+    }
+
+
 def _task_plans(suite: Suite, task_ids: list[str], section: EvalSection, fingerprint: str,
                 backend_identity: dict, chat: ChatDecision, output: Path) -> list[TaskPlan]:
     plans = []
-    lm_eval_version = _lm_eval_version()
     for task_id in task_ids:
         data = Path(section.data[task_id]) if task_id in section.data else None
-        fields = {
-            "model": fingerprint,
-            "suite": suite.name,
-            "suite_version": suite.version,
-            "task": task_id,
-            "task_definition": suite.task_fingerprint(task_id),
-            "data": cache.data_fingerprint(data) if data is not None and data.exists() else None,
-            "backend": backend_identity,
-            "chat_template": chat.applied,
-            "limit": section.limit,
-            "max_gen_toks": section.max_gen_toks,
-            "seeds": SEEDS,
-            "lm_eval": lm_eval_version,
-        }
+        fields = key_fields(suite, task_id, section, fingerprint, backend_identity, chat)
         key = cache.cache_key(fields)
         plans.append(TaskPlan(task_id, key, fields, cache.entry_dir(output, key), data))
     return plans
@@ -143,9 +145,11 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
     _check_data_keys(section, suite, task_ids)
     output = Path(section.output)
     backend_name = resolve_backend_name(section.backend)
-    backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir))
     chat = chat or decide_chat_template(model_dir, section.chat_template)
+    backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
+                           suite.chat_template_args if chat.applied else None)
     fingerprint = model_fingerprint(model_dir, FileHashMemo(output / "fingerprints.json"))
+    label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)
 
     pending = [plan for plan in plans if not plan.cached]
@@ -160,6 +164,7 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
             "tasks": [{"id": p.task_id, "label": suite.tasks[p.task_id].label, "metric": suite.tasks[p.task_id].metric,
                        "lm_eval_task": suite.tasks[p.task_id].lm_eval_task or "",
                        "key": p.key, "key_fields": p.key_fields, "dir": str(p.directory),
+                       "revision": (p.key_fields["dataset"].get("revision") or None),
                        "data": str(p.data) if p.data else None} for p in pending],
             "backend": {"name": backend.name, "model_args": backend.model_args, "batch_size": backend.batch_size},
             "chat": {"applied": chat.applied, "reason": chat.reason, "template_sha256": chat.template_sha256},
@@ -176,8 +181,56 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
         if missing:
             raise FeatCalError(f"{label}: the worker finished without results for {', '.join(missing)}")
     summary = _summary(label, model_dir, fingerprint, suite, plans, backend.identity(), chat, section, output)
+    summary = _merge_previous(output / f"{label}.json", summary, suite, output, echo)
     (output / f"{label}.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _read_summary(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("schema") == SUMMARY_SCHEMA else None
+
+
+def _own_label(output: Path, label: str, model_dir: Path, fingerprint: str, echo: Callable[[str], None]) -> str:
+    """A label whose summary belongs to another model (two `merged/` directories, say) gets the
+    model's fingerprint appended instead of overwriting that summary."""
+    previous = _read_summary(output / f"{label}.json")
+    if previous is None or previous["model"]["path"] == str(model_dir):
+        return label
+    unique = f"{label}-{fingerprint[:8]}"
+    echo(f"[featcal-eval] {label}.json belongs to {previous['model']['path']}; writing {unique}.json for {model_dir}")
+    return unique
+
+
+_SAME_RUN = ("backend", "chat_template", "limit", "max_gen_toks", "seeds")
+
+
+def _merge_previous(path: Path, summary: dict, suite: Suite, output: Path, echo: Callable[[str], None]) -> dict:
+    """`--tasks gsm8k` adds to the model's summary: tasks scored earlier for the same weights,
+    suite version and settings (and still in the cache) are kept; others are dropped with a note."""
+    previous = _read_summary(path)
+    if previous is None:
+        return summary
+    same = (previous["model"]["fingerprint"] == summary["model"]["fingerprint"]
+            and (previous["suite"]["name"], previous["suite"]["version"]) == (suite.name, suite.version)
+            and all(previous.get(key) == summary.get(key) for key in _SAME_RUN))
+    others = {task: entry for task, entry in previous["tasks"].items() if task not in summary["tasks"]}
+    if not others:
+        return summary
+    if not same:
+        echo(f"[featcal-eval] {summary['label']}: dropping {', '.join(others)} from the summary "
+             "(scored for other weights, suite version or settings)")
+        return summary
+    kept = {task: entry for task, entry in others.items()
+            if task in suite.tasks and cache.read_entry(output / Path(entry["result"]).parent) is not None}
+    tasks = {task: (summary["tasks"].get(task) or kept[task]) for task in suite.tasks
+             if task in summary["tasks"] or task in kept}
+    complete = set(tasks) == set(suite.tasks)
+    return {**summary, "tasks": tasks, "complete": complete,
+            "average": sum(t["score"] for t in tasks.values()) / len(tasks) if complete else None}
 
 
 def _summary(label: str, model_dir: Path, fingerprint: str, suite: Suite, plans: list[TaskPlan],

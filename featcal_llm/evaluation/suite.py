@@ -53,6 +53,8 @@ class TaskSpec(BaseModel):
     num_fewshot: int = Field(ge=0)
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
     metric: str = Field(description="the lm-eval results key reported, '<metric>,<filter>'")
+    dataset_revision: str | None = Field(
+        None, description="hub dataset commit (40 hex) or tag to read; recorded and part of the cache key")
     executes_code: bool = False
     code_timeout_s: float | None = Field(None, gt=0, description="CPU seconds per program, all inputs (EvalPlus: 60)")
     code_min_time_limit_s: float = Field(4.0, ge=0, description="EvalPlus's minimum CPU seconds per input")
@@ -81,6 +83,8 @@ class Suite(BaseModel):
     context_length: PositiveInt
     fewshot_as_multiturn: bool = True
     chat_template: str = Field(description="the rule for applying the chat template (documentation)")
+    chat_template_args: dict[str, Any] = Field(
+        default_factory=dict, description="extra chat-template variables, e.g. a fixed date_string")
     report: Report = Field(default_factory=Report)
     tasks: dict[str, TaskSpec]
 

@@ -8,12 +8,11 @@ Task from, and what the result file records.
 
 from __future__ import annotations
 
-import functools
-import re
 from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation.provenance import find_task_yaml
 from featcal_llm.evaluation.suite import Suite
 
 DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -29,20 +28,12 @@ def task_manager(suite: Suite):
     return TaskManager(include_path=str(include) if include.is_dir() else None, include_defaults=False)
 
 
-@functools.lru_cache(maxsize=None)
 def lm_eval_task_yaml(name: str) -> Path | None:
     """The YAML in lm-eval's task tree that defines `task: <name>`; falls back to lm-eval's
     full index for tasks defined some other way."""
-    import lm_eval.tasks
-
-    root = Path(lm_eval.tasks.__file__).parent
-    pattern = re.compile(rf"^task:\s*['\"]?{re.escape(name)}['\"]?\s*$", re.MULTILINE)
-    for path in sorted(root.rglob("*.yaml")):
-        try:
-            if pattern.search(path.read_text(errors="replace")):
-                return path
-        except OSError:
-            continue
+    path = find_task_yaml(name)
+    if path is not None:
+        return path
     from lm_eval.tasks import TaskManager
 
     entry = TaskManager().task_index.get(name)
@@ -85,7 +76,8 @@ def apply_data_override(config: dict[str, Any], path: Path, task_id: str) -> Non
 
 
 def resolve_task_config(suite: Suite, task_id: str, *, data: Path | None,
-                        max_gen_toks: int | None) -> dict[str, Any]:
+                        max_gen_toks: int | None, revision: str | None = None) -> dict[str, Any]:
+    """The task's config with the suite's settings; `revision` pins the hub dataset's commit."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
     spec = suite.tasks[task_id]
@@ -101,6 +93,8 @@ def resolve_task_config(suite: Suite, task_id: str, *, data: Path | None,
         config["generation_kwargs"] = generation
     if data is not None:
         apply_data_override(config, data, task_id)
+    elif revision and revision != "unresolved":
+        config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), "revision": revision}
     return config
 
 

@@ -57,6 +57,25 @@ def preflight_ifeval(task_id: str, task) -> None:
         )
 
 
+def keep_prefix_whitespace(apply_chat_template):
+    """Chat templates `trim` message contents (Llama-3.x), so an assistant turn pre-filled with
+    "...```python\n" renders as "...```python": the model then starts its code on the fence line.
+    EvalPlus keeps the prefix byte for byte; so do we: put back the whitespace the template cut."""
+
+    def apply(chat_history, add_generation_prompt: bool = True) -> str:
+        rendered = apply_chat_template(chat_history, add_generation_prompt)
+        last = chat_history[-1] if chat_history else None
+        if add_generation_prompt or not last or last.get("role") != "assistant":
+            return rendered
+        content = last.get("content") or ""
+        trimmed = content.rstrip()
+        if trimmed and content != trimmed and rendered.endswith(trimmed):
+            rendered += content[len(trimmed):]
+        return rendered
+
+    return apply
+
+
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
@@ -134,7 +153,8 @@ def run(job: dict) -> None:
         if spec.executes_code and not job["allow_code_execution"]:
             raise FeatCalError(f"{task['id']}: executes model-written code; pass --allow-code-execution")
         data = Path(task["data"]) if task.get("data") else None
-        config = resolve_task_config(suite, task["id"], data=data, max_gen_toks=job["max_gen_toks"])
+        config = resolve_task_config(suite, task["id"], data=data, max_gen_toks=job["max_gen_toks"],
+                                     revision=task.get("revision"))
         try:
             loaded = manager.load([config])["tasks"]
         except Exception as error:  # datasets/hub errors: name the task and the data source
@@ -151,6 +171,8 @@ def run(job: dict) -> None:
     print(f"[featcal-eval] loading {job['model']['path']} with lm-eval backend {backend['name']}", flush=True)
     lm = get_model(backend["name"]).create_from_arg_obj(backend["model_args"], {"batch_size": backend["batch_size"]})
     chat_template = lm.chat_template(True) if job["chat"]["applied"] else None
+    if job["chat"]["applied"]:
+        lm.apply_chat_template = keep_prefix_whitespace(lm.apply_chat_template)
 
     for task, spec, name, task_object, config in built:
         started = time.time()

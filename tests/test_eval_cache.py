@@ -1,0 +1,192 @@
+"""Cache keys, summaries and chat templating: a changed grader, environment, task or dataset is a
+miss; a partial `--tasks` run adds to a model's summary; same-named models keep their own
+summaries; chat prompts do not depend on today's date or lose the code prefix's newline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from featcal_llm.evaluation import cache, provenance, runner
+from featcal_llm.evaluation.config import EvalSection
+from featcal_llm.evaluation.modelinfo import ChatDecision
+from featcal_llm.evaluation.suite import eval_root, load_suite
+
+CHAT = ChatDecision(True, "forced on", "0" * 64)
+BACKEND = {"name": "hf", "model_args": {"dtype": "auto"}, "batch_size": 1}
+
+
+@pytest.fixture()
+def section():
+    return EvalSection.model_validate({"allow_code_execution": True})
+
+
+def _key(suite, task_id, section, **changes):
+    fields = runner.key_fields(suite, task_id, section, changes.get("model", "f" * 64),
+                               changes.get("backend", BACKEND), changes.get("chat", CHAT))
+    return cache.cache_key(fields)
+
+
+def test_every_key_component_changes_the_key(tmp_path, monkeypatch, section):
+    monkeypatch.setattr(provenance, "resolve_hub_revision", lambda path, revision: "a" * 40)
+    suite = load_suite("mergebench")
+    base = {task: _key(suite, task, section) for task in ("gsm8k", "mbpp_plus")}
+    assert base == {task: _key(suite, task, section) for task in base}  # deterministic
+
+    def changed(task, **kwargs) -> bool:
+        return _key(suite, task, section, **kwargs) != base[task]
+
+    assert changed("gsm8k", model="e" * 64)
+    assert changed("gsm8k", backend={**BACKEND, "batch_size": 2})
+    assert changed("gsm8k", chat=ChatDecision(False, "forced off", None))
+    # the grader's code (each of its modules), for the code tasks only
+    copy = tmp_path / "grader"
+    shutil.copytree(provenance._HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(provenance, "_HERE", copy)
+    assert not changed("mbpp_plus") and not changed("gsm8k")
+    for module in provenance.GRADER_MODULES:
+        original = (copy / module).read_text()
+        (copy / module).write_text(original + "\n# changed\n")
+        assert changed("mbpp_plus"), module
+        assert not changed("gsm8k")
+        (copy / module).write_text(original)
+    # library versions
+    real_version = provenance.version
+    for package in ("vllm", "transformers", "torch", "lm_eval"):
+        monkeypatch.setattr(provenance, "version", lambda name, p=package: "9.9.9" if name == p else real_version(name))
+        assert changed("gsm8k"), package
+    monkeypatch.setattr(provenance, "version", real_version)
+    # the dataset's revision: what the hub's revision resolves to, or a pinned one
+    monkeypatch.setattr(provenance, "resolve_hub_revision", lambda path, revision: "b" * 40)
+    assert changed("gsm8k")
+    monkeypatch.setattr(provenance, "resolve_hub_revision", lambda path, revision: "a" * 40)
+    pinned = suite.model_copy(deep=True)
+    pinned.tasks["gsm8k"].dataset_revision = "c" * 40
+    assert _key(pinned, "gsm8k", section) != base["gsm8k"]
+    # lm-eval's task source: its YAML and the Python next to it
+    tasks = tmp_path / "tasks"
+    shutil.copytree(provenance.lm_eval_tasks_root() / "gsm8k", tasks / "gsm8k")
+    monkeypatch.setattr(provenance, "lm_eval_tasks_root", lambda: tasks)
+    provenance.find_task_yaml.cache_clear()
+    assert not changed("gsm8k")
+    yaml_file = tasks / "gsm8k" / "gsm8k-cot-llama.yaml"
+    yaml_file.write_text(yaml_file.read_text() + "\n# changed\n")
+    assert changed("gsm8k")
+    provenance.find_task_yaml.cache_clear()
+
+
+def test_dataset_identity_records_path_and_revision(monkeypatch, section):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    provenance.resolve_hub_revision.cache_clear()
+    suite = load_suite("mergebench")
+    fields = runner.key_fields(suite, "mbpp_plus", section, "f" * 64, BACKEND, CHAT)
+    assert fields["dataset"] == {"path": "evalplus/mbppplus", "name": None, "pinned": None, "revision": "unresolved"}
+    assert fields["grader"] == provenance.grader_source_sha256() and fields["task_source"]
+    assert set(fields["versions"]) >= {"lm_eval", "vllm", "transformers", "torch"}
+    local = EvalSection.model_validate({"allow_code_execution": True, "data": {"gsm8k": str(eval_root() / "fixtures/mergebench/gsm8k.jsonl")}})
+    assert runner.key_fields(suite, "gsm8k", local, "f" * 64, BACKEND, CHAT)["dataset"]["local"]
+
+
+# ------------------------------------------------------------------ summaries
+
+
+def _fake_model(path: Path, weights: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+@pytest.fixture()
+def fake_worker(monkeypatch):
+    """Writes a cache entry per pending task, as the worker would after lm-eval."""
+    runs = []
+
+    def run_worker(job, output, label, echo):
+        runs.append([task["id"] for task in job["tasks"]])
+        for task in job["tasks"]:
+            metric = task["metric"].split(",")
+            record = {"task": {"id": task["id"], "metric": task["metric"], "value": 0.5},
+                      "metrics": {task["metric"]: 0.5, f"{metric[0]}_stderr,{metric[1]}": 0.1},
+                      "lm_eval": {"n-samples": {"original": 4, "effective": 4}}}
+            cache.write_entry(Path(task["dir"]), record, [])
+
+    monkeypatch.setattr(runner, "_run_worker", run_worker)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return runs
+
+
+def _section(tmp_path, tasks):
+    return EvalSection.model_validate({"tasks": tasks, "backend": {"name": "hf", "device": "cpu"},
+                                       "chat_template": "off", "output": str(tmp_path / "out")})
+
+
+def test_partial_runs_add_to_the_summary(tmp_path, fake_worker):
+    model = _fake_model(tmp_path / "m", b"w1")
+    runner.evaluate_model(model, "m", _section(tmp_path, ["gsm8k", "ifeval"]), echo=lambda line: None)
+    summary = runner.evaluate_model(model, "m", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
+    assert fake_worker == [["gsm8k", "ifeval"]]  # the second run was all cache hits
+    assert list(summary["tasks"]) == ["gsm8k", "ifeval"]
+    summary = runner.evaluate_model(model, "m", _section(tmp_path, ["arc_challenge"]), echo=lambda line: None)
+    assert list(summary["tasks"]) == ["gsm8k", "ifeval", "arc_challenge"] and not summary["complete"]
+    assert json.loads((tmp_path / "out" / "m.json").read_text())["tasks"].keys() == summary["tasks"].keys()
+    # other weights under the same path: the old scores are not kept
+    (model / "model.safetensors").write_bytes(b"w2")
+    notes = []
+    summary = runner.evaluate_model(model, "m", _section(tmp_path, ["gsm8k"]), echo=notes.append)
+    assert list(summary["tasks"]) == ["gsm8k"] and any("dropping ifeval, arc_challenge" in n for n in notes)
+
+
+def test_models_with_the_same_directory_name_keep_their_own_summaries(tmp_path, fake_worker):
+    first = _fake_model(tmp_path / "a" / "merged", b"w1")
+    second = _fake_model(tmp_path / "b" / "merged", b"w2")
+    one = runner.evaluate_model(first, "merged", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
+    two = runner.evaluate_model(second, "merged", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
+    assert one["label"] == "merged" and two["label"].startswith("merged-") and two["label"] != "merged"
+    assert json.loads((tmp_path / "out" / "merged.json").read_text())["model"]["path"] == str(first.resolve())
+    assert json.loads((tmp_path / "out" / f"{two['label']}.json").read_text())["model"]["path"] == str(second.resolve())
+    again = runner.evaluate_model(first, "merged", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
+    assert again["label"] == "merged"
+
+
+# ------------------------------------------------------------------ chat templating
+
+LLAMA3_LIKE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\nToday Date: {{ date_string }}<|eot_id|>"
+    "{%- for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}{% if not loop.last or add_generation_prompt %}<|eot_id|>{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+
+
+def test_chat_prompts_have_a_fixed_date_and_keep_the_code_prefix_newline():
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from featcal_llm.evaluation.backends import plan_backend
+    from featcal_llm.evaluation.config import BackendSettings
+    from featcal_llm.evaluation.worker import keep_prefix_whitespace
+    from featcal_llm.tiny import build_char_tokenizer
+
+    suite = load_suite("mergebench")
+    plan = plan_backend("hf", BackendSettings(device="cpu"), Path("/m"), 4096, None, suite.chat_template_args)
+    assert plan.model_args["chat_template_args"] == {"date_string": "26 Jul 2024"}
+
+    class Lm:  # what HFLM.apply_chat_template uses of the model
+        tokenizer = build_char_tokenizer()
+        chat_template_args = plan.model_args["chat_template_args"]
+
+    Lm.tokenizer.chat_template = LLAMA3_LIKE
+    lm = Lm()
+    prefix = "Below is a Python script:\n```python\n"
+    history = [{"role": "user", "content": "Solve it."}, {"role": "assistant", "content": prefix}]
+    raw = HFLM.apply_chat_template(lm, history, add_generation_prompt=False)
+    assert "Today Date: 26 Jul 2024" in raw
+    assert raw.endswith("```python")  # the template's trim ate the newline
+    fixed = keep_prefix_whitespace(lambda h, g=True: HFLM.apply_chat_template(lm, h, g))
+    assert fixed(history, False) == raw + "\n"
+    assert fixed(history[:1], True) == HFLM.apply_chat_template(lm, history[:1], True)  # nothing to restore
