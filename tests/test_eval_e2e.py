@@ -88,11 +88,13 @@ def test_eval_writes_results_hits_cache_resumes_and_ranks(tmp_path):
     assert board.exit_code == 0, board.output
     lines = (out / "leaderboard.md").read_text().splitlines()
     assert lines[0] == "| Model | MATH-500 | GSM8K | HumanEval+ | MBPP+ | IFEval | ARC-C | Avg. | Source |"
-    assert "| tiny-Instruct | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | this harness (hf, chat, max_gen_toks 8) |" in lines
+    zero = "0.0 ±0.0"  # a random model: every item fails, so the standard error is 0 too
+    assert f"| tiny-Instruct | {' | '.join([zero] * 7)} | this harness (hf, chat, max_gen_toks 8) |" in lines
     assert ("| Llama-3.2-3B-Instruct · w/ FeatCal (paper) | 47.0 | 78.0 | 53.0 | 55.3 | 66.5 | 72.5 | 62.1 "
             "| paper, Table 4 |") in lines
     csv_rows = (out / "leaderboard.csv").read_text().splitlines()
-    assert csv_rows[0] == "model,math500,gsm8k,humaneval_plus,mbpp_plus,ifeval,arc_challenge,average,source,settings,reference"
+    assert csv_rows[0].startswith(
+        "model,math500,gsm8k,humaneval_plus,mbpp_plus,ifeval,arc_challenge,average,source,settings,reference,math500_stderr,")
     assert (out / "leaderboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -135,9 +137,10 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path):
     assert (recipe_dir / "eval" / "logs" / "merged.log").is_file()
     assert not (recipe_dir / "eval" / "logs" / "calibrated.log").exists()
     lines = table.splitlines()
-    assert "| merged | – | – | – | – | – | 0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
-    assert "| calibrated | – | – | – | – | – | 0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
-    assert "| Δ calibrated − merged | – | – | – | – | – | +0.0 | – |  |" in lines
+    assert "| merged | – | – | – | – | – | 0.0 ±0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
+    assert "| calibrated | – | – | – | – | – | 0.0 ±0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
+    assert "| Δ calibrated − merged | – | – | – | – | – | +0.0 [+0.0, +0.0] | – |  |" in lines
+    assert any(line.startswith("Δ calibrated − merged: mean paired difference [95% paired-bootstrap") for line in lines)
     assert any(line.startswith("| Llama-3.1-8B-Instruct · Task Arithmetic (paper) |") for line in lines)
     assert (recipe_dir / "eval" / "after-calibration.md").read_text() == table
     assert json.loads((recipe_dir / "eval" / "calibrated.json").read_text())["chat_template"]["reason"].startswith(

@@ -18,7 +18,7 @@ def _parse_pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
     for value in values:
         key, sep, path = value.partition("=")
         if not sep or not key or not path:
-            raise FeatCalError(f"{option} {value}: expected TASK=PATH")
+            raise FeatCalError(f"{option} {value}: expected TASK={'LABEL' if option == '--expert' else 'PATH'}")
         pairs[key] = path
     return pairs
 
@@ -131,12 +131,23 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
               help="Add the paper's rows: Llama-3.2-3B-Instruct, Llama-3.1-8B-Instruct or all.")
 @click.option("--suite", default=None, help="Suite (default: the one the results were scored with).")
 @click.option("--name", "stem", default="leaderboard", show_default=True, help="Output file stem.")
-def leaderboard(results, output, references, suite, stem) -> None:
+@click.option("--compare", "comparisons", multiple=True,
+              help="BASE:OTHER labels: a difference row with paired-bootstrap intervals and McNemar p (repeatable).")
+@click.option("--expert", "experts", multiple=True,
+              help="TASK=LABEL: the expert for a task, for MergeBench's normalized score (repeatable).")
+def leaderboard(results, output, references, suite, stem, comparisons, experts) -> None:
     """Turn RESULTS (summary files or results directories; default: eval-results) into a table."""
     from featcal_llm.evaluation.leaderboard import build_leaderboard
 
     paths = [Path(p) for p in results] or [Path("eval-results")]
     target = Path(output) if output else (paths[0] if paths[0].is_dir() else paths[0].parent)
-    markdown, files = build_leaderboard(paths, target, references=list(references), suite_name=suite, stem=stem)
+    pairs = []
+    for value in comparisons:
+        base, sep, other = value.partition(":")
+        if not sep or not base or not other:
+            raise FeatCalError(f"--compare {value}: expected BASE:OTHER (two summary labels)")
+        pairs.append((base, other))
+    markdown, files = build_leaderboard(paths, target, references=list(references), suite_name=suite, stem=stem,
+                                        comparisons=pairs, experts=_parse_pairs(experts, "--expert"))
     click.echo(markdown, nl=False)
     click.echo(f"written: {files['markdown']}, {files['csv']}, {files['png']}", err=True)

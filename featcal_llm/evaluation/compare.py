@@ -8,7 +8,7 @@ from pathlib import Path
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.leaderboard import (
-    Row,
+    comparison_row,
     reference_rows,
     render_markdown,
     summary_rows,
@@ -55,13 +55,9 @@ def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated
 
     suite = load_suite(section.suite)
     ours = summary_rows([merged, calibrated], suite)
-    delta_scores = {
-        task: (ours[1].scores[task] - ours[0].scores[task])
-        if ours[0].scores[task] is not None and ours[1].scores[task] is not None else None
-        for task in suite.tasks
-    }
-    delta_average = (ours[1].average - ours[0].average) if None not in (ours[0].average, ours[1].average) else None
-    delta = Row("Δ calibrated − merged", delta_scores, delta_average, "", signed=True)
+    for summary in (merged, calibrated):
+        summary["_dir"] = section.output
+    delta = comparison_row(merged, calibrated, suite, "Δ calibrated − merged")
     references = reference_rows([section.reference], suite) if section.reference else []
     rows = references + ours + [delta]
     markdown = render_markdown(rows, suite)

@@ -5,6 +5,7 @@ lm-eval, vLLM or torch's CUDA side (the worker does)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.evaluation import cache, provenance
+from featcal_llm.evaluation import cache, provenance, uncertainty
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import (
@@ -233,6 +234,17 @@ def _merge_previous(path: Path, summary: dict, suite: Suite, output: Path, echo:
             "average": sum(t["score"] for t in tasks.values()) / len(tasks) if complete else None}
 
 
+def _stderr(record: dict, samples: Path) -> float | None:
+    """lm-eval's standard error of the reported metric, else the one of its per-item scores."""
+    metric, filter_name = record["task"]["metric"].split(",", 1)
+    value = (record.get("metrics") or {}).get(f"{metric}_stderr,{filter_name}")
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    if not samples.is_file():
+        return None
+    return uncertainty.stderr(uncertainty.per_item_scores(samples, record["task"]["metric"]).values())
+
+
 def _summary(label: str, model_dir: Path, fingerprint: str, suite: Suite, plans: list[TaskPlan],
              backend: dict, chat: ChatDecision, section: EvalSection, output: Path) -> dict:
     scale = 100.0 if suite.report.scale == "percent" else 1.0
@@ -241,7 +253,9 @@ def _summary(label: str, model_dir: Path, fingerprint: str, suite: Suite, plans:
         record = cache.read_entry(plan.directory)
         assert record is not None
         value = float(record["task"]["value"])
+        error = _stderr(record, plan.directory / cache.SAMPLES_FILE)
         tasks[plan.task_id] = {
+            "stderr": error * scale if error is not None else None,
             "label": suite.tasks[plan.task_id].label,
             "metric": record["task"]["metric"],
             "value": value,

@@ -1,0 +1,123 @@
+"""Standard errors and paired comparisons from per-item records, checked against a direct
+computation; and how they reach the markdown, CSV and PNG leaderboards."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from featcal_llm.evaluation import uncertainty
+from featcal_llm.evaluation.leaderboard import build_leaderboard, comparison_row
+from featcal_llm.evaluation.suite import load_suite
+
+SUITE = load_suite("mergebench")
+RNG = np.random.default_rng(42)
+# two tasks, 40 and 25 items; the "calibrated" model flips some items of the "merged" one
+MERGED = {"gsm8k": np.tile([1.0, 0.0], 20), "ifeval": RNG.integers(0, 2, 25).astype(float)}
+CALIBRATED = {task: values.copy() for task, values in MERGED.items()}
+CALIBRATED["gsm8k"][[1, 3, 5, 7, 9, 11, 13, 15]] = 1.0  # 8 items gained
+CALIBRATED["gsm8k"][[0]] = 0.0  # 1 lost: McNemar p = 2 (C(9,0) + C(9,1)) / 2^9
+CALIBRATED["ifeval"][[4, 8]] = 1 - CALIBRATED["ifeval"][[4, 8]]
+
+
+def _summary(tmp_path, label, values, full=False):
+    tasks = {}
+    for task in (SUITE.tasks if full else values):
+        items = values.get(task, np.zeros(5))
+        metric = SUITE.tasks[task].metric
+        name, filter_name = metric.split(",")
+        path = tmp_path / f"{label}-{task}.jsonl"
+        with path.open("w") as handle:
+            for doc_id, value in enumerate(items):
+                handle.write(json.dumps({"doc_id": doc_id, "filter": filter_name, name: value}) + "\n")
+                handle.write(json.dumps({"doc_id": doc_id, "filter": "other", name: 1 - value}) + "\n")
+        tasks[task] = {"label": SUITE.tasks[task].label, "metric": metric, "value": items.mean(), "score": 100 * items.mean(),
+                       "stderr": 100 * uncertainty.stderr(items), "samples": path.name, "result": path.name}
+    complete = set(tasks) == set(SUITE.tasks)
+    return {"schema": "featcal-llm/eval-summary/1", "label": label, "_dir": str(tmp_path),
+            "model": {"path": f"/m/{label}", "fingerprint": label}, "suite": {"name": SUITE.name, "version": SUITE.version,
+                                                                                 "path": str(SUITE.path)},
+            "backend": {"name": "hf"}, "chat_template": {"applied": False}, "tasks": tasks, "complete": complete,
+            "average": sum(t["score"] for t in tasks.values()) / len(tasks) if complete else None}
+
+
+def _direct_bootstrap(pairs, iterations=10_000, seed=0):
+    """The textbook loop: per iteration, resample each task's items with replacement."""
+    rng = np.random.default_rng(seed)
+    per_task = []
+    for base, other in pairs:
+        diffs = other - base
+        per_task.append(np.array([diffs[rng.integers(0, diffs.size, diffs.size)].mean() for _ in range(iterations)]))
+    deltas = np.mean(per_task, axis=0)
+    return np.quantile(deltas, [0.025, 0.975]), deltas
+
+
+def test_paired_bootstrap_and_mcnemar_match_a_direct_computation(tmp_path):
+    merged, calibrated = _summary(tmp_path, "merged", MERGED), _summary(tmp_path, "calibrated", CALIBRATED)
+    row = comparison_row(merged, calibrated, SUITE)
+    gsm = row.intervals["gsm8k"]
+    (low, high), deltas = _direct_bootstrap([(MERGED["gsm8k"], CALIBRATED["gsm8k"])])
+    np.testing.assert_allclose(uncertainty.bootstrap_deltas([(MERGED["gsm8k"], CALIBRATED["gsm8k"])]), deltas)
+    assert gsm.delta == pytest.approx(100 * (CALIBRATED["gsm8k"] - MERGED["gsm8k"]).mean())
+    assert (gsm.low, gsm.high) == pytest.approx((100 * low, 100 * high), abs=1e-9)
+    assert gsm.low < gsm.delta < gsm.high
+    gained = int(((MERGED["gsm8k"] == 0) & (CALIBRATED["gsm8k"] == 1)).sum())
+    lost = int(((MERGED["gsm8k"] == 1) & (CALIBRATED["gsm8k"] == 0)).sum())
+    n = gained + lost
+    p = min(1.0, 2 * sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2**n)
+    assert gsm.p_mcnemar == pytest.approx(p) and p == pytest.approx(2 * (1 + 9) / 2**9)
+    assert row.scores["math500"] is None and row.average is None  # no records, no interval
+
+
+def test_average_interval_resamples_every_task(tmp_path):
+    merged = _summary(tmp_path, "merged", MERGED, full=True)
+    calibrated = _summary(tmp_path, "calibrated", CALIBRATED, full=True)
+    row = comparison_row(merged, calibrated, SUITE)
+    pairs = [(MERGED.get(t, np.zeros(5)), CALIBRATED.get(t, np.zeros(5))) for t in SUITE.tasks]
+    (low, high), _ = _direct_bootstrap(pairs)
+    assert (row.intervals["average"].low, row.intervals["average"].high) == pytest.approx((100 * low, 100 * high), abs=1e-9)
+    assert row.average == pytest.approx(np.mean([100 * (o - b).mean() for b, o in pairs]))
+
+
+def test_standard_error_and_degenerate_cases():
+    values = MERGED["gsm8k"]
+    assert uncertainty.stderr(values) == pytest.approx(np.std(values, ddof=1) / math.sqrt(values.size))
+    assert uncertainty.stderr([1.0]) is None
+    same = uncertainty.compare([(values, values)])
+    assert (same.delta, same.low, same.high, same.p_mcnemar) == (0.0, 0.0, 0.0, 1.0)
+    assert uncertainty.mcnemar_p(np.array([0.5, 1.0]), np.array([1.0, 1.0])) is None  # pass@1 over n samples
+
+
+def test_leaderboard_shows_errors_and_intervals(tmp_path):
+    for label, values in (("merged", MERGED), ("calibrated", CALIBRATED)):
+        (tmp_path / f"{label}.json").write_text(json.dumps(_summary(tmp_path, label, values)))
+    markdown, paths = build_leaderboard([tmp_path], tmp_path / "board", comparisons=[("merged", "calibrated")])
+    row = comparison_row(_summary(tmp_path, "merged", MERGED), _summary(tmp_path, "calibrated", CALIBRATED), SUITE)
+    gsm = row.intervals["gsm8k"]
+    delta_line = next(line for line in markdown.splitlines() if line.startswith("| Δ calibrated − merged"))
+    assert f"+{gsm.delta:.1f} [{gsm.low:+.1f}, {gsm.high:+.1f}]" in delta_line
+    merged_line = next(line for line in markdown.splitlines() if line.startswith("| merged |"))
+    stderr = 100 * uncertainty.stderr(MERGED["gsm8k"])
+    assert f"{100 * MERGED['gsm8k'].mean():.1f} ±{stderr:.1f}" in merged_line
+    assert "paired-bootstrap interval, 10,000 resamples" in markdown and "McNemar exact p: GSM8K" in markdown
+    rows = list(csv.DictReader(paths["csv"].open()))
+    delta = next(r for r in rows if r["model"].startswith("Δ"))
+    assert float(delta["gsm8k_ci_low"]) == pytest.approx(gsm.low, abs=0.05)
+    assert float(delta["gsm8k_p_mcnemar"]) == pytest.approx(gsm.p_mcnemar, rel=1e-3)
+    assert float(next(r for r in rows if r["model"] == "merged")["gsm8k_stderr"]) == pytest.approx(stderr, abs=0.05)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_normalized_score_divides_by_the_expert(tmp_path):
+    experts = {"gsm8k": "calibrated"}
+    for label, values in (("merged", MERGED), ("calibrated", CALIBRATED)):
+        (tmp_path / f"{label}.json").write_text(json.dumps(_summary(tmp_path, label, values)))
+    markdown, _ = build_leaderboard([tmp_path], tmp_path / "board", experts=experts)
+    expected = 100 * MERGED["gsm8k"].mean() / CALIBRATED["gsm8k"].mean()
+    line = next(line for line in markdown.splitlines() if line.startswith("| merged ÷ expert"))
+    assert f"| {expected:.1f} |" in line
+    assert "MergeBench's normalized score" in markdown
