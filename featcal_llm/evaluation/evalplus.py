@@ -146,10 +146,11 @@ def grade_solution(solution: str, doc: dict) -> ExecutionResult:
     return _execute(_job(doc, solution, "grade", times))
 
 
-def grade(completion: str, doc: dict) -> dict:
-    """Sanitize one completion, run EvalPlus's test, return a JSON-able verdict."""
+def grade(completion: str, doc: dict, prompt: str = "") -> dict:
+    """Sanitize one completion (after `prompt`, for completion-style tasks), run EvalPlus's test,
+    return a JSON-able verdict."""
     entry_point = doc.get("evalplus_entry_point") or doc.get("entry_point") or None
-    solution = sanitize(completion.replace("\t", "    "), entry_point)
+    solution = sanitize((prompt + completion).replace("\t", "    "), entry_point)
     result = grade_solution(solution, doc)
     verdict = {"passed": result.passed, "status": result.status, "detail": result.detail,
                "duration_s": round(result.duration_s, 3), "solution": solution}
@@ -161,14 +162,14 @@ def grade(completion: str, doc: dict) -> dict:
     return verdict
 
 
-def _verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+def _verdicts(resps: list[list[str]], docs: list[dict], prompt=lambda doc: "") -> list[list[str]]:
     if not _SETTINGS.allow:
         raise CodeExecutionRefused(
             "code execution is off: pass --allow-code-execution (or eval.allow_code_execution: true)"
         )
     jobs = [(completion, doc) for responses, doc in zip(resps, docs) for completion in responses]
     with ThreadPoolExecutor(max_workers=_SETTINGS.workers) as pool:
-        verdicts = list(pool.map(lambda job: json.dumps(grade(job[0], job[1])), jobs))
+        verdicts = list(pool.map(lambda job: json.dumps(grade(job[0], job[1], prompt(job[1]))), jobs))
     grouped, position = [], 0
     for responses in resps:
         grouped.append(verdicts[position : position + len(responses)])
@@ -184,6 +185,22 @@ def mbpp_verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
     return _verdicts(resps, docs)
 
 
-def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """pass@1 of a greedy sample: 1.0 if its program passed every EvalPlus test."""
-    return {"pass@1": 1.0 if json.loads(results[0])["passed"] else 0.0}
+def humaneval_completion_verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """Completion-style (bigcode, MergeBench): the program is the stripped prompt + the completion."""
+    return _verdicts(resps, docs, lambda doc: doc["prompt"].strip())
+
+
+def mbpp_completion_verdicts(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """Completion-style MBPP+: the docstring prompt + the completion."""
+    return _verdicts(resps, docs, lambda doc: doc["evalplus_prompt"])
+
+
+def process_results(doc: dict, results: list) -> dict[str, float]:
+    """pass@1: the fraction of an item's samples whose program passed every EvalPlus test (one
+    greedy sample: 0 or 1; n samples: c/n, the unbiased pass@1 estimator)."""
+    def flat(items):
+        for item in items:
+            yield from (flat(item) if isinstance(item, list) else [item])
+
+    verdicts = list(flat(results))
+    return {"pass@1": sum(1.0 for v in verdicts if json.loads(v)["passed"]) / len(verdicts)}

@@ -12,14 +12,24 @@ from pathlib import Path
 from featcal_llm.evaluation.suite import Suite
 
 
-def _replay_lm(completions: list[str]):
+def _replay_lm(completions: list):
     from lm_eval.api.model import LM
 
     class ReplayLM(LM):
-        """Answers generate_until requests by document index."""
+        """Answers generate_until requests by document index; a list of completions for a document
+        answers its repeated samples in turn (tasks with `repeats`)."""
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            return [completions[request.doc_id] for request in requests]
+            served: dict[int, int] = {}
+            answers = []
+            for request in requests:
+                given = completions[request.doc_id]
+                if isinstance(given, list):
+                    index = served.get(request.doc_id, 0)
+                    served[request.doc_id] = index + 1
+                    given = given[index % len(given)]
+                answers.append(given)
+            return answers
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             raise NotImplementedError("replay grades generative tasks only")
@@ -30,7 +40,7 @@ def _replay_lm(completions: list[str]):
     return ReplayLM()
 
 
-def grade_completions(suite: Suite, task_id: str, completions: list[str], *, data: Path | None,
+def grade_completions(suite: Suite, task_id: str, completions: list, *, data: Path | None,
                       allow_code_execution: bool = False, code_limits: dict | None = None) -> tuple[float, list[dict]]:
     """The suite's primary metric over the items, and lm-eval's per-sample records (by doc_id)
     restricted to the metric's filter."""

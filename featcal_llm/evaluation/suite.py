@@ -82,6 +82,8 @@ class Suite(BaseModel):
     description: str
     context_length: PositiveInt
     fewshot_as_multiturn: bool = True
+    apply_chat_template: Literal["per_model", "never"] = Field(
+        "per_model", description="never: a protocol that scores every model without its chat template")
     chat_template: str = Field(description="the rule for applying the chat template (documentation)")
     chat_template_args: dict[str, Any] = Field(
         default_factory=dict, description="extra chat-template variables, e.g. a fixed date_string")
