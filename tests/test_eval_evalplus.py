@@ -123,3 +123,33 @@ def test_wall_backstop_grows_with_the_load(monkeypatch):
     assert evalplus.wall_backstop_s() == 25.0
     evalplus.configure(allow=True, workers=8)
     assert evalplus.wall_backstop_s() == 85.0
+
+
+def test_check_graders_canary_on_fixture_rows(monkeypatch):
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+    from featcal_llm.evaluation import canary
+
+    rows = {task: [json.loads(line) for name in ("evalplus", "mergebench")
+                   for line in (FIXTURES / name / f"{task}.jsonl").read_text().splitlines()]
+            for task in ("humaneval_plus", "mbpp_plus")}
+    reports = [canary.check_task(task, rows[task], workers=2) for task in rows]
+    assert [r.line() for r in reports] == [
+        "humaneval_plus: canonical solutions pass 5/5; known-wrong solutions fail 5/5",
+        "mbpp_plus: canonical solutions pass 9/9; known-wrong solutions fail 8/8",  # Mbpp/164 accepts any output
+    ]
+    # a grader that accepts anything is caught
+    real_job = evalplus._job
+    monkeypatch.setattr(evalplus, "_job", lambda *a: {**real_job(*a), "oracle": "any_output"})
+    broken = canary.check_task("mbpp_plus", rows["mbpp_plus"], workers=2)
+    assert not broken.ok and broken.wrong_failed == 0 and "a solution returning None passes" in broken.line()
+    monkeypatch.setattr(evalplus, "_job", real_job)
+    # the command: local copies, exit 0 when all is well; a wrong --data key is a one-line error
+    he, mbpp = FIXTURES / "evalplus" / "humaneval_plus.jsonl", FIXTURES / "evalplus" / "mbpp_plus.jsonl"
+    result = CliRunner().invoke(main, ["eval", "--check-graders", "--code-workers", "2",
+                                       "--data", f"humaneval_plus={he}", "--data", f"mbpp_plus={mbpp}"])
+    assert result.exit_code == 0, result.output
+    assert "humaneval_plus: canonical solutions pass 2/2" in result.output
+    bad = CliRunner().invoke(main, ["eval", "--check-graders", "--data", f"gsm8k={he}"])
+    assert bad.exit_code == 2 and "--check-graders checks humaneval_plus, mbpp_plus only" in bad.output

@@ -59,7 +59,7 @@ def _batch_size(value: str | None):
 
 
 @click.command("eval")
-@click.argument("models", nargs=-1, required=True)
+@click.argument("models", nargs=-1)
 @click.option("--suite", default="mergebench", show_default=True, help="Suite name in eval/ or a suite YAML.")
 @click.option("--tasks", default=None, help="Comma-separated task ids of the suite (default: all).")
 @click.option("--backend", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
@@ -85,11 +85,19 @@ def _batch_size(value: str | None):
 @click.option("--nltk-data", default=None, help="Directory holding NLTK's punkt_tab (needed by IFEval).")
 @click.option("--code-workers", type=int, default=None, help="Programs graded in parallel (default: min(8, CPUs)).")
 @click.option("--quiet", is_flag=True, help="Do not echo the worker's log (it is still written to OUTPUT/logs).")
+@click.option("--check-graders", is_flag=True,
+              help="Run no model: check that the HumanEval+/MBPP+ canonical solutions pass and known-wrong ones fail "
+                   "(hub data, or --data humaneval_plus=FILE --data mbpp_plus=FILE). Runs model-free code from the datasets.")
 def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parallel_size, data_parallel_size,
                  engine_args, gpu_memory_utilization,
                  max_model_len, device, chat_template, allow_code_execution, limit, max_gen_toks, output, data,
-                 nltk_data, code_workers, quiet) -> None:
+                 nltk_data, code_workers, quiet, check_graders) -> None:
     """Score MODEL_DIR... (or LABEL=MODEL_DIR) on a suite, one subprocess per model, with a cache."""
+    if check_graders:
+        _check_graders(_parse_pairs(data, "--data"), code_workers)
+        return
+    if not models:
+        raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
     from featcal_llm.evaluation.config import section_from_options
     from featcal_llm.evaluation.leaderboard import build_leaderboard
     from featcal_llm.evaluation.runner import evaluate_model
@@ -122,6 +130,18 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
     files = [Path(section.output) / f"{s['label']}.json" for s in summaries]
     markdown, _ = build_leaderboard(files, Path(section.output), stem="last-eval")
     click.echo(markdown, nl=False)
+
+
+def _check_graders(data: dict[str, str], workers: int | None) -> None:
+    import os
+
+    from featcal_llm.evaluation.canary import check_graders
+
+    reports = check_graders(data, workers or max(1, min(8, os.cpu_count() or 1)))
+    for report in reports:
+        click.echo(report.line())
+    if not all(report.ok for report in reports):
+        raise SystemExit(1)
 
 
 @click.command("leaderboard")
