@@ -59,6 +59,29 @@ def test_vllm_model_args():
         plan_backend("vllm", BackendSettings(device="cuda:1"), Path("/m"), 4096, None)
 
 
+def test_vllm_data_parallel_engine_args_and_chat_args():
+    settings = BackendSettings(name="vllm", data_parallel_size=2, engine_args={"enforce_eager": True, "max_num_seqs": 64})
+    plan = plan_backend("vllm", settings, Path("/m"), 4096, None, {"date_string": "26 Jul 2024"})
+    assert plan.model_args["data_parallel_size"] == 2
+    assert (plan.model_args["enforce_eager"], plan.model_args["max_num_seqs"]) == (True, 64)
+    assert plan.model_args["chat_template_args"] == {"date_string": "26 Jul 2024"}
+    assert plan.identity()["model_args"]["data_parallel_size"] == 2  # part of the cache key
+    assert "data_parallel_size" not in plan_backend("vllm", BackendSettings(), Path("/m"), 4096, None).model_args
+    with pytest.raises(FeatCalError, match="backend.engine_args.dtype: set by its own option"):
+        plan_backend("vllm", BackendSettings(engine_args={"dtype": "float16"}), Path("/m"), 4096, None)
+    with pytest.raises(FeatCalError, match="backend.data_parallel_size: only the vllm backend"):
+        plan_backend("hf", BackendSettings(data_parallel_size=2, device="cpu"), Path("/m"), 4096, None)
+
+
+def test_engine_arg_option_parses_yaml_scalars():
+    from featcal_llm.evaluation.cli import _engine_args
+
+    assert _engine_args(("enforce_eager=true", "swap_space=4", "kv_cache_dtype=fp8")) == {
+        "enforce_eager": True, "swap_space": 4, "kv_cache_dtype": "fp8"}
+    with pytest.raises(FeatCalError, match="--engine-arg enforce-eager: expected KEY=VALUE"):
+        _engine_args(("enforce-eager",))
+
+
 def test_hf_model_args(monkeypatch):
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     plan = plan_backend("hf", BackendSettings(), Path("/m"), 4096, 1024)
