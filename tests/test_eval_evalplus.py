@@ -153,3 +153,18 @@ def test_check_graders_canary_on_fixture_rows(monkeypatch):
     assert "humaneval_plus: canonical solutions pass 2/2" in result.output
     bad = CliRunner().invoke(main, ["eval", "--check-graders", "--data", f"gsm8k={he}"])
     assert bad.exit_code == 2 and "--check-graders checks humaneval_plus, mbpp_plus only" in bad.output
+
+
+def test_huge_integers_and_unreadable_rows():
+    big = "1" + "0" * 5000  # EvalPlus's exports hold expected outputs beyond Python's 4,300-digit default
+    test = (f"import numpy as np\n\ndef assertion(out, exp, atol):\n    assert out == exp\n\n"
+            f"inputs = [[5000]]\nresults = [{big}]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+            "    assertion(power_of_ten(*inp), exp, 0)\n")
+    doc = {"task_id": 9200, "code": "def power_of_ten(n):\n    return 10 ** n", "test": test, "test_list": ["x"]}
+    doc.update(evalplus._add_fields(doc, "mbpp"))
+    assert doc["evalplus_entry_point"] == "power_of_ten"
+    assert evalplus.grade("def power_of_ten(n):\n    return 10 ** n\n", doc)["passed"]
+    unreadable = {"task_id": 9201, "code": "", "test": "print('no loop here')\n", "test_list": ["x"]}
+    unreadable.update(evalplus._add_fields(unreadable, "mbpp"))
+    verdict = evalplus.grade("def f():\n    return 1\n", unreadable)
+    assert not verdict["passed"] and verdict["detail"].startswith("hub test not understood: no `for")

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from featcal_llm.evaluation.oracle import HUB_PATCHES, oracle_for, parse_hub_test
+from featcal_llm.evaluation.oracle import HUB_PATCHES, HubTestError, oracle_for, parse_hub_test
 from featcal_llm.evaluation.sandbox import ExecutionResult, run_job
 from featcal_llm.evaluation.sanitize import sanitize
 
@@ -78,7 +78,13 @@ def wall_backstop_s() -> float:
 
 
 def _add_fields(doc: dict, dataset: str) -> dict:
-    test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
+    """A row whose test cannot be read is kept (its samples fail with the reason; --check-graders
+    reports it) rather than stopping the whole task."""
+    try:
+        test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
+    except HubTestError as error:
+        return {"evalplus_entry_point": doc.get("entry_point") or "", "evalplus_oracle": "unreadable",
+                "evalplus_patch": f"hub test not understood: {error}"}
     oracle = oracle_for(dataset, test.entry_point)
     return {"evalplus_entry_point": test.entry_point, "evalplus_oracle": oracle,
             "evalplus_patch": HUB_PATCHES.get(oracle, "")}
@@ -141,6 +147,8 @@ def reference_run(doc: dict) -> ExecutionResult:
 
 def grade_solution(solution: str, doc: dict) -> ExecutionResult:
     """EvalPlus's differential test of an already sanitized solution."""
+    if doc.get("evalplus_oracle") == "unreadable":
+        return ExecutionResult("failed", None, 0.0, doc["evalplus_patch"])
     reference = reference_run(doc)
     times = reference.verdict.get("times")  # None if the canonical solution did not run: the cap per input
     return _execute(_job(doc, solution, "grade", times))
