@@ -190,3 +190,14 @@ def test_chat_prompts_have_a_fixed_date_and_keep_the_code_prefix_newline():
     fixed = keep_prefix_whitespace(lambda h, g=True: HFLM.apply_chat_template(lm, h, g))
     assert fixed(history, False) == raw + "\n"
     assert fixed(history[:1], True) == HFLM.apply_chat_template(lm, history[:1], True)  # nothing to restore
+
+
+def test_the_run_reads_the_revision_the_key_names():
+    pytest.importorskip("lm_eval")
+    from featcal_llm.evaluation.tasks import resolve_task_config
+
+    suite = load_suite("mergebench")
+    config = resolve_task_config(suite, "mbpp_plus", data=None, max_gen_toks=None, revision="d" * 40)
+    assert config["dataset_kwargs"]["revision"] == "d" * 40
+    assert "revision" not in (resolve_task_config(suite, "mbpp_plus", data=None, max_gen_toks=None,
+                                                  revision="unresolved").get("dataset_kwargs") or {})
