@@ -151,7 +151,12 @@ def grade_solution(solution: str, doc: dict) -> ExecutionResult:
         return ExecutionResult("failed", None, 0.0, doc["evalplus_patch"])
     reference = reference_run(doc)
     times = reference.verdict.get("times")  # None if the canonical solution did not run: the cap per input
-    return _execute(_job(doc, solution, "grade", times))
+    if times is None:
+        return _execute(_job(doc, solution, "grade", None))
+    # EvalPlus's per-run limit: min(cap, sum of the per-input limits) + 1
+    limits = sum(max(_SETTINGS.min_time_limit_s, _SETTINGS.time_limit_factor * t) for t in times)
+    job = _job(doc, solution, "grade", times)
+    return run_job(job, cap_s=min(_SETTINGS.cap_s, limits) + 1, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib)
 
 
 def grade(completion: str, doc: dict, prompt: str = "") -> dict:
