@@ -114,6 +114,7 @@ def write_report(directory: Path, report: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     layers = [row["layer"] for row in report["layers"]]
     figure, axes = plt.subplots(figsize=(6.4, 4.0))
@@ -123,7 +124,13 @@ def write_report(directory: Path, report: dict) -> None:
         axes.plot(layers, [row["calibrated"][task] for row in report["layers"]], "-o", color=color, markersize=3, label=f"{task}: calibrated")
     axes.set_xlabel("decoder layer")
     axes.set_ylabel("‖h − h_expert‖ / ‖h_expert‖")
-    axes.set_title(f"Feature drift to each expert ({report['probe']})")
+    divergence = report.get("output_divergence")
+    title = f"Feature drift to each expert ({report['probe']})"
+    if divergence:
+        mean = {kind: sum(values.values()) / len(values) for kind, values in divergence.items()}
+        title += f"\nnext-token KL to the experts: merged {mean['merged']:.3g}, calibrated {mean['calibrated']:.3g}"
+    axes.set_title(title, fontsize=10)
+    axes.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes.set_ylim(bottom=0)
     axes.legend(fontsize=7)
     figure.tight_layout()

@@ -56,14 +56,21 @@ def _check_tunable(key: str, value: Any) -> Any:
     if not values:
         raise ValueError("expected a number, auto or a non-empty list of numbers")
     low, inclusive, high = _RANGES[key]
+    numbers = []
     for item in values:
-        if isinstance(item, bool) or not isinstance(item, (int, float)):
+        if isinstance(item, str):  # YAML 1.1 reads `1e-5` (no dot) as a string, as pydantic's floats accept
+            try:
+                item = float(item)
+            except ValueError:
+                pass
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item:
             raise ValueError(f"expected a number, auto or a list of numbers, got {item!r}")
+        numbers.append(float(item))
         if low is not None and (item < low or (item == low and not inclusive)):
             raise ValueError(f"every value should be greater than {'or equal to ' if inclusive else ''}{low:g}, got {item!r}")
         if high is not None and item > high:
             raise ValueError(f"every value should be less than or equal to {high:g}, got {item!r}")
-    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
+    return tuple(numbers) if isinstance(value, (list, tuple)) else numbers[0]
 
 
 class TuneSpec(BaseModel):

@@ -46,7 +46,7 @@ def _copy(stats: GroupStatistics) -> GroupStatistics:
                            stats.sum_exp.clone(), stats.norm_sq.clone(), stats.tokens)
 
 
-def test_shared_solve_equals_the_fixed_solve_for_every_candidate():
+def test_shared_solve_equals_the_fixed_solve_for_every_candidate(capsys):
     """Folding once and mixing α, reusing one factor per λ, gives each candidate's fixed-run ΔW (float64)."""
     tasks = [_random_stats(seed) for seed in range(3)]
     norms = [torch.rand(12, dtype=torch.float64) + 0.5 for _ in tasks]
@@ -80,6 +80,7 @@ def test_shared_solve_equals_the_fixed_solve_for_every_candidate():
             assert float((b_ours - b_expected).norm() / (b_expected - bias_m[name]).norm()) <= 1e-6
         assert torch.allclose(solve_norm(system, anchor(norm_m, norm_b, rho), lam), solve_norm(fixed, anchor(norm_m, norm_b, rho), lam), rtol=1e-12)
     assert shared.lhs.equal(lhs_before)  # lhs is shared by the candidates: the solves never modify it
+    assert capsys.readouterr().err == ""  # every candidate used the shared factor, none fell back to ridge_solve
 
 
 def test_coordinate_search_order_winner_and_budget():
@@ -129,7 +130,9 @@ def _calibration_only_data(scenario, tmp_path, seed: int = 0) -> dict:
 def test_tuned_run_equals_a_fixed_run_on_the_calibration_records(merged_scenario, tmp_path, monkeypatch):
     """A candidate chosen inside a tuned run gives the fixed run's weights; held-out records are not in them.
 
-    The winner is forced (λ = 1e-1 of two) so that the comparison does not depend on the criterion.
+    The winner is forced (λ = 1e-1 of two) so that the comparison does not depend on the criterion, and
+    the criterion is flat so that the candidate kept while searching (the first, λ = 1e-3) is not the
+    winner: the winner must be solved again.
     """
     real = tuned_module.coordinate_search
 
@@ -137,6 +140,7 @@ def test_tuned_run_equals_a_fixed_run_on_the_calibration_records(merged_scenario
         return real(search, lambda h: (score(h), 0.0 if h.lam == 1e-1 else 1.0)[1])
 
     monkeypatch.setattr(tuned_module, "coordinate_search", forced)
+    monkeypatch.setattr(tuned_module, "criterion", lambda *args: 0.0)
     tuned = run_recipe(_tuned(merged_scenario, tmp_path, "tuned", **{"lambda": [1e-3, 1e-1]}), progress=False)
     report = json.loads((tuned / "featcal_tuning.json").read_text())
     assert report["chosen"]["lambda"] == [0.1, 0.1, 0.1] and len(report["layers"][0]["candidates"]) == 2
@@ -243,3 +247,36 @@ def test_bad_tuning_input_is_one_line_naming_the_key(merged_scenario, tmp_path, 
     for fragment in expected:
         assert fragment in lines[0], lines[0]
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.featcal-partial").exists()
+
+
+def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_path):
+    """featcal_drift.json of a fixed run against transformers' own full models on the same probe records."""
+    from test_exactness import calibration_sequences, load
+
+    from featcal_llm.drift import drift_sample
+
+    output = run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
+    report = json.loads((output / "featcal_drift.json").read_text())
+    assert report["probe"] == "calibration subsample" and (output / "featcal_drift.png").stat().st_size > 0
+    models = {"merged": load(merged_scenario.root / "merged"), "calibrated": load(output)}
+    checked = 0
+    for name, sequences in drift_sample(calibration_sequences(merged_scenario, 16, 64)).items():
+        key = str(merged_scenario.experts[name])
+        expert = load(merged_scenario.experts[name])
+        for sequence in sequences:  # one probe record per expert here, so no padding and no token averaging across records
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                reference = expert(ids, output_hidden_states=True)
+                for kind, model in models.items():
+                    ours = model(ids, output_hidden_states=True)
+                    for layer in range(len(report["layers"]) - 1):  # the last entry of hidden_states is after the final norm
+                        h, e = ours.hidden_states[layer + 1].double(), reference.hidden_states[layer + 1].double()
+                        expected = float((h - e).norm() / e.norm())
+                        assert abs(report["layers"][layer][kind][key] - expected) <= 1e-5 * expected, (kind, layer)
+                    log_p, log_q = reference.logits.double().log_softmax(-1), ours.logits.double().log_softmax(-1)
+                    kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+                    assert abs(report["output_divergence"][kind][key] - kl) <= 1e-4 * kl, kind
+                    checked += 1
+    assert checked == 6
+    merged_drift = [row["merged"][key] for row in report["layers"]]
+    assert all(row["calibrated"][key] < row["merged"][key] for row in report["layers"]), merged_drift

@@ -230,7 +230,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     log = _Log(echo)
     cache = _Cache(workdir)
     timings: dict[str, float] = {}
-    log(f"FeatCal demo in {workdir} ({'quick' if cfg == QUICK else 'full'} scenario, config {cfg.key()}, "
+    log(f"FeatCal demo in {workdir} ({'quick' if quick else 'full'}{', auto' if cfg.auto else ''} scenario, config {cfg.key()}, "
         f"{threads} thread{'s' * (threads > 1)}, {workers} expert worker{'s' * (workers > 1)}, device {device})")
 
     # 1. data

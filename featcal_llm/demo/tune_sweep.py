@@ -47,7 +47,7 @@ def _recipe(point: dict, tag: str) -> str:
         return text.replace(hyper, f"  lambda: auto\n  alpha: auto\n  rho: auto\n  tune: {{criterion: {point['auto']}}}\n")
     if "single" in point:
         lam, alpha, rho = point["single"]
-        return text.replace(hyper, f"  lambda: [{lam:g}]\n  alpha: [{alpha:g}]\n  rho: [{rho:g}]\n")
+        return text.replace(hyper, f"  lambda: [{lam!r}]\n  alpha: [{alpha!r}]\n  rho: [{rho!r}]\n")
     return text
 
 
