@@ -303,7 +303,7 @@ def calibrate_layer(
             with timer.phase("forward"):
                 cal_out = {task: outputs(runner, cal_layer, b, probe.cal[task], store) for task, b in probe.batches.items()}
         record["drift"] = {
-            kind: {task: relative_drift(out[task], expert_out[task], b) for task, b in probe.batches.items()}
+            kind: {task: relative_drift(out[task], expert_out[task], b, runner.device) for task, b in probe.batches.items()}
             for kind, out in (("merged", merged_out), ("calibrated", cal_out))
         }
         probe.cal, probe.expert, probe.merged = cal_out, expert_out, merged_out

@@ -28,6 +28,7 @@ SAMPLE_SHARE = 1 / 16  # of each expert's calibration records, in fixed runs
 SAMPLE_MOST = 64
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+KL_CHUNK = 1024  # tokens per log-softmax: 1024 × 128k float64 logits is 1 GiB
 
 Streams = dict[str, list[torch.Tensor]]
 
@@ -63,11 +64,11 @@ def outputs(runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatc
     return result
 
 
-def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch]) -> float:
-    """‖H − H_ref‖_F / ‖H_ref‖_F over the non-padding tokens (padding is stored as zeros in both)."""
+def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch], device: torch.device | None = None) -> float:
+    """‖H − H_ref‖_F / ‖H_ref‖_F over the non-padding tokens (padding is stored as zeros in both), summed on `device`."""
     error = total = 0.0
     for host, ref in zip(stream, reference):
-        h, r = host.to(torch.float64), ref.to(torch.float64)
+        h, r = host.to(device=device, dtype=torch.float64), ref.to(device=device, dtype=torch.float64)
         error += float((h - r).pow(2).sum())
         total += float(r.pow(2).sum())
     return math.sqrt(error / max(total, 1e-300))
@@ -96,14 +97,15 @@ class Head:
 
 
 def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]) -> float:
-    """Mean over non-padding tokens of KL(p_expert ‖ p_model)."""
+    """Mean over non-padding tokens of KL(p_expert ‖ p_model), in chunks of tokens (float64 logits over a large vocabulary)."""
     total, tokens = 0.0, 0
     for batch, host, ref in zip(batches, stream, expert_stream):
-        keep = batch.keep.to(head.device)
-        model = head.log_probs(host)[keep]
-        expert = expert_head.log_probs(ref)[keep]
-        total += float((expert.exp() * (expert - model)).sum())
-        tokens += int(keep.sum())
+        keep = batch.keep.to(host.device)
+        for rows, ref_rows in zip(host[keep].split(KL_CHUNK), ref[keep].split(KL_CHUNK)):
+            model = head.log_probs(rows)
+            expert = expert_head.log_probs(ref_rows)
+            total += float((expert.exp() * (expert - model)).sum())
+            tokens += rows.shape[0]
     return total / max(tokens, 1)
 
 

@@ -20,7 +20,8 @@ from featcal_llm.tuning import as_values, coordinate_search
 
 
 def criterion(
-    name: str, probe: Probe, candidate: dict[str, list[torch.Tensor]], expert: dict[str, list[torch.Tensor]], heads: dict[str, Head] | None
+    name: str, probe: Probe, candidate: dict[str, list[torch.Tensor]], expert: dict[str, list[torch.Tensor]],
+    heads: dict[str, Head] | None, device: torch.device | None = None,
 ) -> float:
     """Mean over experts (equal weights) of the held-out drift (`hidden`) or logit-lens KL (`output`)."""
     values = []
@@ -28,7 +29,7 @@ def criterion(
         if name == "output":
             values.append(next_token_kl(heads["merged"], candidate[task], heads[task], expert[task], batches))
         else:
-            values.append(relative_drift(candidate[task], expert[task], batches))
+            values.append(relative_drift(candidate[task], expert[task], batches, device))
     return sum(values) / len(values)
 
 
@@ -62,7 +63,7 @@ def select_layer(
             candidate_layer = runner.build(layer, {**merged, **solved}, "merged model")
         with timer.phase("forward"):
             out = {task: outputs(runner, candidate_layer, batches, probe.cal[task], store) for task, batches in probe.batches.items()}
-        return solved, out, criterion(search.criterion, probe, out, expert_out, heads)
+        return solved, out, criterion(search.criterion, probe, out, expert_out, heads, runner.device)
 
     def score(hyper: Hyperparameters) -> float:
         solved, out, value = evaluate(hyper)

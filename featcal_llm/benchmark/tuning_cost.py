@@ -41,6 +41,7 @@ def _modes(sequences, search_for):
 @click.option("--heads", default=8, show_default=True)
 @click.option("--kv-heads", default=2, show_default=True)
 @click.option("--layers", default=2, show_default=True)
+@click.option("--vocab", default=128, show_default=True, help="Vocabulary (Llama-3: 128256; matters for --criterion output).")
 @click.option("--experts", default=3, show_default=True)
 @click.option("--sequences", default=16, show_default=True, help="Calibration records per expert (25 % are held out by auto).")
 @click.option("--seq-len", default=256, show_default=True)
@@ -52,7 +53,7 @@ def _modes(sequences, search_for):
 @click.option("--threads", type=int, default=None)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="[default: $TMPDIR/featcal-llm-bench]")
 @click.option("--json", "as_json", is_flag=True)
-def main(hidden, intermediate, heads, kv_heads, layers, experts, sequences, seq_len, batch_tokens, criterion, repeats,
+def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequences, seq_len, batch_tokens, criterion, repeats,
          device, dtype, threads, workdir, as_json) -> None:
     """Seconds of the layer loop for fixed, fixed+drift and auto on the same synthetic records."""
     from transformers import AutoConfig
@@ -76,7 +77,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, experts, sequences, seq_
     compute = resolve_device(device)
     root = Path(workdir) if workdir else Path(tempfile.gettempdir()) / "featcal-llm-bench"
     root.mkdir(parents=True, exist_ok=True)
-    spec = SyntheticSpec(hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, layers=layers, experts=experts)
+    spec = SyntheticSpec(hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, layers=layers, vocab=vocab, experts=experts)
     checkpoints = ensure_checkpoints(spec, root, log=log, device=compute)
     config = AutoConfig.from_pretrained(checkpoints.merged)
     architecture = architecture_for(config, "bench")
@@ -110,7 +111,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, experts, sequences, seq_
                 seconds[mode].append(time.perf_counter() - start)
             log(f"repeat {repeat + 1}/{repeats} {mode}: {seconds[mode][-1]:.2f} s")
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
-    result = {"shapes": {"hidden": hidden, "intermediate": intermediate, "layers": layers, "experts": experts,
+    result = {"shapes": {"hidden": hidden, "intermediate": intermediate, "layers": layers, "vocab": vocab, "experts": experts,
                          "sequences": sequences, "seq_len": seq_len}, "device": str(compute), "criterion": criterion,
               "seconds": seconds, "median": median, "factor": {mode: median[mode] / median["fixed"] for mode in median}}
     if as_json:
