@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from featcal_llm.candidates import SharedSystem, add_task_shared
 from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.drift import Head, Probe, next_token_kl, outputs, relative_drift
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner
-from featcal_llm.plan import CalibrationPlan
+from featcal_llm.plan import CalibrationPlan, Hyperparameters
 from featcal_llm.prefetch import LayerPrefetcher, LayerTensors
 from featcal_llm.profiling import NullTimer
 from featcal_llm.record import StatisticsWorkspace, record_task
@@ -34,6 +36,7 @@ from featcal_llm.solve import (
 )
 from featcal_llm.stats import GroupStatistics
 from featcal_llm.streams import HostStore, TokenBatch, embed
+from featcal_llm.tuned import select_layer
 
 
 @dataclass
@@ -75,22 +78,29 @@ def advance(
 
 def fold_task(
     plan: CalibrationPlan,
-    systems: dict[str, GroupSystem],
+    systems: dict[str, GroupSystem | SharedSystem],
     stats: dict[str, GroupStatistics],
     expert_weights: dict[str, torch.Tensor],
 ) -> None:
-    """Add one task's statistics to every input group's system (so they can be freed)."""
+    """Add one task's statistics to every input group's system (so they can be freed).
+
+    A tuned run folds into α-independent `SharedSystem`s instead.
+    """
     for group in plan.groups():
         selected = plan.selected(group)
-        systems[group.name] = add_task(
-            systems.get(group.name),
-            stats[group.name],
-            {p: expert_weights[f"{p}.weight"] for p in selected},
-            {p: expert_weights[f"{p}.bias"] for p in selected if plan.biases and f"{p}.bias" in expert_weights},
-            expert_weights.get(f"{group.norm}.weight") if group.norm else None,
-            plan.hyper.alpha,
-            plan.hyper.eps,
-        )
+        weights = {p: expert_weights[f"{p}.weight"] for p in selected}
+        biases = {p: expert_weights[f"{p}.bias"] for p in selected if plan.biases and f"{p}.bias" in expert_weights}
+        norm = expert_weights.get(f"{group.norm}.weight") if group.norm else None
+        if plan.tuning is not None:
+            systems[group.name] = add_task_shared(systems.get(group.name), stats[group.name], weights, biases, norm, plan.hyper.eps)
+        else:
+            systems[group.name] = add_task(
+                systems.get(group.name), stats[group.name], weights, biases, norm, plan.hyper.alpha, plan.hyper.eps
+            )
+
+
+def _ridge(group: str, lhs, rhs, anchors, lam: float, eps: float, where: str) -> dict[str, torch.Tensor]:
+    return ridge_solve(lhs, rhs, anchors, lam, eps, where)
 
 
 def solve_layer(
@@ -100,9 +110,15 @@ def solve_layer(
     base: dict[str, torch.Tensor],
     layer: int,
     device: torch.device,
+    hyper: Hyperparameters | None = None,
+    ridge=_ridge,
 ) -> dict[str, torch.Tensor]:
-    """Calibrated tensors of one layer (names relative to the layer), in the merged checkpoint's dtypes."""
-    hyper = plan.hyper
+    """Calibrated tensors of one layer (names relative to the layer), in the merged checkpoint's dtypes.
+
+    `hyper` defaults to the plan's; `ridge(group, lhs, rhs, anchors, λ, eps, where)` solves the
+    weights (a tuned run passes factors shared across candidates).
+    """
+    hyper = hyper or plan.hyper
     solved: dict[str, torch.Tensor] = {}
 
     def anchored(name: str) -> torch.Tensor:
@@ -112,7 +128,8 @@ def solve_layer(
         system = systems[group.name]
         selected = plan.selected(group)
         if selected:
-            solutions = ridge_solve(
+            solutions = ridge(
+                group.name,
                 system.lhs,
                 {p: system.rhs[p] for p in selected},
                 {p: anchored(f"{p}.weight") for p in selected},
@@ -142,6 +159,7 @@ def replay_layer(
     cal_streams: Streams,
     expert_streams: Streams,
     store: HostStore,
+    probe: Probe | None = None,
 ) -> None:
     """Advance every stream through an already calibrated layer (resume): forward passes only."""
     cal_layer = runner.build(layer, {**tensors.merged, **calibrated}, "merged model")
@@ -149,6 +167,30 @@ def replay_layer(
         advance(runner, cal_layer, task_batches, cal_streams[task], store)
         expert_layer = runner.build(layer, tensors.experts[task], f"expert {task}")
         advance(runner, expert_layer, task_batches, expert_streams[task], store)
+        if probe is not None:
+            advance(runner, expert_layer, probe.batches[task], probe.expert[task], store)
+            advance(runner, cal_layer, probe.batches[task], probe.cal[task], store)
+    if probe is not None:
+        merged_layer = runner.build(layer, tensors.merged, "merged model")
+        for task, task_batches in probe.batches.items():
+            advance(runner, merged_layer, task_batches, probe.merged[task], store)
+
+
+def start_probe(models: Models, plan: CalibrationPlan, probe: Probe, dtype: torch.dtype, store: HostStore) -> None:
+    """Embed the probe records: cal and merged streams from the merged embedding, expert i's from its own."""
+    probe.cal, probe.expert = initial_streams(models, plan, probe.batches, dtype, store)
+    probe.merged = {task: [store.store(h, b.keep) for h, b in zip(stream, probe.batches[task])] for task, stream in probe.cal.items()}
+
+
+def output_divergence(models: Models, runner: LayerRunner, probe: Probe) -> dict[str, dict[str, float]]:
+    """Mean next-token KL(expert i ‖ model) on expert i's probe records, for the merged and the calibrated model."""
+    merged_head = Head(runner, models.merged)
+    result: dict[str, dict[str, float]] = {"merged": {}, "calibrated": {}}
+    for task, batches in probe.batches.items():
+        expert_head = Head(runner, models.experts[task])
+        result["merged"][task] = next_token_kl(merged_head, probe.merged[task], expert_head, probe.expert[task], batches)
+        result["calibrated"][task] = next_token_kl(merged_head, probe.cal[task], expert_head, probe.expert[task], batches)
+    return result
 
 
 def calibrate(
@@ -161,12 +203,23 @@ def calibrate(
     store: HostStore,
     progress: bool = True,
     timer=NullTimer(),
+    probe: Probe | None = None,
 ) -> dict[str, Path]:
     """Run the whole forward-order schedule; returns tensor name → staged file holding its new value.
 
-    Layers the staging area already holds are replayed, not recomputed.
+    Layers the staging area already holds are replayed, not recomputed. With a
+    `probe`, every layer's drift (and a tuned run's choice) is recorded in the
+    staging area, and `probe.divergence` holds the final output divergence.
+    A tuned plan needs the probe: its records are the held-out ones.
     """
+    if plan.tuning is not None and probe is None:
+        raise FeatCalError("internal: a tuned run needs its held-out records as the probe")
     cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, store)
+    if probe is not None:
+        start_probe(models, plan, probe, runner.dtype, store)
+    heads = None
+    if plan.tuning is not None and plan.tuning.criterion == "output":
+        heads = {"merged": Head(runner, models.merged), **{task: Head(runner, reader) for task, reader in models.experts.items()}}
     total_tokens = sum(b.tokens for task_batches in batches.values() for b in task_batches)
     prefetcher = LayerPrefetcher(
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=runner.device.type == "cuda"
@@ -181,11 +234,15 @@ def calibrate(
             if layer < staging.completed:
                 prefix = plan.architecture.prefix(layer)
                 calibrated = {name[len(prefix):]: t for name, t in staging.load(layer).items()}
-                replay_layer(layer, tensors, runner, batches, calibrated, cal_streams, expert_streams, store)
+                replay_layer(layer, tensors, runner, batches, calibrated, cal_streams, expert_streams, store, probe)
             else:
-                calibrate_layer(layer, tensors, plan, runner, batches, cal_streams, expert_streams, staging, store, workspace, timer)
+                calibrate_layer(
+                    layer, tensors, plan, runner, batches, cal_streams, expert_streams, staging, store, workspace, timer, probe, heads
+                )
             del tensors
             bar.update(1)
+        if probe is not None:
+            probe.divergence = output_divergence(models, runner, probe)
     finally:
         prefetcher.close()
         bar.close()
@@ -204,29 +261,54 @@ def calibrate_layer(
     store: HostStore,
     workspace: StatisticsWorkspace,
     timer=NullTimer(),
+    probe: Probe | None = None,
+    heads: dict[str, Head] | None = None,
 ) -> None:
-    """Record, solve, stage and advance one layer (steps 2a-2c of the schedule)."""
+    """Record, solve (or select), stage and advance one layer (steps 2a-2c of the schedule)."""
     merged_weights = tensors.merged
     with timer.phase("load"):
         cal_layer = runner.build(layer, merged_weights, "merged model")
-    systems: dict[str, GroupSystem] = {}
+    systems: dict[str, GroupSystem | SharedSystem] = {}
+    expert_out: dict[str, list[torch.Tensor]] = {}
     for task, expert_weights in tensors.experts.items():
         with timer.phase("load"):
             expert_layer = runner.build(layer, expert_weights, f"expert {task}")
         stats = record_task(
             layer, runner, plan, cal_layer, expert_layer, batches[task], cal_streams[task], expert_streams[task], store, workspace, timer
         )
+        if probe is not None:
+            with timer.phase("forward"):
+                expert_out[task] = outputs(runner, expert_layer, probe.batches[task], probe.expert[task], store)
         del expert_layer
         with timer.phase("solve"):
             fold_task(plan, systems, stats, expert_weights)
         del stats
-    with timer.phase("solve"):
-        solved = solve_layer(plan, systems, merged_weights, tensors.base, layer, runner.device)
+    record: dict = {}
+    cal_out = None
+    if probe is not None:
+        with timer.phase("forward"):
+            merged_out = {task: outputs(runner, cal_layer, b, probe.merged[task], store) for task, b in probe.batches.items()}
+    if plan.tuning is not None:
+        solved, record["tuning"], cal_out = select_layer(
+            layer, plan, runner, systems, merged_weights, tensors.base, probe, expert_out, store, solve_layer, heads, timer
+        )
+    else:
+        with timer.phase("solve"):
+            solved = solve_layer(plan, systems, merged_weights, tensors.base, layer, runner.device)
     del systems
-    prefix = plan.architecture.prefix(layer)
-    with timer.phase("write"):
-        staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()})
     with timer.phase("load"):
         cal_layer = runner.build(layer, {**merged_weights, **solved}, "merged model")
+    if probe is not None:
+        if cal_out is None:
+            with timer.phase("forward"):
+                cal_out = {task: outputs(runner, cal_layer, b, probe.cal[task], store) for task, b in probe.batches.items()}
+        record["drift"] = {
+            kind: {task: relative_drift(out[task], expert_out[task], b, runner.device) for task, b in probe.batches.items()}
+            for kind, out in (("merged", merged_out), ("calibrated", cal_out))
+        }
+        probe.cal, probe.expert, probe.merged = cal_out, expert_out, merged_out
+    prefix = plan.architecture.prefix(layer)
+    with timer.phase("write"):
+        staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()}, record or None)
     for task, task_batches in batches.items():
         advance(runner, cal_layer, task_batches, cal_streams[task], store, timer)

@@ -12,10 +12,31 @@ from featcal_llm.recipe import Recipe
 RECIPE_FILE = "featcal_recipe.yml"
 
 
-def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int]) -> None:
-    """README.md with hub-style YAML front matter, plus the full recipe beside it."""
+def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None) -> None:
+    """README.md with hub-style YAML front matter, plus the full recipe beside it.
+
+    For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
+    per-layer chosen lists, and the saved recipe ends with them as a comment block.
+    """
     featcal = recipe.featcal
-    hyper = {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho, "eps": featcal.eps}
+    if tuning is None:
+        hyper = {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho, "eps": featcal.eps}
+        values = f"λ = {featcal.lambda_}, α = {featcal.alpha}, ρ = {featcal.rho}, eps = {featcal.eps}"
+        chosen_comment = ""
+    else:
+        search = tuning["search"]
+        hyper = {**tuning["chosen"], "eps": featcal.eps,
+                 "tuning": {k: search[k] for k in ("criterion", "holdout", "budget")} | {"most_common": tuning["most_common"]}}
+        common = tuning["most_common"]
+        values = (
+            f"Chosen per layer by featcal-llm on held-out calibration records ({search['criterion']} criterion, "
+            f"holdout {search['holdout']:g}; every candidate's score is in `featcal_tuning.json`):\n\n"
+            + "\n".join(f"- {symbol}: {tuning['chosen'][key]}" for key, symbol in (("lambda", "λ"), ("alpha", "α"), ("rho", "ρ")))
+            + f"\n\nMost common: λ = {common['lambda']:g}, α = {common['alpha']:g}, ρ = {common['rho']:g}; eps = {featcal.eps}"
+        )
+        chosen_comment = "\n# featcal-llm chose per decoder layer (featcal_tuning.json):\n" + "".join(
+            f"#   {key}: {tuning['chosen'][key]}\n" for key in ("lambda", "alpha", "rho")
+        )
     front = {
         "base_model": str(recipe.base),
         "tags": ["merge", "mergekit", "featcal"],
@@ -42,7 +63,9 @@ on its calibration data, while staying close to the anchor ρ·W_merged + (1 −
 {experts}
 
 ## Hyper-parameters
-λ = {featcal.lambda_}, α = {featcal.alpha}, ρ = {featcal.rho}, eps = {featcal.eps}
+{values}
+
+Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`.
 
 ## Recipe
 The full recipe (mergekit configuration plus the `featcal:` block) is saved as `{RECIPE_FILE}`:
@@ -53,4 +76,5 @@ The full recipe (mergekit configuration plus the `featcal:` block) is saved as `
 """
     text = "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
-    (directory / RECIPE_FILE).write_text(recipe.text, encoding="utf-8")
+    saved = recipe.text.rstrip("\n") + "\n" + chosen_comment if chosen_comment else recipe.text
+    (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")

@@ -7,8 +7,10 @@ tokenise the calibration data → merge with mergekit if needed → the layer lo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from featcal_llm.checkpoint import (
     write_calibrated_checkpoint,
 )
 from featcal_llm.data import calibration_sequences
+from featcal_llm.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner
 from featcal_llm.merge import ensure_merged
@@ -38,6 +41,7 @@ from featcal_llm.resume import (
     sequences_digest,
 )
 from featcal_llm.streams import HostStore, make_batches
+from featcal_llm.tuning import build_search, split_holdout, tuning_report, tuning_table
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
@@ -135,7 +139,7 @@ def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, P
     return models
 
 
-def _run_fingerprint(recipe: Recipe, sequences, models: Models, runner: LayerRunner, batch_tokens: int) -> str:
+def _run_fingerprint(recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int) -> str:
     featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb"})
     return fingerprint(
         [
@@ -143,6 +147,7 @@ def _run_fingerprint(recipe: Recipe, sequences, models: Models, runner: LayerRun
             featcal,
             recipe.merge_config.model_dump(mode="json"),
             sequences_digest(sequences),
+            sequences_digest(probe_sequences),
             checkpoint_identity(models.merged.directory),
             checkpoint_identity(models.base.directory),
             {task: checkpoint_identity(reader.directory) for task, reader in models.experts.items()},
@@ -184,12 +189,15 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {expert_dirs[name] / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
+    search = build_search(featcal, str(recipe.path)) if featcal.tuned else None
+    fixed = search.start() if search else {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho}
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, featcal.modules, str(recipe.path)),
         norms=featcal.norms,
         biases=featcal.biases,
-        hyper=Hyperparameters(lam=featcal.lambda_, alpha=featcal.alpha, rho=featcal.rho, eps=featcal.eps),
+        hyper=Hyperparameters(lam=fixed["lambda"], alpha=fixed["alpha"], rho=fixed["rho"], eps=featcal.eps),
+        tuning=search,
     )
 
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
@@ -199,8 +207,16 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         featcal.shuffle, featcal.seed, recipe.path,
     )
     _check_vocabulary(sequences, expert_configs)
+    if search is not None:  # held-out records select the hyper-parameters and never enter the statistics
+        sequences, probe_sequences = split_holdout(sequences, search.holdout, featcal.seed, str(recipe.path))
+    else:
+        probe_sequences = drift_sample(sequences)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in sequences.items()}
+    probe = Probe(
+        {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in probe_sequences.items()},
+        "held-out records" if search else "calibration subsample",
+    )
 
     merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
@@ -211,9 +227,12 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     )
 
     partial = output.with_name(f".{output.name}.featcal-partial")
-    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, models, runner, featcal.batch_tokens))
+    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens))
     store = HostStore(stream_budget(featcal.host_memory_gb), partial / "spill", pin=compute_device.type == "cuda")
-    replacements = calibrate(models, plan, runner, batches, merged_config.num_hidden_layers, staging, store, progress, timer or NullTimer())
+    replacements = calibrate(
+        models, plan, runner, batches, merged_config.num_hidden_layers, staging, store, progress, timer or NullTimer(), probe
+    )
+    records = [staging.record(layer) for layer in range(merged_config.num_hidden_layers)]
     shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
@@ -221,7 +240,13 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     write_calibrated_checkpoint(models.merged, replacements, checkpoint)
     copy_side_files(merged_dir, checkpoint)
     tokens = {task: sum(b.tokens for b in task_batches) for task, task_batches in batches.items()}
-    write_card(checkpoint, recipe, featcal.merged, tokens)
+    tuning = None
+    if search is not None:
+        tuning = tuning_report(search, [record["tuning"] for record in records])
+        (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
+        print(tuning_table(tuning), file=sys.stderr)
+    write_report(checkpoint, drift_report(probe, records))
+    write_card(checkpoint, recipe, featcal.merged, tokens, tuning)
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
     if featcal.eval is not None:

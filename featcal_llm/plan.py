@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from featcal_llm.architectures import Architecture, InputGroup
+
+if TYPE_CHECKING:
+    from featcal_llm.tuning import Search
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,8 @@ class CalibrationPlan:
     projections: frozenset[str]
     norms: bool
     biases: bool
-    hyper: Hyperparameters
+    hyper: Hyperparameters  # a fixed run's values; ignored for the hyper-parameters a tuned run chooses
+    tuning: "Search | None" = None  # set when λ, α or ρ are chosen per layer on held-out records
 
     def groups(self) -> tuple[InputGroup, ...]:
         return tuple(

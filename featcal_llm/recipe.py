@@ -40,6 +40,51 @@ class DataSpec(BaseModel):
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
 
 
+Tunable = float | tuple[float, ...] | Literal["auto"]  # a fixed value, a candidate list, or the documented default set
+_RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
+    "lambda": (0.0, False, None),
+    "alpha": (0.0, True, 1.0),
+    "rho": (None, True, None),
+}
+
+
+def _check_tunable(key: str, value: Any) -> Any:
+    """A number, `auto` or a non-empty list of numbers, each inside the key's range."""
+    if value == "auto":
+        return value
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise ValueError("expected a number, auto or a non-empty list of numbers")
+    low, inclusive, high = _RANGES[key]
+    numbers = []
+    for item in values:
+        if isinstance(item, str):  # YAML 1.1 reads `1e-5` (no dot) as a string, as pydantic's floats accept
+            try:
+                item = float(item)
+            except ValueError:
+                pass
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item:
+            raise ValueError(f"expected a number, auto or a list of numbers, got {item!r}")
+        numbers.append(float(item))
+        if low is not None and (item < low or (item == low and not inclusive)):
+            raise ValueError(f"every value should be greater than {'or equal to ' if inclusive else ''}{low:g}, got {item!r}")
+        if high is not None and item > high:
+            raise ValueError(f"every value should be less than or equal to {high:g}, got {item!r}")
+    return tuple(numbers) if isinstance(value, (list, tuple)) else numbers[0]
+
+
+class TuneSpec(BaseModel):
+    """How `auto`/list hyper-parameters are chosen (featcal_llm/tuning.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    holdout: float = Field(0.25, gt=0.0, lt=1.0, description="share of each expert's records kept aside for selection")
+    budget: int = Field(12, ge=1, description="at most this many candidate settings evaluated per layer")
+    criterion: Literal["output", "hidden"] = Field(
+        "hidden", description="hidden: the layer output's drift to the expert; output: next-token KL through the final norm and LM head"
+    )
+
+
 class FeatCalConfig(BaseModel):
     """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
 
@@ -50,9 +95,10 @@ class FeatCalConfig(BaseModel):
     data: dict[str, DataSpec]
     samples: int = Field(256, ge=1)
     max_length: int = Field(2048, ge=2)
-    lambda_: float = Field(1e-5, alias="lambda", gt=0)
-    alpha: float = Field(0.15, ge=0.0, le=1.0)
-    rho: float = 0.5
+    lambda_: Tunable = Field(1e-5, alias="lambda")
+    alpha: Tunable = 0.15
+    rho: Tunable = 0.5
+    tune: TuneSpec | None = None
     eps: float = Field(1e-8, gt=0)
     shuffle: bool = False
     seed: int = 0
@@ -71,6 +117,19 @@ class FeatCalConfig(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
     trust_remote_code: bool = False
     eval: EvalSection | None = None  # type: ignore[valid-type]
+
+    @field_validator("lambda_", "alpha", "rho", mode="before")
+    @classmethod
+    def _tunable(cls, value: Any, info) -> Any:
+        return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
+
+    @property
+    def tuned(self) -> bool:
+        """Whether any hyper-parameter is chosen by the run (auto or a list) rather than given."""
+        return any(not isinstance(v, float) for v in (self.lambda_, self.alpha, self.rho))
+
+    def tune_settings(self) -> TuneSpec:
+        return self.tune or TuneSpec()
 
     @field_validator("device")
     @classmethod
@@ -106,7 +165,8 @@ def _format_validation_error(path: Path, error: ValidationError, prefix: str) ->
         return f"{path}: {key}: unknown key"
     if first["type"] == "missing":
         return f"{path}: {key}: required key is missing"
-    return f"{path}: {key}: {first['msg']} (got {first.get('input')!r})"
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{path}: {key}: {message} (got {first.get('input')!r})"
 
 
 def _read_yaml_mapping(path: Path) -> dict:
@@ -163,6 +223,8 @@ def load_recipe(path: str | Path) -> Recipe:
         featcal = FeatCalConfig.model_validate(block)
     except ValidationError as error:
         raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
+    if featcal.tune is not None and not featcal.tuned:
+        raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set lambda, alpha or rho to auto or a list of candidates)")
     if merge_config.base_model is None:
         raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")
 

@@ -95,7 +95,8 @@ def record_task(
     stats = workspace.zeroed(plan, cal_layer, runner)
     task_tokens = sum(batch.tokens for batch in batches)
     for group_stats in stats.values():
-        group_stats.cross_is_target = targets_per_token(task_tokens, group_stats.gram.shape[0])
+        # a tuned run needs Σ y_exp x_calᵀ itself, since α varies across candidates
+        group_stats.cross_is_target = plan.tuning is None and targets_per_token(task_tokens, group_stats.gram.shape[0])
     for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
         keep = batch.keep.to(device)
         x_cal = {}  # input group → this batch's x_cal rows, shared by the expert hooks

@@ -100,10 +100,15 @@ class StagingArea:
     def layer_file(self, layer: int) -> Path:
         return self.layers / f"layer-{layer:05d}.safetensors"
 
-    def commit(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Persist one calibrated layer (full tensor names) and mark it done."""
+    def record_file(self, layer: int) -> Path:
+        return self.layers / f"layer-{layer:05d}.json"
+
+    def commit(self, layer: int, tensors: dict[str, torch.Tensor], record: dict | None = None) -> None:
+        """Persist one calibrated layer (full tensor names) and what was measured on it, and mark it done."""
         if layer != self.completed:
             raise RuntimeError(f"internal: layer {layer} committed after {self.completed} completed layers")
+        if record is not None:
+            _write_atomically(self.record_file(layer), lambda p: p.write_text(json.dumps(record, sort_keys=True)))
         _write_atomically(self.layer_file(layer), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p))
         self.completed = layer + 1
         self._write_state()
@@ -111,6 +116,11 @@ class StagingArea:
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         with safe_open(self.layer_file(layer), framework="pt") as handle:
             return {name: handle.get_tensor(name) for name in handle.keys()}
+
+    def record(self, layer: int) -> dict | None:
+        """What `commit` recorded with the layer (tuning table, drift), if anything."""
+        path = self.record_file(layer)
+        return json.loads(path.read_text()) if path.is_file() else None
 
     def replacements(self) -> dict[str, Path]:
         """Tensor name → staged file, for every completed layer."""

@@ -13,8 +13,11 @@ import click
 @click.option("--quick", is_flag=True, help="A seconds-long reduced scenario (used by the test suite).")
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
 @click.option("--threads", type=int, default=None, help="Torch threads per process (default 1); expert workers are min(cores, THREADS or 2).")
-def demo(workdir: Path, quick: bool, device: str, threads: int | None) -> None:
+@click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (recipes/demo-auto.yaml).")
+def demo(workdir: Path, quick: bool, device: str, threads: int | None, auto: bool) -> None:
     """Build base + 3 experts, merge with mergekit, calibrate with FeatCal and score every model."""
+    from featcal_llm.demo.config import FULL, QUICK
     from featcal_llm.demo.run import run_demo
 
-    run_demo(workdir, quick=quick, device=device, threads=threads, echo=lambda line: click.echo(line))
+    config = (QUICK if quick else FULL).replace(auto=auto)
+    run_demo(workdir, quick=quick, device=device, threads=threads, config=config, echo=lambda line: click.echo(line))

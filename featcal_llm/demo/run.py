@@ -61,11 +61,17 @@ def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
     """The mergekit recipe with its featcal block; every path is relative to the workdir."""
     models = "\n".join(f"  - model: experts/{t}\n    parameters: {{weight: {cfg.ta_weight}}}" for t in cfg.tasks)
     data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: text, text: text}}" for t in cfg.tasks)
+    if cfg.auto:
+        hyper = "  lambda: auto\n  alpha: auto\n  rho: auto\n"
+        chosen = "featcal chooses lambda, alpha and rho itself on held-out cal records (`python -m featcal_llm demo --auto`)."
+    else:
+        hyper = f"  lambda: {cfg.lam:g}\n  alpha: {cfg.alpha:g}\n  rho: {cfg.rho:g}\n"
+        chosen = "featcal hyper-parameters were chosen on the demo's dev split (featcal_llm/demo/SWEEP.md)."
     return f"""\
 # FeatCal demo recipe, written by `python -m featcal_llm demo` into its workdir.
 # Every path is relative to that workdir (mergekit resolves model paths against the
 # current directory), so run it from there:  cd demo-work && featcal-llm run {RECIPE_FILE} --force
-# featcal hyper-parameters were chosen on the demo's dev split (featcal_llm/demo/SWEEP.md).
+# {chosen}
 merge_method: task_arithmetic
 base_model: base
 models:
@@ -78,10 +84,7 @@ featcal:
 {data}
   samples: {cfg.samples}
   max_length: {cfg.max_length}
-  lambda: {cfg.lam:g}
-  alpha: {cfg.alpha:g}
-  rho: {cfg.rho:g}
-  eps: {cfg.eps:g}
+{hyper}  eps: {cfg.eps:g}
   device: {device}
   batch_tokens: 4096
 """
@@ -227,7 +230,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     log = _Log(echo)
     cache = _Cache(workdir)
     timings: dict[str, float] = {}
-    log(f"FeatCal demo in {workdir} ({'quick' if cfg == QUICK else 'full'} scenario, config {cfg.key()}, "
+    log(f"FeatCal demo in {workdir} ({'quick' if quick else 'full'}{', auto' if cfg.auto else ''} scenario, config {cfg.key()}, "
         f"{threads} thread{'s' * (threads > 1)}, {workers} expert worker{'s' * (workers > 1)}, device {device})")
 
     # 1. data
@@ -283,7 +286,8 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
         for stale in (MERGED_DIR, OUTPUT_DIR):
             shutil.rmtree(workdir / stale, ignore_errors=True)
         log(f"merge + FeatCal: featcal-llm run {RECIPE_FILE} (mergekit task_arithmetic, weight {cfg.ta_weight} each; "
-            f"lambda {cfg.lam:g}, alpha {cfg.alpha:g}, rho {cfg.rho:g}, {cfg.samples} samples per task)")
+            + ("lambda, alpha, rho auto" if cfg.auto else f"lambda {cfg.lam:g}, alpha {cfg.alpha:g}, rho {cfg.rho:g}")
+            + f", {cfg.samples} samples per task)")
         with contextlib.chdir(workdir):
             run_recipe(Path(RECIPE_FILE), force=True, device=device)
         cache.mark("featcal", merge_key)

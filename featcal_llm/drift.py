@@ -1,0 +1,154 @@
+"""Drift diagnostics: how far each layer's output of the merged and of the calibrated model is from expert i's.
+
+Measured on probe records per expert: the held-out records of a tuned run, or a
+fixed, evenly spaced subsample of the calibration records otherwise (so the
+merged model's extra stream costs a few percent of a run). Per layer and expert
+the relative drift ‖H − H_exp‖_F / ‖H_exp‖_F over the task's non-padding
+tokens; at the end the mean next-token KL(expert ‖ model) through each model's
+own final norm and LM head. Written as featcal_drift.json and featcal_drift.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.layers import LayerRunner
+from featcal_llm.streams import HostStore, TokenBatch
+
+DRIFT_JSON = "featcal_drift.json"
+DRIFT_PNG = "featcal_drift.png"
+TUNING_JSON = "featcal_tuning.json"
+SAMPLE_SHARE = 1 / 16  # of each expert's calibration records, in fixed runs
+SAMPLE_MOST = 64
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+KL_CHUNK = 1024  # tokens per log-softmax: 1024 × 128k float64 logits is 1 GiB
+
+Streams = dict[str, list[torch.Tensor]]
+
+
+def drift_sample(sequences: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """An evenly spaced, deterministic subsample of each expert's calibration records."""
+    sample = {}
+    for task, task_sequences in sequences.items():
+        count = min(SAMPLE_MOST, max(1, math.ceil(len(task_sequences) * SAMPLE_SHARE)))
+        step = len(task_sequences) / count
+        sample[task] = [task_sequences[int(i * step)] for i in range(count)]
+    return sample
+
+
+@dataclass
+class Probe:
+    """Probe records per expert and their three hidden-state streams (cal, expert, merged)."""
+
+    batches: dict[str, list[TokenBatch]]
+    source: str  # "held-out records" or "calibration subsample"
+    cal: Streams = field(default_factory=dict)
+    expert: Streams = field(default_factory=dict)
+    merged: Streams = field(default_factory=dict)
+    divergence: dict | None = None  # the final output divergence, set by calibrate()
+
+
+def outputs(runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor], store: HostStore) -> list[torch.Tensor]:
+    """`layer` applied to every batch of `stream`, as a new host stream."""
+    result = []
+    for batch, host in zip(batches, stream):
+        hidden = host.to(runner.device, non_blocking=True)
+        result.append(store.store(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep))
+    return result
+
+
+def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch], device: torch.device | None = None) -> float:
+    """‖H − H_ref‖_F / ‖H_ref‖_F over the non-padding tokens (padding is stored as zeros in both), summed on `device`."""
+    error = total = 0.0
+    for host, ref in zip(stream, reference):
+        h, r = host.to(device=device, dtype=torch.float64), ref.to(device=device, dtype=torch.float64)
+        error += float((h - r).pow(2).sum())
+        total += float(r.pow(2).sum())
+    return math.sqrt(error / max(total, 1e-300))
+
+
+class Head:
+    """A model's final norm and LM head (the family's own norm class), giving next-token log-probabilities."""
+
+    def __init__(self, runner: LayerRunner, reader: CheckpointReader):
+        with torch.device("meta"):
+            layer = runner.architecture.layer_class()(runner.config, 0)
+        norm_path = runner.architecture.norms()[0]
+        norm_class = type(layer.get_submodule(norm_path))
+        epsilon = float(getattr(layer.get_submodule(norm_path), "variance_epsilon", getattr(runner.config, "rms_norm_eps", 1e-6)))
+        self.norm = norm_class(runner.config.hidden_size, eps=epsilon)
+        self.norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(runner.dtype)}, assign=True)
+        self.norm.to(runner.device)
+        name = LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens
+        self.weight = reader.get(name).to(device=runner.device, dtype=runner.dtype)
+        self.device = runner.device
+
+    @torch.inference_mode()
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(self.norm(hidden.to(self.device)), self.weight)
+        return torch.log_softmax(logits.to(torch.float64), dim=-1)
+
+
+def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]) -> float:
+    """Mean over non-padding tokens of KL(p_expert ‖ p_model), in chunks of tokens (float64 logits over a large vocabulary)."""
+    total, tokens = 0.0, 0
+    for batch, host, ref in zip(batches, stream, expert_stream):
+        keep = batch.keep.to(host.device)
+        for rows, ref_rows in zip(host[keep].split(KL_CHUNK), ref[keep].split(KL_CHUNK)):
+            model = head.log_probs(rows)
+            expert = expert_head.log_probs(ref_rows)
+            total += float((expert.exp() * (expert - model)).sum())
+            tokens += rows.shape[0]
+    return total / max(tokens, 1)
+
+
+def write_report(directory: Path, report: dict) -> None:
+    """featcal_drift.json and a line chart of per-layer drift (merged dashed, calibrated solid), byte-reproducible."""
+    (directory / DRIFT_JSON).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    layers = [row["layer"] for row in report["layers"]]
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    for index, task in enumerate(report["experts"]):
+        color = f"C{index}"
+        axes.plot(layers, [row["merged"][task] for row in report["layers"]], "--", color=color, label=f"{task}: merged")
+        axes.plot(layers, [row["calibrated"][task] for row in report["layers"]], "-o", color=color, markersize=3, label=f"{task}: calibrated")
+    axes.set_xlabel("decoder layer")
+    axes.set_ylabel("‖h − h_expert‖ / ‖h_expert‖")
+    divergence = report.get("output_divergence")
+    title = f"Feature drift to each expert ({report['probe']})"
+    if divergence:
+        mean = {kind: sum(values.values()) / len(values) for kind, values in divergence.items()}
+        title += f"\nnext-token KL to the experts: merged {mean['merged']:.3g}, calibrated {mean['calibrated']:.3g}"
+    axes.set_title(title, fontsize=10)
+    axes.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes.set_ylim(bottom=0)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(directory / DRIFT_PNG, dpi=110, metadata={"Software": None})
+    plt.close(figure)
+
+
+def drift_report(probe: Probe, records: list[dict | None]) -> dict:
+    """The featcal_drift.json payload from the per-layer records and the final divergence."""
+    return {
+        "metric": "per layer: ||H - H_expert||_F / ||H_expert||_F of the layer output over the expert's probe tokens; "
+        "output_divergence: mean next-token KL(expert || model) through each model's final norm and LM head",
+        "probe": probe.source,
+        "experts": list(probe.batches),
+        "probe_records": {task: sum(int(b.keep.shape[0]) for b in batches) for task, batches in probe.batches.items()},
+        "probe_tokens": {task: sum(b.tokens for b in batches) for task, batches in probe.batches.items()},
+        "layers": [{"layer": layer, **record["drift"]} for layer, record in enumerate(records)],
+        "output_divergence": probe.divergence,
+    }

@@ -1,0 +1,161 @@
+"""Choosing λ, α and ρ without labels: candidate sets, the held-out split and the per-layer coordinate search.
+
+A tuned run selects per layer (see calibrate.py): the layer's statistics are
+recorded once on the calibration records, every candidate is solved from them
+(candidates.py), and each is scored on the held-out records by how far its
+layer output drifts from the expert's (criterion `hidden`) or by the next-token
+KL divergence through the final norm and LM head (criterion `output`, a logit
+lens). The winner advances the streams. The candidates evaluated per layer
+follow a coordinate search: every λ at the starting (α, ρ), then every α at the
+best λ, then every ρ at the best (λ, α).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.plan import Hyperparameters
+
+# `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
+# extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.
+AUTO = {
+    "lambda": (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
+    "alpha": (0.15, 0.3, 0.5, 0.8),
+    "rho": (0.5, 1.0, 1.5),
+}
+KEYS = ("lambda", "alpha", "rho")
+
+
+@dataclass(frozen=True)
+class Search:
+    """The candidate values of each hyper-parameter and how to choose among them."""
+
+    values: dict[str, tuple[float, ...]]  # key → candidates (one value for a fixed key)
+    eps: float
+    holdout: float
+    budget: int
+    criterion: str
+
+    def start(self) -> dict[str, float]:
+        """The lower middle candidate of each list: where the coordinate search starts."""
+        return {key: values[(len(values) - 1) // 2] for key, values in self.values.items()}
+
+    def evaluations(self) -> int:
+        """Candidates the coordinate search evaluates per layer (the first stage's includes the start)."""
+        return 1 + sum(len(values) - 1 for values in self.values.values())
+
+    def describe(self) -> dict:
+        return {"values": {k: list(v) for k, v in self.values.items()}, "start": self.start(), "holdout": self.holdout,
+                "budget": self.budget, "criterion": self.criterion, "evaluations_per_layer": self.evaluations()}
+
+
+def build_search(featcal, where: str) -> Search:
+    """The search a tuned recipe asks for; the budget must cover the coordinate search."""
+    tune = featcal.tune_settings()
+    given = {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho}
+    values = {}
+    for key in KEYS:
+        value = given[key]
+        candidates = AUTO[key] if value == "auto" else (value if isinstance(value, tuple) else (value,))
+        values[key] = tuple(dict.fromkeys(sorted(candidates)))  # sorted, duplicates dropped
+    search = Search(values, featcal.eps, tune.holdout, tune.budget, tune.criterion)
+    if search.evaluations() > tune.budget:
+        raise FeatCalError(
+            f"{where}: featcal.tune.budget: the coordinate search over {', '.join(f'{len(v)} {k}' for k, v in values.items())} "
+            f"candidates evaluates {search.evaluations()} settings per layer, more than the budget of {tune.budget} "
+            "(raise the budget or shorten the lists)"
+        )
+    return search
+
+
+def split_holdout(
+    sequences: dict[str, list[list[int]]], share: float, seed: int, where: str
+) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
+    """(calibration, held-out) records per expert: a seeded, per-expert draw of round(share · n) records.
+
+    Both parts keep file order. Held-out records never enter the statistics.
+    """
+    calibration, held_out = {}, {}
+    for task, task_sequences in sequences.items():
+        count = len(task_sequences)
+        kept = round(share * count)
+        if kept < 2 or count - kept < 2:
+            raise FeatCalError(
+                f"{where}: featcal.tune.holdout: {share:g} of expert {task}'s {count} records leaves {kept} held out and "
+                f"{count - kept} for calibration (need at least 2 on each side)"
+            )
+        chosen = set(random.Random(f"featcal-holdout:{seed}:{task}").sample(range(count), kept))
+        calibration[task] = [s for i, s in enumerate(task_sequences) if i not in chosen]
+        held_out[task] = [s for i, s in enumerate(task_sequences) if i in chosen]
+    return calibration, held_out
+
+
+Evaluated = list[tuple[Hyperparameters, float]]
+
+
+def coordinate_search(search: Search, score: Callable[[Hyperparameters], float]) -> tuple[Hyperparameters, Evaluated]:
+    """Minimise `score` one hyper-parameter at a time (λ, then α, then ρ); ties keep the earlier candidate.
+
+    Returns the winner and every evaluated (candidate, score) in evaluation order.
+    """
+    current = search.start()
+    table: Evaluated = []
+    seen: dict[tuple, float] = {}
+
+    def hyper(values: dict[str, float]) -> Hyperparameters:
+        return Hyperparameters(lam=values["lambda"], alpha=values["alpha"], rho=values["rho"], eps=search.eps)
+
+    for key in KEYS:
+        best_value, best_score = current[key], None
+        for value in search.values[key]:
+            trial = {**current, key: value}
+            identity = tuple(trial[k] for k in KEYS)
+            if identity not in seen:
+                seen[identity] = score(hyper(trial))
+                table.append((hyper(trial), seen[identity]))
+            if best_score is None or seen[identity] < best_score:
+                best_value, best_score = value, seen[identity]
+        current[key] = best_value
+    return hyper(current), table
+
+
+def summary(chosen: list[dict[str, float]]) -> dict[str, float]:
+    """The most common chosen value of each hyper-parameter over layers (the smaller one on a tie)."""
+    result = {}
+    for key in KEYS:
+        counts = Counter(layer[key] for layer in chosen)
+        result[key] = min(counts, key=lambda value: (-counts[value], value))
+    return result
+
+
+def as_values(hyper: Hyperparameters) -> dict[str, float]:
+    return {"lambda": hyper.lam, "alpha": hyper.alpha, "rho": hyper.rho}
+
+
+def tuning_report(search: Search, records: list[dict]) -> dict:
+    """The featcal_tuning.json payload: the search, every layer's candidates and winner, and a summary."""
+    chosen = [record["chosen"] for record in records]
+    return {
+        "search": search.describe(),
+        "layers": [{"layer": layer, **record} for layer, record in enumerate(records)],
+        "chosen": {key: [layer[key] for layer in chosen] for key in KEYS},
+        "most_common": summary(chosen),
+    }
+
+
+def tuning_table(report: dict) -> str:
+    """Every layer's evaluated candidates with their held-out criterion; the winner marked."""
+    lines = [f"featcal-llm: tuning ({report['search']['criterion']} criterion on held-out records, lower is better)",
+             f"{'layer':>5} {'lambda':>9} {'alpha':>6} {'rho':>5} {'criterion':>12}"]
+    for layer in report["layers"]:
+        winner = tuple(layer["chosen"][k] for k in KEYS)
+        for row in layer["candidates"]:
+            mark = "  <- chosen" if tuple(row[k] for k in KEYS) == winner else ""
+            lines.append(f"{layer['layer']:>5} {row['lambda']:>9.3g} {row['alpha']:>6.3g} {row['rho']:>5.3g} {row['criterion']:>12.6g}{mark}")
+    common = report["most_common"]
+    lines.append(f"most common choice: lambda {common['lambda']:g}, alpha {common['alpha']:g}, rho {common['rho']:g}")
+    return "\n".join(lines)

@@ -1,0 +1,306 @@
+"""Tuned runs (issue 9): the shared solve is exact, held-out records stay out, choices are recorded, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from test_exactness import read_weights, relative_error
+from test_reliability import tree_hash
+
+import featcal_llm.calibrate as calibrate_module
+import featcal_llm.tuned as tuned_module
+from featcal_llm.candidates import RidgeFactors, add_task_shared, system_for
+from featcal_llm.cli import main
+from featcal_llm.pipeline import run_recipe
+from featcal_llm.plan import Hyperparameters
+from featcal_llm.solve import add_task, anchor, ridge_solve, solve_bias, solve_norm
+from featcal_llm.stats import GroupStatistics
+from featcal_llm.tuning import AUTO, Search, coordinate_search, split_holdout
+
+SINGLE = {"lambda": [1e-3], "alpha": [0.3], "rho": [0.5]}
+
+
+def _random_stats(seed: int, d: int = 12, outputs=(("a", 5), ("b", 7)), tokens: int = 40) -> tuple[GroupStatistics, dict, dict]:
+    generator = torch.Generator().manual_seed(seed)
+    x_cal = torch.randn(tokens, d, generator=generator, dtype=torch.float64)
+    x_exp = x_cal + 0.3 * torch.randn(tokens, d, generator=generator, dtype=torch.float64)
+    weights = {name: torch.randn(m, d, generator=generator, dtype=torch.float64) for name, m in outputs}
+    biases = {name: torch.randn(m, generator=generator, dtype=torch.float64) for name, m in outputs}
+    stats = GroupStatistics.empty(d, dict(outputs), with_means=True, with_norm=True, device=torch.device("cpu"), dtype=torch.float64)
+    stats.gram += x_cal.T @ x_cal
+    for name, w in weights.items():
+        stats.cross[name] += (x_exp @ w.T).T @ x_cal
+    stats.sum_cal += x_cal.sum(0)
+    stats.sum_exp += x_exp.sum(0)
+    stats.norm_sq += (x_cal / x_cal.pow(2).mean(-1, keepdim=True).sqrt()).pow(2).sum(0)
+    stats.tokens = tokens
+    return stats, weights, biases
+
+
+def _copy(stats: GroupStatistics) -> GroupStatistics:
+    return GroupStatistics(stats.gram.clone(), {k: v.clone() for k, v in stats.cross.items()}, stats.sum_cal.clone(),
+                           stats.sum_exp.clone(), stats.norm_sq.clone(), stats.tokens)
+
+
+def test_shared_solve_equals_the_fixed_solve_for_every_candidate(capsys):
+    """Folding once and mixing α, reusing one factor per λ, gives each candidate's fixed-run ΔW (float64)."""
+    tasks = [_random_stats(seed) for seed in range(3)]
+    norms = [torch.rand(12, dtype=torch.float64) + 0.5 for _ in tasks]
+    generator = torch.Generator().manual_seed(9)
+    merged = {n: torch.randn(m, 12, generator=generator, dtype=torch.float64) for n, m in (("a", 5), ("b", 7))}
+    base = {n: w + 0.1 * torch.randn(w.shape, generator=generator, dtype=torch.float64) for n, w in merged.items()}
+    bias_m = {n: torch.randn(w.shape[0], generator=generator, dtype=torch.float64) for n, w in merged.items()}
+    bias_b = {n: b + 0.1 for n, b in bias_m.items()}
+    norm_m, norm_b = torch.ones(12, dtype=torch.float64), torch.full((12,), 0.9, dtype=torch.float64)
+    eps = 1e-8
+    shared = None
+    for (stats, weights, biases), norm in zip(tasks, norms):
+        shared = add_task_shared(shared, _copy(stats), weights, biases, norm, eps)
+    lhs_before = shared.lhs.clone()
+    factors = RidgeFactors()
+    # λ changes back and forth so that the one-factor cache is refreshed and reused
+    for lam, alpha, rho in [(1e-3, 0.3, 0.5), (1e-3, 0.8, 1.5), (1e-1, 0.0, 1.0), (1e-3, 1.0, -0.5), (10.0, 0.15, 1.0)]:
+        fixed = None
+        for (stats, weights, biases), norm in zip(tasks, norms):
+            fixed = add_task(fixed, _copy(stats), weights, biases, norm, alpha, eps)
+        anchors = {n: anchor(merged[n], base[n], rho) for n in merged}
+        expected = ridge_solve(fixed.lhs.clone(), fixed.rhs, anchors, lam, eps, "test")
+        system = system_for(shared, alpha)
+        ours = factors.solve("g", system.lhs, system.rhs, anchors, lam, eps, "test")
+        for name in merged:
+            delta = lambda w: w - merged[name]  # noqa: E731
+            assert relative_error(delta(ours[name]), delta(expected[name])) <= 1e-6, (lam, alpha, rho, name)
+            b_anchor = anchor(bias_m[name], bias_b[name], rho)
+            b_expected = solve_bias(fixed, name, expected[name], b_anchor, lam)
+            b_ours = solve_bias(system, name, ours[name], b_anchor, lam)
+            assert float((b_ours - b_expected).norm() / (b_expected - bias_m[name]).norm()) <= 1e-6
+        assert torch.allclose(solve_norm(system, anchor(norm_m, norm_b, rho), lam), solve_norm(fixed, anchor(norm_m, norm_b, rho), lam), rtol=1e-12)
+    assert shared.lhs.equal(lhs_before)  # lhs is shared by the candidates: the solves never modify it
+    assert capsys.readouterr().err == ""  # every candidate used the shared factor, none fell back to ridge_solve
+
+
+def test_coordinate_search_order_winner_and_budget():
+    search = Search(dict(AUTO), 1e-8, 0.25, 12, "hidden")
+    assert search.evaluations() == 12 and search.start() == {"lambda": 1e-2, "alpha": 0.3, "rho": 1.0}
+    target = {"lambda": 1e-4, "alpha": 0.5, "rho": 1.5}
+    seen = []
+
+    def score(h: Hyperparameters) -> float:
+        seen.append(h)
+        return abs(torch.log10(torch.tensor(h.lam)) + 4).item() + abs(h.alpha - 0.5) + abs(h.rho - 1.5)
+
+    winner, table = coordinate_search(search, score)
+    assert (winner.lam, winner.alpha, winner.rho) == (target["lambda"], target["alpha"], target["rho"])
+    assert len(seen) == len(table) == 12 and len(set(seen)) == 12
+    assert [h.lam for h in seen[:7]] == list(AUTO["lambda"]) and all(h.lam == 1e-4 for h in seen[7:])
+
+
+def test_holdout_split_is_seeded_disjoint_and_complete():
+    sequences = {"a": [[i] for i in range(20)], "b": [[100 + i] for i in range(8)]}
+    cal, held = split_holdout(sequences, 0.25, 0, "r.yaml")
+    again, held_again = split_holdout(sequences, 0.25, 0, "r.yaml")
+    assert (cal, held) == (again, held_again)
+    assert len(held["a"]) == 5 and len(held["b"]) == 2
+    for task in sequences:
+        assert sorted(cal[task] + held[task]) == sequences[task]
+    assert split_holdout(sequences, 0.25, 1, "r.yaml")[1] != held
+
+
+def _tuned(scenario, tmp_path, name: str, **overrides):
+    settings = {**SINGLE, "dtype": "float64", **overrides}
+    return scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), **settings)
+
+
+def _calibration_only_data(scenario, tmp_path, seed: int = 0) -> dict:
+    """Data entries holding only the records a tuned run calibrates on (its held-out ones removed)."""
+    records = {str(scenario.experts[name]): path.read_text().splitlines()[:16] for name, path in scenario.data.items()}
+    cal, _ = split_holdout({n: [[i] for i in range(len(r))] for n, r in records.items()}, 0.25, seed, "x")
+    data = {}
+    for index, (name, lines) in enumerate(records.items()):
+        path = tmp_path / f"cal-only-{index}.jsonl"
+        path.write_text("\n".join(lines[i] for [i] in cal[name]) + "\n")
+        data[name] = {"path": str(path), "format": "text", "text": "text"}
+    return data
+
+
+def test_tuned_run_equals_a_fixed_run_on_the_calibration_records(merged_scenario, tmp_path, monkeypatch):
+    """A candidate chosen inside a tuned run gives the fixed run's weights; held-out records are not in them.
+
+    The winner is forced (λ = 1e-1 of two) so that the comparison does not depend on the criterion, and
+    the criterion is flat so that the candidate kept while searching (the first, λ = 1e-3) is not the
+    winner: the winner must be solved again.
+    """
+    real = tuned_module.coordinate_search
+
+    def forced(search, score):
+        return real(search, lambda h: (score(h), 0.0 if h.lam == 1e-1 else 1.0)[1])
+
+    monkeypatch.setattr(tuned_module, "coordinate_search", forced)
+    monkeypatch.setattr(tuned_module, "criterion", lambda *args: 0.0)
+    tuned = run_recipe(_tuned(merged_scenario, tmp_path, "tuned", **{"lambda": [1e-3, 1e-1]}), progress=False)
+    report = json.loads((tuned / "featcal_tuning.json").read_text())
+    assert report["chosen"]["lambda"] == [0.1, 0.1, 0.1] and len(report["layers"][0]["candidates"]) == 2
+    data = _calibration_only_data(merged_scenario, tmp_path)
+    fixed = run_recipe(
+        merged_scenario.write_recipe(tmp_path / "fixed.yaml", output=str(tmp_path / "fixed"), data=data, dtype="float64",
+                                     **{"lambda": 1e-1, "alpha": 0.3, "rho": 0.5}),
+        progress=False,
+    )
+    ours, reference, merged = read_weights(tuned), read_weights(fixed), read_weights(merged_scenario.root / "merged")
+    errors = {n: relative_error(ours[n] - merged[n], reference[n] - merged[n]) for n in ours if "proj" in n}
+    worst = max(errors.values())
+    print(f"tuned (forced λ = 0.1) vs fixed run on the calibration records: worst relative ΔW difference {worst:.2e}")
+    assert worst <= 1e-6
+    everything = read_weights(run_recipe(
+        merged_scenario.write_recipe(tmp_path / "all.yaml", output=str(tmp_path / "all"), dtype="float64", **{"lambda": 1e-1, "alpha": 0.3, "rho": 0.5}),
+        progress=False,
+    ))
+    assert min(relative_error(ours[n] - merged[n], everything[n] - merged[n]) for n in errors) > 1e-3  # the held-out records matter
+
+
+def test_held_out_records_never_enter_the_statistics(merged_scenario, tmp_path):
+    """Rewriting only the held-out records changes what is measured, never the weights."""
+    first = run_recipe(_tuned(merged_scenario, tmp_path, "first"), progress=False)
+    records = {str(merged_scenario.experts[n]): path.read_text().splitlines()[:16] for n, path in merged_scenario.data.items()}
+    _, held = split_holdout({n: [[i] for i in range(len(r))] for n, r in records.items()}, 0.25, 0, "x")
+    data = {}
+    for number, (name, lines) in enumerate(records.items()):
+        for [index] in held[name]:
+            lines[index] = json.dumps({"text": f"something else entirely {index} " * 3})
+        path = tmp_path / f"changed-{number}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        data[name] = {"path": str(path), "format": "text", "text": "text"}
+    second = run_recipe(_tuned(merged_scenario, tmp_path, "second", data=data), progress=False)
+    a, b = read_weights(first), read_weights(second)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert (first / "featcal_drift.json").read_text() != (second / "featcal_drift.json").read_text()
+
+
+def test_tuned_run_records_its_choice_and_is_deterministic(merged_scenario, tmp_path):
+    recipe = merged_scenario.write_recipe(tmp_path / "auto.yaml", output=str(tmp_path / "out"), **{"lambda": [1e-4, 1e-2, 1.0], "alpha": [0.3, 0.8], "rho": 1.0})
+    hashes, stderr = [], ""
+    for _ in range(2):
+        result = CliRunner().invoke(main, ["run", "--force", str(recipe)])
+        assert result.exit_code == 0, result.stderr
+        hashes.append(tree_hash(tmp_path / "out"))
+        stderr = result.stderr
+    assert hashes[0] == hashes[1]
+    output = tmp_path / "out"
+    report = json.loads((output / "featcal_tuning.json").read_text())
+    assert report["search"]["evaluations_per_layer"] == 4 and report["search"]["values"]["rho"] == [1.0]
+    for layer in report["layers"]:
+        assert len(layer["candidates"]) == 4
+        best = min(layer["candidates"], key=lambda row: row["criterion"])
+        assert layer["chosen"]["criterion"] == best["criterion"]
+    front = yaml.safe_load((output / "README.md").read_text().split("---")[1])["featcal"]["hyperparameters"]
+    for key in ("lambda", "alpha", "rho"):
+        assert front[key] == report["chosen"][key]
+        assert f"#   {key}: {report['chosen'][key]}" in (output / "featcal_recipe.yml").read_text()
+    assert stderr.count("<- chosen") == 3 and "most common choice: lambda" in stderr
+
+
+def test_tuned_run_resumes_to_the_same_bytes(merged_scenario, tmp_path, monkeypatch):
+    recipe = _tuned(merged_scenario, tmp_path, "out", **{"lambda": [1e-3, 1e-1], "dtype": "float32"})
+    reference = run_recipe(recipe, progress=False)
+    digest = tree_hash(reference)
+    real = calibrate_module.calibrate_layer
+
+    def crash_at_layer_two(layer, *args, **kwargs):
+        if layer == 2:
+            raise RuntimeError("simulated crash")
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", crash_at_layer_two)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_recipe(recipe, force=True, progress=False)
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", real)
+    assert json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())["completed_layers"] == 2
+    run_recipe(recipe, force=True, progress=False)
+    assert tree_hash(tmp_path / "out") == digest
+
+
+BAD = {
+    "lambda list with zero": ({"lambda": [1e-3, 0.0]}, ["featcal.lambda:", "greater than 0"]),
+    "alpha list above one": ({"alpha": [0.3, 1.2]}, ["featcal.alpha:", "less than or equal to 1"]),
+    "rho list with text": ({"rho": [1.0, "x"]}, ["featcal.rho:", "expected a number, auto or a list"]),
+    "empty list": ({"alpha": []}, ["featcal.alpha:", "non-empty list"]),
+    "tune without candidates": ({"tune": {"holdout": 0.25}}, ["featcal.tune: nothing to tune"]),
+    "unknown tune key": ({"lambda": "auto", "tune": {"holdot": 0.2}}, ["featcal.tune.holdot: unknown key"]),
+    "holdout leaving one record": ({"lambda": "auto", "tune": {"holdout": 0.95}}, ["featcal.tune.holdout:", "need at least 2 on each side"]),
+    "budget too small": ({"lambda": "auto", "tune": {"budget": 4}}, ["featcal.tune.budget:", "evaluates 7 settings"]),
+    "unknown criterion": ({"lambda": "auto", "tune": {"criterion": "loss"}}, ["featcal.tune.criterion:"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_tuning_input_is_one_line_naming_the_key(merged_scenario, tmp_path, case):
+    overrides, expected = BAD[case]
+    recipe = merged_scenario.write_recipe(tmp_path / "bad.yaml", output=str(tmp_path / "out"), **overrides)
+    result = CliRunner().invoke(main, ["run", str(recipe)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featcal-llm: error: ") and str(tmp_path / "bad.yaml") in lines[0]
+    for fragment in expected:
+        assert fragment in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.featcal-partial").exists()
+
+
+def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_path):
+    """featcal_drift.json of a fixed run against transformers' own full models on the same probe records."""
+    from test_exactness import calibration_sequences, load
+
+    from featcal_llm.drift import drift_sample
+
+    output = run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
+    report = json.loads((output / "featcal_drift.json").read_text())
+    assert report["probe"] == "calibration subsample" and (output / "featcal_drift.png").stat().st_size > 0
+    models = {"merged": load(merged_scenario.root / "merged"), "calibrated": load(output)}
+    checked = 0
+    for name, sequences in drift_sample(calibration_sequences(merged_scenario, 16, 64)).items():
+        key = str(merged_scenario.experts[name])
+        expert = load(merged_scenario.experts[name])
+        for sequence in sequences:  # one probe record per expert here, so no padding and no token averaging across records
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                reference = expert(ids, output_hidden_states=True)
+                for kind, model in models.items():
+                    ours = model(ids, output_hidden_states=True)
+                    for layer in range(len(report["layers"]) - 1):  # the last entry of hidden_states is after the final norm
+                        h, e = ours.hidden_states[layer + 1].double(), reference.hidden_states[layer + 1].double()
+                        expected = float((h - e).norm() / e.norm())
+                        assert abs(report["layers"][layer][kind][key] - expected) <= 1e-5 * expected, (kind, layer)
+                    log_p, log_q = reference.logits.double().log_softmax(-1), ours.logits.double().log_softmax(-1)
+                    kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+                    assert abs(report["output_divergence"][kind][key] - kl) <= 1e-4 * kl, kind
+                    checked += 1
+    assert checked == 6
+    merged_drift = [row["merged"][key] for row in report["layers"]]
+    assert all(row["calibrated"][key] < row["merged"][key] for row in report["layers"]), merged_drift
+
+
+def test_shipped_auto_recipe_is_the_one_demo_auto_writes():
+    from pathlib import Path
+
+    from featcal_llm.demo.config import FULL
+    from featcal_llm.demo.run import recipe_text
+
+    shipped = (Path(__file__).parent.parent / "recipes" / "demo-auto.yaml").read_text()
+    assert shipped == recipe_text(FULL.replace(auto=True))
+    assert "lambda: auto" in shipped and "alpha: auto" in shipped and "rho: auto" in shipped
+
+
+def test_tuning_cost_benchmark_runs_every_mode(tmp_path):
+    """The cost-factor benchmark at tiny shapes: every mode runs and is reported (times are printed, never asserted)."""
+    from featcal_llm.benchmark.tuning_cost import main as tuning_cost
+
+    arguments = ["--hidden", "32", "--intermediate", "64", "--heads", "4", "--kv-heads", "2", "--layers", "1", "--sequences", "8",
+                 "--seq-len", "16", "--repeats", "1", "--workdir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(tuning_cost, arguments, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data["factor"]) == {"fixed", "fixed+drift", "auto"} and data["factor"]["fixed"] == 1.0
+    assert all(len(values) == 1 and values[0] > 0 for values in data["seconds"].values())
