@@ -33,7 +33,7 @@ from featcal_llm.solve import (
     solve_norm,
 )
 from featcal_llm.stats import GroupStatistics
-from featcal_llm.streams import HostStore, TokenBatch, embed
+from featcal_llm.streams import HostStore, TokenBatch
 
 
 @dataclass
@@ -46,20 +46,16 @@ class Models:
 Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
 
 
-def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, store: HostStore) -> tuple[Streams, Streams]:
-    """h_cal from the merged embedding for every task; h_exp,i from expert i's own embedding."""
+def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], runner: LayerRunner, store: HostStore) -> tuple[Streams, Streams]:
+    """h_cal from the merged embedding for every task; h_exp,i from expert i's own (both through the family's embedding step)."""
     name = plan.architecture.embed_tokens
-    merged_embedding = models.merged.get(name)
-    cal = {task: [embed(b, merged_embedding, dtype, store) for b in task_batches] for task, task_batches in batches.items()}
-    del merged_embedding
-    experts = {}
-    for task, task_batches in batches.items():
-        embedding = models.experts[task].get(name)
-        vocabulary = embedding.shape[0]
-        largest = max(int(b.input_ids.max()) for b in task_batches)
-        if largest >= vocabulary:
-            raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest}")
-        experts[task] = [embed(b, embedding, dtype, store) for b in task_batches]
+
+    def stream(reader: CheckpointReader, task_batches: list[TokenBatch], what: str) -> list[torch.Tensor]:
+        embedding = reader.get(name)
+        return [store.store(runner.embed(b, embedding, what), b.keep) for b in task_batches]
+
+    cal = {task: stream(models.merged, task_batches, "merged model") for task, task_batches in batches.items()}
+    experts = {task: stream(models.experts[task], task_batches, f"expert {task}") for task, task_batches in batches.items()}
     return cal, experts
 
 
@@ -70,7 +66,10 @@ def advance(
     with timer.phase("forward"):
         for index, (batch, host) in enumerate(zip(batches, stream)):
             hidden = host.to(runner.device, non_blocking=True)
-            stream[index] = store.store(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep)
+            output = runner.forward(layer, hidden, runner.context(batch, hidden))
+            if not bool(torch.isfinite(output[batch.keep.to(output.device)]).all()):  # caught where it appears, not a layer later
+                raise FeatCalError(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")
+            stream[index] = store.store(output, batch.keep)
 
 
 def fold_task(
@@ -166,7 +165,7 @@ def calibrate(
 
     Layers the staging area already holds are replayed, not recomputed.
     """
-    cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, store)
+    cal_streams, expert_streams = initial_streams(models, plan, batches, runner, store)
     total_tokens = sum(b.tokens for task_batches in batches.values() for b in task_batches)
     prefetcher = LayerPrefetcher(
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=runner.device.type == "cuda"

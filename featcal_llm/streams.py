@@ -98,8 +98,3 @@ class HostStore:
         host = self.allocate(tuple(hidden.shape), hidden.dtype)
         host.copy_(hidden)
         return host
-
-
-def embed(batch: TokenBatch, embedding: torch.Tensor, dtype: torch.dtype, store: HostStore) -> torch.Tensor:
-    """Look the batch's tokens up in an embedding matrix, straight into host stream storage."""
-    return store.store(torch.nn.functional.embedding(batch.input_ids, embedding).to(dtype), batch.keep)
