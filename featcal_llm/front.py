@@ -97,10 +97,14 @@ class ModelFront:
         return {kind: record[kind] for kind in set(self.kinds)}
 
     def embed(self, input_ids: torch.Tensor, keep: torch.Tensor, embedding: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """Decoder layer 0's input for these tokens: the family's embedding (scaled, for Gemma) of `embedding`'s rows.
+        """Decoder layer 0's input for these tokens: the family's embedding step (scaled, for Gemma) over `embedding`'s rows.
 
-        Only the rows of real tokens are moved and converted; padding is looked
-        up as the first of them (masked later), so a pad id needs no row.
+        The embedding step is per token in every supported family (no absolute
+        position embeddings), so the forward runs once on each distinct real
+        token, as a batch of one-token sequences: no mask or rotary work, and
+        only those rows are moved and converted. Padding positions get some
+        real token's vector (they are masked everywhere, and `HostStore.store`
+        zeroes them), so a pad id needs no row.
         """
         real = input_ids[keep]
         if real.numel() == 0:
@@ -110,14 +114,15 @@ class ModelFront:
         rows, positions = torch.unique(real, return_inverse=True)
         local = torch.zeros_like(input_ids)
         local[keep] = positions
-        table = embedding[rows].to(device=self.device, dtype=dtype)
-        if not bool(torch.isfinite(table).all()):
-            raise FeatCalError(f"{what}: embedding rows of the calibration tokens contain NaN or Inf")
         module = self.model.get_input_embeddings()
         original = module.weight, module.padding_idx
+        table = embedding[rows].to(device=self.device, dtype=dtype)
         module.weight, module.padding_idx = torch.nn.Parameter(table, requires_grad=False), None  # padding_idx only matters for gradients
         try:
-            record = self._run(set(), keep, input_ids=local.to(self.device))
+            ids = torch.arange(len(rows), device=self.device).unsqueeze(1)
+            per_token = self._run(set(), torch.ones_like(ids, dtype=torch.bool), input_ids=ids)["hidden"][:, 0]
         finally:
             module.weight, module.padding_idx = original
-        return record["hidden"]
+        if not bool(torch.isfinite(per_token.sum())):  # one pass; a sum of finite embeddings cannot overflow
+            raise FeatCalError(f"{what}: the embedding of a calibration token contains NaN or Inf")
+        return per_token[local.to(self.device)]

@@ -210,7 +210,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     _check_vocabulary(sequences, expert_configs)
     for name, directory in expert_dirs.items():
         if (directory / "tokenizer_config.json").is_file():
-            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}: {directory}")
+            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
     # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
     batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in sequences.items()}
 

@@ -82,7 +82,7 @@ def _swap_tokens(directory, first, second):
         (lambda d: _patch_json(d / "config.json", rms_norm_eps=1e-6), "config rms_norm_eps = 1e-06 differs from the base model's 1e-05"),
         (lambda d: _patch_json(d / "config.json", sliding_window=4), "config sliding_window = 4 differs"),
         (lambda d: _patch_json(d / "config.json", rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), "config rope_parameters"),
-        (lambda d: _swap_tokens(d, "a", "b"), "tokenizer maps 'a' to"),
+        (lambda d: _swap_tokens(d, "a", "b"), "the calibration tokenizer to 1"),
         (lambda d: _patch_json(d / "tokenizer_config.json", eos_token="<unk>"), "tokenizer eos_token_id = 3 differs from the calibration tokenizer's 2"),
     ],
     ids=["norm epsilon", "sliding window", "rope", "vocabulary", "special ids"],
