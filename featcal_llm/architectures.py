@@ -1,7 +1,10 @@
 """Per model family: where a decoder layer's tensors live and which projections share an input.
 
 Architecture knowledge is data, not code: the pipeline never spells a module
-name. Adding a family (Mistral, Qwen2 are here) is adding an entry.
+name. Adding a family is adding an entry; masks, rotary tables, the
+embedding step and attention come from the family's transformers classes
+(`layers.py`, `front.py`). Norms not named by a group (Gemma-2's
+post-attention/post-feedforward norms, Qwen3's q_norm/k_norm) stay merged.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ class Architecture:
     layer_prefix: str  # format string with {layer}
     embed_tokens: str
     decoder_layer: str  # import path of the transformers decoder layer class
-    rotary_embedding: str  # import path of the family's rotary embedding class
+    base_model: str  # import path of the family's `*Model` (embedding, masks, rotary, layers)
     groups: tuple[InputGroup, ...]
 
     def layer_class(self) -> type:
         return _import(self.decoder_layer)
 
-    def rotary_class(self) -> type:
-        return _import(self.rotary_embedding)
+    def model_class(self) -> type:
+        return _import(self.base_model)
 
     def prefix(self, layer: int) -> str:
         return self.layer_prefix.format(layer=layer)
@@ -51,33 +54,46 @@ def _import(dotted: str) -> type:
     return getattr(importlib.import_module(module_name), attribute)
 
 
-_LLAMA_GROUPS = (
-    InputGroup("attention_input", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), norm="input_layernorm"),
-    InputGroup("attention_output", ("self_attn.o_proj",)),
-    InputGroup("mlp_input", ("mlp.gate_proj", "mlp.up_proj"), norm="post_attention_layernorm"),
-    InputGroup("mlp_hidden", ("mlp.down_proj",)),
-)
+def _groups(qkv: tuple[str, ...], gate_up: tuple[str, ...], mlp_norm: str = "post_attention_layernorm") -> tuple[InputGroup, ...]:
+    return (
+        InputGroup("attention_input", tuple(f"self_attn.{p}" for p in qkv), norm="input_layernorm"),
+        InputGroup("attention_output", ("self_attn.o_proj",)),
+        InputGroup("mlp_input", tuple(f"mlp.{p}" for p in gate_up), norm=mlp_norm),
+        InputGroup("mlp_hidden", ("mlp.down_proj",)),
+    )
 
 
-def _llama_like(family: str, class_prefix: str) -> Architecture:
+_SEPARATE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _family(family: str, class_prefix: str, groups: tuple[InputGroup, ...] = _groups(*_SEPARATE)) -> Architecture:
+    module = f"transformers.models.{family}.modeling_{family}"
     return Architecture(
         layer_prefix="model.layers.{layer}.",
         embed_tokens="model.embed_tokens.weight",
-        decoder_layer=f"transformers.models.{family}.modeling_{family}.{class_prefix}DecoderLayer",
-        rotary_embedding=f"transformers.models.{family}.modeling_{family}.{class_prefix}RotaryEmbedding",
-        groups=_LLAMA_GROUPS,
+        decoder_layer=f"{module}.{class_prefix}DecoderLayer",
+        base_model=f"{module}.{class_prefix}Model",
+        groups=groups,
     )
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": _llama_like("llama", "Llama"),
-    "MistralForCausalLM": _llama_like("mistral", "Mistral"),
-    "Qwen2ForCausalLM": _llama_like("qwen2", "Qwen2"),
+    "LlamaForCausalLM": _family("llama", "Llama"),
+    "MistralForCausalLM": _family("mistral", "Mistral"),
+    "Qwen2ForCausalLM": _family("qwen2", "Qwen2"),  # Qwen2 and Qwen2.5
+    "Qwen3ForCausalLM": _family("qwen3", "Qwen3"),
+    # Gemma-2: the MLP reads pre_feedforward_layernorm's output; its norms scale by (1 + w).
+    "Gemma2ForCausalLM": _family("gemma2", "Gemma2", _groups(*_SEPARATE, mlp_norm="pre_feedforward_layernorm")),
+    # Phi-3: fused projections, each one input group of its own.
+    "Phi3ForCausalLM": _family("phi3", "Phi3", _groups(("qkv_proj",), ("gate_up_proj",))),
 }
+MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def architecture_for(config: Any, where: str) -> Architecture:
     names = list(getattr(config, "architectures", None) or [])
+    if any(getattr(config, key, None) for key in MOE_CONFIG_KEYS):
+        raise FeatCalError(f"{where}: architecture {names or 'unknown'} is a mixture of experts; FeatCal calibrates dense decoder layers only")
     for name in names:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]

@@ -35,7 +35,7 @@ from featcal_llm.solve import (
     solve_norm,
 )
 from featcal_llm.stats import GroupStatistics
-from featcal_llm.streams import HostStore, TokenBatch, embed
+from featcal_llm.streams import HostStore, TokenBatch
 from featcal_llm.tuned import select_layer
 
 
@@ -49,20 +49,16 @@ class Models:
 Streams = dict[str, list[torch.Tensor]]  # task → one host tensor per batch
 
 
-def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], dtype: torch.dtype, store: HostStore) -> tuple[Streams, Streams]:
-    """h_cal from the merged embedding for every task; h_exp,i from expert i's own embedding."""
+def initial_streams(models: Models, plan: CalibrationPlan, batches: dict[str, list[TokenBatch]], runner: LayerRunner, store: HostStore) -> tuple[Streams, Streams]:
+    """h_cal from the merged embedding for every task; h_exp,i from expert i's own (both through the family's embedding step)."""
     name = plan.architecture.embed_tokens
-    merged_embedding = models.merged.get(name)
-    cal = {task: [embed(b, merged_embedding, dtype, store) for b in task_batches] for task, task_batches in batches.items()}
-    del merged_embedding
-    experts = {}
-    for task, task_batches in batches.items():
-        embedding = models.experts[task].get(name)
-        vocabulary = embedding.shape[0]
-        largest = max(int(b.input_ids.max()) for b in task_batches)
-        if largest >= vocabulary:
-            raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest}")
-        experts[task] = [embed(b, embedding, dtype, store) for b in task_batches]
+
+    def stream(reader: CheckpointReader, task_batches: list[TokenBatch], what: str) -> list[torch.Tensor]:
+        embedding = reader.get(name)
+        return [store.store(runner.embed(b, embedding, what), b.keep) for b in task_batches]
+
+    cal = {task: stream(models.merged, task_batches, "merged model") for task, task_batches in batches.items()}
+    experts = {task: stream(models.experts[task], task_batches, f"expert {task}") for task, task_batches in batches.items()}
     return cal, experts
 
 
@@ -73,7 +69,10 @@ def advance(
     with timer.phase("forward"):
         for index, (batch, host) in enumerate(zip(batches, stream)):
             hidden = host.to(runner.device, non_blocking=True)
-            stream[index] = store.store(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep)
+            output = runner.forward(layer, hidden, runner.context(batch, hidden))
+            if not bool(torch.isfinite(output[batch.keep.to(output.device)]).all()):  # caught where it appears, not a layer later
+                raise FeatCalError(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")
+            stream[index] = store.store(output, batch.keep)
 
 
 def fold_task(
@@ -176,9 +175,9 @@ def replay_layer(
             advance(runner, merged_layer, task_batches, probe.merged[task], store)
 
 
-def start_probe(models: Models, plan: CalibrationPlan, probe: Probe, dtype: torch.dtype, store: HostStore) -> None:
+def start_probe(models: Models, plan: CalibrationPlan, probe: Probe, runner: LayerRunner, store: HostStore) -> None:
     """Embed the probe records: cal and merged streams from the merged embedding, expert i's from its own."""
-    probe.cal, probe.expert = initial_streams(models, plan, probe.batches, dtype, store)
+    probe.cal, probe.expert = initial_streams(models, plan, probe.batches, runner, store)
     probe.merged = {task: [store.store(h, b.keep) for h, b in zip(stream, probe.batches[task])] for task, stream in probe.cal.items()}
 
 
@@ -214,9 +213,9 @@ def calibrate(
     """
     if plan.tuning is not None and probe is None:
         raise FeatCalError("internal: a tuned run needs its held-out records as the probe")
-    cal_streams, expert_streams = initial_streams(models, plan, batches, runner.dtype, store)
+    cal_streams, expert_streams = initial_streams(models, plan, batches, runner, store)
     if probe is not None:
-        start_probe(models, plan, probe, runner.dtype, store)
+        start_probe(models, plan, probe, runner, store)
     heads = None
     if plan.tuning is not None and plan.tuning.criterion == "output":
         heads = {"merged": Head(runner, models.merged), **{task: Head(runner, reader) for task, reader in models.experts.items()}}

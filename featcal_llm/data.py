@@ -25,6 +25,9 @@ ALPACA_NO_INPUT = (
     "Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n{response}"
 )
+# Llama-3.x chat templates print today's date unless given one; a fixed date keeps the tokens (and the
+# resume fingerprint) the same across midnight. This is the default the Llama-3.1 template itself uses.
+CHAT_DATE = "26 Jul 2024"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -81,7 +84,7 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
             {"role": "user", "content": str(_field(record, spec.prompt, where, index))},
             {"role": "assistant", "content": str(_field(record, spec.response, where, index))},
         ]
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_DATE)
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str) -> list[list[int]]:

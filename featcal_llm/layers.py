@@ -1,8 +1,12 @@
 """Real transformers decoder layers, built one at a time from checkpoint tensors, and hooks on them.
 
-Attention, RoPE and masking are the model family's own code: we instantiate
-its decoder layer and rotary embedding from the checkpoint's config and build
-the causal/padding mask with `transformers.masking_utils.create_causal_mask`.
+Attention, RoPE, masks and the embedding step are the model family's own code:
+we instantiate its decoder layer from the checkpoint's config, and take each
+layer's call arguments (sliding-window or full causal/padding mask, rotary
+tables, positions) and layer 0's input (Gemma's scaled embedding) from the
+family's own `*Model.forward` through `front.ModelFront`. The attention
+implementation is the one transformers picks for the family (sdpa, or eager
+where sdpa would drop Gemma-2's soft-capping).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from featcal_llm.architectures import Architecture
 from featcal_llm.errors import FeatCalError
+from featcal_llm.front import ModelFront
 from featcal_llm.streams import TokenBatch
 
 
@@ -29,12 +34,12 @@ class LayerRunner:
     ):
         self.architecture = architecture
         self.config = copy.deepcopy(config)
-        self.config._attn_implementation = "sdpa"
+        self.config._attn_implementation = None  # let the family choose, as from_pretrained does
         self.config.use_cache = False
         self.device = device
         self.dtype = dtype
         self.stats_dtype = stats_dtype  # accumulation precision of the calibration statistics
-        self.rotary = architecture.rotary_class()(config=self.config).to(device)
+        self.front = ModelFront(architecture.model_class(), self.config, device)  # sets config._attn_implementation
 
     def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:
         """A decoder layer on the compute device holding `weights` (names relative to the layer)."""
@@ -48,32 +53,23 @@ class LayerRunner:
         state = {name: tensor.to(device=self.device, dtype=self.dtype) for name, tensor in weights.items()}
         layer.load_state_dict(state, assign=True, strict=True)
         layer.requires_grad_(False)
+        kinds = self.front.kinds  # modulo: the benchmark replays its few stored layers as layer l mod stored
+        layer.featcal_index, layer.featcal_kind = layer_index, kinds[layer_index % len(kinds)]
         return layer.eval()
 
     def context(self, batch: TokenBatch, hidden: torch.Tensor) -> dict[str, Any]:
-        """Keyword arguments of a decoder layer call for this batch: mask, positions, rotary embeddings."""
-        from transformers.masking_utils import create_causal_mask
+        """Keyword arguments of a decoder layer call for this batch, per layer kind (sliding/full attention)."""
+        return self.front.arguments(hidden, batch.keep)
 
-        keep = batch.keep.to(self.device)
-        position_ids = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0).expand(hidden.shape[0], -1)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=keep.long(),
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-        return {
-            "attention_mask": mask,
-            "position_ids": position_ids,
-            "position_embeddings": self.rotary(hidden, position_ids=position_ids),
-            "use_cache": False,
-        }
+    def embed(self, batch: TokenBatch, embedding: torch.Tensor, what: str) -> torch.Tensor:
+        """Layer 0's input for the batch, through the family's embedding step, in the compute dtype on the device."""
+        return self.front.embed(batch.input_ids, batch.keep, embedding, self.dtype, what)
 
     @staticmethod
     @torch.inference_mode()
     def forward(layer: torch.nn.Module, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        output = layer(hidden, **context)
+        arguments = context[layer.featcal_kind] if len(context) > 1 else next(iter(context.values()))
+        output = layer(hidden, **arguments)
         return output[0] if isinstance(output, tuple) else output
 
 

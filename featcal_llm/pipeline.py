@@ -26,6 +26,7 @@ from featcal_llm.checkpoint import (
     copy_side_files,
     write_calibrated_checkpoint,
 )
+from featcal_llm.compat import check_embedding_rows, check_family_settings, check_tokenizer
 from featcal_llm.data import calibration_sequences
 from featcal_llm.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import FeatCalError
@@ -86,6 +87,7 @@ def check_compatible(reference: Any, other: Any, what: str) -> None:
     for key in SHAPE_KEYS:
         if getattr(reference, key, None) != getattr(other, key, None):
             raise FeatCalError(f"{what}: config {key} = {getattr(other, key, None)} differs from the base model's {getattr(reference, key, None)}")
+    check_family_settings(reference, other, what)
 
 
 def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
@@ -124,6 +126,13 @@ def _check_vocabulary(sequences: dict[str, list[list[int]]], configs: dict[str, 
         vocabulary = getattr(configs[task], "vocab_size", None)
         if vocabulary is not None and largest >= vocabulary:
             raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest} (tokenizer mismatch?)")
+
+
+def _embedding_rows(reader: CheckpointReader, name: str) -> int:
+    layout = reader.layout()
+    if name not in layout:
+        raise FeatCalError(f"{reader.what}: {reader.directory}: tensor {name} is missing")
+    return layout[name][0][0]
 
 
 def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, Path], layer_prefix: str) -> Models:
@@ -207,14 +216,18 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         featcal.shuffle, featcal.seed, recipe.path,
     )
     _check_vocabulary(sequences, expert_configs)
+    for name, directory in expert_dirs.items():
+        if (directory / "tokenizer_config.json").is_file():
+            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
+    every_sequence = sequences
     if search is not None:  # held-out records select the hyper-parameters and never enter the statistics
         sequences, probe_sequences = split_holdout(sequences, search.holdout, featcal.seed, str(recipe.path))
     else:
         probe_sequences = drift_sample(sequences)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in sequences.items()}
+    # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
+    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in sequences.items()}
     probe = Probe(
-        {task: make_batches(seqs, featcal.batch_tokens, pad_id) for task, seqs in probe_sequences.items()},
+        {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()},
         "held-out records" if search else "calibration subsample",
     )
 
@@ -222,6 +235,8 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
     models = _open_checkpoints(merged_dir, base_dir, expert_dirs, architecture.layer_prefix.split("{")[0])
+    readers = {"merged": models.merged, **models.experts}
+    check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
     runner = LayerRunner(
         architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, compute_device)
     )

@@ -115,21 +115,23 @@ def ridge_solve(
     `lhs` is consumed (the ridge is added to its diagonal in place). Each
     solution is checked by its residual (sketched with a seeded random
     probe, so the check is cheap and deterministic); a failed or inaccurate
-    solve is retried with a ten times larger ridge and a warning, never
-    returned silently.
+    solve is retried with a ten times larger λ, with a warning, never
+    returned silently. A retry solves the same problem with the larger λ'
+    on both sides, W* = (rhs + λ' A)(lhs + (λ' + eps) I)⁻¹: a stronger pull
+    toward the anchor, never toward zero.
     """
     generator = torch.Generator(device=lhs.device).manual_seed(0)
     probe = torch.randn(lhs.shape[0], RESIDUAL_PROBES, generator=generator, device=lhs.device, dtype=lhs.dtype)
-    ridge, on_diagonal = lam + eps, 0.0
+    ridge, on_diagonal = lam, 0.0
     system = lhs  # the ridge goes onto lhs's diagonal in place: no second d × d matrix
     for attempt in range(MAX_RIDGE_RETRIES + 1):
-        system.diagonal().add_(ridge - on_diagonal)
-        on_diagonal = ridge
+        system.diagonal().add_(ridge + eps - on_diagonal)
+        on_diagonal = ridge + eps
         factor, info = torch.linalg.cholesky_ex(system)
         solutions, worst = {}, 0.0
         if int(info) == 0:
             for name, right in rhs.items():
-                target = right + lam * anchors[name]
+                target = right + ridge * anchors[name]
                 solution = torch.cholesky_solve(target.T, factor).T
                 worst = max(worst, _sketched_residual(solution, system, target, probe))
                 solutions[name] = solution
@@ -140,9 +142,9 @@ def ridge_solve(
         reason = "not positive definite" if int(info) != 0 else f"relative residual {worst:.2e}"
         if attempt == MAX_RIDGE_RETRIES:
             break
-        warn(f"{where}: solve {reason}; retrying with ridge {ridge * 10:.3g}")
+        warn(f"{where}: solve {reason}; retrying with lambda {ridge * 10:.3g}")
         ridge *= 10
-    raise FeatCalError(f"{where}: closed-form solve failed ({reason}) even with ridge {ridge:.3g}")
+    raise FeatCalError(f"{where}: closed-form solve failed ({reason}) even with lambda {ridge:.3g}")
 
 
 def solve_bias(
@@ -154,5 +156,10 @@ def solve_bias(
 
 
 def solve_norm(system: GroupSystem, norm_anchor: torch.Tensor, lam: float) -> torch.Tensor:
-    """γ* = (Σ q_i γ_i + λ γ_anc) / (Σ q_i + λ), element-wise."""
+    """γ* = (Σ q_i γ_i + λ γ_anc) / (Σ q_i + λ), element-wise.
+
+    The weights of γ_i and γ_anc sum to one, so the update commutes with a
+    constant offset: for Gemma's (1 + w) norms, solving on the stored w is
+    solving on the effective scale 1 + w.
+    """
     return (system.norm_numerator + lam * norm_anchor) / (system.norm_denominator + lam)

@@ -61,6 +61,12 @@ class HostStore:
     bandwidth. A spilled batch lives in an unlinked file under `spill_dir`; the
     page cache keeps it in memory when it can and the kernel writes it out when
     it must, so resident memory stays near the budget.
+
+    `in_ram` counts what is really held. Unpinned: the tensors' bytes. Pinned:
+    CUDA's caching host allocator rounds every block up to a power of two and
+    keeps freed blocks for reuse instead of returning them, so a batch costs
+    its rounded size, and a freed batch stays counted (as a cached block that a
+    later batch of the same size class reuses at no cost).
     """
 
     def __init__(self, budget_bytes: int | None, spill_dir: Path | None, pin: bool):
@@ -70,18 +76,31 @@ class HostStore:
         self.in_ram = 0
         self.peak_in_ram = 0
         self.spilled = 0
+        self._cached: dict[int, int] = {}  # pinned block size → freed blocks the host allocator keeps
         self._counter = itertools.count()
 
-    def _release(self, nbytes: int) -> None:
-        self.in_ram -= nbytes
+    def held_size(self, nbytes: int) -> int:
+        """Bytes a block of `nbytes` really occupies: a power of two when pinned (CUDA's CachingHostAllocator)."""
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pin else nbytes
+
+    def _release(self, size: int) -> None:
+        if self.pin:
+            self._cached[size] = self._cached.get(size, 0) + 1
+        else:
+            self.in_ram -= size
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if self.budget is None or self.in_ram + nbytes <= self.budget or self.spill_dir is None:
+        size = self.held_size(nbytes)
+        reuse = self._cached.get(size, 0) > 0
+        if self.budget is None or reuse or self.in_ram + size <= self.budget or self.spill_dir is None:
             tensor = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-            self.in_ram += nbytes
+            if reuse:
+                self._cached[size] -= 1
+            else:
+                self.in_ram += size
             self.peak_in_ram = max(self.peak_in_ram, self.in_ram)
-            weakref.finalize(tensor, self._release, nbytes)
+            weakref.finalize(tensor, self._release, size)
             return tensor
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         path = self.spill_dir / f"batch-{next(self._counter)}.bin"
@@ -98,8 +117,3 @@ class HostStore:
         host = self.allocate(tuple(hidden.shape), hidden.dtype)
         host.copy_(hidden)
         return host
-
-
-def embed(batch: TokenBatch, embedding: torch.Tensor, dtype: torch.dtype, store: HostStore) -> torch.Tensor:
-    """Look the batch's tokens up in an embedding matrix, straight into host stream storage."""
-    return store.store(torch.nn.functional.embedding(batch.input_ids, embedding).to(dtype), batch.keep)

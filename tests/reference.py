@@ -3,7 +3,10 @@
 Whole HF models in memory, one sequence at a time (so no padding at all),
 forward hooks that keep every token's features, float64 statistics and one
 Gram per projection, R_i computed literally as (1/n) Σ (W_i x_tgt) x_calᵀ.
-Slow and memory-hungry on purpose: it shares no code with the product.
+Slow and memory-hungry on purpose: it shares no code with the product. Each
+sequence goes through the family's full HF model forward (its own embedding
+scale, sliding-window masks, soft-capping), so anything the product rebuilds
+wrongly shows up as a difference.
 """
 
 from __future__ import annotations
@@ -12,8 +15,16 @@ import copy
 
 import torch
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-NORMS = {"input_layernorm": "self_attn.q_proj", "post_attention_layernorm": "mlp.gate_proj"}
+_SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# model_type → (projections, the norms FeatCal may update, the norm's scale offset: Gemma scales by (1 + w))
+FAMILIES = {
+    "llama": (_SEPARATE, ("input_layernorm", "post_attention_layernorm"), 0.0),
+    "mistral": (_SEPARATE, ("input_layernorm", "post_attention_layernorm"), 0.0),
+    "qwen2": (_SEPARATE, ("input_layernorm", "post_attention_layernorm"), 0.0),
+    "qwen3": (_SEPARATE, ("input_layernorm", "post_attention_layernorm"), 0.0),
+    "gemma2": (_SEPARATE, ("input_layernorm", "pre_feedforward_layernorm"), 1.0),
+    "phi3": (("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"), ("input_layernorm", "post_attention_layernorm"), 0.0),
+}
 
 
 def _capture(layer: torch.nn.Module, names: tuple[str, ...], store: dict[str, list[torch.Tensor]], outputs: bool = False):
@@ -29,6 +40,7 @@ def _capture(layer: torch.nn.Module, names: tuple[str, ...], store: dict[str, li
 @torch.no_grad()
 def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float, norms: bool = False):
     """Returns the calibrated model (float64)."""
+    projections, norm_names, offset = FAMILIES[merged.config.model_type]
     cal = copy.deepcopy(merged).double().eval()
     base = copy.deepcopy(base).double().eval()
     experts = {name: copy.deepcopy(model).double().eval() for name, model in experts.items()}
@@ -38,16 +50,16 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
         for task, expert in experts.items():
             expert_layer = expert.model.layers[layer_index]
             x_cal, x_exp, norm_in = {}, {}, {}
-            handles = _capture(cal_layer, PROJECTIONS, x_cal) + _capture(expert_layer, PROJECTIONS, x_exp)
+            handles = _capture(cal_layer, projections, x_cal) + _capture(expert_layer, projections, x_exp)
             if norms:
-                handles += _capture(cal_layer, tuple(NORMS), norm_in)
+                handles += _capture(cal_layer, tuple(norm_names), norm_in)
             for sequence in sequences[task]:
                 ids = torch.tensor([sequence])
                 cal(input_ids=ids)
                 expert(input_ids=ids)
             for handle in handles:
                 handle.remove()
-            for name in PROJECTIONS:
+            for name in projections:
                 xc, xe = torch.cat(x_cal[name]), torch.cat(x_exp[name])
                 n = xc.shape[0]
                 w_i = expert_layer.get_submodule(name).weight.double()
@@ -60,12 +72,14 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
                 if b_i is not None:  # Eq. 55 needs ω_i, b_i + W_i μ_tgt,i and μ_cal,i
                     bias_terms.setdefault(name, []).append((omega, b_i.double() + w_i @ x_tgt.mean(0), xc.mean(0)))
             if norms:
-                for norm, _ in NORMS.items():
+                for norm in norm_names:
                     x = torch.cat(norm_in[norm])
-                    eps_norm = cal_layer.get_submodule(norm).variance_epsilon
+                    module = cal_layer.get_submodule(norm)
+                    eps_norm = getattr(module, "variance_epsilon", getattr(module, "eps", None))
                     z = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps_norm)
-                    norm_q.setdefault(norm, []).append(((z * z).mean(0), expert_layer.get_submodule(norm).weight.double()))
-        for name in PROJECTIONS:
+                    gamma = offset + expert_layer.get_submodule(norm).weight.double()  # the effective scale
+                    norm_q.setdefault(norm, []).append(((z * z).mean(0), gamma))
+        for name in projections:
             module = cal_layer.get_submodule(name)
             w_anchor = rho * module.weight + (1 - rho) * base_layer.get_submodule(name).weight
             lhs = sum(grams[name]) + (lam + eps) * torch.eye(module.weight.shape[1], dtype=torch.float64)
@@ -78,10 +92,10 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
             numerator = sum(omega * (target - weights[name] @ mean_cal) for omega, target, mean_cal in terms) + lam * b_anchor
             new_biases[name] = numerator / (sum(omega for omega, _, _ in terms) + lam)
         new_norms = {}
-        for norm in NORMS if norms else ():
-            gamma_anchor = rho * cal_layer.get_submodule(norm).weight + (1 - rho) * base_layer.get_submodule(norm).weight
+        for norm in norm_names if norms else ():
+            gamma_anchor = offset + rho * cal_layer.get_submodule(norm).weight + (1 - rho) * base_layer.get_submodule(norm).weight
             numerator = sum(q * g for q, g in norm_q[norm]) + lam * gamma_anchor
-            new_norms[norm] = numerator / (sum(q for q, _ in norm_q[norm]) + lam)
+            new_norms[norm] = numerator / (sum(q for q, _ in norm_q[norm]) + lam) - offset
         for name, weight in weights.items():
             cal_layer.get_submodule(name).weight.copy_(weight)
         for name, bias in new_biases.items():

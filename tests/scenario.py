@@ -8,14 +8,16 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from featcal_llm.tiny import (
     build_char_tokenizer,
     new_tiny_llama,
     perturbed_copy,
+    randomize_small_parameters,
     save_model,
-    tiny_llama_config,
+    tiny_config,
 )
 
 WORDS = "the merge of experts loses skill calibration restores features layer by layer with ridge regression".split()
@@ -57,35 +59,35 @@ def build_scenario(
     noise: float = 0.2,
     shard_size: str | int = "40KB",
     family: str = "llama",
+    words: tuple[int, int] = (1, 12),
+    dtype: str = "float32",
     **config_overrides,
 ) -> Scenario:
+    """`family` picks the config class (tiny.tiny_config); every norm and bias is non-zero and differs per expert.
+
+    `words` bounds the words per calibration text (a word is 2-7 characters); `dtype` is the
+    checkpoints' and the merge's (float64 lets tests resolve updates to 1e-8).
+    """
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
-    if family == "qwen2":
-        from transformers import Qwen2Config
-
-        settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
-        settings.update(config_overrides)
-        config = Qwen2Config(**settings)
-        config.architectures = ["Qwen2ForCausalLM"]
-    else:
-        config = tiny_llama_config(len(tokenizer), num_hidden_layers=layers, **config_overrides)
-    base_model = new_tiny_llama(config, seed=0)
-    base = save_model(base_model, tokenizer, root / "base", max_shard_size=shard_size)
+    config = tiny_config(family, len(tokenizer), layers, **config_overrides)
+    base_model = randomize_small_parameters(new_tiny_llama(config, seed=0), seed=1)
+    base = save_model(base_model, tokenizer, root / "base", max_shard_size=shard_size, dtype=getattr(torch, dtype))
     expert_paths, data_paths = {}, {}
     for index in range(experts):
         name = f"expert{index}"
-        expert_paths[name] = save_model(perturbed_copy(base_model, seed=100 + index, scale=noise), tokenizer, root / name, max_shard_size=shard_size)
+        expert_paths[name] = save_model(
+            perturbed_copy(base_model, seed=100 + index, scale=noise), tokenizer, root / name, max_shard_size=shard_size, dtype=getattr(torch, dtype)
+        )
         data_paths[name] = root / f"data_{name}.jsonl"
         with data_paths[name].open("w") as handle:
-            for text in random_texts(seed=index, count=samples + 4):
+            for text in random_texts(seed=index, count=samples + 4, min_words=words[0], max_words=words[1]):
                 handle.write(json.dumps({"text": text}) + "\n")
     recipe = {
         "merge_method": "task_arithmetic",
         "base_model": str(base),
         "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in expert_paths.values()],
-        "dtype": "float32",
+        "dtype": dtype,
         "featcal": {
             "merged": str(root / "merged"),
             "output": str(root / "featcal"),

@@ -72,7 +72,8 @@ def test_anchor_interpolates_and_extrapolates(rho):
     assert torch.allclose(anchor(merged, base, rho), torch.tensor([1.0 + rho], dtype=torch.float64))
 
 
-def test_failed_factorisation_is_retried_with_a_larger_ridge_and_a_warning(monkeypatch, capsys):
+def test_failed_factorisation_is_retried_with_a_larger_lambda_on_both_sides_and_a_warning(monkeypatch, capsys):
+    """Issue 10 bug 1: the retry solves (rhs + λ' A)(lhs + (λ' + eps) I)⁻¹, pulled toward the anchor A, not zero."""
     import featcal_llm.solve as solve
 
     real = torch.linalg.cholesky_ex
@@ -85,10 +86,11 @@ def test_failed_factorisation_is_retried_with_a_larger_ridge_and_a_warning(monke
 
     monkeypatch.setattr(solve.torch.linalg, "cholesky_ex", fail_first)
     lhs = torch.eye(3, dtype=torch.float64)
-    solution = ridge_solve(lhs, {"p": torch.ones(2, 3, dtype=torch.float64)}, {"p": torch.zeros(2, 3, dtype=torch.float64)}, 1.0, 0.0, "layer 7 mlp_input")["p"]
-    assert calls == [2.0, 11.0]  # ridge 1 → 10
-    assert torch.allclose(solution, torch.full((2, 3), 1 / 11, dtype=torch.float64))
-    assert "featcal-llm: warning: layer 7 mlp_input: solve not positive definite; retrying with ridge 10" in capsys.readouterr().err
+    anchor_weights = torch.full((2, 3), 2.0, dtype=torch.float64)
+    solution = ridge_solve(lhs, {"p": torch.ones(2, 3, dtype=torch.float64)}, {"p": anchor_weights}, 1.0, 1e-3, "layer 7 mlp_input")["p"]
+    assert calls == [1.0 + 1.0 + 1e-3, 1.0 + 10.0 + 1e-3]  # λ 1 → 10, eps stays eps
+    assert torch.allclose(solution, torch.full((2, 3), (1 + 10 * 2.0) / (1 + 10 + 1e-3), dtype=torch.float64), rtol=1e-14)
+    assert "featcal-llm: warning: layer 7 mlp_input: solve not positive definite; retrying with lambda 10" in capsys.readouterr().err
 
 
 def test_a_solve_that_never_succeeds_is_an_error_not_a_silent_write():

@@ -1,0 +1,53 @@
+"""Checks that the merge, the base and every expert can share one config and one tokenizer.
+
+Every expert's layers run with the merged model's config and every model is
+fed the same token ids, so any setting that changes a layer's function (rope,
+norm epsilon, sliding window, soft-capping, …) and the tokenizer's vocabulary
+and special ids must agree up front, not show up as silently wrong features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+
+# Config keys that change what a decoder layer computes, beyond its shapes (absent keys compare as None).
+FAMILY_KEYS = (
+    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rms_norm_eps", "layer_norm_eps",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "head_dim", "hidden_act",
+    "hidden_activation", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_bias", "mlp_bias",
+)
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id")
+
+
+def check_family_settings(reference: Any, other: Any, what: str) -> None:
+    for key in FAMILY_KEYS:
+        mine, theirs = getattr(reference, key, None), getattr(other, key, None)
+        if mine != theirs:
+            raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def check_tokenizer(calibration: Any, other: Any, what: str) -> None:
+    """`other` (an expert's own tokenizer) gives no token another id than the calibration tokenizer, and has its special ids.
+
+    Tokens only one side has (one appended a pad token, say) are allowed: ids
+    beyond an embedding are caught by `check_embedding_rows`.
+    """
+    for key in SPECIAL_IDS:
+        if getattr(calibration, key, None) != getattr(other, key, None):
+            raise FeatCalError(f"{what}: tokenizer {key} = {getattr(other, key, None)} differs from the calibration tokenizer's {getattr(calibration, key, None)}")
+    theirs = other.get_vocab()
+    token_at = {index: token for token, index in theirs.items()}
+    for token, index in calibration.get_vocab().items():
+        if theirs.get(token, index) != index or token_at.get(index, token) != token:
+            raise FeatCalError(f"{what}: tokenizer maps {token!r} to {theirs.get(token)}, the calibration tokenizer to {index}")
+
+
+def check_embedding_rows(sequences: dict[str, list[list[int]]], rows: dict[str, int], what: dict[str, str]) -> None:
+    """Every real calibration token id has a row in every embedding that embeds it (merged: all tasks; expert i: its own)."""
+    for model, count in rows.items():
+        tasks = sequences if model == "merged" else {model: sequences[model]}
+        largest = max(max(sequence) for task_sequences in tasks.values() for sequence in task_sequences)
+        if largest >= count:
+            raise FeatCalError(f"{what[model]}: embedding of {count} rows cannot embed calibration token id {largest} (tokenizer mismatch?)")
