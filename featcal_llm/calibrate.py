@@ -34,6 +34,7 @@ from featcal_llm.solve import (
 )
 from featcal_llm.stats import GroupStatistics
 from featcal_llm.streams import HostStore, TokenBatch, embed
+from featcal_llm.transfer import on_device
 
 
 @dataclass
@@ -68,8 +69,7 @@ def advance(
 ) -> None:
     """Replace the stream, batch by batch and in place, by `layer` applied to it."""
     with timer.phase("forward"):
-        for index, (batch, host) in enumerate(zip(batches, stream)):
-            hidden = host.to(runner.device, non_blocking=True)
+        for index, (batch, (hidden,)) in enumerate(zip(batches, on_device(runner.device, stream))):
             stream[index] = store.store(runner.forward(layer, hidden, runner.context(batch, hidden)), batch.keep)
 
 
