@@ -78,15 +78,15 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log) -> Path:
             expert = perturbed_copy(base, seed=spec.seed + 100 + index, scale=EXPERT_NOISE)
             for name, tensor in expert.state_dict().items():
                 merged[name].add_(tensor - base.state_dict()[name], alpha=TA_WEIGHT)
-            save_model(expert, tokenizer, root / f"expert{index}", dtype=torch.bfloat16)
+            save_model(expert, tokenizer, root / f"expert{index}", dtype=torch.float32)
             del expert
             rng = random.Random(spec.seed + index)
             with (root / f"data{index}.jsonl").open("w") as handle:
                 for _ in range(spec.sequences):
                     handle.write(json.dumps({"text": "".join(rng.choice(CHARACTERS) for _ in range(spec.seq_len))}) + "\n")
-        save_model(base, tokenizer, root / "base", dtype=torch.bfloat16)
+        save_model(base, tokenizer, root / "base", dtype=torch.float32)
         base.load_state_dict(merged)
-        save_model(base, tokenizer, root / "merged", dtype=torch.bfloat16)
+        save_model(base, tokenizer, root / "merged", dtype=torch.float32)
         del base, merged
         (root / "complete.json").write_text(json.dumps(asdict(spec)))
     experts = [str(root / f"expert{i}") for i in range(spec.experts)]
@@ -96,7 +96,7 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log) -> Path:
         "merge_method": "task_arithmetic",
         "base_model": str(root / "base"),
         "models": [{"model": e, "parameters": {"weight": TA_WEIGHT}} for e in experts],
-        "dtype": "bfloat16",
+        "dtype": "float32",
         "featcal": {
             "merged": str(root / "merged"), "output": str(root / "out-product"),
             "data": {e: {"path": str(root / f"data{i}.jsonl"), "format": "text"} for i, e in enumerate(experts)},
