@@ -1,4 +1,5 @@
-"""`featcal-llm bench`: time the layer loop per phase on synthetic Llama-3.1-8B-shaped checkpoints.
+"""`featcal-llm bench`: time the layer loop per phase on synthetic Llama-3.1-8B-shaped checkpoints,
+or (`--whole-run`) a whole `featcal-llm run`, start-up included, against the baseline in `benchmarks/`.
 
 Thin command; the work is in `featcal_llm.benchmark`. Heavy imports stay inside the command.
 """
@@ -39,14 +40,42 @@ import click
 @click.option("--seed", default=0, show_default=True)
 @click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON on stdout instead of the table.")
+@click.option("--preset", type=click.Choice(["smollm2-135m"]), default=None, help="Real-depth shapes: smollm2-135m = 30 layers, hidden 576, intermediate 1536, heads 9/3, vocab 49152, tied embeddings, 3 experts × 64 × 128 tokens, λ 1e-5 (options given explicitly win).")
+@click.option("--whole-run", is_flag=True, help="Time a whole `featcal-llm run` (subprocess, start-up included) on a random model of these shapes, against benchmarks/baseline.py.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True, help="With --whole-run: also run the baseline and compare.")
+@click.option("--tied-embeddings", is_flag=True, default=None, help="With --whole-run: tie input and output embeddings (as SmolLM2).")
 def bench(**kwargs) -> None:
     """Benchmark the FeatCal layer loop on synthetic 8B-shaped checkpoints: per-phase time, FLOPs, bytes, roofline ratios."""
     import json
+    from pathlib import Path
+    import tempfile
+
+    from featcal_llm.benchmark.wholerun import PRESETS
+
+    as_json = kwargs.pop("as_json")
+    preset, whole_run, baseline, tied = kwargs.pop("preset"), kwargs.pop("whole_run"), kwargs.pop("baseline"), kwargs.pop("tied_embeddings")
+    context = click.get_current_context()
+    for key, value in PRESETS.get(preset, {}).items():
+        if key == "tied":
+            tied = value if tied is None else tied
+        elif context.get_parameter_source(key) == click.core.ParameterSource.DEFAULT:
+            kwargs[key] = value
+    if whole_run:
+        from featcal_llm.benchmark.wholerun import WholeRunSpec, render_whole, run_whole
+
+        spec = WholeRunSpec(
+            hidden=kwargs["hidden"], intermediate=kwargs["intermediate"], heads=kwargs["heads"], kv_heads=kwargs["kv_heads"],
+            vocab=kwargs["vocab"], layers=kwargs["layers"], experts=kwargs["experts"], sequences=kwargs["sequences"],
+            seq_len=kwargs["seq_len"], tied=bool(tied), seed=kwargs["seed"],
+        )
+        workdir = Path(kwargs["workdir"]) if kwargs["workdir"] else Path(tempfile.gettempdir()) / "featcal-llm-bench"
+        result = run_whole(spec, workdir, kwargs["lam"], baseline, log=lambda message: click.echo(message, err=True))
+        click.echo(json.dumps(result, indent=1, default=str) if as_json else render_whole(result))
+        return
 
     from featcal_llm.benchmark.driver import BenchOptions, run_benchmark
     from featcal_llm.benchmark.report import render, summarize
 
-    as_json = kwargs.pop("as_json")
     finalize = not kwargs.pop("no_finalize")
     options = BenchOptions(finalize=finalize, **kwargs)
     summary = summarize(run_benchmark(options, log=lambda message: click.echo(message, err=True)))

@@ -36,6 +36,7 @@ from featcal_llm.solve import (
 )
 from featcal_llm.stats import GroupStatistics
 from featcal_llm.streams import HostStore, TokenBatch
+from featcal_llm.transfer import on_device
 from featcal_llm.tuned import select_layer
 
 
@@ -67,8 +68,7 @@ def advance(
 ) -> None:
     """Replace the stream, batch by batch and in place, by `layer` applied to it."""
     with timer.phase("forward"):
-        for index, (batch, host) in enumerate(zip(batches, stream)):
-            hidden = host.to(runner.device, non_blocking=True)
+        for index, (batch, (hidden,)) in enumerate(zip(batches, on_device(runner.device, stream))):
             output = runner.forward(layer, hidden, runner.context(batch, hidden))
             if not bool(torch.isfinite(output[batch.keep.to(output.device)]).all()):  # caught where it appears, not a layer later
                 raise FeatCalError(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")

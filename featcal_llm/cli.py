@@ -1,7 +1,12 @@
-"""Command line: thin wrappers that parse options, call the library and print."""
+"""Command line: thin wrappers that parse options, call the library and print.
+
+Sub-package commands (demo, eval, leaderboard, bench) are imported only when
+they are invoked (or listed by --help), so `run` starts without them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -9,9 +14,28 @@ import click
 
 from featcal_llm.errors import FeatCalError
 
+# command name → "module:attribute" of its click command
+LAZY_COMMANDS = {
+    "bench": "featcal_llm.bench:bench",
+    "demo": "featcal_llm.demo.cli:demo",
+    "eval": "featcal_llm.evaluation.cli:eval_command",
+    "leaderboard": "featcal_llm.evaluation.cli:leaderboard",
+}
+
 
 class _Group(click.Group):
-    """Turns FeatCalError into a one-line message and exit code 2, as click does for usage errors."""
+    """Lazy sub-commands; FeatCalError becomes a one-line message and exit code 2, as click does for usage errors."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.commands or name not in LAZY_COMMANDS:
+            return super().get_command(ctx, name)
+        module, attribute = LAZY_COMMANDS[name].split(":")
+        command = getattr(importlib.import_module(module), attribute)
+        self.add_command(command, name)
+        return command
 
     def invoke(self, ctx: click.Context):
         try:
@@ -37,16 +61,3 @@ def run(recipe: Path, force: bool, device: str | None) -> None:
 
     output = run_recipe(recipe, force=force, device=device)
     click.echo(f"calibrated checkpoint written to {output}")
-
-
-def _register_subcommands() -> None:
-    """Commands owned by sub-packages; each keeps its heavy imports inside the command body."""
-    from featcal_llm.bench import bench
-    from featcal_llm.demo.cli import demo
-    from featcal_llm.evaluation.cli import eval_command, leaderboard
-
-    for command in (demo, eval_command, leaderboard, bench):
-        main.add_command(command)
-
-
-_register_subcommands()

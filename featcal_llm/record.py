@@ -24,6 +24,7 @@ from featcal_llm.stats import (
     targets_per_token,
 )
 from featcal_llm.streams import HostStore, TokenBatch
+from featcal_llm.transfer import on_device
 
 
 class StatisticsWorkspace:
@@ -97,7 +98,7 @@ def record_task(
     for group_stats in stats.values():
         # a tuned run needs Σ y_exp x_calᵀ itself, since α varies across candidates
         group_stats.cross_is_target = plan.tuning is None and targets_per_token(task_tokens, group_stats.gram.shape[0])
-    for index, (batch, h_cal_host, h_exp_host) in enumerate(zip(batches, cal_stream, expert_stream)):
+    for index, (batch, (h_cal, h_exp)) in enumerate(zip(batches, on_device(device, cal_stream, expert_stream))):
         keep = batch.keep.to(device)
         x_cal = {}  # input group → this batch's x_cal rows, shared by the expert hooks
         cal_hooks: dict[str, list[Callable]] = {}
@@ -135,8 +136,6 @@ def record_task(
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)
 
-        h_cal = h_cal_host.to(device, non_blocking=True)
-        h_exp = h_exp_host.to(device, non_blocking=True)
         context = runner.context(batch, h_cal)
         with torch.no_grad(), timer.phase("forward"):
             with hooked(cal_layer, _compose(cal_hooks, timer)):

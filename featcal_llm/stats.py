@@ -96,8 +96,34 @@ def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -
         total.addmm_(left.to(total.dtype), right.to(total.dtype))
 
 
+GRAM_MAX_BLOCKS = 8
+
+
+def gram_blocks(dim: int) -> int:
+    """Column blocks of a d × d Gram built from its lower block triangle: k blocks cost (k + 1) / 2k of the full product.
+
+    Blocks stay at least 192 wide so that each product still runs near the matmul peak.
+    """
+    return max(1, min(GRAM_MAX_BLOCKS, dim // 192))
+
+
 def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor) -> None:
-    _add_product(gram, x_cal.T, x_cal)
+    """gram += x_calᵀ x_cal.
+
+    On a CPU only the lower block triangle is multiplied and the rest is
+    mirrored (the Gram is symmetric): at 8 blocks 56 % of the FLOPs, in the
+    same precision. GPUs multiply the whole square (one large tensor-core call).
+    """
+    blocks = 1 if gram.is_cuda else gram_blocks(gram.shape[0])
+    if blocks == 1:
+        _add_product(gram, x_cal.T, x_cal)
+        return
+    x = x_cal.to(gram.dtype)
+    edges = [i * gram.shape[0] // blocks for i in range(blocks + 1)]
+    for start, end in zip(edges, edges[1:]):
+        gram[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
+    for start, end in zip(edges[:-1], edges[1:-1]):
+        gram[start:end, end:].copy_(gram[end:, start:end].T)
 
 
 def accumulate_cross(cross: torch.Tensor, y_exp: torch.Tensor, x_cal: torch.Tensor) -> None:

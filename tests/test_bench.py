@@ -81,3 +81,22 @@ def test_flop_counts_match_hand_computation():
     assert costs.fold_flops(shape, 1000) == fold
     assert costs.fold_flops(shape, 100) == fold - 2 * d * i * i
     assert costs.ridge_flops(shape) == pytest.approx((3 * d**3 + i**3) / 3 + fold)
+
+
+def test_whole_run_times_the_product_and_the_baseline_on_the_same_model(tmp_path):
+    """`--whole-run` at tiny shapes: both runs happen, start-up is seen, and the two agree on ΔW (counts, never timings)."""
+    options = ["--whole-run", "--preset", "smollm2-135m", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+               "--vocab", "128", "--layers", "2", "--sequences", "6", "--seq-len", "32", "--lam", "1e-2", "--workdir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(bench, options, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["mode"] == "whole-run" and data["lambda"] == 1e-2
+    spec = data["spec"]
+    assert (spec["hidden"], spec["layers"], spec["sequences"], spec["seq_len"]) == (64, 2, 6, 32)  # explicit options win
+    assert spec["experts"] == 3 and spec["tied"] is True  # from the preset
+    product, baseline = data["product"], data["baseline"]
+    assert 0 < product["startup_seconds"] <= product["first_layer_seconds"] <= product["seconds"]
+    assert product["cpu_seconds"] > 0 and baseline["seconds"] > 0 and data["speedup"] > 0
+    difference = data["delta_difference"]
+    assert difference["projections"] == 2 * 7
+    assert difference["worst"] <= 1e-3, difference  # the float32 baseline implements the same maths

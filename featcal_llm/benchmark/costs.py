@@ -8,7 +8,8 @@ per-sequence token counts:
   cal advanced through the updated layer); each is 2·params·T for the linear
   projections plus causal attention 2·T²·(heads·head_dim) per sequence
   (QKᵀ and AV are 4·T²·d for the full square; only the causal half is useful).
-* statistics, per task: 2·n·d² per input group (Gram) + 2·n·m·d per projection
+* statistics, per task: 2·n·d² per input group (Gram; on a CPU only the lower
+  block triangle, `stats.gram_blocks`, so (k + 1)/2k of that) + 2·n·m·d per projection
   (cross), plus 2·n·m·d for W_i x_cal when the group builds R_i per token
   (`stats.targets_per_token`: fewer tokens n than inputs d).
 * solve: per task and projection W_i·G_i (2·m·d², `add_task`) unless R_i was
@@ -60,14 +61,23 @@ def forward_flops(shape: LayerShape, sequence_lengths: list[int]) -> float:
     return 2.0 * shape.linear_params * tokens + attention
 
 
-def statistics_flops(shape: LayerShape, tokens: int) -> float:
+def gram_flops(dim: int, tokens: int, symmetric: bool) -> float:
+    """One Gram's FLOPs: the whole square, or (CPU) the lower block triangle `stats.accumulate_gram` multiplies."""
+    from featcal_llm.stats import gram_blocks
+
+    blocks = gram_blocks(dim) if symmetric else 1
+    edges = [i * dim // blocks for i in range(blocks + 1)]
+    return sum(2.0 * tokens * (end - start) * end for start, end in zip(edges, edges[1:]))
+
+
+def statistics_flops(shape: LayerShape, tokens: int, symmetric: bool = True) -> float:
     from featcal_llm.stats import targets_per_token
 
     total = 0.0
     for group in shape.groups:
         d = group.input_dim
         per_token = 2.0 if targets_per_token(tokens, d) else 1.0
-        total += 2.0 * tokens * d * d
+        total += gram_flops(d, tokens, symmetric)
         total += sum(per_token * 2.0 * tokens * m * d for m in group.outputs.values())
     return total
 
@@ -93,10 +103,10 @@ def ridge_flops(shape: LayerShape) -> float:
     return total
 
 
-def layer_flops(shape: LayerShape, task_sequences: dict[str, list[int]]) -> dict[str, float]:
-    """Phase → FLOPs of one layer."""
+def layer_flops(shape: LayerShape, task_sequences: dict[str, list[int]], symmetric: bool = True) -> dict[str, float]:
+    """Phase → FLOPs of one layer (`symmetric`: Grams from their lower block triangle, as on a CPU)."""
     forward = sum(3.0 * forward_flops(shape, lengths) for lengths in task_sequences.values())
-    statistics = sum(statistics_flops(shape, sum(lengths)) for lengths in task_sequences.values())
+    statistics = sum(statistics_flops(shape, sum(lengths), symmetric) for lengths in task_sequences.values())
     solve = sum(fold_flops(shape, sum(lengths)) for lengths in task_sequences.values()) + ridge_flops(shape)
     return {"forward": forward, "statistics": statistics, "solve": solve}
 

@@ -281,7 +281,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "disk": disk,
         },
-        "flops_per_layer": costs.layer_flops(shape, task_sequences),
+        "flops_per_layer": costs.layer_flops(shape, task_sequences, symmetric=device.type != "cuda"),
         "setup_seconds": timer.marks[0][0] - timer.start if timer.marks else 0.0,
         "calibrate_seconds": end - timer.start,
         "layers": layers,

@@ -1,0 +1,32 @@
+"""The one-batch-ahead host→device iterator (featcal_llm.transfer), on CPU: order, values, lazy reads.
+
+The CUDA branch (side stream, wait_stream, record_stream) has not been run here: no GPU in this environment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from featcal_llm.transfer import on_device
+
+
+def test_yields_every_batch_of_every_stream_in_order():
+    first = [torch.full((2, 3), float(i)) for i in range(4)]
+    second = [torch.full((1,), 10.0 + i) for i in range(4)]
+    seen = list(on_device(torch.device("cpu"), first, second))
+    assert len(seen) == 4
+    for index, (a, b) in enumerate(seen):
+        assert torch.equal(a, first[index]) and torch.equal(b, second[index])
+    assert list(on_device(torch.device("cpu"))) == [] and list(on_device(torch.device("cpu"), [])) == []
+
+
+def test_reads_lazily_so_batches_can_be_replaced_in_place():
+    stream = [torch.tensor([float(i)]) for i in range(4)]
+    seen = []
+    for index, (hidden,) in enumerate(on_device(torch.device("cpu"), stream)):
+        seen.append(float(hidden))
+        stream[index] = hidden + 100  # the engine replaces batch k by its next-layer value
+        if index == 0:
+            stream[2] = torch.tensor([-2.0])  # not read yet: the new value is the one yielded
+    assert seen == [0.0, 1.0, -2.0, 3.0]
+    assert [float(t) for t in stream] == [100.0, 101.0, 98.0, 103.0]
