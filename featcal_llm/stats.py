@@ -89,7 +89,7 @@ def cross_moment_pays(tokens: int, input_dim: int, output_total: int) -> bool:
     the moment for wide groups (q/k/v, gate/up) with many tokens. It never
     wins when n < d, where `targets_per_token` applies instead.
     """
-    return output_total * input_dim * tokens > input_dim * input_dim * tokens + output_total * input_dim * input_dim
+    return output_total * tokens > input_dim * tokens + output_total * input_dim  # m·d·n > d²·n + m·d², over d
 
 
 def crosses_from_moment(stats: GroupStatistics, expert_weights: dict[str, torch.Tensor]) -> None:
