@@ -26,7 +26,7 @@ from featcal_llm.solve import (
     ridge_solve,
     task_weight,
 )
-from featcal_llm.stats import GroupStatistics
+from featcal_llm.stats import GroupStatistics, crosses_from_moment
 
 
 @dataclass
@@ -57,6 +57,7 @@ def add_task_shared(
         raise FeatCalError("internal: a task contributed no tokens")
     if stats.cross_is_target:
         raise FeatCalError("internal: a tuned run needs Σ y_exp x_calᵀ, not per-token targets")
+    crosses_from_moment(stats, expert_weights)
     n = float(stats.tokens)
     device = stats.gram.device
     stats.gram.div_(n)

@@ -19,8 +19,10 @@ from featcal_llm.stats import (
     GroupStatistics,
     accumulate_cross,
     accumulate_gram,
+    accumulate_moment,
     accumulate_normalized_square,
     accumulate_sum,
+    cross_moment_pays,
     targets_per_token,
 )
 from featcal_llm.streams import HostStore, TokenBatch
@@ -98,6 +100,12 @@ def record_task(
     for group_stats in stats.values():
         # a tuned run needs Σ y_exp x_calᵀ itself, since α varies across candidates
         group_stats.cross_is_target = plan.tuning is None and targets_per_token(task_tokens, group_stats.gram.shape[0])
+        # wide groups: one moment Σ x_exp x_calᵀ, crosses W_i,p · moment after the task (fewer FLOPs, same sums)
+        group_stats.cross_from_moment = (
+            not group_stats.cross_is_target
+            and group_stats.moment is not None
+            and cross_moment_pays(task_tokens, group_stats.gram.shape[0], sum(c.shape[0] for c in group_stats.cross.values()))
+        )
     for index, (batch, (h_cal, h_exp)) in enumerate(zip(batches, on_device(device, cal_stream, expert_stream))):
         keep = batch.keep.to(device)
         x_cal = {}  # input group → this batch's x_cal rows, shared by the expert hooks
@@ -123,6 +131,11 @@ def record_task(
                 expert_hooks.setdefault(group.projections[0], []).append(
                     lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
                 )
+            if group_stats.cross_from_moment:  # the group's first projection sees x_exp as its input
+                expert_hooks.setdefault(group.projections[0], []).append(
+                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, x[keep], x_cal[name])
+                )
+                continue
             for projection in plan.selected(group):
                 module = expert_layer.get_submodule(projection)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.stats import GroupStatistics
+from featcal_llm.stats import GroupStatistics, crosses_from_moment
 
 SOLVE_DTYPE = torch.float64
 RESIDUAL_TOLERANCE = 1e-6
@@ -55,6 +55,7 @@ def add_task(
     """Fold one task's statistics of one input group into the running system (consuming the statistics)."""
     if stats.tokens == 0:
         raise FeatCalError("internal: a task contributed no tokens")
+    crosses_from_moment(stats, expert_weights)
     n = float(stats.tokens)
     device = stats.gram.device
     stats.gram.div_(n)  # the statistics are consumed: G_i = Σ x xᵀ / n in place, no d × d copy

@@ -4,14 +4,19 @@ For one task and one input group (projections reading the same input) we keep
 sums over the task's non-padding tokens t, in float32 or better:
 
 * ``gram``     Σ_t x_cal x_calᵀ                      (d × d, shared by the group)
-* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d, never d × d), or
-                   Σ_t (W_i x_tgt) x_calᵀ directly when the task has few tokens
+* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d), or
+                   Σ_t (W_i x_tgt) x_calᵀ directly when the task has few tokens, or
+                   W_i,p · moment, formed after the task (`crosses_from_moment`)
+* ``moment``   Σ_t x_exp x_calᵀ                      (d × d, shared by the group), accumulated
+                   instead of the crosses when that costs fewer FLOPs (`cross_moment_pays`)
 * ``sum_cal``, ``sum_exp``  Σ_t x_cal, Σ_t x_exp       (bias update only)
 * ``norm_sq``  Σ_t (x / rms(x))² of the group's norm input (RMSNorm update only)
 
 where y_exp,p = W_i x_exp is projection p's output in the expert (bias removed).
-R_i = W_i C_i is recovered later from ``cross`` and ``gram`` without any
-d × d cross moment: W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
+R_i = W_i C_i is recovered later from ``cross`` and ``gram``: W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
+A group whose projections' total output width m exceeds its input width d
+(q/k/v, gate/up) costs m·d per token in crosses but only d² in one moment;
+W_i,p · moment is the same cross (bias-free), exactly.
 """
 
 from __future__ import annotations
@@ -32,13 +37,17 @@ class GroupStatistics:
     tokens: int = 0
     # True when `cross` already holds Σ (W_i x_tgt) x_calᵀ, built token by token (see `targets_per_token`).
     cross_is_target: bool = False
+    moment: torch.Tensor | None = None
+    # True while `moment` (not `cross`) holds this task's expert-side sums; see `crosses_from_moment`.
+    cross_from_moment: bool = False
 
     def reset(self) -> None:
-        for tensor in (self.gram, *self.cross.values(), self.sum_cal, self.sum_exp, self.norm_sq):
+        for tensor in (self.gram, *self.cross.values(), self.sum_cal, self.sum_exp, self.norm_sq, self.moment):
             if tensor is not None:
                 tensor.zero_()
         self.tokens = 0
         self.cross_is_target = False
+        self.cross_from_moment = False
 
     @classmethod
     def empty(
@@ -58,6 +67,8 @@ class GroupStatistics:
             sum_cal=zeros(input_dim) if with_means else None,
             sum_exp=zeros(input_dim) if with_means else None,
             norm_sq=zeros(input_dim) if with_norm else None,
+            # only a group wider out than in can ever gain from the moment (`cross_moment_pays`)
+            moment=zeros(input_dim, input_dim) if sum(output_dims.values()) > input_dim else None,
         )
 
 
@@ -68,6 +79,30 @@ def targets_per_token(tokens: int, input_dim: int) -> bool:
     when a task has fewer tokens than the projection has inputs.
     """
     return tokens < input_dim
+
+
+def cross_moment_pays(tokens: int, input_dim: int, output_total: int) -> bool:
+    """Accumulate one d × d moment Σ x_exp x_calᵀ and form the crosses W_i,p · moment after the task.
+
+    Per projection the crosses cost Σ_p m_p·d FLOP-units per token, i.e.
+    m·d·n in all; the moment costs d²·n plus m·d² once. The cheaper one wins:
+    the moment for wide groups (q/k/v, gate/up) with many tokens. It never
+    wins when n < d, where `targets_per_token` applies instead.
+    """
+    return output_total * tokens > input_dim * tokens + output_total * input_dim  # m·d·n > d²·n + m·d², over d
+
+
+def crosses_from_moment(stats: GroupStatistics, expert_weights: dict[str, torch.Tensor]) -> None:
+    """cross[p] = W_i,p · Σ x_exp x_calᵀ = Σ y_exp,p x_calᵀ (bias-free), in the statistics' precision.
+
+    Idempotent: after it the statistics look as if accumulated per projection.
+    """
+    if not stats.cross_from_moment:
+        return
+    for name, cross in stats.cross.items():
+        weight = expert_weights[name].to(device=cross.device, dtype=cross.dtype)
+        torch.mm(weight, stats.moment, out=cross)
+    stats.cross_from_moment = False
 
 
 @functools.cache
@@ -128,6 +163,11 @@ def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor) -> None:
 
 def accumulate_cross(cross: torch.Tensor, y_exp: torch.Tensor, x_cal: torch.Tensor) -> None:
     _add_product(cross, y_exp.T, x_cal)
+
+
+def accumulate_moment(moment: torch.Tensor, x_exp: torch.Tensor, x_cal: torch.Tensor) -> None:
+    """moment += x_expᵀ x_cal (not symmetric: the whole square)."""
+    _add_product(moment, x_exp.T, x_cal)
 
 
 def accumulate_sum(total: torch.Tensor, rows: torch.Tensor) -> None:

@@ -74,12 +74,15 @@ def test_flop_counts_match_hand_computation():
     # 7 tokens < every input dim: R_i per token, so W_i x_cal doubles the cross term and no W_i G_i is folded
     assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + 2 * crosses)
     assert costs.fold_flops(shape, 7) == 0
-    # 100 tokens: per token for the down_proj group only (input 128), W_i G_i for the three groups of input 64
-    down = i * d  # Σ m·d of down_proj
-    assert costs.statistics_flops(shape, 100) == 2 * 100 * (grams + crosses + down)
+    # 100 tokens: per token for the down_proj group only (input 128), W_i G_i for the three groups of input 64;
+    # gate/up (m = 256 > d) keep a d × d moment (256·100 > 64·100 + 256·64), q/k/v (m = 128) not yet
+    down, gate_up, qkv = i * d, 2 * i * d, (d + 2 * kv) * d  # Σ m·d of each group
+    assert costs.statistics_flops(shape, 100) == 2 * 100 * (grams + crosses + down - gate_up + d * d)
     fold = 2 * ((d + 2 * kv) * d * d + d * d * d + 2 * i * d * d + d * i * i)
-    assert costs.fold_flops(shape, 1000) == fold
-    assert costs.fold_flops(shape, 100) == fold - 2 * d * i * i
+    assert costs.fold_flops(shape, 100) == fold - 2 * d * i * i + 2 * gate_up * d
+    # 1000 tokens: q/k/v keep a moment too, and each moment group pays W_i · moment once more in the fold
+    assert costs.statistics_flops(shape, 1000) == 2 * 1000 * (grams + crosses - gate_up - qkv + 2 * d * d)
+    assert costs.fold_flops(shape, 1000) == fold + 2 * (gate_up + qkv) * d
     assert costs.ridge_flops(shape) == pytest.approx((3 * d**3 + i**3) / 3 + fold)
 
 

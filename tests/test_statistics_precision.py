@@ -12,6 +12,7 @@ from test_exactness import read_weights, relative_error
 
 import featcal_llm.stats as stats
 from featcal_llm.pipeline import run_recipe
+from featcal_llm.solve import add_task
 from featcal_llm.stats import accumulate_gram, gram_blocks
 
 
@@ -45,3 +46,36 @@ def test_batch_one_and_mixed_lengths_agree_on_the_update(merged_scenario, tmp_pa
     blocked_vs_whole = _delta_error(whole, mixed, merged)
     print(f"ΔW, batch 1 vs mixed lengths: {worst:.2e}; blocked vs whole Grams: {blocked_vs_whole:.2e}")
     assert worst <= 1e-5 and blocked_vs_whole <= 1e-9
+
+
+def test_group_moment_gives_the_per_projection_crosses():
+    """Σ x_exp x_calᵀ then W_p · moment equals Σ (W_p x_exp) x_calᵀ per projection, and folds to the same system."""
+    generator = torch.Generator().manual_seed(3)
+    d, outputs = 24, {"q": 40, "k": 8, "v": 8}
+    x_cal = torch.randn(150, d, generator=generator, dtype=torch.float64)
+    x_exp = x_cal + 0.2 * torch.randn(150, d, generator=generator, dtype=torch.float64)
+    weights = {p: torch.randn(m, d, generator=generator, dtype=torch.float64) for p, m in outputs.items()}
+    assert stats.cross_moment_pays(150, d, sum(outputs.values())) and not stats.cross_moment_pays(150, d, d)
+    assert not stats.cross_moment_pays(d - 1, d, 100 * d)  # few tokens: never (the per-token targets apply there)
+    per_projection, grouped = (
+        stats.GroupStatistics.empty(d, outputs, with_means=False, with_norm=False, device=torch.device("cpu"), dtype=torch.float64)
+        for _ in range(2)
+    )
+    assert grouped.moment is not None and grouped.moment.shape == (d, d)
+    grouped.cross_from_moment = True
+    for rows in torch.arange(150).split(37):
+        for target in (per_projection, grouped):
+            accumulate_gram(target.gram, x_cal[rows])
+            target.tokens += len(rows)
+        for p, w in weights.items():
+            stats.accumulate_cross(per_projection.cross[p], x_exp[rows] @ w.T, x_cal[rows])
+        stats.accumulate_moment(grouped.moment, x_exp[rows], x_cal[rows])
+    stats.crosses_from_moment(grouped, weights)
+    assert not grouped.cross_from_moment  # done once: add_task below does not multiply again
+    for p in outputs:
+        exact = (x_exp @ weights[p].T).T @ x_cal
+        for target in (per_projection, grouped):
+            assert float((target.cross[p] - exact).abs().max()) <= 1e-12 * float(exact.abs().max()), p
+    systems = [add_task(None, s, weights, {}, None, 0.3, 1e-8) for s in (per_projection, grouped)]
+    for p in outputs:
+        assert torch.allclose(systems[1].rhs[p], systems[0].rhs[p], rtol=1e-12, atol=0), p

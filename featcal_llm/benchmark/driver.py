@@ -251,7 +251,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     estimates = {
         "layer_weights": layer_params * itemsize(dtype),
         "task_statistics": costs.statistics_bytes(shape, itemsize(stats_dtype)),
-        "group_systems": costs.statistics_bytes(shape, itemsize(SOLVE_DTYPE)),
+        "group_systems": costs.statistics_bytes(shape, itemsize(SOLVE_DTYPE), moments=False),
         # hidden in/out, q/k/v/attention output, gate/up/act: an approximate working set of one batch
         "batch_activations": largest_batch * (6 * options.hidden + 3 * options.intermediate) * itemsize(dtype),
         "host_streams": 2 * padded_tokens * options.hidden * itemsize(dtype),
