@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from featcal_llm.candidates import SharedSystem, add_task_shared
 from featcal_llm.checkpoint import CheckpointReader
-from featcal_llm.drift import Head, Probe, next_token_kl, outputs, relative_drift
+from featcal_llm.drift import Head, Probe, next_token_kls, outputs, relative_drift
 from featcal_llm.errors import FeatCalError
 from featcal_llm.layers import LayerRunner
 from featcal_llm.plan import CalibrationPlan, Hyperparameters
@@ -187,8 +187,8 @@ def output_divergence(models: Models, runner: LayerRunner, probe: Probe) -> dict
     result: dict[str, dict[str, float]] = {"merged": {}, "calibrated": {}}
     for task, batches in probe.batches.items():
         expert_head = Head(runner, models.experts[task])
-        result["merged"][task] = next_token_kl(merged_head, probe.merged[task], expert_head, probe.expert[task], batches)
-        result["calibrated"][task] = next_token_kl(merged_head, probe.cal[task], expert_head, probe.expert[task], batches)
+        compared = [(merged_head, probe.merged[task]), (merged_head, probe.cal[task])]
+        result["merged"][task], result["calibrated"][task] = next_token_kls(compared, expert_head, probe.expert[task], batches)
     return result
 
 

@@ -19,11 +19,13 @@ import torch
 
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.solve import (
-    RESIDUAL_PROBES,
     RESIDUAL_TOLERANCE,
     SOLVE_DTYPE,
     GroupSystem,
+    add_norm_terms,
+    residual_probe,
     ridge_solve,
+    solve_checked,
     task_weight,
 )
 from featcal_llm.stats import GroupStatistics, crosses_from_moment
@@ -84,13 +86,7 @@ def add_task_shared(
             for sums, mean in ((system.bias_exp, mean_exp), (system.bias_cal, mean_cal)):
                 term = bias + weight @ mean
                 sums[name] = sums.get(name, torch.zeros_like(term)).add_(term, alpha=omega)
-    if stats.norm_sq is not None and expert_norm is not None:
-        q = stats.norm_sq.to(SOLVE_DTYPE) / n
-        gamma = expert_norm.to(device=device, dtype=SOLVE_DTYPE)
-        if system.norm_numerator is None:
-            system.norm_numerator, system.norm_denominator = torch.zeros_like(q), torch.zeros_like(q)
-        system.norm_numerator.add_(q * gamma)
-        system.norm_denominator.add_(q)
+    add_norm_terms(system, stats, expert_norm, n)
     return system
 
 
@@ -132,17 +128,9 @@ class RidgeFactors:
             del system
         factor = cached[1]
         if factor is not None:
-            generator = torch.Generator(device=lhs.device).manual_seed(0)
-            probe = torch.randn(lhs.shape[0], RESIDUAL_PROBES, generator=generator, device=lhs.device, dtype=lhs.dtype)
-            system_probe = lhs @ probe + (lam + eps) * probe
-            solutions, worst = {}, 0.0
-            for name, right in rhs.items():
-                target = right + lam * anchors[name]
-                solution = torch.cholesky_solve(target.T, factor).T
-                residual = solution @ system_probe - target @ probe
-                worst = max(worst, float(torch.linalg.matrix_norm(residual)) / max(float(torch.linalg.matrix_norm(target @ probe)), 1e-300))
-                solutions[name] = solution
-            if worst <= RESIDUAL_TOLERANCE and all(bool(torch.isfinite(s).all()) for s in solutions.values()):
+            probe = residual_probe(lhs)
+            solutions, worst = solve_checked(factor, lhs @ probe + (lam + eps) * probe, probe, rhs, anchors, lam)
+            if worst <= RESIDUAL_TOLERANCE:
                 return solutions
             warn(f"{where}: λ = {lam:g}: relative residual {worst:.2e}; solving again with a checked larger ridge")
         return ridge_solve(lhs.clone(), rhs, anchors, lam, eps, where)

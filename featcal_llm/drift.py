@@ -96,17 +96,31 @@ class Head:
         return torch.log_softmax(logits.to(torch.float64), dim=-1)
 
 
-def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]) -> float:
-    """Mean over non-padding tokens of KL(p_expert ‖ p_model), in chunks of tokens (float64 logits over a large vocabulary)."""
-    total, tokens = 0.0, 0
-    for batch, host, ref in zip(batches, stream, expert_stream):
-        keep = batch.keep.to(host.device)
-        for rows, ref_rows in zip(host[keep].split(KL_CHUNK), ref[keep].split(KL_CHUNK)):
-            model = head.log_probs(rows)
+def next_token_kls(
+    models: list[tuple[Head, list[torch.Tensor]]], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]
+) -> list[float]:
+    """For each (head, stream): mean over non-padding tokens of KL(p_expert ‖ p_model).
+
+    Chunks of tokens keep the float64 log-softmax over a large vocabulary
+    bounded; the expert's log-probabilities are computed once per chunk and
+    shared by every model compared with it.
+    """
+    totals, tokens = [0.0] * len(models), 0
+    for index, batch in enumerate(batches):
+        keep = batch.keep.to(expert_stream[index].device)
+        chunks = [stream[index][keep].split(KL_CHUNK) for _, stream in models]
+        for position, ref_rows in enumerate(expert_stream[index][keep].split(KL_CHUNK)):
             expert = expert_head.log_probs(ref_rows)
-            total += float((expert.exp() * (expert - model)).sum())
-            tokens += rows.shape[0]
-    return total / max(tokens, 1)
+            p_expert = expert.exp()
+            for slot, (head, _) in enumerate(models):
+                totals[slot] += float((p_expert * (expert - head.log_probs(chunks[slot][position]))).sum())
+            tokens += ref_rows.shape[0]
+    return [total / max(tokens, 1) for total in totals]
+
+
+def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]) -> float:
+    """Mean over non-padding tokens of KL(p_expert ‖ p_model) for one model."""
+    return next_token_kls([(head, stream)], expert_head, expert_stream, batches)[0]
 
 
 def write_report(directory: Path, report: dict) -> None:

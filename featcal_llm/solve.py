@@ -86,14 +86,20 @@ def add_task(
             weight = expert_weights[name].to(device=device, dtype=SOLVE_DTYPE)
             term = bias.to(device=device, dtype=SOLVE_DTYPE) + weight @ mean_target
             system.bias_sum[name] = system.bias_sum.get(name, torch.zeros_like(term)).add_(term, alpha=omega)
-    if stats.norm_sq is not None and expert_norm is not None:
-        q = stats.norm_sq.to(SOLVE_DTYPE) / n
-        gamma = expert_norm.to(device=device, dtype=SOLVE_DTYPE)
-        if system.norm_numerator is None:
-            system.norm_numerator, system.norm_denominator = torch.zeros_like(q), torch.zeros_like(q)
-        system.norm_numerator.add_(q * gamma)
-        system.norm_denominator.add_(q)
+    add_norm_terms(system, stats, expert_norm, n)
     return system
+
+
+def add_norm_terms(system, stats: GroupStatistics, expert_norm: torch.Tensor | None, n: float) -> None:
+    """Σ q_i ⊙ γ_i and Σ q_i of the RMSNorm update (q_i: per-coordinate mean of z² over task i's tokens)."""
+    if stats.norm_sq is None or expert_norm is None:
+        return
+    q = stats.norm_sq.to(SOLVE_DTYPE) / n
+    gamma = expert_norm.to(device=q.device, dtype=SOLVE_DTYPE)
+    if system.norm_numerator is None:
+        system.norm_numerator, system.norm_denominator = torch.zeros_like(q), torch.zeros_like(q)
+    system.norm_numerator.add_(q * gamma)
+    system.norm_denominator.add_(q)
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
@@ -102,10 +108,32 @@ def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor
     return rho * merged + (1.0 - rho) * base
 
 
-def _sketched_residual(solution: torch.Tensor, system: torch.Tensor, target: torch.Tensor, probe: torch.Tensor) -> float:
-    """‖(W S − T) P‖ / ‖T P‖ for a fixed random probe P: the relative residual at O(m·d·k), not O(m·d²)."""
-    residual = solution @ (system @ probe) - target @ probe
+def residual_probe(system: torch.Tensor) -> torch.Tensor:
+    """A fixed, seeded random probe P (d × k) for the sketched residual check: cheap and deterministic."""
+    generator = torch.Generator(device=system.device).manual_seed(0)
+    return torch.randn(system.shape[0], RESIDUAL_PROBES, generator=generator, device=system.device, dtype=system.dtype)
+
+
+def _sketched_residual(solution: torch.Tensor, system_probe: torch.Tensor, target: torch.Tensor, probe: torch.Tensor) -> float:
+    """‖(W S − T) P‖ / ‖T P‖ from S P: the relative residual at O(m·d·k), not O(m·d²)."""
+    residual = solution @ system_probe - target @ probe
     return float(torch.linalg.matrix_norm(residual)) / max(float(torch.linalg.matrix_norm(target @ probe)), 1e-300)
+
+
+def solve_checked(
+    factor: torch.Tensor, system_probe: torch.Tensor, probe: torch.Tensor,
+    rhs: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor], lam: float,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """W*_p = (rhs_p + λ A_p) S⁻¹ from S's Cholesky factor, and the worst relative residual (inf if any is not finite)."""
+    solutions, worst = {}, 0.0
+    for name, right in rhs.items():
+        target = right + lam * anchors[name]
+        solution = torch.cholesky_solve(target.T, factor).T
+        worst = max(worst, _sketched_residual(solution, system_probe, target, probe))
+        solutions[name] = solution
+    if not all(bool(torch.isfinite(s).all()) for s in solutions.values()):
+        worst = float("inf")
+    return solutions, worst
 
 
 def ridge_solve(
@@ -121,23 +149,17 @@ def ridge_solve(
     on both sides, W* = (rhs + λ' A)(lhs + (λ' + eps) I)⁻¹: a stronger pull
     toward the anchor, never toward zero.
     """
-    generator = torch.Generator(device=lhs.device).manual_seed(0)
-    probe = torch.randn(lhs.shape[0], RESIDUAL_PROBES, generator=generator, device=lhs.device, dtype=lhs.dtype)
+    probe = residual_probe(lhs)
     ridge, on_diagonal = lam, 0.0
     system = lhs  # the ridge goes onto lhs's diagonal in place: no second d × d matrix
     for attempt in range(MAX_RIDGE_RETRIES + 1):
         system.diagonal().add_(ridge + eps - on_diagonal)
         on_diagonal = ridge + eps
         factor, info = torch.linalg.cholesky_ex(system)
-        solutions, worst = {}, 0.0
+        worst = 0.0
         if int(info) == 0:
-            for name, right in rhs.items():
-                target = right + ridge * anchors[name]
-                solution = torch.cholesky_solve(target.T, factor).T
-                worst = max(worst, _sketched_residual(solution, system, target, probe))
-                solutions[name] = solution
-            finite = all(bool(torch.isfinite(s).all()) for s in solutions.values())
-            if finite and worst <= RESIDUAL_TOLERANCE:
+            solutions, worst = solve_checked(factor, system @ probe, probe, rhs, anchors, ridge)
+            if worst <= RESIDUAL_TOLERANCE:
                 return solutions
         del factor
         reason = "not positive definite" if int(info) != 0 else f"relative residual {worst:.2e}"
