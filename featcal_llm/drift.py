@@ -89,11 +89,14 @@ class Head:
         name = LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens
         self.weight = reader.get(name).to(device=runner.device, dtype=runner.dtype)
         self.device = runner.device
+        self.softcap = getattr(runner.config, "final_logit_softcapping", None)  # Gemma-2 caps its logits: tanh(z / c) · c
 
     @torch.inference_mode()
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(self.norm(hidden.to(self.device)), self.weight)
-        return torch.log_softmax(logits.to(torch.float64), dim=-1)
+        logits = torch.nn.functional.linear(self.norm(hidden.to(self.device)), self.weight).to(torch.float64)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.log_softmax(logits, dim=-1)
 
 
 def next_token_kls(

@@ -304,3 +304,29 @@ def test_tuning_cost_benchmark_runs_every_mode(tmp_path):
     data = json.loads(result.stdout)
     assert set(data["factor"]) == {"fixed", "fixed+drift", "auto"} and data["factor"]["fixed"] == 1.0
     assert all(len(values) == 1 and values[0] > 0 for values in data["seconds"].values())
+
+
+def test_output_divergence_follows_gemma2_logit_softcapping(tmp_path):
+    """The drift report's next-token KL uses the family's own logits: Gemma-2 soft-caps them (a small cap makes it matter)."""
+    from scenario import build_scenario
+    from test_exactness import calibration_sequences, load
+
+    from featcal_llm.drift import drift_sample
+
+    gemma = build_scenario(tmp_path / "gemma", experts=2, layers=1, samples=12, words=(4, 10), family="gemma2",
+                           sliding_window=8, final_logit_softcapping=0.5)
+    output = run_recipe(gemma.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
+    report = json.loads((output / "featcal_drift.json").read_text())
+    models = {"merged": load(gemma.root / "merged"), "calibrated": load(output)}
+    for name, sequences in drift_sample(calibration_sequences(gemma, 12, 64)).items():
+        key, expert = str(gemma.experts[name]), load(gemma.experts[name])
+        for kind, model in models.items():
+            total = tokens = 0.0
+            for sequence in sequences:
+                ids = torch.tensor([sequence])
+                with torch.no_grad():
+                    log_p = expert(ids).logits.double().log_softmax(-1)
+                    log_q = model(ids).logits.double().log_softmax(-1)
+                total += float((log_p.exp() * (log_p - log_q)).sum())
+                tokens += len(sequence)
+            assert abs(report["output_divergence"][kind][key] - total / tokens) <= 1e-4 * total / tokens, (kind, key)
