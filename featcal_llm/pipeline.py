@@ -120,14 +120,6 @@ def stream_budget(host_memory_gb: float | None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
 
 
-def _check_vocabulary(sequences: dict[str, list[list[int]]], configs: dict[str, Any]) -> None:
-    for task, task_sequences in sequences.items():
-        largest = max(max(sequence) for sequence in task_sequences)
-        vocabulary = getattr(configs[task], "vocab_size", None)
-        if vocabulary is not None and largest >= vocabulary:
-            raise FeatCalError(f"expert {task}: vocabulary of {vocabulary} tokens cannot embed calibration token id {largest} (tokenizer mismatch?)")
-
-
 def _embedding_rows(reader: CheckpointReader, name: str) -> int:
     layout = reader.layout()
     if name not in layout:
@@ -215,7 +207,9 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         featcal.data, [e.name for e in recipe.experts], tokenizer, featcal.samples, featcal.max_length,
         featcal.shuffle, featcal.seed, recipe.path,
     )
-    _check_vocabulary(sequences, expert_configs)
+    # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
+    sized = {name: config.vocab_size for name, config in expert_configs.items() if getattr(config, "vocab_size", None) is not None}
+    check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
     for name, directory in expert_dirs.items():
         if (directory / "tokenizer_config.json").is_file():
             check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
