@@ -38,7 +38,7 @@ class LayerRunner:
         self.config.use_cache = False
         self.device = device
         self.dtype = dtype
-        self.stats_dtype = stats_dtype  # accumulation precision of the calibration statistics
+        self.stats_dtype = stats_dtype  # precision of each batch's statistics products (totals are float64)
         self.front = ModelFront(architecture.model_class(), self.config, device)  # sets config._attn_implementation
 
     def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:

@@ -62,10 +62,24 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return getattr(torch, requested)
 
 
-def resolve_stats_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """float64 sums on CPU cost little and make results independent of batching; GPUs sum in float32."""
+# float32 statistics are used only where the ridge keeps their rounding under 1e-5 relative on ΔW (docs/benchmark.md)
+FLOAT32_STATS_MIN_LAMBDA = 1e-2
+
+
+def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype) -> torch.dtype:
+    """Accumulation precision: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
+
+    The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
+    and float32 sums perturb them by the products' own rounding (not by the
+    order of the additions: a float64 running total per batch or Kahan
+    summation change nothing, measured). On SmolLM2-135M shapes float32 moves
+    ΔW by ≤ 4e-6 relative at λ = 1e-2 but by 4.4e-4 at λ = 1e-5
+    (`python -m featcal_llm.benchmark.precision`). A tuned run passes its smallest
+    candidate; float64 features always get float64 sums.
+    """
     if requested == "auto":
-        return torch.float32 if device.type == "cuda" else torch.float64
+        wide = compute_dtype == torch.float64 or smallest_lambda < FLOAT32_STATS_MIN_LAMBDA
+        return torch.float64 if wide else torch.float32
     return getattr(torch, requested)
 
 
@@ -232,7 +246,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     readers = {"merged": models.merged, **models.experts}
     check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
     runner = LayerRunner(
-        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, compute_device)
+        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, min(search.values["lambda"]) if search else plan.hyper.lam, compute_dtype)
     )
 
     partial = output.with_name(f".{output.name}.featcal-partial")

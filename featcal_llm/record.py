@@ -49,7 +49,6 @@ class StatisticsWorkspace:
                     with_means=plan.biases and any(layer.get_submodule(p).bias is not None for p in plan.selected(group)),
                     with_norm=plan.norms and group.norm is not None,
                     device=runner.device,
-                    dtype=runner.stats_dtype,
                 )
                 for group in plan.groups()
             }
@@ -94,7 +93,7 @@ def record_task(
     `expert_stream` is advanced in place to expert i's layer output (h_exp for
     the next layer), batch by batch, so old and new streams never coexist.
     """
-    device = runner.device
+    device, precision = runner.device, runner.stats_dtype  # float64 totals; each batch's products in `precision`
     stats = workspace.zeroed(plan, cal_layer, runner)
     task_tokens = sum(batch.tokens for batch in batches)
     for group_stats in stats.values():
@@ -117,7 +116,7 @@ def record_task(
             def on_cal_input(x, _y, name=group.name, s=group_stats):
                 rows = x[keep]
                 x_cal[name] = rows
-                accumulate_gram(s.gram, rows)
+                accumulate_gram(s.gram, rows, precision)
                 if s.sum_cal is not None:
                     accumulate_sum(s.sum_cal, rows)
 
@@ -133,7 +132,7 @@ def record_task(
                 )
             if group_stats.cross_from_moment:  # the group's first projection sees x_exp as its input
                 expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, x[keep], x_cal[name])
+                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, x[keep], x_cal[name], precision)
                 )
                 continue
             for projection in plan.selected(group):
@@ -145,7 +144,7 @@ def record_task(
                         rows = rows - m.bias
                     if s.cross_is_target:  # W_i x_tgt = α y_exp + (1 − α) W_i x_cal
                         rows = torch.lerp(torch.nn.functional.linear(x_cal[name], m.weight), rows, plan.hyper.alpha)
-                    accumulate_cross(s.cross[p], rows, x_cal[name])
+                    accumulate_cross(s.cross[p], rows, x_cal[name], precision)
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)
 

@@ -72,7 +72,7 @@ def add_task(
         if stats.cross_is_target:  # already Σ (W_i x_tgt) x_calᵀ
             system.rhs[name].add_(cross.to(SOLVE_DTYPE), alpha=omega / n)
             continue
-        # R_i = α Σ y_exp x_calᵀ / n + (1 − α) W_i G_i; W_i G_i in the statistics' precision (float32 on GPUs).
+        # R_i = α Σ y_exp x_calᵀ / n + (1 − α) W_i G_i; W_i G_i in the totals' precision (float64).
         weight_gram = (expert_weights[name].to(device=device, dtype=stats.gram.dtype) @ stats.gram).to(SOLVE_DTYPE)
         target_cross = cross.to(SOLVE_DTYPE).div_(n).mul_(alpha).add_(weight_gram, alpha=1.0 - alpha)
         system.rhs[name].add_(target_cross, alpha=omega)

@@ -17,6 +17,12 @@ R_i = W_i C_i is recovered later from ``cross`` and ``gram``: W_i x_tgt = α y_e
 A group whose projections' total output width m exceeds its input width d
 (q/k/v, gate/up) costs m·d per token in crosses but only d² in one moment;
 W_i,p · moment is the same cross (bias-free), exactly.
+
+Sums are float64 totals. Each batch's products are computed in the run's
+statistics precision (float32 or float64) and added to them, so the number
+and size of batches do not change the result beyond the products' own
+rounding, and everything formed from the totals afterwards (W_i G_i, W_i ·
+moment) is float64.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+TOTAL_DTYPE = torch.float64  # running totals; the products of each batch are in the run's statistics precision
 
 
 @dataclass
@@ -58,7 +66,7 @@ class GroupStatistics:
         with_means: bool,
         with_norm: bool,
         device: torch.device,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = TOTAL_DTYPE,
     ) -> "GroupStatistics":
         zeros = lambda *shape: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
         return cls(
@@ -117,18 +125,22 @@ def _half_inputs_float_output(device: torch.device) -> bool:
         return False
 
 
-def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """total += left @ right, with float32-or-better accumulation.
+def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor, precision: torch.dtype | None = None) -> None:
+    """total += left @ right, the product computed in `precision` (default: the total's own).
 
     On a GPU, bf16/fp16 features go through the tensor cores with a float32
     result; everywhere else they are upcast first (exact) and multiplied in
-    the accumulator's precision.
+    `precision`. A product in a narrower precision than the total is added
+    to it as a whole (one rounding per batch and entry, not per token).
     """
-    half = left.dtype in (torch.bfloat16, torch.float16) and total.dtype == torch.float32
+    precision = precision or total.dtype
+    half = left.dtype in (torch.bfloat16, torch.float16) and precision == torch.float32
     if half and left.is_cuda and _half_inputs_float_output(left.device):
         total.add_(torch.mm(left, right, out_dtype=torch.float32))
+    elif precision == total.dtype:
+        total.addmm_(left.to(precision), right.to(precision))
     else:
-        total.addmm_(left.to(total.dtype), right.to(total.dtype))
+        total.add_(torch.mm(left.to(precision), right.to(precision)))
 
 
 GRAM_MAX_BLOCKS = 8
@@ -142,8 +154,8 @@ def gram_blocks(dim: int) -> int:
     return max(1, min(GRAM_MAX_BLOCKS, dim // 192))
 
 
-def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor) -> None:
-    """gram += x_calᵀ x_cal.
+def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor, precision: torch.dtype | None = None) -> None:
+    """gram += x_calᵀ x_cal, the batch's product in `precision` (default: the total's).
 
     On a CPU only the lower block triangle is multiplied and the rest is
     mirrored (the Gram is symmetric): at 8 blocks 56 % of the FLOPs, in the
@@ -151,23 +163,24 @@ def accumulate_gram(gram: torch.Tensor, x_cal: torch.Tensor) -> None:
     """
     blocks = 1 if gram.is_cuda else gram_blocks(gram.shape[0])
     if blocks == 1:
-        _add_product(gram, x_cal.T, x_cal)
+        _add_product(gram, x_cal.T, x_cal, precision)
         return
-    x = x_cal.to(gram.dtype)
+    precision = precision or gram.dtype
+    x = x_cal.to(precision)
     edges = [i * gram.shape[0] // blocks for i in range(blocks + 1)]
     for start, end in zip(edges, edges[1:]):
-        gram[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
+        _add_product(gram[start:end, :end], x[:, start:end].T, x[:, :end], precision)
     for start, end in zip(edges[:-1], edges[1:-1]):
         gram[start:end, end:].copy_(gram[end:, start:end].T)
 
 
-def accumulate_cross(cross: torch.Tensor, y_exp: torch.Tensor, x_cal: torch.Tensor) -> None:
-    _add_product(cross, y_exp.T, x_cal)
+def accumulate_cross(cross: torch.Tensor, y_exp: torch.Tensor, x_cal: torch.Tensor, precision: torch.dtype | None = None) -> None:
+    _add_product(cross, y_exp.T, x_cal, precision)
 
 
-def accumulate_moment(moment: torch.Tensor, x_exp: torch.Tensor, x_cal: torch.Tensor) -> None:
+def accumulate_moment(moment: torch.Tensor, x_exp: torch.Tensor, x_cal: torch.Tensor, precision: torch.dtype | None = None) -> None:
     """moment += x_expᵀ x_cal (not symmetric: the whole square)."""
-    _add_product(moment, x_exp.T, x_cal)
+    _add_product(moment, x_exp.T, x_cal, precision)
 
 
 def accumulate_sum(total: torch.Tensor, rows: torch.Tensor) -> None:

@@ -79,3 +79,50 @@ def test_group_moment_gives_the_per_projection_crosses():
     systems = [add_task(None, s, weights, {}, None, 0.3, 1e-8) for s in (per_projection, grouped)]
     for p in outputs:
         assert torch.allclose(systems[1].rhs[p], systems[0].rhs[p], rtol=1e-12, atol=0), p
+
+
+def test_auto_statistics_precision_follows_the_ridge():
+    """float32 products only where λ bounds their effect on ΔW (every λ of a tuned run), never for float64 features."""
+    from featcal_llm.pipeline import FLOAT32_STATS_MIN_LAMBDA, resolve_stats_dtype
+
+    assert FLOAT32_STATS_MIN_LAMBDA == 1e-2
+    assert resolve_stats_dtype("auto", 1e-2, torch.float32) == torch.float32
+    assert resolve_stats_dtype("auto", 3.0, torch.bfloat16) == torch.float32
+    assert resolve_stats_dtype("auto", 9.9e-3, torch.float32) == torch.float64
+    assert resolve_stats_dtype("auto", 3.0, torch.float64) == torch.float64
+    assert resolve_stats_dtype("float32", 1e-5, torch.float32) == torch.float32
+    assert resolve_stats_dtype("float64", 3.0, torch.float32) == torch.float64
+
+
+def test_float32_products_sum_into_float64_totals_whatever_the_batching():
+    """Each batch's float32 product is added to a float64 total: one token per batch equals one batch to float32's
+    product rounding (≪ 1e-6 here), where float32 running totals drift with the number of additions."""
+    x = torch.randn(4000, 96, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.01, 3.0, 96)
+    exact = x.double().T @ x.double()
+
+    def summed(total_dtype, batch):
+        total = torch.zeros(96, 96, dtype=total_dtype)
+        for rows in x.split(batch):
+            accumulate_gram(total, rows, torch.float32)
+        return total.double()
+
+    scale = float(torch.linalg.matrix_norm(exact))
+    error = lambda total: float(torch.linalg.matrix_norm(total - exact)) / scale  # noqa: E731
+    one_by_one, whole = summed(torch.float64, 1), summed(torch.float64, 4000)
+    assert one_by_one.dtype == torch.float64 and error(one_by_one) < 1e-7 and error(whole) < 1e-6
+    print(f"float64 totals: {error(one_by_one):.1e} (batch 1), {error(whole):.1e} (one batch); float32 totals, batch 1: {error(summed(torch.float32, 1)):.1e}")
+    assert error(summed(torch.float32, 1)) > 10 * error(one_by_one)  # what the float64 totals buy
+
+
+def test_float32_statistics_at_the_auto_threshold_match_float64_on_the_update(merged_scenario, tmp_path):
+    """λ = 1e-2, float32 features: float32 products (auto) vs float64 statistics, and batch 1 vs mixed lengths, ≤ 1e-5 on ΔW."""
+    def run(name: str, **overrides) -> dict:
+        recipe = merged_scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), dtype="float32", **{"lambda": 1e-2}, **overrides)
+        return read_weights(run_recipe(recipe, progress=False))
+
+    merged = read_weights(merged_scenario.root / "merged")
+    wide = run("wide", stats_dtype="float64")
+    auto, single = run("auto"), run("single", batch_tokens=1)
+    against_float64, batching = _delta_error(wide, auto, merged), _delta_error(auto, single, merged)
+    print(f"ΔW at λ 1e-2: float32 products vs float64 {against_float64:.2e}; batch 1 vs mixed lengths {batching:.2e}")
+    assert 0 < against_float64 <= 1e-5 and batching <= 1e-5

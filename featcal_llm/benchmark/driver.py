@@ -117,6 +117,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from featcal_llm.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
     from featcal_llm.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.stats import TOTAL_DTYPE
     from featcal_llm.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
 
@@ -124,7 +125,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    stats_dtype = resolve_stats_dtype(options.stats_dtype, device)
+    stats_dtype = resolve_stats_dtype(options.stats_dtype, options.lam, dtype)
     if options.tokens is not None:
         options.seq_len = min(options.seq_len, options.tokens)
         options.sequences = math.ceil(options.tokens / options.seq_len)
@@ -250,7 +251,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     layer_params = spec.layer_bytes() // itemsize(getattr(torch, spec.dtype))
     estimates = {
         "layer_weights": layer_params * itemsize(dtype),
-        "task_statistics": costs.statistics_bytes(shape, itemsize(stats_dtype)),
+        "task_statistics": costs.statistics_bytes(shape, itemsize(TOTAL_DTYPE)),  # float64 totals whatever the products
         "group_systems": costs.statistics_bytes(shape, itemsize(SOLVE_DTYPE), moments=False),
         # hidden in/out, q/k/v/attention output, gate/up/act: an approximate working set of one batch
         "batch_activations": largest_batch * (6 * options.hidden + 3 * options.intermediate) * itemsize(dtype),

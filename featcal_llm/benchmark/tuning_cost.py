@@ -81,7 +81,8 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     checkpoints = ensure_checkpoints(spec, root, log=log, device=compute)
     config = AutoConfig.from_pretrained(checkpoints.merged)
     architecture = architecture_for(config, "bench")
-    runner = LayerRunner(architecture, config, compute, resolve_dtype(dtype, compute), resolve_stats_dtype("auto", compute))
+    compute_dtype = resolve_dtype(dtype, compute)
+    runner = LayerRunner(architecture, config, compute, compute_dtype, resolve_stats_dtype("auto", min(AUTO["lambda"]), compute_dtype))
     records = {}
     for index, task in enumerate(checkpoints.experts):
         generator = torch.Generator().manual_seed(1 + index)
