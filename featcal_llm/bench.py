@@ -23,8 +23,8 @@ import click
 @click.option("--kv-heads", default=8, show_default=True, help="Key/value heads.")
 @click.option("--vocab", default=128, show_default=True, help="Vocabulary size (kept small).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), help="Compute dtype (auto: bfloat16 on GPU, float32 on CPU).")
-@click.option("--stats-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "float64"]), help="Statistics accumulation dtype (auto: float64 on CPU, float32 on GPU).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), help="Compute dtype (auto: bfloat16 on GPU and on CPUs with bf16 units for bf16 checkpoints, else float32).")
+@click.option("--stats-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "float64"]), help="Precision of the statistics products, summed in float64 (auto: float32 when λ ≥ 1e-2, else float64).")
 @click.option("--lam", default=3.0, show_default=True, help="Ridge λ (paper's 8B setting).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where checkpoints are cached and probe files written [default: $TMPDIR/featcal-llm-bench].")
 @click.option("--rebuild", is_flag=True, help="Rebuild the synthetic checkpoints even if cached.")
@@ -69,7 +69,10 @@ def bench(**kwargs) -> None:
             seq_len=kwargs["seq_len"], tied=bool(tied), seed=kwargs["seed"],
         )
         workdir = Path(kwargs["workdir"]) if kwargs["workdir"] else Path(tempfile.gettempdir()) / "featcal-llm-bench"
-        result = run_whole(spec, workdir, kwargs["lam"], baseline, log=lambda message: click.echo(message, err=True))
+        result = run_whole(
+            spec, workdir, kwargs["lam"], baseline, log=lambda message: click.echo(message, err=True),
+            dtype=kwargs["dtype"], stats_dtype=kwargs["stats_dtype"],
+        )
         click.echo(json.dumps(result, indent=1, default=str) if as_json else render_whole(result))
         return
 

@@ -126,3 +126,21 @@ def test_float32_statistics_at_the_auto_threshold_match_float64_on_the_update(me
     against_float64, batching = _delta_error(wide, auto, merged), _delta_error(auto, single, merged)
     print(f"ΔW at λ 1e-2: float32 products vs float64 {against_float64:.2e}; batch 1 vs mixed lengths {batching:.2e}")
     assert 0 < against_float64 <= 1e-5 and batching <= 1e-5
+
+
+def test_auto_compute_dtype_uses_bf16_units_for_bf16_checkpoints(monkeypatch):
+    """CPUs with bf16 units compute a bf16 checkpoint in bf16 (as GPUs do); otherwise float32; an explicit dtype wins."""
+    import featcal_llm.pipeline as pipeline
+    from transformers import LlamaConfig
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    config = LlamaConfig(dtype="bfloat16")
+    assert pipeline.stored_dtype(config) == torch.bfloat16 and pipeline.stored_dtype(LlamaConfig()) is None
+    monkeypatch.setattr(pipeline, "native_bf16_matmul", lambda: True)
+    assert pipeline.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16
+    assert pipeline.resolve_dtype("auto", cpu, torch.float32) == torch.float32
+    assert pipeline.resolve_dtype("auto", cpu, None) == torch.float32
+    assert pipeline.resolve_dtype("float32", cpu, torch.bfloat16) == torch.float32
+    monkeypatch.setattr(pipeline, "native_bf16_matmul", lambda: False)
+    assert pipeline.resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert pipeline.resolve_dtype("auto", gpu, torch.float32) == torch.bfloat16

@@ -54,8 +54,8 @@ class WholeRunSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build(spec: WholeRunSpec, workdir: Path, lam: float, log) -> Path:
-    """The cached models, data and recipe for `spec`; returns the recipe path."""
+def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto", stats_dtype: str = "auto") -> Path:
+    """The cached models, data and recipe for `spec` (the recipe is rewritten with λ and the dtypes); returns its path."""
     from featcal_llm.tiny import CHARACTERS, build_char_tokenizer, new_tiny_llama, perturbed_copy, save_model, tiny_llama_config
 
     root = workdir / f"whole-{spec.key()}"
@@ -101,6 +101,7 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log) -> Path:
             "merged": str(root / "merged"), "output": str(root / "out-product"),
             "data": {e: {"path": str(root / f"data{i}.jsonl"), "format": "text"} for i, e in enumerate(experts)},
             "samples": spec.sequences, "max_length": spec.seq_len, "lambda": lam, "device": "cpu",
+            "dtype": dtype, "stats_dtype": stats_dtype,
         },
     }, sort_keys=False))
     return recipe
@@ -163,16 +164,20 @@ def _delta_difference(product: Path, baseline: Path, merged: Path) -> dict:
     return {"projections": len(errors), "worst": errors[-1] if errors else None, "median": errors[len(errors) // 2] if errors else None}
 
 
-def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log) -> dict:
+def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log, dtype: str = "auto", stats_dtype: str = "auto") -> dict:
     """Build (cached), run the product and (optionally) the baseline; raw measurements as a dict."""
+    from featcal_llm.pipeline import resolve_dtype, resolve_stats_dtype
+
     workdir.mkdir(parents=True, exist_ok=True)
-    recipe = build(spec, workdir, lam, log)
+    recipe = build(spec, workdir, lam, log, dtype, stats_dtype)
+    compute = resolve_dtype(dtype, torch.device("cpu"), torch.float32)  # the preset's checkpoints are float32
+    precision = {"dtype": str(compute).removeprefix("torch."), "stats_products": str(resolve_stats_dtype(stats_dtype, lam, compute)).removeprefix("torch.")}
     root = recipe.parent
     load_average = [os.getloadavg()]
     log(f"bench: featcal-llm run ({spec.layers} layers, {spec.experts} experts × {spec.sequences} × {spec.seq_len} tokens)")
     product = _timed([sys.executable, "-m", "featcal_llm", "run", str(recipe), "--force"], root, log, progress_pattern="FeatCal")
     product["per_layer_seconds"] = (product["seconds"] - (product["startup_seconds"] or 0.0)) / spec.layers
-    result = {"mode": "whole-run", "spec": asdict(spec), "lambda": lam, "product": product, "baseline": None, "speedup": None, "delta_difference": None}
+    result = {"mode": "whole-run", "spec": asdict(spec), "lambda": lam, "precision": precision, "product": product, "baseline": None, "speedup": None, "delta_difference": None}
     if baseline:
         if not BASELINE_SCRIPT.is_file():
             from featcal_llm.errors import FeatCalError
@@ -194,6 +199,8 @@ def render_whole(result: dict) -> str:
     lines = [
         f"FeatCal whole run: {spec['layers']} layers, hidden {spec['hidden']}, intermediate {spec['intermediate']}, heads {spec['heads']}/{spec['kv_heads']}, "
         f"vocab {spec['vocab']}{' (tied)' if spec['tied'] else ''}, {spec['experts']} experts × {spec['sequences']} × {spec['seq_len']} tokens, λ {result['lambda']:g}",
+        f"product: compute {result['precision']['dtype']}, statistics products {result['precision']['stats_products']} (float64 totals);"
+        f" {fmt(product['per_layer_seconds'])} s per layer after start-up",
         f"{'':<34}{'wall s':>10}{'CPU s':>10}{'start-up s':>12}{'first layer s':>15}",
         f"{'featcal-llm run':<34}{fmt(product['seconds']):>10}{fmt(product['cpu_seconds']):>10}{fmt(product['startup_seconds']):>12}{fmt(product['first_layer_seconds']):>15}",
     ]
