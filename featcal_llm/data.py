@@ -22,6 +22,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.recipe import DataSpec
+from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).
 ALPACA_WITH_INPUT = (
@@ -90,7 +91,7 @@ def plain_jsonl_records(path: Path) -> list[dict[str, str]] | None:
 
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
-    import datasets
+    datasets = heavy_import("datasets")
 
     datasets.disable_progress_bars()
     path = data_path(spec, base_dir)

@@ -106,30 +106,60 @@ def test_calibration_tokens_identical_to_the_datasets_path(tmp_path, monkeypatch
     assert [len(fast["a"]), len(fast["b"])] == [5, 4]
 
 
+# Runs `featcal-llm run RECIPE --force` in-process and reports the state at the moment the progress bar is created.
 PROBE = textwrap.dedent(
     """
-    import sys
-    import featcal_llm.pipeline as pipeline
+    import gc, json, os, sys
+    import tqdm.auto
 
-    class ProgressBar(Exception):
-        pass
+    full = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
 
-    def calibrate(*args, **kwargs):  # the moment the progress bar would appear
-        raise ProgressBar
+    class ProgressBar(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            heavy = ("datasets", "pyarrow", "pandas", "matplotlib", "lm_eval", "featcal_llm.demo", "featcal_llm.benchmark")
+            state = {"heavy": [m for m in heavy if m in sys.modules], "full_collections": len(full),
+                     "gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+            print(json.dumps(state), flush=True)
+            os._exit(0)
 
-    pipeline.calibrate = calibrate
-    try:
-        pipeline.run_recipe(sys.argv[1], force=True)
-    except ProgressBar:
-        heavy = ("datasets", "pyarrow", "pandas", "matplotlib", "lm_eval")
-        print(" ".join(sorted(m for m in heavy if m in sys.modules)) or "none")
+    tqdm.auto.tqdm = ProgressBar
+    from featcal_llm.cli import main
+
+    main(["run", sys.argv[1], "--force"])
     """
 )
 
 
-def test_run_reaches_the_progress_bar_without_the_datasets_stack(merged_scenario, tmp_path):
-    """The whole path to the first layer (recipe, configs, tokenizer, local JSONL data, checkpoints, runner)."""
+def test_run_reaches_the_progress_bar_without_heavy_imports_or_full_collections(merged_scenario, tmp_path):
+    """The whole path to the first layer (recipe, configs, tokenizer, local JSONL data, checkpoints, runner):
+    no `datasets` stack, and the collector never traverses the imported libraries (issue 11, start-up)."""
     recipe = merged_scenario.write_recipe(tmp_path / "recipe.yaml", output=str(tmp_path / "out"))
     result = subprocess.run([sys.executable, "-c", PROBE, str(recipe)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "none"
+    state = json.loads(result.stdout)
+    assert state["heavy"] == []
+    assert state["full_collections"] == 0  # 6-7 before (≈ 1 s of the start-up)
+    assert state["gc_enabled"] and state["frozen"] > 100_000  # torch, transformers and mergekit are frozen, the loop collects
+
+
+def test_heavy_import_pauses_the_collector_and_restores_it():
+    """A library caller keeps its collector: paused during a first import, re-enabled, nothing frozen."""
+    code = textwrap.dedent(
+        """
+        import gc, json
+        from featcal_llm.startup import heavy_import
+
+        runs = []
+        gc.callbacks.append(lambda phase, info: phase == "start" and runs.append(info["generation"]))
+        module = heavy_import("torch")
+        during, enabled = len(runs), gc.isenabled()
+        again = heavy_import("torch")
+        gc.disable()
+        heavy_import("safetensors.torch")
+        print(json.dumps({"during": during, "enabled": enabled, "same": module is again, "left_disabled": not gc.isenabled(), "frozen": gc.get_freeze_count()}))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == {"during": 0, "enabled": True, "same": True, "left_disabled": True, "frozen": 0}
