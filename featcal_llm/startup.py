@@ -5,9 +5,9 @@ collector, triggered by the allocations, traverses the growing heap again and
 again while it is being built: ≈ 1 s of a ≈ 3.7 s start-up of `featcal-llm
 run` on the 2-core development VM (6 full collections before the progress
 bar). `heavy_import` pauses the collector for the first import of a module and
-restores it after. Where the process is ours (the CLI, which calls
-`freeze_after_imports`), what the imports created is also frozen (`gc.freeze`):
-module state is never traversed again, so the collections of the layer loop
+restores it after. During the CLI's `run` (`freezing_imports`), what the
+imports leave alive is also frozen (`gc.freeze`): module state is never
+traversed again, so the collections of the layer loop, and the one at exit,
 stay cheap. Frozen objects are still freed by reference counting; only cycles
 among them are no longer collected (≈ 8 MB of import-time garbage here).
 """
@@ -17,15 +17,22 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+from contextlib import contextmanager
 from types import ModuleType
+from typing import Iterator
 
 _freeze = False
 
 
-def freeze_after_imports() -> None:
-    """From now on, freeze what each heavy import leaves alive; for a process that is ours alone (the CLI)."""
+@contextmanager
+def freezing_imports() -> Iterator[None]:
+    """Inside: each heavy import also freezes what it leaves alive. For the CLI, whose process the run is."""
     global _freeze
-    _freeze = True
+    previous, _freeze = _freeze, True
+    try:
+        yield
+    finally:
+        _freeze = previous
 
 
 def heavy_import(name: str) -> ModuleType:

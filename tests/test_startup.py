@@ -144,22 +144,34 @@ def test_run_reaches_the_progress_bar_without_heavy_imports_or_full_collections(
 
 
 def test_heavy_import_pauses_the_collector_and_restores_it():
-    """A library caller keeps its collector: paused during a first import, re-enabled, nothing frozen."""
+    """A library caller keeps its collector: paused during a first import, re-enabled, nothing frozen outside the CLI's block."""
     code = textwrap.dedent(
         """
-        import gc, json
-        from featcal_llm.startup import heavy_import
+        import gc, json, sys
+        from featcal_llm.startup import freezing_imports, heavy_import
 
         runs = []
         gc.callbacks.append(lambda phase, info: phase == "start" and runs.append(info["generation"]))
         module = heavy_import("torch")
-        during, enabled = len(runs), gc.isenabled()
-        again = heavy_import("torch")
+        state = {"during": len(runs), "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        state["same"] = heavy_import("torch") is module
+        fresh = ["safetensors.torch", "tqdm.auto", "yaml"]
+        state["fresh"] = [name in sys.modules for name in fresh]
+        with freezing_imports():
+            heavy_import(fresh[0])
+        state["frozen_in_block"] = gc.get_freeze_count() > 100_000
+        gc.unfreeze()
+        heavy_import(fresh[1])
+        state["frozen_after_block"] = gc.get_freeze_count()
         gc.disable()
-        heavy_import("safetensors.torch")
-        print(json.dumps({"during": during, "enabled": enabled, "same": module is again, "left_disabled": not gc.isenabled(), "frozen": gc.get_freeze_count()}))
+        heavy_import(fresh[2])
+        state["left_disabled"] = not gc.isenabled()
+        print(json.dumps(state))
         """
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == {"during": 0, "enabled": True, "same": True, "left_disabled": True, "frozen": 0}
+    assert json.loads(result.stdout) == {
+        "during": 0, "enabled": True, "frozen": 0, "same": True, "fresh": [False, False, False],
+        "frozen_in_block": True, "frozen_after_block": 0, "left_disabled": True,
+    }
