@@ -3,7 +3,7 @@
 Importing them creates about 700k long-lived objects, and Python's cyclic
 collector, triggered by the allocations, traverses the growing heap again and
 again while it is being built: ≈ 1 s of a ≈ 3.7 s start-up of `featcal-llm
-run` on the 2-core development VM (6 full collections before the progress
+run` on the 2-core development VM (6-7 full collections before the progress
 bar). `heavy_import` pauses the collector for the first import of a module and
 restores it after. During the CLI's `run` (`freezing_imports`), what the
 imports leave alive is also frozen (`gc.freeze`): module state is never
