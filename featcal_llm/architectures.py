@@ -9,11 +9,11 @@ post-attention/post-feedforward norms, Qwen3's q_norm/k_norm) stay merged.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.startup import heavy_import
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Architecture:
 
 def _import(dotted: str) -> type:
     module_name, _, attribute = dotted.rpartition(".")
-    return getattr(importlib.import_module(module_name), attribute)
+    return getattr(heavy_import(module_name), attribute)
 
 
 def _groups(qkv: tuple[str, ...], gate_up: tuple[str, ...], mlp_norm: str = "post_attention_layernorm") -> tuple[InputGroup, ...]:

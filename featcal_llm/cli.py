@@ -57,7 +57,8 @@ def main() -> None:
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
 def run(recipe: Path, force: bool, device: str | None) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE."""
-    from featcal_llm.pipeline import run_recipe
+    from featcal_llm.startup import freezing_imports, heavy_import
 
-    output = run_recipe(recipe, force=force, device=device)
+    with freezing_imports():
+        output = heavy_import("featcal_llm.pipeline").run_recipe(recipe, force=force, device=device)
     click.echo(f"calibrated checkpoint written to {output}")

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.startup import heavy_import
 
 try:  # the evaluation package owns its own block; the engine works without it
     from featcal_llm.evaluation.config import EvalSection
@@ -204,7 +205,7 @@ def _experts_of(merge_config: Any) -> list[Any]:
 
 def load_recipe(path: str | Path) -> Recipe:
     """Parse and validate a recipe without touching any model or dataset."""
-    from mergekit.config import MergeConfiguration
+    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
 
     path = Path(path)
     raw = _read_yaml_mapping(path)
