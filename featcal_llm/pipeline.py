@@ -91,8 +91,8 @@ def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: t
     The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
     and float32 sums perturb them by the products' own rounding (not by the
     order of the additions: a float64 running total per batch or Kahan
-    summation change nothing, measured). On SmolLM2-135M shapes float32 moves
-    ΔW by ≤ 4e-6 relative at λ = 1e-2 but by 4.4e-4 at λ = 1e-5
+    summation change nothing, measured). On SmolLM2-135M shapes float32 products
+    move ΔW by ≤ 3.8e-6 relative at λ = 1e-2 but by 5.6e-4 at λ = 1e-5
     (`python -m featcal_llm.benchmark.precision`). A tuned run passes its smallest
     candidate; float64 features always get float64 sums.
     """
@@ -264,8 +264,9 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     readers = {"merged": models.merged, **models.experts}
     check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
+    smallest_lambda = min(search.values["lambda"]) if search else plan.hyper.lam  # a tuned run may pick any candidate
     runner = LayerRunner(
-        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, min(search.values["lambda"]) if search else plan.hyper.lam, compute_dtype)
+        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, smallest_lambda, compute_dtype)
     )
 
     partial = output.with_name(f".{output.name}.featcal-partial")

@@ -144,3 +144,26 @@ def test_auto_compute_dtype_uses_bf16_units_for_bf16_checkpoints(monkeypatch):
     monkeypatch.setattr(pipeline, "native_bf16_matmul", lambda: False)
     assert pipeline.resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
     assert pipeline.resolve_dtype("auto", gpu, torch.float32) == torch.bfloat16
+
+
+def test_run_picks_the_statistics_precision_from_every_lambda_it_may_use(merged_scenario, tmp_path, monkeypatch):
+    """`run` resolves float32 products for a fixed λ = 1e-2 but float64 when a tuned run may pick λ = 1e-3 (it starts at 1e-2)."""
+    import pytest
+
+    import featcal_llm.pipeline as pipeline
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.append(args[4])  # LayerRunner(architecture, config, device, dtype, stats_dtype)
+        raise Stop
+
+    monkeypatch.setattr(pipeline, "LayerRunner", capture)
+    for name, lam in (("fixed", 1e-2), ("tuned", [1e-3, 1e-2, 1e-1])):
+        recipe = merged_scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), dtype="float32", **{"lambda": lam})
+        with pytest.raises(Stop):
+            run_recipe(recipe, progress=False)
+    assert seen == [torch.float32, torch.float64]
