@@ -29,7 +29,7 @@ from featcal_llm.checkpoint import (
 from featcal_llm.compat import check_embedding_rows, check_family_settings, check_tokenizer
 from featcal_llm.data import calibration_sequences
 from featcal_llm.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.layers import LayerRunner
 from featcal_llm.merge import ensure_merged
 from featcal_llm.plan import CalibrationPlan, Hyperparameters
@@ -85,8 +85,15 @@ def stored_dtype(config: Any) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype) -> torch.dtype:
-    """Accumulation precision: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
+def fast_float64(device: torch.device) -> bool:
+    """CPUs and data-centre GPUs (A100, H100/H200, B100/B200) multiply float64 at a useful rate; other GPUs at 1/64 of float32."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) in {(8, 0), (9, 0), (10, 0)}
+
+
+def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Precision of the statistics products: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
 
     The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
     and float32 sums perturb them by the products' own rounding (not by the
@@ -94,12 +101,22 @@ def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: t
     summation change nothing, measured). On SmolLM2-135M shapes float32 products
     move ΔW by ≤ 3.8e-6 relative at λ = 1e-2 but by 5.6e-4 at λ = 1e-5
     (`python -m featcal_llm.benchmark.precision`). A tuned run passes its smallest
-    candidate; float64 features always get float64 sums.
+    candidate; float64 features always get float64 sums. A GPU without fast
+    float64 keeps float32 below λ = 1e-2 (float64 would cost hours per model there), with a warning.
     """
-    if requested == "auto":
-        wide = compute_dtype == torch.float64 or smallest_lambda < FLOAT32_STATS_MIN_LAMBDA
-        return torch.float64 if wide else torch.float32
-    return getattr(torch, requested)
+    if requested != "auto":
+        return getattr(torch, requested)
+    if compute_dtype == torch.float64:
+        return torch.float64
+    if smallest_lambda >= FLOAT32_STATS_MIN_LAMBDA:
+        return torch.float32
+    if not fast_float64(device):
+        warn(
+            f"featcal.stats_dtype: lambda {smallest_lambda:g} < {FLOAT32_STATS_MIN_LAMBDA:g} on a GPU without fast float64: "
+            "statistics use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
+        )
+        return torch.float32
+    return torch.float64
 
 
 def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
@@ -266,7 +283,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
     smallest_lambda = min(search.values["lambda"]) if search else plan.hyper.lam  # a tuned run may pick any candidate
     runner = LayerRunner(
-        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, smallest_lambda, compute_dtype)
+        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, smallest_lambda, compute_dtype, compute_device)
     )
 
     partial = output.with_name(f".{output.name}.featcal-partial")

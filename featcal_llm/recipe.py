@@ -106,7 +106,7 @@ class FeatCalConfig(BaseModel):
     device: str = "auto"
     dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = "auto"
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
-        "auto", description="accumulation precision; auto: float32 when every lambda the run uses is >= 1e-2, else float64"
+        "auto", description="precision of the statistics products (summed in float64); auto: float32 when every lambda the run uses is >= 1e-2, else float64 (float32 with a warning on GPUs without fast float64)"
     )
     host_memory_gb: float | None = Field(
         None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"

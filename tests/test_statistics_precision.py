@@ -81,17 +81,29 @@ def test_group_moment_gives_the_per_projection_crosses():
         assert torch.allclose(systems[1].rhs[p], systems[0].rhs[p], rtol=1e-12, atol=0), p
 
 
-def test_auto_statistics_precision_follows_the_ridge():
-    """float32 products only where λ bounds their effect on ΔW (every λ of a tuned run), never for float64 features."""
+def test_auto_statistics_precision_follows_the_ridge(monkeypatch, capsys):
+    """float32 products only where λ bounds their effect on ΔW (every λ of a tuned run), never for float64 features;
+    a GPU without fast float64 keeps float32 below the threshold, and says so."""
+    import featcal_llm.pipeline as pipeline
     from featcal_llm.pipeline import FLOAT32_STATS_MIN_LAMBDA, resolve_stats_dtype
 
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert FLOAT32_STATS_MIN_LAMBDA == 1e-2
-    assert resolve_stats_dtype("auto", 1e-2, torch.float32) == torch.float32
-    assert resolve_stats_dtype("auto", 3.0, torch.bfloat16) == torch.float32
-    assert resolve_stats_dtype("auto", 9.9e-3, torch.float32) == torch.float64
-    assert resolve_stats_dtype("auto", 3.0, torch.float64) == torch.float64
-    assert resolve_stats_dtype("float32", 1e-5, torch.float32) == torch.float32
-    assert resolve_stats_dtype("float64", 3.0, torch.float32) == torch.float64
+    assert resolve_stats_dtype("auto", 1e-2, torch.float32, cpu) == torch.float32
+    assert resolve_stats_dtype("auto", 3.0, torch.bfloat16, cpu) == torch.float32
+    assert resolve_stats_dtype("auto", 9.9e-3, torch.float32, cpu) == torch.float64
+    assert resolve_stats_dtype("auto", 3.0, torch.float64, cpu) == torch.float64
+    assert resolve_stats_dtype("float32", 1e-5, torch.float32, cpu) == torch.float32
+    assert resolve_stats_dtype("float64", 3.0, torch.float32, cpu) == torch.float64
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(pipeline, "fast_float64", lambda device: device.type != "cuda")
+    assert resolve_stats_dtype("auto", 1e-5, torch.bfloat16, gpu) == torch.float32
+    assert "stats_dtype: float64" in capsys.readouterr().err
+    assert resolve_stats_dtype("auto", 1e-2, torch.bfloat16, gpu) == torch.float32
+    assert resolve_stats_dtype("float64", 1e-5, torch.bfloat16, gpu) == torch.float64
+    monkeypatch.setattr(pipeline, "fast_float64", lambda device: True)
+    assert resolve_stats_dtype("auto", 1e-5, torch.bfloat16, gpu) == torch.float64
+    assert capsys.readouterr().err == ""
 
 
 def test_float32_products_sum_into_float64_totals_whatever_the_batching():

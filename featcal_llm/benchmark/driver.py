@@ -125,7 +125,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device, torch.bfloat16)  # the synthetic checkpoints are stored in bf16
-    stats_dtype = resolve_stats_dtype(options.stats_dtype, options.lam, dtype)
+    stats_dtype = resolve_stats_dtype(options.stats_dtype, options.lam, dtype, device)
     if options.tokens is not None:
         options.seq_len = min(options.seq_len, options.tokens)
         options.sequences = math.ceil(options.tokens / options.seq_len)

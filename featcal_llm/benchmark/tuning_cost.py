@@ -82,7 +82,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     config = AutoConfig.from_pretrained(checkpoints.merged)
     architecture = architecture_for(config, "bench")
     compute_dtype = resolve_dtype(dtype, compute, torch.bfloat16)  # the synthetic checkpoints are stored in bf16
-    runner = LayerRunner(architecture, config, compute, compute_dtype, resolve_stats_dtype("auto", min(AUTO["lambda"]), compute_dtype))
+    runner = LayerRunner(architecture, config, compute, compute_dtype, resolve_stats_dtype("auto", min(AUTO["lambda"]), compute_dtype, compute))
     records = {}
     for index, task in enumerate(checkpoints.experts):
         generator = torch.Generator().manual_seed(1 + index)

@@ -171,7 +171,7 @@ def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log
     workdir.mkdir(parents=True, exist_ok=True)
     recipe = build(spec, workdir, lam, log, dtype, stats_dtype)
     compute = resolve_dtype(dtype, torch.device("cpu"), torch.float32)  # the preset's checkpoints are float32
-    precision = {"dtype": str(compute).removeprefix("torch."), "stats_products": str(resolve_stats_dtype(stats_dtype, lam, compute)).removeprefix("torch.")}
+    precision = {"dtype": str(compute).removeprefix("torch."), "stats_products": str(resolve_stats_dtype(stats_dtype, lam, compute, torch.device("cpu"))).removeprefix("torch.")}
     root = recipe.parent
     load_average = [os.getloadavg()]
     log(f"bench: featcal-llm run ({spec.layers} layers, {spec.experts} experts × {spec.sequences} × {spec.seq_len} tokens)")
