@@ -17,32 +17,32 @@ from typing import Any
 import torch
 
 from featcal_llm import __version__
-from featcal_llm.architectures import architecture_for, select_projections
-from featcal_llm.calibrate import Models, calibrate
-from featcal_llm.card import write_card
-from featcal_llm.checkpoint import (
+from featcal_llm.family.architectures import architecture_for, select_projections
+from featcal_llm.engine.calibrate import Models, calibrate
+from featcal_llm.io.card import write_card
+from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
     copy_side_files,
     write_calibrated_checkpoint,
 )
-from featcal_llm.compat import check_embedding_rows, check_family_settings, check_tokenizer
-from featcal_llm.data import calibration_sequences
-from featcal_llm.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
+from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer
+from featcal_llm.io.data import calibration_sequences
+from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.layers import LayerRunner
-from featcal_llm.merge import ensure_merged
-from featcal_llm.plan import CalibrationPlan, Hyperparameters
-from featcal_llm.profiling import NullTimer
-from featcal_llm.recipe import Recipe, load_recipe, resolve_model_path
-from featcal_llm.resume import (
+from featcal_llm.family.layers import LayerRunner
+from featcal_llm.io.merge import ensure_merged
+from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+from featcal_llm.engine.profiling import NullTimer
+from featcal_llm.io.recipe import Recipe, load_recipe, resolve_model_path
+from featcal_llm.engine.resume import (
     StagingArea,
     checkpoint_identity,
     fingerprint,
     sequences_digest,
 )
-from featcal_llm.streams import HostStore, make_batches
-from featcal_llm.tuning import build_search, split_holdout, tuning_report, tuning_table
+from featcal_llm.engine.streams import HostStore, make_batches
+from featcal_llm.engine.tuning import build_search, split_holdout, tuning_report, tuning_table
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 

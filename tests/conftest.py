@@ -19,8 +19,8 @@ def scenario(tmp_path_factory):
 @pytest.fixture(scope="session")
 def merged_scenario(scenario):
     """The scenario with its merged model built by mergekit."""
-    from featcal_llm.merge import ensure_merged
-    from featcal_llm.recipe import load_recipe
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
 
     recipe = load_recipe(scenario.recipe)
     ensure_merged(recipe, scenario.root / "merged", "cpu")

@@ -11,13 +11,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from families import randomize_small_parameters, tiny_config
 from featcal_llm.tiny import (
     build_char_tokenizer,
     new_tiny_llama,
     perturbed_copy,
-    randomize_small_parameters,
     save_model,
-    tiny_config,
 )
 
 WORDS = "the merge of experts loses skill calibration restores features layer by layer with ridge regression".split()
@@ -63,7 +62,7 @@ def build_scenario(
     dtype: str = "float32",
     **config_overrides,
 ) -> Scenario:
-    """`family` picks the config class (tiny.tiny_config); every norm and bias is non-zero and differs per expert.
+    """`family` picks the config class (families.tiny_config); every norm and bias is non-zero and differs per expert.
 
     `words` bounds the words per calibration text (a word is 2-7 characters); `dtype` is the
     checkpoints' and the merge's (float64 lets tests resolve updates to 1e-8).

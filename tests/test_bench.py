@@ -58,8 +58,8 @@ def test_bench_json_reports_every_phase(tmp_path):
 def test_flop_counts_match_hand_computation():
     from transformers import LlamaConfig
 
-    from featcal_llm.architectures import ARCHITECTURES
-    from featcal_llm.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.family.architectures import ARCHITECTURES
+    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
 
     architecture = ARCHITECTURES["LlamaForCausalLM"]
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -146,7 +146,7 @@ def test_streams_spilled_to_disk_give_identical_weights(merged_scenario, tmp_pat
 
 
 def test_host_store_spills_beyond_its_budget(tmp_path):
-    from featcal_llm.streams import HostStore
+    from featcal_llm.engine.streams import HostStore
 
     store = HostStore(budget_bytes=1000, spill_dir=tmp_path / "spill", pin=False)
     small = store.allocate((10, 10), torch.float32)  # 400 bytes: RAM

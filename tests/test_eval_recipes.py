@@ -48,9 +48,9 @@ def test_recipe_validates(name):
 
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_recipe_loads_with_the_recipe_loader(name):
-    recipe = pytest.importorskip("featcal_llm.recipe")
+    recipe = pytest.importorskip("featcal_llm.io.recipe")
     if not hasattr(recipe, "load_recipe"):
-        pytest.skip("featcal_llm.recipe.load_recipe not written yet")
+        pytest.skip("featcal_llm.io.recipe.load_recipe not written yet")
     loaded = recipe.load_recipe(ROOT / "recipes" / name)
     section = getattr(getattr(loaded, "featcal", None), "eval", None)
     assert isinstance(section, EvalSection)

@@ -146,7 +146,7 @@ def test_test_models_have_nonzero_distinct_biases_and_norms(family_scenarios):
 
 def test_per_token_targets_give_the_same_weights_as_w_times_g(merged_scenario, tmp_path, monkeypatch):
     """R_i built token by token (few tokens) and from W_i G_i (many tokens) are the same maths."""
-    import featcal_llm.record as record
+    import featcal_llm.engine.record as record
 
     via_gram = run_recipe(merged_scenario.write_recipe(tmp_path / "a.yaml", output=str(tmp_path / "gram")), progress=False)
     monkeypatch.setattr(record, "targets_per_token", lambda tokens, input_dim: True)

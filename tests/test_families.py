@@ -8,7 +8,7 @@ import yaml
 from test_exactness import read_weights
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from featcal_llm.architectures import architecture_for
+from featcal_llm.family.architectures import architecture_for
 from featcal_llm.errors import FeatCalError
 from featcal_llm.pipeline import run_recipe
 

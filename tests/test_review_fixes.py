@@ -15,7 +15,7 @@ from featcal_llm.pipeline import run_recipe
 
 def test_pinned_streams_count_power_of_two_blocks_and_the_allocator_cache(tmp_path, monkeypatch):
     """Bug 7: CUDA's pinned allocator holds power-of-two blocks and keeps freed ones; the budget counts that."""
-    import featcal_llm.streams as streams
+    import featcal_llm.engine.streams as streams
 
     real_empty = torch.empty
     monkeypatch.setattr(streams.torch, "empty", lambda *args, pin_memory=False, **kwargs: real_empty(*args, **kwargs))  # no CUDA here
@@ -133,8 +133,8 @@ def test_a_merged_embedding_without_a_row_for_a_token_is_one_line(merged_scenari
 
 def test_chat_format_passes_a_fixed_date():
     """Bug 6: Llama-3.x templates print today's date unless given one; the tokens must not change at midnight."""
-    from featcal_llm.data import CHAT_DATE, record_to_text
-    from featcal_llm.recipe import DataSpec
+    from featcal_llm.io.data import CHAT_DATE, record_to_text
+    from featcal_llm.io.recipe import DataSpec
     from featcal_llm.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -149,7 +149,7 @@ def test_chat_format_passes_a_fixed_date():
 
 def test_nan_in_the_calibrated_stream_is_caught_in_the_layer_that_makes_it(merged_scenario, tmp_path, monkeypatch, capsys):
     """Bug 8: NaN in the cal stream is named where it appears, not a layer later after six futile ridge retries."""
-    import featcal_llm.calibrate as calibrate
+    import featcal_llm.engine.calibrate as calibrate
 
     real = calibrate.solve_layer
 

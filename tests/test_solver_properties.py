@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featcal_llm.solve import add_task, anchor, ridge_solve, task_weight
-from featcal_llm.stats import GroupStatistics
+from featcal_llm.maths.solve import add_task, anchor, ridge_solve, task_weight
+from featcal_llm.maths.stats import GroupStatistics
 
 dimensions = st.integers(min_value=1, max_value=12)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
@@ -74,7 +74,7 @@ def test_anchor_interpolates_and_extrapolates(rho):
 
 def test_failed_factorisation_is_retried_with_a_larger_lambda_on_both_sides_and_a_warning(monkeypatch, capsys):
     """Issue 10 bug 1: the retry solves (rhs + λ' A)(lhs + (λ' + eps) I)⁻¹, pulled toward the anchor A, not zero."""
-    import featcal_llm.solve as solve
+    import featcal_llm.maths.solve as solve
 
     real = torch.linalg.cholesky_ex
     calls = []

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from featcal_llm import data
-from featcal_llm.recipe import DataSpec
+from featcal_llm.io import data
+from featcal_llm.io.recipe import DataSpec
 from featcal_llm.tiny import build_char_tokenizer
 
 # Read by the plain-JSONL path: flat string records, same keys in the same order on every line.

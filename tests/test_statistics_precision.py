@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from test_exactness import read_weights, relative_error
 
-import featcal_llm.stats as stats
+import featcal_llm.maths.stats as stats
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.solve import add_task
-from featcal_llm.stats import accumulate_gram, gram_blocks
+from featcal_llm.maths.solve import add_task
+from featcal_llm.maths.stats import accumulate_gram, gram_blocks
 
 
 def test_blocked_gram_equals_the_full_product_and_is_symmetric():

@@ -1,4 +1,4 @@
-"""The one-batch-ahead host→device iterator (featcal_llm.transfer), on CPU: order, values, lazy reads.
+"""The one-batch-ahead host→device iterator (featcal_llm.engine.transfer), on CPU: order, values, lazy reads.
 
 The CUDA branch (side stream, wait_stream, record_stream) has not been run here: no GPU in this environment.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from featcal_llm.transfer import on_device
+from featcal_llm.engine.transfer import on_device
 
 
 def test_yields_every_batch_of_every_stream_in_order():

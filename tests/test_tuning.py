@@ -11,15 +11,15 @@ from click.testing import CliRunner
 from test_exactness import read_weights, relative_error
 from test_reliability import tree_hash
 
-import featcal_llm.calibrate as calibrate_module
-import featcal_llm.tuned as tuned_module
-from featcal_llm.candidates import RidgeFactors, add_task_shared, system_for
+import featcal_llm.engine.calibrate as calibrate_module
+import featcal_llm.engine.tuned as tuned_module
+from featcal_llm.maths.candidates import RidgeFactors, add_task_shared, system_for
 from featcal_llm.cli import main
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.plan import Hyperparameters
-from featcal_llm.solve import add_task, anchor, ridge_solve, solve_bias, solve_norm
-from featcal_llm.stats import GroupStatistics
-from featcal_llm.tuning import AUTO, Search, coordinate_search, split_holdout
+from featcal_llm.engine.plan import Hyperparameters
+from featcal_llm.maths.solve import add_task, anchor, ridge_solve, solve_bias, solve_norm
+from featcal_llm.maths.stats import GroupStatistics
+from featcal_llm.engine.tuning import AUTO, Search, coordinate_search, split_holdout
 
 SINGLE = {"lambda": [1e-3], "alpha": [0.3], "rho": [0.5]}
 
@@ -253,7 +253,7 @@ def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_pa
     """featcal_drift.json of a fixed run against transformers' own full models on the same probe records."""
     from test_exactness import calibration_sequences, load
 
-    from featcal_llm.drift import drift_sample
+    from featcal_llm.engine.drift import drift_sample
 
     output = run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
     report = json.loads((output / "featcal_drift.json").read_text())
@@ -311,7 +311,7 @@ def test_output_divergence_follows_gemma2_logit_softcapping(tmp_path):
     from scenario import build_scenario
     from test_exactness import calibration_sequences, load
 
-    from featcal_llm.drift import drift_sample
+    from featcal_llm.engine.drift import drift_sample
 
     gemma = build_scenario(tmp_path / "gemma", experts=2, layers=1, samples=12, words=(4, 10), family="gemma2",
                            sliding_window=8, final_logit_softcapping=0.5)

@@ -65,7 +65,7 @@ def forward_flops(shape: LayerShape, sequence_lengths: list[int]) -> float:
 
 def gram_flops(dim: int, tokens: int, symmetric: bool) -> float:
     """One Gram's FLOPs: the whole square, or (CPU) the lower block triangle `stats.accumulate_gram` multiplies."""
-    from featcal_llm.stats import gram_blocks
+    from featcal_llm.maths.stats import gram_blocks
 
     blocks = gram_blocks(dim) if symmetric else 1
     edges = [i * dim // blocks for i in range(blocks + 1)]
@@ -73,7 +73,7 @@ def gram_flops(dim: int, tokens: int, symmetric: bool) -> float:
 
 
 def _uses_moment(group, tokens: int) -> bool:
-    from featcal_llm.stats import cross_moment_pays, targets_per_token
+    from featcal_llm.maths.stats import cross_moment_pays, targets_per_token
 
     output_total = sum(group.outputs.values())
     return output_total > group.input_dim and not targets_per_token(tokens, group.input_dim) and cross_moment_pays(
@@ -82,7 +82,7 @@ def _uses_moment(group, tokens: int) -> bool:
 
 
 def statistics_flops(shape: LayerShape, tokens: int, symmetric: bool = True) -> float:
-    from featcal_llm.stats import targets_per_token
+    from featcal_llm.maths.stats import targets_per_token
 
     total = 0.0
     for group in shape.groups:
@@ -98,7 +98,7 @@ def statistics_flops(shape: LayerShape, tokens: int, symmetric: bool = True) -> 
 
 def fold_flops(shape: LayerShape, tokens: int) -> float:
     """W_i G_i for one task (`add_task`) where R_i was not built per token, plus W_i · moment where a moment was kept."""
-    from featcal_llm.stats import targets_per_token
+    from featcal_llm.maths.stats import targets_per_token
 
     total = 0.0
     for g in shape.groups:

@@ -23,10 +23,10 @@ import torch
 from featcal_llm.benchmark import costs, machine
 from featcal_llm.benchmark.instruments import BenchReader, LayerTimer, ReadCounter
 from featcal_llm.benchmark.synthetic import SyntheticSpec, ensure_checkpoints
-from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.io.checkpoint import CheckpointReader
 
 PHASES = ("read", "load", "forward", "statistics", "solve", "write")  # the engine's phase names, in report order
-SOLVE_DTYPE = torch.float64  # featcal_llm.solve.SOLVE_DTYPE
+SOLVE_DTYPE = torch.float64  # featcal_llm.maths.solve.SOLVE_DTYPE
 
 
 @dataclass
@@ -68,8 +68,8 @@ class BenchOptions:
 def _call_calibrate(calibrate, models, plan, runner, batches, layers, run_dir: Path, options, progress, timer):
     """Run the engine's loop as `run` does; returns (replacements, host store)."""
     from featcal_llm.pipeline import stream_budget
-    from featcal_llm.resume import StagingArea
-    from featcal_llm.streams import HostStore
+    from featcal_llm.engine.resume import StagingArea
+    from featcal_llm.engine.streams import HostStore
 
     staging = StagingArea(run_dir / "partial", f"bench-{run_dir.name}")
     store = HostStore(stream_budget(options.host_memory_gb), run_dir / "spill", pin=runner.device.type == "cuda")
@@ -79,7 +79,7 @@ def _call_calibrate(calibrate, models, plan, runner, batches, layers, run_dir: P
 def statistics_matmul_dtype(device: torch.device, dtype: torch.dtype, stats_dtype: torch.dtype) -> torch.dtype:
     """The dtype the statistics matmuls run in: bf16/fp16 tensor cores into float32 on GPUs that can, else the accumulator's."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and stats_dtype == torch.float32:
-        from featcal_llm.stats import _half_inputs_float_output
+        from featcal_llm.maths.stats import _half_inputs_float_output
 
         if _half_inputs_float_output(device):
             return dtype
@@ -111,14 +111,14 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     """Build (or reuse) the checkpoints, measure the machine, run the layer loop; raw measurements as a dict."""
     from transformers import AutoConfig
 
-    from featcal_llm.architectures import architecture_for, select_projections
-    from featcal_llm.calibrate import Models, calibrate
-    from featcal_llm.checkpoint import copy_side_files, write_calibrated_checkpoint
-    from featcal_llm.layers import LayerRunner
+    from featcal_llm.family.architectures import architecture_for, select_projections
+    from featcal_llm.engine.calibrate import Models, calibrate
+    from featcal_llm.io.checkpoint import copy_side_files, write_calibrated_checkpoint
+    from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
-    from featcal_llm.plan import CalibrationPlan, Hyperparameters
-    from featcal_llm.stats import TOTAL_DTYPE
-    from featcal_llm.streams import make_batches
+    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.maths.stats import TOTAL_DTYPE
+    from featcal_llm.engine.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
 
     if options.threads:

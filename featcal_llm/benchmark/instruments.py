@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 import torch
 
 from featcal_llm.benchmark import machine
-from featcal_llm.checkpoint import CheckpointReader
-from featcal_llm.profiling import PhaseTimer
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.engine.profiling import PhaseTimer
 
 
 class LayerTimer(PhaseTimer):

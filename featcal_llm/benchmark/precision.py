@@ -62,7 +62,7 @@ def _capture(model: torch.nn.Module, layer: int, ids: torch.Tensor) -> tuple[dic
 
 def _statistics(x_cal, x_exp, y_exp, projections, mode: str, batch_tokens: int):
     """One task's statistics of one group, accumulated as the product does (`record_task`), in one of MODES."""
-    from featcal_llm.stats import GroupStatistics, accumulate_cross, accumulate_gram, accumulate_moment
+    from featcal_llm.maths.stats import GroupStatistics, accumulate_cross, accumulate_gram, accumulate_moment
 
     total, precision = MODES[mode]
     outputs = {p: y.shape[1] for p, y in y_exp.items()}
@@ -83,7 +83,7 @@ def _statistics(x_cal, x_exp, y_exp, projections, mode: str, batch_tokens: int):
 def measure(root: Path, layers: list[int], lambdas: list[float], alpha: float, rho: float, batch_tokens: int, log) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from featcal_llm.solve import add_task, anchor, ridge_solve
+    from featcal_llm.maths.solve import add_task, anchor, ridge_solve
 
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
     recipe = json.loads((root / "complete.json").read_text())

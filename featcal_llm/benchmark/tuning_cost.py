@@ -24,8 +24,8 @@ import torch
 
 
 def _modes(sequences, search_for):
-    from featcal_llm.drift import drift_sample
-    from featcal_llm.tuning import split_holdout
+    from featcal_llm.engine.drift import drift_sample
+    from featcal_llm.engine.tuning import split_holdout
 
     calibration, held_out = split_holdout(sequences, 0.25, 0, "bench")
     return {
@@ -58,18 +58,18 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     """Seconds of the layer loop for fixed, fixed+drift and auto on the same synthetic records."""
     from transformers import AutoConfig
 
-    from featcal_llm.architectures import architecture_for, select_projections
+    from featcal_llm.family.architectures import architecture_for, select_projections
     from featcal_llm.benchmark.synthetic import SyntheticSpec, ensure_checkpoints
-    from featcal_llm.calibrate import Models, calibrate
-    from featcal_llm.checkpoint import CheckpointReader
-    from featcal_llm.drift import Probe
-    from featcal_llm.layers import LayerRunner
+    from featcal_llm.engine.calibrate import Models, calibrate
+    from featcal_llm.io.checkpoint import CheckpointReader
+    from featcal_llm.engine.drift import Probe
+    from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
-    from featcal_llm.plan import CalibrationPlan, Hyperparameters
-    from featcal_llm.resume import StagingArea
-    from featcal_llm.streams import HostStore, make_batches
+    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.engine.resume import StagingArea
+    from featcal_llm.engine.streams import HostStore, make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
-    from featcal_llm.tuning import AUTO, Search
+    from featcal_llm.engine.tuning import AUTO, Search
 
     if threads:
         torch.set_num_threads(threads)

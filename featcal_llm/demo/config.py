@@ -50,7 +50,7 @@ class DemoConfig:
     alpha: float = 0.3
     rho: float = 1.0
     eps: float = 1e-8
-    # True: lambda, alpha and rho are `auto` (chosen by the run on held-out cal records, featcal_llm/tuning.py)
+    # True: lambda, alpha and rho are `auto` (chosen by the run on held-out cal records, featcal_llm/engine/tuning.py)
     auto: bool = False
     # the quality bar each expert must reach on its own test split (None: not checked)
     expert_bar: float | None = 90.0

@@ -89,7 +89,7 @@ def sweep(workdir: str | Path, echo=print, limit: int | None = None) -> list[dic
     from featcal_llm.demo.score import exact_match
     from featcal_llm.demo.tasks import read_jsonl
     from featcal_llm import pipeline
-    from featcal_llm.calibrate import calibrate
+    from featcal_llm.engine.calibrate import calibrate
     from featcal_llm.pipeline import run_recipe
 
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.stats import GroupStatistics, crosses_from_moment
+from featcal_llm.maths.stats import GroupStatistics, crosses_from_moment
 
 SOLVE_DTYPE = torch.float64
 RESIDUAL_TOLERANCE = 1e-6

@@ -75,7 +75,7 @@ def _check_tunable(key: str, value: Any) -> Any:
 
 
 class TuneSpec(BaseModel):
-    """How `auto`/list hyper-parameters are chosen (featcal_llm/tuning.py)."""
+    """How `auto`/list hyper-parameters are chosen (featcal_llm/engine/tuning.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -16,17 +16,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from featcal_llm.candidates import SharedSystem, add_task_shared
-from featcal_llm.checkpoint import CheckpointReader
-from featcal_llm.drift import Head, Probe, next_token_kls, outputs, relative_drift
+from featcal_llm.maths.candidates import SharedSystem, add_task_shared
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.engine.drift import Head, Probe, next_token_kls, outputs, relative_drift
 from featcal_llm.errors import FeatCalError
-from featcal_llm.layers import LayerRunner
-from featcal_llm.plan import CalibrationPlan, Hyperparameters
-from featcal_llm.prefetch import LayerPrefetcher, LayerTensors
-from featcal_llm.profiling import NullTimer
-from featcal_llm.record import StatisticsWorkspace, record_task
-from featcal_llm.resume import StagingArea
-from featcal_llm.solve import (
+from featcal_llm.family.layers import LayerRunner
+from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+from featcal_llm.engine.prefetch import LayerPrefetcher, LayerTensors
+from featcal_llm.engine.profiling import NullTimer
+from featcal_llm.engine.record import StatisticsWorkspace, record_task
+from featcal_llm.engine.resume import StagingArea
+from featcal_llm.maths.solve import (
     GroupSystem,
     add_task,
     anchor,
@@ -34,10 +34,10 @@ from featcal_llm.solve import (
     solve_bias,
     solve_norm,
 )
-from featcal_llm.stats import GroupStatistics
-from featcal_llm.streams import HostStore, TokenBatch
-from featcal_llm.transfer import on_device
-from featcal_llm.tuned import select_layer
+from featcal_llm.maths.stats import GroupStatistics
+from featcal_llm.engine.streams import HostStore, TokenBatch
+from featcal_llm.engine.transfer import on_device
+from featcal_llm.engine.tuned import select_layer
 
 
 @dataclass

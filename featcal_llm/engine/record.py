@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.layers import LayerRunner, hooked
-from featcal_llm.plan import CalibrationPlan
-from featcal_llm.profiling import NullTimer
-from featcal_llm.stats import (
+from featcal_llm.family.layers import LayerRunner, hooked
+from featcal_llm.engine.plan import CalibrationPlan
+from featcal_llm.engine.profiling import NullTimer
+from featcal_llm.maths.stats import (
     GroupStatistics,
     accumulate_cross,
     accumulate_gram,
@@ -25,8 +25,8 @@ from featcal_llm.stats import (
     cross_moment_pays,
     targets_per_token,
 )
-from featcal_llm.streams import HostStore, TokenBatch
-from featcal_llm.transfer import on_device
+from featcal_llm.engine.streams import HostStore, TokenBatch
+from featcal_llm.engine.transfer import on_device
 
 
 class StatisticsWorkspace:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from featcal_llm.architectures import Architecture, InputGroup
+from featcal_llm.family.architectures import Architecture, InputGroup
 
 if TYPE_CHECKING:
-    from featcal_llm.tuning import Search
+    from featcal_llm.engine.tuning import Search
 
 
 @dataclass(frozen=True)

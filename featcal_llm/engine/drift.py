@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from featcal_llm.checkpoint import CheckpointReader
-from featcal_llm.layers import LayerRunner
-from featcal_llm.streams import HostStore, TokenBatch
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.family.layers import LayerRunner
+from featcal_llm.engine.streams import HostStore, TokenBatch
 
 DRIFT_JSON = "featcal_drift.json"
 DRIFT_PNG = "featcal_drift.png"

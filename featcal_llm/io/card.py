@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from featcal_llm import __version__
-from featcal_llm.recipe import Recipe
+from featcal_llm.io.recipe import Recipe
 
 RECIPE_FILE = "featcal_recipe.yml"
 

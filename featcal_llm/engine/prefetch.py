@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featcal_llm.checkpoint import CheckpointReader
+from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.errors import FeatCalError
 
 

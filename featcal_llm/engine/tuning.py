@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.plan import Hyperparameters
+from featcal_llm.engine.plan import Hyperparameters
 
 # `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
 # extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.

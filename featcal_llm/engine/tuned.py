@@ -10,13 +10,13 @@ from typing import Callable
 
 import torch
 
-from featcal_llm.candidates import RidgeFactors, SharedSystem, system_for
-from featcal_llm.drift import Head, Probe, next_token_kl, outputs, relative_drift
-from featcal_llm.layers import LayerRunner
-from featcal_llm.plan import CalibrationPlan, Hyperparameters
-from featcal_llm.profiling import NullTimer
-from featcal_llm.streams import HostStore
-from featcal_llm.tuning import as_values, coordinate_search
+from featcal_llm.maths.candidates import RidgeFactors, SharedSystem, system_for
+from featcal_llm.engine.drift import Head, Probe, next_token_kl, outputs, relative_drift
+from featcal_llm.family.layers import LayerRunner
+from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+from featcal_llm.engine.profiling import NullTimer
+from featcal_llm.engine.streams import HostStore
+from featcal_llm.engine.tuning import as_values, coordinate_search
 
 
 def criterion(

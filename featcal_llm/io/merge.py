@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.recipe import Recipe
+from featcal_llm.io.recipe import Recipe
 
 
 def ensure_merged(recipe: Recipe, merged: Path, device: str) -> Path:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.solve import (
+from featcal_llm.maths.solve import (
     RESIDUAL_TOLERANCE,
     SOLVE_DTYPE,
     GroupSystem,
@@ -28,7 +28,7 @@ from featcal_llm.solve import (
     solve_checked,
     task_weight,
 )
-from featcal_llm.stats import GroupStatistics, crosses_from_moment
+from featcal_llm.maths.stats import GroupStatistics, crosses_from_moment
 
 
 @dataclass

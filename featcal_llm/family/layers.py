@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from featcal_llm.architectures import Architecture
+from featcal_llm.family.architectures import Architecture
 from featcal_llm.errors import FeatCalError
-from featcal_llm.front import ModelFront
-from featcal_llm.streams import TokenBatch
+from featcal_llm.family.front import ModelFront
+from featcal_llm.engine.streams import TokenBatch
 
 
 class LayerRunner:

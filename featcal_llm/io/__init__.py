@@ -1,0 +1,1 @@
+"""Recipe, calibration data, checkpoints, mergekit and the model card: everything that reads or writes files."""

@@ -1,0 +1,1 @@
+"""The method's arithmetic as pure tensor functions: statistics, the closed-form solves."""
