@@ -18,7 +18,9 @@ import torch
 
 from featcal_llm import __version__
 from featcal_llm.family.architectures import architecture_for, select_projections
-from featcal_llm.engine.calibrate import Models, calibrate
+from featcal_llm.engine.calibrate import calibrate
+from featcal_llm.engine.context import Models, RunContext
+from featcal_llm.engine.method import objective_for
 from featcal_llm.io.card import write_card
 from featcal_llm.io.checkpoint import (
     CheckpointReader,
@@ -32,7 +34,7 @@ from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sam
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged
-from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.recipe import Recipe, load_recipe, resolve_model_path
 from featcal_llm.engine.resume import (
@@ -42,7 +44,7 @@ from featcal_llm.engine.resume import (
     sequences_digest,
 )
 from featcal_llm.engine.streams import HostStore, make_batches
-from featcal_llm.engine.tuning import build_search, split_holdout, tuning_report, tuning_table
+from featcal_llm.engine.tuning import split_holdout, tuning_report, tuning_table
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
@@ -154,12 +156,12 @@ def _check_output(recipe: Recipe, output: Path, force: bool) -> None:
     where = f"{recipe.path}: featcal.output"
     if output.exists() and not force:
         raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
-    probe = output.parent.resolve()  # the nearest existing ancestor decides writability
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise FeatCalError(f"{where}: {output}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK):
+    ancestor = output.parent.resolve()  # the nearest existing ancestor decides writability
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FeatCalError(f"{where}: {output}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK):
         raise FeatCalError(f"{where}: {output}: directory is not writable")
 
 
@@ -239,16 +241,14 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {expert_dirs[name] / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
-    search = build_search(featcal, str(recipe.path)) if featcal.tuned else None
-    fixed = search.start() if search else {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho}
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, featcal.modules, str(recipe.path)),
         norms=featcal.norms,
         biases=featcal.biases,
-        hyper=Hyperparameters(lam=fixed["lambda"], alpha=fixed["alpha"], rho=fixed["rho"], eps=featcal.eps),
-        tuning=search,
+        objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
     )
+    search = plan.tuning
 
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
@@ -263,15 +263,15 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         if (directory / "tokenizer_config.json").is_file():
             check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
     every_sequence = sequences
-    if search is not None:  # held-out records select the hyper-parameters and never enter the statistics
-        sequences, probe_sequences = split_holdout(sequences, search.holdout, featcal.seed, str(recipe.path))
+    if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
+        sequences, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
     else:
         probe_sequences = drift_sample(sequences)
     # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
     batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in sequences.items()}
     probe = Probe(
         {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()},
-        "held-out records" if search else "calibration subsample",
+        "held-out records" if featcal.holds_out else "calibration subsample",
     )
 
     merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
@@ -281,17 +281,14 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     readers = {"merged": models.merged, **models.experts}
     check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
-    smallest_lambda = min(search.values["lambda"]) if search else plan.hyper.lam  # a tuned run may pick any candidate
-    runner = LayerRunner(
-        architecture, merged_config, compute_device, compute_dtype, resolve_stats_dtype(featcal.stats_dtype, smallest_lambda, compute_dtype, compute_device)
-    )
+    stats_dtype = resolve_stats_dtype(featcal.stats_dtype, plan.objective.smallest_lambda(), compute_dtype, compute_device)
+    runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype, stats_dtype)
 
     partial = output.with_name(f".{output.name}.featcal-partial")
     staging = StagingArea(partial, _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens))
     store = HostStore(stream_budget(featcal.host_memory_gb), partial / "spill", pin=compute_device.type == "cuda")
-    replacements = calibrate(
-        models, plan, runner, batches, merged_config.num_hidden_layers, staging, store, progress, timer or NullTimer(), probe
-    )
+    context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer())
+    replacements = calibrate(context, merged_config.num_hidden_layers, progress)
     records = [staging.record(layer) for layer in range(merged_config.num_hidden_layers)]
     shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
@@ -306,7 +303,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
-    write_card(checkpoint, recipe, featcal.merged, tokens, tuning)
+    write_card(checkpoint, recipe, featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype})
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
     if featcal.eval is not None:

@@ -59,11 +59,12 @@ def test_flop_counts_match_hand_computation():
     from transformers import LlamaConfig
 
     from featcal_llm.family.architectures import ARCHITECTURES
-    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.engine.plan import CalibrationPlan
+    from featcal_llm.maths.objective import FeatCal, Hyperparameters
 
     architecture = ARCHITECTURES["LlamaForCausalLM"]
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    plan = CalibrationPlan(architecture, frozenset(architecture.projections()), False, True, Hyperparameters(1.0, 0.15, 0.5, 1e-8))
+    plan = CalibrationPlan(architecture, frozenset(architecture.projections()), False, True, FeatCal(Hyperparameters(1.0, 0.15, 0.5, 1e-8)))
     shape = costs.layer_shape(architecture, config, plan)
     d, i, kv = 64, 128, 32
     params = d * d + 2 * kv * d + d * d + 3 * i * d
@@ -71,15 +72,14 @@ def test_flop_counts_match_hand_computation():
     assert costs.forward_flops(shape, [10, 20]) == 2 * params * 30 + 2 * (100 + 400) * d
     grams = 3 * d * d + i * i
     crosses = params  # Σ m·d over every projection
-    # 7 tokens < every input dim: R_i per token, so W_i x_cal doubles the cross term and no W_i G_i is folded
-    assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + 2 * crosses)
-    assert costs.fold_flops(shape, 7) == 0
-    # 100 tokens: per token for the down_proj group only (input 128), W_i G_i for the three groups of input 64;
-    # gate/up (m = 256 > d) keep a d × d moment (256·100 > 64·100 + 256·64), q/k/v (m = 128) not yet
-    down, gate_up, qkv = i * d, 2 * i * d, (d + 2 * kv) * d  # Σ m·d of each group
-    assert costs.statistics_flops(shape, 100) == 2 * 100 * (grams + crosses + down - gate_up + d * d)
-    fold = 2 * ((d + 2 * kv) * d * d + d * d * d + 2 * i * d * d + d * i * i)
-    assert costs.fold_flops(shape, 100) == fold - 2 * d * i * i + 2 * gate_up * d
+    fold = 2 * ((d + 2 * kv) * d * d + d * d * d + 2 * i * d * d + d * i * i)  # W_i G_i of every projection
+    # 7 tokens < every input dim: crosses per projection, no moment
+    assert costs.statistics_flops(shape, 7) == 2 * 7 * (grams + crosses)
+    assert costs.fold_flops(shape, 7) == fold
+    # 100 tokens: gate/up (m = 256 > d) keep a d × d moment (256·100 > 64·100 + 256·64), q/k/v (m = 128) not yet
+    gate_up, qkv = 2 * i * d, (d + 2 * kv) * d  # Σ m·d of each group
+    assert costs.statistics_flops(shape, 100) == 2 * 100 * (grams + crosses - gate_up + d * d)
+    assert costs.fold_flops(shape, 100) == fold + 2 * gate_up * d
     # 1000 tokens: q/k/v keep a moment too, and each moment group pays W_i · moment once more in the fold
     assert costs.statistics_flops(shape, 1000) == 2 * 1000 * (grams + crosses - gate_up - qkv + 2 * d * d)
     assert costs.fold_flops(shape, 1000) == fold + 2 * (gate_up + qkv) * d

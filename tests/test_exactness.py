@@ -84,7 +84,8 @@ def test_matches_brute_force_in_one_padded_batch_without_norms(family_scenarios,
 # family → config overrides: tiny sliding windows (8 < the 20-60 token sequences) where the family has them
 FAMILIES = {
     "llama": {},
-    "gemma2": {"sliding_window": 8},  # alternating sliding/full layers, soft-capping, √d embedding scale, tied
+    # alternating sliding/full layers, soft-capping, tied; √d embedding scale with d = 72, whose root is inexact in float32
+    "gemma2": {"sliding_window": 8, "hidden_size": 72},
     "mistral": {"sliding_window": 8},
     "qwen2": {},  # Qwen2.5: q/k/v biases, sliding window off
     "qwen3": {},  # q_norm/k_norm stay merged
@@ -142,17 +143,3 @@ def test_test_models_have_nonzero_distinct_biases_and_norms(family_scenarios):
     for name in (bias, norm):
         assert float((experts[0][name] - experts[1][name]).abs().mean()) > 1e-3
         assert float((experts[0][name] - base[name]).abs().mean()) > 1e-3
-
-
-def test_per_token_targets_give_the_same_weights_as_w_times_g(merged_scenario, tmp_path, monkeypatch):
-    """R_i built token by token (few tokens) and from W_i G_i (many tokens) are the same maths."""
-    import featcal_llm.engine.record as record
-
-    via_gram = run_recipe(merged_scenario.write_recipe(tmp_path / "a.yaml", output=str(tmp_path / "gram")), progress=False)
-    monkeypatch.setattr(record, "targets_per_token", lambda tokens, input_dim: True)
-    per_token = run_recipe(merged_scenario.write_recipe(tmp_path / "b.yaml", output=str(tmp_path / "token")), progress=False)
-    first, second = read_weights(via_gram), read_weights(per_token)
-    worst = max(relative_error(second[n], first[n]) for n in first)
-    print(f"per-token targets vs W_i G_i: worst relative difference {worst:.2e}")
-    assert worst <= 1e-5
-    assert any(not torch.equal(first[n], second[n]) for n in first)  # really two code paths

@@ -149,17 +149,17 @@ def test_chat_format_passes_a_fixed_date():
 
 def test_nan_in_the_calibrated_stream_is_caught_in_the_layer_that_makes_it(merged_scenario, tmp_path, monkeypatch, capsys):
     """Bug 8: NaN in the cal stream is named where it appears, not a layer later after six futile ridge retries."""
-    import featcal_llm.engine.calibrate as calibrate
+    from featcal_llm.maths.objective import FeatCal
 
-    real = calibrate.solve_layer
+    real = FeatCal.solve_layer
 
-    def overflowing(plan, systems, merged, base, layer, device):
-        solved = real(plan, systems, merged, base, layer, device)
+    def overflowing(self, plan, layer, *args, **kwargs):
+        solved = real(self, plan, layer, *args, **kwargs)
         if layer == 0:
             solved["mlp.down_proj.weight"] = torch.full_like(solved["mlp.down_proj.weight"], float("nan"))
         return solved
 
-    monkeypatch.setattr(calibrate, "solve_layer", overflowing)
+    monkeypatch.setattr(FeatCal, "solve_layer", overflowing)
     with pytest.raises(FeatCalError, match="^layer 0: calibrated layer produced NaN/Inf hidden states"):
         run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
     assert "retrying" not in capsys.readouterr().err

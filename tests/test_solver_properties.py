@@ -6,8 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featcal_llm.maths.solve import add_task, anchor, ridge_solve, task_weight
+from featcal_llm.maths.objective import ExpertGroup, GroupSystem, MixedTargets, fold
+from featcal_llm.maths.solve import RidgeSolver, anchor, task_weight
 from featcal_llm.maths.stats import GroupStatistics
+
+
+
+def ridge_solve(lhs, rhs, anchors, lam, eps, where):
+    return RidgeSolver().solve("group", lhs, rhs, anchors, lam, eps, where)
+
 
 dimensions = st.integers(min_value=1, max_value=12)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
@@ -48,7 +55,7 @@ def test_huge_lambda_returns_the_anchor_and_tiny_lambda_the_unregularised_fit(d,
 
 @settings(max_examples=40, deadline=None)
 @given(d=dimensions, m=dimensions, tokens=st.integers(1, 30), alpha=st.floats(0, 1), seed=seeds)
-def test_add_task_builds_omega_g_and_omega_w_c(d, m, tokens, alpha, seed):
+def test_fold_builds_omega_g_and_omega_w_c(d, m, tokens, alpha, seed):
     """The folded system equals ω G and ω W_i x_tgt x_calᵀ / n written out token by token."""
     generator = torch.Generator().manual_seed(seed)
     x_cal = torch.randn(tokens, d, generator=generator, dtype=torch.float64)
@@ -58,12 +65,13 @@ def test_add_task_builds_omega_g_and_omega_w_c(d, m, tokens, alpha, seed):
     stats.gram += x_cal.T @ x_cal
     stats.cross["p"] += (x_exp @ weight.T).T @ x_cal
     stats.tokens = tokens
-    system = add_task(None, stats, {"p": weight}, {}, None, alpha, 1e-8)
+    system = GroupSystem(lhs=None, targets=MixedTargets(alpha), biases=MixedTargets(alpha))
+    fold(system, stats, ExpertGroup({"p": weight}), 1e-8)
     gram = x_cal.T @ x_cal / tokens
     omega = task_weight(gram, 1e-8)
     x_target = alpha * x_exp + (1 - alpha) * x_cal
     assert torch.allclose(system.lhs, omega * gram)
-    assert torch.allclose(system.rhs["p"], omega * (x_target @ weight.T).T @ x_cal / tokens)
+    assert torch.allclose(system.targets.at(alpha)["p"], omega * (x_target @ weight.T).T @ x_cal / tokens)
 
 
 @given(rho=st.floats(-2, 3))

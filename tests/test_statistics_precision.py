@@ -12,7 +12,7 @@ from test_exactness import read_weights, relative_error
 
 import featcal_llm.maths.stats as stats
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.maths.solve import add_task
+from featcal_llm.maths.objective import ExpertGroup, GroupSystem, MixedTargets, fold
 from featcal_llm.maths.stats import accumulate_gram, gram_blocks
 
 
@@ -56,13 +56,13 @@ def test_group_moment_gives_the_per_projection_crosses():
     x_exp = x_cal + 0.2 * torch.randn(150, d, generator=generator, dtype=torch.float64)
     weights = {p: torch.randn(m, d, generator=generator, dtype=torch.float64) for p, m in outputs.items()}
     assert stats.cross_moment_pays(150, d, sum(outputs.values())) and not stats.cross_moment_pays(150, d, d)
-    assert not stats.cross_moment_pays(d - 1, d, 100 * d)  # few tokens: never (the per-token targets apply there)
+    assert not stats.cross_moment_pays(d - 1, d, 100 * d)  # fewer tokens than inputs: never
     per_projection, grouped = (
         stats.GroupStatistics.empty(d, outputs, with_means=False, with_norm=False, device=torch.device("cpu"), dtype=torch.float64)
         for _ in range(2)
     )
     assert grouped.moment is not None and grouped.moment.shape == (d, d)
-    grouped.cross_from_moment = True
+    grouped.via_moment = True
     for rows in torch.arange(150).split(37):
         for target in (per_projection, grouped):
             accumulate_gram(target.gram, x_cal[rows])
@@ -70,15 +70,17 @@ def test_group_moment_gives_the_per_projection_crosses():
         for p, w in weights.items():
             stats.accumulate_cross(per_projection.cross[p], x_exp[rows] @ w.T, x_cal[rows])
         stats.accumulate_moment(grouped.moment, x_exp[rows], x_cal[rows])
-    stats.crosses_from_moment(grouped, weights)
-    assert not grouped.cross_from_moment  # done once: add_task below does not multiply again
+    grouped.expert_crosses(weights)
+    assert not grouped.via_moment  # done once: fold below does not multiply again
     for p in outputs:
         exact = (x_exp @ weights[p].T).T @ x_cal
         for target in (per_projection, grouped):
             assert float((target.cross[p] - exact).abs().max()) <= 1e-12 * float(exact.abs().max()), p
-    systems = [add_task(None, s, weights, {}, None, 0.3, 1e-8) for s in (per_projection, grouped)]
+    systems = [GroupSystem(lhs=None, targets=MixedTargets(0.3), biases=MixedTargets(0.3)) for _ in range(2)]
+    for system, s in zip(systems, (per_projection, grouped)):
+        fold(system, s, ExpertGroup(weights), 1e-8)
     for p in outputs:
-        assert torch.allclose(systems[1].rhs[p], systems[0].rhs[p], rtol=1e-12, atol=0), p
+        assert torch.allclose(systems[1].targets.at(0.3)[p], systems[0].targets.at(0.3)[p], rtol=1e-12, atol=0), p
 
 
 def test_auto_statistics_precision_follows_the_ridge(monkeypatch, capsys):

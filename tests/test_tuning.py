@@ -13,15 +13,14 @@ from test_reliability import tree_hash
 
 import featcal_llm.engine.calibrate as calibrate_module
 import featcal_llm.engine.tuned as tuned_module
-from featcal_llm.maths.candidates import RidgeFactors, add_task_shared, system_for
 from featcal_llm.cli import main
+from featcal_llm.maths.objective import ExpertGroup, GroupSystem, Hyperparameters, MixedTargets, SplitTargets, fold, solve_bias, solve_norm
+from featcal_llm.maths.solve import RidgeSolver, anchor
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.engine.plan import Hyperparameters
-from featcal_llm.maths.solve import add_task, anchor, ridge_solve, solve_bias, solve_norm
 from featcal_llm.maths.stats import GroupStatistics
 from featcal_llm.engine.tuning import AUTO, Search, coordinate_search, split_holdout
 
-SINGLE = {"lambda": [1e-3], "alpha": [0.3], "rho": [0.5]}
+SINGLE = {"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5}  # two candidates: a search (one would be a fixed value)
 
 
 def _random_stats(seed: int, d: int = 12, outputs=(("a", 5), ("b", 7)), tokens: int = 40) -> tuple[GroupStatistics, dict, dict]:
@@ -57,30 +56,33 @@ def test_shared_solve_equals_the_fixed_solve_for_every_candidate(capsys):
     bias_b = {n: b + 0.1 for n, b in bias_m.items()}
     norm_m, norm_b = torch.ones(12, dtype=torch.float64), torch.full((12,), 0.9, dtype=torch.float64)
     eps = 1e-8
-    shared = None
-    for (stats, weights, biases), norm in zip(tasks, norms):
-        shared = add_task_shared(shared, _copy(stats), weights, biases, norm, eps)
+
+    def folded(targets) -> GroupSystem:
+        system = GroupSystem(lhs=None, targets=targets(), biases=targets())
+        for (stats, weights, biases), norm in zip(tasks, norms):
+            fold(system, _copy(stats), ExpertGroup(weights, biases, norm), eps)
+        return system
+
+    shared = folded(SplitTargets)
     lhs_before = shared.lhs.clone()
-    factors = RidgeFactors()
+    solver = RidgeSolver(keep_lhs=True)
     # λ changes back and forth so that the one-factor cache is refreshed and reused
     for lam, alpha, rho in [(1e-3, 0.3, 0.5), (1e-3, 0.8, 1.5), (1e-1, 0.0, 1.0), (1e-3, 1.0, -0.5), (10.0, 0.15, 1.0)]:
-        fixed = None
-        for (stats, weights, biases), norm in zip(tasks, norms):
-            fixed = add_task(fixed, _copy(stats), weights, biases, norm, alpha, eps)
+        fixed = folded(lambda: MixedTargets(alpha))
         anchors = {n: anchor(merged[n], base[n], rho) for n in merged}
-        expected = ridge_solve(fixed.lhs.clone(), fixed.rhs, anchors, lam, eps, "test")
-        system = system_for(shared, alpha)
-        ours = factors.solve("g", system.lhs, system.rhs, anchors, lam, eps, "test")
+        fixed_biases = fixed.biases.at(alpha)
+        expected = RidgeSolver().solve("g", fixed.lhs, fixed.targets.at(alpha), anchors, lam, eps, "test")
+        ours = solver.solve("g", shared.lhs, shared.targets.at(alpha), anchors, lam, eps, "test")
         for name in merged:
             delta = lambda w: w - merged[name]  # noqa: E731
             assert relative_error(delta(ours[name]), delta(expected[name])) <= 1e-6, (lam, alpha, rho, name)
             b_anchor = anchor(bias_m[name], bias_b[name], rho)
-            b_expected = solve_bias(fixed, name, expected[name], b_anchor, lam)
-            b_ours = solve_bias(system, name, ours[name], b_anchor, lam)
+            b_expected = solve_bias(fixed, fixed_biases[name], expected[name], b_anchor, lam)
+            b_ours = solve_bias(shared, shared.biases.at(alpha)[name], ours[name], b_anchor, lam)
             assert float((b_ours - b_expected).norm() / (b_expected - bias_m[name]).norm()) <= 1e-6
-        assert torch.allclose(solve_norm(system, anchor(norm_m, norm_b, rho), lam), solve_norm(fixed, anchor(norm_m, norm_b, rho), lam), rtol=1e-12)
+        assert torch.allclose(solve_norm(shared, anchor(norm_m, norm_b, rho), lam), solve_norm(fixed, anchor(norm_m, norm_b, rho), lam), rtol=1e-12)
     assert shared.lhs.equal(lhs_before)  # lhs is shared by the candidates: the solves never modify it
-    assert capsys.readouterr().err == ""  # every candidate used the shared factor, none fell back to ridge_solve
+    assert capsys.readouterr().err == ""  # every candidate used the kept factor, none needed a larger ridge
 
 
 def test_coordinate_search_order_winner_and_budget():
@@ -197,9 +199,10 @@ def test_tuned_run_records_its_choice_and_is_deterministic(merged_scenario, tmp_
         best = min(layer["candidates"], key=lambda row: row["criterion"])
         assert layer["chosen"]["criterion"] == best["criterion"]
     front = yaml.safe_load((output / "README.md").read_text().split("---")[1])["featcal"]["hyperparameters"]
+    written = yaml.safe_load((output / "featcal_recipe.yml").read_text())["featcal"]
     for key in ("lambda", "alpha", "rho"):
         assert front[key] == report["chosen"][key]
-        assert f"#   {key}: {report['chosen'][key]}" in (output / "featcal_recipe.yml").read_text()
+        assert written[key] == {"per_layer": report["chosen"][key]}
     assert stderr.count("<- chosen") == 3 and "most common choice: lambda" in stderr
 
 
@@ -209,10 +212,10 @@ def test_tuned_run_resumes_to_the_same_bytes(merged_scenario, tmp_path, monkeypa
     digest = tree_hash(reference)
     real = calibrate_module.calibrate_layer
 
-    def crash_at_layer_two(layer, *args, **kwargs):
+    def crash_at_layer_two(ctx, layer, *args, **kwargs):
         if layer == 2:
             raise RuntimeError("simulated crash")
-        return real(layer, *args, **kwargs)
+        return real(ctx, layer, *args, **kwargs)
 
     monkeypatch.setattr(calibrate_module, "calibrate_layer", crash_at_layer_two)
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -10,12 +10,10 @@ per-sequence token counts:
   (QKᵀ and AV are 4·T²·d for the full square; only the causal half is useful).
 * statistics, per task: 2·n·d² per input group (Gram; on a CPU only the lower
   block triangle, `stats.gram_blocks`, so (k + 1)/2k of that) + 2·n·m·d per projection
-  (cross), plus 2·n·m·d for W_i x_cal when the group builds R_i per token
-  (`stats.targets_per_token`: fewer tokens n than inputs d); a group whose
-  crosses would cost more than one d × d moment (`stats.cross_moment_pays`)
-  costs 2·n·d² for the moment instead of its crosses.
-* solve: per task and projection W_i·G_i (2·m·d², `add_task`) unless R_i was
-  built per token, plus W_i·moment (2·m·d²) for a group that kept a moment; per group a Cholesky d³/3; per projection cholesky_solve
+  (cross); a group whose crosses would cost more than one d × d moment
+  (`stats.cross_moment_pays`) costs 2·n·d² for the moment instead of its crosses.
+* solve: per task and projection W_i·G_i (2·m·d², `objective.fold`), plus
+  W_i·moment (2·m·d²) for a group that kept a moment; per group a Cholesky d³/3; per projection cholesky_solve
   2·m·d² and the sketched residual check (8 probe columns, negligible).
   Retries with a larger ridge are not counted.
 """
@@ -73,37 +71,28 @@ def gram_flops(dim: int, tokens: int, symmetric: bool) -> float:
 
 
 def _uses_moment(group, tokens: int) -> bool:
-    from featcal_llm.maths.stats import cross_moment_pays, targets_per_token
+    from featcal_llm.maths.stats import cross_moment_pays
 
     output_total = sum(group.outputs.values())
-    return output_total > group.input_dim and not targets_per_token(tokens, group.input_dim) and cross_moment_pays(
-        tokens, group.input_dim, output_total
-    )
+    return output_total > group.input_dim and cross_moment_pays(tokens, group.input_dim, output_total)
 
 
 def statistics_flops(shape: LayerShape, tokens: int, symmetric: bool = True) -> float:
-    from featcal_llm.maths.stats import targets_per_token
-
     total = 0.0
     for group in shape.groups:
         d = group.input_dim
-        per_token = 2.0 if targets_per_token(tokens, d) else 1.0
         total += gram_flops(d, tokens, symmetric)
         if _uses_moment(group, tokens):
             total += 2.0 * tokens * d * d
         else:
-            total += sum(per_token * 2.0 * tokens * m * d for m in group.outputs.values())
+            total += sum(2.0 * tokens * m * d for m in group.outputs.values())
     return total
 
 
 def fold_flops(shape: LayerShape, tokens: int) -> float:
-    """W_i G_i for one task (`add_task`) where R_i was not built per token, plus W_i · moment where a moment was kept."""
-    from featcal_llm.maths.stats import targets_per_token
-
+    """W_i G_i for one task (`objective.fold`), plus W_i · moment where a moment was kept."""
     total = 0.0
     for g in shape.groups:
-        if targets_per_token(tokens, g.input_dim):
-            continue
         per_projection = 4.0 if _uses_moment(g, tokens) else 2.0
         total += sum(per_projection * m * g.input_dim**2 for m in g.outputs.values())
     return total

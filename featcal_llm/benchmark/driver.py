@@ -71,9 +71,19 @@ def _call_calibrate(calibrate, models, plan, runner, batches, layers, run_dir: P
     from featcal_llm.engine.resume import StagingArea
     from featcal_llm.engine.streams import HostStore
 
+    from featcal_llm.engine.context import RunContext
+
     staging = StagingArea(run_dir / "partial", f"bench-{run_dir.name}")
     store = HostStore(stream_budget(options.host_memory_gb), run_dir / "spill", pin=runner.device.type == "cuda")
-    return calibrate(models, plan, runner, batches, layers, staging, store, progress=progress, timer=timer), store
+    return calibrate(RunContext(models, plan, runner, store, staging, batches, timer=timer), layers, progress=progress), store
+
+
+def stretch_to_layers(config, layers: int) -> None:
+    """Make a config of the few stored layers describe `layers` decoder layers (per-layer kinds repeated cyclically)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        config.layer_types = [kinds[layer % len(kinds)] for layer in range(layers)]
+    config.num_hidden_layers = layers
 
 
 def statistics_matmul_dtype(device: torch.device, dtype: torch.dtype, stats_dtype: torch.dtype) -> torch.dtype:
@@ -112,11 +122,13 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from transformers import AutoConfig
 
     from featcal_llm.family.architectures import architecture_for, select_projections
-    from featcal_llm.engine.calibrate import Models, calibrate
+    from featcal_llm.engine.calibrate import calibrate
+    from featcal_llm.engine.context import Models
     from featcal_llm.io.checkpoint import copy_side_files, write_calibrated_checkpoint
     from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
-    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.engine.plan import CalibrationPlan
+    from featcal_llm.maths.objective import FeatCal, Hyperparameters
     from featcal_llm.maths.stats import TOTAL_DTYPE
     from featcal_llm.engine.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
@@ -159,13 +171,14 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     rates_before = measure_rates()
 
     config = AutoConfig.from_pretrained(checkpoints.merged)
+    stretch_to_layers(config, options.layers)  # layer l reads stored layer l mod stored_layers (BenchReader)
     architecture = architecture_for(config, "bench")
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, None, "bench"),
         norms=False,
         biases=True,
-        hyper=Hyperparameters(lam=options.lam, alpha=options.alpha, rho=options.rho, eps=1e-8),
+        objective=FeatCal(Hyperparameters(lam=options.lam, alpha=options.alpha, rho=options.rho, eps=1e-8)),
     )
     runner = LayerRunner(architecture, config, device, dtype, stats_dtype)
     shape = costs.layer_shape(architecture, config, plan)

@@ -4,8 +4,8 @@ On the whole-run preset's models (random SmolLM2-135M shapes, 3 experts × 64 ×
 tokens), the features of chosen layers are captured once with transformers'
 full models (merged model on every task's text, expert i on its own), then
 accumulated batch by batch with the product's own accumulators
-(`stats.accumulate_*`) in three ways, folded with `solve.add_task` and solved
-with `solve.ridge_solve`:
+(`stats.accumulate_*`) in three ways, folded with `objective.fold` and solved
+with `solve.RidgeSolver`:
 
 * float64 sums (the reference),
 * float32 running totals, and W_i G_i, W_i · moment formed from them in
@@ -67,11 +67,11 @@ def _statistics(x_cal, x_exp, y_exp, projections, mode: str, batch_tokens: int):
     total, precision = MODES[mode]
     outputs = {p: y.shape[1] for p, y in y_exp.items()}
     stats = GroupStatistics.empty(x_cal.shape[1], outputs, with_means=False, with_norm=False, device=torch.device("cpu"), dtype=total)
-    stats.cross_from_moment = stats.moment is not None
+    stats.via_moment = stats.moment is not None
     for start in range(0, len(x_cal), batch_tokens):
         rows = slice(start, start + batch_tokens)
         accumulate_gram(stats.gram, x_cal[rows], precision)
-        if stats.cross_from_moment:
+        if stats.via_moment:
             accumulate_moment(stats.moment, x_exp[rows], x_cal[rows], precision)
         else:
             for p in projections:
@@ -83,7 +83,8 @@ def _statistics(x_cal, x_exp, y_exp, projections, mode: str, batch_tokens: int):
 def measure(root: Path, layers: list[int], lambdas: list[float], alpha: float, rho: float, batch_tokens: int, log) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from featcal_llm.maths.solve import add_task, anchor, ridge_solve
+    from featcal_llm.maths.objective import ExpertGroup, GroupSystem, MixedTargets, fold
+    from featcal_llm.maths.solve import RidgeSolver, anchor
 
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
     recipe = json.loads((root / "complete.json").read_text())
@@ -116,12 +117,11 @@ def measure(root: Path, layers: list[int], lambdas: list[float], alpha: float, r
             for lam in lambdas:
                 deltas = {}
                 for mode, (all_stats, weights) in folded.items():
-                    system = None
+                    system = GroupSystem(lhs=None, targets=MixedTargets(alpha), biases=MixedTargets(alpha))
                     for stats, task_weights in zip(all_stats, weights):
-                        copy = _copy(stats)
-                        system = add_task(system, copy, task_weights, {}, None, alpha, 1e-8)
+                        fold(system, _copy(stats), ExpertGroup(task_weights), 1e-8)
                     anchors = {p: anchor(merged_weights[p], base_weights[p], rho) for p in projections}
-                    solved = ridge_solve(system.lhs, dict(system.rhs), anchors, lam, 1e-8, f"layer {layer} {group}")
+                    solved = RidgeSolver().solve(group, system.lhs, system.targets.at(alpha), anchors, lam, 1e-8, f"layer {layer} {group}")
                     deltas[mode] = {p: solved[p] - merged_weights[p].double() for p in projections}
                 reference = deltas["float64"]
                 error = lambda mode: max(  # noqa: E731
@@ -138,7 +138,7 @@ def measure(root: Path, layers: list[int], lambdas: list[float], alpha: float, r
 
 
 def _copy(stats):
-    """`add_task` consumes its statistics: each λ folds a fresh copy."""
+    """`fold` consumes its statistics: each λ folds a fresh copy."""
     from dataclasses import replace
 
     return replace(

@@ -60,12 +60,14 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
 
     from featcal_llm.family.architectures import architecture_for, select_projections
     from featcal_llm.benchmark.synthetic import SyntheticSpec, ensure_checkpoints
-    from featcal_llm.engine.calibrate import Models, calibrate
+    from featcal_llm.engine.calibrate import calibrate
+    from featcal_llm.engine.context import Models, RunContext
     from featcal_llm.io.checkpoint import CheckpointReader
     from featcal_llm.engine.drift import Probe
     from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
-    from featcal_llm.engine.plan import CalibrationPlan, Hyperparameters
+    from featcal_llm.engine.plan import CalibrationPlan
+    from featcal_llm.maths.objective import FeatCal, Hyperparameters
     from featcal_llm.engine.resume import StagingArea
     from featcal_llm.engine.streams import HostStore, make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
@@ -97,7 +99,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     for repeat in range(repeats):
         for mode, (calibration, probe_records, search, source) in modes.items():
             plan = CalibrationPlan(architecture, select_projections(architecture, None, "bench"), False, True,
-                                   Hyperparameters(3.0, 0.15, 0.5, 1e-8), tuning=search)
+                                   FeatCal(Hyperparameters(3.0, 0.15, 0.5, 1e-8), search=search))
             batches = {task: make_batches(seqs, batch_tokens) for task, seqs in calibration.items()}
             probe = None if probe_records is None else Probe({t: make_batches(s, batch_tokens) for t, s in probe_records.items()}, source)
             with tempfile.TemporaryDirectory(dir=root) as run_dir:
@@ -106,7 +108,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
                 if compute.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                calibrate(models, plan, runner, batches, layers, staging, store, progress=False, probe=probe)
+                calibrate(RunContext(models, plan, runner, store, staging, batches, probe), layers, progress=False)
                 if compute.type == "cuda":
                     torch.cuda.synchronize()
                 seconds[mode].append(time.perf_counter() - start)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from featcal_llm.io.checkpoint import CheckpointReader
-from featcal_llm.family.layers import LayerRunner
+from featcal_llm.family.layers import LayerRunner, norm_epsilon
 from featcal_llm.engine.streams import HostStore, TokenBatch
 
 DRIFT_JSON = "featcal_drift.json"
@@ -75,15 +75,11 @@ def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], ba
 
 
 class Head:
-    """A model's final norm and LM head (the family's own norm class), giving next-token log-probabilities."""
+    """A model's final norm and LM head (the family's own final-norm class), giving next-token log-probabilities."""
 
     def __init__(self, runner: LayerRunner, reader: CheckpointReader):
-        with torch.device("meta"):
-            layer = runner.architecture.layer_class()(runner.config, 0)
-        norm_path = runner.architecture.norms()[0]
-        norm_class = type(layer.get_submodule(norm_path))
-        epsilon = float(getattr(layer.get_submodule(norm_path), "variance_epsilon", getattr(runner.config, "rms_norm_eps", 1e-6)))
-        self.norm = norm_class(runner.config.hidden_size, eps=epsilon)
+        final_norm = runner.front.model.norm  # the family's final norm, on the meta device: its class and epsilon
+        self.norm = type(final_norm)(runner.config.hidden_size, eps=norm_epsilon(final_norm))
         self.norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(runner.dtype)}, assign=True)
         self.norm.to(runner.device)
         name = LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens
@@ -97,6 +93,14 @@ class Head:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return torch.log_softmax(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The heads of a run's models, keyed by role (an expert may be named anything, `merged` included)."""
+
+    merged: Head
+    experts: dict[str, Head]
 
 
 def next_token_kls(

@@ -1,4 +1,4 @@
-"""What a run calibrates: the architecture's input groups, the selected projections, the hyper-parameters."""
+"""What a run calibrates and by which objective: the architecture's input groups, the selected projections, the method."""
 
 from __future__ import annotations
 
@@ -6,29 +6,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from featcal_llm.family.architectures import Architecture, InputGroup
+from featcal_llm.maths.objective import FeatCal
 
 if TYPE_CHECKING:
     from featcal_llm.engine.tuning import Search
 
 
 @dataclass(frozen=True)
-class Hyperparameters:
-    lam: float
-    alpha: float
-    rho: float
-    eps: float
-
-
-@dataclass(frozen=True)
 class CalibrationPlan:
-    """What to calibrate; derived once from the recipe and the architecture."""
+    """What to calibrate and how; derived once from the recipe and the architecture."""
 
     architecture: Architecture
     projections: frozenset[str]
     norms: bool
     biases: bool
-    hyper: Hyperparameters  # a fixed run's values; ignored for the hyper-parameters a tuned run chooses
-    tuning: "Search | None" = None  # set when λ, α or ρ are chosen per layer on held-out records
+    objective: FeatCal
+
+    @property
+    def tuning(self) -> "Search | None":
+        """The search of a run that chooses its hyper-parameters per layer on held-out records (None otherwise)."""
+        return self.objective.search
 
     def groups(self) -> tuple[InputGroup, ...]:
         return tuple(

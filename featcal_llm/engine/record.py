@@ -7,14 +7,14 @@ allocated once and reused (zeroed) for every task and layer.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from featcal_llm.errors import FeatCalError
-from featcal_llm.family.layers import LayerRunner, hooked
 from featcal_llm.engine.plan import CalibrationPlan
-from featcal_llm.engine.profiling import NullTimer
+from featcal_llm.engine.transfer import on_device
+from featcal_llm.errors import FeatCalError
+from featcal_llm.family.layers import LayerRunner, hooked, norm_epsilon
 from featcal_llm.maths.stats import (
     GroupStatistics,
     accumulate_cross,
@@ -23,10 +23,10 @@ from featcal_llm.maths.stats import (
     accumulate_normalized_square,
     accumulate_sum,
     cross_moment_pays,
-    targets_per_token,
 )
-from featcal_llm.engine.streams import HostStore, TokenBatch
-from featcal_llm.engine.transfer import on_device
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
 
 
 class StatisticsWorkspace:
@@ -58,13 +58,6 @@ class StatisticsWorkspace:
         return stats
 
 
-def _norm_epsilon(module: torch.nn.Module) -> float:
-    for attribute in ("variance_epsilon", "eps", "epsilon"):
-        if hasattr(module, attribute):
-            return float(getattr(module, attribute))
-    raise FeatCalError(f"internal: cannot find the epsilon of {type(module).__name__}")
-
-
 def _compose(callbacks: dict[str, list[Callable]], timer) -> dict[str, Callable]:
     def chain(functions):
         def run(x, y):
@@ -75,35 +68,22 @@ def _compose(callbacks: dict[str, list[Callable]], timer) -> dict[str, Callable]
     return {path: chain(functions) for path, functions in callbacks.items()}
 
 
-def record_task(
-    layer: int,
-    runner: LayerRunner,
-    plan: CalibrationPlan,
-    cal_layer: torch.nn.Module,
-    expert_layer: torch.nn.Module,
-    batches: list[TokenBatch],
-    cal_stream: list[torch.Tensor],
-    expert_stream: list[torch.Tensor],
-    store: HostStore,
-    workspace: StatisticsWorkspace,
-    timer=NullTimer(),
-) -> dict[str, GroupStatistics]:
+def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert_layer: torch.nn.Module) -> dict[str, GroupStatistics]:
     """One task's statistics for every input group.
 
-    `expert_stream` is advanced in place to expert i's layer output (h_exp for
-    the next layer), batch by batch, so old and new streams never coexist.
+    The task's expert stream is advanced in place to expert i's layer output
+    (h_exp for the next layer), batch by batch, so old and new streams never
+    coexist.
     """
+    plan, runner, timer, store = ctx.plan, ctx.runner, ctx.timer, ctx.store
+    batches, cal_stream, expert_stream = ctx.batches[task], ctx.cal[task], ctx.expert[task]
     device, precision = runner.device, runner.stats_dtype  # float64 totals; each batch's products in `precision`
-    stats = workspace.zeroed(plan, cal_layer, runner)
+    stats = ctx.workspace.zeroed(plan, cal_layer, runner)
     task_tokens = sum(batch.tokens for batch in batches)
     for group_stats in stats.values():
-        # a tuned run needs Σ y_exp x_calᵀ itself, since α varies across candidates
-        group_stats.cross_is_target = plan.tuning is None and targets_per_token(task_tokens, group_stats.gram.shape[0])
         # wide groups: one moment Σ x_exp x_calᵀ, crosses W_i,p · moment after the task (fewer FLOPs, same sums)
-        group_stats.cross_from_moment = (
-            not group_stats.cross_is_target
-            and group_stats.moment is not None
-            and cross_moment_pays(task_tokens, group_stats.gram.shape[0], sum(c.shape[0] for c in group_stats.cross.values()))
+        group_stats.via_moment = group_stats.moment is not None and cross_moment_pays(
+            task_tokens, group_stats.gram.shape[0], sum(c.shape[0] for c in group_stats.cross.values())
         )
     for index, (batch, (h_cal, h_exp)) in enumerate(zip(batches, on_device(device, cal_stream, expert_stream))):
         keep = batch.keep.to(device)
@@ -122,7 +102,7 @@ def record_task(
 
             cal_hooks.setdefault(group.projections[0], []).append(on_cal_input)
             if group_stats.norm_sq is not None:
-                epsilon = _norm_epsilon(cal_layer.get_submodule(group.norm))
+                epsilon = norm_epsilon(cal_layer.get_submodule(group.norm))
                 cal_hooks.setdefault(group.norm, []).append(
                     lambda x, _y, s=group_stats, e=epsilon: accumulate_normalized_square(s.norm_sq, x[keep], e)
                 )
@@ -130,7 +110,7 @@ def record_task(
                 expert_hooks.setdefault(group.projections[0], []).append(
                     lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
                 )
-            if group_stats.cross_from_moment:  # the group's first projection sees x_exp as its input
+            if group_stats.via_moment:  # the group's first projection sees x_exp as its input
                 expert_hooks.setdefault(group.projections[0], []).append(
                     lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, x[keep], x_cal[name], precision)
                 )
@@ -142,8 +122,6 @@ def record_task(
                     rows = y[keep]  # y_exp = W_i x_exp (+ b_i)
                     if m.bias is not None:
                         rows = rows - m.bias
-                    if s.cross_is_target:  # W_i x_tgt = α y_exp + (1 − α) W_i x_cal
-                        rows = torch.lerp(torch.nn.functional.linear(x_cal[name], m.weight), rows, plan.hyper.alpha)
                     accumulate_cross(s.cross[p], rows, x_cal[name], precision)
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)
@@ -155,7 +133,7 @@ def record_task(
             with hooked(expert_layer, _compose(expert_hooks, timer)):
                 h_next = runner.forward(expert_layer, h_exp, context)
         if not bool(torch.isfinite(h_next[keep]).all()):
-            raise FeatCalError(f"layer {layer}: expert produced NaN/Inf hidden states")
+            raise FeatCalError(f"layer {cal_layer.featcal_index}: expert {task} produced NaN/Inf hidden states")
         expert_stream[index] = store.store(h_next, batch.keep)
         for s in stats.values():
             s.tokens += batch.tokens

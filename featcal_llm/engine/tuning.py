@@ -12,13 +12,14 @@ best λ, then every ρ at the best (λ, α).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.engine.plan import Hyperparameters
+from featcal_llm.maths.objective import Hyperparameters
 
 # `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
 # extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.
@@ -100,7 +101,8 @@ Evaluated = list[tuple[Hyperparameters, float]]
 def coordinate_search(search: Search, score: Callable[[Hyperparameters], float]) -> tuple[Hyperparameters, Evaluated]:
     """Minimise `score` one hyper-parameter at a time (λ, then α, then ρ); ties keep the earlier candidate.
 
-    Returns the winner and every evaluated (candidate, score) in evaluation order.
+    A score that is NaN counts as +inf, so it loses to every finite one. Returns
+    the winner and every evaluated (candidate, score) in evaluation order.
     """
     current = search.start()
     table: Evaluated = []
@@ -115,7 +117,8 @@ def coordinate_search(search: Search, score: Callable[[Hyperparameters], float])
             trial = {**current, key: value}
             identity = tuple(trial[k] for k in KEYS)
             if identity not in seen:
-                seen[identity] = score(hyper(trial))
+                scored = score(hyper(trial))
+                seen[identity] = math.inf if math.isnan(scored) else scored
                 table.append((hyper(trial), seen[identity]))
             if best_score is None or seen[identity] < best_score:
                 best_value, best_score = value, seen[identity]
@@ -134,6 +137,11 @@ def summary(chosen: list[dict[str, float]]) -> dict[str, float]:
 
 def as_values(hyper: Hyperparameters) -> dict[str, float]:
     return {"lambda": hyper.lam, "alpha": hyper.alpha, "rho": hyper.rho}
+
+
+def criterion_value(value: float) -> float | None:
+    """A criterion as JSON holds it: None for a candidate that failed (+inf), so the file stays standard JSON."""
+    return value if math.isfinite(value) else None
 
 
 def tuning_report(search: Search, records: list[dict]) -> dict:
@@ -155,7 +163,8 @@ def tuning_table(report: dict) -> str:
         winner = tuple(layer["chosen"][k] for k in KEYS)
         for row in layer["candidates"]:
             mark = "  <- chosen" if tuple(row[k] for k in KEYS) == winner else ""
-            lines.append(f"{layer['layer']:>5} {row['lambda']:>9.3g} {row['alpha']:>6.3g} {row['rho']:>5.3g} {row['criterion']:>12.6g}{mark}")
+            value = "failed" if row["criterion"] is None else f"{row['criterion']:.6g}"
+            lines.append(f"{layer['layer']:>5} {row['lambda']:>9.3g} {row['alpha']:>6.3g} {row['rho']:>5.3g} {value:>12}{mark}")
     common = report["most_common"]
     lines.append(f"most common choice: lambda {common['lambda']:g}, alpha {common['alpha']:g}, rho {common['rho']:g}")
     return "\n".join(lines)

@@ -47,9 +47,16 @@ def layer_kinds(config: Any) -> list[str]:
 class ModelFront:
     """The family's model forward up to (and excluding) the decoder layers, on `device`."""
 
-    def __init__(self, model_class: type, config: Any, device: torch.device):
-        with torch.device("meta"):
-            self.model = model_class(config)  # resolves config._attn_implementation the family's way
+    def __init__(self, model_class: type, config: Any, device: torch.device, dtype: torch.dtype = torch.float32):
+        # Built under the compute dtype, as `from_pretrained(dtype=...)` builds a model: buffers such as Gemma's
+        # embed_scale = √hidden take that dtype (float64 runs get the float64 root, not a float32 one).
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                self.model = model_class(config)  # resolves config._attn_implementation the family's way
+        finally:
+            torch.set_default_dtype(previous)
         self.model.eval().requires_grad_(False)
         self.kinds = layer_kinds(config)
         self.model.layers = torch.nn.ModuleList(_Catcher(i, kind, self) for i, kind in enumerate(self.kinds))

@@ -39,7 +39,7 @@ class LayerRunner:
         self.device = device
         self.dtype = dtype
         self.stats_dtype = stats_dtype  # precision of each batch's statistics products (totals are float64)
-        self.front = ModelFront(architecture.model_class(), self.config, device)  # sets config._attn_implementation
+        self.front = ModelFront(architecture.model_class(), self.config, device, dtype)  # sets config._attn_implementation
 
     def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:
         """A decoder layer on the compute device holding `weights` (names relative to the layer)."""
@@ -53,8 +53,7 @@ class LayerRunner:
         state = {name: tensor.to(device=self.device, dtype=self.dtype) for name, tensor in weights.items()}
         layer.load_state_dict(state, assign=True, strict=True)
         layer.requires_grad_(False)
-        kinds = self.front.kinds  # modulo: the benchmark replays its few stored layers as layer l mod stored
-        layer.featcal_index, layer.featcal_kind = layer_index, kinds[layer_index % len(kinds)]
+        layer.featcal_index, layer.featcal_kind = layer_index, self.front.kinds[layer_index]
         return layer.eval()
 
     def context(self, batch: TokenBatch, hidden: torch.Tensor) -> dict[str, Any]:
@@ -71,6 +70,14 @@ class LayerRunner:
         arguments = context[layer.featcal_kind] if len(context) > 1 else next(iter(context.values()))
         output = layer(hidden, **arguments)
         return output[0] if isinstance(output, tuple) else output
+
+
+def norm_epsilon(module: torch.nn.Module) -> float:
+    """The epsilon of a family's RMSNorm module, whatever the family calls it."""
+    for attribute in ("variance_epsilon", "eps", "epsilon"):
+        if hasattr(module, attribute):
+            return float(getattr(module, attribute))
+    raise FeatCalError(f"internal: cannot find the epsilon of {type(module).__name__}")
 
 
 HookFn = Callable[[torch.Tensor, torch.Tensor], None]

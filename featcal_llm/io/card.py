@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 
 from featcal_llm import __version__
@@ -12,17 +13,41 @@ from featcal_llm.io.recipe import Recipe
 RECIPE_FILE = "featcal_recipe.yml"
 
 
-def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None) -> None:
-    """README.md with hub-style YAML front matter, plus the full recipe beside it.
+REPLAY_HEADER = (
+    "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
+    "# (featcal_tuning.json) and the precisions it resolved. Running it again replays them, without a search.\n"
+)
+
+
+def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]) -> str:
+    """The recipe with lambda/alpha/rho as {per_layer: winners}, the held-out share explicit and `auto` precisions pinned."""
+    raw = yaml.safe_load(recipe.text)
+    block = raw["featcal"]
+    for key in ("lambda", "alpha", "rho"):
+        block[key] = {"per_layer": list(tuning["chosen"][key])}
+    block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
+    for key, dtype in precisions.items():
+        if block.get(key, "auto") == "auto":
+            block[key] = str(dtype).removeprefix("torch.")
+    return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
+
+
+def write_card(
+    directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
+    precisions: dict[str, torch.dtype] | None = None,
+) -> None:
+    """README.md with hub-style YAML front matter, plus the recipe beside it.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
-    per-layer chosen lists, and the saved recipe ends with them as a comment block.
+    per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
+    the run's resolved `dtype` and `stats_dtype`).
     """
     featcal = recipe.featcal
+    saved = recipe.text
     if tuning is None:
-        hyper = {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho, "eps": featcal.eps}
-        values = f"λ = {featcal.lambda_}, α = {featcal.alpha}, ρ = {featcal.rho}, eps = {featcal.eps}"
-        chosen_comment = ""
+        given = featcal.model_dump(mode="json", by_alias=True)
+        hyper = {key: given[key] for key in ("lambda", "alpha", "rho", "eps")}
+        values = ", ".join(f"{symbol} = {given[key]}" for key, symbol in (("lambda", "λ"), ("alpha", "α"), ("rho", "ρ"), ("eps", "eps")))
     else:
         search = tuning["search"]
         hyper = {**tuning["chosen"], "eps": featcal.eps,
@@ -34,9 +59,7 @@ def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, i
             + "\n".join(f"- {symbol}: {tuning['chosen'][key]}" for key, symbol in (("lambda", "λ"), ("alpha", "α"), ("rho", "ρ")))
             + f"\n\nMost common: λ = {common['lambda']:g}, α = {common['alpha']:g}, ρ = {common['rho']:g}; eps = {featcal.eps}"
         )
-        chosen_comment = "\n# featcal-llm chose per decoder layer (featcal_tuning.json):\n" + "".join(
-            f"#   {key}: {tuning['chosen'][key]}\n" for key in ("lambda", "alpha", "rho")
-        )
+        saved = replay_text(recipe, tuning, precisions or {})
     front = {
         "base_model": str(recipe.base),
         "tags": ["merge", "mergekit", "featcal"],
@@ -76,5 +99,4 @@ The full recipe (mergekit configuration plus the `featcal:` block) is saved as `
 """
     text = "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
-    saved = recipe.text.rstrip("\n") + "\n" + chosen_comment if chosen_comment else recipe.text
     (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")

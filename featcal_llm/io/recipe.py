@@ -41,7 +41,16 @@ class DataSpec(BaseModel):
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
 
 
-Tunable = float | tuple[float, ...] | Literal["auto"]  # a fixed value, a candidate list, or the documented default set
+class PerLayer(BaseModel):
+    """One value per decoder layer, as a tuned run writes its winners (`lambda: {per_layer: [...]}`): replayed, not searched."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_layer: tuple[float, ...]
+
+
+# a fixed value, a candidate list, the documented default set, or one value per layer
+Tunable = float | tuple[float, ...] | Literal["auto"] | PerLayer
 _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
     "lambda": (0.0, False, None),
     "alpha": (0.0, True, 1.0),
@@ -50,12 +59,27 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
 
 
 def _check_tunable(key: str, value: Any) -> Any:
-    """A number, `auto` or a non-empty list of numbers, each inside the key's range."""
-    if value == "auto":
+    """A number, `auto`, a non-empty list of numbers or {per_layer: [numbers]}, each inside the key's range.
+
+    A one-element list is that value, fixed: there is nothing to choose between.
+    """
+    if value == "auto" or isinstance(value, PerLayer):
         return value
+    if isinstance(value, dict):
+        if set(value) != {"per_layer"} or not isinstance(value["per_layer"], (list, tuple)) or not value["per_layer"]:
+            raise ValueError("expected {per_layer: [one number per decoder layer]}")
+        return {"per_layer": _numbers(key, value["per_layer"])}
     values = value if isinstance(value, (list, tuple)) else [value]
     if not values:
         raise ValueError("expected a number, auto or a non-empty list of numbers")
+    numbers = _numbers(key, values)
+    if isinstance(value, (list, tuple)) and len(set(numbers)) > 1:
+        return tuple(numbers)
+    return numbers[0]
+
+
+def _numbers(key: str, values: Any) -> list[float]:
+    """Each value as a float inside the key's range."""
     low, inclusive, high = _RANGES[key]
     numbers = []
     for item in values:
@@ -71,7 +95,7 @@ def _check_tunable(key: str, value: Any) -> Any:
             raise ValueError(f"every value should be greater than {'or equal to ' if inclusive else ''}{low:g}, got {item!r}")
         if high is not None and item > high:
             raise ValueError(f"every value should be less than or equal to {high:g}, got {item!r}")
-    return tuple(numbers) if isinstance(value, (list, tuple)) else numbers[0]
+    return numbers
 
 
 class TuneSpec(BaseModel):
@@ -127,7 +151,17 @@ class FeatCalConfig(BaseModel):
     @property
     def tuned(self) -> bool:
         """Whether any hyper-parameter is chosen by the run (auto or a list) rather than given."""
-        return any(not isinstance(v, float) for v in (self.lambda_, self.alpha, self.rho))
+        return any(v == "auto" or isinstance(v, tuple) for v in (self.lambda_, self.alpha, self.rho))
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether records are held out of the statistics: by a search, or by the replay of one (per_layer values with `tune:`)."""
+        return self.tuned or (self.per_layer and self.tune is not None)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether any hyper-parameter is given per layer (a tuned run's written winners)."""
+        return any(isinstance(v, PerLayer) for v in (self.lambda_, self.alpha, self.rho))
 
     def tune_settings(self) -> TuneSpec:
         return self.tune or TuneSpec()
@@ -224,7 +258,9 @@ def load_recipe(path: str | Path) -> Recipe:
         featcal = FeatCalConfig.model_validate(block)
     except ValidationError as error:
         raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
-    if featcal.tune is not None and not featcal.tuned:
+    if featcal.tuned and featcal.per_layer:
+        raise FeatCalError(f"{path}: featcal: per_layer values replay a tuned run and cannot be combined with auto or candidate lists")
+    if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
         raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set lambda, alpha or rho to auto or a list of candidates)")
     if merge_config.base_model is None:
         raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")

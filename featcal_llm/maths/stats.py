@@ -4,16 +4,16 @@ For one task and one input group (projections reading the same input) we keep
 sums over the task's non-padding tokens t, in float32 or better:
 
 * ``gram``     Σ_t x_cal x_calᵀ                      (d × d, shared by the group)
-* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d), or
-                   Σ_t (W_i x_tgt) x_calᵀ directly when the task has few tokens, or
-                   W_i,p · moment, formed after the task (`crosses_from_moment`)
+* ``cross[p]`` Σ_t y_exp,p x_calᵀ                     (m_p × d); always this, whichever way it was recorded
 * ``moment``   Σ_t x_exp x_calᵀ                      (d × d, shared by the group), accumulated
-                   instead of the crosses when that costs fewer FLOPs (`cross_moment_pays`)
+                   instead of the crosses when that costs fewer FLOPs (`cross_moment_pays`);
+                   `expert_crosses` then forms cross[p] = W_i,p · moment
 * ``sum_cal``, ``sum_exp``  Σ_t x_cal, Σ_t x_exp       (bias update only)
 * ``norm_sq``  Σ_t (x / rms(x))² of the group's norm input (RMSNorm update only)
 
 where y_exp,p = W_i x_exp is projection p's output in the expert (bias removed).
-R_i = W_i C_i is recovered later from ``cross`` and ``gram``: W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
+The objective (objective.py) forms its targets from these sums: FeatCal's
+R_i = α cross / n + (1 − α) W_i G_i, since W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
 A group whose projections' total output width m exceeds its input width d
 (q/k/v, gate/up) costs m·d per token in crosses but only d² in one moment;
 W_i,p · moment is the same cross (bias-free), exactly.
@@ -43,19 +43,28 @@ class GroupStatistics:
     sum_exp: torch.Tensor | None = None
     norm_sq: torch.Tensor | None = None
     tokens: int = 0
-    # True when `cross` already holds Σ (W_i x_tgt) x_calᵀ, built token by token (see `targets_per_token`).
-    cross_is_target: bool = False
     moment: torch.Tensor | None = None
-    # True while `moment` (not `cross`) holds this task's expert-side sums; see `crosses_from_moment`.
-    cross_from_moment: bool = False
+    # How this task's expert side is being recorded: True while `moment` holds it and `cross` is not formed yet.
+    via_moment: bool = False
 
     def reset(self) -> None:
         for tensor in (self.gram, *self.cross.values(), self.sum_cal, self.sum_exp, self.norm_sq, self.moment):
             if tensor is not None:
                 tensor.zero_()
         self.tokens = 0
-        self.cross_is_target = False
-        self.cross_from_moment = False
+        self.via_moment = False
+
+    def expert_crosses(self, expert_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """cross[p] = Σ y_exp,p x_calᵀ (bias-free), formed from the moment as W_i,p · moment if it was recorded that way.
+
+        In the statistics' precision; idempotent.
+        """
+        if self.via_moment:
+            for name, cross in self.cross.items():
+                weight = expert_weights[name].to(device=cross.device, dtype=cross.dtype)
+                torch.mm(weight, self.moment, out=cross)
+            self.via_moment = False
+        return self.cross
 
     @classmethod
     def empty(
@@ -80,37 +89,15 @@ class GroupStatistics:
         )
 
 
-def targets_per_token(tokens: int, input_dim: int) -> bool:
-    """Build R_i token by token (W_i x_tgt per token, 2·m·d·n FLOPs) rather than from W_i G_i (2·m·d² FLOPs).
-
-    Both give R_i = W_i C_i exactly; the cheaper one wins, which is per token
-    when a task has fewer tokens than the projection has inputs.
-    """
-    return tokens < input_dim
-
-
 def cross_moment_pays(tokens: int, input_dim: int, output_total: int) -> bool:
     """Accumulate one d × d moment Σ x_exp x_calᵀ and form the crosses W_i,p · moment after the task.
 
     Per projection the crosses cost Σ_p m_p·d FLOP-units per token, i.e.
     m·d·n in all; the moment costs d²·n plus m·d² once. The cheaper one wins:
     the moment for wide groups (q/k/v, gate/up) with many tokens. It never
-    wins when n < d, where `targets_per_token` applies instead.
+    wins when n < d.
     """
     return output_total * tokens > input_dim * tokens + output_total * input_dim  # m·d·n > d²·n + m·d², over d
-
-
-def crosses_from_moment(stats: GroupStatistics, expert_weights: dict[str, torch.Tensor]) -> None:
-    """cross[p] = W_i,p · Σ x_exp x_calᵀ = Σ y_exp,p x_calᵀ (bias-free), in the statistics' precision.
-
-    Idempotent: after it the statistics look as if accumulated per projection.
-    """
-    if not stats.cross_from_moment:
-        return
-    for name, cross in stats.cross.items():
-        weight = expert_weights[name].to(device=cross.device, dtype=cross.dtype)
-        torch.mm(weight, stats.moment, out=cross)
-    stats.cross_from_moment = False
 
 
 @functools.cache

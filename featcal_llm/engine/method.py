@@ -1,0 +1,36 @@
+"""The recipe's method and hyper-parameters as the objective the layer loop solves with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featcal_llm.engine.tuning import build_search
+from featcal_llm.errors import FeatCalError
+from featcal_llm.maths.objective import FeatCal, Hyperparameters
+
+
+def _per_layer(value: Any, key: str, num_layers: int, where: str) -> list[float]:
+    """A key's value at every layer: a number repeated, or its per_layer list (which must cover every layer)."""
+    values = getattr(value, "per_layer", None)
+    if values is None:
+        return [value] * num_layers
+    if len(values) != num_layers:
+        raise FeatCalError(f"{where}: featcal.{key}.per_layer: {len(values)} values for a model of {num_layers} decoder layers")
+    return list(values)
+
+
+def objective_for(featcal: Any, num_layers: int, where: str) -> FeatCal:
+    """FeatCal with the block's hyper-parameters: fixed, chosen per layer by a search, or a tuned run's winners replayed.
+
+    A replay (per_layer values) folds its targets as the search did (α kept apart),
+    so re-running a tuned run's written recipe reproduces its weights bit for bit.
+    """
+    if featcal.tuned:
+        search = build_search(featcal, where)
+        start = search.start()
+        return FeatCal(Hyperparameters(start["lambda"], start["alpha"], start["rho"], featcal.eps), search=search)
+    if featcal.per_layer:
+        columns = [_per_layer(getattr(featcal, attribute), key, num_layers, where)
+                   for attribute, key in (("lambda_", "lambda"), ("alpha", "alpha"), ("rho", "rho"))]
+        return FeatCal([Hyperparameters(lam, alpha, rho, featcal.eps) for lam, alpha, rho in zip(*columns)], split_targets=True)
+    return FeatCal(Hyperparameters(featcal.lambda_, featcal.alpha, featcal.rho, featcal.eps))
