@@ -134,3 +134,34 @@ def parse_hub_test(test: str, entry_point: str | None = None) -> HubTest:
 
 def oracle_for(dataset: str, entry_point: str) -> str:
     return ORACLES.get((dataset, entry_point), "default")
+
+
+def _key(value) -> str:
+    return f"{value}"  # the exporter's deduplication key (tools/*/to_original_fmt.py, deduplicate)
+
+
+def mbpp_base_count(test_list: list[str], entry_point: str, inputs: list) -> int | None:
+    """How many of an MBPP+ hub row's inputs are EvalPlus's base inputs, or None if unknown.
+
+    The exporter wrote base_input + plus_input as one deduplicated list; MBPP+'s base inputs are the
+    arguments of the original MBPP asserts (`test_list`). The split is taken only if those
+    arguments, deduplicated as the exporter does, are exactly the first inputs of the row."""
+    base: list[str] = []
+    for line in test_list:
+        try:
+            tree = ast.parse(line.strip())
+        except SyntaxError:
+            return None
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id == entry_point and not node.keywords]
+        if not calls:
+            return None
+        try:
+            args = [ast.literal_eval(arg) for arg in calls[0].args]
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+        if _key(args) not in base:
+            base.append(_key(args))
+    if not base or len(base) > len(inputs) or [_key(list(inp)) for inp in inputs[:len(base)]] != base:
+        return None
+    return len(base)
