@@ -47,7 +47,13 @@ def _qualname(value) -> str:
     return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}"
 
 
-def _numpy():
+def _numpy(load: bool = True):
+    """numpy, if installed; `load=False` (encoding) only finds it if the program imported it: no
+    numpy value can exist otherwise, and the program's process does not pay for the import."""
+    import sys
+
+    if not load:
+        return sys.modules.get("numpy")
     try:
         import numpy
     except ImportError:
@@ -71,7 +77,7 @@ def encode(value, depth: int = 0, _active: set | None = None):
         return ["C", value.real.hex(), value.imag.hex()]
     if kind is bytes:
         return ["B", value.hex()]
-    numpy = _numpy()
+    numpy = _numpy(load=False)
     if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
         dtype = value.dtype
         if dtype.kind not in _NUMERIC_KINDS:

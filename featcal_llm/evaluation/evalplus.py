@@ -30,7 +30,7 @@ from featcal_llm.evaluation.codec import encode
 from featcal_llm.evaluation.judge import ExecutionResult, RunJudge
 from featcal_llm.evaluation.oracle import HUB_PATCHES, HubTestError, oracle_for, parse_hub_test
 from featcal_llm.evaluation.problem import Problem, build_problem
-from featcal_llm.evaluation.sandbox import Execution, execute
+from featcal_llm.evaluation.sandbox import OUTPUT_CAP_BYTES, Execution, execute
 from featcal_llm.evaluation.sanitize import sanitize
 
 
@@ -46,6 +46,7 @@ class _Settings:
     time_limit_factor: float = 4.0  # EvalPlus's DEFAULT_GT_TIME_LIMIT_FACTOR
     workers: int = max(1, min(8, os.cpu_count() or 1))
     memory_mib: int = 4096
+    output_cap_bytes: int = OUTPUT_CAP_BYTES  # all outputs of one execution; a program over it fails
 
 
 _SETTINGS = _Settings()
@@ -127,7 +128,8 @@ def reference_solution(doc: dict) -> str:
 
 
 def _execute(job: dict, cap_s: float, on_record=None) -> Execution:
-    return execute(job, cap_s=cap_s, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib, on_record=on_record)
+    return execute(job, cap_s=cap_s, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib,
+                   output_cap_bytes=_SETTINGS.output_cap_bytes, on_record=on_record)
 
 
 def _run_job(solution: str, entry_point: str, inputs: list, limits: list[float], keep_going: bool = False) -> dict:
