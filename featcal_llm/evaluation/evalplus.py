@@ -4,12 +4,14 @@ The task YAMLs in `eval/tasks/` point here (`!function featcal_llm.evaluation.ev
 `*_process_docs` read each hub row as EvalPlus's grader would (oracle.py: the entry point from the
 test's own call, the tolerance, EvalPlus's special oracle, and which known-bad hub rows that
 patches); a custom filter turns each completion into a verdict (sanitize, then EvalPlus's
-differential test in the sandbox, harness.py) and `process_results` reads pass@1 off the verdict.
+differential test: the program runs in the sandbox on the inputs only, harness.py, and its outputs
+are judged here, judge.py, per EvalPlus execution, problem.py) and `process_results` reads pass@1
+off the verdict.
 Verdicts are JSON strings, so lm-eval's per-sample log keeps the sanitized solution, the status, the
 first failing input and the time limits next to the raw completion.
 
 Time limits are EvalPlus's: per input max(min_time_limit, factor x the canonical solution's time
-on that input) (4 s and 4 by default), the whole run capped at `cap_s`; all in CPU seconds, so a
+on that input) (4 s and 4 by default), each execution capped at `cap_s`; all in CPU seconds, so a
 verdict does not depend on how many programs run in parallel. The canonical solution's times are
 measured once per problem per process.
 

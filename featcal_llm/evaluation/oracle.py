@@ -12,9 +12,10 @@ differs from EvalPlus in ways that move scores (issue 12):
 - the helper compares with `np.allclose` without EvalPlus's `type(out) == type(exp)` check;
 - the solution runs in the test's module, so the test's `np`, `inf` and imports leak into it.
 
-So we keep only the data from the hub row and grade with EvalPlus's oracle (`harness.py`, in the
-sandbox): this module splits the script into its data statements and the facts the loop states
-(entry point, `atol`), and names the oracle EvalPlus applies to the problem (`ORACLES`).
+So we keep only the data from the hub row and grade with EvalPlus's oracle (`judge.py`, in the
+grader's process): this module splits the script into its data statements and the facts the loop
+states (entry point, `atol`), names the oracle EvalPlus applies to the problem (`ORACLES`), and
+finds where an MBPP+ row's base inputs end (`mbpp_base_count`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class HubTestError(ValueError):
 
 @dataclass(frozen=True)
 class HubTest:
-    setup: str          # data statements and helpers, run in their own namespace in the sandbox
+    setup: str          # data statements and helpers, run in a process of their own (harness `data` job)
     entry_point: str    # the function the loop calls with *inp
     atol: float
     cross_check: bool   # expected outputs come from `ref_func`, not a `results` list
