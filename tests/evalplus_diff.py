@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from evalplus_cases import CANDIDATES, DEVIATIONS, PROBLEMS
 from evalplus_export import export
 
-MIN_TIME_LIMIT_S, TIME_LIMIT_FACTOR = 1.0, 4.0
+MIN_TIME_LIMIT_S, TIME_LIMIT_FACTOR = 2.0, 4.0
 FORMATS = ("hub", "release")
 
 
@@ -113,6 +113,10 @@ def compare(names: list[str] | None = None, workers: int = 2) -> dict:
             started = time.perf_counter()
             evalplus_verdicts[name] = evalplus_passes(PROBLEMS[key], exported[key][1], candidate)
             evalplus_times.append(time.perf_counter() - started)
+            if not evalplus_verdicts[name] and evalplus_times[-1] > MIN_TIME_LIMIT_S / 2:
+                # EvalPlus's limits are wall-clock: a fail that took that long may be the machine's
+                # load, not the program; it stands only if it happens again
+                evalplus_verdicts[name] = evalplus_passes(PROBLEMS[key], exported[key][1], candidate)
     jobs = [(name, fmt) for name in names for fmt in FORMATS if fmt in rows[CANDIDATES[name][0]]]
     from featcal_llm.evaluation import evalplus
 
@@ -123,6 +127,7 @@ def compare(names: list[str] | None = None, workers: int = 2) -> dict:
         results = list(pool.map(lambda job: our_passes(rows[CANDIDATES[job[0]][0]][job[1]], CANDIDATES[job[0]][1]), jobs))
     ours = {job: result[0] for job, result in zip(jobs, results)}
     return {"evalplus": evalplus_verdicts, "ours": ours, "our_times": [result[1] for result in results],
+            "times_by_format": {fmt: [r[1] for job, r in zip(jobs, results) if job[1] == fmt] for fmt in FORMATS},
             "evalplus_times": evalplus_times, "names": names}
 
 
@@ -146,9 +151,12 @@ def main() -> None:
               f"{len(jobs) - agree} differ ({deliberate} of them listed as deliberate)")
     for (name, fmt), (theirs, ours) in sorted(differ.items()):
         print(f"  differs: {name} [{fmt}]: EvalPlus {'pass' if theirs else 'fail'}, ours {'pass' if ours else 'fail'}")
-    times, theirs = result["our_times"], result["evalplus_times"]
-    print(f"grading time per program: ours {sum(times) / len(times):.3f} s (mean of {len(times)}), "
-          f"EvalPlus {sum(theirs) / len(theirs):.3f} s (mean of {len(theirs)}, sequential)")
+    theirs = result["evalplus_times"]
+    for fmt, times in result["times_by_format"].items():
+        if times:
+            print(f"grading time per program, {fmt} rows: ours {sum(times) / len(times):.3f} s "
+                  f"(mean of {len(times)}, one at a time, canonical runs excluded)")
+    print(f"EvalPlus 0.3.1 on the same programs: {sum(theirs) / len(theirs):.3f} s (mean of {len(theirs)})")
 
 
 if __name__ == "__main__":
