@@ -23,6 +23,7 @@ EVALPLUS_PASSES = {"median_right", "median_float_for_int", "halve_numpy_float", 
                    "helper_only_in_fstring", "chained_assignment", "markdown_wrapped", "helper_after_entry",
                    "find_zero_zeroes_its_input", "eq_always_true", "int_subclass_eq_true"}
 FORGES = {"forge_write_every_fd", "forge_proc_self_fd", "forge_main_module"}
+pytestmark = pytest.mark.slow  # about a minute on two shared cores: 51 programs x (EvalPlus + 2 row formats)
 
 
 @pytest.fixture(scope="module")
