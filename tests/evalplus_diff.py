@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -154,9 +155,10 @@ def main() -> None:
     theirs = result["evalplus_times"]
     for fmt, times in result["times_by_format"].items():
         if times:
-            print(f"grading time per program, {fmt} rows: ours {sum(times) / len(times):.3f} s "
-                  f"(mean of {len(times)}, one at a time, canonical runs excluded)")
-    print(f"EvalPlus 0.3.1 on the same programs: {sum(theirs) / len(theirs):.3f} s (mean of {len(theirs)})")
+            print(f"grading time per program, {fmt} rows: ours mean {sum(times) / len(times):.3f} s, "
+                  f"median {statistics.median(times):.3f} s ({len(times)} programs, one at a time, canonical runs excluded)")
+    print(f"EvalPlus 0.3.1 on the same programs: mean {sum(theirs) / len(theirs):.3f} s, "
+          f"median {statistics.median(theirs):.3f} s")
 
 
 if __name__ == "__main__":

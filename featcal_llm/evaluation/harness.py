@@ -247,8 +247,6 @@ def run_inputs(job: dict, channel: Channel, codec) -> None:
                 out = fn(*inp)
             record["t"] = time.thread_time() - started
             record["out"] = codec.encode(out)
-            if job.get("return_inputs"):
-                record["inp"] = codec.encode(inp)
         except TimeoutException as error:
             record = {"i": index, "timeout": str(error)}
         except BaseException as error:  # noqa: BLE001
