@@ -108,7 +108,8 @@ def test_mbpp_plus_grades_the_extended_tests_not_the_three_asserts(suite):
     assert [s["primary"] for s in samples] == [0.0, 1.0, 1.0]
     assert score == pytest.approx(2 / 3)
     first = json.loads(samples[0]["filtered_resps"][0])
-    assert first["status"] == "failed" and "AssertionError" in first["detail"]
+    assert first["status"] == "failed" and first["detail"] == "input 3: wrong output -1"  # n = 0, the first plus input
+    assert first["runs"] == [3, 3]  # the three asserts' inputs, then the plus inputs: two executions
 
 
 def test_code_is_not_run_without_opt_in(suite):

@@ -1,63 +1,159 @@
-"""The per-sample code runner and the EvalPlus-style sanitizer."""
+"""The program's process: statuses, limits, EvalPlus's guard, and a verdict it cannot write."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from featcal_llm.evaluation.sandbox import run_program
+from featcal_llm.evaluation import evalplus, sandbox
 from featcal_llm.evaluation.sanitize import code_extract, sanitize
+
+# EvalPlus's own row format: base and plus inputs run as two executions
+ADD = {"task_id": "HumanEval/990", "prompt": "def add(x, y):\n", "canonical_solution": "    return x + y\n",
+       "entry_point": "add", "base_input": [[1, 2], [0, 0]], "plus_input": [[10 ** 20, 1], [-5, 5]], "atol": 0}
+
+
+@pytest.fixture(autouse=True)
+def allowed():
+    evalplus.configure(allow=True, cap_s=10.0, min_time_limit_s=0.5, time_limit_factor=4.0, workers=2, memory_mib=1024)
+    yield
+    evalplus.configure(allow=False, cap_s=60.0, min_time_limit_s=4.0, time_limit_factor=4.0, memory_mib=4096)
+
+
+def grade(body: str):
+    """`add` whose body is `body`, graded on ADD."""
+    return evalplus.grade_solution(body, ADD)
 
 
 @pytest.mark.parametrize(
-    ("program", "status"),
+    ("program", "status", "detail"),
     [
-        ("assert sum([1, 2]) == 3\n", "passed"),
-        ("assert sum([1, 2]) == 4\n", "failed"),
-        ("import sys\nsys.exit(0)\nassert False\n", "failed"),        # leaving early is not passing
-        ("import os\nos._exit(0)\n", "failed"),
-        ("x = bytearray(64 * 1024 ** 3)\n", "failed"),                # MemoryError under the limit
-        ("import ctypes\nctypes.string_at(0)\n", "crashed"),          # segfault
-        ("while True:\n    pass\n", "timeout"),
-        ("import shutil\nshutil.rmtree('/')\n", "failed"),             # disabled by the guard
+        ("def add(x, y):\n    return x + y\n", "passed", ""),
+        ("def add(x, y):\n    return x - y\n", "failed", "input 0: wrong output -1"),
+        ("import sys\ndef add(x, y):\n    sys.exit(0)\n", "failed", "input 0: SystemExit: 0"),
+        ("import os\ndef add(x, y):\n    os._exit(0)\n", "failed", "exited before the tests finished"),
+        ("def add(x, y):\n    return len(bytearray(64 * 1024 ** 3))\n", "failed", "input 0: MemoryError"),
+        ("import ctypes\ndef add(x, y):\n    return ctypes.string_at(0)\n", "crashed", "killed by SIGSEGV"),
+        ("def add(x, y):\n    while True:\n        pass\n", "timeout", "input 0: over the 0.5 s CPU limit"),
+        # the per-input timer switched off: the run's CPU limit (SIGXCPU before SIGKILL) is a timeout
+        ("import signal\ndef add(x, y):\n    signal.signal(signal.SIGPROF, signal.SIG_IGN)\n    while True:\n"
+         "        pass\n", "timeout", "over the run's CPU-time limit"),
+        ("import shutil\ndef add(x, y):\n    shutil.rmtree('/')\n", "failed", "input 0: TypeError: 'NoneType'"),
     ],
 )
-def test_run_program_verdicts(program, status):
-    result = run_program(program, timeout_s=1.5, memory_mib=1024)
+def test_statuses(program, status, detail):
+    result = grade(program)
     assert result.status == status, result.detail
+    assert result.detail.startswith(detail), result.detail
     assert result.passed is (status == "passed")
-    assert result.duration_s < 10
 
 
 def test_writes_outside_the_sandbox_directory_are_refused(tmp_path):
     target = tmp_path / "escaped.txt"
-    for program in (f"open({str(target)!r}, 'w').write('x')\n",
-                    f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\n",
-                    f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n"):
-        result = run_program(program, timeout_s=5)
+    for line in (f"io.open({str(target)!r}, 'w').write('x')", f"os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+                 f"pathlib.Path({str(target)!r}).write_text('x')"):
+        result = grade(f"import io, os, pathlib\ndef add(x, y):\n    {line}\n    return x + y\n")
         assert result.status == "failed" and "PermissionError" in result.detail, result.detail
     assert not target.exists()
-    inside = run_program("open('scratch.txt', 'w').write('x')\nassert open('scratch.txt').read() == 'x'\n", timeout_s=5)
+    inside = grade("import io\ndef add(x, y):\n    io.open('scratch.txt', 'w').write('x')\n"
+                   "    assert io.open('scratch.txt').read() == 'x'\n    return x + y\n")
     assert inside.passed, inside.detail
 
 
-def test_posix_spawn_is_disabled_and_processes_are_capped():
-    spawn = run_program("import os\nos.posix_spawn('/bin/true', ['/bin/true'], dict(os.environ))\n", timeout_s=5)
-    assert spawn.status == "failed" and "NoneType" in spawn.detail
-    limits = "line = [l for l in open('/proc/self/limits') if l.startswith('Max processes')][0]\nassert 'unlimited' not in line, line\n"
-    assert run_program(limits, timeout_s=5).passed
+@pytest.mark.parametrize(
+    ("program", "passes"),
+    [
+        ("import multiprocessing\n", True),                       # EvalPlus allows the import
+        ("from concurrent.futures import ProcessPoolExecutor\n", True),
+        ("import numpy\n", True),
+        ("import psutil\n", False),                               # EvalPlus's blocked modules
+        ("import resource\n", False),
+        ("def add(x, y):\n    open('x')\n    return x + y\n", False),  # EvalPlus disables open
+        ("import os\ndef add(x, y):\n    os.getcwd()\n    return x + y\n", False),
+        ("import os\ndef add(x, y):\n    os.posix_spawn('/bin/true', ['/bin/true'], {})\n    return x + y\n", False),
+        ("import os\ndef add(x, y):\n    os.fork()\n    return x + y\n", False),
+    ],
+)
+def test_evalplus_guard(program, passes):
+    if "def add" not in program:
+        program += "def add(x, y):\n    return x + y\n"
+    result = grade(program)
+    assert result.passed is passes, result.detail
 
 
-def test_a_program_cannot_pass_by_printing_what_the_harness_would():
-    # the verdict travels over a pipe: printing tokens from the command line (the old check) is not passing
-    forged = ("import json, os\nparts = open('/proc/self/cmdline').read().split('\\0')\n"
-              "print(json.dumps({'status': 'passed'}))\nprint(parts[-4], flush=True)\nos._exit(0)\n")
-    result = run_program(forged, timeout_s=5)
-    assert result.status == "failed" and result.detail == "exited before the tests finished"
+def test_limits_are_evalplus_stack_and_a_process_cap():
+    # EvalPlus raises RLIMIT_STACK to its memory limit: deep recursion through C code works
+    limits = ("import io\ndef add(x, y):\n    lines = {l[:25].strip(): l.split()[-3:-1] for l in io.open('/proc/self/limits')}\n"
+              "    assert lines['Max stack size'] == [str(1024 ** 3)] * 2, lines['Max stack size']\n"
+              "    assert 'unlimited' not in lines['Max processes'], lines['Max processes']\n    return x + y\n")
+    result = grade(limits)
+    assert result.passed, result.detail
+    deep = ("import functools, sys\ndef _step(n):\n    return 0 if n == 0 else 1 + _g(n - 1)\n"
+            "_g = functools.lru_cache(maxsize=None)(_step)\ndef add(x, y):\n    sys.setrecursionlimit(10 ** 6)\n"
+            "    _g.cache_clear()\n    return x + y + _g(60000) - 60000\n")
+    result = grade(deep)
+    assert result.passed, result.detail
 
 
-def test_process_spawning_is_disabled():
-    result = run_program("import os\nos.fork()\n", timeout_s=5)
-    assert result.status == "failed" and "NoneType" in result.detail
+FORGES = {
+    # the old verdict channel: a line on an inherited pipe, found by trying every descriptor or by name
+    "every_fd": "import os\ndef add(x, y):\n    for fd in range(3, 1024):\n        try:\n"
+                "            os.write(fd, b'{\"status\": \"passed\"}\\n')\n        except OSError:\n            pass\n"
+                "    os._exit(0)\n    return None\n",
+    "proc_self_fd": "import os\ndef add(x, y):\n    for name in os.listdir('/proc/self/fd'):\n        try:\n"
+                    "            target = os.readlink(f'/proc/self/fd/{name}')\n        except OSError:\n"
+                    "            continue\n        if 'pipe' in target and int(name) > 2:\n"
+                    "            os.write(int(name), b'{\"status\": \"passed\", \"n\": 4, \"passed_inputs\": 4}\\n')\n"
+                    "    os._exit(0)\n    return None\n",
+    # the harness's functions replaced through sys.modules['__main__']
+    "main_module": "import sys\ndef add(x, y):\n    main = sys.modules['__main__']\n"
+                   "    for name in dir(main):\n        if callable(getattr(main, name)) and not name.startswith('__'):\n"
+                   "            try:\n                setattr(main, name, lambda *a, **k: None)\n            except Exception:\n"
+                   "                pass\n    return None\n",
+    # the channel object itself told to say something else
+    "channel_send": "import sys\ndef add(x, y):\n    main = sys.modules['__main__']\n    real = main.Channel.send\n"
+                    "    main.Channel.send = lambda self, record: real(self, {**record, 'out': 0, 'passed': True})\n"
+                    "    return None\n",
+    # records for inputs the program was not asked about yet, and junk
+    # the harness's own channel, found with gc: a right answer sent early, then duplicates; junk
+    "extra_records": "import gc\ndef add(x, y):\n    channel = [o for o in gc.get_objects() if type(o).__name__ == 'Channel'][0]\n"
+                     "    channel.send({'i': 0, 'out': 3, 't': 0.0})\n    return None\n",
+    "not_json": "import gc, os\ndef add(x, y):\n    channel = [o for o in gc.get_objects() if type(o).__name__ == 'Channel'][0]\n"
+                "    os.write(channel.fd, b'passed\\n')\n    return x + y\n",
+    "objects_that_equal_everything": "class A:\n    def __eq__(self, other):\n        return True\n"
+                                     "def add(x, y):\n    return A()\n",
+    "int_subclass_equal_everything": "class I(int):\n    def __eq__(self, other):\n        return True\n"
+                                     "    __hash__ = int.__hash__\ndef add(x, y):\n    return I(-1)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGES))
+def test_a_program_cannot_write_its_verdict(name):
+    result = grade(FORGES[name])
+    assert result.status == "failed", (result.status, result.detail)
+
+
+def test_the_program_receives_inputs_only(monkeypatch):
+    jobs = []
+    real = sandbox.execute
+
+    def spy(job, **kwargs):
+        jobs.append(json.dumps(job))
+        return real(job, **kwargs)
+
+    monkeypatch.setattr(evalplus, "execute", spy)
+    doc = {**ADD, "task_id": "HumanEval/991", "plus_input": [[123456789, 987654321]]}
+    assert evalplus.grade_solution("def add(x, y):\n    return x + y\n", doc).passed
+    graded = [job for job in jobs if '"keep_going": false' in job]
+    assert len(graded) == 2  # base and plus: two executions
+    assert all(str(123456789 + 987654321) not in job for job in jobs)  # the expected output never leaves
+
+
+def test_output_cap(monkeypatch):
+    monkeypatch.setattr(evalplus._SETTINGS, "output_cap_bytes", 1000)
+    result = grade("def add(x, y):\n    return [x + y] * 10000 if x else x + y\n")
+    assert result.status == "failed" and "exceed" in result.detail, result.detail
 
 
 def test_code_extract_keeps_the_longest_parsable_block():
@@ -66,23 +162,12 @@ def test_code_extract_keeps_the_longest_parsable_block():
 
 
 def test_sanitize_keeps_what_the_entry_point_needs():
-    text = (
-        "import math\n"
-        "from typing import List\n\n"
-        "LIMIT = 10\n\n"
-        "def helper(v):\n    return math.sqrt(v) + LIMIT\n\n"
-        "def unrelated():\n    return 0\n\n"
-        "def no_return():\n    print('x')\n\n"
-        "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)\n\n"
-        "print(solve([1, 4]))\n"
-        "assert solve([]) == 0\n"
-    )
-    expected = (
-        "import math\nfrom typing import List\n"
-        "LIMIT = 10\n"
-        "def helper(v):\n    return math.sqrt(v) + LIMIT\n"
-        "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)"
-    )
+    text = ("import math\nfrom typing import List\n\nLIMIT = 10\n\ndef helper(v):\n    return math.sqrt(v) + LIMIT\n\n"
+            "def unrelated():\n    return 0\n\ndef no_return():\n    print('x')\n\n"
+            "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)\n\n"
+            "print(solve([1, 4]))\nassert solve([]) == 0\n")
+    expected = ("import math\nfrom typing import List\nLIMIT = 10\ndef helper(v):\n    return math.sqrt(v) + LIMIT\n"
+                "def solve(values: List[int]) -> float:\n    return sum(helper(v) for v in values)")
     assert sanitize(text, "solve") == expected
 
 

@@ -4,12 +4,14 @@ The task YAMLs in `eval/tasks/` point here (`!function featcal_llm.evaluation.ev
 `*_process_docs` read each hub row as EvalPlus's grader would (oracle.py: the entry point from the
 test's own call, the tolerance, EvalPlus's special oracle, and which known-bad hub rows that
 patches); a custom filter turns each completion into a verdict (sanitize, then EvalPlus's
-differential test in the sandbox, harness.py) and `process_results` reads pass@1 off the verdict.
+differential test: the program runs in the sandbox on the inputs only, harness.py, and its outputs
+are judged here, judge.py, per EvalPlus execution, problem.py) and `process_results` reads pass@1
+off the verdict.
 Verdicts are JSON strings, so lm-eval's per-sample log keeps the sanitized solution, the status, the
 first failing input and the time limits next to the raw completion.
 
 Time limits are EvalPlus's: per input max(min_time_limit, factor x the canonical solution's time
-on that input) (4 s and 4 by default), the whole run capped at `cap_s`; all in CPU seconds, so a
+on that input) (4 s and 4 by default), each execution capped at `cap_s`; all in CPU seconds, so a
 verdict does not depend on how many programs run in parallel. The canonical solution's times are
 measured once per problem per process.
 
@@ -26,8 +28,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from featcal_llm.evaluation.codec import encode
+from featcal_llm.evaluation.judge import ExecutionResult, RunJudge
 from featcal_llm.evaluation.oracle import HUB_PATCHES, HubTestError, oracle_for, parse_hub_test
-from featcal_llm.evaluation.sandbox import ExecutionResult, run_job
+from featcal_llm.evaluation.problem import Problem, build_problem
+from featcal_llm.evaluation.sandbox import OUTPUT_CAP_BYTES, Execution, execute
 from featcal_llm.evaluation.sanitize import sanitize
 
 
@@ -43,6 +48,7 @@ class _Settings:
     time_limit_factor: float = 4.0  # EvalPlus's DEFAULT_GT_TIME_LIMIT_FACTOR
     workers: int = max(1, min(8, os.cpu_count() or 1))
     memory_mib: int = 4096
+    output_cap_bytes: int = OUTPUT_CAP_BYTES  # all outputs of one execution; a program over it fails
 
 
 _SETTINGS = _Settings()
@@ -79,7 +85,11 @@ def wall_backstop_s() -> float:
 
 def _add_fields(doc: dict, dataset: str) -> dict:
     """A row whose test cannot be read is kept (its samples fail with the reason; --check-graders
-    reports it) rather than stopping the whole task."""
+    reports it) rather than stopping the whole task. EvalPlus's own release rows (`base_input`,
+    `plus_input`, `atol`, no `test`) name their entry point."""
+    if "test" not in doc and "base_input" in doc:
+        return {"evalplus_entry_point": doc["entry_point"], "evalplus_oracle": oracle_for(dataset, doc["entry_point"]),
+                "evalplus_patch": ""}
     try:
         test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
     except HubTestError as error:
@@ -108,55 +118,84 @@ def mbpp_process_docs(dataset):
 
 
 def _dataset(doc: dict) -> str:
-    return "mbpp" if "test_list" in doc else "humaneval"
+    return "mbpp" if "test_list" in doc or str(doc.get("task_id", "")).startswith("Mbpp/") else "humaneval"
 
 
 def reference_solution(doc: dict) -> str:
-    """EvalPlus's ground truth: prompt + canonical_solution (HumanEval+), the MBPP `code`."""
-    return doc["code"] if _dataset(doc) == "mbpp" else doc["prompt"] + doc["canonical_solution"]
+    """EvalPlus's ground truth: prompt + canonical_solution (HumanEval+, and EvalPlus's own release
+    rows), the MBPP `code` (MBPP+ hub rows)."""
+    if "code" in doc and "test" in doc:
+        return doc["code"]
+    return doc["prompt"] + doc["canonical_solution"]
 
 
-def _job(doc: dict, solution: str, mode: str, ref_times: list[float] | None) -> dict:
-    dataset = _dataset(doc)
-    test = parse_hub_test(doc["test"], doc.get("entry_point") if dataset == "humaneval" else None)
-    return {"mode": mode, "dataset": dataset, "entry_point": test.entry_point, "atol": test.atol,
-            "oracle": oracle_for(dataset, test.entry_point), "setup": test.setup, "solution": solution,
-            "ref_times": ref_times, "min_time_limit": _SETTINGS.min_time_limit_s,
-            "time_limit_factor": _SETTINGS.time_limit_factor}
+def _execute(job: dict, cap_s: float, on_record=None) -> Execution:
+    return execute(job, cap_s=cap_s, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib,
+                   output_cap_bytes=_SETTINGS.output_cap_bytes, on_record=on_record)
 
 
-def _execute(job: dict) -> ExecutionResult:
-    return run_job(job, cap_s=_SETTINGS.cap_s, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib)
+def _run_job(solution: str, entry_point: str, inputs: list, limits: list[float], keep_going: bool = False) -> dict:
+    return {"mode": "run", "solution": solution, "entry_point": entry_point, "inputs": inputs, "limits": limits,
+            "keep_going": keep_going}
 
 
-_REFERENCE: dict[str, ExecutionResult] = {}
+_REFERENCE: dict[str, Problem] = {}
 _REFERENCE_LOCKS: dict[str, threading.Lock] = {}
 _LOCK = threading.Lock()
 
 
-def reference_run(doc: dict) -> ExecutionResult:
-    """The canonical solution on every input, with its CPU time per input (memoized per problem)."""
-    key = hashlib.sha256(json.dumps([reference_solution(doc), doc["test"], _SETTINGS.cap_s]).encode()).hexdigest()
+def _fingerprint(doc: dict) -> str:
+    if "test" in doc:
+        data = doc["test"]
+    else:
+        data = json.dumps([encode(doc.get("base_input")), encode(doc.get("plus_input")), doc.get("atol")])
+    return hashlib.sha256(json.dumps([reference_solution(doc), data, _SETTINGS.cap_s]).encode()).hexdigest()
+
+
+def load_problem(doc: dict) -> Problem:
+    """The row as EvalPlus grades it, with the canonical solution's outputs and CPU times
+    (memoized per problem)."""
+    key = _fingerprint(doc)
     with _LOCK:
         lock = _REFERENCE_LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _REFERENCE:
-            _REFERENCE[key] = _execute(_job(doc, reference_solution(doc), "reference", None))
+            _REFERENCE[key] = build_problem(doc, _dataset(doc), reference_solution(doc), _execute, _SETTINGS.cap_s)
         return _REFERENCE[key]
 
 
+def reference_run(doc: dict) -> ExecutionResult:
+    """The canonical solution graded like any program, with its CPU time per input."""
+    return load_problem(doc).reference
+
+
 def grade_solution(solution: str, doc: dict) -> ExecutionResult:
-    """EvalPlus's differential test of an already sanitized solution."""
+    """EvalPlus's differential test of an already sanitized solution: base and plus inputs in
+    separate executions (when the row says where they split), each judged here with its own
+    tolerance; the first failing run stops the grading."""
     if doc.get("evalplus_oracle") == "unreadable":
         return ExecutionResult("failed", None, 0.0, doc["evalplus_patch"])
-    reference = reference_run(doc)
-    times = reference.verdict.get("times")  # None if the canonical solution did not run: the cap per input
-    if times is None:
-        return _execute(_job(doc, solution, "grade", None))
-    # EvalPlus's per-run limit: min(cap, sum of the per-input limits) + 1
-    limits = sum(max(_SETTINGS.min_time_limit_s, _SETTINGS.time_limit_factor * t) for t in times)
-    job = _job(doc, solution, "grade", times)
-    return run_job(job, cap_s=min(_SETTINGS.cap_s, limits) + 1, wall_s=wall_backstop_s(), memory_mib=_SETTINGS.memory_mib)
+    problem = load_problem(doc)
+    if problem.error:
+        return ExecutionResult("failed", None, 0.0, problem.error)
+    times = problem.times
+    limits = ([max(_SETTINGS.min_time_limit_s, _SETTINGS.time_limit_factor * t) for t in times]
+              if times is not None else [_SETTINGS.cap_s] * len(problem.inputs))
+    duration, passed, returncode = 0.0, 0, None
+    status, detail = "passed", ""
+    for start, end in problem.runs:
+        run_limits = limits[start:end]
+        judge = RunJudge(problem.oracle, problem.inputs[start:end], problem.expected[start:end], problem.atol, start)
+        # EvalPlus's limit per execution: min(cap, sum of the per-input limits) + 1
+        cap = min(_SETTINGS.cap_s, sum(run_limits)) + 1 if times is not None else _SETTINGS.cap_s
+        execution = _execute(_run_job(solution, problem.entry_point, problem.encoded[start:end], run_limits), cap, judge)
+        status, detail = judge.verdict(execution)
+        duration, passed, returncode = duration + execution.duration_s, passed + judge.passed, execution.returncode
+        if status != "passed":
+            break
+    verdict = {"n": len(problem.inputs), "passed_inputs": passed, "runs": [end - start for start, end in problem.runs],
+               "limits_s": [min(limits), max(limits)] if limits else []}
+    return ExecutionResult(status, returncode, duration, detail, verdict)
 
 
 def grade(completion: str, doc: dict, prompt: str = "") -> dict:
@@ -167,7 +206,7 @@ def grade(completion: str, doc: dict, prompt: str = "") -> dict:
     result = grade_solution(solution, doc)
     verdict = {"passed": result.passed, "status": result.status, "detail": result.detail,
                "duration_s": round(result.duration_s, 3), "solution": solution}
-    for key in ("n", "passed_inputs", "limits_s"):
+    for key in ("n", "passed_inputs", "runs", "limits_s"):
         if key in result.verdict:
             verdict[key] = result.verdict[key]
     if doc.get("evalplus_patch"):

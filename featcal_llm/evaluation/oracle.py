@@ -12,9 +12,10 @@ differs from EvalPlus in ways that move scores (issue 12):
 - the helper compares with `np.allclose` without EvalPlus's `type(out) == type(exp)` check;
 - the solution runs in the test's module, so the test's `np`, `inf` and imports leak into it.
 
-So we keep only the data from the hub row and grade with EvalPlus's oracle (`harness.py`, in the
-sandbox): this module splits the script into its data statements and the facts the loop states
-(entry point, `atol`), and names the oracle EvalPlus applies to the problem (`ORACLES`).
+So we keep only the data from the hub row and grade with EvalPlus's oracle (`judge.py`, in the
+grader's process): this module splits the script into its data statements and the facts the loop
+states (entry point, `atol`), names the oracle EvalPlus applies to the problem (`ORACLES`), and
+finds where an MBPP+ row's base inputs end (`mbpp_base_count`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class HubTestError(ValueError):
 
 @dataclass(frozen=True)
 class HubTest:
-    setup: str          # data statements and helpers, run in their own namespace in the sandbox
+    setup: str          # data statements and helpers, run in a process of their own (harness `data` job)
     entry_point: str    # the function the loop calls with *inp
     atol: float
     cross_check: bool   # expected outputs come from `ref_func`, not a `results` list
@@ -134,3 +135,34 @@ def parse_hub_test(test: str, entry_point: str | None = None) -> HubTest:
 
 def oracle_for(dataset: str, entry_point: str) -> str:
     return ORACLES.get((dataset, entry_point), "default")
+
+
+def _key(value) -> str:
+    return f"{value}"  # the exporter's deduplication key (tools/*/to_original_fmt.py, deduplicate)
+
+
+def mbpp_base_count(test_list: list[str], entry_point: str, inputs: list) -> int | None:
+    """How many of an MBPP+ hub row's inputs are EvalPlus's base inputs, or None if unknown.
+
+    The exporter wrote base_input + plus_input as one deduplicated list; MBPP+'s base inputs are the
+    arguments of the original MBPP asserts (`test_list`). The split is taken only if those
+    arguments, deduplicated as the exporter does, are exactly the first inputs of the row."""
+    base: list[str] = []
+    for line in test_list:
+        try:
+            tree = ast.parse(line.strip())
+        except SyntaxError:
+            return None
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id == entry_point and not node.keywords]
+        if not calls:
+            return None
+        try:
+            args = [ast.literal_eval(arg) for arg in calls[0].args]
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+        if _key(args) not in base:
+            base.append(_key(args))
+    if not base or len(base) > len(inputs) or [_key(list(inp)) for inp in inputs[:len(base)]] != base:
+        return None
+    return len(base)

@@ -19,7 +19,7 @@ import yaml
 
 from featcal_llm.evaluation.suite import Suite
 
-GRADER_MODULES = ("evalplus.py", "sanitize.py", "sandbox.py", "harness.py", "oracle.py")
+GRADER_MODULES = ("evalplus.py", "sanitize.py", "sandbox.py", "harness.py", "oracle.py", "codec.py", "judge.py", "problem.py")
 VERSIONED_PACKAGES = ("lm_eval", "vllm", "transformers", "torch", "datasets")
 _HERE = Path(__file__).resolve().parent
 

@@ -14,9 +14,7 @@ grade as EvalPlus does, so published numbers and ours agree.
 from __future__ import annotations
 
 import ast
-import io
 import re
-import tokenize
 
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 
@@ -44,15 +42,31 @@ def code_extract(text: str) -> str:
     return "\n".join(lines[best_span[0] : best_span[1] + 1])
 
 
-def _names_in(source: str) -> set[str]:
-    """Every identifier token in `source` (what tree-sitter's identifier nodes give EvalPlus)."""
+def _names_in(node: ast.AST) -> set[str]:
+    """Every identifier in `node`, as tree-sitter's identifier nodes give them to EvalPlus: names,
+    attribute names, parameters, keywords, imported names, definitions; inside f-strings too (on
+    Python 3.11 `tokenize` does not split f-strings, so a token scan misses them)."""
     names: set[str] = set()
-    try:
-        for token in tokenize.generate_tokens(io.StringIO(source).readline):
-            if token.type == tokenize.NAME:
-                names.add(token.string)
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            names.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            names.add(child.attr)
+        elif isinstance(child, ast.arg):
+            names.add(child.arg)
+        elif isinstance(child, ast.keyword) and child.arg:
+            names.add(child.arg)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(child.name)
+        elif isinstance(child, ast.alias):
+            names.update((child.asname or child.name).split("."))
+            names.update(child.name.split("."))
+        elif isinstance(child, (ast.Global, ast.Nonlocal)):
+            names.update(child.names)
+        elif isinstance(child, ast.ExceptHandler) and child.name:
+            names.add(child.name)
+        elif isinstance(child, (ast.MatchAs, ast.MatchStar)) and child.name:
+            names.add(child.name)
     return names
 
 
@@ -67,8 +81,8 @@ def _segment(code_lines: list[str], node: ast.stmt) -> str:
 def _definition_name(node: ast.stmt) -> str | None:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return node.name
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-        return node.targets[0].id
+    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id  # `A = B = 2` is A's (tree-sitter's first identifier), kept whole
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
         return node.target.id
     return None
@@ -93,9 +107,11 @@ def sanitize(text: str, entry_point: str | None = None) -> str:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return code
     imports: list[str] = []
-    definitions: list[tuple[str, str]] = []
+    definitions: list[tuple[str, str, ast.stmt]] = []
     taken: set[str] = set()
     for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue  # a future_import_statement in tree-sitter: neither an import nor a definition there
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.append(_segment(lines, node))
             continue
@@ -106,11 +122,11 @@ def sanitize(text: str, entry_point: str | None = None) -> str:
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _has_return(node):
             continue
-        definitions.append((name, _segment(lines, node)))
+        definitions.append((name, _segment(lines, node), node))
         taken.add(name)
     if entry_point:
-        dependencies = {name: _names_in(source) for name, source in definitions}
+        dependencies = {name: _names_in(node) for name, _, node in definitions}
         keep = _reachable(entry_point, dependencies)
-        definitions = [(name, source) for name, source in definitions if name in keep]
-    sanitized = "\n".join(imports + [source for _, source in definitions]).strip()
+        definitions = [item for item in definitions if item[0] in keep]
+    sanitized = "\n".join(imports + [source for _, source, _ in definitions]).strip()
     return sanitized or code
