@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -12,8 +13,13 @@ from featcal_llm.io.recipe import Recipe
 RECIPE_FILE = "featcal_recipe.yml"
 
 
-def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None) -> None:
+def write_card(
+    directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None, sources: dict[str, Any] | None = None
+) -> None:
     """README.md with hub-style YAML front matter, plus the full recipe beside it.
+
+    `sources` (base_model / expert name → io.references.ModelSource) records every model as read:
+    its reference, hub revision and LoRA adapter.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe ends with them as a comment block.
@@ -47,6 +53,7 @@ def write_card(directory: Path, recipe: Recipe, merged: str, tokens: dict[str, i
             "experts": [expert.name for expert in recipe.experts],
             "hyperparameters": hyper,
             "calibration_tokens": tokens,
+            **({"models": {name: source.describe() for name, source in sources.items()}} if sources else {}),
             "featcal_llm_version": __version__,
         },
     }
