@@ -204,3 +204,23 @@ def test_plus_reference_to_a_non_adapter_is_refused(lora_scenario, tmp_path):
     recipe = _recipe(lora_scenario, tmp_path, f"{lora_scenario.base}+{expert}", tmp_path / "merged", "out")
     with pytest.raises(FeatCalError, match="not a PEFT adapter"):
         run_recipe(recipe, progress=False)
+
+
+def test_trained_biases_and_lora_bias_equal_peft(tmp_path):
+    """Qwen2 (q/k/v biases): `bias: all` saves every trained bias, `lora_bias` adds scale·b_B; both as peft merges them."""
+    from scenario import build_scenario
+
+    from featcal_llm.io.lora import LoraReader
+
+    scenario = build_scenario(tmp_path / "qwen2", experts=1, layers=2, samples=2, family="qwen2", dtype="float64")
+    scenario.adapters = {}
+    adapter, full = _build_adapter(scenario, "bias", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"], "bias": "all", "lora_bias": True})
+    reader = LoraReader(CheckpointReader(scenario.base, "base"), adapter, "expert")
+    assert any(key.endswith(".bias") for key in reader.replacements) and any(key.endswith(".bias") for key in reader.deltas)
+    expected = read_weights(full)
+    worst = max(float((reader.get(n) - v).abs().max() / v.abs().max()) for n, v in expected.items())
+    assert worst <= 1e-12, worst
+    assert not torch.equal(reader.get("model.layers.0.self_attn.q_proj.bias"), reader.base.get("model.layers.0.self_attn.q_proj.bias"))
+    llama = build_scenario(tmp_path / "llama", experts=0, layers=1, samples=1, dtype="float64")  # no biases: refused
+    with pytest.raises(FeatCalError, match=r"(has no counterpart model.layers.0.self_attn.[qkv]_proj.bias|has no bias) in the base model"):
+        LoraReader(CheckpointReader(llama.base, "base"), adapter, "expert")

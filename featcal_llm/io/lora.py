@@ -153,6 +153,8 @@ class LoraReader:
             else:
                 if rest.endswith(".lora_B.bias"):
                     module = rest[: -len(".lora_B.bias")]
+                    if f"{module}.bias" not in names:
+                        raise FeatCalError(f"{self.what}: {weights}: lora_bias on {module}, which has no bias in the base model {self.base.directory} (peft cannot merge it either)")
                     self.deltas.setdefault(f"{module}.bias", []).append(Delta("", key, _scale(self.config, module), False))
                     continue
                 if ".lora_" in rest:
