@@ -26,7 +26,7 @@ from featcal_llm.io.checkpoint import (
     copy_side_files,
     write_calibrated_checkpoint,
 )
-from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer
+from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import FeatCalError, warn
@@ -272,6 +272,8 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
     sized = {name: config.vocab_size for name, config in expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
+    if not merged_path.exists() and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
+        check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {base_dir}", {name: f"expert {name}" for name in sized})
     for name, source in experts.items():
         directory = source.tokenizer_directory
         if (directory / "tokenizer_config.json").is_file():
@@ -296,6 +298,11 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     models = _open_checkpoints(merged_dir, base, experts, architecture.layer_prefix.split("{")[0])
     readers = {"merged": models.merged, **models.experts}
     check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
+    for tensor in dict.fromkeys((architecture.embed_tokens, "lm_head.weight")):  # the drift's LM heads compare one vocabulary
+        rows = {m: _embedding_rows(r, tensor) for m, r in readers.items() if tensor in r.names()}
+        merged_rows = rows.pop("merged", None)
+        if merged_rows is not None:
+            check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
     smallest_lambda = min(search.values["lambda"]) if search else plan.hyper.lam  # a tuned run may pick any candidate
     runner = LayerRunner(

@@ -34,10 +34,10 @@ def forms(tmp_path_factory):
     return build_scenario(tmp_path_factory.mktemp("forms"), experts=2, layers=2, samples=SAMPLES, words=(3, 8), dtype="float64")
 
 
-def write_recipe(scenario, directory: Path, name: str, merge: dict, experts: list[str] | None = None, **featcal) -> Path:
+def write_recipe(scenario, directory: Path, name: str, merge: dict, experts: list[str] | None = None, data: list[Path] | None = None, **featcal) -> Path:
     """A recipe with `merge` as its mergekit part and calibration data keyed by `experts` (default: the two expert paths)."""
     names = experts or [str(p) for p in scenario.experts.values()]
-    data = list(scenario.data.values())
+    data = data or list(scenario.data.values())
     block = {
         "merged": str(directory / f"merged_{name}"), "output": str(directory / f"out_{name}"),
         "data": {expert: {"path": str(data[i]), "format": "text"} for i, expert in enumerate(names)},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,8 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
         lora_merge_cache=str(lora_cache),
     )
     try:
-        run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
+        with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
+            run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
     except FeatCalError:
         raise
     except Exception as error:
