@@ -224,3 +224,20 @@ def test_trained_biases_and_lora_bias_equal_peft(tmp_path):
     llama = build_scenario(tmp_path / "llama", experts=0, layers=1, samples=1, dtype="float64")  # no biases: refused
     with pytest.raises(FeatCalError, match=r"(has no counterpart model.layers.0.self_attn.[qkv]_proj.bias|has no bias) in the base model"):
         LoraReader(CheckpointReader(llama.base, "base"), adapter, "expert")
+
+
+def test_lora_base_model_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_path):
+    """base_model: base+adapter is read the same way (the anchor's W_base is the adapted base)."""
+    adapter, full = lora_scenario.adapters["plain"]
+    recipes = {}
+    for name, base in (("full", str(full)), ("lora", f"{lora_scenario.base}+{adapter}")):
+        recipe = yaml.safe_load(_recipe(lora_scenario, tmp_path, str(lora_scenario.experts["expert1"]), tmp_path / "merged", name).read_text())
+        recipe["base_model"] = base
+        recipes[name] = tmp_path / f"{name}-base.yaml"
+        recipes[name].write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ensure_merged(load_recipe(recipes["full"]), tmp_path / "merged", "cpu")
+    outputs = {name: read_weights(run_recipe(path, progress=False)) for name, path in recipes.items()}
+    merged = read_weights(tmp_path / "merged")
+    changed = [n for n in merged if not torch.equal(outputs["full"][n], merged[n])]
+    assert len(changed) >= 14
+    assert max(delta_error(outputs["lora"][n], outputs["full"][n], merged[n]) for n in changed) <= 1e-8

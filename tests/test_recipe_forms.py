@@ -229,3 +229,13 @@ def test_passthrough_frankenmerge_is_refused(forms, tmp_path):
 def test_multi_module_recipes_are_refused(forms, tmp_path):
     merge = {"merge_method": "task_arithmetic", "base_model": str(forms.base), "modules": {"text": {"models": models_entries(forms, {"weight": 0.5})}}}
     assert "modules: multi-module recipes are not supported" in refused(write_recipe(forms, tmp_path, "modules", merge))
+
+
+def test_out_dtype_is_kept_by_the_calibrated_checkpoint(forms, tmp_path):
+    """mergekit's dtype/out_dtype set the merged storage; every calibrated tensor keeps the merged model's dtype."""
+    merge = {"merge_method": "task_arithmetic", "base_model": str(forms.base), "models": models_entries(forms, {"weight": 0.5}), "out_dtype": "bfloat16"}
+    output = run_recipe(write_recipe(forms, tmp_path, "bf16", merge, dtype="float32"), progress=False)
+    ours, merged = read_weights(output), read_weights(tmp_path / "merged_bf16")
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    assert all(ours[n].dtype == merged[n].dtype for n in merged)
+    assert sum(not torch.equal(ours[n], merged[n]) for n in merged) >= 14
