@@ -140,15 +140,16 @@ def test_lora_expert_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_pa
     assert expert["lora_adapter"] == str(adapter)
 
 
-def test_lora_expert_merged_by_mergekit(lora_scenario, tmp_path):
-    """Without a merged model, mergekit merges `base+adapter` itself (scratch LoRA cache removed) and the run completes."""
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_lora_expert_merged_by_mergekit(lora_scenario, tmp_path, name):
+    """Without a merged model, mergekit merges the LoRA expert itself (a plain directory spelled `base+adapter` for it;
+    scratch LoRA cache removed) into the merge of the peft-merged checkpoint, and the run completes."""
     merged = tmp_path / "merged"
-    output = run_recipe(_recipe(lora_scenario, tmp_path, _written(lora_scenario, "plain"), merged, "out"), progress=False)
+    output = run_recipe(_recipe(lora_scenario, tmp_path, _written(lora_scenario, name), merged, "out"), progress=False)
     assert (output / "model.safetensors.index.json").is_file() or (output / "model.safetensors").is_file()
     assert not (tmp_path / ".merged.lora-cache").exists()
-    # the same merge from the peft-merged checkpoint
     reference = tmp_path / "reference"
-    ensure_merged(load_recipe(_recipe(lora_scenario, tmp_path, str(lora_scenario.adapters["plain"][1]), reference, "ref")), reference, "cpu")
+    ensure_merged(load_recipe(_recipe(lora_scenario, tmp_path, str(lora_scenario.adapters[name][1]), reference, "ref")), reference, "cpu")
     ours, theirs = read_weights(merged), read_weights(reference)
     assert max(float((ours[n] - theirs[n]).abs().max()) for n in theirs) <= 1e-6
 
@@ -241,3 +242,15 @@ def test_lora_base_model_calibrates_like_its_merged_checkpoint(lora_scenario, tm
     changed = [n for n in merged if not torch.equal(outputs["full"][n], merged[n])]
     assert len(changed) >= 14
     assert max(delta_error(outputs["lora"][n], outputs["full"][n], merged[n]) for n in changed) <= 1e-8
+
+
+def test_plain_adapter_naming_another_base_warns(lora_scenario, tmp_path, capsys):
+    from featcal_llm.io.recipe import load_recipe as load
+    from featcal_llm.io.references import resolve_source
+
+    adapter = _edited_adapter(lora_scenario, tmp_path, base_model_name_or_path="org/some-other-model")
+    recipe = load(_recipe(lora_scenario, tmp_path, str(adapter), tmp_path / "merged", "out"))
+    base = resolve_source(recipe.base, "base_model")
+    source = resolve_source(recipe.experts[1].reference, "models: adapter", base)
+    assert source.directory == lora_scenario.base and source.adapter == adapter
+    assert "names org/some-other-model as its base; it is applied to the recipe's base_model" in capsys.readouterr().err

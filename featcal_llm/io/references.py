@@ -11,11 +11,12 @@ directories become a LoRA source: the engine reads them through
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.io.lora import LoraReader, adapter_identity, is_adapter_directory
 
@@ -95,8 +96,23 @@ def resolve_source(reference: Any, what: str, base: ModelSource | None = None) -
             raise FeatCalError(f"{what}: {directory}: a PEFT adapter cannot be the base model; name the full base checkpoint")
         if base.adapter is not None:
             raise FeatCalError(f"{what}: {directory}: a plain adapter on a base that is itself base+adapter is ambiguous; write it as model+adapter")
+        _warn_other_base(directory, base, what)
         return ModelSource(str(reference), base.directory, directory, (base.revisions[0], reference.model.revision))
     return ModelSource(str(reference), directory, None, revisions)
+
+
+def _warn_other_base(adapter: Path, base: ModelSource, what: str) -> None:
+    """A plain adapter directory applies to the recipe's base; say so when its config names another one.
+
+    Names are compared by their last component, since the same model is a hub id on one machine and a local
+    directory on another; shapes are checked strictly when the adapter is opened.
+    """
+    try:
+        trained_on = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except ValueError:
+        return  # reported by load_lora_config
+    if trained_on and Path(str(trained_on)).name not in (Path(base.reference.split("@")[0]).name, base.directory.name):
+        warn(f"{what}: adapter {adapter} names {trained_on} as its base; it is applied to the recipe's base_model {base.reference}")
 
 
 def check_override_architecture(reference: Any, config: Any, what: str) -> None:
