@@ -28,7 +28,7 @@ from featcal_llm.io.checkpoint import (
     copy_side_files,
     write_calibrated_checkpoint,
 )
-from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer
+from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import FeatCalError, warn
@@ -36,7 +36,9 @@ from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
-from featcal_llm.io.recipe import Recipe, load_recipe, resolve_model_path
+from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
+from featcal_llm.io.recipe import Recipe, load_recipe
+from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (
     StagingArea,
     checkpoint_identity,
@@ -179,12 +181,12 @@ def _embedding_rows(reader: CheckpointReader, name: str) -> int:
     return layout[name][0][0]
 
 
-def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, Path], layer_prefix: str) -> Models:
-    """Open every checkpoint and check, from shard headers only, that their layer tensors line up."""
+def _open_checkpoints(merged_dir: Path, base: ModelSource, experts: dict[str, ModelSource], layer_prefix: str) -> Models:
+    """Open every checkpoint (a LoRA expert as base + adapter, merged on the fly) and check, from shard headers only, that their layer tensors line up."""
     models = Models(
         merged=CheckpointReader(merged_dir, f"merged model {merged_dir}"),
-        base=CheckpointReader(base_dir, f"base model {base_dir}"),
-        experts={name: CheckpointReader(d, f"expert {name}") for name, d in expert_dirs.items()},
+        base=base.open(f"base model {base.directory}"),
+        experts={name: source.open(f"expert {name}") for name, source in experts.items()},
     )
     reference = models.merged.layout()
     for reader in (models.base, *models.experts.values()):
@@ -192,7 +194,9 @@ def _open_checkpoints(merged_dir: Path, base_dir: Path, expert_dirs: dict[str, P
     return models
 
 
-def _run_fingerprint(recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int) -> str:
+def _run_fingerprint(
+    recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int, sources: dict[str, ModelSource]
+) -> str:
     featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb"})
     return fingerprint(
         [
@@ -202,8 +206,7 @@ def _run_fingerprint(recipe: Recipe, sequences, probe_sequences, models: Models,
             sequences_digest(sequences),
             sequences_digest(probe_sequences),
             checkpoint_identity(models.merged.directory),
-            checkpoint_identity(models.base.directory),
-            {task: checkpoint_identity(reader.directory) for task, reader in models.experts.items()},
+            {name: [source.identity(), checkpoint_identity(source.directory)] for name, source in sources.items()},
             [str(runner.device), str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
         ]
     )
@@ -234,12 +237,20 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     compute_device = resolve_device(device or featcal.device)
     trust = featcal.trust_remote_code
 
-    base_dir = resolve_model_path(recipe.base, f"{recipe.path}: base_model")
-    expert_dirs = {e.name: resolve_model_path(e.reference, f"{recipe.path}: models: {e.name}") for e in recipe.experts}
+    base = resolve_source(recipe.base, f"{recipe.path}: base_model")
+    experts = {e.name: resolve_source(e.reference, f"{recipe.path}: models: {e.name}", base) for e in recipe.experts}
+    base_dir = base.directory
     base_config = _load_config(base_dir, f"{recipe.path}: base_model", trust)
-    expert_configs = {name: _load_config(d, f"expert {name}", trust) for name, d in expert_dirs.items()}
+    check_override_architecture(recipe.base, base_config, f"{recipe.path}: base_model {recipe.base}")
+    check_slice_depth(recipe.merge_config, base_config.num_hidden_layers, recipe.path)
+    expert_configs = {name: _load_config(source.directory, f"expert {name}", trust) for name, source in experts.items()}
+    for expert in recipe.experts:
+        check_override_architecture(expert.reference, expert_configs[expert.name], f"{recipe.path}: models: {expert.name}")
     for name, config in expert_configs.items():
-        check_compatible(base_config, config, f"expert {name}: {expert_dirs[name] / 'config.json'}")
+        check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
+    for name, source in {"base_model": base, **experts}.items():  # adapter config and shapes, from headers, before any work
+        if source.adapter is not None:
+            source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
     plan = CalibrationPlan(
         architecture=architecture,
@@ -250,6 +261,8 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     )
     search = plan.tuning
 
+    if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
+        ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
@@ -259,9 +272,14 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
     sized = {name: config.vocab_size for name, config in expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
-    for name, directory in expert_dirs.items():
+    if not merged_path.exists() and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
+        check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {base_dir}", {name: f"expert {name}" for name in sized})
+    for name, source in experts.items():
+        directory = source.tokenizer_directory
         if (directory / "tokenizer_config.json").is_file():
             check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
+        elif changes_tokenizer(recipe.merge_config):
+            raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
     every_sequence = sequences
     if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
         sequences, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
@@ -274,18 +292,23 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         "held-out records" if featcal.holds_out else "calibration subsample",
     )
 
-    merged_dir = ensure_merged(recipe, merged_path, str(compute_device))
+    merged_dir = ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
-    models = _open_checkpoints(merged_dir, base_dir, expert_dirs, architecture.layer_prefix.split("{")[0])
+    models = _open_checkpoints(merged_dir, base, experts, architecture.layer_prefix.split("{")[0])
     readers = {"merged": models.merged, **models.experts}
     check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
+    for tensor in dict.fromkeys((architecture.embed_tokens, "lm_head.weight")):  # the drift's LM heads compare one vocabulary
+        rows = {m: _embedding_rows(r, tensor) for m, r in readers.items() if tensor in r.names()}
+        merged_rows = rows.pop("merged", None)
+        if merged_rows is not None:
+            check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
     stats_dtype = resolve_stats_dtype(featcal.stats_dtype, plan.objective.smallest_lambda(), compute_dtype, compute_device)
     runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype, stats_dtype)
 
     partial = output.with_name(f".{output.name}.featcal-partial")
-    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens))
+    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens, {"base_model": base, **experts}))
     store = HostStore(stream_budget(featcal.host_memory_gb), partial / "spill", pin=compute_device.type == "cuda")
     context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer())
     replacements = calibrate(context, merged_config.num_hidden_layers, progress)
@@ -303,7 +326,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
-    write_card(checkpoint, recipe, featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype})
+    write_card(checkpoint, recipe, featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype}, {"base_model": base, **experts})
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
     if featcal.eval is not None:

@@ -51,3 +51,19 @@ def check_embedding_rows(sequences: dict[str, list[list[int]]], rows: dict[str, 
         largest = max(max(sequence) for task_sequences in tasks.values() for sequence in task_sequences)
         if largest >= count:
             raise FeatCalError(f"{what[model]}: embedding of {count} rows cannot embed calibration token id {largest} (tokenizer mismatch?)")
+
+
+def check_vocabulary_sizes(sizes: dict[str, int], reference: int, reference_what: str, what: dict[str, str]) -> None:
+    """Every expert's vocabulary (embedding and LM head rows) is the merged model's size.
+
+    The features are fed the same token ids everywhere (the identity mapping), and
+    the next-token diagnostics compare each expert's distribution with the merged
+    model's over one vocabulary; an expert with added or missing rows (union
+    tokenizers, added tokens) has no exact counterpart there, so it is refused.
+    """
+    for model, count in sizes.items():
+        if count != reference:
+            raise FeatCalError(
+                f"{what[model]}: vocabulary of {count} rows, {reference_what} has {reference}: experts whose vocabulary differs from the merge "
+                "(added tokens, union tokenizers) are not supported; give every expert the base's vocabulary"
+            )

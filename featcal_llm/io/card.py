@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -34,9 +35,12 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
 
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
-    precisions: dict[str, torch.dtype] | None = None,
+    precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
+
+    `sources` (base_model / expert name → io.references.ModelSource) records every model as read:
+    its reference, hub revision and LoRA adapter.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -70,6 +74,7 @@ def write_card(
             "experts": [expert.name for expert in recipe.experts],
             "hyperparameters": hyper,
             "calibration_tokens": tokens,
+            **({"models": {name: source.describe() for name, source in sources.items()}} if sources else {}),
             "featcal_llm_version": __version__,
         },
     }

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.forms import check_forms
 from featcal_llm.startup import heavy_import
 
 try:  # the evaluation package owns its own block; the engine works without it
@@ -262,6 +263,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raise FeatCalError(f"{path}: featcal: per_layer values replay a tuned run and cannot be combined with auto or candidate lists")
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
         raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set lambda, alpha or rho to auto or a list of candidates)")
+    check_forms(merge_config, path)
     if merge_config.base_model is None:
         raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")
 
@@ -283,19 +285,3 @@ def load_recipe(path: str | Path) -> Recipe:
         base=merge_config.base_model,
         experts=experts,
     )
-
-
-def resolve_model_path(reference: Any, what: str) -> Path:
-    """A local directory for a mergekit ModelReference, downloading from the hub only for hub ids."""
-    path = Path(reference.model.path)
-    if path.exists():
-        if not path.is_dir():
-            raise FeatCalError(f"{what}: {path}: expected a model directory")
-        return path
-    looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1
-    if looks_local:
-        raise FeatCalError(f"{what}: {path}: model directory does not exist")
-    try:
-        return Path(reference.local_path())
-    except Exception as error:
-        raise FeatCalError(f"{what}: {path}: not a local directory and could not be fetched from the hub ({type(error).__name__})") from None

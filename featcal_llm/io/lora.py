@@ -1,0 +1,226 @@
+"""A LoRA expert read as if it were a full checkpoint: W + scale·B·A built tensor by tensor on `get`.
+
+An expert written `org/base+org/adapter` (mergekit's syntax) or given as a plain
+PEFT adapter directory is never merged into a copy on disk or in RAM: the engine
+reads it through `LoraReader`, which has `CheckpointReader`'s interface and
+adds the adapter's delta to each base tensor as the layer is streamed. The
+adapter config is parsed by peft's own `LoraConfig`; what it honours is what
+peft's `merge_and_unload` does (scale α/r or α/√r with rslora, per-module
+`rank_pattern`/`alpha_pattern`, `modules_to_save`, trained biases, embedding
+LoRA, `lora_bias`); any other setting that changes the merged weights is
+refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.checkpoint import CheckpointReader
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+# LoraConfig fields that either are honoured below or do not change the merged weights.
+HARMLESS_FIELDS = {
+    "r", "lora_alpha", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "modules_to_save",
+    "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "bias", "lora_bias",
+    "lora_dropout", "init_lora_weights", "inference_mode", "base_model_name_or_path", "revision", "task_type",
+    "peft_type", "auto_mapping", "peft_version", "runtime_config", "loftq_config", "eva_config", "corda_config",
+    "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
+}
+# Initialisations that leave the base weights as they are (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA rewrite them).
+SAFE_INITS = (True, False, "gaussian", "orthogonal", "eva")
+NAMED_REFUSALS = {  # field → what it is, for the one-line refusal
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "use_qalora": "QALoRA",
+    "trainable_token_indices": "trainable token indices",
+    "layer_replication": "layer replication",
+    "target_parameters": "LoRA on nn.Parameter targets",
+    "megatron_config": "Megatron-parallel LoRA",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+}
+
+
+def is_adapter_directory(directory: Path) -> bool:
+    """A PEFT adapter rather than a model: adapter_config.json and no model config."""
+    return (directory / ADAPTER_CONFIG).is_file() and not (directory / "config.json").is_file()
+
+
+def adapter_identity(directory: Path) -> list:
+    """Cheap identity of an adapter for run fingerprints: config bytes, weight file size and mtime."""
+    identity: list = [[ADAPTER_CONFIG, hashlib.sha256((directory / ADAPTER_CONFIG).read_bytes()).hexdigest()]]
+    for item in sorted(directory.glob("*.safetensors")):
+        stat = item.stat()
+        identity.append([item.name, stat.st_size, stat.st_mtime_ns])
+    return identity
+
+
+def load_lora_config(directory: Path, what: str) -> Any:
+    """peft's LoraConfig for the adapter, refusing other adapter types and settings that change the merge."""
+    path = directory / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FeatCalError(f"{what}: {directory}: not a PEFT adapter ({ADAPTER_CONFIG} is missing)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        raise FeatCalError(f"{what}: {path}: not valid JSON") from None
+    peft_type = str(raw.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise FeatCalError(f"{what}: {path}: peft_type {raw.get('peft_type')} adapters are not supported (LoRA only; merge it into a full checkpoint with peft's merge_and_unload and name that instead)")
+    from peft import LoraConfig
+
+    try:
+        config = LoraConfig.from_pretrained(str(directory))
+    except Exception as error:
+        raise FeatCalError(f"{what}: {path}: not a LoRA config peft can read ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+    defaults = LoraConfig()
+    for field, label in NAMED_REFUSALS.items():
+        if getattr(config, field, None) not in (None, False, [], {}):
+            raise FeatCalError(f"{what}: {path}: {field}: {label} adapters are not supported (merge it with peft's merge_and_unload and name the merged checkpoint instead)")
+    init = config.init_lora_weights
+    if not any(init is safe or init == safe for safe in SAFE_INITS):
+        raise FeatCalError(f"{what}: {path}: init_lora_weights: {init!r} rewrites the base weights; convert the adapter (save_pretrained with path_initial_model_for_weight_conversion) or merge it first")
+    for field in sorted(vars(config)):
+        if field in HARMLESS_FIELDS or field in NAMED_REFUSALS or field.startswith("_"):
+            continue
+        if getattr(config, field) != getattr(defaults, field, None):
+            raise FeatCalError(f"{what}: {path}: {field}: {getattr(config, field)!r} is a LoRA setting featcal-llm does not support")
+    return config
+
+
+@dataclass(frozen=True)
+class Delta:
+    """target += scale · B·A (transposed for embeddings, whose A is r × vocabulary)."""
+
+    a: str
+    b: str
+    scale: float
+    transpose: bool
+
+
+def _scale(config: Any, module: str) -> float:
+    """peft's scaling for one module: α/r, or α/√r with rslora, with its rank and alpha patterns."""
+    from peft.utils.other import get_pattern_key
+
+    rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+    return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+class LoraReader:
+    """`CheckpointReader`'s interface over a base checkpoint plus a LoRA adapter; nothing merged is kept."""
+
+    def __init__(self, base: CheckpointReader, adapter: Path, what: str):
+        self.base = base
+        self.adapter = Path(adapter)
+        self.directory = self.adapter
+        self.what = what
+        self.config = load_lora_config(self.adapter, what)
+        weights = self.adapter / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            pickled = (self.adapter / "adapter_model.bin").is_file()
+            raise FeatCalError(f"{what}: {self.adapter}: {'only a pickled adapter_model.bin found; featcal-llm reads safetensors only' if pickled else f'{ADAPTER_WEIGHTS} is missing'}")
+        try:
+            self._handle = safe_open(weights, framework="pt")
+            keys = list(self._handle.keys())
+        except Exception as error:
+            raise FeatCalError(f"{what}: {weights}: not a readable safetensors file ({error})") from None
+        self.replacements: dict[str, str] = {}  # target tensor → adapter key whose value replaces it
+        self.deltas: dict[str, list[Delta]] = {}
+        self._parse(keys, weights)
+        self._check_shapes(weights)
+
+    def _parse(self, keys: list[str], weights: Path) -> None:
+        pairs: dict[str, dict[str, str]] = {}
+        names = set(self.base.names())
+        for key in keys:
+            if not key.startswith(PREFIX):
+                raise FeatCalError(f"{self.what}: {weights}: tensor {key} is not a PEFT adapter tensor (expected the prefix {PREFIX})")
+            rest = key[len(PREFIX):]
+            for suffix, role in ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_embedding_A", "EA"), (".lora_embedding_B", "EB")):
+                if rest.endswith(suffix):
+                    pairs.setdefault(rest[: -len(suffix)], {})[role] = key
+                    break
+            else:
+                if rest.endswith(".lora_B.bias"):
+                    module = rest[: -len(".lora_B.bias")]
+                    if f"{module}.bias" not in names:
+                        raise FeatCalError(f"{self.what}: {weights}: lora_bias on {module}, which has no bias in the base model {self.base.directory} (peft cannot merge it either)")
+                    self.deltas.setdefault(f"{module}.bias", []).append(Delta("", key, _scale(self.config, module), False))
+                    continue
+                if ".lora_" in rest:
+                    raise FeatCalError(f"{self.what}: {weights}: tensor {key} is not a LoRA tensor featcal-llm supports")
+                target = rest.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+                if target not in names:
+                    raise FeatCalError(f"{self.what}: {weights}: tensor {key} has no counterpart {target} in the base model {self.base.directory}")
+                self.replacements[target] = key
+        for module, roles in pairs.items():
+            embedding = "EA" in roles or "EB" in roles
+            a, b = (roles.get("EA"), roles.get("EB")) if embedding else (roles.get("A"), roles.get("B"))
+            if a is None or b is None:
+                raise FeatCalError(f"{self.what}: {weights}: {module} has only one of the LoRA matrices A and B")
+            target = f"{module}.weight"
+            if target not in names:
+                raise FeatCalError(f"{self.what}: {weights}: LoRA on {module}, which the base model {self.base.directory} does not have")
+            self.deltas.setdefault(target, []).append(Delta(a, b, _scale(self.config, module), embedding))
+
+    def _check_shapes(self, weights: Path) -> None:
+        """The adapter must fit the base it is applied to: B·A the shape of W, replacements the shape they replace."""
+        layout = self.base.layout()
+        shape = {key: tuple(self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
+        for target, key in self.replacements.items():
+            if shape[key] != layout[target][0]:
+                raise FeatCalError(f"{self.what}: {weights}: {key} has shape {list(shape[key])}, the base model's {target} has {list(layout[target][0])} (adapter trained on another base?)")
+        for target, deltas in self.deltas.items():
+            expected = layout[target][0]
+            for delta in deltas:
+                if not delta.a:
+                    product = shape[delta.b]
+                else:
+                    a, b = shape[delta.a], shape[delta.b]
+                    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+                        raise FeatCalError(f"{self.what}: {weights}: {delta.a} {list(a)} and {delta.b} {list(b)} do not multiply")
+                    product = (a[1], b[0]) if delta.transpose else (b[0], a[1])
+                if product != expected:
+                    raise FeatCalError(f"{self.what}: {weights}: the LoRA update of {target} has shape {list(product)}, the base model's has {list(expected)} (adapter trained on another base?)")
+
+    def names(self) -> list[str]:
+        return self.base.names()
+
+    def shards(self) -> dict[str, list[str]]:
+        return self.base.shards()
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self.base.layout()
+
+    def get(self, name: str) -> torch.Tensor:
+        """The base tensor (or the adapter's replacement) plus every LoRA update of it, in the base tensor's dtype."""
+        tensor = self.base.get(name)
+        if name in self.replacements:
+            tensor = self._handle.get_tensor(self.replacements[name]).to(tensor.dtype)
+        deltas = self.deltas.get(name)
+        if not deltas:
+            return tensor
+        work = torch.float64 if tensor.dtype == torch.float64 else torch.float32  # as peft merges bf16 on CPU
+        total = tensor.to(work)
+        for delta in deltas:
+            b = self._handle.get_tensor(delta.b).to(work)
+            update = b if not delta.a else b @ self._handle.get_tensor(delta.a).to(work)
+            total = total + delta.scale * (update.T if delta.transpose else update)
+        return total.to(tensor.dtype)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {name[len(prefix):]: self.get(name) for name in self.base.names() if name.startswith(prefix)}
+
+    def close(self) -> None:
+        self.base.close()
+        self._handle = None  # type: ignore[assignment]

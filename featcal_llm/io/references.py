@@ -1,0 +1,129 @@
+"""Where each model a recipe names lives: mergekit's `ModelReference`, read completely.
+
+A reference is `path[@revision][+adapter[@revision]]`, optionally with
+`override_architecture` (parsed by mergekit itself). Hub ids are fetched at
+their revision through mergekit (`ModelReference.local_path`, i.e.
+huggingface_hub's `snapshot_download`); a revision on a local directory is
+refused, since nothing could check it out. `+adapter` and plain PEFT adapter
+directories become a LoRA source: the engine reads them through
+`io/lora.LoraReader`, never through the base alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.lora import LoraReader, adapter_identity, is_adapter_directory
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model of the recipe: a full checkpoint directory, optionally with a LoRA adapter applied on the fly."""
+
+    reference: str  # as mergekit prints it: path[@rev][+adapter[@rev]]
+    directory: Path  # the full checkpoint (for a plain adapter directory: the recipe's base model)
+    adapter: Path | None = None
+    revisions: tuple[str | None, str | None] = (None, None)  # model's, adapter's
+
+    @property
+    def tokenizer_directory(self) -> Path:
+        """The adapter's own tokenizer when it ships one (added tokens), else the checkpoint's."""
+        if self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file():
+            return self.adapter
+        return self.directory
+
+    def open(self, what: str) -> CheckpointReader | LoraReader:
+        base = CheckpointReader(self.directory, what)
+        return base if self.adapter is None else LoraReader(base, self.adapter, what)
+
+    def identity(self) -> dict[str, Any]:
+        """What a run fingerprint records besides the checkpoint's files: the reference, its revisions, the adapter's files."""
+        identity: dict[str, Any] = {"reference": self.reference, "revisions": list(self.revisions), "directory": str(self.directory)}
+        if self.adapter is not None:
+            identity["adapter"] = adapter_identity(self.adapter)
+        return identity
+
+    def describe(self) -> dict[str, Any]:
+        """The model card's record of it."""
+        record: dict[str, Any] = {"reference": self.reference}
+        if self.revisions[0]:
+            record["revision"] = self.revisions[0]
+        if self.adapter is not None:
+            record["lora_adapter"] = str(self.adapter)
+            if self.revisions[1]:
+                record["lora_revision"] = self.revisions[1]
+        return record
+
+
+def _local_directory(model_path: Any, what: str) -> Path:
+    """A local directory for a mergekit ModelPath: the path itself, or the hub snapshot at its revision."""
+    path = Path(model_path.path)
+    if path.exists():
+        if model_path.revision:
+            raise FeatCalError(f"{what}: {model_path}: a revision applies to hub ids only and {path} is a local directory (check that revision out there and drop @{model_path.revision})")
+        if not path.is_dir():
+            raise FeatCalError(f"{what}: {path}: expected a model directory")
+        return path
+    looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1
+    if looks_local:
+        raise FeatCalError(f"{what}: {path}: model directory does not exist")
+    from mergekit.common import ModelReference
+
+    try:  # mergekit's own download: snapshot_download(path, revision=...) of configs, tokenizer and safetensors
+        return Path(ModelReference(model=model_path).local_path())
+    except Exception as error:
+        raise FeatCalError(f"{what}: {model_path}: not a local directory and could not be fetched from the hub at revision {model_path.revision or 'main'} ({type(error).__name__})") from None
+
+
+def resolve_source(reference: Any, what: str, base: ModelSource | None = None) -> ModelSource:
+    """The `ModelSource` of a mergekit ModelReference; `base` is where a plain adapter directory applies."""
+    directory = _local_directory(reference.model, what)
+    revisions = (reference.model.revision, reference.lora.revision if reference.lora else None)
+    if reference.lora is not None:
+        adapter = _local_directory(reference.lora, f"{what} (LoRA adapter)")
+        if not (adapter / "adapter_config.json").is_file():
+            raise FeatCalError(f"{what}: {reference.lora}: not a PEFT adapter (adapter_config.json is missing)")
+        if is_adapter_directory(directory):
+            raise FeatCalError(f"{what}: {reference.model}: is itself a PEFT adapter; write the full model before '+'")
+        return ModelSource(str(reference), directory, adapter, revisions)
+    if is_adapter_directory(directory):
+        if base is None:
+            raise FeatCalError(f"{what}: {directory}: a PEFT adapter cannot be the base model; name the full base checkpoint")
+        if base.adapter is not None:
+            raise FeatCalError(f"{what}: {directory}: a plain adapter on a base that is itself base+adapter is ambiguous; write it as model+adapter")
+        _warn_other_base(directory, base, what)
+        return ModelSource(str(reference), base.directory, directory, (base.revisions[0], reference.model.revision))
+    return ModelSource(str(reference), directory, None, revisions)
+
+
+def _warn_other_base(adapter: Path, base: ModelSource, what: str) -> None:
+    """A plain adapter directory applies to the recipe's base; say so when its config names another one.
+
+    Names are compared by their last component, since the same model is a hub id on one machine and a local
+    directory on another; shapes are checked strictly when the adapter is opened.
+    """
+    try:
+        trained_on = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except ValueError:
+        return  # reported by load_lora_config
+    if trained_on and Path(str(trained_on)).name not in (Path(base.reference.split("@")[0]).name, base.directory.name):
+        warn(f"{what}: adapter {adapter} names {trained_on} as its base; it is applied to the recipe's base_model {base.reference}")
+
+
+def check_override_architecture(reference: Any, config: Any, what: str) -> None:
+    """mergekit's override_architecture only renames the architecture it merges as; FeatCal runs the model's own class.
+
+    A no-op override (the config's own architecture) is accepted; any other is refused, since the layers would
+    run as a class their config does not describe.
+    """
+    override = getattr(reference, "override_architecture", None)
+    if override is None:
+        return
+    own = list(getattr(config, "architectures", None) or [])
+    if own[:1] != [override]:
+        raise FeatCalError(f"{what}: override_architecture {override} differs from the config's {own or 'unknown'}: featcal-llm runs every layer with the model's own transformers class (edit config.json instead, or drop override_architecture)")

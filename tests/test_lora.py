@@ -1,0 +1,256 @@
+"""LoRA experts (issue 16): `base+adapter` and plain PEFT adapter directories, against peft's own merge_and_unload.
+
+Each adapter is built with peft on the float64 test base, with seeded non-zero
+A, B (and modules_to_save copies); peft's `merge_and_unload` of it, saved as a
+full checkpoint, is the expert it must be equivalent to.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from test_exactness import delta_error, read_weights
+from transformers import AutoModelForCausalLM
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.merge import ensure_merged
+from featcal_llm.io.recipe import load_recipe
+from featcal_llm.pipeline import run_recipe
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name → LoraConfig settings and how the expert is written in the recipe
+ADAPTERS = {
+    "plain": ({"r": 4, "lora_alpha": 16, "target_modules": PROJECTIONS}, "plus"),
+    # rslora α/√r, per-module rank and alpha, fan_in_fan_out (peft ignores it on nn.Linear), LoRA on the embedding,
+    # and a trained lm_head copy (modules_to_save); written as a plain adapter directory
+    "rslora": (
+        {"r": 6, "lora_alpha": 12, "use_rslora": True, "rank_pattern": {"down_proj": 2}, "alpha_pattern": {"q_proj": 3},
+         "fan_in_fan_out": True, "target_modules": PROJECTIONS + ["embed_tokens"], "modules_to_save": ["lm_head"]},
+        "directory",
+    ),
+}
+
+
+def _build_adapter(scenario, name: str, settings: dict):
+    """Adapter directory and peft's merge_and_unload of it saved as a full float64 checkpoint."""
+    from peft import LoraConfig, get_peft_model
+
+    root = scenario.root
+    model = AutoModelForCausalLM.from_pretrained(scenario.base, dtype=torch.float64)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **settings))
+    generator = torch.Generator().manual_seed(len(name))
+    with torch.no_grad():
+        for parameter_name, parameter in peft_model.named_parameters():
+            if not parameter.requires_grad:
+                continue
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            if "lora_" in parameter_name:
+                parameter.copy_(0.1 * noise)
+            else:  # a modules_to_save copy: a fine-tuned version of the base module
+                parameter.add_(0.05 * noise * parameter.abs().mean())
+    adapter = root / f"adapter_{name}"
+    peft_model.save_pretrained(adapter)
+    if settings.get("fan_in_fan_out"):  # peft saves False after overriding it for nn.Linear; keep the user's True in the file
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
+    merged = peft_model.merge_and_unload()
+    full = root / f"peft_merged_{name}"
+    merged.save_pretrained(full)
+    for item in scenario.base.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(item, full / item.name)
+    return adapter, full
+
+
+@pytest.fixture(scope="module")
+def lora_scenario(tmp_path_factory):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path_factory.mktemp("lora"), experts=2, layers=2, samples=12, words=(4, 10), dtype="float64")
+    scenario.adapters = {name: _build_adapter(scenario, name, settings) for name, (settings, _) in ADAPTERS.items()}
+    return scenario
+
+
+def _recipe(scenario, tmp_path, second_expert: str, merged, output: str, **overrides):
+    """The scenario's recipe with expert1 replaced by `second_expert` (data keyed by it) and a given merged model."""
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    first, second = (str(p) for p in scenario.experts.values())
+    recipe["models"][1]["model"] = second_expert
+    data = recipe["featcal"]["data"]
+    data[second_expert] = data.pop(second)
+    recipe["featcal"].update(merged=str(merged), output=str(tmp_path / output), dtype="float64", batch_tokens=150, **overrides)
+    path = tmp_path / f"{output}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _written(scenario, name: str) -> str:
+    adapter, _ = scenario.adapters[name]
+    return f"{scenario.base}+{adapter}" if ADAPTERS[name][1] == "plus" else str(adapter)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_lora_reader_equals_peft_merge_and_unload(lora_scenario, name):
+    """Every tensor the reader builds equals peft's merged checkpoint (embedding, lm_head copy and rslora scales included)."""
+    from featcal_llm.io.lora import LoraReader
+
+    adapter, full = lora_scenario.adapters[name]
+    reader = LoraReader(CheckpointReader(lora_scenario.base, "base"), adapter, "expert")
+    expected = read_weights(full)
+    assert set(reader.names()) == set(expected)
+    worst = 0.0
+    for tensor_name, value in expected.items():
+        ours = reader.get(tensor_name)
+        assert ours.dtype == value.dtype
+        worst = max(worst, float((ours - value).abs().max() / value.abs().max()))
+    print(f"{name}: worst relative difference to merge_and_unload {worst:.1e}")
+    assert worst <= 1e-12
+    changed = {n for n in expected if not torch.equal(expected[n], reader.base.get(n))}
+    assert any("down_proj" in n for n in changed)
+    if name == "rslora":
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= changed
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_lora_expert_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_path, name):
+    """The headline: a LoRA expert gives the calibrated weights of the same expert merged by peft (float64, ΔW ≤ 1e-8)."""
+    adapter, full = lora_scenario.adapters[name]
+    merged = lora_scenario.root / f"merged_{name}"
+    ensure_merged(load_recipe(_recipe(lora_scenario, tmp_path, str(full), merged, "for_merge")), merged, "cpu")
+    as_full = run_recipe(_recipe(lora_scenario, tmp_path, str(full), merged, "full"), progress=False)
+    as_lora = run_recipe(_recipe(lora_scenario, tmp_path, _written(lora_scenario, name), merged, "lora"), progress=False)
+    ours, reference, merged_weights = read_weights(as_lora), read_weights(as_full), read_weights(merged)
+    changed = [n for n in reference if not torch.equal(reference[n], merged_weights[n])]
+    assert len(changed) >= 14
+    errors = {n: delta_error(ours[n], reference[n], merged_weights[n]) for n in changed}
+    worst = max(errors, key=errors.get)
+    print(f"{name}: worst ΔW relative error {errors[worst]:.2e} at {worst}")
+    assert errors[worst] <= 1e-8
+    drift = [json.loads((d / "featcal_drift.json").read_text())["output_divergence"] for d in (as_lora, as_full)]
+    values = [[v for model in ("merged", "calibrated") for v in d[model].values()] for d in drift]  # expert order
+    assert values[0] == pytest.approx(values[1], rel=1e-8)  # the LM head (lm_head copy for rslora) is the expert's
+    card = yaml.safe_load((as_lora / "README.md").read_text().split("---")[1])
+    expert = card["featcal"]["models"][_written(lora_scenario, name)]
+    assert expert["lora_adapter"] == str(adapter)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_lora_expert_merged_by_mergekit(lora_scenario, tmp_path, name):
+    """Without a merged model, mergekit merges the LoRA expert itself (a plain directory spelled `base+adapter` for it;
+    scratch LoRA cache removed) into the merge of the peft-merged checkpoint, and the run completes."""
+    merged = tmp_path / "merged"
+    output = run_recipe(_recipe(lora_scenario, tmp_path, _written(lora_scenario, name), merged, "out"), progress=False)
+    assert (output / "model.safetensors.index.json").is_file() or (output / "model.safetensors").is_file()
+    assert not (tmp_path / ".merged.lora-cache").exists()
+    reference = tmp_path / "reference"
+    ensure_merged(load_recipe(_recipe(lora_scenario, tmp_path, str(lora_scenario.adapters[name][1]), reference, "ref")), reference, "cpu")
+    ours, theirs = read_weights(merged), read_weights(reference)
+    assert max(float((ours[n] - theirs[n]).abs().max()) for n in theirs) <= 1e-6
+
+
+def _edited_adapter(lora_scenario, tmp_path, **config_changes):
+    adapter = tmp_path / "edited"
+    shutil.copytree(lora_scenario.adapters["plain"][0], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(config_changes)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    return adapter
+
+
+REFUSALS = {
+    "dora": ({"use_dora": True}, "use_dora: DoRA"),
+    "ia3": ({"peft_type": "IA3"}, "peft_type IA3 adapters are not supported"),
+    "pissa": ({"init_lora_weights": "pissa"}, "init_lora_weights: 'pissa' rewrites the base weights"),
+    "trainable_tokens": ({"trainable_token_indices": [5, 6]}, "trainable_token_indices: trainable token indices"),
+    "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_adapters_are_refused_by_name(lora_scenario, tmp_path, case):
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    changes, expected = REFUSALS[case]
+    adapter = _edited_adapter(lora_scenario, tmp_path, **changes)
+    recipe = _recipe(lora_scenario, tmp_path, f"{lora_scenario.base}+{adapter}", tmp_path / "merged", "out")
+    result = CliRunner().invoke(main, ["run", str(recipe)])
+    error = [line for line in result.stderr.strip().splitlines() if not line.startswith("featcal-llm: warning")]
+    assert result.exit_code == 2, (result.exit_code, error, result.exception)
+    assert len(error) == 1 and error[0].startswith("featcal-llm: error: ") and expected in error[0], error
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_adapter_for_another_base_shape_is_refused(lora_scenario, tmp_path):
+    adapter = _edited_adapter(lora_scenario, tmp_path)
+    weights = load_file(adapter / "adapter_model.safetensors")
+    key = next(k for k in weights if k.endswith("mlp.down_proj.lora_A.weight"))
+    weights[key] = torch.zeros(weights[key].shape[0], weights[key].shape[1] + 8, dtype=torch.float64)  # intermediate 136
+    save_file(weights, adapter / "adapter_model.safetensors")
+    recipe = _recipe(lora_scenario, tmp_path, f"{lora_scenario.base}+{adapter}", tmp_path / "merged", "out")
+    with pytest.raises(FeatCalError, match=r"down_proj.weight has shape \[64, 136\], the base model's has \[64, 128\] \(adapter trained on another base\?\)"):
+        run_recipe(recipe, progress=False)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_plus_reference_to_a_non_adapter_is_refused(lora_scenario, tmp_path):
+    expert = next(iter(lora_scenario.experts.values()))
+    recipe = _recipe(lora_scenario, tmp_path, f"{lora_scenario.base}+{expert}", tmp_path / "merged", "out")
+    with pytest.raises(FeatCalError, match="not a PEFT adapter"):
+        run_recipe(recipe, progress=False)
+
+
+def test_trained_biases_and_lora_bias_equal_peft(tmp_path):
+    """Qwen2 (q/k/v biases): `bias: all` saves every trained bias, `lora_bias` adds scale·b_B; both as peft merges them."""
+    from scenario import build_scenario
+
+    from featcal_llm.io.lora import LoraReader
+
+    scenario = build_scenario(tmp_path / "qwen2", experts=1, layers=2, samples=2, family="qwen2", dtype="float64")
+    scenario.adapters = {}
+    adapter, full = _build_adapter(scenario, "bias", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"], "bias": "all", "lora_bias": True})
+    reader = LoraReader(CheckpointReader(scenario.base, "base"), adapter, "expert")
+    assert any(key.endswith(".bias") for key in reader.replacements) and any(key.endswith(".bias") for key in reader.deltas)
+    expected = read_weights(full)
+    worst = max(float((reader.get(n) - v).abs().max() / v.abs().max()) for n, v in expected.items())
+    assert worst <= 1e-12, worst
+    assert not torch.equal(reader.get("model.layers.0.self_attn.q_proj.bias"), reader.base.get("model.layers.0.self_attn.q_proj.bias"))
+    llama = build_scenario(tmp_path / "llama", experts=0, layers=1, samples=1, dtype="float64")  # no biases: refused
+    with pytest.raises(FeatCalError, match=r"(has no counterpart model.layers.0.self_attn.[qkv]_proj.bias|has no bias) in the base model"):
+        LoraReader(CheckpointReader(llama.base, "base"), adapter, "expert")
+
+
+def test_lora_base_model_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_path):
+    """base_model: base+adapter is read the same way (the anchor's W_base is the adapted base)."""
+    adapter, full = lora_scenario.adapters["plain"]
+    recipes = {}
+    for name, base in (("full", str(full)), ("lora", f"{lora_scenario.base}+{adapter}")):
+        recipe = yaml.safe_load(_recipe(lora_scenario, tmp_path, str(lora_scenario.experts["expert1"]), tmp_path / "merged", name).read_text())
+        recipe["base_model"] = base
+        recipes[name] = tmp_path / f"{name}-base.yaml"
+        recipes[name].write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ensure_merged(load_recipe(recipes["full"]), tmp_path / "merged", "cpu")
+    outputs = {name: read_weights(run_recipe(path, progress=False)) for name, path in recipes.items()}
+    merged = read_weights(tmp_path / "merged")
+    changed = [n for n in merged if not torch.equal(outputs["full"][n], merged[n])]
+    assert len(changed) >= 14
+    assert max(delta_error(outputs["lora"][n], outputs["full"][n], merged[n]) for n in changed) <= 1e-8
+
+
+def test_plain_adapter_naming_another_base_warns(lora_scenario, tmp_path, capsys):
+    from featcal_llm.io.recipe import load_recipe as load
+    from featcal_llm.io.references import resolve_source
+
+    adapter = _edited_adapter(lora_scenario, tmp_path, base_model_name_or_path="org/some-other-model")
+    recipe = load(_recipe(lora_scenario, tmp_path, str(adapter), tmp_path / "merged", "out"))
+    base = resolve_source(recipe.base, "base_model")
+    source = resolve_source(recipe.experts[1].reference, "models: adapter", base)
+    assert source.directory == lora_scenario.base and source.adapter == adapter
+    assert "names org/some-other-model as its base; it is applied to the recipe's base_model" in capsys.readouterr().err

@@ -1,0 +1,90 @@
+"""`tokenizer_source` / `tokenizer:` recipes (issue 16): the identity mapping, checked, or a refusal by name.
+
+The merge runs first, so calibration texts are tokenised by the tokenizer
+mergekit built (a union here). Every expert is then fed those same ids: that is
+exact when each expert's own tokenizer gives every token the union's id and its
+embedding has a row for every id in its own calibration text, and refused
+otherwise, naming the expert and the token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_recipe_forms import assert_matches_brute_force, refused, write_recipe
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from featcal_llm.pipeline import run_recipe
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """expert1 with an added token <x> (id 100, one more embedding row), and expert1 with <y> instead."""
+    from scenario import build_scenario
+
+    root = tmp_path_factory.mktemp("tok")
+    scenario = build_scenario(root, experts=2, layers=2, samples=4, words=(3, 8), dtype="float64")
+    for token in ("x", "y"):
+        model = AutoModelForCausalLM.from_pretrained(scenario.experts["expert1"], dtype=torch.float64)
+        tokenizer = AutoTokenizer.from_pretrained(scenario.experts["expert1"])
+        tokenizer.add_tokens([f"<{token}>"])
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[-1].normal_(0, 0.02, generator=torch.Generator().manual_seed(7))
+        model.save_pretrained(root / f"expert_{token}")
+        tokenizer.save_pretrained(root / f"expert_{token}")
+    for name, text in (("with_x", "calibrate <x> the merge"), ("plain", "calibrate the merge")):
+        lines = [json.dumps({"text": f"{text} {i}"}) for i in range(6)]
+        (root / f"data_{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return scenario
+
+
+def recipe_with(tok, tmp_path, name: str, second: str, data: tuple[str, str]):
+    experts = [str(tok.experts["expert0"]), str(tok.root / second)]
+    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer_source": "union",
+             "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
+    path = write_recipe(tok, tmp_path, name, merge, experts, [tok.root / f"data_{source}.jsonl" for source in data])
+    return path, experts
+
+
+def test_union_tokenizer_calibrates_exactly_with_the_identity_mapping(tok, tmp_path):
+    """Experts with the base's vocabulary: the union is that vocabulary, ids map to themselves, the run is exact."""
+    recipe, experts = recipe_with(tok, tmp_path, "union", "expert1", ("plain", "plain"))
+    output = run_recipe(recipe, progress=False)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "merged_union")) == 100
+    worst = assert_matches_brute_force(tok, recipe, output, {e: tok.root / e.rsplit("/", 1)[-1] for e in experts})
+    print(f"union tokenizer: worst ΔW relative error {worst:.1e}")
+
+
+def test_an_added_token_in_an_expert_without_it_is_refused(tok, tmp_path):
+    """<x> in expert0's calibration text: id 100 of the union has no row in expert0's embedding."""
+    recipe, experts = recipe_with(tok, tmp_path, "union", "expert_x", ("with_x", "plain"))
+    line = refused(recipe)
+    assert f"expert {experts[0]}" in line and "cannot embed calibration token id 100" in line
+
+
+def test_an_expert_vocabulary_other_than_the_merges_is_refused(tok, tmp_path):
+    """The union has 101 rows, expert0 100: refused by name after the merge (the union is mergekit's to build)."""
+    recipe, experts = recipe_with(tok, tmp_path, "union", "expert_x", ("plain", "with_x"))
+    line = refused(recipe)
+    assert f"expert {experts[0]}: vocabulary of 100 rows, the merged model" in line and "has 101" in line
+
+
+def test_an_expert_with_added_tokens_is_refused_before_the_merge(tok, tmp_path):
+    """Without tokenizer_source the merge keeps the base's vocabulary: refused before anything is written."""
+    experts = [str(tok.experts["expert0"]), str(tok.root / "expert_x")]
+    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
+    line = refused(write_recipe(tok, tmp_path, "added", merge, experts))
+    assert f"expert {experts[1]}: vocabulary of 101 rows, the base model" in line
+    assert not (tmp_path / "merged_added").exists()
+
+
+def test_experts_that_give_a_token_another_id_are_refused(tok, tmp_path):
+    """expert_x says <x> = 100, expert_y says <y> = 100: the union cannot match both."""
+    experts = [str(tok.root / "expert_x"), str(tok.root / "expert_y")]
+    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer_source": "union",
+             "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
+    line = refused(write_recipe(tok, tmp_path, "clash", merge, experts))
+    assert "tokenizer maps '<" in line and "the calibration tokenizer to 10" in line
