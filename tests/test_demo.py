@@ -153,14 +153,20 @@ def test_finetune_checks_at_the_cap_and_reports_a_missed_target():
     assert untargeted.steps == 10 and untargeted.reached and untargeted.accuracy == 3.0
 
 
-def test_an_early_stop_leaves_the_weights_of_that_step_of_the_full_schedule():
-    """The schedule spans the cap: stopping at step 8 gives exactly the weights that the uncut run had at step 8."""
+def test_an_early_stop_leaves_the_weights_of_that_step_of_an_unchecked_run():
+    """Dev checks do not perturb training and the schedule spans the cap: a run stopped at step 8 of 12 has
+    exactly the weights that a run without any check had at its step 8."""
+    import torch
+
+    from featcal_llm.demo.train import finetune
+
     stopped, _ = _finetune([0.0, 100.0], target=50.0, steps=12)
-    seen = []
-    _finetune([0.0, 0.0, 0.0], target=None, steps=12,
-              on_check=lambda model: seen.append({k: v.clone() for k, v in model.state_dict().items()}))
-    at_eight = seen[1]
-    assert all(__import__("torch").equal(value, at_eight[name]) for name, value in stopped.state_dict().items())
+    model, tokenizer, records = _tiny_model_and_records()
+    seen = {}
+    finetune(model, tokenizer, records, steps=12, batch_size=4, lr=1e-3, seed=0, every=4,
+             progress=lambda step, _, __: seen.setdefault(step, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert all(torch.equal(value, seen[8][name]) for name, value in stopped.state_dict().items())
+    assert not all(torch.equal(value, seen[12][name]) for name, value in stopped.state_dict().items())
 
 
 def test_quick_demo_refuses_to_report_when_an_expert_misses_its_target(tmp_path):
