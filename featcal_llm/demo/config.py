@@ -10,11 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
-
-
-def _ft_steps() -> dict[str, int]:
-    return {"arithmetic": 400, "reverse": 400, "pattern": 300}
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -38,10 +34,14 @@ class DemoConfig:
     pretrain_seq_len: int = 64
     pretrain_lr: float = 3e-3
     skill_fraction: float = 0.75
-    # full fine-tuning of each expert
-    finetune_steps: dict[str, int] = field(default_factory=_ft_steps)
+    # full fine-tuning of each expert until its greedy exact match on its dev split reaches
+    # expert_target (%), checked every check_every steps; finetune_max_steps caps it (and spans
+    # the learning-rate schedule). An expert that misses the target stops the demo (None: no check).
+    finetune_max_steps: int = 1200
     finetune_batch: int = 64
     finetune_lr: float = 2e-4
+    expert_target: float | None = 95.0
+    check_every: int = 50
     # Task Arithmetic weight of every expert, then the featcal block of the recipe
     ta_weight: float = 0.5
     samples: int = 256
@@ -52,7 +52,7 @@ class DemoConfig:
     eps: float = 1e-8
     # True: lambda, alpha and rho are `auto` (chosen by the run on held-out cal records, featcal_llm/engine/tuning.py)
     auto: bool = False
-    # the quality bar each expert must reach on its own test split (None: not checked)
+    # a warning when an expert is below this on its own test split (None: not checked)
     expert_bar: float | None = 90.0
 
     def replace(self, **changes) -> "DemoConfig":
@@ -85,8 +85,10 @@ QUICK = DemoConfig(
     pretrain_steps=10,
     pretrain_batch=8,
     pretrain_seq_len=32,
-    finetune_steps={"arithmetic": 12, "reverse": 12, "pattern": 12},
+    finetune_max_steps=12,
     finetune_batch=16,
+    expert_target=None,
+    check_every=6,
     ta_weight=0.5,
     samples=16,
     expert_bar=None,

@@ -136,12 +136,16 @@ def _save_atomically(model, tokenizer, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads: int, started: float) -> str:
-    """Fine-tune every weight of the base on one task; runs in a worker process when the demo has cores."""
+def _train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads: int, started: float) -> dict:
+    """Fine-tune every weight of the base on one task until its dev target; runs in a worker process when the demo has cores.
+
+    The expert is saved only when it reached the target; either way its training record is returned.
+    """
     _set_threads(threads)
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
+    from featcal_llm.demo.score import exact_match
     from featcal_llm.demo.tasks import read_jsonl
     from featcal_llm.demo.train import finetune
     from featcal_llm.tiny import build_char_tokenizer
@@ -152,32 +156,63 @@ def _train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads
     tokenizer = build_char_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(root / "base").to(device)
     records = read_jsonl(root / "data" / task / "train.jsonl")
-    steps = cfg.finetune_steps[task]
-    finetune(model, tokenizer, records, steps=steps, batch_size=cfg.finetune_batch, lr=cfg.finetune_lr,
-             seed=cfg.seed + 1 + cfg.tasks.index(task), every=max(1, steps // 5),
-             progress=lambda s, n, loss: log(f"expert {task}: step {s}/{n}  loss {loss:.3f}"))
-    _save_atomically(model.cpu(), tokenizer, root / "experts" / task)
-    return task
+    dev = read_jsonl(root / "data" / task / "dev.jsonl")
+    cap = cfg.finetune_max_steps
+    target = f" (target {cfg.expert_target:g}%)" if cfg.expert_target is not None else ""
+
+    last = {"step": 0, "loss": float("nan")}
+
+    def skill() -> float:
+        accuracy = exact_match(model, tokenizer, dev)
+        log(f"expert {task}: step {last['step']}/{cap} (cap)  loss {last['loss']:.3f}  "
+            f"dev exact match {accuracy:.1f}%{target}")
+        return accuracy
+
+    result = finetune(model, tokenizer, records, steps=cap, batch_size=cfg.finetune_batch, lr=cfg.finetune_lr,
+                      seed=cfg.seed + 1 + cfg.tasks.index(task), every=cfg.check_every,
+                      progress=lambda s, n, loss: last.update(step=s, loss=loss),
+                      skill=skill, target=cfg.expert_target, check_every=cfg.check_every)
+    record = {"task": task, "steps": result.steps, "dev_accuracy": result.accuracy, "target": cfg.expert_target,
+              "reached": result.reached, "checks": [list(c) for c in result.checks]}
+    if result.reached:
+        _save_atomically(model.cpu(), tokenizer, root / "experts" / task)
+        log(f"expert {task}: done after {result.steps} steps, dev exact match {result.accuracy:.1f}%")
+    else:
+        log(f"expert {task}: missed its target after {result.steps} steps (dev exact match {result.accuracy:.1f}%)")
+    return record
 
 
-def _train_experts(cfg: DemoConfig, workdir: Path, tasks: list[str], device: str, workers: int, log) -> None:
+def _train_experts(cfg: DemoConfig, workdir: Path, tasks: list[str], device: str, workers: int, log) -> list[dict]:
+    """Train the experts of ``tasks`` (in worker processes when there are cores) and return their training records."""
     if not tasks:
-        return
-    log(f"experts: fully fine-tuning {', '.join(tasks)} from the base"
+        return []
+    log(f"experts: fully fine-tuning {', '.join(tasks)} from the base until each reaches "
+        + (f"{cfg.expert_target:g}% exact match on its dev split" if cfg.expert_target is not None else "its step cap")
+        + f" (checked every {cfg.check_every} steps, at most {cfg.finetune_max_steps})"
         + (f" in {workers} worker processes" if workers > 1 else ""))
     started = log.start
     if workers <= 1 or device != "cpu" or len(tasks) == 1:
-        for task in tasks:
-            _train_expert(cfg, str(workdir), task, device, max(1, _threads()), started)
-        return
+        return [_train_expert(cfg, str(workdir), task, device, max(1, _threads()), started) for task in tasks]
     import multiprocessing
 
-    # longest first, so two workers balance the load
-    order = sorted(tasks, key=lambda t: -cfg.finetune_steps[t])
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_train_expert, cfg, str(workdir), t, device, 1, started) for t in order]
-        for future in futures:
-            future.result()
+        futures = [pool.submit(_train_expert, cfg, str(workdir), t, device, 1, started) for t in tasks]
+        return [future.result() for future in futures]
+
+
+def _refuse_failed_experts(cfg: DemoConfig, workdir: Path, records: list[dict]) -> None:
+    """No table from an expert that did not learn its task: remove stale results and stop with one line."""
+    failed = [r for r in records if not r["reached"]]
+    if not failed:
+        return
+    for name in (RESULTS_JSON, RESULTS_PNG, RESULTS_TABLE):
+        (workdir / name).unlink(missing_ok=True)
+    from featcal_llm.errors import FeatCalError
+
+    missed = "; ".join(f"experts/{r['task']}: dev exact match {r['dev_accuracy']:.1f}% after {r['steps']} steps"
+                       for r in failed)
+    raise FeatCalError(f"{missed}; expected at least {cfg.expert_target:g}% (an expert that did not learn its task "
+                       f"would make the table meaningless; raise --expert-max-steps or lower --expert-target)")
 
 
 def _quiet_transformers() -> None:
@@ -263,14 +298,20 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
 
     # 3. experts
     t0 = time.perf_counter()
-    expert_keys = {t: digest([base_key, data_key, t, cfg.finetune_steps[t], cfg.finetune_batch, cfg.finetune_lr])
+    expert_keys = {t: digest([base_key, data_key, t, cfg.key("finetune_max_steps", "finetune_batch", "finetune_lr",
+                                                         "expert_target", "check_every")])
                    for t in cfg.tasks}
     todo = [t for t in cfg.tasks if not cache.fresh(f"expert:{t}", expert_keys[t], f"experts/{t}/config.json")]
     if len(todo) < len(cfg.tasks):
         log(f"experts: cached {', '.join(t for t in cfg.tasks if t not in todo)}")
-    _train_experts(cfg, workdir, todo, device, min(workers, len(todo)), log)
-    for task in todo:
-        cache.mark(f"expert:{task}", expert_keys[task])
+    trained = _train_experts(cfg, workdir, todo, device, min(workers, len(todo)), log)
+    training = cache.state.get("training", {})
+    for record in trained:
+        if record["reached"]:
+            training[record["task"]] = record
+            cache.state["training"] = training
+            cache.mark(f"expert:{record['task']}", expert_keys[record["task"]])
+    _refuse_failed_experts(cfg, workdir, trained)
     timings["experts"] = time.perf_counter() - t0
 
     # 4. recipe, merge and calibration through the code path of `featcal-llm run`
@@ -312,10 +353,11 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
         log(f"score: {row}: test " + "  ".join(f"{t} {results[row]['test'][t]:.1f}" for t in cfg.tasks))
     timings["scoring"] = time.perf_counter() - t0
 
-    return _report(cfg, workdir, results, timings, log, echo)
+    experts_training = {t: training.get(t) for t in cfg.tasks}
+    return _report(cfg, workdir, results, timings, experts_training, log, echo)
 
 
-def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, log, echo) -> dict:
+def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, experts_training: dict, log, echo) -> dict:
     from featcal_llm.demo.report import (
         bar_chart,
         gap_recovery,
@@ -343,6 +385,7 @@ def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, log, e
         "gap_recovery_test": recovery,
         "gap_recovery_dev": gap_recovery(dev, tasks, MERGED_ROW, CALIBRATED_ROW),
         "experts_meet_bar": experts_ok,
+        "experts_training": experts_training,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "files": {"recipe": RECIPE_FILE, "calibrated": OUTPUT_DIR, "merged": MERGED_DIR, "chart": RESULTS_PNG,
                   "table": RESULTS_TABLE},
@@ -353,6 +396,10 @@ def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, log, e
     echo(text)
     echo("")
     echo(sentence)
+    trained = [f"{t} {r['steps']} steps (dev {r['dev_accuracy']:.1f}%)" for t, r in experts_training.items() if r]
+    if trained:
+        echo("Experts' fine-tuning" + (f" to {cfg.expert_target:g}% dev exact match" if cfg.expert_target is not None
+                                       else "") + ": " + ", ".join(trained) + ".")
     if cfg.expert_bar is not None and not all(experts_ok.values()):
         echo(f"warning: an expert is below {cfg.expert_bar:g}% on its own task: "
              + ", ".join(t for t, ok in experts_ok.items() if not ok))

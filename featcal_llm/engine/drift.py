@@ -130,6 +130,26 @@ def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, exp
     return next_token_kls([(head, stream)], expert_head, expert_stream, batches)[0]
 
 
+def short_names(names: list[str]) -> dict[str, str]:
+    """Each model name's shortest trailing run of path components that no other name ends with.
+
+    Recipes name experts by paths, often long absolute ones; a legend needs only
+    what tells them apart (``/runs/a/experts/math`` → ``math``, or ``a/math`` when
+    another expert is ``/runs/b/math``).
+    """
+    parts = {name: [p for p in name.replace("\\", "/").split("/") if p] or [name] for name in names}
+    labels = {}
+    for name, tail in parts.items():
+        label = name
+        for count in range(1, len(tail) + 1):
+            candidate = "/".join(tail[-count:])
+            if all(other == name or "/".join(parts[other][-count:]) != candidate for other in parts):
+                label = candidate
+                break
+        labels[name] = label
+    return labels
+
+
 def write_report(directory: Path, report: dict) -> None:
     """featcal_drift.json and a line chart of per-layer drift (merged dashed, calibrated solid), byte-reproducible."""
     (directory / DRIFT_JSON).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
@@ -140,11 +160,13 @@ def write_report(directory: Path, report: dict) -> None:
     import matplotlib.ticker
 
     layers = [row["layer"] for row in report["layers"]]
+    labels = report.get("expert_labels") or short_names(report["experts"])
     figure, axes = plt.subplots(figsize=(6.4, 4.0))
     for index, task in enumerate(report["experts"]):
         color = f"C{index}"
-        axes.plot(layers, [row["merged"][task] for row in report["layers"]], "--", color=color, label=f"{task}: merged")
-        axes.plot(layers, [row["calibrated"][task] for row in report["layers"]], "-o", color=color, markersize=3, label=f"{task}: calibrated")
+        axes.plot(layers, [row["merged"][task] for row in report["layers"]], "--", color=color, label=f"{labels[task]}: merged")
+        axes.plot(layers, [row["calibrated"][task] for row in report["layers"]], "-o", color=color, markersize=3,
+                  label=f"{labels[task]}: calibrated")
     axes.set_xlabel("decoder layer")
     axes.set_ylabel("‖h − h_expert‖ / ‖h_expert‖")
     divergence = report.get("output_divergence")
@@ -167,7 +189,8 @@ def drift_report(probe: Probe, records: list[dict | None]) -> dict:
         "metric": "per layer: ||H - H_expert||_F / ||H_expert||_F of the layer output over the expert's probe tokens; "
         "output_divergence: mean next-token KL(expert || model) through each model's final norm and LM head",
         "probe": probe.source,
-        "experts": list(probe.batches),
+        "experts": list(probe.batches),  # the recipe's names, which identify the models; keys of every per-expert field
+        "expert_labels": short_names(list(probe.batches)),  # for display: the shortest distinct trailing path
         "probe_records": {task: sum(int(b.keep.shape[0]) for b in batches) for task, batches in probe.batches.items()},
         "probe_tokens": {task: sum(b.tokens for b in batches) for task, batches in probe.batches.items()},
         "layers": [{"layer": layer, **record["drift"]} for layer, record in enumerate(records)],
