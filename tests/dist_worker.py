@@ -2,7 +2,8 @@
 
 Optional faults for the tests: `--kill-at R:L` makes rank R SIGKILL itself when layer L
 starts (a rank that dies mid-run); `--skip-rank R` makes rank R contribute zero
-statistics (a broken reduction, which the equality test must catch).
+statistics (a broken reduction, which the equality test must catch);
+`--recipe-for R:PATH` gives rank R another recipe.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ def main() -> None:
     parser.add_argument("recipe")
     parser.add_argument("--kill-at", default=None)
     parser.add_argument("--skip-rank", type=int, default=None)
+    parser.add_argument("--recipe-for", default=None, help="R:PATH: rank R reads another recipe")
     args, rest = parser.parse_known_args()
     rank = int(os.environ["RANK"])
+    if args.recipe_for is not None and int(args.recipe_for.split(":", 1)[0]) == rank:
+        args.recipe = args.recipe_for.split(":", 1)[1]
     if args.kill_at is not None:
         import featcal_llm.engine.calibrate as calibrate
 

@@ -1,0 +1,173 @@
+"""Distributed benchmark (issue 19): the layer loop on 2 ranks × 1 thread against 1 × 1 and 1 × 2, and the bytes per layer.
+
+`python -m featcal_llm.benchmark.distributed [--layers N]` builds (cached) a
+SmolLM2-135M-shaped random Llama (hidden 576, 3 experts × 64 × 128 tokens),
+launches each world as torchrun does (env:// variables, gloo on 127.0.0.1),
+times `calibrate` (the layer loop, start-up excluded) on every rank, records
+the payload bytes each rank reduced or broadcast per layer, checks the 2-rank
+weights against the 1-rank ones, and prints the on-paper communication share
+for Llama-3.1-8B (`paper_share`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from featcal_llm.benchmark.costs import Group, LayerShape
+
+FLOAT64 = 8
+
+
+def launch_world(command: list[str], world: int, logs: Path, threads: int = 1, timeout: float = 600.0, env: dict | None = None) -> list[tuple[int, str, str]]:
+    """Run `command` as `world` ranks on this machine (MASTER_ADDR 127.0.0.1, a free port); (returncode, stdout, stderr) per rank.
+
+    Every rank is killed after `timeout` seconds, so a test can never hang.
+    """
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    logs.mkdir(parents=True, exist_ok=True)
+    running = []
+    for rank in range(world):
+        rank_env = {
+            **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": str(threads),
+        }
+        out, err = open(logs / f"rank{rank}.out", "w"), open(logs / f"rank{rank}.err", "w")
+        running.append((subprocess.Popen(command, env=rank_env, stdout=out, stderr=err), out, err))
+    deadline = time.monotonic() + timeout
+    results = []
+    for rank, (process, out, err) in enumerate(running):
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other, _, _ in running:
+                other.kill()
+            process.wait()
+        out.close(), err.close()
+        results.append((process.returncode, (logs / f"rank{rank}.out").read_text(), (logs / f"rank{rank}.err").read_text()))
+    return results
+
+
+def reduced_bytes_per_task(shape: LayerShape, tokens: int) -> int:
+    """Payload of one task's statistics of one layer as the engine reduces them (float64, `distributed.statistics_tensors`)."""
+    from featcal_llm.benchmark.costs import _uses_moment
+
+    total = 0
+    for g in shape.groups:
+        d = g.input_dim
+        total += d * d + (d * d if _uses_moment(g, tokens) else sum(m * d for m in g.outputs.values())) + d  # + the norm's sum
+    return total * FLOAT64 + len(shape.groups) * 8  # token counts
+
+
+def solution_bytes(shape: LayerShape, element_size: int) -> int:
+    """The calibrated weights of one layer, broadcast from their owners."""
+    return sum(m * g.input_dim for g in shape.groups for m in g.outputs.values()) * element_size
+
+
+def llama31_8b() -> LayerShape:
+    attention, kv, hidden, ff = 4096, 1024, 4096, 14336
+    return LayerShape(
+        (
+            Group("attn_input", hidden, {"q": attention, "k": kv, "v": kv}),
+            Group("attn_output", attention, {"o": hidden}),
+            Group("mlp_input", hidden, {"gate": ff, "up": ff}),
+            Group("mlp_hidden", ff, {"down": hidden}),
+        ),
+        linear_params=218_103_808,
+        attention_dim=attention,
+    )
+
+
+def paper_share(experts: int, tokens_per_task: int, sequence: int, gpus: int, link_gb_s: float, fp64_tflops: float, bf16_tflops: float) -> dict:
+    """Communication share of one Llama-3.1-8B layer: reduce-to-owner bytes over the slowest link against the compute split over `gpus`.
+
+    A ring reduce moves (N − 1)/N of the payload through each link; the compute
+    (3 forward passes in bf16, float64 statistics, the fold) divides by the
+    ranks, the Cholesky and solves by min(ranks, groups) at best.
+    """
+    from featcal_llm.benchmark.costs import fold_flops, forward_flops, ridge_flops, statistics_flops
+
+    shape = llama31_8b()
+    lengths = [sequence] * (tokens_per_task // sequence)
+    statistics = experts * reduced_bytes_per_task(shape, tokens_per_task)
+    moved = statistics * (gpus - 1) / gpus + solution_bytes(shape, 2)
+    communication = moved / (link_gb_s * 1e9)
+    forward = experts * 3 * forward_flops(shape, lengths) / (bf16_tflops * 1e12) / gpus
+    stats = experts * statistics_flops(shape, tokens_per_task, symmetric=False) / (fp64_tflops * 1e12) / gpus
+    solve = (experts * fold_flops(shape, tokens_per_task) + ridge_flops(shape)) / (fp64_tflops * 1e12) / min(gpus, len(shape.groups))
+    layer = forward + stats + solve + communication
+    return {"gpus": gpus, "link_GB_s": link_gb_s, "statistics_GB": statistics / 1e9, "moved_GB": moved / 1e9,
+            "communication_s": communication, "layer_s": layer, "share": communication / layer}
+
+
+def _worker(recipe: str, result: str) -> None:
+    """One rank: run the recipe with `calibrate` timed; write seconds and per-layer traffic."""
+    import featcal_llm.pipeline as pipeline
+
+    real = pipeline.calibrate
+    measured = {}
+
+    def timed(ctx, num_layers, progress=True):
+        start = time.perf_counter()
+        replacements = real(ctx, num_layers, progress)
+        measured.update(seconds=time.perf_counter() - start, traffic=ctx.comm.traffic, rank=ctx.comm.rank)
+        return replacements
+
+    pipeline.calibrate = timed
+    pipeline.run_recipe(recipe, force=True, progress=False)
+    Path(f"{result}.rank{measured['rank']}.json").write_text(json.dumps(measured))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the SmolLM2-135M-shaped model (30 in the real one)")
+    parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return _worker(*args.worker)
+    from featcal_llm.benchmark.wholerun import PRESETS, WholeRunSpec, build
+    import yaml
+
+    preset = {k: v for k, v in PRESETS["smollm2-135m"].items() if k != "lam"}
+    spec = WholeRunSpec(**{**preset, "layers": args.layers})
+    recipe = build(spec, args.workdir.resolve(), 1e-3, lambda m: print(m, file=sys.stderr))
+    results = {}
+    for world, threads in ((1, 1), (1, 2), (2, 1)):
+        name = f"{world}x{threads}"
+        config = yaml.safe_load(recipe.read_text())
+        config["featcal"]["output"] = str(recipe.parent / f"out-{name}")
+        path = recipe.parent / f"recipe-{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        stem = recipe.parent / f"timing-{name}"
+        command = [sys.executable, "-m", "featcal_llm.benchmark.distributed", "--worker", str(path), str(stem)]
+        ranks = launch_world(command, world, recipe.parent / f"logs-{name}", threads=threads, timeout=3000)
+        if any(code != 0 for code, _, _ in ranks):
+            raise SystemExit(f"{name} failed: {ranks[0][2][-2000:]}")
+        timings = [json.loads(Path(f"{stem}.rank{r}.json").read_text()) for r in range(world)]
+        results[name] = {"seconds": max(t["seconds"] for t in timings), "traffic_per_layer": timings[0]["traffic"][:1]}
+    from featcal_llm.benchmark.wholerun import _delta_difference
+
+    results["2x1_vs_1x1_delta"] = _delta_difference(recipe.parent / "out-2x1", recipe.parent / "out-1x1", recipe.parent / "merged")
+    base = results["1x1"]["seconds"]
+    results["speedup"] = {name: base / results[name]["seconds"] for name in ("1x1", "1x2", "2x1")}
+    results["load_average"] = os.getloadavg()
+    results["paper"] = [
+        paper_share(3, 1024 * 2048, 2048, 8, 360.0, 60.0, 700.0),  # one node: NVLink (NCCL bus bandwidth ≈ 360 GB/s)
+        paper_share(3, 1024 * 2048, 2048, 32, 50.0, 60.0, 700.0),  # 4 nodes: 400 Gb/s per node
+        paper_share(3, 64 * 2048, 2048, 32, 50.0, 60.0, 700.0),  # 4 nodes, a light run: 64 sequences per expert
+    ]
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
