@@ -69,6 +69,41 @@ def test_groups_are_owned_by_cost(uneven):
     assert all(rank == 1 for name, rank in owners.items() if name != widest)  # d_ff³ > 3 · d³ here
 
 
+def test_a_stopped_rank_is_named_by_its_heartbeat_and_a_failed_one_by_its_error(monkeypatch):
+    """Rank 0's view of a 3-rank world in which rank 1 stopped beating and rank 2 is alive (real TCPStore, no process group)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 3, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
+    ranks = {}
+    for rank in (0, 2):  # rank 1 never beats
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop = dist, rank, 3, threading.Event()
+        comm._start_heartbeat()
+        ranks[rank] = comm
+    try:
+        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
+        assert str(stopped) == "rank 1 of 3 stopped (no heartbeat); rerun the same command to resume after the last finished layer"
+        ranks[2].report_failure("layer 1: calibrated layer produced NaN/Inf hidden states")
+        assert str(ranks[0]._peer_failure(RuntimeError("x"))) == "rank 2 of 3 failed: layer 1: calibrated layer produced NaN/Inf hidden states"
+    finally:
+        for comm in ranks.values():
+            comm._stop.set()
+        del master
+
+
 def test_two_ranks_give_the_one_process_weights(uneven, tmp_path):
     scenario, single = uneven
     ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), 2, tmp_path / "logs")
@@ -103,6 +138,10 @@ def test_tuned_run_on_two_ranks_chooses_and_gives_what_one_process_does(uneven, 
     assert worst_delta(tmp_path / "two", single, scenario.root / "merged") <= EQUAL
     ours, theirs = (json.loads((d / "featcal_tuning.json").read_text()) for d in (tmp_path / "two", single))
     assert json.dumps(ours, sort_keys=True).count("criterion") == json.dumps(theirs, sort_keys=True).count("criterion")
+    drift, reference = (json.loads((d / "featcal_drift.json").read_text()) for d in (tmp_path / "two", single))
+    assert drift["probe_tokens"] == reference["probe_tokens"]
+    for row, expected in zip(drift["layers"], reference["layers"]):  # held-out drift: every rank's sums reduced
+        assert row["calibrated"] == pytest.approx(expected["calibrated"], rel=1e-9)
     for a, b in zip(ours["layers"], theirs["layers"]):
         assert {k: v for k, v in a["chosen"].items() if k != "criterion"} == {k: v for k, v in b["chosen"].items() if k != "criterion"}
         assert a["chosen"]["criterion"] == pytest.approx(b["chosen"]["criterion"], rel=1e-9)

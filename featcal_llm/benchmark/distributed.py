@@ -117,9 +117,9 @@ def _worker(recipe: str, result: str) -> None:
     measured = {}
 
     def timed(ctx, num_layers, progress=True):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         replacements = real(ctx, num_layers, progress)
-        measured.update(seconds=time.perf_counter() - start, traffic=ctx.comm.traffic, rank=ctx.comm.rank)
+        measured.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu, traffic=ctx.comm.traffic, rank=ctx.comm.rank)
         return replacements
 
     pipeline.calibrate = timed
@@ -154,12 +154,16 @@ def main() -> None:
         if any(code != 0 for code, _, _ in ranks):
             raise SystemExit(f"{name} failed: {ranks[0][2][-2000:]}")
         timings = [json.loads(Path(f"{stem}.rank{r}.json").read_text()) for r in range(world)]
-        results[name] = {"seconds": max(t["seconds"] for t in timings), "traffic_per_layer": timings[0]["traffic"][:1]}
+        results[name] = {"seconds": max(t["seconds"] for t in timings), "cpu_seconds": [t["cpu_seconds"] for t in timings],
+                         "traffic_per_layer": [t["traffic"][:1] for t in timings]}
     from featcal_llm.benchmark.wholerun import _delta_difference
 
     results["2x1_vs_1x1_delta"] = _delta_difference(recipe.parent / "out-2x1", recipe.parent / "out-1x1", recipe.parent / "merged")
     base = results["1x1"]["seconds"]
     results["speedup"] = {name: base / results[name]["seconds"] for name in ("1x1", "1x2", "2x1")}
+    # on a shared machine: the CPU seconds of the busiest rank, i.e. the wall time each rank would take on a core of its own
+    cpu_base = results["1x1"]["cpu_seconds"][0]
+    results["cpu_speedup"] = {"1x1": 1.0, "2x1": cpu_base / max(results["2x1"]["cpu_seconds"])}
     results["load_average"] = os.getloadavg()
     results["paper"] = [
         paper_share(3, 1024 * 2048, 2048, 8, 360.0, 60.0, 700.0),  # one node: NVLink (NCCL bus bandwidth ≈ 360 GB/s)
