@@ -127,14 +127,58 @@ def _worker(recipe: str, result: str) -> None:
     Path(f"{result}.rank{measured['rank']}.json").write_text(json.dumps(measured))
 
 
+def smollm_statistics() -> list[tuple[str, tuple[int, ...]]]:
+    """One task's float64 statistics of a SmolLM2-135M layer as reduced (hidden 576, MLP 1536; moments for q/k/v and gate/up)."""
+    h, ff, q, kv = 576, 1536, 576, 192
+    return [("attn_input", (h, h)), ("attn_input", (h, h)), ("attn_output", (q, q)), ("attn_output", (h, q)),
+            ("mlp_input", (h, h)), ("mlp_input", (h, h)), ("mlp_hidden", (ff, ff)), ("mlp_hidden", (h, ff))]
+
+
+def _collectives(result: str, repeats: int = 20) -> None:
+    """One rank: time reducing one task's statistics onto their owners against all-reducing them (gloo, float64)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    owners = {"mlp_hidden": 0, "attn_input": 1 % world, "attn_output": 1 % world, "mlp_input": 1 % world}  # as group_owners
+    tensors = [(name, torch.rand(shape, dtype=torch.float64)) for name, shape in smollm_statistics()]
+    timings = {}
+    for mode in ("owner", "all", "owner", "all"):  # interleaved, best of two rounds
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for name, tensor in tensors:
+                if mode == "all":
+                    dist.all_reduce(tensor)
+                else:
+                    dist.reduce(tensor, dst=owners[name])
+        dist.barrier()
+        elapsed = (time.perf_counter() - start) / repeats
+        timings[mode] = min(timings.get(mode, elapsed), elapsed)
+    payload = sum(t.numel() * t.element_size() for _, t in tensors)
+    if rank == 0:
+        Path(result).write_text(json.dumps({"payload_bytes": payload, "seconds": timings}))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of the SmolLM2-135M-shaped model (30 in the real one)")
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
+    parser.add_argument("--collectives", action="store_true", help="only time reduce-to-owner against all-reduce (2 gloo ranks)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return _worker(*args.worker)
+        return (_collectives(args.worker[1]) if args.worker[0] == "collectives" else _worker(*args.worker))
+    if args.collectives:
+        target = args.workdir.resolve() / "collectives.json"
+        command = [sys.executable, "-m", "featcal_llm.benchmark.distributed", "--worker", "collectives", str(target)]
+        ranks = launch_world(command, 2, args.workdir.resolve() / "logs-collectives", timeout=600)
+        if any(code != 0 for code, _, _ in ranks):
+            raise SystemExit(ranks[0][2][-2000:])
+        print(target.read_text())
+        return None
     from featcal_llm.benchmark.wholerun import PRESETS, WholeRunSpec, build
     import yaml
 
