@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
 
         def dying(ctx, layer, tensors):
             if rank == victim and layer == at:
+                print(f"killed at {time.time():.3f}", file=sys.stderr, flush=True)  # when, for measuring how fast the others stop
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(ctx, layer, tensors)
 
