@@ -59,7 +59,7 @@ def run(recipe: Path, force: bool, device: str | None) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE."""
     import os
 
-    from featcal_llm.engine.distributed import QuietExit
+    from featcal_llm.errors import QuietExit
     from featcal_llm.startup import freezing_imports, heavy_import
 
     try:

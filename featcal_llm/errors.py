@@ -5,6 +5,10 @@ class FeatCalError(Exception):
     """A problem with the user's input; the CLI prints it on one line and exits non-zero."""
 
 
+class QuietExit(Exception):
+    """A non-zero torchrun rank stops because of an error rank 0 reports (bad input): exit non-zero without printing."""
+
+
 QUIET = {"warnings": False}  # set on the non-zero ranks of a distributed run: rank 0 speaks for all
 
 

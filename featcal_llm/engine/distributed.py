@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, QuietExit
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -118,10 +118,6 @@ class Single:
 
 class WorldError(FeatCalError):
     """An error every rank already knows of (a failed handshake, a rank that stopped): raised as is, not passed on again."""
-
-
-class QuietExit(Exception):
-    """A non-zero rank stops because of an error rank 0 reports (bad input): exit non-zero without printing."""
 
 
 class TorchDistributed(Single):
