@@ -57,8 +57,15 @@ def main() -> None:
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
 def run(recipe: Path, force: bool, device: str | None) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE."""
+    import os
+
+    from featcal_llm.errors import QuietExit
     from featcal_llm.startup import freezing_imports, heavy_import
 
-    with freezing_imports():
-        output = heavy_import("featcal_llm.pipeline").run_recipe(recipe, force=force, device=device)
-    click.echo(f"calibrated checkpoint written to {output}")
+    try:
+        with freezing_imports():
+            output = heavy_import("featcal_llm.pipeline").run_recipe(recipe, force=force, device=device)
+    except QuietExit:  # a torchrun rank whose error rank 0 reports
+        sys.exit(2)
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"calibrated checkpoint written to {output}")

@@ -20,6 +20,7 @@ from featcal_llm import __version__
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.context import Models, RunContext
+from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
 from featcal_llm.engine.method import objective_for
 from featcal_llm.io.card import write_card
 from featcal_llm.io.checkpoint import (
@@ -31,7 +32,7 @@ from featcal_llm.io.checkpoint import (
 from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
-from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.engine.plan import CalibrationPlan
@@ -41,6 +42,7 @@ from featcal_llm.io.recipe import Recipe, load_recipe
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (
     StagingArea,
+    StagingReader,
     checkpoint_identity,
     fingerprint,
     sequences_digest,
@@ -207,7 +209,7 @@ def _run_fingerprint(
             sequences_digest(probe_sequences),
             checkpoint_identity(models.merged.directory),
             {name: [source.identity(), checkpoint_identity(source.directory)] for name, source in sources.items()},
-            [str(runner.device), str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
+            [runner.device.type, str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
         ]
     )
 
@@ -224,17 +226,43 @@ def _publish(checkpoint: Path, output: Path) -> None:
         checkpoint.rename(output)
 
 
+def _staging(comm: Single, partial: Path, run_fingerprint: str) -> StagingArea:
+    """Rank 0 owns the staging area (and decides whether to resume); the others read what it staged."""
+    staging = StagingArea(partial, run_fingerprint) if comm.is_main else None
+    completed = comm.broadcast_object(staging.completed if staging is not None else None)
+    return staging if staging is not None else StagingReader(partial, run_fingerprint, completed)
+
+
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory.
 
     Progress is kept in a hidden sibling of the output after every layer; rerunning
-    the same command after a crash resumes from it.
+    the same command after a crash resumes from it. Under torchrun (WORLD_SIZE > 1)
+    this process is one rank of a data-parallel run (engine/distributed.py).
     """
+    comm = communicator()
+    QUIET["warnings"] = not comm.is_main
+    try:
+        return _run(comm, recipe_path, force, device, progress, timer)
+    except WorldError:
+        raise
+    except FeatCalError as error:
+        if not comm.ready:  # during the setup every rank meets the others with its error: rank 0 reports
+            comm.agree(None, str(error))
+        comm.report_failure(str(error))  # in the loop: this rank's own error, which the others will name
+        raise FeatCalError(f"rank {comm.rank}: {error}" if comm.world > 1 else str(error)) from None
+    finally:
+        comm.close()
+        QUIET["warnings"] = False
+
+
+def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None, progress: bool, timer) -> Path:
     recipe = load_recipe(recipe_path)
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
     _check_output(recipe, output, force)
-    compute_device = resolve_device(device or featcal.device)
+    compute_device = rank_device(resolve_device(device or featcal.device))
+    comm.use(compute_device)
     trust = featcal.trust_remote_code
 
     base = resolve_source(recipe.base, f"{recipe.path}: base_model")
@@ -262,7 +290,9 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     search = plan.tuning
 
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
-        ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
+        if comm.is_main:  # only rank 0 merges; the others wait for it
+            ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
+        comm.agree(None)
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
@@ -286,12 +316,17 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     else:
         probe_sequences = drift_sample(sequences)
     # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
-    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in sequences.items()}
+    # Each rank keeps its token-balanced shard of every expert's records (all of them in one process).
+    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(sequences).items()}
     probe = Probe(
-        {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()},
+        {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(probe_sequences).items()},
         "held-out records" if featcal.holds_out else "calibration subsample",
     )
 
+    comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it here and below
+    if comm.is_main:
+        ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
+    comm.agree(None)
     merged_dir = ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
@@ -308,10 +343,18 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype, stats_dtype)
 
     partial = output.with_name(f".{output.name}.featcal-partial")
-    staging = StagingArea(partial, _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens, {"base_model": base, **experts}))
-    store = HostStore(stream_budget(featcal.host_memory_gb), partial / "spill", pin=compute_device.type == "cuda")
-    context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer())
-    replacements = calibrate(context, merged_config.num_hidden_layers, progress)
+    run_fingerprint = _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens, {"base_model": base, **experts})
+    comm.agree(run_fingerprint)  # ranks that see different recipes, data or models refuse to start
+    staging = _staging(comm, partial, run_fingerprint)
+    spill = partial / "spill" if comm.world == 1 else partial / "spill" / f"rank-{comm.rank}"
+    store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=compute_device.type == "cuda")
+    context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer(), comm=comm)
+    replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
+    comm.barrier()
+    if not comm.is_main:
+        return output
+    probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()}, probe.source,
+                  divergence=probe.divergence)  # the report counts every rank's records
     records = [staging.record(layer) for layer in range(merged_config.num_hidden_layers)]
     shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
@@ -319,7 +362,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     checkpoint.mkdir()
     write_calibrated_checkpoint(models.merged, replacements, checkpoint)
     copy_side_files(merged_dir, checkpoint)
-    tokens = {task: sum(b.tokens for b in task_batches) for task, task_batches in batches.items()}
+    tokens = {task: sum(len(s) for s in seqs) for task, seqs in sequences.items()}
     tuning = None
     if search is not None:
         tuning = tuning_report(search, [record["tuning"] for record in records])

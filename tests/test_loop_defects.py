@@ -30,8 +30,8 @@ def test_a_nan_criterion_loses_to_every_finite_one(merged_scenario, tmp_path, mo
     """Defect 2: NaN < x is false, so a NaN candidate evaluated first used to win the search."""
     real = tuned_module.criterion
 
-    def nan_at_start(name, probe, candidate, expert, heads, device=None):
-        value = real(name, probe, candidate, expert, heads, device)
+    def nan_at_start(*args):
+        value = real(*args)
         return math.nan if nan_at_start.current == 1e-3 else value
 
     real_solve = FeatCal.solve_layer
@@ -130,9 +130,9 @@ def test_an_expert_named_merged_keeps_the_merged_models_head(merged_scenario, tm
     seen = []
     real = tuned_module.criterion
 
-    def spy(name, probe, candidate, expert, heads, device=None):
+    def spy(name, probe, candidate, expert, heads, *rest):
         seen.append(heads.merged if hasattr(heads, "merged") else heads["merged"])
-        return real(name, probe, candidate, expert, heads, device)
+        return real(name, probe, candidate, expert, heads, *rest)
 
     monkeypatch.setattr(tuned_module, "criterion", spy)
     run_recipe(tmp_path / "r.yaml", progress=False)

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_llm.engine.context import RunContext, Streams
-from featcal_llm.engine.drift import Head, Heads, outputs, next_token_kls, relative_drift
+from featcal_llm.engine.drift import Head, Heads, outputs, next_token_kls, reduced_drifts
 from featcal_llm.engine.prefetch import LayerPrefetcher, LayerTensors
 from featcal_llm.engine.record import record_task
 from featcal_llm.engine.streams import TokenBatch
@@ -83,7 +83,7 @@ def output_divergence(ctx: RunContext) -> dict[str, dict[str, float]]:
     for task, batches in probe.batches.items():
         expert_head = Head(ctx.runner, ctx.models.experts[task])
         compared = [(merged_head, probe.merged[task]), (merged_head, probe.cal[task])]
-        result["merged"][task], result["calibrated"][task] = next_token_kls(compared, expert_head, probe.expert[task], batches)
+        result["merged"][task], result["calibrated"][task] = next_token_kls(compared, expert_head, probe.expert[task], batches, ctx.comm)
     return result
 
 
@@ -131,10 +131,13 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
 
 def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
     """Record, solve (or select), stage and advance one layer (steps 2a-2c of the schedule)."""
-    plan, runner, probe, timer = ctx.plan, ctx.runner, ctx.probe, ctx.timer
+    plan, runner, probe, timer, comm = ctx.plan, ctx.runner, ctx.probe, ctx.timer, ctx.comm
     merged_weights = tensors.merged
     with timer.phase("load"):
         cal_layer = runner.build(layer, merged_weights, "merged model")
+    comm.new_layer()
+    ctx.owners = comm.owners(plan, cal_layer)
+    owned = comm.local_plan(plan, ctx.owners)  # the groups this rank folds and solves (all of them in one process)
     systems: dict[str, GroupSystem] = {}
     expert_out: dict[str, list[torch.Tensor]] = {}
     for task, expert_weights in tensors.experts.items():
@@ -145,8 +148,10 @@ def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
             with timer.phase("forward"):
                 expert_out[task] = outputs(runner, expert_layer, probe.batches[task], probe.expert[task], ctx.store)
         del expert_layer
+        with timer.phase("reduce"):
+            comm.reduce_statistics(stats, ctx.owners)
         with timer.phase("solve"):
-            plan.objective.fold_task(plan, layer, systems, stats, expert_weights)
+            plan.objective.fold_task(owned, layer, systems, stats, expert_weights)
         del stats
     record: dict = {}
     cal_out = None
@@ -157,7 +162,7 @@ def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
         solved, record["tuning"], cal_out = select_layer(ctx, layer, systems, tensors, expert_out)
     else:
         with timer.phase("solve"):
-            solved = plan.objective.solve_layer(plan, layer, systems, tensors)
+            solved = comm.solve_layer(ctx, layer, systems, tensors)
     del systems
     with timer.phase("load"):
         cal_layer = runner.build(layer, {**merged_weights, **solved}, "merged model")
@@ -166,8 +171,7 @@ def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
             with timer.phase("forward"):
                 cal_out = {task: outputs(runner, cal_layer, b, probe.cal[task], ctx.store) for task, b in probe.batches.items()}
         record["drift"] = {
-            kind: {task: relative_drift(out[task], expert_out[task], b, runner.device) for task, b in probe.batches.items()}
-            for kind, out in (("merged", merged_out), ("calibrated", cal_out))
+            kind: reduced_drifts(comm, out, expert_out, probe.batches, runner.device) for kind, out in (("merged", merged_out), ("calibrated", cal_out))
         }
         probe.cal, probe.expert, probe.merged = cal_out, expert_out, merged_out
     prefix = plan.architecture.prefix(layer)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from featcal_llm.engine.distributed import Single
 from featcal_llm.engine.drift import Heads, Probe
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer, PhaseTimer
@@ -47,3 +48,5 @@ class RunContext:
     expert: Streams = field(default_factory=dict)  # h_exp,i of expert i on its own task
     heads: Heads | None = None  # final norm + LM head per model, for the `output` tuning criterion
     workspace: StatisticsWorkspace = field(default_factory=StatisticsWorkspace)
+    comm: Single = field(default_factory=Single)  # the ranks of a torchrun world (no-ops in one process)
+    owners: dict[str, int] = field(default_factory=dict)  # this layer's input group → the rank that solves it

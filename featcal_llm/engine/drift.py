@@ -64,14 +64,29 @@ def outputs(runner: LayerRunner, layer: torch.nn.Module, batches: list[TokenBatc
     return result
 
 
-def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch], device: torch.device | None = None) -> float:
-    """‖H − H_ref‖_F / ‖H_ref‖_F over the non-padding tokens (padding is stored as zeros in both), summed on `device`."""
+def drift_sums(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch], device: torch.device | None = None) -> tuple[float, float]:
+    """(‖H − H_ref‖²_F, ‖H_ref‖²_F) over the non-padding tokens (padding is stored as zeros in both): sums, so ranks can add theirs."""
     error = total = 0.0
     for host, ref in zip(stream, reference):
         h, r = host.to(device=device, dtype=torch.float64), ref.to(device=device, dtype=torch.float64)
         error += float((h - r).pow(2).sum())
         total += float(r.pow(2).sum())
+    return error, total
+
+
+def drift_ratio(error: float, total: float) -> float:
     return math.sqrt(error / max(total, 1e-300))
+
+
+def relative_drift(stream: list[torch.Tensor], reference: list[torch.Tensor], batches: list[TokenBatch], device: torch.device | None = None) -> float:
+    """‖H − H_ref‖_F / ‖H_ref‖_F over the non-padding tokens, summed on `device`."""
+    return drift_ratio(*drift_sums(stream, reference, batches, device))
+
+
+def reduced_drifts(comm, streams: Streams, references: Streams, batches: dict[str, list[TokenBatch]], device: torch.device | None = None) -> dict[str, float]:
+    """relative_drift per task over every rank's records: each rank's sums are added (`comm.sum_floats`) before the ratio."""
+    sums = comm.sum_floats([value for task, b in batches.items() for value in drift_sums(streams[task], references[task], b, device)])
+    return {task: drift_ratio(sums[2 * i], sums[2 * i + 1]) for i, task in enumerate(batches)}
 
 
 class Head:
@@ -103,10 +118,10 @@ class Heads:
     experts: dict[str, Head]
 
 
-def next_token_kls(
+def next_token_kl_sums(
     models: list[tuple[Head, list[torch.Tensor]]], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]
-) -> list[float]:
-    """For each (head, stream): mean over non-padding tokens of KL(p_expert ‖ p_model).
+) -> tuple[list[float], int]:
+    """For each (head, stream): Σ over non-padding tokens of KL(p_expert ‖ p_model); and the token count.
 
     Chunks of tokens keep the float64 log-softmax over a large vocabulary
     bounded; the expert's log-probabilities are computed once per chunk and
@@ -122,12 +137,24 @@ def next_token_kls(
             for slot, (head, _) in enumerate(models):
                 totals[slot] += float((p_expert * (expert - head.log_probs(chunks[slot][position]))).sum())
             tokens += ref_rows.shape[0]
+    return totals, tokens
+
+
+def next_token_kls(
+    models: list[tuple[Head, list[torch.Tensor]]], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch], comm=None
+) -> list[float]:
+    """For each (head, stream): mean over non-padding tokens (of every rank, given `comm`) of KL(p_expert ‖ p_model)."""
+    totals, tokens = next_token_kl_sums(models, expert_head, expert_stream, batches)
+    if comm is not None:
+        *totals, tokens = comm.sum_floats([*totals, float(tokens)])
     return [total / max(tokens, 1) for total in totals]
 
 
-def next_token_kl(head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch]) -> float:
+def next_token_kl(
+    head: Head, stream: list[torch.Tensor], expert_head: Head, expert_stream: list[torch.Tensor], batches: list[TokenBatch], comm=None
+) -> float:
     """Mean over non-padding tokens of KL(p_expert ‖ p_model) for one model."""
-    return next_token_kls([(head, stream)], expert_head, expert_stream, batches)[0]
+    return next_token_kls([(head, stream)], expert_head, expert_stream, batches, comm)[0]
 
 
 def short_names(names: list[str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ class CalibrationPlan:
     norms: bool
     biases: bool
     objective: FeatCal
+    only: frozenset[str] | None = None  # the input groups this rank folds and solves (None: all of them)
 
     @property
     def tuning(self) -> "Search | None":
@@ -31,7 +32,7 @@ class CalibrationPlan:
         return tuple(
             group
             for group in self.architecture.groups
-            if self.selected(group) or (self.norms and group.norm)
+            if (self.selected(group) or (self.norms and group.norm)) and (self.only is None or group.name in self.only)
         )
 
     def selected(self, group: InputGroup) -> tuple[str, ...]:

@@ -79,7 +79,7 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
     batches, cal_stream, expert_stream = ctx.batches[task], ctx.cal[task], ctx.expert[task]
     device, precision = runner.device, runner.stats_dtype  # float64 totals; each batch's products in `precision`
     stats = ctx.workspace.zeroed(plan, cal_layer, runner)
-    task_tokens = sum(batch.tokens for batch in batches)
+    task_tokens = ctx.comm.sum_int(sum(batch.tokens for batch in batches))  # every rank records the same way
     for group_stats in stats.values():
         # wide groups: one moment Σ x_exp x_calᵀ, crosses W_i,p · moment after the task (fewer FLOPs, same sums)
         group_stats.via_moment = group_stats.moment is not None and cross_moment_pays(

@@ -129,3 +129,16 @@ class StagingArea:
             with safe_open(self.layer_file(layer), framework="pt") as handle:
                 mapping.update({name: self.layer_file(layer) for name in handle.keys()})
         return mapping
+
+
+class StagingReader(StagingArea):
+    """A non-zero rank's view of rank 0's staging area (on a filesystem every rank reads): it reads staged layers, never writes."""
+
+    def __init__(self, root: Path, run_fingerprint: str, completed: int):
+        self.root = root
+        self.layers = root / "layers"
+        self.fingerprint = run_fingerprint
+        self.completed = completed
+
+    def commit(self, layer: int, tensors: dict[str, torch.Tensor], record: dict | None = None) -> None:
+        self.completed = layer + 1

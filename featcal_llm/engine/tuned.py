@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from featcal_llm.engine.drift import Heads, Probe, next_token_kl, outputs, relative_drift
+from featcal_llm.engine.drift import Heads, Probe, next_token_kl, outputs, reduced_drifts, relative_drift
 from featcal_llm.engine.prefetch import LayerTensors
 from featcal_llm.engine.tuning import as_values, coordinate_search, criterion_value
 from featcal_llm.errors import FeatCalError, warn
@@ -27,15 +27,15 @@ if TYPE_CHECKING:
 
 def criterion(
     name: str, probe: Probe, candidate: dict[str, list[torch.Tensor]], expert: dict[str, list[torch.Tensor]],
-    heads: Heads | None, device: torch.device | None = None,
+    heads: Heads | None, device: torch.device | None = None, comm=None,
 ) -> float:
-    """Mean over experts (equal weights) of the held-out drift (`hidden`) or logit-lens KL (`output`)."""
-    values = []
-    for task, batches in probe.batches.items():
-        if name == "output":
-            values.append(next_token_kl(heads.merged, candidate[task], heads.experts[task], expert[task], batches))
-        else:
-            values.append(relative_drift(candidate[task], expert[task], batches, device))
+    """Mean over experts (equal weights) of the held-out drift (`hidden`) or logit-lens KL (`output`), over every rank's records."""
+    if name == "output":
+        values = [next_token_kl(heads.merged, candidate[task], heads.experts[task], expert[task], batches, comm) for task, batches in probe.batches.items()]
+    elif comm is not None:
+        values = list(reduced_drifts(comm, candidate, expert, probe.batches, device).values())
+    else:
+        values = [relative_drift(candidate[task], expert[task], batches, device) for task, batches in probe.batches.items()]
     return sum(values) / len(values)
 
 
@@ -56,7 +56,7 @@ def select_layer(
     def evaluate(hyper: Hyperparameters) -> tuple[dict[str, torch.Tensor] | None, dict[str, list[torch.Tensor]] | None, float]:
         try:
             with timer.phase("solve"):
-                solved = plan.objective.solve_layer(plan, layer, systems, tensors, hyper, solver)
+                solved = ctx.comm.solve_layer(ctx, layer, systems, tensors, hyper, solver)
         except FeatCalError as error:
             failures.append(f"{as_values(hyper)}: {error}")
             return None, None, math.inf
@@ -64,10 +64,10 @@ def select_layer(
             candidate_layer = runner.build(layer, {**tensors.merged, **solved}, "merged model")
         with timer.phase("forward"):
             out = {task: outputs(runner, candidate_layer, batches, probe.cal[task], ctx.store) for task, batches in probe.batches.items()}
-        if not _finite(out):
+        if not ctx.comm.all_true(_finite(out)):
             failures.append(f"{as_values(hyper)}: NaN/Inf held-out hidden states")
             return None, None, math.inf
-        value = criterion(search.criterion, probe, out, expert_out, ctx.heads, runner.device)
+        value = criterion(search.criterion, probe, out, expert_out, ctx.heads, runner.device, ctx.comm)
         if not math.isfinite(value):
             failures.append(f"{as_values(hyper)}: criterion {value}")
             return None, None, math.inf

@@ -1,0 +1,321 @@
+"""Many ranks, same weights: data parallel over calibration tokens with torch.distributed (`torchrun … -m featcal_llm run`).
+
+Every rank owns a token-balanced shard of every expert's calibration (and
+probe) sequences and runs each layer on it. Input groups are owned by ranks
+(balanced by d³); each task's statistics of a group are summed in float64 onto
+its owner (`reduce`, or `all_reduce` with FEATCAL_DISTRIBUTED_REDUCE=all), the
+owner folds and solves the group, and broadcasts the solution. Criterion and
+drift sums are all-reduced, so every rank chooses the same candidate. Only
+rank 0 writes. `Single` is the one-process communicator: every operation is a
+no-op, so `python -m featcal_llm run` is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from featcal_llm.errors import FeatCalError, QuietExit
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
+    from featcal_llm.engine.plan import CalibrationPlan
+    from featcal_llm.maths.stats import GroupStatistics
+
+TIMEOUT_ENV = "FEATCAL_DISTRIBUTED_TIMEOUT"  # seconds a collective may wait for a rank that hangs (default 1800)
+REDUCE_ENV = "FEATCAL_DISTRIBUTED_REDUCE"  # "owner" (default): reduce to each group's owner; "all": all-reduce
+HEARTBEAT_S = 1.0
+
+
+def shard_indices(lengths: list[int], rank: int, world: int) -> list[int]:
+    """Indices (in file order) of the sequences rank `rank` owns: greedy longest-first onto the least-loaded rank (ties: lower rank)."""
+    loads = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(world), key=lambda r: (loads[r], r))
+        loads[target] += lengths[index]
+        owned[target].append(index)
+    return sorted(owned[rank])
+
+
+def group_owners(plan: "CalibrationPlan", layer: torch.nn.Module, world: int) -> dict[str, int]:
+    """Input group → the rank that folds and solves it, greedy largest-first by d³ (the Cholesky's cost)."""
+    cost = {g.name: layer.get_submodule(g.projections[0]).in_features ** 3 for g in plan.groups()}
+    loads = [0] * world
+    owners = {}
+    for name in sorted(cost, key=lambda n: (-cost[n], n)):
+        owners[name] = min(range(world), key=lambda r: (loads[r], r))
+        loads[owners[name]] += cost[name]
+    return owners
+
+
+def statistics_tensors(stats: "GroupStatistics") -> list[torch.Tensor]:
+    """The tensors of one group's statistics that the solve needs, in a fixed order (moment instead of crosses if recorded so)."""
+    expert = [stats.moment] if stats.via_moment else [stats.cross[p] for p in sorted(stats.cross)]
+    return [t for t in (stats.gram, *expert, stats.sum_cal, stats.sum_exp, stats.norm_sq) if t is not None]
+
+
+class Single:
+    """One process: owns everything, reduces nothing."""
+
+    rank, world, is_main, ready = 0, 1, True, True
+
+    def __init__(self) -> None:
+        self.traffic: list[dict[str, int]] = []  # per calibrated layer: payload bytes by kind
+
+    def shard(self, sequences: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        return sequences
+
+    def sum_int(self, value: int) -> int:
+        return value
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        return values
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def owners(self, plan: "CalibrationPlan", layer: torch.nn.Module) -> dict[str, int]:
+        return {g.name: 0 for g in plan.groups()}
+
+    def local_plan(self, plan: "CalibrationPlan", owners: dict[str, int]) -> "CalibrationPlan":
+        return plan
+
+    def reduce_statistics(self, stats: dict[str, "GroupStatistics"], owners: dict[str, int]) -> None:
+        return None
+
+    def solve_layer(self, ctx: "RunContext", layer: int, systems, tensors, hyper=None, solver=None) -> dict[str, torch.Tensor]:
+        return ctx.plan.objective.solve_layer(ctx.plan, layer, systems, tensors, hyper, solver)
+
+    def broadcast_object(self, value: Any) -> Any:
+        return value
+
+    def agree(self, fingerprint: str | None, error: str | None = None) -> None:
+        if error is not None:
+            raise FeatCalError(error)
+
+    def use(self, device: torch.device) -> None:
+        return None
+
+    def report_failure(self, message: str) -> None:
+        return None
+
+    def barrier(self) -> None:
+        return None
+
+    def new_layer(self) -> None:
+        self.traffic.append({})
+
+    def close(self) -> None:
+        return None
+
+
+class WorldError(FeatCalError):
+    """An error every rank already knows of (a failed handshake, a rank that stopped): raised as is, not passed on again."""
+
+
+class TorchDistributed(Single):
+    """A torch.distributed world (env:// rendezvous, as torchrun sets it up): gloo on CPUs, NCCL on GPUs."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        self.dist = dist
+        self.timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+        self.mode = os.environ.get(REDUCE_ENV, "owner")
+        # Collectives go by the tensors' device: gloo for host tensors (handshakes, objects), NCCL for GPU ones.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=self.timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        self.device = torch.device("cpu")  # where reductions happen: the compute GPU once `use` is called
+        self.ready = False  # True once every rank agreed on the run's fingerprint: errors after it are one rank's own
+        self._beats: Any = None
+        self._stop = threading.Event()
+        if self.mode not in ("owner", "all"):
+            self.close()
+            raise FeatCalError(f"{REDUCE_ENV}: expected 'owner' or 'all', got {self.mode!r}")
+        self._start_heartbeat()
+
+    def use(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+
+    # ---- failures -------------------------------------------------------------------------------------------
+    def _store(self):
+        return self.dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world, False, timeout=timedelta(seconds=10))
+
+    def _start_heartbeat(self) -> None:
+        """A thread bumps this rank's counter in the rendezvous store every second: a rank whose counter stops is dead."""
+        try:
+            self._beats = self._store()
+        except Exception:  # no store reachable (not an env:// world): failures are reported without the rank
+            return
+
+        def beat(store=self._beats) -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                try:
+                    store.add(f"featcal/alive/{self.rank}", 1)
+                except Exception:
+                    return
+
+        threading.Thread(target=beat, name="featcal-heartbeat", daemon=True).start()
+
+    def _peer_failure(self, error: BaseException) -> "WorldError":
+        """The one-line error for a collective that failed because another rank stopped (it names the rank)."""
+        try:
+            store = self._store()
+            for rank in range(self.world):
+                key = f"featcal/failed/{rank}"
+                if rank != self.rank and store.check([key]):
+                    return WorldError(f"rank {rank} of {self.world} failed: {store.get(key).decode()}")
+            before = [store.add(f"featcal/alive/{r}", 0) for r in range(self.world)]
+            time.sleep(3 * HEARTBEAT_S)
+            after = [store.add(f"featcal/alive/{r}", 0) for r in range(self.world)]
+            dead = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+        except Exception:
+            dead = [0] if self.rank != 0 else []  # the store lives with rank 0 (or torchrun's agent)
+        if not dead:
+            return WorldError(f"rank {self.rank} of {self.world}: a collective failed ({str(error).splitlines()[0][:200]})")
+        names = ", ".join(str(r) for r in dead)
+        return WorldError(f"rank {names} of {self.world} stopped (no heartbeat); rerun the same command to resume after the last finished layer")
+
+    def report_failure(self, message: str) -> None:
+        """Leave this rank's error in the store so the others can name it (called before exiting on an error)."""
+        try:
+            self._store().set(f"featcal/failed/{self.rank}", message)
+        except Exception:
+            pass
+
+    def _call(self, operation, *args, **kwargs):
+        try:
+            return operation(*args, **kwargs)
+        except Exception as error:  # gloo/NCCL: peer closed, timeout
+            raise self._peer_failure(error) from None
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.traffic:
+            self.traffic[-1][kind] = self.traffic[-1].get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    # ---- collectives ----------------------------------------------------------------------------------------
+    def shard(self, sequences: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        return {task: [seqs[i] for i in shard_indices([len(s) for s in seqs], self.rank, self.world)] for task, seqs in sequences.items()}
+
+    def _all_reduce(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        on = tensor.to(self.device)
+        self._count(kind, on)
+        self._call(self.dist.all_reduce, on)
+        return on
+
+    def sum_int(self, value: int) -> int:
+        return int(self._all_reduce(torch.tensor([value], dtype=torch.int64), "counts").item())
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        return self._all_reduce(torch.tensor(values, dtype=torch.float64), "criterion").cpu().tolist()
+
+    def all_true(self, flag: bool) -> bool:
+        return bool(self._all_reduce(torch.tensor([0 if flag else 1], dtype=torch.int64), "counts").item() == 0)
+
+    def owners(self, plan: "CalibrationPlan", layer: torch.nn.Module) -> dict[str, int]:
+        return group_owners(plan, layer, self.world)
+
+    def local_plan(self, plan: "CalibrationPlan", owners: dict[str, int]) -> "CalibrationPlan":
+        return dataclasses.replace(plan, only=frozenset(name for name, rank in owners.items() if rank == self.rank))
+
+    def reduce_statistics(self, stats: dict[str, "GroupStatistics"], owners: dict[str, int]) -> None:
+        """Sum every statistic of every group (float64) onto its owner, in group then tensor order."""
+        for name in sorted(stats):
+            group = stats[name]
+            for tensor in [*statistics_tensors(group), torch.tensor([group.tokens], dtype=torch.int64)]:
+                on = tensor if tensor.device == self.device else tensor.to(self.device)
+                self._count("statistics", on)
+                if self.mode == "all":
+                    self._call(self.dist.all_reduce, on)
+                else:
+                    self._call(self.dist.reduce, on, dst=owners[name])
+                if on is not tensor:
+                    tensor.copy_(on)
+            group.tokens = int(tensor.item())
+
+    def solve_layer(self, ctx: "RunContext", layer: int, systems, tensors, hyper=None, solver=None) -> dict[str, torch.Tensor]:
+        """Each rank solves the groups it owns; every solution is broadcast from its owner (a failed solve fails everywhere alike)."""
+        plan = ctx.plan
+        owners = ctx.owners
+        solved: dict[str, torch.Tensor] = {}
+        error = None
+        try:
+            solved = plan.objective.solve_layer(self.local_plan(plan, owners), layer, systems, tensors, hyper, solver)
+        except FeatCalError as failure:
+            error = str(failure)
+        manifests: list[Any] = [None] * self.world
+        self._call(self.dist.all_gather_object, manifests, (error, [(n, tuple(t.shape), str(t.dtype)) for n, t in solved.items()]))
+        for failure, _ in manifests:
+            if failure is not None:
+                raise WorldError(failure)
+        result: dict[str, torch.Tensor] = {}
+        for rank, (_, manifest) in enumerate(manifests):
+            for name, shape, dtype in manifest:
+                if rank == self.rank:
+                    buffer = solved[name].to(self.device)
+                else:
+                    buffer = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
+                self._count("solutions", buffer)
+                self._call(self.dist.broadcast, buffer, src=rank)
+                result[name] = buffer.cpu()
+        return result
+
+    def broadcast_object(self, value: Any) -> Any:
+        box = [value]
+        self._call(self.dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def agree(self, fingerprint: str | None, error: str | None = None) -> None:
+        """Every rank says it got this far (with its run's fingerprint, at the last step) or why not; any error or mismatch stops all alike.
+
+        Every rank calls it at the same steps of the setup, so a rank that
+        fails (bad input) meets the others here instead of leaving them
+        waiting: rank 0 prints one line, the others exit quietly.
+        """
+        answers: list[Any] = [None] * self.world
+        self._call(self.dist.all_gather_object, answers, (fingerprint, error))
+        for rank, (_, failure) in enumerate(answers):
+            if failure is not None:
+                if self.is_main:
+                    raise WorldError(failure if rank == 0 else f"rank {rank}: {failure}")
+                raise QuietExit()
+        differing = [rank for rank, (print_, _) in enumerate(answers) if print_ != answers[0][0]]
+        if differing:
+            message = f"ranks {differing} see a different recipe, data, models or settings than rank 0 (run fingerprints differ)"
+            if self.is_main:
+                raise WorldError(message)
+            raise QuietExit()
+        self.ready = fingerprint is not None
+
+    def barrier(self) -> None:
+        self._call(self.dist.barrier)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def communicator() -> Single:
+    """The world this process is part of: torchrun's (WORLD_SIZE > 1) or a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return TorchDistributed()
+    return Single()
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """Under torchrun each rank computes on its local GPU (cuda:LOCAL_RANK); CPUs are shared."""
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    return device

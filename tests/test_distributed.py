@@ -1,0 +1,186 @@
+"""Many ranks, same weights (issue 19): 2 gloo ranks on CPU against one process, a dead rank, resume on another world size.
+
+Each world is launched as torchrun launches one (env:// variables, one thread
+per rank) with bounded timeouts. Shards are uneven: 7 records per expert (not
+divisible by 2) and one expert with a single record, so rank 1 owns none of
+it. ΔW = W* − W_mer must match the one-process run to 1e-10 relative in float64.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from distributed_world import launch
+from test_exactness import delta_error, read_weights
+
+from featcal_llm.engine.distributed import group_owners, shard_indices
+from featcal_llm.pipeline import run_recipe
+
+EQUAL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """Three experts of 7, 7 and 1 records, float64, norms and biases calibrated; merged once."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path_factory.mktemp("dist"), experts=3, layers=2, samples=7, words=(4, 10), dtype="float64")
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert2"])]["samples"] = 1
+    recipe["featcal"].update(dtype="float64", norms=True, batch_tokens=150)
+    scenario.recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    single = run_recipe(scenario.write_recipe(scenario.root / "single.yaml", output=str(scenario.root / "single")), progress=False)
+    return scenario, single
+
+
+def worst_delta(ours, reference, merged_dir) -> float:
+    a, b, merged = read_weights(ours), read_weights(reference), read_weights(merged_dir)
+    changed = {n for n in b if not torch.equal(b[n], merged[n])}
+    assert changed and changed == {n for n in a if not torch.equal(a[n], merged[n])}
+    return max(delta_error(a[n], b[n], merged[n]) for n in changed)
+
+
+def test_shards_are_token_balanced_deterministic_and_complete():
+    lengths = [50, 10, 40, 30, 30, 5, 20]
+    shards = [shard_indices(lengths, rank, 3) for rank in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(7))
+    assert [sum(lengths[i] for i in s) for s in shards] == [65, 60, 60]  # 50+10+5, 40+20, 30+30 (longest first)
+    assert shards == [shard_indices(lengths, rank, 3) for rank in range(3)]
+    assert shard_indices([12], 1, 2) == []  # fewer records than ranks: rank 1 owns none
+
+
+def test_groups_are_owned_by_cost(uneven):
+    from featcal_llm.engine.plan import CalibrationPlan
+    from featcal_llm.family.architectures import architecture_for, select_projections
+    from featcal_llm.maths.objective import FeatCal, Hyperparameters
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    scenario, _ = uneven
+    config = AutoConfig.from_pretrained(scenario.base)
+    architecture = architecture_for(config, "x")
+    plan = CalibrationPlan(architecture, select_projections(architecture, None, "x"), True, True, FeatCal(Hyperparameters(1e-3, 0.3, 0.5, 1e-8)))
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    owners = group_owners(plan, layer, 2)
+    widest = max(plan.groups(), key=lambda g: layer.get_submodule(g.projections[0]).in_features).name
+    assert owners[widest] == 0 and set(owners.values()) == {0, 1}
+    assert all(rank == 1 for name, rank in owners.items() if name != widest)  # d_ff³ > 3 · d³ here
+
+
+def test_a_stopped_rank_is_named_by_its_heartbeat_and_a_failed_one_by_its_error(monkeypatch):
+    """Rank 0's view of a 3-rank world in which rank 1 stopped beating and rank 2 is alive (real TCPStore, no process group)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 3, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
+    ranks = {}
+    for rank in (0, 2):  # rank 1 never beats
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop = dist, rank, 3, threading.Event()
+        comm._start_heartbeat()
+        ranks[rank] = comm
+    try:
+        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
+        assert str(stopped) == "rank 1 of 3 stopped (no heartbeat); rerun the same command to resume after the last finished layer"
+        ranks[2].report_failure("layer 1: calibrated layer produced NaN/Inf hidden states")
+        assert str(ranks[0]._peer_failure(RuntimeError("x"))) == "rank 2 of 3 failed: layer 1: calibrated layer produced NaN/Inf hidden states"
+    finally:
+        for comm in ranks.values():
+            comm._stop.set()
+        del master
+
+
+def test_two_ranks_give_the_one_process_weights(uneven, tmp_path):
+    scenario, single = uneven
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "calibrated checkpoint written" in ranks[0].stdout and ranks[1].stdout == "" and ranks[1].stderr == ""
+    worst = worst_delta(tmp_path / "out", single, scenario.root / "merged")
+    print(f"2 ranks vs 1 process: worst relative ΔW difference {worst:.2e}")
+    assert worst <= EQUAL
+    ours, theirs = (json.loads((d / "featcal_drift.json").read_text()) for d in (tmp_path / "out", single))
+    assert ours["probe_tokens"] == theirs["probe_tokens"] and ours["probe_records"] == theirs["probe_records"]
+    for row, reference in zip(ours["layers"], theirs["layers"]):
+        for kind in ("merged", "calibrated"):
+            assert row[kind] == pytest.approx(reference[kind], rel=1e-9)
+
+
+def test_a_rank_whose_statistics_are_skipped_breaks_equality(uneven, tmp_path):
+    """The guard of the test above: drop rank 1's statistics from the reduction and the weights move far beyond 1e-10."""
+    scenario, single = uneven
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), 2, tmp_path / "logs", "--skip-rank", "1")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") > 1e-4
+
+
+def test_tuned_run_on_two_ranks_chooses_and_gives_what_one_process_does(uneven, tmp_path):
+    scenario, _ = uneven
+    tuned = {"lambda": [1e-3, 1e-1], "alpha": [0.3, 0.8], "rho": 0.5, "tune": {"holdout": 0.3}}
+    data = yaml.safe_load(scenario.recipe.read_text())["featcal"]["data"]
+    data[str(scenario.experts["expert2"])]["samples"] = 7  # a held-out split needs 2 records on each side
+    single = run_recipe(scenario.write_recipe(tmp_path / "one.yaml", output=str(tmp_path / "one"), data=data, **tuned), progress=False)
+    ranks = launch(scenario.write_recipe(tmp_path / "two.yaml", output=str(tmp_path / "two"), data=data, **tuned), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert worst_delta(tmp_path / "two", single, scenario.root / "merged") <= EQUAL
+    ours, theirs = (json.loads((d / "featcal_tuning.json").read_text()) for d in (tmp_path / "two", single))
+    assert json.dumps(ours, sort_keys=True).count("criterion") == json.dumps(theirs, sort_keys=True).count("criterion")
+    drift, reference = (json.loads((d / "featcal_drift.json").read_text()) for d in (tmp_path / "two", single))
+    assert drift["probe_tokens"] == reference["probe_tokens"]
+    for row, expected in zip(drift["layers"], reference["layers"]):  # held-out drift: every rank's sums reduced
+        assert row["calibrated"] == pytest.approx(expected["calibrated"], rel=1e-9)
+    for a, b in zip(ours["layers"], theirs["layers"]):
+        assert {k: v for k, v in a["chosen"].items() if k != "criterion"} == {k: v for k, v in b["chosen"].items() if k != "criterion"}
+        assert a["chosen"]["criterion"] == pytest.approx(b["chosen"]["criterion"], rel=1e-9)
+
+
+def test_a_dead_rank_stops_the_others_naming_it_and_a_rerun_resumes_on_one_rank(uneven, tmp_path):
+    scenario, single = uneven
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    ranks = launch(recipe, 2, tmp_path / "logs", "--kill-at", "1:1", timeout=120)
+    assert ranks[1].returncode == -9 and ranks[0].returncode != 0
+    lines = [line for line in ranks[0].stderr.splitlines() if line.startswith("featcal-llm: error:")]
+    assert len(lines) == 1 and "rank 1 of 2 stopped" in lines[0], ranks[0].stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    state = json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())
+    assert state["completed_layers"] == 1
+    again = launch(recipe, 1, tmp_path / "logs1")  # the same command on another world size
+    assert again[0].returncode == 0, again[0].stderr[-2000:]
+    assert "resuming from" in again[0].stderr
+    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+
+
+def test_bad_input_is_one_line_from_rank_0_and_nothing_is_written(uneven, tmp_path):
+    scenario, _ = uneven
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), alpha=2.5)
+    ranks = launch(recipe, 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [2, 2]
+    assert ranks[0].stderr.strip().count("\n") == 0 and ranks[0].stderr.startswith("featcal-llm: error:") and "alpha" in ranks[0].stderr
+    assert ranks[1].stderr == "" and ranks[1].stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "r.yaml"]
+
+
+def test_ranks_that_see_different_recipes_refuse_to_start(uneven, tmp_path):
+    scenario, _ = uneven
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    other = scenario.write_recipe(tmp_path / "other.yaml", output=str(tmp_path / "out"), alpha=0.4)
+    ranks = launch(recipe, 2, tmp_path / "logs", "--recipe-for", f"1:{other}")
+    assert [r.returncode for r in ranks] == [2, 2]
+    assert ranks[0].stderr.strip().splitlines()[-1] == (
+        "featcal-llm: error: ranks [1] see a different recipe, data, models or settings than rank 0 (run fingerprints differ)"
+    )
+    assert ranks[1].stderr == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "other.yaml", "r.yaml"]
