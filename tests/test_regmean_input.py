@@ -51,3 +51,18 @@ def test_bad_regmean_input_is_one_clear_line(merged_scenario, tmp_path, case):
         assert fragment in errors[0], (fragment, errors[0])
     assert not output.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "something was written"
+
+
+@pytest.mark.parametrize("method, name", [("regmean", "demo-regmean"), ("regmean++", "demo-regmeanpp")])
+def test_shipped_regmean_recipes_are_the_ones_the_demo_writes(method, name):
+    from pathlib import Path
+
+    from featcal_llm.demo.baselines import baseline_recipe
+    from featcal_llm.demo.config import FULL
+    from featcal_llm.io.recipe import load_recipe
+
+    path = Path(__file__).parent.parent / "recipes" / f"{name}.yaml"
+    assert path.read_text() == baseline_recipe(FULL, method, name.removeprefix("demo-"))
+    recipe = load_recipe(path)
+    assert recipe.featcal.method == method and recipe.merge_config.merge_method == "linear"
+    assert [e.name for e in recipe.experts] == [f"experts/{t}" for t in FULL.tasks]  # the base (weight 0) is no expert
