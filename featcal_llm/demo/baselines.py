@@ -26,7 +26,10 @@ METHODS = {
 
 
 def baseline_recipe(cfg: DemoConfig, method: str, output: str, device: str = "cpu") -> str:
-    """A linear merge of the experts plus a featcal block that runs `method` on it; paths relative to the workdir."""
+    """A linear merge of the experts plus a featcal block that runs `method` on it; paths relative to the workdir.
+
+    With `cfg.auto` the reduction is `auto`: chosen per layer on held-out cal records, as `demo --auto` chooses FeatCal's.
+    """
     models = "\n".join(f"  - model: experts/{t}\n    parameters: {{weight: 1.0}}" for t in cfg.tasks)
     models += "\n  - model: base\n    parameters: {weight: 0.0}"  # mergekit's linear weighs every model it reads, the base included
     data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: text, text: text}}" for t in cfg.tasks)
@@ -46,7 +49,7 @@ featcal:
 {data}
   samples: {cfg.samples}
   max_length: {cfg.max_length}
-  reduction: {cfg.reduction:g}
+  reduction: {"auto" if cfg.auto else f"{cfg.reduction:g}"}
   eps: {cfg.eps:g}
   device: {device}
   batch_tokens: 4096
@@ -60,19 +63,21 @@ def run_baselines(cfg: DemoConfig, workdir: Path, device: str, log, cache, exper
     rows: dict[str, tuple[str, str]] = {}
     linear_key = None
     for row, (method, recipe_file, output) in METHODS.items():
+        if cfg.auto:
+            row, recipe_file, output = f"{row}, `auto`", recipe_file.replace(".yaml", "-auto.yaml"), f"{output}-auto"
         recipe = baseline_recipe(cfg, method, output, device)
         (workdir / recipe_file).write_text(recipe)
         key = digest([expert_keys, recipe])
         linear_key = linear_key or digest([expert_keys, recipe.split("featcal:")[0]])
-        if cache.fresh(f"baseline:{method}", key, f"{LINEAR_DIR}/config.json", f"{output}/config.json"):
+        if cache.fresh(f"baseline:{output}", key, f"{LINEAR_DIR}/config.json", f"{output}/config.json"):
             log(f"{method}: cached")
         else:
             if not cache.fresh("linear", linear_key, f"{LINEAR_DIR}/config.json"):
                 shutil.rmtree(workdir / LINEAR_DIR, ignore_errors=True)
-            log(f"{method}: featcal-llm run {recipe_file} (mergekit linear merge, reduction {cfg.reduction:g})")
+            log(f"{method}: featcal-llm run {recipe_file} (mergekit linear merge, reduction {'auto' if cfg.auto else cfg.reduction})")
             with contextlib.chdir(workdir):
                 run_recipe(Path(recipe_file), force=True, device=device)
             cache.mark("linear", linear_key)
-            cache.mark(f"baseline:{method}", key)
+            cache.mark(f"baseline:{output}", key)
         rows[row] = (output, key)
-    return {LINEAR_ROW: (LINEAR_DIR, linear_key), **rows}
+    return rows if cfg.auto else {LINEAR_ROW: (LINEAR_DIR, linear_key), **rows}

@@ -28,10 +28,10 @@ AUTO = {
     "lambda": (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
     "alpha": (0.15, 0.3, 0.5, 0.8),
     "rho": (0.5, 1.0, 1.5),
-    # RegMean's off-diagonal scaling r (G̃ = r G + (1 − r) diag G): 5 evaluations per layer. 1.0 (no reduction) is left out:
-    # MergeBench pinv-s its near-singular sums (regmean_plusplus.py, step 2.2); give it in a list to try it.
-    "reduction": (0.1, 0.3, 0.5, 0.7, 0.9),
 }
+# RegMean's off-diagonal scaling r (G̃ = r G + (1 − r) diag G): 5 evaluations per layer. 1.0 (no reduction) is left out:
+# MergeBench pinv-s its near-singular sums (regmean_plusplus.py, step 2.2); give it in a list to try it.
+AUTO_REGMEAN = {"reduction": (0.1, 0.3, 0.5, 0.7, 0.9)}
 KEYS = ("lambda", "alpha", "rho")  # FeatCal's; a RegMean search has ("reduction",)
 
 
@@ -75,7 +75,7 @@ def build_search(featcal, where: str) -> Search:
     values = {}
     for key in given:
         value = given[key]
-        candidates = AUTO[key] if value == "auto" else (value if isinstance(value, tuple) else (value,))
+        candidates = {**AUTO, **AUTO_REGMEAN}[key] if value == "auto" else (value if isinstance(value, tuple) else (value,))
         values[key] = tuple(dict.fromkeys(sorted(candidates)))  # sorted, duplicates dropped
     search = Search(values, featcal.eps, tune.holdout, tune.budget, tune.criterion)
     if search.evaluations() > tune.budget:
