@@ -43,6 +43,7 @@ import click
 @click.option("--preset", type=click.Choice(["smollm2-135m"]), default=None, help="Real-depth shapes: smollm2-135m = 30 layers, hidden 576, intermediate 1536, heads 9/3, vocab 49152, tied embeddings, 3 experts × 64 × 128 tokens, λ 1e-5 (options given explicitly win).")
 @click.option("--whole-run", is_flag=True, help="Time a whole `featcal-llm run` (subprocess, start-up included) on a random model of these shapes, against benchmarks/baseline.py.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="With --whole-run: also run the baseline and compare.")
+@click.option("--method", type=click.Choice(["featcal", "regmean", "regmean++"]), default="featcal", show_default=True, help="With --whole-run: the method the run uses (the baseline is FeatCal's only).")
 @click.option("--tied-embeddings", is_flag=True, default=None, help="With --whole-run: tie input and output embeddings (as SmolLM2).")
 def bench(**kwargs) -> None:
     """Benchmark the FeatCal layer loop on synthetic 8B-shaped checkpoints: per-phase time, FLOPs, bytes, roofline ratios."""
@@ -54,6 +55,7 @@ def bench(**kwargs) -> None:
 
     as_json = kwargs.pop("as_json")
     preset, whole_run, baseline, tied = kwargs.pop("preset"), kwargs.pop("whole_run"), kwargs.pop("baseline"), kwargs.pop("tied_embeddings")
+    method = kwargs.pop("method")
     context = click.get_current_context()
     for key, value in PRESETS.get(preset, {}).items():
         if key == "tied":
@@ -71,7 +73,7 @@ def bench(**kwargs) -> None:
         workdir = Path(kwargs["workdir"]) if kwargs["workdir"] else Path(tempfile.gettempdir()) / "featcal-llm-bench"
         result = run_whole(
             spec, workdir, kwargs["lam"], baseline, log=lambda message: click.echo(message, err=True),
-            dtype=kwargs["dtype"], stats_dtype=kwargs["stats_dtype"],
+            dtype=kwargs["dtype"], stats_dtype=kwargs["stats_dtype"], method=method,
         )
         click.echo(json.dumps(result, indent=1, default=str) if as_json else render_whole(result))
         return

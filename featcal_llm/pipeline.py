@@ -283,8 +283,8 @@ def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None,
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, featcal.modules, str(recipe.path)),
-        norms=featcal.norms,
-        biases=featcal.biases,
+        norms=featcal.norms and not featcal.regmean,  # RegMean: norms and biases stay the merged model's
+        biases=featcal.biases and not featcal.regmean,
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
     )
     search = plan.tuning

@@ -54,8 +54,8 @@ class WholeRunSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto", stats_dtype: str = "auto") -> Path:
-    """The cached models, data and recipe for `spec` (the recipe is rewritten with λ and the dtypes); returns its path."""
+def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto", stats_dtype: str = "auto", method: str = "featcal") -> Path:
+    """The cached models, data and recipe for `spec` (the recipe is rewritten with the method, λ and the dtypes); returns its path."""
     from featcal_llm.tiny import CHARACTERS, build_char_tokenizer, new_tiny_llama, perturbed_copy, save_model, tiny_llama_config
 
     root = workdir / f"whole-{spec.key()}"
@@ -100,8 +100,9 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto
         "featcal": {
             "merged": str(root / "merged"), "output": str(root / "out-product"),
             "data": {e: {"path": str(root / f"data{i}.jsonl"), "format": "text"} for i, e in enumerate(experts)},
-            "samples": spec.sequences, "max_length": spec.seq_len, "lambda": lam, "device": "cpu",
+            "samples": spec.sequences, "max_length": spec.seq_len, "device": "cpu",
             "dtype": dtype, "stats_dtype": stats_dtype,
+            **({"lambda": lam} if method == "featcal" else {"method": method}),
         },
     }, sort_keys=False))
     return recipe
@@ -141,7 +142,9 @@ def _timed(command: list[str], cwd: Path, log, progress_pattern: str | None = No
 
         raise FeatCalError(f"bench: {' '.join(command[:4])}… failed with exit code {code}: {' / '.join(tail)}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"seconds": wall, "cpu_seconds": cpu, "startup_seconds": marks.get("start"), "first_layer_seconds": marks.get("first_layer")}
+    # ru_maxrss of children is the largest of any child so far: exact for the first command this process runs
+    peak = after.ru_maxrss / 1024 if after.ru_maxrss > before.ru_maxrss else None
+    return {"seconds": wall, "cpu_seconds": cpu, "startup_seconds": marks.get("start"), "first_layer_seconds": marks.get("first_layer"), "peak_rss_mb": peak}
 
 
 def _delta_difference(product: Path, baseline: Path, merged: Path) -> dict:
@@ -164,12 +167,14 @@ def _delta_difference(product: Path, baseline: Path, merged: Path) -> dict:
     return {"projections": len(errors), "worst": errors[-1] if errors else None, "median": errors[len(errors) // 2] if errors else None}
 
 
-def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log, dtype: str = "auto", stats_dtype: str = "auto") -> dict:
-    """Build (cached), run the product and (optionally) the baseline; raw measurements as a dict."""
+def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log, dtype: str = "auto", stats_dtype: str = "auto", method: str = "featcal") -> dict:
+    """Build (cached), run the product with `method` and (optionally, FeatCal only) the baseline; raw measurements as a dict."""
     from featcal_llm.pipeline import resolve_dtype, resolve_stats_dtype
 
     workdir.mkdir(parents=True, exist_ok=True)
-    recipe = build(spec, workdir, lam, log, dtype, stats_dtype)
+    recipe = build(spec, workdir, lam, log, dtype, stats_dtype, method)
+    baseline = baseline and method == "featcal"  # benchmarks/baseline.py is FeatCal's
+    lam = lam if method == "featcal" else 0.0  # RegMean solves without ridge: float64 statistics under `auto`
     compute = resolve_dtype(dtype, torch.device("cpu"), torch.float32)  # the preset's checkpoints are float32
     precision = {"dtype": str(compute).removeprefix("torch."), "stats_products": str(resolve_stats_dtype(stats_dtype, lam, compute, torch.device("cpu"))).removeprefix("torch.")}
     root = recipe.parent
@@ -177,7 +182,7 @@ def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log
     log(f"bench: featcal-llm run ({spec.layers} layers, {spec.experts} experts × {spec.sequences} × {spec.seq_len} tokens)")
     product = _timed([sys.executable, "-m", "featcal_llm", "run", str(recipe), "--force"], root, log, progress_pattern="FeatCal")
     product["per_layer_seconds"] = (product["seconds"] - (product["startup_seconds"] or 0.0)) / spec.layers
-    result = {"mode": "whole-run", "spec": asdict(spec), "lambda": lam, "precision": precision, "product": product, "baseline": None, "speedup": None, "delta_difference": None}
+    result = {"mode": "whole-run", "method": method, "spec": asdict(spec), "lambda": lam, "precision": precision, "product": product, "baseline": None, "speedup": None, "delta_difference": None}
     if baseline:
         if not BASELINE_SCRIPT.is_file():
             from featcal_llm.errors import FeatCalError
@@ -197,10 +202,10 @@ def render_whole(result: dict) -> str:
     spec, product, baseline = result["spec"], result["product"], result["baseline"]
     fmt = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     lines = [
-        f"FeatCal whole run: {spec['layers']} layers, hidden {spec['hidden']}, intermediate {spec['intermediate']}, heads {spec['heads']}/{spec['kv_heads']}, "
+        f"{result.get('method', 'featcal')} whole run: {spec['layers']} layers, hidden {spec['hidden']}, intermediate {spec['intermediate']}, heads {spec['heads']}/{spec['kv_heads']}, "
         f"vocab {spec['vocab']}{' (tied)' if spec['tied'] else ''}, {spec['experts']} experts × {spec['sequences']} × {spec['seq_len']} tokens, λ {result['lambda']:g}",
         f"product: compute {result['precision']['dtype']}, statistics products {result['precision']['stats_products']} (float64 totals);"
-        f" {fmt(product['per_layer_seconds'])} s per layer after start-up",
+        f" {fmt(product['per_layer_seconds'])} s per layer after start-up; peak RSS {fmt(product.get('peak_rss_mb'))} MB",
         f"{'':<34}{'wall s':>10}{'CPU s':>10}{'start-up s':>12}{'first layer s':>15}",
         f"{'featcal-llm run':<34}{fmt(product['seconds']):>10}{fmt(product['cpu_seconds']):>10}{fmt(product['startup_seconds']):>12}{fmt(product['first_layer_seconds']):>15}",
     ]

@@ -14,13 +14,14 @@ import click
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
 @click.option("--threads", type=int, default=None, help="Torch threads per process (default 1); expert workers are min(cores, THREADS or 2).")
 @click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (recipes/demo-auto.yaml).")
+@click.option("--baselines/--no-baselines", default=None, help="Also run and score RegMean and RegMean++ on a linear merge (default: on, off with --quick).")
 @click.option("--seed", type=int, default=None, help="Seed of the data, the base and the experts (default 0).")
 @click.option("--expert-target", type=click.FloatRange(0, 100), default=None,
               help="Dev exact match (%) each expert must reach, or the demo stops (default 95; --quick: none).")
 @click.option("--expert-max-steps", type=click.IntRange(1), default=None,
               help="Fine-tuning steps an expert may take to reach its target (default 1200; --quick: 12).")
 def demo(workdir: Path, quick: bool, device: str, threads: int | None, auto: bool, seed: int | None,
-         expert_target: float | None, expert_max_steps: int | None) -> None:
+         expert_target: float | None, expert_max_steps: int | None, baselines: bool | None) -> None:
     """Build base + 3 experts trained to skill, merge with mergekit, calibrate with FeatCal and score every model."""
     from featcal_llm.demo.config import FULL, QUICK
     from featcal_llm.demo.run import run_demo
@@ -28,4 +29,6 @@ def demo(workdir: Path, quick: bool, device: str, threads: int | None, auto: boo
     config = (QUICK if quick else FULL).replace(auto=auto)
     given = {"seed": seed, "expert_target": expert_target, "finetune_max_steps": expert_max_steps}
     config = config.replace(**{name: value for name, value in given.items() if value is not None})
+    if baselines is not None:
+        config = config.replace(baselines=baselines)
     run_demo(workdir, quick=quick, device=device, threads=threads, config=config, echo=lambda line: click.echo(line))

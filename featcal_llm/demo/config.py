@@ -52,6 +52,9 @@ class DemoConfig:
     eps: float = 1e-8
     # True: lambda, alpha and rho are `auto` (chosen by the run on held-out cal records, featcal_llm/engine/tuning.py)
     auto: bool = False
+    # also run RegMean and RegMean++ (on a linear merge) with this off-diagonal reduction, and score them (demo/baselines.py)
+    baselines: bool = True
+    reduction: float = 0.5
     # a warning when an expert is below this on its own test split (None: not checked)
     expert_bar: float | None = 90.0
 
@@ -92,4 +95,5 @@ QUICK = DemoConfig(
     ta_weight=0.5,
     samples=16,
     expert_bar=None,
+    baselines=False,
 )

@@ -333,15 +333,22 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
             run_recipe(Path(RECIPE_FILE), force=True, device=device)
         cache.mark("featcal", merge_key)
     timings["merge_and_featcal"] = time.perf_counter() - t0
+    extra: dict[str, tuple[str, str]] = {}
+    if cfg.baselines:  # RegMean and RegMean++ rows, same experts and records (demo/baselines.py)
+        from featcal_llm.demo.baselines import run_baselines
+
+        t0 = time.perf_counter()
+        extra = run_baselines(cfg, workdir, device, log, cache, expert_keys)
+        timings["regmean_baselines"] = time.perf_counter() - t0
 
     # 5. scores
     t0 = time.perf_counter()
     model_keys = {"base": base_key, **{f"expert:{t}": expert_keys[t] for t in cfg.tasks},
-                  MERGED_ROW: digest([merge_key, "merged"]), CALIBRATED_ROW: merge_key}
+                  MERGED_ROW: digest([merge_key, "merged"]), CALIBRATED_ROW: merge_key, **{r: k for r, (_, k) in extra.items()}}
     splits = ("dev", "test")
     scores_cache = cache.state.get("scores", {})
     results: dict[str, dict] = {}
-    for row, directory in _model_rows(cfg).items():
+    for row, directory in {**_model_rows(cfg), **{r: d for r, (d, _) in extra.items()}}.items():
         key = digest([model_keys[row], data_key])
         if scores_cache.get(row, {}).get("key") == key:
             results[row] = scores_cache[row]["scores"]

@@ -177,5 +177,7 @@ def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
     prefix = plan.architecture.prefix(layer)
     with timer.phase("write"):
         ctx.staging.commit(layer, {prefix + name: tensor for name, tensor in solved.items()}, record or None)
-    for task, task_batches in ctx.batches.items():
-        advance(ctx, cal_layer, task_batches, ctx.cal[task])
+    recording = getattr(plan.objective, "recording", None)
+    if recording is None or recording.stream == "cal":  # RegMean's statistics never read h_cal: it is not advanced
+        for task, task_batches in ctx.batches.items():
+            advance(ctx, cal_layer, task_batches, ctx.cal[task])

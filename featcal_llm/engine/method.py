@@ -7,6 +7,9 @@ from typing import Any
 from featcal_llm.engine.tuning import build_search
 from featcal_llm.errors import FeatCalError
 from featcal_llm.maths.objective import FeatCal, Hyperparameters
+from featcal_llm.maths.regmean import RegMean, RegMeanSetting
+
+STREAMS = {"regmean": "expert", "regmean++": "cal"}  # which hidden states feed expert i's layer for its Grams
 
 
 def _per_layer(value: Any, key: str, num_layers: int, where: str) -> list[float]:
@@ -19,12 +22,14 @@ def _per_layer(value: Any, key: str, num_layers: int, where: str) -> list[float]
     return list(values)
 
 
-def objective_for(featcal: Any, num_layers: int, where: str) -> FeatCal:
-    """FeatCal with the block's hyper-parameters: fixed, chosen per layer by a search, or a tuned run's winners replayed.
+def objective_for(featcal: Any, num_layers: int, where: str) -> FeatCal | RegMean:
+    """The block's method with its hyper-parameters: fixed, chosen per layer by a search, or a tuned run's winners replayed.
 
-    A replay (per_layer values) folds its targets as the search did (α kept apart),
+    A FeatCal replay (per_layer values) folds its targets as the search did (α kept apart),
     so re-running a tuned run's written recipe reproduces its weights bit for bit.
     """
+    if featcal.regmean:
+        return _regmean(featcal, num_layers, where)
     if featcal.tuned:
         search = build_search(featcal, where)
         start = search.start()
@@ -34,3 +39,15 @@ def objective_for(featcal: Any, num_layers: int, where: str) -> FeatCal:
                    for attribute, key in (("lambda_", "lambda"), ("alpha", "alpha"), ("rho", "rho"))]
         return FeatCal([Hyperparameters(lam, alpha, rho, featcal.eps) for lam, alpha, rho in zip(*columns)], split_targets=True)
     return FeatCal(Hyperparameters(featcal.lambda_, featcal.alpha, featcal.rho, featcal.eps))
+
+
+def _regmean(featcal: Any, num_layers: int, where: str) -> RegMean:
+    """RegMean or RegMean++ with a fixed, searched or replayed reduction."""
+    stream = STREAMS[featcal.method]
+    reduction = featcal.hyper_values()["reduction"]
+    if featcal.tuned:
+        search = build_search(featcal, where)
+        return RegMean(stream, RegMeanSetting(search.start()["reduction"], featcal.eps), search=search)
+    if featcal.per_layer:
+        return RegMean(stream, [RegMeanSetting(r, featcal.eps) for r in _per_layer(reduction, "reduction", num_layers, where)])
+    return RegMean(stream, RegMeanSetting(reduction, featcal.eps))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from featcal_llm.family.architectures import Architecture, InputGroup
 from featcal_llm.maths.objective import FeatCal
+from featcal_llm.maths.regmean import RegMean
 
 if TYPE_CHECKING:
     from featcal_llm.engine.tuning import Search
@@ -20,7 +21,7 @@ class CalibrationPlan:
     projections: frozenset[str]
     norms: bool
     biases: bool
-    objective: FeatCal
+    objective: FeatCal | RegMean
     only: frozenset[str] | None = None  # the input groups this rank folds and solves (None: all of them)
 
     @property

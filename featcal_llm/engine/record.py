@@ -35,8 +35,9 @@ class StatisticsWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple, dict[str, GroupStatistics]] = {}
 
-    def zeroed(self, plan: CalibrationPlan, layer: torch.nn.Module, runner: LayerRunner) -> dict[str, GroupStatistics]:
-        key = tuple(
+    def zeroed(self, plan: CalibrationPlan, layer: torch.nn.Module, runner: LayerRunner, grams_only: bool = False) -> dict[str, GroupStatistics]:
+        """Each group's statistics, zeroed; `grams_only`: the Gram alone (an objective that needs nothing else)."""
+        key = (grams_only,) + tuple(
             (group.name, tuple((p, tuple(layer.get_submodule(p).weight.shape), layer.get_submodule(p).bias is not None) for p in group.projections))
             for group in plan.groups()
         )
@@ -45,9 +46,9 @@ class StatisticsWorkspace:
             self._buffers[key] = {
                 group.name: GroupStatistics.empty(
                     layer.get_submodule(group.projections[0]).in_features,
-                    {p: layer.get_submodule(p).out_features for p in plan.selected(group)},
-                    with_means=plan.biases and any(layer.get_submodule(p).bias is not None for p in plan.selected(group)),
-                    with_norm=plan.norms and group.norm is not None,
+                    {} if grams_only else {p: layer.get_submodule(p).out_features for p in plan.selected(group)},
+                    with_means=not grams_only and plan.biases and any(layer.get_submodule(p).bias is not None for p in plan.selected(group)),
+                    with_norm=not grams_only and plan.norms and group.norm is not None,
                     device=runner.device,
                 )
                 for group in plan.groups()
@@ -75,6 +76,9 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
     (h_exp for the next layer), batch by batch, so old and new streams never
     coexist.
     """
+    recording = getattr(ctx.plan.objective, "recording", None)
+    if recording is not None:  # RegMean / RegMean++: Grams only, on expert i's layer
+        return record_grams(ctx, task, expert_layer, recording.stream)
     plan, runner, timer, store = ctx.plan, ctx.runner, ctx.timer, ctx.store
     batches, cal_stream, expert_stream = ctx.batches[task], ctx.cal[task], ctx.expert[task]
     device, precision = runner.device, runner.stats_dtype  # float64 totals; each batch's products in `precision`
@@ -138,4 +142,35 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
         for s in stats.values():
             s.tokens += batch.tokens
         del h_cal, h_exp, h_next
+    return stats
+
+
+def record_grams(ctx: "RunContext", task: str, expert_layer: torch.nn.Module, stream: str) -> dict[str, GroupStatistics]:
+    """Σ x xᵀ of each input group's input inside expert i's layer, the layer fed by `stream` (non-padding tokens only).
+
+    `expert` (RegMean): expert i's own hidden states, advanced in place to the
+    layer's output. `cal` (RegMean++): the model being built; that stream is
+    advanced by the loop through the solved layer, so nothing is stored here.
+    One forward pass per batch and one Gram per group: the merged layer never
+    runs over the calibration records, and no crosses are formed.
+    """
+    plan, runner, timer, store = ctx.plan, ctx.runner, ctx.timer, ctx.store
+    batches = ctx.batches[task]
+    hidden_stream = ctx.expert[task] if stream == "expert" else ctx.cal[task]
+    stats = ctx.workspace.zeroed(plan, expert_layer, runner, grams_only=True)
+    for index, (batch, (hidden,)) in enumerate(zip(batches, on_device(runner.device, hidden_stream))):
+        keep = batch.keep.to(runner.device)
+        hooks = {
+            group.projections[0]: [lambda x, _y, s=stats[group.name]: accumulate_gram(s.gram, x[keep], runner.stats_dtype)]
+            for group in plan.groups()
+        }
+        with torch.no_grad(), timer.phase("forward"), hooked(expert_layer, _compose(hooks, timer)):
+            output = runner.forward(expert_layer, hidden, runner.context(batch, hidden))
+        if stream == "expert":
+            if not bool(torch.isfinite(output[keep]).all()):
+                raise FeatCalError(f"layer {expert_layer.featcal_index}: expert {task} produced NaN/Inf hidden states")
+            hidden_stream[index] = store.store(output, batch.keep)
+        for s in stats.values():
+            s.tokens += batch.tokens
+        del hidden, output
     return stats

@@ -20,6 +20,7 @@ from typing import Callable
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.maths.objective import Hyperparameters
+from featcal_llm.maths.regmean import RegMeanSetting
 
 # `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
 # extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.
@@ -28,7 +29,10 @@ AUTO = {
     "alpha": (0.15, 0.3, 0.5, 0.8),
     "rho": (0.5, 1.0, 1.5),
 }
-KEYS = ("lambda", "alpha", "rho")
+# RegMean's off-diagonal scaling r (G̃ = r G + (1 − r) diag G): 5 evaluations per layer. 1.0 (no reduction) is left out:
+# MergeBench pinv-s its near-singular sums (regmean_plusplus.py, step 2.2); give it in a list to try it.
+AUTO_REGMEAN = {"reduction": (0.1, 0.3, 0.5, 0.7, 0.9)}
+KEYS = ("lambda", "alpha", "rho")  # FeatCal's; a RegMean search has ("reduction",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,16 @@ class Search:
     holdout: float
     budget: int
     criterion: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self.values)
+
+    def hyper(self, values: dict[str, float]) -> Hyperparameters | RegMeanSetting:
+        """The objective's setting for these values of the searched keys."""
+        if "reduction" in values:
+            return RegMeanSetting(reduction=values["reduction"], eps=self.eps)
+        return Hyperparameters(lam=values["lambda"], alpha=values["alpha"], rho=values["rho"], eps=self.eps)
 
     def start(self) -> dict[str, float]:
         """The lower middle candidate of each list: where the coordinate search starts."""
@@ -57,11 +71,11 @@ class Search:
 def build_search(featcal, where: str) -> Search:
     """The search a tuned recipe asks for; the budget must cover the coordinate search."""
     tune = featcal.tune_settings()
-    given = {"lambda": featcal.lambda_, "alpha": featcal.alpha, "rho": featcal.rho}
+    given = featcal.hyper_values()
     values = {}
-    for key in KEYS:
+    for key in given:
         value = given[key]
-        candidates = AUTO[key] if value == "auto" else (value if isinstance(value, tuple) else (value,))
+        candidates = {**AUTO, **AUTO_REGMEAN}[key] if value == "auto" else (value if isinstance(value, tuple) else (value,))
         values[key] = tuple(dict.fromkeys(sorted(candidates)))  # sorted, duplicates dropped
     search = Search(values, featcal.eps, tune.holdout, tune.budget, tune.criterion)
     if search.evaluations() > tune.budget:
@@ -99,7 +113,7 @@ Evaluated = list[tuple[Hyperparameters, float]]
 
 
 def coordinate_search(search: Search, score: Callable[[Hyperparameters], float]) -> tuple[Hyperparameters, Evaluated]:
-    """Minimise `score` one hyper-parameter at a time (λ, then α, then ρ); ties keep the earlier candidate.
+    """Minimise `score` one hyper-parameter at a time (λ, then α, then ρ; or RegMean's reduction); ties keep the earlier candidate.
 
     A score that is NaN counts as +inf, so it loses to every finite one. Returns
     the winner and every evaluated (candidate, score) in evaluation order.
@@ -108,14 +122,13 @@ def coordinate_search(search: Search, score: Callable[[Hyperparameters], float])
     table: Evaluated = []
     seen: dict[tuple, float] = {}
 
-    def hyper(values: dict[str, float]) -> Hyperparameters:
-        return Hyperparameters(lam=values["lambda"], alpha=values["alpha"], rho=values["rho"], eps=search.eps)
-
-    for key in KEYS:
+    hyper = search.hyper
+    keys = search.keys
+    for key in keys:
         best_value, best_score = current[key], None
         for value in search.values[key]:
             trial = {**current, key: value}
-            identity = tuple(trial[k] for k in KEYS)
+            identity = tuple(trial[k] for k in keys)
             if identity not in seen:
                 scored = score(hyper(trial))
                 seen[identity] = math.inf if math.isnan(scored) else scored
@@ -126,17 +139,17 @@ def coordinate_search(search: Search, score: Callable[[Hyperparameters], float])
     return hyper(current), table
 
 
-def summary(chosen: list[dict[str, float]]) -> dict[str, float]:
+def summary(chosen: list[dict[str, float]], keys: tuple[str, ...] = KEYS) -> dict[str, float]:
     """The most common chosen value of each hyper-parameter over layers (the smaller one on a tie)."""
     result = {}
-    for key in KEYS:
+    for key in keys:
         counts = Counter(layer[key] for layer in chosen)
         result[key] = min(counts, key=lambda value: (-counts[value], value))
     return result
 
 
-def as_values(hyper: Hyperparameters) -> dict[str, float]:
-    return {"lambda": hyper.lam, "alpha": hyper.alpha, "rho": hyper.rho}
+def as_values(hyper: Hyperparameters | RegMeanSetting) -> dict[str, float]:
+    return hyper.values()
 
 
 def criterion_value(value: float) -> float | None:
@@ -150,21 +163,22 @@ def tuning_report(search: Search, records: list[dict]) -> dict:
     return {
         "search": search.describe(),
         "layers": [{"layer": layer, **record} for layer, record in enumerate(records)],
-        "chosen": {key: [layer[key] for layer in chosen] for key in KEYS},
-        "most_common": summary(chosen),
+        "chosen": {key: [layer[key] for layer in chosen] for key in search.keys},
+        "most_common": summary(chosen, search.keys),
     }
 
 
 def tuning_table(report: dict) -> str:
     """Every layer's evaluated candidates with their held-out criterion; the winner marked."""
+    keys = tuple(report["search"]["values"])
     lines = [f"featcal-llm: tuning ({report['search']['criterion']} criterion on held-out records, lower is better)",
-             f"{'layer':>5} {'lambda':>9} {'alpha':>6} {'rho':>5} {'criterion':>12}"]
+             f"{'layer':>5} " + " ".join(f"{k:>9}" for k in keys) + f" {'criterion':>12}"]
     for layer in report["layers"]:
-        winner = tuple(layer["chosen"][k] for k in KEYS)
+        winner = tuple(layer["chosen"][k] for k in keys)
         for row in layer["candidates"]:
-            mark = "  <- chosen" if tuple(row[k] for k in KEYS) == winner else ""
+            mark = "  <- chosen" if tuple(row[k] for k in keys) == winner else ""
             value = "failed" if row["criterion"] is None else f"{row['criterion']:.6g}"
-            lines.append(f"{layer['layer']:>5} {row['lambda']:>9.3g} {row['alpha']:>6.3g} {row['rho']:>5.3g} {value:>12}{mark}")
+            lines.append(f"{layer['layer']:>5} " + " ".join(f"{row[k]:>9.3g}" for k in keys) + f" {value:>12}{mark}")
     common = report["most_common"]
-    lines.append(f"most common choice: lambda {common['lambda']:g}, alpha {common['alpha']:g}, rho {common['rho']:g}")
+    lines.append("most common choice: " + ", ".join(f"{k} {common[k]:g}" for k in keys))
     return "\n".join(lines)

@@ -12,6 +12,18 @@ from featcal_llm import __version__
 from featcal_llm.io.recipe import Recipe
 
 RECIPE_FILE = "featcal_recipe.yml"
+SYMBOLS = {"lambda": "λ", "alpha": "α", "rho": "ρ", "reduction": "r", "eps": "eps"}
+METHOD_TEXT = {
+    "featcal": "FeatCal feature calibration\n(Gu et al., 2026)",
+    "regmean": "RegMean\n(Jin et al., 2023; MergeBench's definition, each expert's Grams on its own inputs)",
+    "regmean++": "RegMean++\n(Nguyen et al., 2025; MergeBench's definition, Grams on the inputs propagated through the layers already solved)",
+}
+HOW_TEXT = {
+    "featcal": "by a closed-form ridge regression so that the merged model's features match each expert's\n"
+               "on its calibration data, while staying close to the anchor ρ·W_merged + (1 − ρ)·W_base.",
+    "regmean": "as W* = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹ with G̃ = r·G + (1 − r)·diag(G); biases, norms, embeddings\n"
+               "and lm_head are the merged model's.",
+}
 
 
 REPLAY_HEADER = (
@@ -24,7 +36,7 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
     """The recipe with lambda/alpha/rho as {per_layer: winners}, the held-out share explicit and `auto` precisions pinned."""
     raw = yaml.safe_load(recipe.text)
     block = raw["featcal"]
-    for key in ("lambda", "alpha", "rho"):
+    for key in tuning["chosen"]:
         block[key] = {"per_layer": list(tuning["chosen"][key])}
     block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
     for key, dtype in precisions.items():
@@ -50,8 +62,8 @@ def write_card(
     saved = recipe.text
     if tuning is None:
         given = featcal.model_dump(mode="json", by_alias=True)
-        hyper = {key: given[key] for key in ("lambda", "alpha", "rho", "eps")}
-        values = ", ".join(f"{symbol} = {given[key]}" for key, symbol in (("lambda", "λ"), ("alpha", "α"), ("rho", "ρ"), ("eps", "eps")))
+        hyper = {key: value if given.get(key) is None else given[key] for key, value in featcal.hyper_values().items()} | {"eps": featcal.eps}
+        values = ", ".join(f"{SYMBOLS[key]} = {value}" for key, value in hyper.items())
     else:
         search = tuning["search"]
         hyper = {**tuning["chosen"], "eps": featcal.eps,
@@ -60,8 +72,8 @@ def write_card(
         values = (
             f"Chosen per layer by featcal-llm on held-out calibration records ({search['criterion']} criterion, "
             f"holdout {search['holdout']:g}; every candidate's score is in `featcal_tuning.json`):\n\n"
-            + "\n".join(f"- {symbol}: {tuning['chosen'][key]}" for key, symbol in (("lambda", "λ"), ("alpha", "α"), ("rho", "ρ")))
-            + f"\n\nMost common: λ = {common['lambda']:g}, α = {common['alpha']:g}, ρ = {common['rho']:g}; eps = {featcal.eps}"
+            + "\n".join(f"- {SYMBOLS[key]}: {chosen}" for key, chosen in tuning["chosen"].items())
+            + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps}"
         )
         saved = replay_text(recipe, tuning, precisions or {})
     front = {
@@ -71,6 +83,7 @@ def write_card(
         "featcal": {
             "merged_model": merged,
             "merge_method": recipe.merge_config.merge_method,
+            "method": featcal.method,
             "experts": [expert.name for expert in recipe.experts],
             "hyperparameters": hyper,
             "calibration_tokens": tokens,
@@ -79,13 +92,11 @@ def write_card(
         },
     }
     experts = "\n".join(f"- `{e.name}`: {tokens[e.name]} calibration tokens" for e in recipe.experts)
-    body = f"""# FeatCal-calibrated merge
+    body = f"""# {"FeatCal-calibrated merge" if featcal.method == "featcal" else featcal.method + " merge"}
 
 This model is `{merged}` (a `{recipe.merge_config.merge_method}` merge of the experts below onto
-`{recipe.base}`, made with [mergekit](https://github.com/arcee-ai/mergekit)) after FeatCal feature calibration
-(Gu et al., 2026) with featcal-llm {__version__}: every linear projection of every decoder layer was re-fitted,
-in forward order, by a closed-form ridge regression so that the merged model's features match each expert's
-on its calibration data, while staying close to the anchor ρ·W_merged + (1 − ρ)·W_base.
+`{recipe.base}`, made with [mergekit](https://github.com/arcee-ai/mergekit)) after {METHOD_TEXT[featcal.method]} with featcal-llm {__version__}: every linear projection of every decoder layer was re-fitted,
+in forward order, {HOW_TEXT["featcal" if featcal.method == "featcal" else "regmean"]}
 
 ## Experts
 {experts}

@@ -56,7 +56,12 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
     "lambda": (0.0, False, None),
     "alpha": (0.0, True, 1.0),
     "rho": (None, True, None),
+    "reduction": (0.0, True, 1.0),
 }
+METHODS = ("featcal", "regmean", "regmean++")
+# keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases")
+REGMEAN_ONLY = ("reduction",)
 
 
 def _check_tunable(key: str, value: Any) -> Any:
@@ -119,6 +124,8 @@ class FeatCalConfig(BaseModel):
     merged: str
     output: str
     data: dict[str, DataSpec]
+    method: str = Field("featcal", description="featcal, regmean (expert i's own inputs) or regmean++ (the propagated inputs)")
+    reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1)
     max_length: int = Field(2048, ge=2)
     lambda_: Tunable = Field(1e-5, alias="lambda")
@@ -144,15 +151,35 @@ class FeatCalConfig(BaseModel):
     trust_remote_code: bool = False
     eval: EvalSection | None = None  # type: ignore[valid-type]
 
-    @field_validator("lambda_", "alpha", "rho", mode="before")
+    @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
     @classmethod
     def _tunable(cls, value: Any, info) -> Any:
         return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known_method(cls, value: Any) -> str:
+        if isinstance(value, list):
+            raise ValueError("expected one method; for FeatCal on a RegMean merge run two recipes (the second's `merged` is the first's `output`)")
+        if value not in METHODS:
+            raise ValueError(f"expected one of {', '.join(METHODS)}")
+        return value
+
+    @property
+    def regmean(self) -> bool:
+        """Whether the method is RegMean or RegMean++ (reduction is theirs; lambda/alpha/rho/norms/biases are FeatCal's)."""
+        return self.method != "featcal"
+
+    def hyper_values(self) -> dict[str, Any]:
+        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer)."""
+        if self.regmean:
+            return {"reduction": 0.5 if self.reduction is None else self.reduction}
+        return {"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho}
+
     @property
     def tuned(self) -> bool:
         """Whether any hyper-parameter is chosen by the run (auto or a list) rather than given."""
-        return any(v == "auto" or isinstance(v, tuple) for v in (self.lambda_, self.alpha, self.rho))
+        return any(v == "auto" or isinstance(v, tuple) for v in self.hyper_values().values())
 
     @property
     def holds_out(self) -> bool:
@@ -162,7 +189,7 @@ class FeatCalConfig(BaseModel):
     @property
     def per_layer(self) -> bool:
         """Whether any hyper-parameter is given per layer (a tuned run's written winners)."""
-        return any(isinstance(v, PerLayer) for v in (self.lambda_, self.alpha, self.rho))
+        return any(isinstance(v, PerLayer) for v in self.hyper_values().values())
 
     def tune_settings(self) -> TuneSpec:
         return self.tune or TuneSpec()
@@ -259,10 +286,15 @@ def load_recipe(path: str | Path) -> Recipe:
         featcal = FeatCalConfig.model_validate(block)
     except ValidationError as error:
         raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
+    wrong = [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
+    if wrong:
+        key = wrong[0].rstrip("_")
+        owner = "regmean and regmean++" if not featcal.regmean else "featcal"
+        raise FeatCalError(f"{path}: featcal.{key}: only method {owner} reads it (method is {featcal.method})")
     if featcal.tuned and featcal.per_layer:
         raise FeatCalError(f"{path}: featcal: per_layer values replay a tuned run and cannot be combined with auto or candidate lists")
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
-        raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set lambda, alpha or rho to auto or a list of candidates)")
+        raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)")
     check_forms(merge_config, path)
     if merge_config.base_model is None:
         raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")

@@ -38,6 +38,10 @@ class Hyperparameters:
     rho: float
     eps: float
 
+    def values(self) -> dict[str, float]:
+        """The searched keys' values, as reports and written recipes name them."""
+        return {"lambda": self.lam, "alpha": self.alpha, "rho": self.rho}
+
 
 def _accumulate(sums: dict[str, torch.Tensor], name: str, term: torch.Tensor, weight: float) -> None:
     if name not in sums:

@@ -16,6 +16,7 @@ SOLVE_DTYPE = torch.float64
 RESIDUAL_TOLERANCE = 1e-6
 MAX_RIDGE_RETRIES = 6
 SKETCH_COLUMNS = 8
+FIRST_RIDGE = 1e-6  # a solve without ridge (λ = 0) retries first with λ = 1e-6 × the mean of lhs's diagonal
 
 
 def task_weight(gram_mean: torch.Tensor, eps: float) -> float:
@@ -108,6 +109,6 @@ class RidgeSolver:
             reason = "not positive definite" if factor is None else f"relative residual {worst:.2e}"
             if attempt == MAX_RIDGE_RETRIES:
                 break
-            warn(f"{where}: solve {reason}; retrying with lambda {ridge * 10:.3g}")
-            ridge *= 10
+            ridge = ridge * 10 if ridge > 0 else FIRST_RIDGE * max(float(lhs.diagonal().mean()), eps)  # λ = 0 (RegMean): start small
+            warn(f"{where}: solve {reason}; retrying with lambda {ridge:.3g}")
         raise FeatCalError(f"{where}: closed-form solve failed ({reason}) even with lambda {ridge:.3g}")
