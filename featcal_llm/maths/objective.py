@@ -166,36 +166,43 @@ def solve_norm(system: GroupSystem, norm_anchor: torch.Tensor, lam: float) -> to
     return (system.norm_numerator + lam * norm_anchor) / (system.norm_denominator + lam)
 
 
-class FeatCal:
-    """FeatCal with given hyper-parameters (one setting, or one per layer) or chosen per layer by a search."""
+class LayerSettings:
+    """What every objective is parameterised by: one setting for all layers, one per layer (a replay), or a search's start."""
 
-    name = "featcal"
-
-    def __init__(self, hyper: Hyperparameters | Sequence[Hyperparameters], search: "Search | None" = None, split_targets: bool = False):
-        self._hyper = hyper if isinstance(hyper, Hyperparameters) else tuple(hyper)
+    def __init__(self, setting, search: "Search | None" = None):
+        self._setting = tuple(setting) if isinstance(setting, (list, tuple)) else setting
         self.search = search
-        self.split_targets = split_targets or search is not None  # a search needs every α; a replay folds as the search did
 
     @property
     def tuned(self) -> bool:
         return self.search is not None
 
-    def hyper(self, layer: int) -> Hyperparameters:
+    def hyper(self, layer: int):
         """The setting of `layer` in a run that does not search (a tuned run's start point otherwise)."""
-        if isinstance(self._hyper, Hyperparameters):
-            return self._hyper
-        return self._hyper[layer]
+        return self._setting[layer] if isinstance(self._setting, tuple) else self._setting
+
+    def settings(self) -> tuple:
+        return self._setting if isinstance(self._setting, tuple) else (self._setting,)
 
     @property
     def eps(self) -> float:
         return self.hyper(0).eps
 
+
+class FeatCal(LayerSettings):
+    """FeatCal with given hyper-parameters (one setting, or one per layer) or chosen per layer by a search."""
+
+    name = "featcal"
+
+    def __init__(self, hyper: Hyperparameters | Sequence[Hyperparameters], search: "Search | None" = None, split_targets: bool = False):
+        super().__init__(hyper, search)
+        self.split_targets = split_targets or search is not None  # a search needs every α; a replay folds as the search did
+
     def smallest_lambda(self) -> float:
         """The smallest λ the run may solve with: it decides the statistics' precision."""
         if self.search is not None:
             return min(self.search.values["lambda"])
-        settings = [self._hyper] if isinstance(self._hyper, Hyperparameters) else self._hyper
-        return min(h.lam for h in settings)
+        return min(h.lam for h in self.settings())
 
     def new_system(self, layer: int) -> GroupSystem:
         targets = (lambda: SplitTargets()) if self.split_targets else (lambda: MixedTargets(self.hyper(layer).alpha))

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 import torch
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.maths.objective import MixedTargets, SplitTargets, Targets
+from featcal_llm.maths.objective import LayerSettings, MixedTargets, SplitTargets, Targets
 from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver
 from featcal_llm.maths.stats import GroupStatistics
 
@@ -83,28 +83,14 @@ class RegMeanSystem:
     tasks: int = 0
 
 
-class RegMean:
+class RegMean(LayerSettings):
     """RegMean (`stream="expert"`) or RegMean++ (`stream="cal"`), with a fixed, per-layer or searched reduction."""
 
     def __init__(self, stream: Literal["expert", "cal"], setting: RegMeanSetting | Sequence[RegMeanSetting], search: "Search | None" = None):
+        super().__init__(setting, search)
         self.recording = GramRecording(stream)
         self.name = "regmean" if stream == "expert" else "regmean++"
-        self._setting = setting if isinstance(setting, RegMeanSetting) else tuple(setting)
-        self.search = search
         self.split_targets = search is not None or not isinstance(setting, RegMeanSetting)
-
-    @property
-    def tuned(self) -> bool:
-        return self.search is not None
-
-    def hyper(self, layer: int) -> RegMeanSetting:
-        if isinstance(self._setting, RegMeanSetting):
-            return self._setting
-        return self._setting[layer]
-
-    @property
-    def eps(self) -> float:
-        return self.hyper(0).eps
 
     def smallest_lambda(self) -> float:
         """No ridge: the Grams are solved as they are, so the statistics need full precision (`stats_dtype: auto` → float64)."""
