@@ -25,3 +25,19 @@ def merged_scenario(scenario):
     recipe = load_recipe(scenario.recipe)
     ensure_merged(recipe, scenario.root / "merged", "cpu")
     return scenario
+
+
+@pytest.fixture(scope="session")
+def family_scenarios(tmp_path_factory):
+    """A tiny float64 scenario per family (test_exactness.FAMILIES: windows of 8, Gemma-2 at hidden 72), built once per session."""
+    from test_exactness import FAMILIES
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            root = tmp_path_factory.mktemp(family)
+            built[family] = build_scenario(root, experts=2, layers=2, samples=12, words=(4, 10), family=family, dtype="float64", **FAMILIES[family])
+        return built[family]
+
+    return get

@@ -164,10 +164,9 @@ def test_the_matrix_has_at_least_twenty_cases():
     assert len(CASES) >= 20
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_clear_line(merged_scenario, tmp_path, case):
-    mutate, expected = CASES[case]
-    recipe, output = _recipe(merged_scenario, tmp_path, mutate)
+def assert_refused_in_one_line(scenario, tmp_path, mutate, expected: list[str]) -> None:
+    """Running the mutated recipe exits 2 with one `featcal-llm: error:` line holding every fragment, and writes nothing."""
+    recipe, output = _recipe(scenario, tmp_path, mutate)
     before = sorted(p.name for p in tmp_path.iterdir())
     result = CliRunner().invoke(main, ["run", str(recipe)])
     lines = result.stderr.strip().splitlines()
@@ -180,6 +179,12 @@ def test_bad_input_is_one_clear_line(merged_scenario, tmp_path, case):
         assert fragment in message, (fragment, message)
     assert not output.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "something was written"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_clear_line(merged_scenario, tmp_path, case):
+    mutate, expected = CASES[case]
+    assert_refused_in_one_line(merged_scenario, tmp_path, mutate, expected)
 
 
 def test_existing_output_is_refused_without_force(merged_scenario, tmp_path):

@@ -94,20 +94,6 @@ FAMILIES = {
 EXPECTED_NORMS = {"gemma2": ("input_layernorm", "pre_feedforward_layernorm")}
 
 
-@pytest.fixture(scope="module")
-def family_scenarios(tmp_path_factory):
-    from scenario import build_scenario
-
-    built = {}
-
-    def get(family):
-        if family not in built:
-            root = tmp_path_factory.mktemp(family)
-            built[family] = build_scenario(root, experts=2, layers=2, samples=12, words=(4, 10), family=family, dtype="float64", **FAMILIES[family])
-        return built[family]
-
-    return get
-
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_brute_force(family_scenarios, family, tmp_path):

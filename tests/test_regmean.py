@@ -24,20 +24,6 @@ def regmean_recipe(scenario, path, **featcal):
     return path
 
 
-@pytest.fixture(scope="module")
-def family_scenarios(tmp_path_factory):
-    from scenario import build_scenario
-
-    built = {}
-
-    def get(family):
-        if family not in built:
-            root = tmp_path_factory.mktemp(family)
-            built[family] = build_scenario(root, experts=2, layers=2, samples=SAMPLES, words=(4, 10), family=family, dtype="float64", **FAMILIES[family])
-        return built[family]
-
-    return get
-
 
 def reference_weights(scenario, reduction: float, propagated: bool) -> dict[str, torch.Tensor]:
     experts = {str(p): load(p, torch.float64) for p in scenario.experts.values()}

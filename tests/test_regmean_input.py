@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
-from test_bad_input import _recipe
-
-from featcal_llm.cli import main
+from test_bad_input import assert_refused_in_one_line
 
 FEATCAL_KEYS = ("lambda", "alpha", "rho")
 
@@ -40,17 +37,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_regmean_input_is_one_clear_line(merged_scenario, tmp_path, case):
     mutate, expected = CASES[case]
-    recipe, output = _recipe(merged_scenario, tmp_path, mutate)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    result = CliRunner().invoke(main, ["run", str(recipe)])
-    lines = result.stderr.strip().splitlines()
-    assert result.exit_code == 2, (result.exit_code, lines, result.exception)
-    errors = [line for line in lines if line.startswith("featcal-llm: error: ")]
-    assert len(errors) == 1 and all(line.startswith("featcal-llm: ") for line in lines), lines
-    for fragment in expected:
-        assert fragment in errors[0], (fragment, errors[0])
-    assert not output.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == before, "something was written"
+    assert_refused_in_one_line(merged_scenario, tmp_path, mutate, expected)
 
 
 @pytest.mark.parametrize("method, name", [("regmean", "demo-regmean"), ("regmean++", "demo-regmeanpp")])
