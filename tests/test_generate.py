@@ -104,6 +104,10 @@ def test_start_follows_the_chat_template_setting(tmp_path):
     assert list(chat.ids[0]) == list(expected)
     raw = resolve_start(["ab c"], "file", "off", tokenizer, Config(), "g")
     assert raw.ids == (tuple(tokenizer("ab c")["input_ids"]),) and not raw.chat
+    eos = resolve_start(None, "", "auto", tokenizer, Config(), "g", start="</s>")  # a start token makes raw samples
+    assert eos.ids == ((tokenizer.eos_token_id,),) and not eos.chat and eos.source == "start token </s>"
+    with pytest.raises(Exception, match="g.start: '<nope>' is not a token of the expert's vocabulary"):
+        resolve_start(None, "", "off", tokenizer, Config(), "g", start="<nope>")
     tokenizer.chat_template = None
     assert resolve_start(None, "", "auto", tokenizer, Config(), "g").source == "BOS token"
     with pytest.raises(Exception, match="g.chat_template: on, but the expert's tokenizer has no chat template"):
@@ -147,6 +151,8 @@ BAD = {
     "prompts file missing": ({"generate": {"prompts": "/nonexistent/prompts.txt"}}, ["generate.prompts: /nonexistent/prompts.txt: prompts file not found"]),
     "prompts file empty": (_prompts_file("p.txt", "\n \n"), ["generate.prompts", "p.txt: no prompts (the file is empty)"]),
     "prompts wrong type": (_prompts_file("p.csv", "a,b\n"), ["generate.prompts", "expected a .txt file"]),
+    "start with prompts": ({"generate": {"start": "</s>", "prompts": "p.txt"}}, ["generate: start is the first token of prompt-less samples"]),
+    "start with chat on": ({"generate": {"start": "</s>", "chat_template": "on"}}, ["chat_template: on answers prompts"]),
     "prompts jsonl without field": (_prompts_file("p.jsonl", '{"text": "a"}\n'), ["p.jsonl: line 1: expected an object with a non-empty string field `prompt`"]),
 }
 

@@ -54,8 +54,13 @@ class Start:
     chat: bool
 
 
-def start_token(tokenizer: Any, config: Any) -> int:
-    """The token a document begins with: the tokenizer's BOS, else the config's, else EOS (the document separator of BOS-less vocabularies)."""
+def start_token(tokenizer: Any, config: Any, start: str | None = None, where: str = "generate") -> int:
+    """The token a document begins with: `start` when given, else the tokenizer's BOS, else the config's, else EOS (the document separator of BOS-less vocabularies)."""
+    if start is not None:
+        token = tokenizer.convert_tokens_to_ids(start)
+        if not isinstance(token, int) or token == tokenizer.unk_token_id and start != tokenizer.unk_token:
+            raise FeatCalError(f"{where}.start: {start!r} is not a token of the expert's vocabulary")
+        return token
     for value in (getattr(tokenizer, "bos_token_id", None), getattr(config, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(value, list):
             value = value[0] if value else None
@@ -71,18 +76,20 @@ def uses_chat_template(setting: str, tokenizer: Any, where: str) -> bool:
     return has_template if setting == "auto" else setting == "on"
 
 
-def resolve_start(prompts: list[str] | None, prompts_source: str, chat_setting: str, tokenizer: Any, config: Any, where: str) -> Start:
+def resolve_start(
+    prompts: list[str] | None, prompts_source: str, chat_setting: str, tokenizer: Any, config: Any, where: str, start: str | None = None
+) -> Start:
     """Prompts (or none) → the token ids generation starts from, through the chat template when it applies.
 
     Without prompts: a chat expert answers the shipped seed prompts (a chat model
     asked nothing writes little of use); any other starts from its BOS token.
     """
-    chat = uses_chat_template(chat_setting, tokenizer, where)
+    chat = uses_chat_template(chat_setting, tokenizer, where) and start is None
     if prompts is None and chat:
         prompts, prompts_source = read_prompts(SEED_PROMPTS, "shipped seed prompts"), "shipped seed prompts"
     if prompts is None:
-        token = start_token(tokenizer, config)
-        return Start(("",), ((token,),), "BOS token", chat=False)
+        token = start_token(tokenizer, config, start, where)
+        return Start(("",), ((token,),), f"start token {start}" if start is not None else "BOS token", chat=False)
     if chat:
         texts = tuple(
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)

@@ -106,7 +106,7 @@ def generated_sequences(
         if spec.prompts is not None:
             prompts_path = beside_recipe(spec.prompts, recipe.path.parent)
             prompts, prompts_source = read_prompts(prompts_path, f"{where}.prompts"), f"prompts file {prompts_path}"
-        start = resolve_start(prompts, prompts_source, spec.chat_template, tokenizer, configs[name], where)
+        start = resolve_start(prompts, prompts_source, spec.chat_template, tokenizer, configs[name], where, spec.start)
         key = fingerprint([FORMAT, source.identity(), checkpoint_identity(source.directory), settings, start.chat, [list(i) for i in start.ids]])
         samples_path, record_path = set_paths(Path(featcal.output), labels[name])
         cached = cached_samples(samples_path, record_path, key)

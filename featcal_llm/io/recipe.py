@@ -45,12 +45,21 @@ class GenerateSpec(BaseModel):
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
     max_new_tokens: int = Field(512, ge=1)
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
+    start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(1.0, ge=0.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, description="default featcal.seed")
     chat_template: Literal["auto", "on", "off"] = Field("auto", description="auto: on when the expert's tokenizer has one")
     batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
+
+    @model_validator(mode="after")
+    def _start_without_prompts(self) -> "GenerateSpec":
+        if self.start is not None and self.prompts is not None:
+            raise ValueError("start is the first token of prompt-less samples; with prompts the prompts begin them")
+        if self.start is not None and self.chat_template == "on":
+            raise ValueError("start begins raw samples; chat_template: on answers prompts (set chat_template: off)")
+        return self
 
 
 class DataSpec(BaseModel):
