@@ -50,7 +50,11 @@ def test_bench_json_reports_every_phase(tmp_path):
     assert data["machine"]["disk"]["read_cold"] > 0 and data["machine"]["disk"]["write"] > 0
     generation = data["generation"]  # each expert writes the 4 × 64 tokens it is calibrated on, at the 2 measured layers
     assert generation["tokens_per_expert"] == 256 and generation["batch"] == 4 and generation["layers"] == 2
-    assert generation["seconds_all_experts_extrapolated"] == pytest.approx(generation["seconds_per_expert"] * 3 * 32 / 2)
+    at = {int(d): s for d, s in generation["seconds_at_depth"].items()}
+    assert set(at) == {1, 2} and generation["per_layer_seconds"] == pytest.approx(at[2] - at[1])
+    assert generation["fixed_seconds"] == pytest.approx(at[1] - generation["per_layer_seconds"])
+    one = max(generation["fixed_seconds"], 0) + max(generation["per_layer_seconds"], 0) * 32
+    assert generation["seconds_all_experts_extrapolated"] == pytest.approx(3 * one)
     assert generation["calibration_seconds_extrapolated"] == data["extrapolated"]["seconds"]
     assert generation["ratio_to_calibration"] == pytest.approx(generation["seconds_all_experts_extrapolated"] / data["extrapolated"]["seconds"])
 
