@@ -293,25 +293,39 @@ def test_dropped_samples_are_replaced_by_new_rounds(merged_scenario, tmp_path, m
     assert len(_stored(tmp_path, expert)) == 4
 
 
-def test_transformers_sampler_matches_a_plain_generate_call(merged_scenario):
-    """Our batch (left padding, our generation config, the batch seed) samples exactly what transformers samples for one prompt."""
+def test_gumbel_sampling_draws_from_the_softmax():
+    """argmax(scores + Gumbel noise) is a draw from softmax(scores): 40 000 draws over 5 tokens, temperature and top-p applied first."""
+    scores = torch.tensor([[2.0, 1.0, 0.5, -1.0, float("-inf")]]).repeat(40_000, 1)
+    for settings in ({"temperature": 1.0, "top_p": 1.0}, {"temperature": 0.5, "top_p": 1.0}, {"temperature": 1.0, "top_p": 0.8}):
+        processors = backends.sampling_processors(settings, torch.Generator().manual_seed(0))
+        draws = processors(torch.zeros((40_000, 1), dtype=torch.long), scores.clone()).argmax(dim=-1)
+        frequencies = torch.bincount(draws, minlength=5).double() / 40_000
+        expected = torch.softmax(scores[0].double() / settings["temperature"], dim=0)
+        if settings["top_p"] < 1.0:  # the smallest set of top tokens holding 0.8 of the mass: tokens 0 and 1 (0.61 + 0.22)
+            expected = torch.tensor([expected[0], expected[1], 0, 0, 0], dtype=torch.double)
+            expected /= expected.sum()
+        assert frequencies[4] == 0 and torch.allclose(frequencies, expected, atol=0.01), (settings, frequencies, expected)
+    assert len(backends.sampling_processors({"temperature": 0, "top_p": 0.5}, torch.Generator())) == 0  # greedy
+
+
+def test_left_padded_batches_decode_as_each_prompt_alone(merged_scenario):
+    """Greedy (temperature 0) through our batch, prompts of different lengths left-padded together, gives what a plain
+    transformers `generate` gives for each prompt alone; top_p that keeps one token is greedy too."""
     from transformers import AutoModelForCausalLM
 
     from featcal_llm.io.references import ModelSource
 
     expert = merged_scenario.experts["expert0"]
     tokenizer = build_char_tokenizer()
-    sampler = backends.TransformersSampler(ModelSource(str(expert), expert), tokenizer, torch.device("cpu"), torch.float32, False)
-    settings = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 6}
-    prompt = tuple(tokenizer("ab")["input_ids"])
-    ours = sampler.sample([prompt], settings, seed=11, batch_index=0)[0]
-    model = AutoModelForCausalLM.from_pretrained(expert, dtype=torch.float32)
-    torch.manual_seed(11)
-    out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=0.8, top_p=0.9, top_k=0, max_new_tokens=6, pad_token_id=0)
-    reference = out[0, len(prompt):].tolist()
-    if 2 in reference:
-        reference = reference[: reference.index(2) + 1]
-    assert ours == reference
+    sampler = backends.TransformersSampler(ModelSource(str(expert), expert), tokenizer, torch.device("cpu"), torch.float64, False)
+    prompts = [tuple(tokenizer(text)["input_ids"]) for text in ("ab", "the merge of", "x")]
+    model = AutoModelForCausalLM.from_pretrained(expert, dtype=torch.float64)
+    alone = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+        alone.append(out[: out.index(2) + 1] if 2 in out else out)
+    assert sampler.sample(prompts, {"temperature": 0, "top_p": 1.0, "max_new_tokens": 8}, seed=1, batch_index=0) == alone
+    assert sampler.sample(prompts, {"temperature": 1.0, "top_p": 1e-9, "max_new_tokens": 8}, seed=1, batch_index=0) == alone
 
 
 def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
