@@ -376,3 +376,18 @@ def test_every_family_generates_reproducibly(family_scenarios, tmp_path, family)
     shutil.rmtree(tmp_path / GENERATED_DIR)
     assert _generate_only(path)[expert] == first
     assert len(first) == 3 and all(s[0] == build_char_tokenizer().bos_token_id and 1 < len(s) <= 7 for s in first)
+
+
+def test_unquoted_yaml_switches_and_per_expert_streams(merged_scenario, tmp_path):
+    """`chat_template: off` unquoted (a YAML boolean) means off; experts sharing a seed draw from distinct random streams."""
+    from featcal_llm.io.recipe import load_recipe
+
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0, 1))
+    text = path.read_text().replace("batch_size: 4", "batch_size: 4\n        chat_template: off", 1)
+    path.write_text(text)
+    assert "chat_template: off\n" in text  # unquoted in the file
+    recipe = load_recipe(path)
+    names = [e.name for e in recipe.experts]
+    assert recipe.featcal.data[names[0]].generate.chat_template == "off"
+    assert [generation_run.settings_of(recipe, n)["stream"] for n in names[:2]] == [0, 1]
+    assert generation_run.settings_of(recipe, names[0])["seed"] == generation_run.settings_of(recipe, names[1])["seed"]

@@ -35,10 +35,16 @@ class Tally:
 
 
 def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
-    """The resolved settings a seed reproduces (and the cache key covers)."""
+    """The resolved settings a seed reproduces (and the cache key covers).
+
+    The expert's position in the recipe is part of its random stream, so experts given one seed do not draw the
+    same random numbers (similar models would otherwise begin their samples alike).
+    """
     featcal, spec = recipe.featcal, recipe.featcal.data[name]
     generate = spec.generate
+    position = [e.name for e in recipe.experts].index(name)
     return {
+        "stream": position,
         "samples": generate.samples or spec.samples or featcal.samples,
         "max_new_tokens": generate.max_new_tokens,
         "temperature": generate.temperature,
@@ -62,7 +68,8 @@ def _sample(sampler: Any, backend: str, start: Start, settings: dict, tokenizer:
         for batch_index, first in enumerate(range(0, need, size)):
             chosen = indices[first : first + size]
             prompts = [start.ids[i] for i in chosen]
-            continuations = sampler.sample(prompts, settings, batch_seed(settings["seed"], round_index, batch_index), batch_index)
+            seed = batch_seed(settings["seed"], settings["stream"] * MAX_ROUNDS + round_index, batch_index)
+            continuations = sampler.sample(prompts, settings, seed, batch_index)
             for prompt_index, prompt, continuation in zip(chosen, prompts, continuations):
                 tally.tokens += len(continuation)
                 reason = degeneracy(continuation, special)

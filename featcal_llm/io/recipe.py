@@ -53,6 +53,12 @@ class GenerateSpec(BaseModel):
     batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
 
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted `on`/`off` as a boolean: take it as the word written."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _start_without_prompts(self) -> "GenerateSpec":
         if self.start is not None and self.prompts is not None:
