@@ -94,6 +94,7 @@ def test_gap_recovered_by_hand():
     assert rd.gap_recovered(nll_expert=1.0, nll_merged=2.0, nll_calibrated=1.5) == pytest.approx(0.5)
     assert rd.gap_recovered(1.2, 1.6, 1.7) == pytest.approx(-0.25)  # worse than the merge
     assert rd.gap_recovered(1.5, 1.5, 1.4) is None  # no gap
+    assert rd.gap_recovered(1.6, 1.5, 1.4) is None  # the merge is better than the expert: nothing to recover
     nll = {"expert:code": {"code": 1.0}, "expert:prose": {"prose": 2.0}, "expert:c": {"c": 0.5},
            "merged": {"code": 1.4, "prose": 2.5, "c": 1.0},
            "featcal:real": {"code": 1.2, "prose": 2.4, "c": 0.6}}
@@ -101,6 +102,9 @@ def test_gap_recovered_by_hand():
     # code (1.4-1.2)/(1.4-1.0) = 0.5; prose (2.5-2.4)/(2.5-2.0) = 0.2; c (1.0-0.6)/(1.0-0.5) = 0.8
     assert rec["per_kind"] == pytest.approx({"code": 0.5, "prose": 0.2, "c": 0.8})
     assert rec["mean"] == pytest.approx(0.5)
+    nll["merged"]["prose"] = 1.9  # below the prose expert: prose has no gap and leaves the mean
+    rec = rd.recovery(nll, rd.KINDS, "featcal:real")
+    assert rec["per_kind"]["prose"] is None and rec["mean"] == pytest.approx((0.5 + 0.8) / 2)
 
 
 def test_recipes_hold_each_settings_data_spec():
