@@ -119,4 +119,4 @@ def test_recipes_hold_each_settings_data_spec():
     assert prompts["featcal"]["data"]["experts/prose"]["generate"]["max_new_tokens"] == 128
     assert {k: real["featcal"][k] for k in ("samples", "max_length", "lambda", "alpha", "rho")} == {
         "samples": 64, "max_length": 160, "lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
-    assert prompts["featcal"]["output"] == "featcal_prompts"
+    assert prompts["featcal"]["output"] == "runs/prompts/featcal"

@@ -7,7 +7,7 @@ when its output exists, so a rerun only does what is missing):
 2. ``data/<kind>/{train,cal,test}.jsonl``: three kinds of real text (``real_data.KINDS``), records of
    ``--record-tokens`` tokens, and ``prompts.jsonl``, the first ``--prompt-tokens`` tokens of every cal record;
 3. ``experts/<kind>``: the base fully fine-tuned on each kind's train split;
-4. ``recipe_<setting>.yaml`` → ``featcal_<setting>`` through ``python -m featcal_llm run`` (the first run merges
+4. ``recipe_<setting>.yaml`` → ``runs/<setting>/featcal`` through ``python -m featcal_llm run`` (the first run merges
    ``merged`` with mergekit Task Arithmetic), one recipe per calibration data setting:
    ``real`` (the cal split), ``bos`` (``generate`` from BOS), ``prompts`` (``generate`` from the cal records'
    beginnings);
@@ -64,7 +64,7 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
              "merge_method: task_arithmetic", f"base_model: {base}", "models:"]
     for kind in rd.KINDS:
         lines += [f"  - model: experts/{kind}", "    parameters: {weight: 0.5}"]
-    lines += ["dtype: float32", "featcal:", "  merged: merged", f"  output: featcal_{setting}", "  data:"]
+    lines += ["dtype: float32", "featcal:", "  merged: merged", f"  output: runs/{setting}/featcal", "  data:"]
     for kind in rd.KINDS:
         if setting == "real":
             spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
@@ -115,28 +115,46 @@ def _experts(work: Path, base: Path, tokenizer, args, state: State, log) -> None
             continue
         log(f"fine-tuning experts/{kind}: {args.steps} steps × {args.batch_size} records, lr {args.lr}")
         texts = [r["text"] for r in rd.read_jsonl(work / "data" / kind / "train.jsonl")]
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         state.data["training"][kind] = finetune(base, tokenizer, texts, out, steps=args.steps,
                                                 batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=log)
+        state.data["training"][kind]["cpu_seconds"] = time.process_time() - cpu
         state.data["timings"][f"finetune:{kind}"] = time.time() - started
         state.save()
 
 
+def _generation_records(folder: Path) -> dict[str, dict]:
+    """The records ``featcal-llm run`` wrote beside a setting's output for each expert's generated set."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted((folder / "featcal_generated").glob("*.json"))}
+
+
 def _calibrate(work: Path, base: str, setting: str, args, state: State, log) -> None:
+    """Run one setting's recipe from the workdir; its output (and generated sets) go to ``runs/<setting>/``."""
+    folder = work / "runs" / setting
+    folder.mkdir(parents=True, exist_ok=True)
     recipe = work / f"recipe_{setting}.yaml"
     recipe.write_text(recipe_text(base, setting, args))
-    if (work / f"featcal_{setting}").exists():
+    if (folder / "featcal").exists():
         return
     merging = not (work / "merged").exists()
-    log(f"calibrating featcal_{setting} ({LABELS[setting]})" + (", merging first" if merging else ""))
+    log(f"calibrating runs/{setting}/featcal ({LABELS[setting]})" + (", merging first" if merging else ""))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     started = time.time()
-    with open(work / f"run_{setting}.log", "w") as logfile:
+    with open(folder / "run.log", "w") as logfile:
         done = subprocess.run([sys.executable, "-m", "featcal_llm", "run", recipe.name, "--force"], cwd=work,
                               env=env, stdout=logfile, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise FeatCalError(f"{recipe}: featcal-llm run failed (exit {done.returncode}); see {logfile.name}")
-    state.data["timings"][f"run:{setting}" + (" (incl. merge)" if merging else "")] = time.time() - started
+        raise FeatCalError(f"{recipe}: featcal-llm run failed (exit {done.returncode}); see {folder / 'run.log'}")
+    total = time.time() - started
+    generated = _generation_records(folder)
+    generating = sum(r["seconds"] for r in generated.values())
+    timings = state.data["timings"]
+    if generated:
+        timings[f"generate:{setting}"] = generating
+        state.data.setdefault("generation", {})[setting] = {
+            k: {f: r.get(f) for f in ("kept", "dropped", "generated_tokens", "seconds", "tokens_per_second", "start")}
+            for k, r in generated.items()}
+    timings[f"calibrate:{setting}" + (" (incl. merge)" if merging else "")] = total - generating
     state.save()
 
 
@@ -201,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for setting in settings:
         _calibrate(work, str(base), setting, args, state, log)
     models["merged"] = work / "merged"
-    models.update({f"featcal:{s}": work / f"featcal_{s}" for s in settings})
+    models.update({f"featcal:{s}": work / "runs" / s / "featcal" for s in settings})
     _score(work, tokenizer, models, state, log)
     text = report(state.data, settings, LABELS, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"base": str(base)}, work)
     print(text)
