@@ -67,6 +67,11 @@ def test_split_is_deterministic_disjoint_and_sized():
     for split in ("test", "cal"):  # at most per_document records from one document
         names = [r["source"] for r in first[split]]
         assert max(names.count(n) for n in names) <= 2
+    capped = rd.split_records(DOCS, TOK, rd.SplitSizes(train=20, cal=4, test=3, per_document=2, train_per_document=3),
+                              8, seed=0)
+    names = [r["source"] for r in capped["train"]]
+    assert len(names) == 20 and max(names.count(n) for n in names) == 3
+    assert capped["test"] == first["test"] and capped["cal"] == first["cal"]
 
 
 def test_not_enough_text_is_refused_naming_the_split():

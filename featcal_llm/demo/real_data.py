@@ -29,12 +29,14 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class SplitSizes:
-    """Records per split; a test or cal split takes at most ``per_document`` records from one document (variety)."""
+    """Records per split; test and cal take at most ``per_document`` records from one document (variety), train at
+    most ``train_per_document`` (None: all its windows; then a few long files can fill the train split)."""
 
     train: int
     cal: int
     test: int
     per_document: int = 4
+    train_per_document: int | None = None
 
     def items(self) -> list[tuple[str, int]]:
         return [("test", self.test), ("cal", self.cal), ("train", self.train)]  # small splits first
@@ -74,7 +76,7 @@ def split_records(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, sizes: 
                   seed: int) -> dict[str, list[dict]]:
     """test / cal / train records from documents shuffled by ``seed``; each document feeds one split only.
 
-    Documents are taken in shuffled order; each gives its windows (test and cal: its first ``per_document``) to
+    Documents are taken in shuffled order; each gives its first windows (up to the split's per-document cap) to
     the first split that still needs records (test, then cal, then train). Refused if the documents run out first.
     """
     order = list(docs)
@@ -86,7 +88,7 @@ def split_records(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, sizes: 
         if not open_splits:
             break
         split = open_splits[0]
-        cap = None if split == "train" else sizes.per_document
+        cap = sizes.train_per_document if split == "train" else sizes.per_document
         for window in windows(tokenizer.encode(text, add_special_tokens=False), record_tokens)[:cap]:
             if len(splits[split]) == wanted[split]:
                 break

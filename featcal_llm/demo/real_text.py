@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-records", type=int, default=224)
     p.add_argument("--cal-records", type=int, default=64)
     p.add_argument("--test-records", type=int, default=48)
+    p.add_argument("--train-per-document", type=int, default=None,
+                   help="cap on train records from one document (default: none, all its windows)")
     p.add_argument("--steps", type=int, default=12, help="fine-tuning steps per expert")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -94,7 +96,8 @@ class State:
 
 
 def _data(work: Path, tokenizer, args, log) -> None:
-    sizes = rd.SplitSizes(train=args.train_records, cal=args.cal_records, test=args.test_records)
+    sizes = rd.SplitSizes(train=args.train_records, cal=args.cal_records, test=args.test_records,
+                          train_per_document=args.train_per_document)
     for kind in rd.KINDS:
         folder = work / "data" / kind
         if (folder / "prompts.jsonl").exists():
