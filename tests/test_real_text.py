@@ -125,3 +125,16 @@ def test_recipes_hold_each_settings_data_spec():
     assert {k: real["featcal"][k] for k in ("samples", "max_length", "lambda", "alpha", "rho")} == {
         "samples": 64, "max_length": 160, "lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
     assert prompts["featcal"]["output"] == "runs/prompts/featcal"
+
+
+def test_state_saves_merge_what_two_runs_wrote(tmp_path):
+    from featcal_llm.demo.real_text import State
+
+    first, second = State(tmp_path / "state.json"), State(tmp_path / "state.json")
+    first.data["nll"]["base"] = {"code": 1.0}
+    first.save()
+    second.data["nll"]["base"] = {"c": 2.0}
+    second.data["timings"]["run:bos"] = 3.0
+    second.save()
+    assert State(tmp_path / "state.json").data == {
+        "timings": {"run:bos": 3.0}, "training": {}, "nll": {"base": {"code": 1.0, "c": 2.0}}}

@@ -83,16 +83,30 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
 
 
 class State:
-    """``state.json``: what each phase produced and how long it took, kept across reruns."""
+    """``state.json``: what each phase produced and how long it took, kept across reruns.
+
+    Saving merges into the file under a lock, so that runs of different settings can share a workdir at once.
+    """
 
     def __init__(self, path: Path):
         self.path = path
-        self.data = json.loads(path.read_text()) if path.exists() else {"timings": {}, "training": {}, "nll": {}}
+        self.data = {"timings": {}, "training": {}, "nll": {}}
+        self.data.update(json.loads(path.read_text()) if path.exists() else {})
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
-        tmp.replace(self.path)
+        import fcntl
+
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            on_disk = json.loads(self.path.read_text()) if self.path.exists() else {}
+            for section, values in self.data.items():
+                merged = on_disk.setdefault(section, {})
+                for key, value in values.items():
+                    merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+            self.data = on_disk
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(on_disk, indent=2) + "\n")
+            tmp.replace(self.path)
 
 
 def _data(work: Path, tokenizer, args, log) -> None:
