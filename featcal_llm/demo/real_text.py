@@ -181,6 +181,7 @@ def _score(work: Path, tokenizer, models: dict[str, Path], state: State, log) ->
 
     tests = {k: [r["text"] for r in rd.read_jsonl(work / "data" / k / "test.jsonl")] for k in rd.KINDS}
     for name, path in models.items():
+        state.save()  # also reads what a run of another setting scored meanwhile
         kinds = [name.split(":", 1)[1]] if name.startswith("expert:") else list(rd.KINDS)
         row = state.data["nll"].setdefault(name, {})
         missing = [k for k in kinds if k not in row]
