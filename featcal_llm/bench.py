@@ -36,6 +36,7 @@ import click
 @click.option("--shard-mb", default=500, show_default=True, help="Maximum shard size of the synthetic checkpoints (MB).")
 @click.option("--extrapolate-to", default=32, show_default=True, help="Layer count for the extrapolated total.")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads for the run.")
+@click.option("--generation/--no-generation", default=True, show_default=True, help="Also time `generate:` (each expert writing as many tokens as are calibrated on) with transformers generate, against the calibration.")
 @click.option("--host-memory-gb", type=float, default=None, help="RAM budget of the hidden-state streams before they spill to memory-mapped files [default: the engine's, half the RAM].")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")

@@ -48,11 +48,17 @@ def test_bench_json_reports_every_phase(tmp_path):
     assert data["finalize"]["bytes_written"] > 0
     assert all(v > 0 for v in data["machine"]["matmul_flops"].values())
     assert data["machine"]["disk"]["read_cold"] > 0 and data["machine"]["disk"]["write"] > 0
+    generation = data["generation"]  # each expert writes the 4 × 64 tokens it is calibrated on, at the 2 measured layers
+    assert generation["tokens_per_expert"] == 256 and generation["batch"] == 4 and generation["layers"] == 2
+    assert generation["seconds_all_experts_extrapolated"] == pytest.approx(generation["seconds_per_expert"] * 3 * 32 / 2)
+    assert generation["calibration_seconds_extrapolated"] == data["extrapolated"]["seconds"]
+    assert generation["ratio_to_calibration"] == pytest.approx(generation["seconds_all_experts_extrapolated"] / data["extrapolated"]["seconds"])
 
     # the checkpoints are cached: a second run reuses them, and stored layers can be reused for more layers
     again = _run(tmp_path, "--layers", "3", "--distinct-layers", "2", "--tokens", "64", "--experts", "2", "--no-finalize")
     assert again["run"]["stored_layers"] == 2 and [r["layer"] for r in again["layers"]] == [0, 1, 2]
     assert again["finalize"] is None and again["run"]["experts"] == 2
+    assert _run(tmp_path, "--layers", "1", "--tokens", "64", "--no-finalize", "--no-generation")["generation"] is None
 
 
 def test_flop_counts_match_hand_computation():

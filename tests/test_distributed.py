@@ -184,3 +184,24 @@ def test_ranks_that_see_different_recipes_refuse_to_start(uneven, tmp_path):
     )
     assert ranks[1].stderr == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "other.yaml", "r.yaml"]
+
+
+def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(uneven, tmp_path):
+    """`generate:` under torchrun: rank 0 samples (once), every rank calibrates on the same ids as one process does."""
+    scenario, _ = uneven
+    expert = str(scenario.experts["expert0"])
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["data"][expert] = {"generate": {"samples": 6, "max_new_tokens": 8, "chat_template": "off"}}
+    paths = {}
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        recipe["featcal"]["output"] = str(tmp_path / name / "out")
+        paths[name] = tmp_path / name / "r.yaml"
+        paths[name].write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run_recipe(paths["one"], progress=False)
+    ranks = launch(paths["two"], 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert ranks[0].stderr.count("featcal-llm: generation: expert") == 1 and ranks[1].stderr == ""
+    generated = lambda name: (tmp_path / name / "featcal_generated" / "expert0.jsonl").read_text()  # noqa: E731
+    assert generated("one") == generated("two")
+    assert worst_delta(tmp_path / "two" / "out", tmp_path / "one" / "out", scenario.root / "merged") <= EQUAL

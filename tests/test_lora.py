@@ -254,3 +254,27 @@ def test_plain_adapter_naming_another_base_warns(lora_scenario, tmp_path, capsys
     source = resolve_source(recipe.experts[1].reference, "models: adapter", base)
     assert source.directory == lora_scenario.base and source.adapter == adapter
     assert "names org/some-other-model as its base; it is applied to the recipe's base_model" in capsys.readouterr().err
+
+
+def test_lora_expert_generates_like_its_merged_checkpoint(lora_scenario):
+    """`generate:` on base+adapter samples exactly what the peft-merged checkpoint samples for a seed (and not what the base does)."""
+    from featcal_llm.generation.backends import TransformersSampler
+    from featcal_llm.io.references import ModelSource
+    from featcal_llm.tiny import build_char_tokenizer
+
+    name = next(n for n, (_, form) in ADAPTERS.items() if form == "plus")
+    adapter, full = lora_scenario.adapters[name]
+    tokenizer = build_char_tokenizer()
+    settings = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}
+    prompts = [(1,), (1, 40, 41, 42)]
+
+    def sample(source):
+        sampler = TransformersSampler(source, tokenizer, torch.device("cpu"), torch.float64, False)
+        try:
+            return sampler.sample(prompts, settings, seed=5, batch_index=0)
+        finally:
+            sampler.close()
+
+    lora = sample(ModelSource("base+adapter", lora_scenario.base, adapter))
+    assert lora == sample(ModelSource("peft-merged", full))
+    assert lora != sample(ModelSource("base", lora_scenario.base))

@@ -59,6 +59,7 @@ class BenchOptions:
     rho: float = 0.5
     finalize: bool = True
     extrapolate_to: int = 32
+    generation: bool = True  # also time `generate:` (each expert writing its tokens) on these shapes
     progress: bool = False
     threads: int | None = None
     host_memory_gb: float | None = None
@@ -258,6 +259,13 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
         if options.clean:
             shutil.rmtree(checkpoints.root, ignore_errors=True)
 
+    generation = None
+    if options.generation:
+        from featcal_llm.benchmark.generation_cost import measure_generation
+
+        log(f"bench: timing generation ({options.sequences} × {options.seq_len} new tokens per expert, transformers generate)")
+        generation = measure_generation(config, options.layers, options.sequences, options.seq_len, len(checkpoints.experts), device, dtype)
+
     itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     padded_tokens = sum(b.input_ids.numel() for task_batches in batches.values() for b in task_batches)
     largest_batch = max(b.input_ids.numel() for task_batches in batches.values() for b in task_batches)
@@ -300,6 +308,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
         "calibrate_seconds": end - timer.start,
         "layers": layers,
         "finalize": finalize,
+        "generation": generation,
         "memory": {
             "peak_rss": rss_hwm if rss_reset else None,
             "peak_rss_lifetime": rss_lifetime,

@@ -96,6 +96,10 @@ def summarize(raw: dict) -> dict:
     }
     measured_total = raw["calibrate_seconds"] + (finalize["seconds"] if finalize else 0.0)
     raw.update(phases=phases, per_layer=per_layer, extrapolated=extrapolated, measured_total_seconds=measured_total)
+    if raw.get("generation"):
+        from featcal_llm.benchmark.generation_cost import compare_with_calibration
+
+        raw["generation"] = compare_with_calibration(raw["generation"], total, target)
     return raw
 
 
@@ -167,6 +171,10 @@ def render(summary: dict) -> str:
         f"extrapolated to {ext['layers']} layers: {ext['seconds']:.1f} s ({ext['seconds'] / 60:.1f} min) "
         f"vs lower bound {ext['lower_bound_seconds']:.1f} s  →  {ext['ratio']:.2f}× the bound"
     )
+    if summary.get("generation"):
+        from featcal_llm.benchmark.generation_cost import render_generation
+
+        lines.extend(render_generation(summary["generation"]))
     memory = summary["memory"]
     lines.append("")
     lines.append(f"peak host RSS: {_gb(memory['peak_rss'])} ({memory['peak_rss_scope']}); process lifetime {_gb(memory['peak_rss_lifetime'])}")

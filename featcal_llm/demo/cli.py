@@ -12,7 +12,7 @@ import click
               help="Where the scenario, models and results are built and cached.")
 @click.option("--quick", is_flag=True, help="A seconds-long reduced scenario (used by the test suite).")
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
-@click.option("--threads", type=int, default=None, help="Torch threads per process (default 1); expert workers are min(cores, THREADS or 2).")
+@click.option("--threads", type=int, default=None, help="Torch threads of the main process (default min(cores, 4); --quick: 1); the experts train in one-thread workers, one per expert (at most THREADS).")
 @click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (recipes/demo-auto.yaml).")
 @click.option("--baselines/--no-baselines", default=None, help="Also run and score RegMean and RegMean++ on a linear merge (default: on, off with --quick).")
 @click.option("--seed", type=int, default=None, help="Seed of the data, the base and the experts (default 0).")

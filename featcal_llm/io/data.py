@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.io.recipe import DataSpec
+from featcal_llm.io.recipe import DataSpec, beside_recipe
 from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).
@@ -46,10 +46,7 @@ DATE_LIKE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 def data_path(spec: DataSpec, base_dir: Path | None) -> Path:
     """The spec's path, or the same path under the recipe's directory where only that one exists."""
-    path = Path(spec.path)
-    if not path.is_absolute() and base_dir is not None and not path.exists() and (base_dir / path).exists():
-        return base_dir / path
-    return path
+    return beside_recipe(spec.path, base_dir)
 
 
 def _string_pairs(pairs: list[tuple[str, Any]]) -> dict[str, str] | None:
@@ -143,12 +140,18 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_DATE)
 
 
+def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int]:
+    """The text's token ids with the tokenizer's special tokens, except a BOS the text (a chat template's output) already starts with."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    truncation = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+    return list(tokenizer(text, add_special_tokens=not has_bos, **truncation)["input_ids"])
+
+
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str) -> list[list[int]]:
     """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled."""
     sequences = []
     for index, text in enumerate(texts):
-        has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
-        ids = tokenizer(text, add_special_tokens=not has_bos, truncation=True, max_length=max_length)["input_ids"]
+        ids = encode(text, tokenizer, max_length)
         if len(ids) == 0:
             raise FeatCalError(f"{where}: record {index} tokenises to nothing")
         sequences.append(list(ids))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.forms import check_forms
@@ -24,12 +24,51 @@ except ImportError:  # pragma: no cover - only while the evaluation package is a
     EvalSection = dict[str, Any]  # type: ignore[misc,assignment]
 
 
-class DataSpec(BaseModel):
-    """Where one expert's calibration texts come from and how to turn records into text."""
+def beside_recipe(path: str, base_dir: Path | None) -> Path:
+    """`path` as given (relative to the current directory, as mergekit reads paths), or under the recipe's directory where only that one exists."""
+    given = Path(path)
+    if not given.is_absolute() and base_dir is not None and not given.exists() and (base_dir / given).exists():
+        return base_dir / given
+    return given
+
+
+class GenerateSpec(BaseModel):
+    """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, or continuing prompts.
+
+    Defaults sample the expert's own distribution (temperature 1, no top-p or
+    top-k cut): calibration wants inputs on which the expert behaves as itself,
+    not its most likely text, which repeats itself far more often.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
+    max_new_tokens: int = Field(512, ge=1)
+    prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
+    start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
+    temperature: float = Field(1.0, ge=0.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, description="default featcal.seed")
+    chat_template: Literal["auto", "on", "off"] = Field("auto", description="auto: on when the expert's tokenizer has one")
+    batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
+    backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
+
+    @model_validator(mode="after")
+    def _start_without_prompts(self) -> "GenerateSpec":
+        if self.start is not None and self.prompts is not None:
+            raise ValueError("start is the first token of prompt-less samples; with prompts the prompts begin them")
+        if self.start is not None and self.chat_template == "on":
+            raise ValueError("start begins raw samples; chat_template: on answers prompts (set chat_template: off)")
+        return self
+
+
+class DataSpec(BaseModel):
+    """Where one expert's calibration texts come from (a dataset, or the expert itself) and how records become text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = "train"
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
     format: Literal["text", "alpaca", "chat"] = "text"
@@ -40,6 +79,18 @@ class DataSpec(BaseModel):
     prompt: str = "prompt"
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSpec":
+        if (self.path is None) == (self.generate is None):
+            raise ValueError("expected either path (a dataset) or generate (the expert writes its own), not " + ("both" if self.path else "neither"))
+        if self.generate is not None:
+            given = [key for key in self.model_fields_set if key not in ("generate", "samples")]
+            if given:
+                raise ValueError(f"{given[0]} describes dataset records; with generate only samples applies")
+            if self.samples is not None and self.generate.samples is not None:
+                raise ValueError("samples is given twice (here and under generate); keep one")
+        return self
 
 
 class PerLayer(BaseModel):
@@ -309,6 +360,11 @@ def load_recipe(path: str | Path) -> Recipe:
     for key in featcal.data:
         if key not in names:
             raise FeatCalError(f"{path}: featcal.data.{key}: not an expert of this recipe (experts: {', '.join(names)})")
+    for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
+        if spec.generate is not None and spec.generate.prompts is not None:
+            from featcal_llm.generation.prompts import read_prompts
+
+            read_prompts(beside_recipe(spec.generate.prompts, path.parent), f"{path}: featcal.data.{name}.generate.prompts")
     return Recipe(
         path=path,
         text=path.read_text(encoding="utf-8"),

@@ -1,0 +1,179 @@
+"""Sampling continuations from one expert: vLLM on a GPU when installed, else transformers `generate` with a KV cache.
+
+Both take the prompt token ids and return the continuation token ids per
+sample (up to and including the EOS that ended it). vLLM gets one seed per
+request, so its samples do not depend on how it schedules them; transformers
+is re-seeded per batch, so a seed reproduces its samples for a given
+`batch_size` on one machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from featcal_llm.errors import FeatCalError
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(requested: str, device: torch.device, where: str) -> str:
+    """auto → vLLM where it can run (installed, CUDA device), else transformers; an impossible request is an error."""
+    if requested == "transformers":
+        return requested
+    usable = device.type == "cuda" and vllm_installed()
+    if requested == "vllm" and not usable:
+        why = "it is not installed (pip install 'featcal-llm[vllm]')" if not vllm_installed() else "the device is not a GPU"
+        raise FeatCalError(f"{where}.backend: vllm requested but {why}")
+    return "vllm" if usable else "transformers"
+
+
+def batch_seed(seed: int, round_index: int, batch_index: int) -> int:
+    """A distinct, reproducible seed per batch (and per request for vLLM)."""
+    return (seed * 1_000_003 + round_index * 10_007 + batch_index) % 2**63
+
+
+def _cut(continuation: list[int], eos_ids: set[int]) -> list[int]:
+    """The continuation up to and including its first EOS (transformers pads finished rows with the pad id after it)."""
+    for index, token in enumerate(continuation):
+        if token in eos_ids:
+            return continuation[: index + 1]
+    return continuation
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask, padded on the left so every row's next token is at the same position."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def eos_ids_of(model_config: Any, generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a sample: the generation config's EOS (often several for chat models), the model's, the tokenizer's."""
+    found: list[int] = []
+    for value in (getattr(generation_config, "eos_token_id", None), getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and item not in found:
+                found.append(item)
+    return found
+
+
+class TransformersSampler:
+    """One expert loaded with transformers (a LoRA adapter merged in through peft), sampled in batches."""
+
+    def __init__(self, source: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, trust_remote_code=trust_remote_code)
+        if source.adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, source.adapter).merge_and_unload()
+        self.eos_ids = eos_ids_of(model.config, model.generation_config, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        # The checkpoint's generation_config.json would fill every setting we leave unset (a repetition
+        # penalty, min_p, ...): only the documented settings and transformers' neutral defaults decide.
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig(eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
+        self.model = model.to(device).eval()
+        self.device = device
+
+    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int, batch_index: int) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        greedy = settings["temperature"] == 0
+        config = GenerationConfig(  # ours, not the expert's generation_config.json: the documented defaults decide
+            do_sample=not greedy,
+            temperature=None if greedy else settings["temperature"],
+            top_p=None if greedy else settings["top_p"],
+            top_k=0,  # transformers' default would be 50
+            max_new_tokens=settings["max_new_tokens"],
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.pad_id,
+        )
+        ids, mask = left_padded(prompts, self.pad_id, self.device)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, use_cache=True)
+        width = ids.shape[1]
+        return [_cut(row[width:].tolist(), set(self.eos_ids)) for row in out]
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class VllmSampler:
+    """One vLLM engine for one expert, freed (with its GPU memory) before calibration starts."""
+
+    def __init__(self, source: Any, tokenizer_dir: Any, dtype: torch.dtype, trust_remote_code: bool, seed: int):
+        from vllm import LLM
+
+        lora = {}
+        if source.adapter is not None:
+            from featcal_llm.io.lora import load_lora_config
+
+            config = load_lora_config(source.adapter, "LoRA adapter")
+            ranks = [config.r, *getattr(config, "rank_pattern", {}).values()]
+            lora = {"enable_lora": True, "max_lora_rank": max(ranks)}
+        self.source = source
+        self.llm = LLM(
+            model=str(source.directory), tokenizer=str(tokenizer_dir), dtype=str(dtype).removeprefix("torch."),
+            seed=seed, trust_remote_code=trust_remote_code, **lora,
+        )
+
+    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int, batch_index: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        lora_request = None
+        if self.source.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_request = LoRARequest("expert", 1, str(self.source.adapter))
+        params = [
+            SamplingParams(
+                temperature=settings["temperature"], top_p=settings["top_p"], top_k=-1,
+                max_tokens=settings["max_new_tokens"], seed=batch_seed(seed, 0, index),
+            )
+            for index in range(len(prompts))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, lora_request=lora_request, use_tqdm=True)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    def close(self) -> None:
+        del self.llm
+        try:  # older engines keep the model-parallel groups alive until told
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # noqa: BLE001 - best effort: newer engines free themselves
+            pass
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def open_sampler(backend: str, source: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype, trust_remote_code: bool, seed: int):
+    started = time.perf_counter()
+    if backend == "vllm":
+        sampler = VllmSampler(source, source.tokenizer_directory, dtype, trust_remote_code, seed)
+    else:
+        sampler = TransformersSampler(source, tokenizer, device, dtype, trust_remote_code)
+    print(f"featcal-llm: generation: {backend} loaded {source.reference} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return sampler

@@ -1,0 +1,104 @@
+"""Where an expert's generation starts: a user's prompts file, the shipped seed prompts, or the BOS token."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.data import CHAT_DATE, encode
+
+PROMPT_SUFFIXES = (".txt", ".jsonl")
+# Varied generic requests (instructions, questions, code, maths, prose) for chat experts given no prompts.
+SEED_PROMPTS = Path(__file__).with_name("seed_prompts.jsonl")
+
+
+def read_prompts(path: Path, where: str) -> list[str]:
+    """The prompts of a `.txt` file (one per non-blank line) or a `.jsonl` file (a string field `prompt` per record)."""
+    if not path.is_file():
+        raise FeatCalError(f"{where}: {path}: prompts file not found")
+    if path.suffix.lower() not in PROMPT_SUFFIXES:
+        raise FeatCalError(f"{where}: {path}: expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise FeatCalError(f"{where}: {path}: not UTF-8 text") from None
+    if path.suffix.lower() == ".txt":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise FeatCalError(f"{where}: {path}: line {number} is not JSON") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                raise FeatCalError(f"{where}: {path}: line {number}: expected an object with a non-empty string field `prompt`")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise FeatCalError(f"{where}: {path}: no prompts (the file is empty)")
+    return prompts
+
+
+@dataclass(frozen=True)
+class Start:
+    """The distinct prompts generation continues, as text and token ids; sample i continues prompt i mod len(ids)."""
+
+    texts: tuple[str, ...]
+    ids: tuple[tuple[int, ...], ...]
+    source: str  # for the log and the cache record: "BOS token", "prompts file …", "shipped seed prompts"
+    chat: bool
+
+
+def start_token(tokenizer: Any, config: Any, start: str | None = None, where: str = "generate") -> int:
+    """The token a document begins with: `start` when given, else the tokenizer's BOS, else the config's, else EOS (the document separator of BOS-less vocabularies)."""
+    if start is not None:
+        token = tokenizer.convert_tokens_to_ids(start)
+        if not isinstance(token, int) or token == tokenizer.unk_token_id and start != tokenizer.unk_token:
+            raise FeatCalError(f"{where}.start: {start!r} is not a token of the expert's vocabulary")
+        return token
+    for value in (getattr(tokenizer, "bos_token_id", None), getattr(config, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    raise FeatCalError("the tokenizer has neither a BOS nor an EOS token to start generation from; give prompts")
+
+
+def uses_chat_template(setting: str, tokenizer: Any, where: str) -> bool:
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if setting == "on" and not has_template:
+        raise FeatCalError(f"{where}.chat_template: on, but the expert's tokenizer has no chat template")
+    return has_template if setting == "auto" else setting == "on"
+
+
+def resolve_start(
+    prompts: list[str] | None, prompts_source: str, chat_setting: str, tokenizer: Any, config: Any, where: str, start: str | None = None
+) -> Start:
+    """Prompts (or none) → the token ids generation starts from, through the chat template when it applies.
+
+    Without prompts: a chat expert answers the shipped seed prompts (a chat model
+    asked nothing writes little of use); any other starts from its BOS token.
+    """
+    chat = uses_chat_template(chat_setting, tokenizer, where) and start is None
+    if prompts is None and chat:
+        prompts, prompts_source = read_prompts(SEED_PROMPTS, "shipped seed prompts"), "shipped seed prompts"
+    if prompts is None:
+        token = start_token(tokenizer, config, start, where)
+        return Start(("",), ((token,),), f"start token {start}" if start is not None else "BOS token", chat=False)
+    if chat:
+        texts = tuple(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)
+            for p in prompts
+        )
+    else:
+        texts = tuple(prompts)
+    ids = tuple(tuple(encode(text, tokenizer)) for text in texts)
+    empty = [i for i, sequence in enumerate(ids) if not sequence]
+    if empty:
+        raise FeatCalError(f"{where}.prompts: prompt {empty[0] + 1} tokenises to nothing")
+    return Start(texts, ids, prompts_source, chat)

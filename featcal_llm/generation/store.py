@@ -1,0 +1,65 @@
+"""Generated sets on disk, beside the output: `featcal_generated/<expert>.jsonl` plus a `.json` record of how it was made.
+
+A set is reused when its record's key (the expert's identity, the settings and
+the prompt token ids) matches and the JSON-lines file is the one the record
+describes; otherwise it is generated again. Both files are written to a
+temporary name and renamed, the record last, so an interrupted run leaves no set
+that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+GENERATED_DIR = "featcal_generated"
+FORMAT = 1  # bump when what a key covers or what a record holds changes
+
+
+def set_paths(output: Path, label: str) -> tuple[Path, Path]:
+    """(samples, record) paths for one expert; the label is made file-safe."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "expert"
+    directory = output.parent / GENERATED_DIR
+    return directory / f"{safe}.jsonl", directory / f"{safe}.json"
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_samples(samples_path: Path, record_path: Path, key: str) -> tuple[list[dict], dict] | None:
+    """The stored samples and their record when both are there and made under `key`; else None."""
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key or not samples_path.is_file():
+        return None
+    if file_digest(samples_path) != record.get("sha256"):
+        return None
+    with samples_path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()], record
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)
+
+
+def store_samples(samples_path: Path, record_path: Path, samples: list[dict], record: dict[str, Any]) -> dict:
+    """Write the samples, then the record (with the samples' digest); returns the record written."""
+    samples_path.parent.mkdir(parents=True, exist_ok=True)
+    record_path.unlink(missing_ok=True)  # no record describes a half-replaced set
+    _write_atomically(samples_path, "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples))
+    record = {**record, "sha256": file_digest(samples_path)}
+    _write_atomically(record_path, json.dumps(record, indent=1) + "\n")
+    return record

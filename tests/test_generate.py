@@ -1,0 +1,364 @@
+"""Experts that write their own calibration data (`featcal.data.<expert>: {generate: ...}`, issue 17)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from featcal_llm.generation import backends, run as generation_run
+from featcal_llm.generation.prompts import SEED_PROMPTS, read_prompts, resolve_start
+from featcal_llm.generation.quality import LOOP_MIN_TOKENS, degeneracy
+from featcal_llm.generation.store import GENERATED_DIR
+from featcal_llm.pipeline import run_recipe
+from featcal_llm.tiny import build_char_tokenizer
+from test_bad_input import assert_refused_in_one_line
+
+SMALL = {"samples": 6, "max_new_tokens": 10, "batch_size": 4}
+
+
+def _generate_recipe(scenario, root: Path, which=(0, 1, 2), **generate) -> Path:
+    """The scenario's recipe with experts `which` generating their data (SMALL settings plus `generate`)."""
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["output"] = str(root / "out")
+    names = [m["model"] for m in recipe["models"]]
+    for index in which:
+        recipe["featcal"]["data"][names[index]] = {"generate": {**SMALL, **generate}}
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _generate_only(path: Path) -> dict[str, list[list[int]]]:
+    """The generation step of a run, alone (what the pipeline calls before tokenising the other experts' files)."""
+    from transformers import AutoConfig
+
+    from featcal_llm.io.recipe import load_recipe
+    from featcal_llm.io.references import resolve_source
+
+    recipe = load_recipe(path)
+    base = resolve_source(recipe.base, "base_model")
+    sources = {e.name: resolve_source(e.reference, e.name, base) for e in recipe.experts}
+    configs = {name: AutoConfig.from_pretrained(source.directory) for name, source in sources.items()}
+    return generation_run.generated_sequences(recipe, sources, configs, torch.device("cpu"), dict.fromkeys(sources, torch.float32), False)
+
+
+def _stored(root: Path, expert: str) -> list[dict]:
+    return [json.loads(line) for line in (root / GENERATED_DIR / f"{expert}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def count_samplers(monkeypatch):
+    """How many times an expert model was opened for sampling (0 on a cache hit)."""
+    opened = []
+    original = generation_run.open_sampler
+    monkeypatch.setattr(generation_run, "open_sampler", lambda *a, **k: opened.append(a[1].reference) or original(*a, **k))
+    return opened
+
+
+# --- the quality rule -------------------------------------------------------------------------------------------
+
+
+def test_quality_rule_drops_empty_and_looping_samples_and_keeps_text():
+    special = {0, 1, 2}
+    assert degeneracy([], special) == "empty"
+    assert degeneracy([2], special) == "empty"  # an immediate EOS
+    assert degeneracy([1, 0, 2], special) == "empty"  # special tokens only
+    assert degeneracy([5, 2], special) is None  # short but real
+    varied = list(range(3, 3 + LOOP_MIN_TOKENS * 2))
+    assert degeneracy(varied, special) is None
+    loop = [7, 8, 9] * 40  # period 3: 3 distinct 4-grams in the tail
+    assert degeneracy(loop, special) == "repetition loop"
+    # the rule looks at the second half: a loop that takes over late is kept until it fills that half
+    late = varied[:60] + [7, 8, 9] * 10
+    assert degeneracy(late, special) is None
+    # the threshold: a tail of 60 tokens has 57 4-grams; period 17 leaves 17 distinct (< 0.3·57 = 17.1), period 18 leaves 18
+    for period, expected in ((17, "repetition loop"), (18, None)):
+        tail = [100 + i % period for i in range(60)]
+        assert degeneracy(list(range(3, 63)) + tail, special) == expected, period
+    # below LOOP_MIN_TOKENS ordinary tokens nothing counts as a loop
+    assert degeneracy([7, 8] * ((LOOP_MIN_TOKENS - 1) // 2), special) is None
+
+
+# --- prompts ----------------------------------------------------------------------------------------------------
+
+
+def test_start_follows_the_chat_template_setting(tmp_path):
+    tokenizer = build_char_tokenizer()  # has a chat template and a BOS it does not add itself
+
+    class Config:
+        bos_token_id = 1
+
+    bos = resolve_start(None, "", "off", tokenizer, Config(), "g")
+    assert bos.ids == ((tokenizer.bos_token_id,),) and bos.source == "BOS token"
+    shipped = read_prompts(SEED_PROMPTS, "seed")
+    assert len(shipped) >= 50
+    chat = resolve_start(None, "", "auto", tokenizer, Config(), "g")  # a chat expert without prompts answers the seed prompts
+    assert chat.source == "shipped seed prompts" and len(chat.ids) == len(shipped)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": shipped[0]}], add_generation_prompt=True)["input_ids"]
+    assert list(chat.ids[0]) == list(expected)
+    raw = resolve_start(["ab c"], "file", "off", tokenizer, Config(), "g")
+    assert raw.ids == (tuple(tokenizer("ab c")["input_ids"]),) and not raw.chat
+    eos = resolve_start(None, "", "auto", tokenizer, Config(), "g", start="</s>")  # a start token makes raw samples
+    assert eos.ids == ((tokenizer.eos_token_id,),) and not eos.chat and eos.source == "start token </s>"
+    with pytest.raises(Exception, match="g.start: '<nope>' is not a token of the expert's vocabulary"):
+        resolve_start(None, "", "off", tokenizer, Config(), "g", start="<nope>")
+    tokenizer.chat_template = None
+    assert resolve_start(None, "", "auto", tokenizer, Config(), "g").source == "BOS token"
+    with pytest.raises(Exception, match="g.chat_template: on, but the expert's tokenizer has no chat template"):
+        resolve_start(None, "", "on", tokenizer, Config(), "g")
+
+
+def test_prompt_files_in_both_formats(tmp_path):
+    (tmp_path / "p.txt").write_text("first prompt\n\n  \nsecond\n")
+    assert read_prompts(tmp_path / "p.txt", "w") == ["first prompt", "second"]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def f(x):\n    return"}) + "\n\n" + json.dumps({"prompt": "b"}) + "\n")
+    assert read_prompts(tmp_path / "p.jsonl", "w") == ["def f(x):\n    return", "b"]
+
+
+# --- bad input: one line, nothing written -----------------------------------------------------------------------
+
+
+def _set_generate(value):
+    def mutate(recipe, tmp_path):
+        first = recipe["models"][0]["model"]
+        recipe["featcal"]["data"][first] = value(tmp_path) if callable(value) else value
+    return mutate
+
+
+def _prompts_file(name: str, text: str):
+    def value(tmp_path):
+        (tmp_path / name).write_text(text)
+        return {"generate": {"prompts": str(tmp_path / name)}}
+    return value
+
+
+BAD = {
+    "generate and path": ({"path": "x.jsonl", "generate": {}}, ["generate", "either path", "not both"]),
+    "neither": ({"format": "text"}, ["either path", "not neither"]),
+    "dataset key with generate": ({"generate": {}, "format": "chat"}, ["format describes dataset records"]),
+    "samples twice": ({"generate": {"samples": 4}, "samples": 4}, ["samples is given twice"]),
+    "zero samples": ({"generate": {"samples": 0}}, ["generate.samples", "greater than or equal to 1"]),
+    "zero new tokens": ({"generate": {"max_new_tokens": 0}}, ["generate.max_new_tokens", "greater than or equal to 1"]),
+    "negative temperature": ({"generate": {"temperature": -0.5}}, ["generate.temperature"]),
+    "top_p above one": ({"generate": {"top_p": 1.5}}, ["generate.top_p"]),
+    "unknown generate key": ({"generate": {"sample": 4}}, ["generate.sample: unknown key"]),
+    "prompts file missing": ({"generate": {"prompts": "/nonexistent/prompts.txt"}}, ["generate.prompts: /nonexistent/prompts.txt: prompts file not found"]),
+    "prompts file empty": (_prompts_file("p.txt", "\n \n"), ["generate.prompts", "p.txt: no prompts (the file is empty)"]),
+    "prompts wrong type": (_prompts_file("p.csv", "a,b\n"), ["generate.prompts", "expected a .txt file"]),
+    "start with prompts": ({"generate": {"start": "</s>", "prompts": "p.txt"}}, ["generate: start is the first token of prompt-less samples"]),
+    "start with chat on": ({"generate": {"start": "</s>", "chat_template": "on"}}, ["chat_template: on answers prompts"]),
+    "prompts jsonl without field": (_prompts_file("p.jsonl", '{"text": "a"}\n'), ["p.jsonl: line 1: expected an object with a non-empty string field `prompt`"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_generate_settings_are_one_line_and_write_nothing(merged_scenario, tmp_path, case):
+    value, expected = BAD[case]
+    assert_refused_in_one_line(merged_scenario, tmp_path, _set_generate(value), expected)
+    assert not (tmp_path / GENERATED_DIR).exists()
+
+
+# --- generation, cache and calibration --------------------------------------------------------------------------
+
+
+def test_generation_is_deterministic_for_a_seed_and_cached(merged_scenario, tmp_path, count_samplers):
+    expert = merged_scenario.experts["expert0"].name
+    first = _generate_recipe(merged_scenario, tmp_path / "a", which=(0,), chat_template="off")
+    run_recipe(first, progress=False)
+    assert count_samplers == [str(merged_scenario.experts["expert0"])]
+    samples = _stored(tmp_path / "a", expert)
+    assert len(samples) == SMALL["samples"]
+    bos = build_char_tokenizer().bos_token_id
+    for sample in samples:  # from BOS, at most max_new_tokens more, the text is the ids decoded
+        assert sample["token_ids"][0] == bos and 1 < len(sample["token_ids"]) <= 1 + SMALL["max_new_tokens"]
+        assert sample["prompt"] == "" and sample["text"] == build_char_tokenizer().decode(sample["token_ids"])
+    record = json.loads((tmp_path / "a" / GENERATED_DIR / f"{expert}.json").read_text())
+    assert record["kept"] == 6 and record["backend"] == "transformers" and record["start"] == "BOS token"
+
+    # a second workdir, same settings: the same samples, freshly generated
+    second = _generate_recipe(merged_scenario, tmp_path / "b", which=(0,), chat_template="off")
+    assert _generate_only(second)[str(merged_scenario.experts["expert0"])] == [s["token_ids"] for s in samples]
+    assert len(count_samplers) == 2
+    assert _stored(tmp_path / "b", expert) == samples
+    # another seed: other samples
+    third = _generate_recipe(merged_scenario, tmp_path / "c", which=(0,), chat_template="off", seed=7)
+    _generate_only(third)
+    assert [s["token_ids"] for s in _stored(tmp_path / "c", expert)] != [s["token_ids"] for s in samples]
+
+    # rerun of the first recipe: the set is reused, the output is byte-identical
+    weights = (tmp_path / "a" / "out" / "model.safetensors").read_bytes()
+    run_recipe(first, force=True, progress=False)
+    assert len(count_samplers) == 3  # no new sampler
+    assert (tmp_path / "a" / "out" / "model.safetensors").read_bytes() == weights
+
+
+def test_the_cache_is_missed_when_settings_or_the_expert_change(merged_scenario, tmp_path, count_samplers):
+    root = tmp_path / "w"
+    expert_dir = tmp_path / "expert-copy"
+    shutil.copytree(merged_scenario.experts["expert1"], expert_dir)
+    recipe = yaml.safe_load(merged_scenario.recipe.read_text())
+    old = recipe["models"][1]["model"]
+    recipe["models"][1]["model"] = str(expert_dir)
+    recipe["featcal"]["data"].pop(old)
+    recipe["featcal"]["data"][str(expert_dir)] = {"generate": {**SMALL, "chat_template": "off"}}
+    recipe["featcal"]["output"] = str(root / "out")
+    root.mkdir()
+    path = root / "recipe.yaml"
+
+    def run(**generate):
+        recipe["featcal"]["data"][str(expert_dir)]["generate"] = {**SMALL, "chat_template": "off", **generate}
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        before = len(count_samplers)
+        _generate_only(path)
+        return len(count_samplers) > before
+
+    assert run() is True
+    assert run() is False  # hit
+    assert run(temperature=0.7) is True  # a setting changed
+    assert run(temperature=0.7) is False
+    assert run(temperature=0.7, max_new_tokens=8) is True
+    samples = root / GENERATED_DIR / "expert-copy.jsonl"
+    samples.write_text(samples.read_text().replace('"text"', '"text" ', 1))  # edited by hand: not the recorded set
+    assert run(temperature=0.7, max_new_tokens=8) is True
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(expert_dir.glob("*.safetensors")):  # the expert's weights change
+        tensors = load_file(shard)
+        name = next(iter(tensors))
+        tensors[name] = tensors[name] + 1e-3
+        save_file(tensors, shard, metadata={"format": "pt"})
+    assert run(temperature=0.7, max_new_tokens=8) is True
+
+
+def test_generated_sequences_are_what_calibration_sees_and_tuning_holds_out_only_them(merged_scenario, tmp_path, monkeypatch):
+    """Expert 0 generates, experts 1 and 2 read files; with `auto`, each expert's held-out records are drawn from its own set."""
+    import featcal_llm.pipeline as pipeline
+
+    seen = {}
+    original_split = pipeline.split_holdout
+    monkeypatch.setattr(pipeline, "split_holdout", lambda s, *a: seen.setdefault("split", (s, original_split(s, *a)))[1])
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0,), chat_template="off", samples=8)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["featcal"].update({"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5, "max_length": 8})
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run_recipe(path, progress=False)
+
+    names = [m["model"] for m in recipe["models"]]
+    everything, (calibration, held_out) = seen["split"]
+    generated = [s["token_ids"][:8] for s in _stored(tmp_path, Path(names[0]).name)]
+    assert everything[names[0]] == generated  # truncated to max_length, in generation order
+    assert len(held_out[names[0]]) == round(0.25 * 8) and len(calibration[names[0]]) == 6
+    assert all(s in generated for s in held_out[names[0]]) and all(s in generated for s in calibration[names[0]])
+    for other in names[1:]:  # the file-backed experts keep their own records
+        assert not any(s in generated for s in held_out[other])
+    assert json.loads((tmp_path / "out" / "featcal_tuning.json").read_text())
+
+
+def test_chat_experts_answer_the_shipped_prompts(merged_scenario, tmp_path):
+    path = _generate_recipe(merged_scenario, tmp_path, which=(2,), samples=3)  # chat_template auto: the char tokenizer has one
+    run_recipe(path, progress=False)
+    samples = _stored(tmp_path, merged_scenario.experts["expert2"].name)
+    shipped = read_prompts(SEED_PROMPTS, "seed")
+    assert [s["prompt"] for s in samples] == [
+        build_char_tokenizer().apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in shipped[:3]
+    ]
+
+
+def test_dropped_samples_are_replaced_by_new_rounds(merged_scenario, tmp_path, monkeypatch):
+    """The first two samples come back empty (an immediate EOS): a second round replaces them, the record counts them."""
+    calls = []
+    original = backends.TransformersSampler.sample
+
+    def sample(self, prompts, settings, seed, batch_index):
+        out = original(self, prompts, settings, seed, batch_index)
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            out[0] = out[1] = [2]
+        return out
+
+    monkeypatch.setattr(backends.TransformersSampler, "sample", sample)
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0,), chat_template="off", samples=4, batch_size=4)
+    run_recipe(path, progress=False)
+    assert calls == [4, 2]
+    expert = merged_scenario.experts["expert0"].name
+    record = json.loads((tmp_path / GENERATED_DIR / f"{expert}.json").read_text())
+    assert record["kept"] == 4 and record["dropped"] == {"empty": 2}
+    assert len(_stored(tmp_path, expert)) == 4
+
+
+def test_transformers_sampler_matches_a_plain_generate_call(merged_scenario):
+    """Our batch (left padding, our generation config, the batch seed) samples exactly what transformers samples for one prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from featcal_llm.io.references import ModelSource
+
+    expert = merged_scenario.experts["expert0"]
+    tokenizer = build_char_tokenizer()
+    sampler = backends.TransformersSampler(ModelSource(str(expert), expert), tokenizer, torch.device("cpu"), torch.float32, False)
+    settings = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 6}
+    prompt = tuple(tokenizer("ab")["input_ids"])
+    ours = sampler.sample([prompt], settings, seed=11, batch_index=0)[0]
+    model = AutoModelForCausalLM.from_pretrained(expert, dtype=torch.float32)
+    torch.manual_seed(11)
+    out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=0.8, top_p=0.9, top_k=0, max_new_tokens=6, pad_token_id=0)
+    reference = out[0, len(prompt):].tolist()
+    if 2 in reference:
+        reference = reference[: reference.index(2) + 1]
+    assert ours == reference
+
+
+def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
+    """Token-id prompts in, one seeded SamplingParams per request, continuation ids out, the engine freed (vLLM itself needs a GPU)."""
+    import sys
+    import types
+
+    made = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            made["engine"] = kwargs
+
+        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+            made["prompts"], made["params"] = prompts, params
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=(9, len(p["prompt_token_ids"]), 2))]) for p in prompts]
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, SamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    from featcal_llm.io.references import ModelSource
+
+    sampler = backends.VllmSampler(ModelSource("m", tmp_path), tmp_path, torch.bfloat16, False, seed=3)
+    out = sampler.sample([(1,), (1, 5, 6)], {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 4}, seed=42, batch_index=0)
+    assert out == [[9, 1, 2], [9, 3, 2]]
+    assert made["engine"]["dtype"] == "bfloat16" and made["engine"]["seed"] == 3
+    assert [p.seed for p in made["params"]] == [backends.batch_seed(42, 0, 0), backends.batch_seed(42, 0, 1)]
+    assert {p.max_tokens for p in made["params"]} == {4} and {p.top_p for p in made["params"]} == {0.95}
+    sampler.close()
+    assert not hasattr(sampler, "llm")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"])
+def test_every_family_generates_reproducibly(family_scenarios, tmp_path, family):
+    """Each family's expert samples through its own transformers class; the same seed gives the same ids."""
+    scenario = family_scenarios(family)
+    path = _generate_recipe(scenario, tmp_path, which=(0,), chat_template="off", samples=3, max_new_tokens=6)
+    expert = str(scenario.experts["expert0"])
+    first = _generate_only(path)[expert]
+    shutil.rmtree(tmp_path / GENERATED_DIR)
+    assert _generate_only(path)[expert] == first
+    assert len(first) == 3 and all(s[0] == build_char_tokenizer().bos_token_id and 1 < len(s) <= 7 for s in first)
