@@ -138,3 +138,17 @@ def test_state_saves_merge_what_two_runs_wrote(tmp_path):
     second.save()
     assert State(tmp_path / "state.json").data == {
         "timings": {"run:bos": 3.0}, "training": {}, "nll": {"base": {"code": 1.0, "c": 2.0}}}
+
+
+def test_token_kl_by_hand():
+    import math
+
+    import torch
+
+    from featcal_llm.demo.real_models import token_kl
+
+    ref = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
+    model = torch.log(torch.tensor([[[0.25, 0.75], [0.9, 0.1]]]))
+    first = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # second position: identical, KL 0
+    assert token_kl(ref, model, torch.tensor([[1.0, 1.0]])) == (pytest.approx(first), 2)
+    assert token_kl(ref, model, torch.tensor([[0.0, 1.0]])) == (pytest.approx(0.0, abs=1e-7), 1)

@@ -124,3 +124,30 @@ def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16,
         total += nll.item()
         count += int((target != -100).sum())
     return total / count
+
+
+def token_kl(reference_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Sum over masked positions of KL(reference ‖ model) = Σ_v p_ref (log p_ref − log p), and the position count."""
+    kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1)
+    return float((kl * mask).sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def log_probs(model, tokenizer, texts: list[str], batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch: next-token log-probabilities at the text's positions (BOS and prefix given) and their mask."""
+    out = []
+    sequences = encode(tokenizer, texts)
+    for start in range(0, len(sequences), batch_size):
+        ids, mask, _ = _batch(sequences[start:start + batch_size], tokenizer.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
+        out.append((torch.log_softmax(logits, -1), mask[:, 1:].float()))
+    return out
+
+
+def mean_kl(reference: list[tuple[torch.Tensor, torch.Tensor]], model, tokenizer, texts: list[str]) -> float:
+    """Token-mean KL(reference model ‖ model) on the texts: how far the model's predictions are from the expert's."""
+    total, count = 0.0, 0
+    for (ref, mask), (logp, _) in zip(reference, log_probs(model, tokenizer, texts)):
+        kl, n = token_kl(ref, logp, mask)
+        total, count = total + kl, count + n
+    return total / count
