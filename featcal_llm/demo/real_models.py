@@ -1,0 +1,153 @@
+"""The real-model study's models: a float32 base from a GGUF file, experts fine-tuned on text, held-out NLL.
+
+Every sequence is the tokenizer's BOS followed by a record's text, as a document is seen in pre-training:
+experts learn what their text looks like from its first token on, and NLL is measured on the text tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from featcal_llm.errors import FeatCalError
+
+
+def build_base_from_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF checkpoint with transformers' GGUF loader and save it as float32 safetensors.
+
+    ``save_pretrained`` refuses a model loaded from GGUF (it carries a quantization config), so the weights are
+    copied into a fresh model built from the same config without it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not gguf.is_file():
+        raise FeatCalError(f"{gguf}: expected a GGUF file")
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    _save(model, tokenizer, out)
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    """Write to a sibling directory, then rename: an interrupted run leaves no half-written model."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out)
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """BOS + the text's tokens (the tokenizer adds no BOS of its own for these models)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def _batch(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask, and labels with -100 on padding (the shift leaves BOS unscored)."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = torch.tensor(seq)
+        mask[row, :len(seq)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, batch_size: int, lr: float,
+             seed: int, log=print) -> dict:
+    """Full fine-tune of the decoder layers and final norm (tied embeddings frozen), AdamW, warmup + cosine."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sequences = encode(tokenizer, texts)
+    order: list[int] = []
+    rng = random.Random(seed)
+    losses = []
+    model.train()
+    for step in range(steps):
+        if len(order) < batch_size:
+            epoch = list(range(len(sequences)))
+            rng.shuffle(epoch)
+            order += epoch
+        picked, order = order[:batch_size], order[batch_size:]
+        ids, mask, labels = _batch([sequences[i] for i in picked], tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        log(f"  step {step + 1}/{steps} loss {losses[-1]:.4f}")
+    model.eval()
+    _save(model, tokenizer, out)
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+@torch.no_grad()
+def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16, model=None) -> float:
+    """Token-weighted mean negative log-likelihood (nats) of the texts' tokens, each given BOS and its prefix."""
+    from transformers import AutoModelForCausalLM
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    sequences = encode(tokenizer, texts)
+    for start in range(0, len(sequences), batch_size):
+        ids, mask, labels = _batch(sequences[start:start + batch_size], tokenizer.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        target = labels[:, 1:]
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+        total += nll.item()
+        count += int((target != -100).sum())
+    return total / count
+
+
+def token_kl(reference_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Sum over masked positions of KL(reference ‖ model) = Σ_v p_ref (log p_ref − log p), and the position count."""
+    kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1)
+    return float((kl * mask).sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def log_probs(model, tokenizer, texts: list[str], batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch: next-token log-probabilities at the text's positions (BOS and prefix given) and their mask."""
+    out = []
+    sequences = encode(tokenizer, texts)
+    for start in range(0, len(sequences), batch_size):
+        ids, mask, _ = _batch(sequences[start:start + batch_size], tokenizer.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
+        out.append((torch.log_softmax(logits, -1), mask[:, 1:].float()))
+    return out
+
+
+def mean_kl(reference: list[tuple[torch.Tensor, torch.Tensor]], model, tokenizer, texts: list[str]) -> float:
+    """Token-mean KL(reference model ‖ model) on the texts: how far the model's predictions are from the expert's."""
+    total, count = 0.0, 0
+    for (ref, mask), (logp, _) in zip(reference, log_probs(model, tokenizer, texts)):
+        kl, n = token_kl(ref, logp, mask)
+        total, count = total + kl, count + n
+    return total / count
