@@ -31,6 +31,7 @@ from featcal_llm.io.checkpoint import (
 )
 from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
+from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
@@ -233,30 +234,6 @@ def _staging(comm: Single, partial: Path, run_fingerprint: str) -> StagingArea:
     return staging if staging is not None else StagingReader(partial, run_fingerprint, completed)
 
 
-def _with_generated(
-    comm: Single, recipe: Recipe, sequences: dict, sources: dict[str, ModelSource], configs: dict, device: torch.device, progress: bool
-) -> dict[str, list[list[int]]]:
-    """Every expert's sequences in recipe order, those of `generate:` experts written by the experts themselves.
-
-    Rank 0 generates (or reuses the cached sets) and hands the token ids to the others.
-    """
-    featcal = recipe.featcal
-    if all(featcal.data[e.name].generate is None for e in recipe.experts):
-        return sequences
-    generated, error = None, None
-    if comm.is_main:
-        from featcal_llm.generation.run import generated_sequences
-
-        dtypes = {name: resolve_dtype(featcal.dtype, device, stored_dtype(config)) for name, config in configs.items()}
-        try:
-            generated = generated_sequences(recipe, sources, configs, device, dtypes, progress)
-        except FeatCalError as failure:
-            error = str(failure)
-    comm.agree(None, error)
-    generated = comm.broadcast_object(generated)
-    return {e.name: sequences[e.name] if e.name in sequences else [s[: featcal.max_length] for s in generated[e.name]] for e in recipe.experts}
-
-
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory.
 
@@ -323,7 +300,8 @@ def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None,
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
         featcal.max_length, featcal.shuffle, featcal.seed, recipe.path,
     )
-    sequences = _with_generated(comm, recipe, sequences, experts, expert_configs, compute_device, progress)
+    dtypes = {name: resolve_dtype(featcal.dtype, compute_device, stored_dtype(config)) for name, config in expert_configs.items()}
+    sequences = with_generated(comm, recipe, sequences, experts, expert_configs, compute_device, dtypes, progress)
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
     sized = {name: config.vocab_size for name, config in expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})

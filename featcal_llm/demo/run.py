@@ -256,11 +256,8 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     cfg = config or (QUICK if quick else FULL)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    # The experts train in parallel one-thread processes, one per expert: each stops at its own step, so with
-    # fewer workers than experts a core idles while the last one finishes (the OS shares cores between them;
-    # a process's weights do not depend on it). The main process (pre-training, merge, calibration, scoring)
-    # uses the cores: on 2 cores a pre-training step takes 143 ms with 2 threads against 225 ms with 1, with
-    # bit-identical weights.
+    # One one-thread worker per expert (each stops at its own step); the main process uses the cores:
+    # pre-training steps 143 ms at 2 threads vs 225 ms at 1 on 2 cores, bit-identical weights (SWEEP.md §4).
     workers = 1 if quick or device != "cpu" else min(threads or len(cfg.tasks), len(cfg.tasks))
     threads = threads or (1 if quick else min(os.cpu_count() or 1, 4))
     _set_threads(threads)
