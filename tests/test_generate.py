@@ -276,8 +276,8 @@ def test_dropped_samples_are_replaced_by_new_rounds(merged_scenario, tmp_path, m
     calls = []
     original = backends.TransformersSampler.sample
 
-    def sample(self, prompts, settings, seed, batch_index):
-        out = original(self, prompts, settings, seed, batch_index)
+    def sample(self, prompts, settings, seed):
+        out = original(self, prompts, settings, seed)
         calls.append(len(prompts))
         if len(calls) == 1:
             out[0] = out[1] = [2]
@@ -324,8 +324,8 @@ def test_left_padded_batches_decode_as_each_prompt_alone(merged_scenario):
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
         alone.append(out[: out.index(2) + 1] if 2 in out else out)
-    assert sampler.sample(prompts, {"temperature": 0, "top_p": 1.0, "max_new_tokens": 8}, seed=1, batch_index=0) == alone
-    assert sampler.sample(prompts, {"temperature": 1.0, "top_p": 1e-9, "max_new_tokens": 8}, seed=1, batch_index=0) == alone
+    assert sampler.sample(prompts, {"temperature": 0, "top_p": 1.0, "max_new_tokens": 8}, seed=1) == alone
+    assert sampler.sample(prompts, {"temperature": 1.0, "top_p": 1e-9, "max_new_tokens": 8}, seed=1) == alone
 
 
 def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
@@ -357,7 +357,7 @@ def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
     from featcal_llm.io.references import ModelSource
 
     sampler = backends.VllmSampler(ModelSource("m", tmp_path), tmp_path, torch.bfloat16, False, seed=3)
-    out = sampler.sample([(1,), (1, 5, 6)], {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 4}, seed=42, batch_index=0)
+    out = sampler.sample([(1,), (1, 5, 6)], {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 4}, seed=42)
     assert out == [[9, 1, 2], [9, 3, 2]]
     assert made["engine"]["dtype"] == "bfloat16" and made["engine"]["seed"] == 3
     assert [p.seed for p in made["params"]] == [backends.batch_seed(42, 0, 0), backends.batch_seed(42, 0, 1)]

@@ -271,7 +271,7 @@ def test_lora_expert_generates_like_its_merged_checkpoint(lora_scenario):
     def sample(source):
         sampler = TransformersSampler(source, tokenizer, torch.device("cpu"), torch.float64, False)
         try:
-            return sampler.sample(prompts, settings, seed=5, batch_index=0)
+            return sampler.sample(prompts, settings, seed=5)
         finally:
             sampler.close()
 

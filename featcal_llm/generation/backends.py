@@ -118,7 +118,7 @@ class TransformersSampler:
         self.model = model.to(device).eval()
         self.device = device
 
-    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int, batch_index: int) -> list[list[int]]:
+    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int) -> list[list[int]]:
         from transformers import GenerationConfig
 
         config = GenerationConfig(  # ours, not the expert's generation_config.json: the documented settings decide
@@ -161,7 +161,7 @@ class VllmSampler:
             seed=seed, trust_remote_code=trust_remote_code, **lora,
         )
 
-    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int, batch_index: int) -> list[list[int]]:
+    def sample(self, prompts: Sequence[Sequence[int]], settings: dict, seed: int) -> list[list[int]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

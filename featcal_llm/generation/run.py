@@ -69,7 +69,7 @@ def _sample(sampler: Any, backend: str, start: Start, settings: dict, tokenizer:
             chosen = indices[first : first + size]
             prompts = [start.ids[i] for i in chosen]
             seed = batch_seed(settings["seed"], settings["stream"] * MAX_ROUNDS + round_index, batch_index)
-            continuations = sampler.sample(prompts, settings, seed, batch_index)
+            continuations = sampler.sample(prompts, settings, seed)
             for prompt_index, prompt, continuation in zip(chosen, prompts, continuations):
                 tally.tokens += len(continuation)
                 reason = degeneracy(continuation, special)
