@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=12, help="fine-tuning steps per expert")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--merge-weight", type=float, default=0.5, help="Task Arithmetic weight of every expert")
     p.add_argument("--lambda", dest="lam", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--rho", type=float, default=1.0)
@@ -67,7 +68,7 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
     lines = [f"# written by featcal_llm.demo.real_text: setting {setting}, {LABELS[setting]}",
              "merge_method: task_arithmetic", f"base_model: {base}", "models:"]
     for kind in rd.KINDS:
-        lines += [f"  - model: experts/{kind}", "    parameters: {weight: 0.5}"]
+        lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {args.merge_weight}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged", f"  output: runs/{setting}/featcal", "  data:"]
     for kind in rd.KINDS:
         if setting == "real":
