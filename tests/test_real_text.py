@@ -119,7 +119,7 @@ def test_recipes_hold_each_settings_data_spec():
     assert [m["model"] for m in real["models"]] == ["experts/code", "experts/prose", "experts/c"]
     assert real["featcal"]["data"]["experts/c"] == {"path": "data/c/cal.jsonl", "format": "text"}
     assert bos["featcal"]["data"]["experts/code"] == {
-        "generate": {"samples": 64, "max_new_tokens": 160, "chat_template": "off", "seed": 0}}
+        "generate": {"samples": 64, "max_new_tokens": 160, "chat_template": "off", "seed": 0, "temperature": 1.0}}
     assert prompts["featcal"]["data"]["experts/prose"]["generate"]["prompts"] == "data/prose/prompts.jsonl"
     assert prompts["featcal"]["data"]["experts/prose"]["generate"]["max_new_tokens"] == 128
     assert {k: real["featcal"][k] for k in ("samples", "max_length", "lambda", "alpha", "rho")} == {
@@ -128,6 +128,10 @@ def test_recipes_hold_each_settings_data_spec():
     assert [m["parameters"]["weight"] for m in real["models"]] == [0.5] * 3
     thirds = _parser().parse_args(["--workdir", "w", "--base", "b", "--merge-weight", "0.25"])
     assert [m["parameters"]["weight"] for m in yaml.safe_load(recipe_text("/m/base", "bos", thirds))["models"]] == [0.25] * 3
+    cooler = _parser().parse_args(["--workdir", "w", "--base", "b", "--temperature", "0.7"])
+    for setting in ("bos", "prompts"):
+        spec = yaml.safe_load(recipe_text("/m/base", setting, cooler))["featcal"]["data"]["experts/c"]["generate"]
+        assert spec["temperature"] == 0.7
 
 
 def test_state_saves_merge_what_two_runs_wrote(tmp_path):

@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--merge-weight", type=float, default=0.5, help="Task Arithmetic weight of every expert")
+    p.add_argument("--temperature", type=float, default=1.0, help="generate: temperature of settings bos and prompts")
     p.add_argument("--lambda", dest="lam", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--rho", type=float, default=1.0)
@@ -75,10 +76,11 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
             spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
         elif setting == "bos":
             spec = (f"{{generate: {{samples: {args.cal_records}, max_new_tokens: {tokens}, chat_template: \"off\", "
-                    f"seed: {args.seed}}}}}")
+                    f"seed: {args.seed}, temperature: {args.temperature}}}}}")
         else:
             spec = (f"{{generate: {{prompts: data/{kind}/prompts.jsonl, samples: {args.cal_records}, "
-                    f"max_new_tokens: {tokens - args.prompt_tokens}, chat_template: \"off\", seed: {args.seed}}}}}")
+                    f"max_new_tokens: {tokens - args.prompt_tokens}, chat_template: \"off\", seed: {args.seed}, "
+                    f"temperature: {args.temperature}}}}}")
         lines.append(f"    experts/{kind}: {spec}")
     lines += [f"  samples: {args.cal_records}", f"  max_length: {tokens}", f"  lambda: {args.lam}",
               f"  alpha: {args.alpha}", f"  rho: {args.rho}", "  device: cpu", ""]
