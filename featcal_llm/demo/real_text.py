@@ -44,15 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-tokens", type=int, default=160)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--train-records", type=int, default=224)
+    p.add_argument("--train-records", type=int, default=192)
     p.add_argument("--cal-records", type=int, default=64)
     p.add_argument("--test-records", type=int, default=48)
-    p.add_argument("--train-per-document", type=int, default=None,
-                   help="cap on train records from one document (default: none, all its windows)")
-    p.add_argument("--steps", type=int, default=12, help="fine-tuning steps per expert")
+    p.add_argument("--train-per-document", type=int, default=48,
+                   help="cap on train records from one document (0: none, all its windows)")
+    p.add_argument("--steps", type=int, default=24, help="fine-tuning steps per expert")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--merge-weight", type=float, default=0.5, help="Task Arithmetic weight of every expert")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--merge-weight", type=float, default=round(1 / 3, 6), help="Task Arithmetic weight of every expert")
     p.add_argument("--temperature", type=float, default=1.0, help="generate: temperature of settings bos and prompts")
     p.add_argument("--lambda", dest="lam", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5)
@@ -116,7 +116,7 @@ class State:
 
 def _data(work: Path, tokenizer, args, log) -> None:
     sizes = rd.SplitSizes(train=args.train_records, cal=args.cal_records, test=args.test_records,
-                          train_per_document=args.train_per_document)
+                          train_per_document=args.train_per_document or None)
     for kind in rd.KINDS:
         folder = work / "data" / kind
         if (folder / "prompts.jsonl").exists():
