@@ -126,8 +126,8 @@ def test_recipes_hold_each_settings_data_spec():
         "samples": 64, "max_length": 160, "lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
     assert prompts["featcal"]["output"] == "runs/prompts/featcal"
     assert [m["parameters"]["weight"] for m in real["models"]] == [0.333333] * 3
-    thirds = _parser().parse_args(["--workdir", "w", "--base", "b", "--merge-weight", "0.25"])
-    assert [m["parameters"]["weight"] for m in yaml.safe_load(recipe_text("/m/base", "bos", thirds))["models"]] == [0.25] * 3
+    quarter = _parser().parse_args(["--workdir", "w", "--base", "b", "--merge-weight", "0.25"])
+    assert [m["parameters"]["weight"] for m in yaml.safe_load(recipe_text("/m/base", "bos", quarter))["models"]] == [0.25] * 3
     cooler = _parser().parse_args(["--workdir", "w", "--base", "b", "--temperature", "0.7"])
     for setting in ("bos", "prompts"):
         spec = yaml.safe_load(recipe_text("/m/base", setting, cooler))["featcal"]["data"]["experts/c"]["generate"]

@@ -71,16 +71,15 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
     for kind in rd.KINDS:
         lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {args.merge_weight}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged", f"  output: runs/{setting}/featcal", "  data:"]
+    sampling = f"chat_template: \"off\", seed: {args.seed}, temperature: {args.temperature}"
     for kind in rd.KINDS:
         if setting == "real":
             spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
         elif setting == "bos":
-            spec = (f"{{generate: {{samples: {args.cal_records}, max_new_tokens: {tokens}, chat_template: \"off\", "
-                    f"seed: {args.seed}, temperature: {args.temperature}}}}}")
+            spec = f"{{generate: {{samples: {args.cal_records}, max_new_tokens: {tokens}, {sampling}}}}}"
         else:
             spec = (f"{{generate: {{prompts: data/{kind}/prompts.jsonl, samples: {args.cal_records}, "
-                    f"max_new_tokens: {tokens - args.prompt_tokens}, chat_template: \"off\", seed: {args.seed}, "
-                    f"temperature: {args.temperature}}}}}")
+                    f"max_new_tokens: {tokens - args.prompt_tokens}, {sampling}}}}}")
         lines.append(f"    experts/{kind}: {spec}")
     lines += [f"  samples: {args.cal_records}", f"  max_length: {tokens}", f"  lambda: {args.lam}",
               f"  alpha: {args.alpha}", f"  rho: {args.rho}", "  device: cpu", ""]
