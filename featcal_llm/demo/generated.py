@@ -25,7 +25,8 @@ import click
 import yaml
 
 from featcal_llm.demo.report import gap_recovery
-from featcal_llm.demo.run import MERGED_ROW, RECIPE_FILE, _quiet_transformers, _score_model
+from featcal_llm.demo.models import quiet_transformers
+from featcal_llm.demo.run import MERGED_ROW, RECIPE_FILE, _score_model
 from featcal_llm.demo.tasks import read_jsonl
 
 MAX_NEW_TOKENS = 32  # a demo record is at most ~20 characters: prompt, answer and </s>
@@ -60,7 +61,7 @@ def _write_prompts(workdir: Path, tasks: tuple[str, ...]) -> None:
 def compare(workdir: Path, device: str = "cpu", rows: tuple[str, ...] = tuple(SETTINGS)) -> dict:
     from featcal_llm.pipeline import run_recipe
 
-    _quiet_transformers()
+    quiet_transformers()
     results = json.loads((workdir / "results.json").read_text())
     tasks = tuple(results["config"]["tasks"])
     scores = {row: results["test"][row] for row in (*(f"expert:{t}" for t in tasks), MERGED_ROW)}

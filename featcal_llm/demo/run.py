@@ -12,11 +12,11 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from featcal_llm.demo.config import FULL, QUICK, DemoConfig, digest
+from featcal_llm.demo.models import TimedLog, build_base, quiet_transformers, set_threads, train_experts
 
 CACHE_FILE = ".demo-cache.json"
 RECIPE_FILE = "recipe.yaml"
@@ -27,15 +27,6 @@ MERGED_DIR = "merged"
 OUTPUT_DIR = "featcal"
 MERGED_ROW = "merged (task arithmetic)"
 CALIBRATED_ROW = "merged + FeatCal"
-
-
-class _Log:
-    def __init__(self, echo: Callable[[str], None]):
-        self.echo = echo
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        self.echo(f"[{time.perf_counter() - self.start:6.1f}s] {message}")
 
 
 class _Cache:
@@ -90,116 +81,6 @@ featcal:
 """
 
 
-def _set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def _build_base(cfg: DemoConfig, workdir: Path, device: str, log) -> None:
-    from featcal_llm.demo.tasks import pretraining_corpus, read_jsonl
-    from featcal_llm.demo.train import pretrain
-    from featcal_llm.tiny import (
-        CHARACTERS,
-        build_char_tokenizer,
-        new_tiny_llama,
-        tiny_llama_config,
-    )
-
-    tokenizer = build_char_tokenizer()
-    config = tiny_llama_config(
-        len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-    )
-    model = new_tiny_llama(config, cfg.seed).to(device)
-    train = {task: read_jsonl(workdir / "data" / task / "train.jsonl") for task in cfg.tasks}
-    text = pretraining_corpus(CHARACTERS, train, cfg.seed, cfg.skill_fraction)
-    ids = tokenizer.convert_tokens_to_ids(list(text))  # one token per character
-    log(f"base: pre-training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter Llama "
-        f"({cfg.num_hidden_layers} layers, GQA {cfg.num_attention_heads}/{cfg.num_key_value_heads}) "
-        f"on {len(ids) / 1e3:.0f}k characters of generic text (Python's reference prose, with sums, "
-        f"word games and sequences in plain sentences)")
-    pretrain(model, ids, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, seq_len=cfg.pretrain_seq_len,
-             lr=cfg.pretrain_lr, seed=cfg.seed, every=max(1, cfg.pretrain_steps // 6),
-             progress=lambda s, n, loss: log(f"base: step {s}/{n}  loss {loss:.3f}"))
-    _save_atomically(model.cpu(), tokenizer, workdir / "base")
-
-
-def _save_atomically(model, tokenizer, path: Path) -> None:
-    from featcal_llm.tiny import save_model
-
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tokenizer, tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-
-
-def _train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads: int, started: float) -> dict:
-    """Fine-tune every weight of the base on one task until its dev target; runs in a worker process when the demo has cores.
-
-    The expert is saved only when it reached the target; either way its training record is returned.
-    """
-    _set_threads(threads)
-    _quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
-    from featcal_llm.demo.score import exact_match
-    from featcal_llm.demo.tasks import read_jsonl
-    from featcal_llm.demo.train import finetune
-    from featcal_llm.tiny import build_char_tokenizer
-
-    root = Path(workdir)
-    log = _Log(lambda m: print(m, flush=True))
-    log.start = started
-    tokenizer = build_char_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(root / "base").to(device)
-    records = read_jsonl(root / "data" / task / "train.jsonl")
-    dev = read_jsonl(root / "data" / task / "dev.jsonl")
-    cap = cfg.finetune_max_steps
-    target = f" (target {cfg.expert_target:g}%)" if cfg.expert_target is not None else ""
-
-    last = {"step": 0, "loss": float("nan")}
-
-    def skill() -> float:
-        accuracy = exact_match(model, tokenizer, dev)
-        log(f"expert {task}: step {last['step']}/{cap} (cap)  loss {last['loss']:.3f}  "
-            f"dev exact match {accuracy:.1f}%{target}")
-        return accuracy
-
-    result = finetune(model, tokenizer, records, steps=cap, batch_size=cfg.finetune_batch, lr=cfg.finetune_lr,
-                      seed=cfg.seed + 1 + cfg.tasks.index(task), every=cfg.check_every,
-                      progress=lambda s, n, loss: last.update(step=s, loss=loss),
-                      skill=skill, target=cfg.expert_target, check_every=cfg.check_every)
-    record = {"task": task, "steps": result.steps, "dev_accuracy": result.accuracy, "target": cfg.expert_target,
-              "reached": result.reached, "checks": [list(c) for c in result.checks]}
-    if result.reached:
-        _save_atomically(model.cpu(), tokenizer, root / "experts" / task)
-        log(f"expert {task}: done after {result.steps} steps, dev exact match {result.accuracy:.1f}%")
-    else:
-        log(f"expert {task}: missed its target after {result.steps} steps (dev exact match {result.accuracy:.1f}%)")
-    return record
-
-
-def _train_experts(cfg: DemoConfig, workdir: Path, tasks: list[str], device: str, workers: int, log) -> list[dict]:
-    """Train the experts of ``tasks`` (in worker processes when there are cores) and return their training records."""
-    if not tasks:
-        return []
-    log(f"experts: fully fine-tuning {', '.join(tasks)} from the base until each reaches "
-        + (f"{cfg.expert_target:g}% exact match on its dev split" if cfg.expert_target is not None else "its step cap")
-        + f" (checked every {cfg.check_every} steps, at most {cfg.finetune_max_steps})"
-        + (f" in {workers} worker processes" if workers > 1 else ""))
-    started = log.start
-    if workers <= 1 or device != "cpu" or len(tasks) == 1:
-        return [_train_expert(cfg, str(workdir), task, device, max(1, _threads()), started) for task in tasks]
-    import multiprocessing
-
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_train_expert, cfg, str(workdir), t, device, 1, started) for t in tasks]
-        return [future.result() for future in futures]
-
-
 def _refuse_failed_experts(cfg: DemoConfig, workdir: Path, records: list[dict]) -> None:
     """No table from an expert that did not learn its task: remove stale results and stop with one line."""
     failed = [r for r in records if not r["reached"]]
@@ -213,19 +94,6 @@ def _refuse_failed_experts(cfg: DemoConfig, workdir: Path, records: list[dict]) 
                        for r in failed)
     raise FeatCalError(f"{missed}; expected at least {cfg.expert_target:g}% (an expert that did not learn its task "
                        f"would make the table meaningless; raise --expert-max-steps or lower --expert-target)")
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _model_rows(cfg: DemoConfig) -> dict[str, str]:
@@ -260,9 +128,9 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     # pre-training steps 143 ms at 2 threads vs 225 ms at 1 on 2 cores, bit-identical weights (SWEEP.md §4).
     workers = 1 if quick or device != "cpu" else min(threads or len(cfg.tasks), len(cfg.tasks))
     threads = threads or (1 if quick else min(os.cpu_count() or 1, 4))
-    _set_threads(threads)
-    _quiet_transformers()
-    log = _Log(echo)
+    set_threads(threads)
+    quiet_transformers()
+    log = TimedLog(echo)
     cache = _Cache(workdir)
     timings: dict[str, float] = {}
     log(f"FeatCal demo in {workdir} ({'quick' if quick else 'full'}{', auto' if cfg.auto else ''} scenario, config {cfg.key()}, "
@@ -292,7 +160,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     if cache.fresh("base", base_key, "base/config.json"):
         log("base: cached")
     else:
-        _build_base(cfg, workdir, device, log)
+        build_base(cfg, workdir, device, log)
         cache.mark("base", base_key)
     timings["base"] = time.perf_counter() - t0
 
@@ -304,7 +172,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     todo = [t for t in cfg.tasks if not cache.fresh(f"expert:{t}", expert_keys[t], f"experts/{t}/config.json")]
     if len(todo) < len(cfg.tasks):
         log(f"experts: cached {', '.join(t for t in cfg.tasks if t not in todo)}")
-    trained = _train_experts(cfg, workdir, todo, device, min(workers, len(todo)), log)
+    trained = train_experts(cfg, workdir, todo, device, min(workers, len(todo)), log)
     training = cache.state.get("training", {})
     for record in trained:
         if record["reached"]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from featcal_llm.demo.config import FULL, DemoConfig
 from featcal_llm.demo.report import average
-from featcal_llm.demo.run import _quiet_transformers, recipe_text
+from featcal_llm.demo.models import quiet_transformers
+from featcal_llm.demo.run import recipe_text
 
 
 def _points() -> list[dict]:
@@ -35,7 +36,7 @@ def sweep(workdir: str | Path, points: list[dict] | None = None, config: DemoCon
     from featcal_llm.pipeline import run_recipe
 
     torch.set_num_threads(2)
-    _quiet_transformers()
+    quiet_transformers()
     workdir = Path(workdir).resolve()
     dev = {t: read_jsonl(workdir / "data" / t / "dev.jsonl") for t in config.tasks}
     tokenizer = AutoTokenizer.from_pretrained(workdir / "base")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from featcal_llm.demo.config import FULL
 from featcal_llm.demo.report import average
-from featcal_llm.demo.run import RESULTS_JSON, _quiet_transformers, recipe_text
+from featcal_llm.demo.models import quiet_transformers
+from featcal_llm.demo.run import RESULTS_JSON, recipe_text
 
 AUTO_LAMBDA = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
@@ -93,7 +94,7 @@ def sweep(workdir: str | Path, echo=print, limit: int | None = None) -> list[dic
     from featcal_llm.pipeline import run_recipe
 
     torch.set_num_threads(1)
-    _quiet_transformers()
+    quiet_transformers()
     workdir = Path(workdir).resolve()
     tasks = FULL.tasks
     reference = json.loads((workdir / RESULTS_JSON).read_text())["test"]
