@@ -60,10 +60,11 @@ def build_base(cfg: DemoConfig, workdir: Path, device: str, log) -> None:
     pretrain(model, ids, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, seq_len=cfg.pretrain_seq_len,
              lr=cfg.pretrain_lr, seed=cfg.seed, every=max(1, cfg.pretrain_steps // 6),
              progress=lambda s, n, loss: log(f"base: step {s}/{n}  loss {loss:.3f}"))
-    _save_atomically(model.cpu(), tokenizer, workdir / "base")
+    save_atomically(model.cpu(), tokenizer, workdir / "base")
 
 
-def _save_atomically(model, tokenizer, path: Path) -> None:
+def save_atomically(model, tokenizer, path: Path) -> None:
+    """Write to a sibling ``.partial`` directory, then swap it in: an interrupted run leaves no half-written model."""
     from featcal_llm.tiny import save_model
 
     tmp = path.with_name(path.name + ".partial")
@@ -112,7 +113,7 @@ def train_expert(cfg: DemoConfig, workdir: str, task: str, device: str, threads:
     record = {"task": task, "steps": result.steps, "dev_accuracy": result.accuracy, "target": cfg.expert_target,
               "reached": result.reached, "checks": [list(c) for c in result.checks]}
     if result.reached:
-        _save_atomically(model.cpu(), tokenizer, root / "experts" / task)
+        save_atomically(model.cpu(), tokenizer, root / "experts" / task)
         log(f"expert {task}: done after {result.steps} steps, dev exact match {result.accuracy:.1f}%")
     else:
         log(f"expert {task}: missed its target after {result.steps} steps (dev exact match {result.accuracy:.1f}%)")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from featcal_llm.demo.models import save_atomically
 from featcal_llm.errors import FeatCalError
 
 
@@ -34,16 +34,7 @@ def build_base_from_gguf(gguf: Path, out: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
-    _save(model, tokenizer, out)
-
-
-def _save(model, tokenizer, out: Path) -> None:
-    """Write to a sibling directory, then rename: an interrupted run leaves no half-written model."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(out)
+    save_atomically(model, tokenizer, out)
 
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -103,7 +94,7 @@ def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, 
         losses.append(loss.item())
         log(f"  step {step + 1}/{steps} loss {losses[-1]:.4f}")
     model.eval()
-    _save(model, tokenizer, out)
+    save_atomically(model, tokenizer, out)
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
