@@ -95,6 +95,19 @@ def test_unknown_kind_is_refused():
         rd.documents("poetry")
 
 
+def test_prose_from_a_folder_of_rest_sources(tmp_path):
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "os.rst.txt").write_text("The os module.")
+    (tmp_path / "tutorial.rst").write_text("An informal introduction.")
+    (tmp_path / "index.html").write_text("<p>not a source</p>")
+    assert rd.documents("prose", prose_dir=tmp_path) == [
+        ("library/os.rst.txt", "The os module."), ("tutorial.rst", "An informal introduction.")]
+    assert rd.documents("code", prose_dir=tmp_path)[0][0].endswith(".py")  # only prose comes from the folder
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FeatCalError, match="empty: expected reStructuredText sources"):
+        rd.documents("prose", prose_dir=tmp_path / "empty")
+
+
 def test_gap_recovered_by_hand():
     assert rd.gap_recovered(nll_expert=1.0, nll_merged=2.0, nll_calibrated=1.5) == pytest.approx(0.5)
     assert rd.gap_recovered(1.2, 1.6, 1.7) == pytest.approx(-0.25)  # worse than the merge

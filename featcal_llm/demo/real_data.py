@@ -1,8 +1,9 @@
 """Real text found offline on any machine with Python (and glibc headers): three kinds, split into records.
 
 Kinds: ``code`` (the interpreter's own standard library, ``Lib/*.py``), ``prose`` (Python's reference
-documentation, the English text of ``pydoc_data.topics``) and ``c`` (C headers under ``/usr/include``, their
-licence banner removed). Documents, not records, are assigned to the splits, so no file's text is in two splits;
+documentation: the English text of ``pydoc_data.topics``, 79 documents, or, given a folder, every reStructuredText
+source under it, e.g. Debian's ``python3.11-doc``, ``/usr/share/doc/python3.11/html/_sources``, 497 documents) and
+``c`` (C headers under ``/usr/include``, their licence banner removed). Documents, not records, are assigned to the splits, so no file's text is in two splits;
 records are windows of ``record_tokens`` contiguous tokens, decoded back to text.
 """
 
@@ -51,11 +52,17 @@ def _strip_licence(text: str) -> str:
     return text[head.end():].lstrip("\n") if head and "Copyright" in head.group(0) else text
 
 
-def documents(kind: str, include: Path = Path("/usr/include")) -> list[tuple[str, str]]:
+def documents(kind: str, include: Path = Path("/usr/include"), prose_dir: Path | None = None
+              ) -> list[tuple[str, str]]:
     """(name, text) of every document of a kind, sorted by name, so that a seed alone fixes the split."""
     if kind == "code":
         lib = Path(sysconfig.get_paths()["stdlib"])
         return [(p.name, _read(p)) for p in sorted(lib.glob("*.py"))]
+    if kind == "prose" and prose_dir is not None:
+        paths = sorted(p for p in prose_dir.rglob("*") if p.name.endswith((".rst", ".rst.txt")) and p.is_file())
+        if not paths:
+            raise FeatCalError(f"{prose_dir}: expected reStructuredText sources (*.rst, *.rst.txt); none found")
+        return [(str(p.relative_to(prose_dir)), _read(p)) for p in paths]
     if kind == "prose":
         from pydoc_data.topics import topics
         return sorted(topics.items())

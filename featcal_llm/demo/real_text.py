@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--base", type=Path, help="a float32 Hugging Face checkpoint to fine-tune and merge")
     source.add_argument("--gguf", type=Path, help="a GGUF file, dequantised into WORKDIR/base")
+    p.add_argument("--prose-dir", type=Path, default=None,
+                   help="prose from the reStructuredText sources under this folder (e.g. Debian's python3.11-doc: "
+                        "/usr/share/doc/python3.11/html/_sources) instead of pydoc_data.topics")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-tokens", type=int, default=160)
@@ -120,7 +123,8 @@ def _data(work: Path, tokenizer, args, log) -> None:
         folder = work / "data" / kind
         if (folder / "prompts.jsonl").exists():
             continue
-        splits = rd.split_records(rd.documents(kind), tokenizer, sizes, args.record_tokens, args.seed)
+        docs = rd.documents(kind, prose_dir=args.prose_dir)
+        splits = rd.split_records(docs, tokenizer, sizes, args.record_tokens, args.seed)
         for split, records in splits.items():
             rd.write_jsonl(records, folder / f"{split}.jsonl")
         rd.write_jsonl(rd.prompt_records(splits["cal"], tokenizer, args.prompt_tokens), folder / "prompts.jsonl")
