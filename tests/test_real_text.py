@@ -138,6 +138,9 @@ def test_recipes_hold_each_settings_data_spec():
     assert {k: real["featcal"][k] for k in ("samples", "max_length", "lambda", "alpha", "rho")} == {
         "samples": 64, "max_length": 160, "lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
     assert prompts["featcal"]["output"] == "runs/prompts/featcal"
+    redraw = _parser().parse_args(["--workdir", "w", "--base", "b", "--seed", "0", "--generate-seed", "1"])
+    redrawn = yaml.safe_load(recipe_text("/m/base", "bos", redraw))["featcal"]["data"]["experts/c"]["generate"]
+    assert redrawn["seed"] == 1
     assert [m["parameters"]["weight"] for m in real["models"]] == [0.333333] * 3
     quarter = _parser().parse_args(["--workdir", "w", "--base", "b", "--merge-weight", "0.25"])
     assert [m["parameters"]["weight"] for m in yaml.safe_load(recipe_text("/m/base", "bos", quarter))["models"]] == [0.25] * 3

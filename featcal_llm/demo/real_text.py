@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--merge-weight", type=float, default=round(1 / 3, 6), help="Task Arithmetic weight of every expert")
+    p.add_argument("--generate-seed", type=int, default=None,
+                   help="generate: seed of settings bos and prompts (default --seed); another draw of the same "
+                        "experts' samples, e.g. in a second workdir linking base, data, experts and merged")
     p.add_argument("--temperature", type=float, default=1.0, help="generate: temperature of settings bos and prompts")
     p.add_argument("--lambda", dest="lam", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5)
@@ -74,7 +77,8 @@ def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
     for kind in rd.KINDS:
         lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {args.merge_weight}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged", f"  output: runs/{setting}/featcal", "  data:"]
-    sampling = f"chat_template: \"off\", seed: {args.seed}, temperature: {args.temperature}"
+    seed = args.seed if args.generate_seed is None else args.generate_seed
+    sampling = f"chat_template: \"off\", seed: {seed}, temperature: {args.temperature}"
     for kind in rd.KINDS:
         if setting == "real":
             spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
