@@ -108,6 +108,18 @@ def test_prose_from_a_folder_of_rest_sources(tmp_path):
         rd.documents("prose", prose_dir=tmp_path / "empty")
 
 
+def test_too_little_prose_names_the_kind_and_points_to_prose_dir(tmp_path, monkeypatch):
+    from featcal_llm.demo import real_text
+
+    monkeypatch.setattr(rd, "documents", lambda kind, prose_dir=None: DOCS[:2] if kind == "prose" else DOCS)
+    small = ["--workdir", str(tmp_path), "--base", "b", "--record-tokens", "8", "--train-records", "4",
+             "--cal-records", "1", "--test-records", "1"]
+    with pytest.raises(FeatCalError, match=r"^data/prose: records: not enough text for train \d/4 .*pass --prose-dir"):
+        real_text._data(tmp_path, TOK, _parser().parse_args(small), log=lambda _: None)
+    with pytest.raises(FeatCalError, match=r"train \d/4 records of 8 tokens$"):  # a folder given: no hint
+        real_text._data(tmp_path, TOK, _parser().parse_args(small + ["--prose-dir", "p"]), log=lambda _: None)
+
+
 def test_gap_recovered_by_hand():
     assert rd.gap_recovered(nll_expert=1.0, nll_merged=2.0, nll_calibrated=1.5) == pytest.approx(0.5)
     assert rd.gap_recovered(1.2, 1.6, 1.7) == pytest.approx(-0.25)  # worse than the merge

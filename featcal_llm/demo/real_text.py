@@ -30,6 +30,7 @@ from featcal_llm.demo.real_report import report
 from featcal_llm.errors import FeatCalError
 
 SETTINGS = ("real", "bos", "prompts")
+DEBIAN_DOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"
 LABELS = {"real": "(a) real calibration text", "bos": "(b) generate from BOS",
           "prompts": "(c) generate from the cal records' beginnings"}
 
@@ -42,17 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--gguf", type=Path, help="a GGUF file, dequantised into WORKDIR/base")
     p.add_argument("--prose-dir", type=Path, default=None,
                    help="prose from the reStructuredText sources under this folder (e.g. Debian's python3.11-doc: "
-                        "/usr/share/doc/python3.11/html/_sources) instead of pydoc_data.topics")
+                        f"{DEBIAN_DOC_SOURCES}) instead of pydoc_data.topics")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-tokens", type=int, default=160)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--train-records", type=int, default=192)
+    p.add_argument("--train-records", type=int, default=768)
     p.add_argument("--cal-records", type=int, default=64)
     p.add_argument("--test-records", type=int, default=48)
-    p.add_argument("--train-per-document", type=int, default=48,
+    p.add_argument("--train-per-document", type=int, default=16,
                    help="cap on train records from one document (0: none, all its windows)")
-    p.add_argument("--steps", type=int, default=24, help="fine-tuning steps per expert")
+    p.add_argument("--steps", type=int, default=96, help="fine-tuning steps per expert (96 x 8: one pass over 768)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--merge-weight", type=float, default=round(1 / 3, 6), help="Task Arithmetic weight of every expert")
@@ -128,7 +129,12 @@ def _data(work: Path, tokenizer, args, log) -> None:
         if (folder / "prompts.jsonl").exists():
             continue
         docs = rd.documents(kind, prose_dir=args.prose_dir)
-        splits = rd.split_records(docs, tokenizer, sizes, args.record_tokens, args.seed)
+        try:
+            splits = rd.split_records(docs, tokenizer, sizes, args.record_tokens, args.seed)
+        except FeatCalError as error:
+            hint = (" (pydoc_data.topics has 79 short documents: pass --prose-dir, e.g. "
+                    f"{DEBIAN_DOC_SOURCES} after apt-get install python3.11-doc, or fewer --train-records)")
+            raise FeatCalError(f"data/{kind}: {error}" + (hint if kind == "prose" and args.prose_dir is None else ""))
         for split, records in splits.items():
             rd.write_jsonl(records, folder / f"{split}.jsonl")
         rd.write_jsonl(rd.prompt_records(splits["cal"], tokenizer, args.prompt_tokens), folder / "prompts.jsonl")
