@@ -3,8 +3,9 @@
 Kinds: ``code`` (the interpreter's own standard library, ``Lib/*.py``), ``prose`` (Python's reference
 documentation: the English text of ``pydoc_data.topics``, 79 documents, or, given a folder, every reStructuredText
 source under it, e.g. Debian's ``python3.11-doc``, ``/usr/share/doc/python3.11/html/_sources``, 497 documents) and
-``c`` (C headers under ``/usr/include``, their licence banner removed). Documents, not records, are assigned to the splits, so no file's text is in two splits;
-records are windows of ``record_tokens`` contiguous tokens, decoded back to text.
+``c`` (C headers under ``/usr/include``, their licence banner removed). Documents, not records, are assigned to the
+splits, so no file's text is in two splits; records are windows of ``record_tokens`` contiguous tokens, decoded back
+to text.
 """
 
 from __future__ import annotations
