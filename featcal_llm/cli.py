@@ -16,7 +16,7 @@ from featcal_llm.errors import FeatCalError
 
 # command name → "module:attribute" of its click command
 LAZY_COMMANDS = {
-    "bench": "featcal_llm.bench:bench",
+    "bench": "featcal_llm.benchmark.cli:bench",
     "demo": "featcal_llm.demo.cli:demo",
     "eval": "featcal_llm.evaluation.cli:eval_command",
     "leaderboard": "featcal_llm.evaluation.cli:leaderboard",

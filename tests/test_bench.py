@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from featcal_llm.bench import bench
+from featcal_llm.benchmark.cli import bench
 from featcal_llm.benchmark import costs
 from featcal_llm.benchmark.synthetic import SyntheticSpec
 

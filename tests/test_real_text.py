@@ -10,8 +10,8 @@ import random
 import pytest
 import yaml
 
-from featcal_llm.demo import real_data as rd
-from featcal_llm.demo.real_text import _parser, recipe_text
+from studies import real_data as rd
+from studies.real_text import _parser, recipe_text
 from featcal_llm.errors import FeatCalError
 
 
@@ -109,7 +109,7 @@ def test_prose_from_a_folder_of_rest_sources(tmp_path):
 
 
 def test_too_little_prose_names_the_kind_and_points_to_prose_dir(tmp_path, monkeypatch):
-    from featcal_llm.demo import real_text
+    from studies import real_text
 
     monkeypatch.setattr(rd, "documents", lambda kind, prose_dir=None: DOCS[:2] if kind == "prose" else DOCS)
     small = ["--workdir", str(tmp_path), "--base", "b", "--record-tokens", "8", "--train-records", "4",
@@ -163,7 +163,7 @@ def test_recipes_hold_each_settings_data_spec():
 
 
 def test_state_saves_merge_what_two_runs_wrote(tmp_path):
-    from featcal_llm.demo.real_text import State
+    from studies.real_text import State
 
     first, second = State(tmp_path / "state.json"), State(tmp_path / "state.json")
     first.data["nll"]["base"] = {"code": 1.0}
@@ -180,7 +180,7 @@ def test_token_kl_by_hand():
 
     import torch
 
-    from featcal_llm.demo.real_models import token_kl
+    from studies.real_models import token_kl
 
     ref = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]]]))
     model = torch.log(torch.tensor([[[0.25, 0.75], [0.9, 0.1]]]))

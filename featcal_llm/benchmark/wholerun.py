@@ -4,7 +4,7 @@ Builds (once; cached) a random Llama of the requested shapes with real
 safetensors checkpoints (base, experts = base + seeded noise, merge = Task
 Arithmetic), one JSONL calibration file per expert and a recipe; then times
 `python -m featcal_llm run` in a subprocess (so imports count) and
-`benchmarks/baseline.py` (whole models in memory, hooks, one sequence at a
+`featcal_llm/benchmark/baseline.py` (whole models in memory, hooks, one sequence at a
 time) on the same recipe, and compares their updates ΔW = W* − W_mer.
 """
 
@@ -28,8 +28,8 @@ import torch
 
 TA_WEIGHT = 0.3  # Task Arithmetic weight per expert (the paper's MergeBench setting)
 EXPERT_NOISE = 0.1  # expert delta, relative to each weight's mean magnitude
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-BASELINE_SCRIPT = PACKAGE_ROOT / "benchmarks" / "baseline.py"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding featcal_llm, put first on the subprocesses' PYTHONPATH
+BASELINE_MODULE = "featcal_llm.benchmark.baseline"
 PRESETS = {
     # SmolLM2-135M's shapes (random weights): 30 layers, hidden 576, 9/3 heads, tied embeddings
     "smollm2-135m": dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152, layers=30, experts=3, sequences=64, seq_len=128, lam=1e-5, tied=True),
@@ -173,7 +173,7 @@ def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log
 
     workdir.mkdir(parents=True, exist_ok=True)
     recipe = build(spec, workdir, lam, log, dtype, stats_dtype, method)
-    baseline = baseline and method == "featcal"  # benchmarks/baseline.py is FeatCal's
+    baseline = baseline and method == "featcal"  # the baseline is FeatCal's
     lam = lam if method == "featcal" else 0.0  # RegMean solves without ridge: float64 statistics under `auto`
     compute = resolve_dtype(dtype, torch.device("cpu"), torch.float32)  # the preset's checkpoints are float32
     precision = {"dtype": str(compute).removeprefix("torch."), "stats_products": str(resolve_stats_dtype(stats_dtype, lam, compute, torch.device("cpu"))).removeprefix("torch.")}
@@ -184,13 +184,9 @@ def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log
     product["per_layer_seconds"] = (product["seconds"] - (product["startup_seconds"] or 0.0)) / spec.layers
     result = {"mode": "whole-run", "method": method, "spec": asdict(spec), "lambda": lam, "precision": precision, "product": product, "baseline": None, "speedup": None, "delta_difference": None}
     if baseline:
-        if not BASELINE_SCRIPT.is_file():
-            from featcal_llm.errors import FeatCalError
-
-            raise FeatCalError(f"bench: {BASELINE_SCRIPT}: the baseline script is missing (run from a source checkout, or pass --no-baseline)")
         shutil.rmtree(root / "out-baseline", ignore_errors=True)
         log("bench: baseline (whole models, hooks, one sequence at a time)")
-        result["baseline"] = _timed([sys.executable, str(BASELINE_SCRIPT), str(recipe), str(root / "out-baseline")], root, log)
+        result["baseline"] = _timed([sys.executable, "-m", BASELINE_MODULE, str(recipe), str(root / "out-baseline")], root, log)
         result["speedup"] = result["baseline"]["seconds"] / product["seconds"]
         result["delta_difference"] = _delta_difference(root / "out-product", root / "out-baseline", root / "merged")
     load_average.append(os.getloadavg())
@@ -210,7 +206,7 @@ def render_whole(result: dict) -> str:
         f"{'featcal-llm run':<34}{fmt(product['seconds']):>10}{fmt(product['cpu_seconds']):>10}{fmt(product['startup_seconds']):>12}{fmt(product['first_layer_seconds']):>15}",
     ]
     if baseline:
-        lines.append(f"{'baseline (benchmarks/baseline.py)':<34}{fmt(baseline['seconds']):>10}{fmt(baseline['cpu_seconds']):>10}")
+        lines.append(f"{'baseline (featcal_llm/benchmark/baseline.py)':<34}{fmt(baseline['seconds']):>10}{fmt(baseline['cpu_seconds']):>10}")
         lines.append(f"speed-up: {result['speedup']:.2f}× (baseline wall ÷ product wall)")
         diff = result["delta_difference"]
         lines.append(f"ΔW product vs baseline (float32 baseline): worst {diff['worst']:.2e}, median {diff['median']:.2e} relative, {diff['projections']} projections")

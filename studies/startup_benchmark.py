@@ -1,6 +1,6 @@
 """Start-up of `featcal-llm run`: wall and CPU seconds from spawning the process to its progress bar.
 
-    python benchmarks/startup.py RECIPE RUNS NAME=SOURCE_TREE [NAME=SOURCE_TREE ...]
+    python -m studies.startup_benchmark RECIPE RUNS NAME=SOURCE_TREE [NAME=SOURCE_TREE ...]
 
 runs `python -m featcal_llm run RECIPE --force` with each source tree on
 PYTHONPATH (e.g. `before=/tmp/before` from `git archive`, `after=.`),

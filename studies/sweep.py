@@ -1,4 +1,4 @@
-"""The dev-split sweep behind the demo's recipe: ``python -m featcal_llm.demo.sweep WORKDIR``.
+"""The dev-split sweep behind the demo's recipe: ``python -m studies.sweep WORKDIR``.
 
 It reuses a demo workdir's base, experts and data, merges at each Task Arithmetic
 weight, calibrates at each grid point through ``run_recipe`` and scores on the

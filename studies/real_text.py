@@ -1,6 +1,6 @@
 """Real-model study (issue 17's proof): does calibrating on text the experts write themselves work as real text?
 
-``python -m featcal_llm.demo.real_text --workdir W [--base DIR | --gguf FILE]`` builds, in W (each phase skipped
+``python -m studies.real_text --workdir W [--base DIR | --gguf FILE]`` builds, in W (each phase skipped
 when its output exists, so a rerun only does what is missing):
 
 1. ``base``: the float32 base (``--gguf``: dequantised from a GGUF file; ``--base``: an existing checkpoint);
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from featcal_llm.demo import real_data as rd
-from featcal_llm.demo.real_report import report
+from studies import real_data as rd
+from studies.real_report import report
 from featcal_llm.errors import FeatCalError
 
 SETTINGS = ("real", "bos", "prompts")
@@ -36,7 +36,7 @@ LABELS = {"real": "(a) real calibration text", "bos": "(b) generate from BOS",
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m featcal_llm.demo.real_text", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.real_text", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", type=Path, required=True)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--base", type=Path, help="a float32 Hugging Face checkpoint to fine-tune and merge")
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 def recipe_text(base: str, setting: str, args: argparse.Namespace) -> str:
     """A mergekit Task Arithmetic recipe with a ``featcal:`` block; paths relative to the workdir."""
     tokens = args.record_tokens
-    lines = [f"# written by featcal_llm.demo.real_text: setting {setting}, {LABELS[setting]}",
+    lines = [f"# written by studies.real_text: setting {setting}, {LABELS[setting]}",
              "merge_method: task_arithmetic", f"base_model: {base}", "models:"]
     for kind in rd.KINDS:
         lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {args.merge_weight}}}"]
@@ -142,7 +142,7 @@ def _data(work: Path, tokenizer, args, log) -> None:
 
 
 def _experts(work: Path, base: Path, tokenizer, args, state: State, log) -> None:
-    from featcal_llm.demo.real_models import finetune
+    from studies.real_models import finetune
 
     for kind in rd.KINDS:
         out = work / "experts" / kind
@@ -195,7 +195,7 @@ def _calibrate(work: Path, base: str, setting: str, args, state: State, log) -> 
 
 def _score(work: Path, tokenizer, models: dict[str, Path], state: State, log) -> None:
     """NLL of each model on the test splits it is scored on (an expert: its own kind only)."""
-    from featcal_llm.demo.real_models import mean_nll
+    from studies.real_models import mean_nll
 
     tests = {k: [r["text"] for r in rd.read_jsonl(work / "data" / k / "test.jsonl")] for k in rd.KINDS}
     for name, path in models.items():
@@ -222,7 +222,7 @@ def _kl(work: Path, tokenizer, models: dict[str, Path], records: int, state: Sta
     import torch
     from transformers import AutoModelForCausalLM
 
-    from featcal_llm.demo.real_models import log_probs, mean_kl
+    from studies.real_models import log_probs, mean_kl
 
     def load(path: Path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf is not None:
         base = work / "base"
         if not base.exists():
-            from featcal_llm.demo.real_models import build_base_from_gguf
+            from studies.real_models import build_base_from_gguf
 
             started = time.time()
             build_base_from_gguf(args.gguf.resolve(), base)

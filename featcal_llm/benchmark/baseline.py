@@ -8,7 +8,7 @@ statistics and `torch.linalg.solve` in float32, layer by layer with the hidden
 states of every sequence kept between layers. No streaming from disk, no
 shared Grams, no resume. Llama-family models, weights only (no biases, no norms).
 
-    python benchmarks/baseline.py RECIPE OUTPUT
+    python -m featcal_llm.benchmark.baseline RECIPE OUTPUT
 
 reads the recipe's `base_model`, `models`, and `featcal:` block (merged,
 data, samples, max_length, lambda, alpha, rho, eps) with plain YAML (no

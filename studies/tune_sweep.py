@@ -1,4 +1,4 @@
-"""How well the held-out criteria pick settings on the demo: ``python -m featcal_llm.demo.tune_sweep WORKDIR``.
+"""How well the held-out criteria pick settings on the demo: ``python -m studies.tune_sweep WORKDIR``.
 
 After one ``python -m featcal_llm demo`` (its models are reused), this runs in the
 workdir's ``tune-sweep/``:

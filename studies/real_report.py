@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from featcal_llm.demo.real_data import KINDS, recovery
+from studies.real_data import KINDS, recovery
 
 
 def _cell(value: float | None, fmt: str = "{:.3f}") -> str:

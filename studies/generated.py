@@ -11,7 +11,7 @@ scored on the test split:
 - generate from the cal prompts: each expert continues the cal records' own
   prompts (`12+35=`), answers not given.
 
-    python -m featcal_llm.demo.generated --workdir W
+    python -m studies.generated --workdir W
 """
 
 from __future__ import annotations

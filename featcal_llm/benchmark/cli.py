@@ -1,5 +1,5 @@
 """`featcal-llm bench`: time the layer loop per phase on synthetic Llama-3.1-8B-shaped checkpoints,
-or (`--whole-run`) a whole `featcal-llm run`, start-up included, against the baseline in `benchmarks/`.
+or (`--whole-run`) a whole `featcal-llm run`, start-up included, against the straightforward baseline in `featcal_llm.benchmark.baseline`.
 
 Thin command; the work is in `featcal_llm.benchmark`. Heavy imports stay inside the command.
 """
@@ -42,7 +42,7 @@ import click
 @click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON on stdout instead of the table.")
 @click.option("--preset", type=click.Choice(["smollm2-135m"]), default=None, help="Real-depth shapes: smollm2-135m = 30 layers, hidden 576, intermediate 1536, heads 9/3, vocab 49152, tied embeddings, 3 experts × 64 × 128 tokens, λ 1e-5 (options given explicitly win).")
-@click.option("--whole-run", is_flag=True, help="Time a whole `featcal-llm run` (subprocess, start-up included) on a random model of these shapes, against benchmarks/baseline.py.")
+@click.option("--whole-run", is_flag=True, help="Time a whole `featcal-llm run` (subprocess, start-up included) on a random model of these shapes, against featcal_llm/benchmark/baseline.py.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="With --whole-run: also run the baseline and compare.")
 @click.option("--method", type=click.Choice(["featcal", "regmean", "regmean++"]), default="featcal", show_default=True, help="With --whole-run: the method the run uses (the baseline is FeatCal's only).")
 @click.option("--tied-embeddings", is_flag=True, default=None, help="With --whole-run: tie input and output embeddings (as SmolLM2).")
