@@ -57,7 +57,7 @@ def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
         chosen = "featcal chooses lambda, alpha and rho itself on held-out cal records (`python -m featcal_llm demo --auto`)."
     else:
         hyper = f"  lambda: {cfg.lam:g}\n  alpha: {cfg.alpha:g}\n  rho: {cfg.rho:g}\n"
-        chosen = "featcal hyper-parameters were chosen on the demo's dev split (featcal_llm/demo/SWEEP.md)."
+        chosen = "featcal hyper-parameters were chosen on the demo's dev split (studies/SWEEP.md)."
     return f"""\
 # FeatCal demo recipe, written by `python -m featcal_llm demo` into its workdir.
 # Every path is relative to that workdir (mergekit resolves model paths against the
