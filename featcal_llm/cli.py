@@ -83,7 +83,7 @@ def validate(recipe: Path, online: bool) -> None:
     from featcal_llm.io.validate import check_recipe
 
     report = check_recipe(recipe, online=online)
-    for note in report.notes:
+    for note in report.summary_notes():
         click.echo(f"featcal-llm: note: {note}", err=True)
     for problem in report.problems:
         click.echo(f"featcal-llm: error: {problem}", err=True)

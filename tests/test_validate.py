@@ -262,7 +262,7 @@ def test_hub_ids_are_looked_up_only_online(scenario, tmp_path, monkeypatch):
     recipe = _write(scenario, tmp_path, hub_names)
     offline = CliRunner().invoke(main, ["validate", str(recipe)])
     assert offline.exit_code == 0 and calls == [], (offline.output, calls)
-    assert "someone/expert: a hub id, not checked (pass --online)" in offline.stderr
+    assert "hub ids not looked up (pass --online to check them): someone/calibration-set (dataset), someone/expert" in offline.stderr
     online = CliRunner().invoke(main, ["validate", str(recipe), "--online"])
     assert online.exit_code == 2 and sorted(calls) == ["someone/calibration-set", "someone/expert"]
     assert "models: someone/expert: someone/expert: no such model on the hub" in online.stderr

@@ -38,6 +38,13 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plan: Any = None  # benchmark.estimate.MemoryPlan
+    unchecked: list[str] = field(default_factory=list)  # hub ids not looked up (offline)
+
+    def summary_notes(self) -> list[str]:
+        """The notes, with the hub ids left unchecked gathered into one."""
+        if not self.unchecked:
+            return self.notes
+        return [*self.notes, f"hub ids not looked up (pass --online to check them): {', '.join(dict.fromkeys(self.unchecked))}"]
 
 
 def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
@@ -65,7 +72,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True) -> R
     for name, spec in _data_entries(parsed).items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"
-            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.notes))
+            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.unchecked))
     featcal = parsed.featcal
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
@@ -76,6 +83,8 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True) -> R
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
     base = configs.get("base_model")
+    if plan and recipe is not None and base is None and not problems:
+        report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; --online fetches it)")
     if plan and recipe is not None and base is not None and not problems:
         from featcal_llm.benchmark.estimate import memory_plan
 
@@ -118,7 +127,7 @@ def looks_like_hub_id(value: str) -> bool:
     return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
 
 
-def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, notes: list[str]) -> None:
+def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str]) -> None:
     """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names."""
     path = data_path(spec, base_dir)
     if path.is_file():
@@ -137,7 +146,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, notes: 
     if not looks_like_hub_id(spec.path):
         raise FeatCalError(f"{where}.path: {path}: calibration file not found")
     if not online:
-        notes.append(f"{where}.path: {spec.path}: a hub dataset id, not checked (pass --online)")
+        unchecked.append(f"{spec.path} (dataset)")
         return
     _hub_lookup("dataset", spec.path, None, f"{where}.path")
 
@@ -256,7 +265,7 @@ def _read_config(directory: Path, what: str) -> dict:
     return data
 
 
-def _model_config(reference: Any, what: str, online: bool, notes: list[str], base: Any = None) -> tuple[Any, dict | None]:
+def _model_config(reference: Any, what: str, online: bool, unchecked: list[str], base: Any = None) -> tuple[Any, dict | None]:
     """(ModelSource or None, config.json) of one recipe model; local paths only on disk, hub ids only when online."""
     from featcal_llm.io.references import resolve_source
 
@@ -268,7 +277,7 @@ def _model_config(reference: Any, what: str, online: bool, notes: list[str], bas
         if online:
             _hub_lookup("model", model_path.path, model_path.revision, what)
         else:
-            notes.append(f"{what}: {model_path}: a hub id, not checked (pass --online)")
+            unchecked.append(str(model_path))
     if reference.lora is None and hub == [reference.model]:
         return None, _hub_config(reference.model, online)
     return None, None
@@ -284,7 +293,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     base_source = base_config = None
     base_what = f"{path}: base_model"
     if base_reference is not None:
-        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report.notes))
+        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report.unchecked))
         base_source, base_config = result or (None, None)
     if base_config is not None:
         configs["base_model"] = base_config
@@ -296,7 +305,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         what = f"{path}: models: {reference}"
         if base_source is None and _plain_adapter(reference):
             continue  # applies to a base that could not be resolved: already reported
-        result = collect(problems, path, lambda: _model_config(reference, what, online, report.notes, base_source))
+        result = collect(problems, path, lambda: _model_config(reference, what, online, report.unchecked, base_source))
         source, config = result or (None, None)
         if config is None:
             continue
