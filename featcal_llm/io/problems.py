@@ -129,6 +129,27 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
     return problems
 
 
+def in_document_order(problems: list[Problem], block: dict, prefix: str) -> list[Problem]:
+    """Problems of one block sorted as their keys appear in the file (pydantic lists unknown keys last)."""
+    order: dict[str, int] = {}
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                order.setdefault(f"{where}.{key}", len(order))
+                walk(item, f"{where}.{key}")
+
+    walk(block, prefix)
+
+    def position(problem: Problem) -> int:
+        key = problem.key
+        while key and key not in order:
+            key = key.rpartition(".")[0]
+        return order.get(key, len(order))
+
+    return sorted(problems, key=position)
+
+
 def collect(problems: list[Problem], file: Path | str, check: Callable[[], Any]) -> Any:
     """Run one check that raises `FeatCalError`; its error becomes a problem and the checks after it still run."""
     try:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.forms import check_forms
-from featcal_llm.io.problems import Problem, RecipeProblems, collect, known_keys, pydantic_problems, suggestion
+from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
 from featcal_llm.startup import heavy_import
 
 try:  # the evaluation package owns its own block; the engine works without it
@@ -383,13 +383,12 @@ class Parsed:
 
 def read_recipe(path: str | Path) -> Parsed:
     """The recipe and every problem its text shows (schema, recipe forms, experts against data), without touching a model."""
-    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
-
     path = Path(path)
     problems: list[Problem] = []
     raw = collect(problems, path, lambda: _read_yaml_mapping(path))
     if raw is None:
         return Parsed(None, problems)
+    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
     _unknown_top_keys(path, raw, MergeConfiguration)
     block = raw.pop("featcal", None)
     parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None)
@@ -407,7 +406,7 @@ def read_recipe(path: str | Path) -> Parsed:
         try:
             parsed.featcal = FeatCalConfig.model_validate(block)
         except ValidationError as error:
-            problems.extend(pydantic_problems(path, error, "featcal", FeatCalConfig))
+            problems.extend(in_document_order(pydantic_problems(path, error, "featcal", FeatCalConfig), block, "featcal"))
     if parsed.featcal is None:
         return parsed
     experts = _cross_checks(path, parsed.featcal, parsed.merge_config, problems)
