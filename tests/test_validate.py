@@ -327,3 +327,13 @@ def test_the_memory_plan_is_near_the_measured_cpu_peak():
     plan = memory_plan(config, featcal, experts=3, merged_exists=True)
     assert plan.gpu_bytes is None and 8.0e9 < plan.parameters < 8.1e9
     assert 0.85 * 22.03 < plan.host_bytes / GB < 1.15 * 22.03
+
+
+def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = _write(scenario, tmp_path, lambda r, t: None)
+    with pytest.raises(FeatCalError, match=r"^device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
+        run_recipe(recipe, device="gpu")
+    assert not (tmp_path / "out").exists()
