@@ -41,7 +41,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except FeatCalError as error:
-            click.echo(f"featcal-llm: error: {error}", err=True)
+            for line in str(error).splitlines():  # several problems: one error line each
+                click.echo(f"featcal-llm: error: {line}", err=True)
             sys.exit(2)
 
 
@@ -60,8 +61,11 @@ def run(recipe: Path, force: bool, device: str | None) -> None:
     import os
 
     from featcal_llm.errors import QuietExit
+    from featcal_llm.io.recipe import check_device
     from featcal_llm.startup import freezing_imports, heavy_import
 
+    if device is not None:
+        check_device(device, "--device")
     try:
         with freezing_imports():
             output = heavy_import("featcal_llm.pipeline").run_recipe(recipe, force=force, device=device)
@@ -69,3 +73,24 @@ def run(recipe: Path, force: bool, device: str | None) -> None:
         sys.exit(2)
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"calibrated checkpoint written to {output}")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (needs the network).")
+def validate(recipe: Path, online: bool) -> None:
+    """Check RECIPE without loading any weights: every problem, one line each (exit 2), and a memory estimate."""
+    from featcal_llm.io.validate import check_recipe
+
+    report = check_recipe(recipe, online=online)
+    for note in report.summary_notes():
+        click.echo(f"featcal-llm: note: {note}", err=True)
+    for problem in report.problems:
+        click.echo(f"featcal-llm: error: {problem}", err=True)
+    if report.problems:
+        count = len(report.problems)
+        click.echo(f"{recipe}: {count} problem{'s' if count > 1 else ''}", err=True)
+        sys.exit(2)
+    for line in report.plan.lines() if report.plan is not None else []:
+        click.echo(line)
+    click.echo(f"{recipe}: ok")

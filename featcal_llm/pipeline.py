@@ -39,7 +39,8 @@ from featcal_llm.io.merge import ensure_merged
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
-from featcal_llm.io.recipe import Recipe, load_recipe
+from featcal_llm.io.recipe import Recipe, check_device
+from featcal_llm.io.validate import check_before_run
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (
     StagingArea,
@@ -55,6 +56,7 @@ SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_atte
 
 
 def resolve_device(requested: str) -> torch.device:
+    check_device(requested, "device")  # a caller's override, checked as the recipe key is
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
@@ -258,7 +260,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
 
 
 def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None, progress: bool, timer) -> Path:
-    recipe = load_recipe(recipe_path)
+    recipe = check_before_run(recipe_path)  # every problem `validate` finds, before any model is resolved
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
     _check_output(recipe, output, force)

@@ -102,7 +102,7 @@ CASES = {
     "recipe is not YAML": (_text("merge_method: [task_arithmetic\n"), ["bad.yaml: not valid YAML"]),
     "recipe is not a mapping": (_text("- a\n- b\n"), ["bad.yaml: expected a YAML mapping"]),
     "featcal block missing": (lambda r, _: r.pop("featcal"), ["bad.yaml: featcal: block is missing"]),
-    "merge_method missing": (lambda r, _: r.pop("merge_method"), ["bad.yaml: recipe.merge_method: required key is missing"]),
+    "merge_method missing": (lambda r, _: r.pop("merge_method"), ["bad.yaml: merge_method: required key is missing"]),
     "unknown key": (_set("featcal", "lamda", value=0.1), ["bad.yaml: featcal.lamda: unknown key"]),
     "misspelled key": (_set("featcal", "aplha", value=0.1), ["bad.yaml: featcal.aplha: unknown key"]),
     "lambda not positive": (_set("featcal", "lambda", value=0.0), ["bad.yaml: featcal.lambda:", "greater than 0"]),

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Group:
@@ -41,6 +39,8 @@ class LayerShape:
 
 def layer_shape(architecture, config, plan) -> LayerShape:
     """Projection shapes of one decoder layer, from a meta-device instance of the family's own class."""
+    import torch  # here, so recipe validation can use the byte counts without importing torch
+
     with torch.device("meta"):
         layer = architecture.layer_class()(config, 0)
     linear_params = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))

@@ -32,14 +32,14 @@ class BackendSettings(BaseModel):
     batch_size: PositiveInt | Literal["auto"] | None = Field(
         None, description="None = vllm: auto; hf: auto on CUDA, 1 on CPU"
     )
-    tensor_parallel_size: PositiveInt = 1
+    tensor_parallel_size: PositiveInt = Field(1, description="vllm: GPUs one model is split across")
     data_parallel_size: PositiveInt = Field(1, description="vllm: model replicas (lm-eval runs them with Ray)")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more lm-eval model_args, passed through to vllm.LLM (e.g. enforce_eager, "
         "max_num_seqs, swap_space) or to the hf model; may not repeat a key set above",
     )
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: share of GPU memory it may take")
     max_model_len: PositiveInt | None = Field(
         None,
         description="context length (vllm max_model_len, hf max_length); None = the suite's "
@@ -67,7 +67,7 @@ class EvalSection(BaseModel):
 
     suite: str = Field("mergebench", description="a suite in eval/ by name, or a suite YAML path")
     tasks: list[str] | None = Field(None, description="subset of the suite's task ids; None = all")
-    backend: BackendSettings = Field(default_factory=BackendSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings, description="how lm-eval drives the model (see eval.backend:)")
     chat_template: ChatTemplateMode = Field(
         "auto", description="auto = on when the model or its merge base is an -Instruct/chat model"
     )

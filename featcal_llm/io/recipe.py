@@ -14,8 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.forms import check_forms
+from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
 from featcal_llm.startup import heavy_import
 
 try:  # the evaluation package owns its own block; the engine works without it
@@ -43,11 +44,11 @@ class GenerateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
-    max_new_tokens: int = Field(512, ge=1)
+    max_new_tokens: int = Field(512, ge=1, description="most tokens written per sample")
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(1.0, ge=0.0, description="0: greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
     seed: int | None = Field(None, description="default featcal.seed")
     chat_template: Literal["auto", "on", "off"] = Field("auto", description="auto: on when the expert's tokenizer has one")
     batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
@@ -75,14 +76,14 @@ class DataSpec(BaseModel):
 
     path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
-    split: str = "train"
+    split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
-    format: Literal["text", "alpaca", "chat"] = "text"
-    text: str = "text"
-    instruction: str = "instruction"
-    input: str | None = "input"
-    response: str = "response"
-    prompt: str = "prompt"
+    format: Literal["text", "alpaca", "chat"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template")
+    text: str = Field("text", description="field holding the text (format: text)")
+    instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
+    input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
+    response: str = Field("response", description="field holding the response (formats alpaca and chat)")
+    prompt: str = Field("prompt", description="field holding the user turn (format: chat without messages)")
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
 
@@ -104,7 +105,7 @@ class PerLayer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    per_layer: tuple[float, ...]
+    per_layer: tuple[float, ...] = Field(description="one value per decoder layer, in layer order")
 
 
 # a fixed value, a candidate list, the documented default set, or one value per layer
@@ -178,22 +179,24 @@ class FeatCalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    merged: str
-    output: str
-    data: dict[str, DataSpec]
+    merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
+    output: str = Field(description="directory the calibrated checkpoint is written to")
+    data: dict[str, DataSpec] = Field(description="calibration data per expert, keyed by the expert's name as written under models:")
     method: str = Field("featcal", description="featcal, regmean (expert i's own inputs) or regmean++ (the propagated inputs)")
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
-    samples: int = Field(256, ge=1)
-    max_length: int = Field(2048, ge=2)
-    lambda_: Tunable = Field(1e-5, alias="lambda")
-    alpha: Tunable = 0.15
-    rho: Tunable = 0.5
-    tune: TuneSpec | None = None
-    eps: float = Field(1e-8, gt=0)
-    shuffle: bool = False
-    seed: int = 0
-    device: str = "auto"
-    dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = "auto"
+    samples: int = Field(256, ge=1, description="calibration records per expert")
+    max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
+    lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
+    alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
+    rho: Tunable = Field(0.5, description="ridge anchor rho * merged + (1 - rho) * base (any real; above 1 extrapolates past the merge); tunable like lambda")
+    tune: TuneSpec | None = Field(None, description="how auto or candidate-list hyper-parameters are chosen (see tune:)")
+    eps: float = Field(1e-8, gt=0, description="floor of each task's Gram norm in its weight 1 / max(norm, eps), also added to the ridge")
+    shuffle: bool = Field(False, description="shuffle each expert's records (with seed) before taking the first samples")
+    seed: int = Field(0, description="seed of the shuffle, the held-out split and generation")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs, on CPUs bfloat16 where the CPU has bf16 units, else float32"
+    )
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
         "auto", description="precision of the statistics products (summed in float64); auto: float32 when every lambda the run uses is >= 1e-2, else float64 (float32 with a warning on GPUs without fast float64)"
     )
@@ -205,8 +208,8 @@ class FeatCalConfig(BaseModel):
     norms: bool = Field(False, description="also update RMSNorm scales")
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
-    trust_remote_code: bool = False
-    eval: EvalSection | None = None  # type: ignore[valid-type]
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
 
     @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
     @classmethod
@@ -254,9 +257,10 @@ class FeatCalConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        if value in ("auto", "cpu", "cuda") or value.startswith("cuda:"):
-            return value
-        raise ValueError("expected auto, cpu, cuda or cuda:N")
+        try:
+            return check_device(value, "device")
+        except FeatCalError as error:
+            raise ValueError(str(error).removeprefix("device: ")) from None
 
 
 @dataclass(frozen=True)
@@ -277,18 +281,6 @@ class Recipe:
     experts: tuple[Expert, ...]
 
 
-def _format_validation_error(path: Path, error: ValidationError, prefix: str) -> str:
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first["loc"])
-    key = f"{prefix}.{location}" if location else prefix
-    if first["type"] == "extra_forbidden":
-        return f"{path}: {key}: unknown key"
-    if first["type"] == "missing":
-        return f"{path}: {key}: required key is missing"
-    message = first["msg"].removeprefix("Value error, ")
-    return f"{path}: {key}: {message} (got {first.get('input')!r})"
-
-
 def _read_yaml_mapping(path: Path) -> dict:
     if not path.is_file():
         raise FeatCalError(f"{path}: recipe file not found")
@@ -299,8 +291,10 @@ def _read_yaml_mapping(path: Path) -> dict:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise FeatCalError(f"{path}: not valid YAML{where}") from None
+    if raw is None:
+        raise FeatCalError(f"{path}: the recipe file is empty (expected a mergekit recipe with a featcal: block)")
     if not isinstance(raw, dict):
-        raise FeatCalError(f"{path}: expected a YAML mapping (a mergekit recipe), got {type(raw).__name__}")
+        raise FeatCalError(f"{path}: expected a YAML mapping (a mergekit recipe), got {'a list' if isinstance(raw, list) else 'a single value'}")
     return raw
 
 
@@ -322,60 +316,110 @@ def _experts_of(merge_config: Any) -> list[Any]:
     return unique
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Parse and validate a recipe without touching any model or dataset."""
-    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
+def check_device(value: str, where: str) -> str:
+    """`auto`, `cpu`, `cuda` or `cuda:N`, as the recipe key and the `--device` option both take it."""
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise FeatCalError(f"{where}: expected auto, cpu, cuda or cuda:N, got {value!r}")
 
-    path = Path(path)
-    raw = _read_yaml_mapping(path)
-    block = raw.pop("featcal", None)
-    if block is None:
-        raise FeatCalError(f"{path}: featcal: block is missing (add it after the mergekit recipe)")
-    if not isinstance(block, dict):
-        raise FeatCalError(f"{path}: featcal: expected a mapping")
-    try:
-        merge_config = MergeConfiguration.model_validate(raw)
-    except ValidationError as error:
-        raise FeatCalError(_format_validation_error(path, error, "recipe")) from None
-    except Exception as error:  # mergekit raises RuntimeError from its own validators
-        raise FeatCalError(f"{path}: not a valid mergekit recipe: {error}") from None
-    try:
-        featcal = FeatCalConfig.model_validate(block)
-    except ValidationError as error:
-        raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
+
+def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
+    """mergekit ignores keys it does not know; a misspelled one (`base_modle`) would silently change the merge."""
+    known = [*known_keys(merge_model), "featcal"]
+    for key in raw:
+        hint = suggestion(str(key), known)
+        if key not in known and hint:
+            warn(f"{path}: {key}: not a mergekit or featcal key (mergekit ignores it){hint}")
+
+
+def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, problems: list[Problem]) -> tuple[Expert, ...]:
+    """What one block cannot say alone: method-specific keys, tuning, recipe forms, experts against data entries."""
     wrong = [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
-    if wrong:
-        key = wrong[0].rstrip("_")
+    for key in wrong:
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
-        raise FeatCalError(f"{path}: featcal.{key}: only method {owner} reads it (method is {featcal.method})")
+        problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
     if featcal.tuned and featcal.per_layer:
-        raise FeatCalError(f"{path}: featcal: per_layer values replay a tuned run and cannot be combined with auto or candidate lists")
+        problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
-        raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)")
-    check_forms(merge_config, path)
-    if merge_config.base_model is None:
-        raise FeatCalError(f"{path}: base_model: FeatCal needs the base model the experts were fine-tuned from")
-
-    experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
-    if not experts:
-        raise FeatCalError(f"{path}: models: no expert besides the base model")
-    names = [expert.name for expert in experts]
-    for name in names:
-        if name not in featcal.data:
-            raise FeatCalError(f"{path}: featcal.data: no calibration data for expert {name!r}")
-    for key in featcal.data:
-        if key not in names:
-            raise FeatCalError(f"{path}: featcal.data.{key}: not an expert of this recipe (experts: {', '.join(names)})")
+        problems.append(Problem(str(path), "featcal.tune", f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)"))
     for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
         if spec.generate is not None and spec.generate.prompts is not None:
             from featcal_llm.generation.prompts import read_prompts
 
-            read_prompts(beside_recipe(spec.generate.prompts, path.parent), f"{path}: featcal.data.{name}.generate.prompts")
-    return Recipe(
-        path=path,
-        text=path.read_text(encoding="utf-8"),
-        merge_config=merge_config,
-        featcal=featcal,
-        base=merge_config.base_model,
-        experts=experts,
-    )
+            where = f"{path}: featcal.data.{name}.generate.prompts"
+            collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))
+    if merge_config is None:
+        return ()
+    before = len(problems)
+    collect(problems, path, lambda: check_forms(merge_config, path))
+    if len(problems) > before:  # a form FeatCal cannot calibrate: what follows would only repeat it
+        return ()
+    if merge_config.base_model is None:
+        problems.append(Problem(str(path), "base_model", "FeatCal needs the base model the experts were fine-tuned from"))
+    experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
+    if not experts:
+        problems.append(Problem(str(path), "models", "no expert besides the base model"))
+    names = [expert.name for expert in experts]
+    for name in names:
+        if name not in featcal.data:
+            problems.append(Problem(str(path), "featcal.data", f"no calibration data for expert {name!r}"))
+    for key in featcal.data:
+        if key not in names:
+            without = [name for name in names if name not in featcal.data]
+            problems.append(Problem(str(path), f"featcal.data.{key}", f"not an expert of this recipe (experts: {', '.join(names)}){suggestion(key, without)}"))
+    return experts
+
+
+@dataclass
+class Parsed:
+    """What the recipe's text gave: the recipe when it is valid, every problem, and the parts that parsed on their own."""
+
+    recipe: Recipe | None
+    problems: list[Problem]
+    merge_config: Any = None
+    featcal: FeatCalConfig | None = None
+    block: dict | None = None
+
+
+def read_recipe(path: str | Path) -> Parsed:
+    """The recipe and every problem its text shows (schema, recipe forms, experts against data), without touching a model."""
+    path = Path(path)
+    problems: list[Problem] = []
+    raw = collect(problems, path, lambda: _read_yaml_mapping(path))
+    if raw is None:
+        return Parsed(None, problems)
+    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
+    _unknown_top_keys(path, raw, MergeConfiguration)
+    block = raw.pop("featcal", None)
+    parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None)
+    try:
+        parsed.merge_config = MergeConfiguration.model_validate(raw)
+    except ValidationError as error:
+        problems.extend(pydantic_problems(path, error, "", MergeConfiguration))
+    except Exception as error:  # mergekit raises RuntimeError from its own validators
+        problems.append(Problem(str(path), "", f"not a valid mergekit recipe: {error}"))
+    if block is None:
+        problems.append(Problem(str(path), "featcal", "block is missing (add it after the mergekit recipe)"))
+    elif not isinstance(block, dict):
+        problems.append(Problem(str(path), "featcal", "expected a mapping"))
+    else:
+        try:
+            parsed.featcal = FeatCalConfig.model_validate(block)
+        except ValidationError as error:
+            problems.extend(in_document_order(pydantic_problems(path, error, "featcal", FeatCalConfig), block, "featcal"))
+    if parsed.featcal is None:
+        return parsed
+    experts = _cross_checks(path, parsed.featcal, parsed.merge_config, problems)
+    if not problems and parsed.merge_config is not None:
+        merge_config = parsed.merge_config
+        text = path.read_text(encoding="utf-8")
+        parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)
+    return parsed
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe without touching any model or dataset; every problem is reported at once."""
+    parsed = read_recipe(path)
+    if parsed.problems:
+        raise RecipeProblems(parsed.problems)
+    return parsed.recipe

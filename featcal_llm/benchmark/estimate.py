@@ -1,0 +1,127 @@
+"""What a run will need (GPU memory, host RAM, disk), estimated from the base model's config.json and the recipe.
+
+An estimate, not a measurement: it counts the big buffers of the layer loop for a
+dense decoder (Llama-style projection names) and adds a fixed allowance for the
+process itself. Measured on the 8B shapes on a CPU (docs/benchmark.md) the peak
+host RSS was 22 GB; this model gives about 20 GB there.
+
+    weights window   (2 + experts) models x 2 layers (current and prefetched), stored dtype
+    statistics       one task's Grams, crosses and moments (`costs.statistics_bytes`), statistics dtype
+    group systems    every group's float64 system and right-hand side, + 3 copies of the largest d x d (solve)
+    decoder layers   2 layers in the compute dtype on the compute device
+    activations      batch_tokens x (4 hidden + 3 intermediate) in the compute dtype
+    hidden streams   every calibration token x hidden x 2 (calibrated and expert stream), compute dtype;
+                     RAM up to host_memory_gb (default half the machine), the rest spills to disk
+    disk             the merge (when not yet written) + the output checkpoint + the staged layers + spill
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from featcal_llm.benchmark.costs import Group, LayerShape, statistics_bytes
+
+GB = 1e9
+PROCESS_ALLOWANCE = 1.5 * GB  # Python, torch and the libraries, resident
+CUDA_CONTEXT = 0.5 * GB
+BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parameters: int
+    layers: int
+    gpu_bytes: float | None  # None: a CPU run
+    host_bytes: float
+    disk_bytes: float
+    spilled_bytes: float
+    device: str
+
+    def lines(self) -> list[str]:
+        """The plan as printed by `featcal-llm validate`, labelled as an estimate."""
+        gb = size_text
+        lines = [f"memory plan (estimate from the configs, not a measurement): {self.parameters / 1e6:,.0f} M parameters, {self.layers} layers, {self.device}"]
+        if self.gpu_bytes is not None:
+            lines.append(f"  GPU memory  ~{gb(self.gpu_bytes)}")
+        lines.append(f"  host RAM    ~{gb(self.host_bytes)}")
+        spill = f" (of which {gb(self.spilled_bytes)} hidden states spilled beyond the RAM budget)" if self.spilled_bytes else ""
+        lines.append(f"  disk        ~{gb(self.disk_bytes)}{spill}")
+        return lines
+
+
+def size_text(value: float) -> str:
+    """Bytes as GB (MB below 1 GB)."""
+    return f"{value / GB:.1f} GB" if value >= GB else f"{value / 1e6:.0f} MB"
+
+
+def layer_shape_from_config(config: dict, modules: list[str] | None) -> LayerShape:
+    """A dense decoder layer's projection groups from config.json (no model class needed)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    groups = [
+        Group("attention", hidden, {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}),
+        Group("o_proj", heads * head_dim, {"o_proj": hidden}),
+        Group("mlp", hidden, {"gate_proj": inter, "up_proj": inter}),
+        Group("down_proj", inter, {"down_proj": hidden}),
+    ]
+    linear = sum(g.input_dim * m for g in groups for m in g.outputs.values())
+    if modules:
+        groups = [Group(g.name, g.input_dim, {p: m for p, m in g.outputs.items() if p in modules}) for g in groups]
+        groups = [g for g in groups if g.outputs]
+    return LayerShape(tuple(groups), linear, heads * head_dim)
+
+
+def _stored_bytes(config: dict) -> int:
+    return BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
+
+
+def _smallest(value: Any) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, tuple):
+        return min(value)
+    per_layer = getattr(value, "per_layer", None)
+    return min(per_layer) if per_layer else None
+
+
+def machine_ram() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -> MemoryPlan:
+    """The estimate for calibrating a model with this config under the recipe's `featcal:` block."""
+    shape = layer_shape_from_config(config, featcal.modules)
+    layers, hidden, inter = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    vocab = config.get("vocab_size") or 0
+    parameters = layers * shape.linear_params + vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    stored = _stored_bytes(config)
+    cpu = featcal.device == "cpu"
+    compute = BYTES[featcal.dtype] if featcal.dtype != "auto" else (4 if cpu else 2)
+    if featcal.stats_dtype != "auto":
+        stats = BYTES[featcal.stats_dtype]
+    else:
+        smallest = None if featcal.regmean else _smallest(featcal.lambda_)
+        stats = 4 if smallest is not None and smallest >= 1e-2 else 8
+
+    window = (2 + experts) * 2 * shape.linear_params * stored
+    statistics = statistics_bytes(shape, stats)
+    largest = max((g.input_dim for g in shape.groups), default=0)
+    systems = statistics_bytes(shape, 8, moments=False) + 3 * largest**2 * 8
+    decoder = 2 * shape.linear_params * compute
+    tokens = sum(spec.samples or featcal.samples for spec in featcal.data.values()) * featcal.max_length
+    activations = min(featcal.batch_tokens, tokens) * (4 * hidden + 3 * inter) * compute
+    streams = tokens * hidden * 2 * compute
+    budget = featcal.host_memory_gb * 2**30 if featcal.host_memory_gb else machine_ram() / 2
+    in_ram, spilled = min(streams, budget), max(0.0, streams - budget)
+
+    work = statistics + systems + decoder + activations
+    gpu = None if cpu else work + CUDA_CONTEXT
+    host = window + in_ram + PROCESS_ALLOWANCE + (work if cpu else 0.0)
+    model = parameters * stored
+    disk = (0 if merged_exists else model) + model + layers * shape.linear_params * stored + spilled
+    device = "on the CPU" if cpu else "on one GPU (device auto: a GPU when there is one)" if featcal.device == "auto" else f"on {featcal.device}"
+    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device)

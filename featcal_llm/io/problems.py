@@ -1,0 +1,161 @@
+"""What is wrong with a recipe, one line per problem, naming the file and the key.
+
+pydantic reports every field error of a block at once; these helpers turn each into
+one line (`file: featcal.samples: ... (got 0)`), suggest the nearest known key for an
+unknown one, and keep a check that raises `FeatCalError` from hiding the ones after it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from pydantic import BaseModel, ValidationError
+
+from featcal_llm.errors import FeatCalError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe: the file, the dotted key (empty for the file as a whole) and what is expected."""
+
+    file: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return ": ".join(part for part in (self.file, self.key, self.message) if part)
+
+    @classmethod
+    def from_error(cls, file: Path | str, error: FeatCalError | str) -> "Problem":
+        """A problem from a one-line `FeatCalError` text (`file: key: message` or any part of it)."""
+        text, file = str(error), str(file)
+        if text.startswith(file + ": "):
+            text = text[len(file) + 2 :]
+        key, separator, message = text.partition(": ")
+        if not separator or " " in key.strip():
+            return cls(file, "", text)
+        return cls(file, key, message)
+
+
+class RecipeProblems(FeatCalError):
+    """Every problem of a recipe, one per line (the CLI prints each as its own error line)."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(problem) for problem in self.problems))
+
+
+def suggestion(key: str, known: Iterable[str]) -> str:
+    """`; did you mean 'x'?` for the closest known key, or nothing."""
+    close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _model_class(argument) if typing.get_origin(argument) is None else None
+        if found is not None:
+            return found
+    return None
+
+
+def _container_item(annotation: Any) -> Any:
+    """The value type of a dict (or item type of a list) inside `annotation`, for a location part that is a key or index."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        origin = typing.get_origin(candidate)
+        if origin is dict:
+            return typing.get_args(candidate)[1]
+        if origin in (list, tuple):
+            return typing.get_args(candidate)[0]
+    return None
+
+
+def _field(model: type[BaseModel], name: str) -> Any:
+    for field_name, field in model.model_fields.items():
+        if name in (field_name, field.alias):
+            return field
+    return None
+
+
+def known_keys(model: type[BaseModel]) -> list[str]:
+    """The keys a block accepts, as a recipe writes them (aliases such as `lambda`)."""
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def keys_at(root: type[BaseModel], location: tuple) -> list[str]:
+    """The keys accepted where `location` (a pydantic error location, the unknown key last) points."""
+    current: Any = root
+    for part in location[:-1]:
+        model = _model_class(current)
+        field = _field(model, part) if model is not None and isinstance(part, str) else None
+        if field is not None:
+            current = field.annotation
+            continue
+        current = _container_item(current)
+        if current is None:
+            return []
+    model = _model_class(current)
+    return known_keys(model) if model is not None else []
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, root: type[BaseModel] | None) -> list[Problem]:
+    """Every error of one `model_validate` call, one problem each."""
+    problems = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        key = f"{prefix}.{location}" if prefix and location else (prefix or location)
+        if item["type"] == "extra_forbidden":
+            hint = suggestion(item["loc"][-1], keys_at(root, item["loc"])) if root is not None else ""
+            problems.append(Problem(str(file), key, f"unknown key{hint}"))
+            continue
+        if item["type"] == "missing":
+            problems.append(Problem(str(file), key, "required key is missing"))
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        if "got " not in message and "input" in item:
+            message += f" (got {_shown(item['input'])})"
+        problems.append(Problem(str(file), key, message))
+    return problems
+
+
+def in_document_order(problems: list[Problem], block: dict, prefix: str) -> list[Problem]:
+    """Problems of one block sorted as their keys appear in the file (pydantic lists unknown keys last)."""
+    order: dict[str, int] = {}
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                order.setdefault(f"{where}.{key}", len(order))
+                walk(item, f"{where}.{key}")
+
+    walk(block, prefix)
+
+    def position(problem: Problem) -> int:
+        key = problem.key
+        while key and key not in order:
+            key = key.rpartition(".")[0]
+        return order.get(key, len(order))
+
+    return sorted(problems, key=position)
+
+
+def collect(problems: list[Problem], file: Path | str, check: Callable[[], Any]) -> Any:
+    """Run one check that raises `FeatCalError`; its error becomes a problem and the checks after it still run."""
+    try:
+        return check()
+    except RecipeProblems as error:
+        problems.extend(error.problems)
+    except FeatCalError as error:
+        problems.extend(Problem.from_error(file, line) for line in str(error).splitlines())
+    return None

@@ -1,0 +1,143 @@
+"""docs/recipe.md, written from the recipe's pydantic models: every key once, with its type, default and meaning.
+
+The tables come from the models' fields (`description=` is the meaning), so the reference
+cannot fall behind the code; a test compares the committed page with `render()`.
+Regenerate it with `python -m featcal_llm.io.recipe_reference > docs/recipe.md`.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from featcal_llm.evaluation.config import BackendSettings, EvalSection
+from featcal_llm.io.recipe import DataSpec, FeatCalConfig, GenerateSpec, PerLayer, TuneSpec, Tunable
+
+# (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
+SECTIONS: list[tuple[str, type[BaseModel], str]] = [
+    ("featcal:", FeatCalConfig, "The block FeatCal adds after a mergekit recipe. Keys not listed here are errors."),
+    ("featcal.data.EXPERT:", DataSpec, "One entry per expert, keyed by the expert's name exactly as written under `models:`. Give `path` (a dataset) or `generate` (the expert writes its own texts), not both."),
+    ("featcal.data.EXPERT.generate:", GenerateSpec, "The expert samples its own calibration texts. With `generate`, only `samples` may be set beside it."),
+    ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
+    ("per_layer", PerLayer, "The form `lambda`, `alpha`, `rho` and `reduction` take in a tuned run's written recipe: `{per_layer: [...]}`, replayed as given."),
+    ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Relative paths are relative to the recipe."),
+    ("featcal.eval.backend:", BackendSettings, "How lm-eval drives the model; every setting is part of the results' cache key."),
+]
+
+INTRO = """# Recipe reference
+
+A featcal-llm recipe is a mergekit recipe (everything `mergekit-yaml` accepts, parsed by mergekit itself)
+with one more block, `featcal:`. This page lists every key of that block. Check a recipe without running it:
+
+```
+featcal-llm validate recipe.yaml
+```
+
+Hyper-parameters marked *tunable* (`lambda`, `alpha`, `rho`, `reduction`) take a number, a list of
+candidates, `auto` (the documented candidate set), or `{per_layer: [...]}` (one value per decoder layer).
+
+<!-- Generated from the pydantic models by `python -m featcal_llm.io.recipe_reference > docs/recipe.md`; do not edit. -->
+"""
+
+NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null", Any: "any value"}
+
+
+def type_text(annotation: Any) -> str:
+    """A field's type as a recipe writer reads it."""
+    if annotation == Tunable:
+        return "tunable"
+    if annotation in NAMES:
+        return NAMES[annotation]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        heading = next((heading for heading, model, _ in SECTIONS if model is annotation), None)
+        return f"mapping (`{heading}`)" if heading else "mapping"
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{value}`" for value in arguments)
+    if origin is typing.Annotated:
+        return type_text(arguments[0]) + _bounds(annotation.__metadata__)
+    if origin is dict:
+        return f"mapping of {type_text(arguments[1])}"
+    if origin in (list, tuple):
+        return f"list of {type_text(arguments[0])}"
+    if arguments:  # a union
+        members = [a for a in arguments if a is not type(None)]
+        if Tunable in (annotation, typing.Union[tuple(members)]) or set(typing.get_args(Tunable)) <= set(members):
+            text = "tunable"
+        else:
+            text = " or ".join(type_text(member) for member in members)
+        return text + (" or null" if type(None) in arguments else "")
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(metadata: Any) -> str:
+    symbols = {Ge: ("≥", "ge"), Gt: (">", "gt"), Le: ("≤", "le"), Lt: ("<", "lt")}
+    parts = []
+    for item in metadata:
+        for kind, (symbol, attribute) in symbols.items():
+            if isinstance(item, kind):
+                parts.append(f"{symbol} {getattr(item, attribute):g}")
+    return f", {', '.join(parts)}" if parts else ""
+
+
+def default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if value is PydanticUndefined:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "(see below)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, float):
+        return f"`{value:g}`"
+    return f"`{value}`" if value != {} else "`{}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(model: type[BaseModel]) -> list[str]:
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        kind = type_text(field.annotation) + _bounds(field.metadata)
+        rows.append(f"| `{field.alias or name}` | {kind} | {default_text(field)} | {_cell(field.description or '')} |")
+    return rows
+
+
+def render() -> str:
+    """The whole page."""
+    lines = [INTRO.rstrip("\n")]
+    for heading, model, summary in SECTIONS:
+        lines += ["", f"## `{heading}`", "", summary, "", *table(model)]
+    return "\n".join(lines) + "\n"
+
+
+def models_reachable(root: type[BaseModel] = FeatCalConfig) -> set[type[BaseModel]]:
+    """Every pydantic model a recipe's `featcal:` block can contain (what the page must cover)."""
+    found: set[type[BaseModel]] = set()
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation not in found:
+                found.add(annotation)
+                for field in annotation.model_fields.values():
+                    visit(field.annotation)
+            return
+        for argument in typing.get_args(annotation):
+            visit(argument)
+
+    visit(root)
+    return found
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,377 @@
+"""`featcal-llm validate`: everything about a recipe that can be checked without loading weights, all at once.
+
+The schema and recipe forms (`recipe.read_recipe`), then what the recipe points at:
+calibration files exist, have a known format and the fields their entry names; model
+references and adapters resolve to directories with a config.json, whose shapes agree
+with the base model's; the output can be written; and an estimate of the memory the run
+needs. Local paths are checked on disk only; a hub id is looked up only with `online`,
+so a missing local model is reported at once instead of after hub retries. `run`
+performs the same checks before it resolves any model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.data import FILE_BUILDERS, PLAIN_JSONL_MAX_BYTES, data_path
+from featcal_llm.io.problems import Problem, RecipeProblems, collect
+from pydantic import ValidationError
+
+from featcal_llm.io.recipe import DataSpec, Recipe, _experts_of, read_recipe
+
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
+
+
+@dataclass
+class Report:
+    """What `validate` found: the problems (each one line), notes on what was not checked, and the memory estimate."""
+
+    recipe: Recipe | None
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    plan: Any = None  # benchmark.estimate.MemoryPlan
+    unchecked: list[str] = field(default_factory=list)  # hub ids not looked up (offline)
+
+    def summary_notes(self) -> list[str]:
+        """The notes, with the hub ids left unchecked gathered into one."""
+        if not self.unchecked:
+            return self.notes
+        return [*self.notes, f"hub ids not looked up (pass --online to check them): {', '.join(dict.fromkeys(self.unchecked))}"]
+
+
+def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
+    """Every problem of the recipe at `path` (empty when it is clean); hub ids are looked up only with `online`."""
+    return check_recipe(path, online).problems
+
+
+def check_before_run(path: str | Path) -> Recipe:
+    """The recipe, once every local check passed; else `RecipeProblems` listing all of them."""
+    report = check_recipe(path, online=False, plan=False)
+    if report.problems:
+        raise RecipeProblems(report.problems)
+    return report.recipe
+
+
+def check_recipe(path: str | Path, online: bool = False, plan: bool = True) -> Report:
+    """Every problem of the recipe: its text first, then, for the parts that parsed, what they point at."""
+    parsed = read_recipe(path)
+    path, recipe, problems = Path(path), parsed.recipe, parsed.problems
+    report = Report(recipe, problems)
+    if parsed.merge_config is None and parsed.block is None:
+        return report
+    block = parsed.block or {}
+    experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
+    for name, spec in _data_entries(parsed).items():
+        if spec.path is not None and (experts is None or name in experts):
+            where = f"{path}: featcal.data.{name}"
+            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.unchecked))
+    featcal = parsed.featcal
+    setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
+    configs = {}
+    if parsed.merge_config is not None:
+        configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report)
+    if setting("output"):
+        _check_output(path, Path(setting("output")), report)
+    if featcal is not None and featcal.eval is not None:
+        _check_eval(path, featcal.eval, report)
+    base = configs.get("base_model")
+    if plan and recipe is not None and base is None and not problems:
+        report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; --online fetches it)")
+    if plan and recipe is not None and base is not None and not problems:
+        from featcal_llm.benchmark.estimate import memory_plan
+
+        try:
+            report.plan = memory_plan(base, recipe.featcal, len(recipe.experts), Path(recipe.featcal.merged).is_dir())
+        except (KeyError, TypeError, ZeroDivisionError):
+            report.notes.append(f"{path}: base_model: no memory plan (its config.json does not describe a dense decoder)")
+    return report
+
+
+def _data_entries(parsed: Any) -> dict[str, DataSpec]:
+    """The data entries: from the parsed block, or (when the block has errors) each entry that is valid on its own."""
+    if parsed.featcal is not None:
+        return parsed.featcal.data
+    entries = parsed.block.get("data") if parsed.block else None
+    valid = {}
+    for name, entry in (entries or {}).items() if isinstance(entries, dict) else ():
+        try:
+            valid[str(name)] = DataSpec.model_validate(entry)
+        except ValidationError:
+            continue  # reported with the block
+    return valid
+
+
+# --- calibration data --------------------------------------------------------------------------------------------
+
+
+def needed_fields(spec: DataSpec) -> list[str]:
+    """The record fields the entry's format reads (alpaca's input is optional)."""
+    if spec.format == "text":
+        return [spec.text]
+    if spec.format == "alpaca":
+        return [spec.instruction, spec.response]
+    return [spec.messages] if spec.messages else [spec.prompt, spec.response]
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """`org/name`: two parts, not absolute, not starting with a dot or ~, no file suffix (as the loaders decide)."""
+    path = Path(value)
+    return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
+
+
+def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str]) -> None:
+    """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names."""
+    path = data_path(spec, base_dir)
+    if path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise FeatCalError(f"{where}.path: {path}: unsupported file type (expected {', '.join(FILE_BUILDERS)})")
+        if path.stat().st_size == 0:
+            raise FeatCalError(f"{where}.path: {path}: file is empty")
+        fields = record_fields(path, f"{where}.path: {spec.path}")
+        for name in needed_fields(spec) if fields is not None else []:
+            if name not in fields:
+                raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+        return
+    if path.is_dir():
+        return  # a local dataset directory: datasets decides its layout when the run loads it
+    if not looks_like_hub_id(spec.path):
+        raise FeatCalError(f"{where}.path: {path}: calibration file not found")
+    if not online:
+        unchecked.append(f"{spec.path} (dataset)")
+        return
+    _hub_lookup("dataset", spec.path, None, f"{where}.path")
+
+
+def record_fields(path: Path, where: str) -> list[str] | None:
+    """The field names of a calibration file (None where only `datasets` can tell), read without `datasets`."""
+    suffix = path.suffix.lower()
+    unreadable = f"{where}: cannot load calibration data"
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+            header = next(csv.reader(handle), None)
+        if not header:
+            raise FeatCalError(f"{unreadable} (no header row)")
+        return header
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as parquet
+
+            return list(parquet.read_schema(path).names)
+        except ImportError:
+            return None
+        except Exception as error:
+            raise FeatCalError(f"{unreadable} ({str(error).splitlines()[0]})") from None
+    whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
+    if suffix == ".json" and whole:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            data = None  # JSON lines in a .json file: read below
+        if isinstance(data, list):
+            return _union(data) if data and all(isinstance(r, dict) for r in data) else None
+        if isinstance(data, dict):
+            return list(data) if all(isinstance(v, list) for v in data.values()) else None
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not whole and number > FIELD_SCAN_LINES:
+                break
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
+                    return None  # a whole JSON document in a .jsonl file: datasets reads it
+                raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
+    if not records or not all(isinstance(record, dict) for record in records):
+        raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
+    return _union(records)
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _union(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(key for record in records for key in record))
+
+
+# --- models ------------------------------------------------------------------------------------------------------
+
+
+def _is_hub_reference(model_path: Any) -> bool:
+    """A ModelPath that is not on disk and reads as `org/name` (what `references` would fetch from the hub)."""
+    path = Path(model_path.path)
+    if path.exists():
+        return False
+    return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
+
+
+def _hub_lookup(kind: str, repo: str, revision: str | None, where: str) -> None:
+    """Whether a hub model or dataset exists at the revision (one API call, no download)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    info = HfApi().model_info if kind == "model" else HfApi().dataset_info
+    try:
+        info(repo, revision=revision)
+    except GatedRepoError:
+        raise FeatCalError(f"{where}: {repo}: a gated {kind}: accept its licence on the hub and log in (hf auth login)") from None
+    except RevisionNotFoundError:
+        raise FeatCalError(f"{where}: {repo}: no revision {revision} on the hub") from None
+    except RepositoryNotFoundError:
+        raise FeatCalError(f"{where}: {repo}: no such {kind} on the hub (or it is private: log in with hf auth login)") from None
+    except Exception as error:
+        raise FeatCalError(f"{where}: {repo}: could not reach the hub ({type(error).__name__})") from None
+
+
+def _hub_config(model_path: Any, online: bool) -> dict | None:
+    """config.json of a hub model: from the local cache, else (online) downloaded; None when unknown."""
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_path.path, "config.json", revision=model_path.revision)
+        if not isinstance(cached, str) and online:
+            cached = hf_hub_download(model_path.path, "config.json", revision=model_path.revision)
+        return json.loads(Path(cached).read_text(encoding="utf-8")) if isinstance(cached, str) else None
+    except Exception:
+        return None
+
+
+def _read_config(directory: Path, what: str) -> dict:
+    config = directory / "config.json"
+    if not config.is_file():
+        raise FeatCalError(f"{what}: {directory}: config.json is missing")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise FeatCalError(f"{what}: {config}: cannot be read ({str(error).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise FeatCalError(f"{what}: {config}: cannot be read (not a JSON object)")
+    return data
+
+
+def _model_config(reference: Any, what: str, online: bool, unchecked: list[str], base: Any = None) -> tuple[Any, dict | None]:
+    """(ModelSource or None, config.json) of one recipe model; local paths only on disk, hub ids only when online."""
+    from featcal_llm.io.references import resolve_source
+
+    hub = [p for p in (reference.model, reference.lora) if p is not None and _is_hub_reference(p)]
+    if not hub:
+        source = resolve_source(reference, what, base)  # every path is local: no hub call
+        return source, _read_config(source.directory, what)
+    for model_path in hub:
+        if online:
+            _hub_lookup("model", model_path.path, model_path.revision, what)
+        else:
+            unchecked.append(str(model_path))
+    if reference.lora is None and hub == [reference.model]:
+        return None, _hub_config(reference.model, online)
+    return None, None
+
+
+def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, online: bool, report: Report) -> dict[str, dict]:
+    """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree."""
+    from featcal_llm.io.forms import check_slice_depth
+    from featcal_llm.io.references import check_override_architecture
+
+    problems, configs = report.problems, {}
+    base_reference = merge_config.base_model
+    base_source = base_config = None
+    base_what = f"{path}: base_model"
+    if base_reference is not None:
+        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report.unchecked))
+        base_source, base_config = result or (None, None)
+    if base_config is not None:
+        configs["base_model"] = base_config
+        collect(problems, path, lambda: check_override_architecture(base_reference, SimpleNamespace(**base_config), f"{base_what} {base_reference}"))
+        slices_refused = any(problem.key.startswith("slices") for problem in problems)  # depth would only repeat it
+        if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
+            collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
+    for reference in _experts_of(merge_config):
+        what = f"{path}: models: {reference}"
+        if base_source is None and _plain_adapter(reference):
+            continue  # applies to a base that could not be resolved: already reported
+        result = collect(problems, path, lambda: _model_config(reference, what, online, report.unchecked, base_source))
+        source, config = result or (None, None)
+        if config is None:
+            continue
+        configs[str(reference)] = config
+        collect(problems, path, lambda: check_override_architecture(reference, SimpleNamespace(**config), what))
+        if base_config is not None:
+            directory = source.directory if source is not None else Path(str(reference.model))
+            collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
+    if merged and Path(merged).exists():
+        what, merged = f"{path}: featcal.merged", Path(merged)
+        if not merged.is_dir():
+            problems.append(Problem(str(path), "featcal.merged", f"{merged}: expected the merged model's directory"))
+        else:
+            config = collect(problems, path, lambda: _read_config(merged, what))
+            if config is not None and base_config is not None:
+                collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
+    if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
+        problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
+    return configs
+
+
+def _plain_adapter(reference: Any) -> bool:
+    from featcal_llm.io.lora import is_adapter_directory
+
+    return reference.lora is None and is_adapter_directory(Path(reference.model.path))
+
+
+def check_same_shapes(base: dict, other: dict, what: str) -> None:
+    """Architecture and the shapes the layer loop depends on, from config.json (keys missing on either side are not compared)."""
+    if base.get("architectures") and other.get("architectures") and base["architectures"] != other["architectures"]:
+        raise FeatCalError(f"{what}: architecture {other['architectures']} differs from the base model's {base['architectures']}")
+    for key in SHAPE_KEYS:
+        mine, theirs = _shape(base, key), _shape(other, key)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def _shape(config: dict, key: str) -> Any:
+    if key == "num_key_value_heads":
+        return config.get(key) or config.get("num_attention_heads")
+    return config.get(key)
+
+
+# --- outputs -----------------------------------------------------------------------------------------------------
+
+
+def _check_output(path: Path, output: Path, report: Report) -> None:
+    """The output can be written (an existing one is a note: `run --force` replaces it)."""
+    if output.exists():
+        report.notes.append(f"{path}: featcal.output: {output} already exists (run needs --force to replace it)")
+    ancestor = output.parent.resolve()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        report.problems.append(Problem(str(path), "featcal.output", f"{output}: {ancestor} is not a directory"))
+    elif not os.access(ancestor, os.W_OK):
+        report.problems.append(Problem(str(path), "featcal.output", f"{output}: directory is not writable"))
+
+
+def _check_eval(path: Path, section: Any, report: Report) -> None:
+    """Files the eval: block names exist (beside the recipe, or from the current directory)."""
+    found = lambda value: any((where / value).expanduser().exists() for where in (path.parent, Path.cwd()))  # noqa: E731
+    if section.suite.endswith((".yaml", ".yml")) and not found(section.suite):
+        report.problems.append(Problem(str(path), "featcal.eval.suite", f"{section.suite}: suite file not found"))
+    for task, location in section.data.items():
+        if not found(location):
+            report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: not found"))
+    if section.nltk_data and not found(section.nltk_data):
+        report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))

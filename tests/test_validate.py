@@ -1,0 +1,339 @@
+"""`featcal-llm validate`: every problem of a bad recipe at once, one line each, exit 2, without opening any weights."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import featcal_llm
+from featcal_llm.cli import main
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Any attempt to open a weight file, or to reach the hub, fails the test."""
+    import huggingface_hub
+    import safetensors
+    import safetensors.torch
+    import torch
+    from mergekit.common import ModelReference
+
+    import featcal_llm.io.checkpoint
+    import featcal_llm.io.lora
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"weights opened: {args[:1]}")
+
+    for module, name in [
+        (safetensors, "safe_open"), (safetensors.torch, "safe_open"), (safetensors.torch, "load_file"), (torch, "load"),
+        (featcal_llm.io.checkpoint, "safe_open"), (featcal_llm.io.lora, "safe_open"), (ModelReference, "local_path"),
+        (huggingface_hub.HfApi, "model_info"), (huggingface_hub.HfApi, "dataset_info"),
+    ]:
+        monkeypatch.setattr(module, name, refuse)
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        if str(file).endswith(WEIGHT_SUFFIXES):
+            raise AssertionError(f"weight file opened: {file}")
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+
+
+def _expert(recipe: dict, index: int) -> str:
+    return recipe["models"][index]["model"]
+
+
+def _data(recipe: dict, index: int) -> dict:
+    return recipe["featcal"]["data"][_expert(recipe, index)]
+
+
+def _text(content: str):
+    def write(_recipe, _tmp):
+        return content
+    return write
+
+
+def _typos(r, _t):
+    r["featcal"]["lamda"] = r["featcal"].pop("lambda")
+    r["featcal"]["aplha"] = r["featcal"].pop("alpha")
+    r["featcal"]["samples"] = 0
+
+
+def _entry_typos(r, _t):
+    _data(r, 0)["txt"] = _data(r, 0).pop("text")
+    _data(r, 1)["formt"] = _data(r, 1).pop("format")
+    r["featcal"]["data"][_expert(r, 2)] = {"generate": {"max_new_token": 8}}
+
+
+def _nested_typos(r, _t):
+    r["featcal"]["lambda"] = "auto"
+    r["featcal"]["tune"] = {"holdot": 0.2}
+    r["featcal"]["eval"] = {"backend": {"nam": "hf"}}
+
+
+def _missing_paths(r, t):
+    r["base_model"] = str(t / "no-base")
+    r["featcal"]["data"][str(t / "no-expert")] = r["featcal"]["data"].pop(_expert(r, 1))
+    r["models"][1]["model"] = str(t / "no-expert")
+    _data(r, 2)["path"] = str(t / "nowhere.jsonl")
+
+
+def _bad_files(r, t):
+    (t / "fields.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    _data(r, 0).update(path=str(t / "fields.jsonl"), format="alpaca")
+    (t / "cal.txt").write_text("x")
+    _data(r, 1)["path"] = str(t / "cal.txt")
+    (t / "empty.jsonl").write_text("")
+    _data(r, 2)["path"] = str(t / "empty.jsonl")
+
+
+def _other_shape(r, t):
+    odd = t / "odd-expert"
+    shutil.copytree(_expert(r, 2), odd, copy_function=os.symlink)  # weights linked, never read
+    (odd / "config.json").unlink()
+    shutil.copy(Path(_expert(r, 2)) / "config.json", odd / "config.json")
+    config = json.loads((odd / "config.json").read_text())
+    config["hidden_size"] += 8
+    (odd / "config.json").write_text(json.dumps(config))
+    r["featcal"]["data"][str(odd)] = r["featcal"]["data"].pop(_expert(r, 2))
+    r["models"][2]["model"] = str(odd)
+
+
+def _method_keys(r, _t):
+    r["featcal"]["reduction"] = 0.5
+    r["featcal"]["tune"] = {"budget": 4}
+
+
+def _data_key_typo(r, _t):
+    name = _expert(r, 1)
+    r["featcal"]["data"][name + "x"] = r["featcal"]["data"].pop(name)
+
+
+def _bad_adapter(r, t):
+    (t / "not-an-adapter").mkdir()
+    name = _expert(r, 0)
+    r["models"][0]["model"] = f"{name}+{t / 'not-an-adapter'}"
+    r["featcal"]["data"][r["models"][0]["model"]] = r["featcal"]["data"].pop(name)
+
+
+def _mergekit_and_featcal(r, _t):
+    r.pop("merge_method")
+    r["featcal"]["device"] = "gpu"
+    r["featcal"]["alpha"] = 1.5
+
+
+def _output_under_file(r, t):
+    (t / "a-file").write_text("x")
+    r["featcal"]["output"] = str(t / "a-file" / "out")
+    r["featcal"]["eval"] = {"data": {"gsm8k": str(t / "no-gsm8k.jsonl")}, "tasks": ["gsm8k"]}
+
+
+# name → (mutation of the scenario's recipe, or the file's text; one list of fragments per expected error line)
+CASES = {
+    "empty file": (_text(""), [["bad.yaml: the recipe file is empty"]]),
+    "not YAML": (_text("merge_method: [task_arithmetic\n"), [["bad.yaml: not valid YAML at line"]]),
+    "a list, not a mapping": (_text("- a\n- b\n"), [["bad.yaml: expected a YAML mapping", "got a list"]]),
+    "misspelled featcal keys": (_typos, [
+        ["featcal.samples:", "greater than or equal to 1", "(got 0)"],
+        ["featcal.lamda: unknown key; did you mean 'lambda'?"],
+        ["featcal.aplha: unknown key; did you mean 'alpha'?"],
+    ]),
+    "misspelled data keys": (_entry_typos, [
+        ["featcal.data.", ".txt: unknown key; did you mean 'text'?"],
+        ["featcal.data.", ".formt: unknown key; did you mean 'format'?"],
+        ["featcal.data.", ".generate.max_new_token: unknown key; did you mean 'max_new_tokens'?"],
+    ]),
+    "misspelled tune and eval keys": (_nested_typos, [
+        ["featcal.tune.holdot: unknown key; did you mean 'holdout'?"],
+        ["featcal.eval.backend.nam: unknown key; did you mean 'name'?"],
+    ]),
+    "missing model and data paths": (_missing_paths, [
+        ["base_model:", "no-base: model directory does not exist"],
+        ["models:", "no-expert: model directory does not exist"],
+        ["featcal.data.", "nowhere.jsonl: calibration file not found"],
+    ]),
+    "bad calibration files": (_bad_files, [
+        ["featcal.data.", "record 0 has no field 'instruction' (fields: question, answer)"],
+        ["cal.txt: unsupported file type"],
+        ["empty.jsonl: file is empty"],
+    ]),
+    "expert of another shape": (_other_shape, [["odd-expert/config.json: config hidden_size", "differs from the base model's"]]),
+    "keys of another method": (_method_keys, [
+        ["featcal.reduction: only method regmean and regmean++ reads it (method is featcal)"],
+        ["featcal.tune: nothing to tune"],
+    ]),
+    "data for a misspelled expert": (_data_key_typo, [
+        ["featcal.data: no calibration data for expert"],
+        ["featcal.data.", "x: not an expert of this recipe", "did you mean"],
+    ]),
+    "adapter without adapter_config.json": (_bad_adapter, [["not-an-adapter: not a PEFT adapter (adapter_config.json is missing)"]]),
+    "mergekit and featcal errors together": (_mergekit_and_featcal, [
+        ["bad.yaml: merge_method: required key is missing"],
+        ["featcal.alpha: every value should be less than or equal to 1, got 1.5"],
+        ["featcal.device: expected auto, cpu, cuda or cuda:N, got 'gpu'"],
+    ]),
+    "output under a file, eval data missing": (_output_under_file, [
+        ["featcal.output:", "a-file is not a directory"],
+        ["featcal.eval.data.gsm8k:", "no-gsm8k.jsonl: not found"],
+    ]),
+}
+
+
+def _write(scenario, tmp_path: Path, mutate) -> Path:
+    path = tmp_path / "bad.yaml"
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    text = mutate(recipe, tmp_path)
+    path.write_text(text if isinstance(text, str) else yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def test_at_least_twelve_bad_recipes():
+    assert len(CASES) >= 12
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_problem_is_listed(scenario, tmp_path, no_weights, case):
+    mutate, expected = CASES[case]
+    recipe = _write(scenario, tmp_path, mutate)
+    started = time.perf_counter()
+    result = CliRunner().invoke(main, ["validate", str(recipe)])
+    print(f"validate {case}: {time.perf_counter() - started:.2f} s")
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("featcal-llm: error: ")]
+    assert result.exit_code == 2, (result.exit_code, lines, result.exception)
+    assert all(line.startswith("featcal-llm: ") for line in lines[:-1]) and lines[-1].endswith("problem" + "s" * (len(errors) > 1)), lines
+    assert len(errors) == len(expected), errors
+    for fragments in expected:
+        assert any(all(fragment in line for fragment in fragments) for line in errors), (fragments, errors)
+    assert all("(got" not in line or line.count("got ") == 1 for line in errors), errors  # no `got 1.5 (got 1.5)`
+    assert not (tmp_path / "out").exists()
+
+
+def test_api_returns_the_same_problems(scenario, tmp_path, no_weights):
+    recipe = _write(scenario, tmp_path, _missing_paths)
+    problems = featcal_llm.validate(recipe)
+    result = CliRunner().invoke(main, ["validate", str(recipe)])
+    assert [f"featcal-llm: error: {problem}" for problem in problems] == result.stderr.strip().splitlines()[:-1]
+    assert {problem.key for problem in problems} == {"base_model", "models", f"featcal.data.{_expert(yaml.safe_load(recipe.read_text()), 2)}.path"}
+    assert all(problem.file == str(recipe) for problem in problems)
+
+
+def test_a_clean_recipe_passes_with_a_memory_estimate(scenario, tmp_path, no_weights):
+    recipe = _write(scenario, tmp_path, lambda r, t: None)
+    result = CliRunner().invoke(main, ["validate", str(recipe)])
+    assert result.exit_code == 0, result.output
+    assert "memory plan (estimate from the configs, not a measurement)" in result.stdout
+    assert "host RAM" in result.stdout and result.stdout.strip().endswith(": ok")
+    assert featcal_llm.validate(recipe) == []
+
+
+def test_hub_ids_are_looked_up_only_online(scenario, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    calls = []
+
+    def missing(self, repo_id, **kwargs):
+        calls.append(repo_id)
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # as huggingface_hub raises it for a 404
+        Exception.__init__(error, f"{repo_id} not found")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", missing)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", missing)
+
+    def hub_names(r, _t):
+        r["featcal"]["data"][_expert(r, 1)]["path"] = "someone/calibration-set"
+        r["featcal"]["data"]["someone/expert"] = r["featcal"]["data"].pop(_expert(r, 2))
+        r["models"][2]["model"] = "someone/expert"
+
+    recipe = _write(scenario, tmp_path, hub_names)
+    offline = CliRunner().invoke(main, ["validate", str(recipe)])
+    assert offline.exit_code == 0 and calls == [], (offline.output, calls)
+    assert "hub ids not looked up (pass --online to check them): someone/calibration-set (dataset), someone/expert" in offline.stderr
+    online = CliRunner().invoke(main, ["validate", str(recipe), "--online"])
+    assert online.exit_code == 2 and sorted(calls) == ["someone/calibration-set", "someone/expert"]
+    assert "models: someone/expert: someone/expert: no such model on the hub" in online.stderr
+    assert "someone/calibration-set: no such dataset on the hub" in online.stderr
+
+
+def test_run_reports_a_bad_data_path_before_resolving_any_model(scenario, tmp_path, no_weights):
+    """A hub-id expert would cost hub retries: run stops on the data path first, with every problem listed."""
+
+    def mutate(r, t):
+        r["featcal"]["data"]["someone/expert"] = r["featcal"]["data"].pop(_expert(r, 2))
+        r["models"][2]["model"] = "someone/expert"
+        _data(r, 0)["path"] = str(t / "nowhere.jsonl")
+        r["featcal"]["lamda"] = r["featcal"].pop("lambda")
+
+    recipe = _write(scenario, tmp_path, mutate)
+    result = CliRunner().invoke(main, ["run", str(recipe)])
+    errors = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, (errors, result.exception)
+    assert len(errors) == 2 and all(line.startswith("featcal-llm: error: ") for line in errors), errors
+    assert "nowhere.jsonl: calibration file not found" in errors[1] and "did you mean 'lambda'?" in errors[0]
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU"])
+def test_run_device_option_is_checked_like_the_recipe_key(scenario, tmp_path, device):
+    result = CliRunner().invoke(main, ["run", str(scenario.recipe), "--device", device])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"featcal-llm: error: --device: expected auto, cpu, cuda or cuda:N, got {device!r}"]
+
+
+def test_the_memory_plan_reads_the_layer_shape_that_transformers_builds():
+    """The estimate's projection shapes, from config.json alone, are those of transformers' own decoder layer."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from featcal_llm.benchmark.estimate import layer_shape_from_config
+
+    config = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=50)
+    with torch.device("meta"):
+        layer = LlamaDecoderLayer(LlamaConfig(**config), 0)
+    linears = {name.split(".")[-1]: module for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
+    shape = layer_shape_from_config(config, None)
+    assert shape.linear_params == sum(module.weight.numel() for module in linears.values())
+    for group in shape.groups:
+        for projection, outputs in group.outputs.items():
+            assert (linears[projection].in_features, linears[projection].out_features) == (group.input_dim, outputs), projection
+    restricted = layer_shape_from_config(config, ["q_proj", "down_proj"])
+    assert [(g.name, list(g.outputs)) for g in restricted.groups] == [("attention", ["q_proj"]), ("down_proj", ["down_proj"])]
+
+
+def test_the_memory_plan_is_near_the_measured_cpu_peak():
+    """8B shapes, 3 experts x 512 tokens on a CPU, float64 statistics: 22.0 GB peak host RSS measured (docs/benchmark.md)."""
+    from featcal_llm.benchmark.estimate import GB, memory_plan
+    from featcal_llm.io.recipe import FeatCalConfig
+
+    config = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256, torch_dtype="bfloat16")
+    featcal = FeatCalConfig.model_validate(dict(
+        merged="m", output="o", data={f"e{i}": {"path": "x.jsonl"} for i in range(3)}, samples=2, max_length=256,
+        device="cpu", dtype="float32", stats_dtype="float64", batch_tokens=512, host_memory_gb=12.64,
+    ))
+    plan = memory_plan(config, featcal, experts=3, merged_exists=True)
+    assert plan.gpu_bytes is None and 8.0e9 < plan.parameters < 8.1e9
+    assert 0.85 * 22.03 < plan.host_bytes / GB < 1.15 * 22.03
+
+
+def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = _write(scenario, tmp_path, lambda r, t: None)
+    with pytest.raises(FeatCalError, match=r"^device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
+        run_recipe(recipe, device="gpu")
+    assert not (tmp_path / "out").exists()
