@@ -145,7 +145,11 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         choice = Choice.from_record(cached["choice"])
     else:
         sampler = TransformersSampler(sources[name], tokenizer, device, dtype, recipe.featcal.trust_remote_code)
-        choice = choose_start(candidates, sampler, _references(recipe, sources, base, tokenizer, device, dtype), settings, device)
+        try:
+            choice = choose_start(candidates, sampler, _references(recipe, sources, base, tokenizer, device, dtype), settings, device)
+        except BaseException:
+            sampler.close()
+            raise
         store_choice(path, key, choice.as_record())
     reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s"
     print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
