@@ -14,7 +14,7 @@ import yaml
 
 from featcal_llm.generation import alike, choose, run as generation_run
 from featcal_llm.generation.store import GENERATED_DIR
-from kinds import build_kinds, kinds_recipe
+from studies.tiny_kinds import build_kinds, kinds_recipe
 from test_bad_input import assert_refused_in_one_line
 
 

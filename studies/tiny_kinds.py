@@ -1,4 +1,4 @@
-"""Two tiny experts of different kinds, trained for seconds from one tiny base with a chat template.
+"""Two tiny experts of different kinds (for tests and studies), trained for seconds from one tiny base with a chat template.
 
 `raw`: fine-tuned on raw text from BOS (lower-case code-like lines); `chat`: fine-tuned on chat-formatted pairs,
 the loss on the answers only (upper-case replies), as instruction tuning does. The base is briefly pre-trained on
