@@ -61,9 +61,12 @@ def test_kl_rows_match_an_independent_computation():
     got = choose.kl_rows(torch.log_softmax(logits_e, -1), logits_r)
     assert torch.allclose(got, torch.tensor(expected, dtype=torch.double), atol=1e-6)
     assert torch.allclose(choose.kl_rows(torch.log_softmax(logits_e, -1), logits_e), torch.zeros(5, dtype=torch.double), atol=1e-6)
-    # a reference with two added tokens: the KL is over the shared 7 ids, renormalised
+    # a reference with two added tokens: the KL is over the 7 shared ids, renormalised
     wider = torch.cat([logits_r, torch.randn(5, 2)], dim=1)
     assert torch.allclose(choose.kl_rows(torch.log_softmax(logits_e, -1), wider), got, atol=1e-6)
+    # an expert with two added tokens: likewise, its distribution renormalised over the shared ids
+    expert_wider = torch.cat([logits_e, torch.randn(5, 2)], dim=1)
+    assert torch.allclose(choose.kl_rows(torch.log_softmax(expert_wider, -1), logits_r), got, atol=1e-6)
 
 
 def test_overlap_and_look_alike_rule():
