@@ -39,14 +39,17 @@ class Choice:
     seconds: float = 0.0
     probe_tokens: int = 0
     references: list[str] = field(default_factory=list)
+    merge_seconds: float = 0.0  # merging for the reference, done here instead of later: not the measurement's cost
 
     def as_record(self) -> dict[str, Any]:
         return {"mode": self.mode, "scores": self.scores, "sources": self.sources, "seconds": round(self.seconds, 3),
-                "probe_tokens": self.probe_tokens, "references": self.references}
+                "probe_tokens": self.probe_tokens, "references": self.references,
+                "merge_seconds": round(self.merge_seconds, 3)}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "Choice":
-        return cls(record["mode"], record["scores"], record["sources"], record["seconds"], record["probe_tokens"], record["references"])
+        return cls(record["mode"], record["scores"], record["sources"], record["seconds"], record["probe_tokens"], record["references"],
+                   record.get("merge_seconds", 0.0))
 
     def describe(self) -> str:
         """`chose BOS token (KL vs base 0.52, vs merged 0.41; shipped seed prompts 0.05)`: the winner's KLs, the others' scores."""
@@ -69,12 +72,23 @@ def kl_rows(expert_log_probs: torch.Tensor, reference_logits: torch.Tensor) -> t
     return (p.exp() * (p - q)).sum(dim=-1).clamp_(min=0.0)
 
 
-def written_logits(model: Any, prompt: tuple[int, ...], continuation: list[int], device: torch.device) -> torch.Tensor:
-    """The model's logits at the positions that predict each token of `continuation` after `prompt`."""
-    ids = torch.tensor([[*prompt, *continuation]], dtype=torch.long, device=device)
+def written_logits(model: Any, rows: list[tuple[tuple[int, ...], list[int]]], device: torch.device) -> list[torch.Tensor]:
+    """Per (prompt, continuation) row: the model's logits at the positions that predict each continuation token.
+
+    One forward pass over the rows right-padded (padding after a row's tokens changes none of its logits)."""
+    sequences = [[*prompt, *continuation] for prompt, continuation in rows]
+    width = max(len(sequence) for sequence in sequences)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, sequence in enumerate(sequences):
+        ids[index, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        mask[index, : len(sequence)] = 1
     with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0]
-    return logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float().cpu()
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    return [
+        logits[index, len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float().cpu()
+        for index, (prompt, continuation) in enumerate(rows)
+    ]
 
 
 def probe_prompts(start: Start, count: int = PROBE_SAMPLES) -> list[tuple[int, ...]]:
@@ -93,25 +107,24 @@ def choose_start(
     """
     began = time.perf_counter()
     probe_settings = {**settings, "max_new_tokens": min(PROBE_TOKENS, settings["max_new_tokens"])}
-    probes: dict[str, list[tuple[tuple[int, ...], list[int], torch.Tensor]]] = {}
+    probes: dict[str, list[tuple[tuple[int, ...], list[int]]]] = {}
+    expert_log_probs: dict[str, list[torch.Tensor]] = {}
     tokens = 0
     for index, mode in enumerate(MODES):
         if mode not in candidates:
             continue
         prompts = probe_prompts(candidates[mode])
         seed = batch_seed(settings["seed"], PROBE_STREAM + settings["stream"], index)
-        continuations = sampler.sample(prompts, probe_settings, seed)
-        probes[mode] = []
-        for prompt, continuation in zip(prompts, continuations):
-            log_probs = torch.log_softmax(written_logits(sampler.model, prompt, continuation, device), dim=-1)
-            probes[mode].append((prompt, continuation, log_probs))
-            tokens += len(continuation)
+        probes[mode] = list(zip(prompts, sampler.sample(prompts, probe_settings, seed)))
+        expert_log_probs[mode] = [torch.log_softmax(rows, dim=-1) for rows in written_logits(sampler.model, probes[mode], device)]
+        tokens += sum(len(continuation) for _, continuation in probes[mode])
     scores: dict[str, dict[str, float]] = {mode: {} for mode in probes}
     for name, load in references.items():
         reference = load()
         try:
             for mode, rows in probes.items():
-                kl = torch.cat([kl_rows(lp, written_logits(reference.model, p, c, device)) for p, c, lp in rows])
+                logits = written_logits(reference.model, rows, device)
+                kl = torch.cat([kl_rows(lp, reference_logits) for lp, reference_logits in zip(expert_log_probs[mode], logits)])
                 scores[mode][name] = float(kl.mean())
         finally:
             reference.close()

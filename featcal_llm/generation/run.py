@@ -106,9 +106,10 @@ def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, s
                         [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}])
 
 
-def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype) -> dict:
-    """Loaders of the models the probe compares the expert with: the base, and the merged model (merged now if absent)
-    unless the merge builds its own vocabulary (its token ids are not the expert's)."""
+def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype,
+                timing: dict[str, float]) -> dict:
+    """Loaders of the models the probe compares the expert with: the base, and the merged model (merged now if absent,
+    its time in `timing["merge"]`) unless the merge builds its own vocabulary (its token ids are not the expert's)."""
     from featcal_llm.io.forms import changes_tokenizer
     from featcal_llm.io.merge import ensure_merged
     from featcal_llm.io.references import ModelSource
@@ -117,7 +118,9 @@ def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: A
     loaders = {"base": lambda: TransformersSampler(base, tokenizer, device, dtype, trust)}
     if not changes_tokenizer(recipe.merge_config):
         def merged():
+            began = time.perf_counter()
             directory = ensure_merged(recipe, Path(recipe.featcal.merged), str(device), sources, trust)
+            timing["merge"] = time.perf_counter() - began
             return TransformersSampler(ModelSource(str(directory), directory), tokenizer, device, dtype, trust)
         loaders["merged"] = merged
     return loaders
@@ -145,13 +148,17 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         choice = Choice.from_record(cached["choice"])
     else:
         sampler = TransformersSampler(sources[name], tokenizer, device, dtype, recipe.featcal.trust_remote_code)
+        timing: dict[str, float] = {}
         try:
-            choice = choose_start(candidates, sampler, _references(recipe, sources, base, tokenizer, device, dtype), settings, device)
+            choice = choose_start(candidates, sampler, _references(recipe, sources, base, tokenizer, device, dtype, timing), settings, device)
         except BaseException:
             sampler.close()
             raise
+        choice.merge_seconds = timing.get("merge", 0.0)
+        choice.seconds -= choice.merge_seconds
         store_choice(path, key, choice.as_record())
-    reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s"
+    reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
+        f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds else "")
     print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
     return candidates[choice.mode], choice.mode, choice, sampler
 
