@@ -72,23 +72,24 @@ def kl_rows(expert_log_probs: torch.Tensor, reference_logits: torch.Tensor) -> t
     return (p.exp() * (p - q)).sum(dim=-1).clamp_(min=0.0)
 
 
-def written_logits(model: Any, rows: list[tuple[tuple[int, ...], list[int]]], device: torch.device) -> list[torch.Tensor]:
+def written_logits(model: Any, rows: list[tuple[tuple[int, ...], list[int]]], device: torch.device, chunk: int = PROBE_SAMPLES) -> list[torch.Tensor]:
     """Per (prompt, continuation) row: the model's logits at the positions that predict each continuation token.
 
-    One forward pass over the rows right-padded (padding after a row's tokens changes none of its logits)."""
-    sequences = [[*prompt, *continuation] for prompt, continuation in rows]
-    width = max(len(sequence) for sequence in sequences)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, sequence in enumerate(sequences):
-        ids[index, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        mask[index, : len(sequence)] = 1
-    with torch.inference_mode():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    return [
-        logits[index, len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float().cpu()
-        for index, (prompt, continuation) in enumerate(rows)
-    ]
+    One forward pass per `chunk` rows, right-padded (padding after a row's tokens changes none of its logits)."""
+    found = []
+    for first in range(0, len(rows), chunk):
+        part = rows[first : first + chunk]
+        sequences = [[*prompt, *continuation] for prompt, continuation in part]
+        width = max(len(sequence) for sequence in sequences)
+        ids = torch.zeros((len(part), width), dtype=torch.long)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        for index, sequence in enumerate(sequences):
+            ids[index, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+            mask[index, : len(sequence)] = 1
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        found += [logits[index, len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float().cpu() for index, (prompt, continuation) in enumerate(part)]
+    return found
 
 
 def probe_prompts(start: Start, count: int = PROBE_SAMPLES) -> list[tuple[int, ...]]:
@@ -107,28 +108,24 @@ def choose_start(
     """
     began = time.perf_counter()
     probe_settings = {**settings, "max_new_tokens": min(PROBE_TOKENS, settings["max_new_tokens"])}
-    probes: dict[str, list[tuple[tuple[int, ...], list[int]]]] = {}
-    expert_log_probs: dict[str, list[torch.Tensor]] = {}
-    tokens = 0
-    for index, mode in enumerate(MODES):
-        if mode not in candidates:
-            continue
-        prompts = probe_prompts(candidates[mode])
-        seed = batch_seed(settings["seed"], PROBE_STREAM + settings["stream"], index)
-        probes[mode] = list(zip(prompts, sampler.sample(prompts, probe_settings, seed)))
-        expert_log_probs[mode] = [torch.log_softmax(rows, dim=-1) for rows in written_logits(sampler.model, probes[mode], device)]
-        tokens += sum(len(continuation) for _, continuation in probes[mode])
-    scores: dict[str, dict[str, float]] = {mode: {} for mode in probes}
+    modes = [mode for mode in MODES if mode in candidates]
+    prompts = [prompt for mode in modes for prompt in probe_prompts(candidates[mode])]
+    # one batch for every start's probes: half the decoding steps of one batch per start
+    written = sampler.sample(prompts, probe_settings, batch_seed(settings["seed"], PROBE_STREAM + settings["stream"], 0))
+    rows = list(zip(prompts, written))
+    owner = [mode for mode in modes for _ in range(PROBE_SAMPLES)]
+    expert_log_probs = [torch.log_softmax(logits, dim=-1) for logits in written_logits(sampler.model, rows, device)]
+    tokens = sum(len(continuation) for continuation in written)
+    scores: dict[str, dict[str, float]] = {mode: {} for mode in modes}
     for name, load in references.items():
         reference = load()
         try:
-            for mode, rows in probes.items():
-                logits = written_logits(reference.model, rows, device)
-                kl = torch.cat([kl_rows(lp, reference_logits) for lp, reference_logits in zip(expert_log_probs[mode], logits)])
-                scores[mode][name] = float(kl.mean())
+            kl = [kl_rows(lp, logits) for lp, logits in zip(expert_log_probs, written_logits(reference.model, rows, device))]
         finally:
             reference.close()
+        for mode in modes:
+            scores[mode][name] = float(torch.cat([k for k, m in zip(kl, owner) if m == mode]).mean())
     for values in scores.values():
         values["score"] = min(values[name] for name in references)
-    mode = max(probes, key=lambda m: (scores[m]["score"], -MODES.index(m)))
-    return Choice(mode, scores, {m: candidates[m].source for m in probes}, time.perf_counter() - began, tokens, list(references))
+    mode = max(modes, key=lambda m: (scores[m]["score"], -MODES.index(m)))
+    return Choice(mode, scores, {m: candidates[m].source for m in modes}, time.perf_counter() - began, tokens, list(references))
