@@ -158,7 +158,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         choice.seconds -= choice.merge_seconds
         store_choice(path, key, choice.as_record())
     reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
-        f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds else "")
+        f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds >= 0.05 else "")
     print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
     return candidates[choice.mode], choice.mode, choice, sampler
 
