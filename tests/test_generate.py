@@ -261,7 +261,7 @@ def test_generated_sequences_are_what_calibration_sees_and_tuning_holds_out_only
 
 
 def test_chat_experts_answer_the_shipped_prompts(merged_scenario, tmp_path):
-    path = _generate_recipe(merged_scenario, tmp_path, which=(2,), samples=3)  # chat_template auto: the char tokenizer has one
+    path = _generate_recipe(merged_scenario, tmp_path, which=(2,), samples=3, chat_template="on")
     run_recipe(path, progress=False)
     samples = _stored(tmp_path, merged_scenario.experts["expert2"].name)
     shipped = read_prompts(SEED_PROMPTS, "seed")

@@ -102,3 +102,34 @@ def resolve_start(
     if empty:
         raise FeatCalError(f"{where}.prompts: prompt {empty[0] + 1} tokenises to nothing")
     return Start(texts, ids, prompts_source, chat)
+
+
+def config_start_token(directory: Any, tokenizer: Any) -> int | None:
+    """The expert's generation_config.json start token (decoder start, else BOS), when it ships one."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in ("decoder_start_token_id", "bos_token_id"):
+        value = config.get(key)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and 0 <= value < len(tokenizer):
+            return value
+    return None
+
+
+def candidate_starts(tokenizer: Any, config: Any, directory: Any, where: str) -> dict[str, Start]:
+    """The starts `chat_template: auto` chooses among, by mode: "bos" (the BOS token), "chat" (the shipped seed
+    prompts through the chat template, when the tokenizer has one), "config" (the generation config's start token,
+    when it is another token than the BOS)."""
+    candidates = {"bos": resolve_start(None, "", "off", tokenizer, config, where)}
+    if getattr(tokenizer, "chat_template", None) is not None:
+        candidates["chat"] = resolve_start(None, "", "on", tokenizer, config, where)
+    token = config_start_token(directory, tokenizer)
+    if token is not None and (token,) != candidates["bos"].ids[0]:
+        name = tokenizer.convert_ids_to_tokens(token)
+        candidates["config"] = Start(("",), ((token,),), f"generation-config start token {name}", chat=False)
+    return candidates

@@ -15,13 +15,16 @@ from tqdm.auto import tqdm
 from featcal_llm.engine.drift import short_names
 from featcal_llm.engine.resume import checkpoint_identity, fingerprint
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.generation.backends import batch_seed, choose_backend, open_sampler
-from featcal_llm.generation.prompts import Start, read_prompts, resolve_start
+from featcal_llm.generation.alike import look_alike
+from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
+from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
+from featcal_llm.generation.prompts import Start, candidate_starts, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
-from featcal_llm.generation.store import FORMAT, cached_samples, set_paths, store_samples
+from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, set_paths, store_choice, store_samples
 from featcal_llm.io.recipe import Recipe, beside_recipe
 
 MAX_ROUNDS = 3  # a round replaces the samples the quality rule dropped in the one before
+DEFAULT_NEW_TOKENS = 512  # capped at featcal.max_length: calibration never sees tokens past it
 
 
 @dataclass
@@ -46,7 +49,7 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
     return {
         "stream": position,
         "samples": generate.samples or spec.samples or featcal.samples,
-        "max_new_tokens": generate.max_new_tokens,
+        "max_new_tokens": generate.max_new_tokens or min(DEFAULT_NEW_TOKENS, featcal.max_length),
         "temperature": generate.temperature,
         "top_p": generate.top_p,
         "seed": featcal.seed if generate.seed is None else generate.seed,
@@ -94,49 +97,151 @@ def _summary(name: str, record: dict, path: Path, reused: bool) -> str:
     return f"featcal-llm: generation: expert {name}: {record['kept']} samples from the {record['start']} ({how}; dropped {dropped_text}) → {path}"
 
 
+def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, settings: dict, candidates: dict[str, Start]) -> str:
+    """What a start choice depends on: every model of the merge, the merge itself, the probe's sampling, the candidates."""
+    models = {"base": [base.identity(), checkpoint_identity(base.directory)]}
+    models |= {n: [s.identity(), checkpoint_identity(s.directory)] for n, s in sources.items()}
+    probe = {k: settings[k] for k in ("stream", "seed", "temperature", "top_p", "max_new_tokens")}
+    return fingerprint([FORMAT, "start choice", name, models, recipe.merge_config.model_dump(mode="json"), probe,
+                        [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}])
+
+
+def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype,
+                timing: dict[str, float]) -> dict:
+    """Loaders of the models the probe compares the expert with: the base, and the merged model (merged now if absent,
+    its time in `timing["merge"]`) unless the merge builds its own vocabulary (its token ids are not the expert's)."""
+    from featcal_llm.io.forms import changes_tokenizer
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.references import ModelSource
+
+    trust = recipe.featcal.trust_remote_code
+    loaders = {"base": lambda: TransformersSampler(base, tokenizer, device, dtype, trust)}
+    if not changes_tokenizer(recipe.merge_config):
+        def merged():
+            began = time.perf_counter()
+            directory = ensure_merged(recipe, Path(recipe.featcal.merged), str(device), sources, trust)
+            timing["merge"] = time.perf_counter() - began
+            return TransformersSampler(ModelSource(str(directory), directory), tokenizer, device, dtype, trust)
+        loaders["merged"] = merged
+    return loaders
+
+
+def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, config: Any, settings: dict,
+           samples_path: Path, device: torch.device, dtype: torch.dtype, where: str) -> tuple[Start, str, Choice | None, Any]:
+    """The start this expert's samples begin with, its mode, the measured choice (None when the recipe forces the start),
+    and the transformers sampler the probe opened (or None), for the samples to reuse."""
+    spec = recipe.featcal.data[name].generate
+    if spec.prompts is not None:
+        prompts_path = beside_recipe(spec.prompts, recipe.path.parent)
+        prompts = read_prompts(prompts_path, f"{where}.prompts")
+        start = resolve_start(prompts, f"prompts file {prompts_path}", spec.chat_template, tokenizer, config, where)
+        return start, "prompts", None, None
+    if spec.start is not None or spec.chat_template != "auto":
+        start = resolve_start(None, "", spec.chat_template, tokenizer, config, where, spec.start)
+        return start, "start token" if spec.start is not None else ("chat" if start.chat else "bos"), None, None
+    candidates = candidate_starts(tokenizer, config, sources[name].directory, where)
+    if len(candidates) == 1:
+        return candidates["bos"], "bos", None, None
+    key, path, sampler = _choice_key(recipe, name, sources, base, settings, candidates), choice_path(samples_path), None
+    cached = cached_choice(path, key)
+    if cached is not None:
+        choice = Choice.from_record(cached["choice"])
+    else:
+        sampler = TransformersSampler(sources[name], tokenizer, device, dtype, recipe.featcal.trust_remote_code)
+        timing: dict[str, float] = {}
+        try:
+            choice = choose_start(candidates, sampler, _references(recipe, sources, base, tokenizer, device, dtype, timing), settings, device)
+        except BaseException:
+            sampler.close()
+            raise
+        choice.merge_seconds = timing.get("merge", 0.0)
+        choice.seconds -= choice.merge_seconds
+        store_choice(path, key, choice.as_record())
+    reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
+        f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds >= 0.05 else "")
+    print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
+    return candidates[choice.mode], choice.mode, choice, sampler
+
+
 def generated_sequences(
     recipe: Recipe, sources: dict[str, Any], configs: dict[str, Any], device: torch.device, dtypes: dict[str, torch.dtype], progress: bool
 ) -> dict[str, list[list[int]]]:
     """Expert name → token ids of its own samples, for every expert whose data is `generate:`."""
     from transformers import AutoTokenizer
 
+    from featcal_llm.io.references import resolve_source
+
     featcal = recipe.featcal
     names = [e.name for e in recipe.experts if featcal.data[e.name].generate is not None]
     labels = short_names([e.name for e in recipe.experts])
+    base = resolve_source(recipe.base, f"{recipe.path}: base_model")
     result = {}
     for name in names:
         spec, source = featcal.data[name].generate, sources[name]
         where = f"{recipe.path}: featcal.data.{name}.generate"
         settings = settings_of(recipe, name)
         tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_directory, trust_remote_code=featcal.trust_remote_code)
-        prompts, prompts_source = None, ""
-        if spec.prompts is not None:
-            prompts_path = beside_recipe(spec.prompts, recipe.path.parent)
-            prompts, prompts_source = read_prompts(prompts_path, f"{where}.prompts"), f"prompts file {prompts_path}"
-        start = resolve_start(prompts, prompts_source, spec.chat_template, tokenizer, configs[name], where, spec.start)
-        key = fingerprint([FORMAT, source.identity(), checkpoint_identity(source.directory), settings, start.chat, [list(i) for i in start.ids]])
         samples_path, record_path = set_paths(Path(featcal.output), labels[name])
+        start, mode, choice, sampler = _start(recipe, name, sources, base, tokenizer, configs[name], settings, samples_path, device, dtypes[name], where)
+        key = fingerprint([FORMAT, source.identity(), checkpoint_identity(source.directory), settings, start.chat, [list(i) for i in start.ids],
+                           mode])
         cached = cached_samples(samples_path, record_path, key)
-        if cached is not None:
-            samples, record = cached
-        else:
-            backend = choose_backend(spec.backend, device, where)
-            sampler = open_sampler(backend, source, tokenizer, device, dtypes[name], featcal.trust_remote_code, settings["seed"])
-            try:
+        try:
+            if cached is not None:
+                samples, record = cached
+            else:
+                backend = choose_backend(spec.backend, device, where)
+                if sampler is None or backend != "transformers":
+                    if sampler is not None:
+                        sampler.close()
+                    sampler = open_sampler(backend, source, tokenizer, device, dtypes[name], featcal.trust_remote_code, settings["seed"])
                 tally = _sample(sampler, backend, start, settings, tokenizer, labels[name], progress)
-            finally:
+                if not tally.kept:
+                    raise FeatCalError(f"{where}: expert {name} wrote no usable sample in {MAX_ROUNDS} rounds (dropped: {dict(tally.dropped)}); change temperature, top_p or the prompts")
+                if len(tally.kept) < settings["samples"]:
+                    warn(f"{where}: kept {len(tally.kept)} of {settings['samples']} samples after {MAX_ROUNDS} rounds ({dict(tally.dropped)} dropped)")
+                samples = tally.kept
+                record = store_samples(samples_path, record_path, samples, {
+                    "format": FORMAT, "key": key, "expert": name, "backend": backend, "settings": settings,
+                    "start": start.source, "start_mode": mode, "start_choice": None if choice is None else choice.as_record(),
+                    "chat_template": start.chat, "kept": len(samples), "dropped": dict(tally.dropped),
+                    "generated_tokens": tally.tokens, "seconds": round(tally.seconds, 3),
+                    "tokens_per_second": round(tally.tokens / max(tally.seconds, 1e-9), 1),
+                })
+        finally:
+            if sampler is not None:
                 sampler.close()
-            if not tally.kept:
-                raise FeatCalError(f"{where}: expert {name} wrote no usable sample in {MAX_ROUNDS} rounds (dropped: {dict(tally.dropped)}); change temperature, top_p or the prompts")
-            if len(tally.kept) < settings["samples"]:
-                warn(f"{where}: kept {len(tally.kept)} of {settings['samples']} samples after {MAX_ROUNDS} rounds ({dict(tally.dropped)} dropped)")
-            samples = tally.kept
-            record = store_samples(samples_path, record_path, samples, {
-                "format": FORMAT, "key": key, "expert": name, "backend": backend, "settings": settings,
-                "start": start.source, "chat_template": start.chat, "kept": len(samples), "dropped": dict(tally.dropped),
-                "generated_tokens": tally.tokens, "seconds": round(tally.seconds, 3),
-                "tokens_per_second": round(tally.tokens / max(tally.seconds, 1e-9), 1),
-            })
         print(_summary(name, record, samples_path, cached is not None), file=sys.stderr)
         result[name] = [sample["token_ids"] for sample in samples]
+    _warn_look_alike(recipe, {name: [s[: featcal.max_length] for s in result[name]] for name in result})
     return result
+
+
+def _warn_look_alike(recipe: Recipe, sets: dict[str, list[list[int]]]) -> None:
+    """Experts that differ in kind should calibrate on different text: say so when two generated sets look alike."""
+    for first, second, between, within in look_alike(sets):
+        warn(
+            f"{recipe.path}: featcal.data: the generated sets of {first} and {second} are nearly the same text (token-bigram "
+            f"overlap {between:.2f}, against {within:.2f} between halves of one set): FeatCal cannot tell these experts apart on "
+            "them; give each expert prompts of its own kind (generate.prompts) or another start (chat_template, start)"
+        )
+
+
+def start_records(recipe: Recipe) -> dict[str, dict]:
+    """Expert name → how its generated set began ({"start", "mode", "chosen_by", "scores"}), from the sets' records."""
+    import json
+
+    labels = short_names([e.name for e in recipe.experts])
+    found = {}
+    for expert in recipe.experts:
+        if recipe.featcal.data[expert.name].generate is None:
+            continue
+        try:
+            record = json.loads(set_paths(Path(recipe.featcal.output), labels[expert.name])[1].read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        choice = record.get("start_choice")
+        found[expert.name] = {"start": record.get("start"), "mode": record.get("start_mode"),
+                              "chosen_by": "measurement" if choice else "recipe",
+                              **({"scores": {m: v["score"] for m, v in choice["scores"].items()}} if choice else {})}
+    return found

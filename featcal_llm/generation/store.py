@@ -63,3 +63,21 @@ def store_samples(samples_path: Path, record_path: Path, samples: list[dict], re
     record = {**record, "sha256": file_digest(samples_path)}
     _write_atomically(record_path, json.dumps(record, indent=1) + "\n")
     return record
+
+
+def choice_path(samples_path: Path) -> Path:
+    """Where an expert's measured start choice is kept, beside its set (reused while its key holds)."""
+    return samples_path.with_name(samples_path.stem + ".start.json")
+
+
+def cached_choice(path: Path, key: str) -> dict | None:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("key") == key and isinstance(record.get("choice"), dict) else None
+
+
+def store_choice(path: Path, key: str, choice: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, json.dumps({"format": FORMAT, "key": key, "choice": choice}, indent=1) + "\n")

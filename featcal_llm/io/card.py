@@ -76,6 +76,13 @@ def write_card(
             + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps}"
         )
         saved = replay_text(recipe, tuning, precisions or {})
+    from featcal_llm.generation.run import start_records
+
+    starts = start_records(recipe)
+    if starts:
+        saved = saved.rstrip("\n") + "\n" + "".join(
+            f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
+        )
     front = {
         "base_model": str(recipe.base),
         "tags": ["merge", "mergekit", "featcal"],
@@ -87,11 +94,16 @@ def write_card(
             "experts": [expert.name for expert in recipe.experts],
             "hyperparameters": hyper,
             "calibration_tokens": tokens,
+            **({"generation_starts": starts} if starts else {}),
             **({"models": {name: source.describe() for name, source in sources.items()}} if sources else {}),
             "featcal_llm_version": __version__,
         },
     }
-    experts = "\n".join(f"- `{e.name}`: {tokens[e.name]} calibration tokens" for e in recipe.experts)
+    experts = "\n".join(
+        f"- `{e.name}`: {tokens[e.name]} calibration tokens"
+        + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
+        for e in recipe.experts
+    )
     body = f"""# {"FeatCal-calibrated merge" if featcal.method == "featcal" else featcal.method + " merge"}
 
 This model is `{merged}` (a `{recipe.merge_config.merge_method}` merge of the experts below onto

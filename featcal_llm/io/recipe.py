@@ -44,13 +44,15 @@ class GenerateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
-    max_new_tokens: int = Field(512, ge=1, description="most tokens written per sample")
+    max_new_tokens: int | None = Field(None, ge=1, description="default 512, at most featcal.max_length (calibration sees no token past it)")
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(1.0, ge=0.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
     seed: int | None = Field(None, description="default featcal.seed")
-    chat_template: Literal["auto", "on", "off"] = Field("auto", description="auto: on when the expert's tokenizer has one")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="without prompts or start: on answers the shipped seed prompts, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"
+    )
     batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
 

@@ -1,0 +1,184 @@
+"""`generate:` with no other key: each expert's start is measured (BOS for raw-text experts, chat for chat-tuned ones),
+recorded, cached, overridable; look-alike generated sets are warned about."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from featcal_llm.generation import alike, choose, run as generation_run
+from featcal_llm.generation.store import GENERATED_DIR
+from studies.tiny_kinds import build_kinds, kinds_recipe
+from test_bad_input import assert_refused_in_one_line
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    """A tiny base with a chat template, a raw-text expert, a chat-tuned expert and a copy of the raw one."""
+    return build_kinds(tmp_path_factory.mktemp("kinds"), steps=50)
+
+
+def _generate(path: Path) -> dict[str, list[list[int]]]:
+    from transformers import AutoConfig
+
+    from featcal_llm.io.recipe import load_recipe
+    from featcal_llm.io.references import resolve_source
+
+    recipe = load_recipe(path)
+    base = resolve_source(recipe.base, "base_model")
+    sources = {e.name: resolve_source(e.reference, e.name, base) for e in recipe.experts}
+    configs = {name: AutoConfig.from_pretrained(source.directory) for name, source in sources.items()}
+    return generation_run.generated_sequences(recipe, sources, configs, torch.device("cpu"), dict.fromkeys(sources, torch.float32), False)
+
+
+def _record(root: Path, expert: str) -> dict:
+    return json.loads((root / GENERATED_DIR / f"{expert}.json").read_text())
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """How many times the start was measured."""
+    calls = []
+    original = generation_run.choose_start
+    monkeypatch.setattr(generation_run, "choose_start", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+# --- the measure ------------------------------------------------------------------------------------------------
+
+
+def test_kl_rows_match_an_independent_computation():
+    torch.manual_seed(0)
+    logits_e, logits_r = torch.randn(5, 7), torch.randn(5, 7)
+    p, q = torch.softmax(logits_e.double(), -1).tolist(), torch.softmax(logits_r.double(), -1).tolist()
+    expected = [sum(pi * math.log(pi / qi) for pi, qi in zip(pr, qr)) for pr, qr in zip(p, q)]
+    got = choose.kl_rows(torch.log_softmax(logits_e, -1), logits_r)
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.double), atol=1e-6)
+    assert torch.allclose(choose.kl_rows(torch.log_softmax(logits_e, -1), logits_e), torch.zeros(5, dtype=torch.double), atol=1e-6)
+    # a reference with two added tokens: the KL is over the 7 shared ids, renormalised
+    wider = torch.cat([logits_r, torch.randn(5, 2)], dim=1)
+    assert torch.allclose(choose.kl_rows(torch.log_softmax(logits_e, -1), wider), got, atol=1e-6)
+    # an expert with two added tokens: likewise, its distribution renormalised over the shared ids
+    expert_wider = torch.cat([logits_e, torch.randn(5, 2)], dim=1)
+    assert torch.allclose(choose.kl_rows(torch.log_softmax(expert_wider, -1), logits_r), got, atol=1e-6)
+
+
+def test_overlap_and_look_alike_rule():
+    a, b = Counter({(1, 2): 3, (2, 3): 1}), Counter({(1, 2): 1, (4, 5): 1})
+    assert alike.overlap(a, b) == pytest.approx(min(3 / 4, 1 / 2) + 0)  # only (1, 2) is shared
+    assert alike.overlap(a, a) == pytest.approx(1.0) and alike.overlap(a, Counter()) == 0.0
+    one = [[1, 2, 3, 4, 5]] * 4
+    other = [[9, 8, 7, 6]] * 4
+    assert alike.alikeness(one, one) == (1.0, 1.0)
+    assert alike.look_alike({"x": one, "y": list(one), "z": other}) == [("x", "y", 1.0, 1.0)]
+    assert alike.alikeness(one[:3], one) is None  # too few samples to tell
+
+
+# --- the choice -------------------------------------------------------------------------------------------------
+
+
+def test_raw_text_experts_start_at_bos_and_chat_tuned_ones_answer_prompts(kinds, tmp_path, capsys, probes):
+    path = kinds_recipe(kinds, tmp_path)
+    sequences = _generate(path)
+    err = capsys.readouterr().err
+    raw, chat = _record(tmp_path, "raw"), _record(tmp_path, "chat")
+    assert raw["start_mode"] == "bos" and raw["start"] == "BOS token"
+    assert chat["start_mode"] == "chat" and chat["start"] == "shipped seed prompts"
+    for record in (raw, chat):  # the winner scored highest, and the log line says so
+        scores = {mode: values["score"] for mode, values in record["start_choice"]["scores"].items()}
+        assert set(scores) == {"bos", "chat"} and max(scores, key=scores.get) == record["start_mode"]
+        assert scores[record["start_mode"]] > 2 * min(scores.values())  # a clear margin, not a coin toss
+    assert f"expert {kinds['raw']}: chose BOS token (KL vs base " in err and "; shipped seed prompts " in err
+    assert f"expert {kinds['chat']}: chose shipped seed prompts (KL vs base " in err
+    bos = 1
+    assert all(s[0] == bos and s[1] != bos for s in sequences[str(kinds["raw"])])
+    assert all(s[:3] == [bos, *s[1:3]] and len(s) > 10 for s in sequences[str(kinds["chat"])])
+    assert len(probes) == 2
+    # the probe cost: at most 2 starts × 8 samples × min(64, max_new_tokens) tokens
+    assert raw["start_choice"]["probe_tokens"] <= 2 * choose.PROBE_SAMPLES * 24
+
+
+def test_the_choice_is_cached_recorded_and_in_the_set_key(kinds, tmp_path, probes, monkeypatch):
+    path = kinds_recipe(kinds, tmp_path, experts=("raw",))
+    first = _generate(path)
+    assert len(probes) == 1
+    assert _generate(path) == first and len(probes) == 1  # the choice and the set reused
+    # another choice (here: the stored one edited) gives another set, from the other start
+    stored = tmp_path / GENERATED_DIR / "raw.start.json"
+    record = json.loads(stored.read_text())
+    record["choice"]["mode"] = "chat"
+    stored.write_text(json.dumps(record))
+    opened = []
+    original = generation_run.open_sampler
+    monkeypatch.setattr(generation_run, "open_sampler", lambda *a, **k: opened.append(1) or original(*a, **k))
+    second = _generate(path)
+    assert len(probes) == 1 and opened == [1]  # not measured again, but sampled again
+    assert _record(tmp_path, "raw")["start_mode"] == "chat" and second != first
+
+
+def test_the_card_and_saved_recipe_name_the_chosen_start(kinds, tmp_path):
+    from featcal_llm.pipeline import run_recipe
+
+    path = kinds_recipe(kinds, tmp_path)
+    run_recipe(path, progress=False)
+    card = (tmp_path / "featcal" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    starts = front["featcal"]["generation_starts"]
+    assert starts[str(kinds["raw"])]["mode"] == "bos" and starts[str(kinds["chat"])]["mode"] == "chat"
+    assert starts[str(kinds["raw"])]["chosen_by"] == "measurement" and set(starts[str(kinds["raw"])]["scores"]) == {"bos", "chat"}
+    assert "written by the expert from the BOS token (chosen by measurement)" in card
+    saved = (tmp_path / "featcal" / "featcal_recipe.yml").read_text()
+    assert f"# generate: {kinds['chat']} began its samples from the shipped seed prompts (chosen by measurement)" in saved
+
+
+@pytest.mark.parametrize(
+    "expert, forced, mode, source",
+    [("chat", {"chat_template": "off"}, "bos", "BOS token"), ("raw", {"chat_template": "on"}, "chat", "shipped seed prompts"),
+     ("raw", {"start": "</s>"}, "start token", "start token </s>")],
+)
+def test_the_recipe_still_forces_a_start(kinds, tmp_path, monkeypatch, expert, forced, mode, source):
+    monkeypatch.setattr(generation_run, "choose_start", lambda *a, **k: pytest.fail("measured a forced start"))
+    _generate(kinds_recipe(kinds, tmp_path, experts=(expert,), **forced))
+    record = _record(tmp_path, expert)
+    assert record["start_mode"] == mode and record["start"] == source and record["start_choice"] is None
+
+
+def test_default_new_tokens_stop_at_max_length(kinds, tmp_path):
+    from featcal_llm.io.recipe import load_recipe
+
+    path = kinds_recipe(kinds, tmp_path, experts=("raw",))
+    recipe = yaml.safe_load(path.read_text())
+    recipe["featcal"]["data"][str(kinds["raw"])]["generate"].pop("max_new_tokens")
+    for max_length, expected in ((64, 64), (4096, 512)):
+        recipe["featcal"]["max_length"] = max_length
+        path.write_text(yaml.safe_dump(recipe))
+        assert generation_run.settings_of(load_recipe(path), str(kinds["raw"]))["max_new_tokens"] == expected
+
+
+# --- look-alike sets --------------------------------------------------------------------------------------------
+
+
+def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
+    _generate(kinds_recipe(kinds, tmp_path / "twins", experts=("raw", "raw_twin"), chat_template="off", samples=16))
+    err = capsys.readouterr().err
+    assert err.count("featcal-llm: warning:") == 1, err
+    warning = next(line for line in err.splitlines() if "warning" in line)
+    assert f"the generated sets of {kinds['raw']} and {kinds['raw_twin']} are nearly the same text" in warning
+    _generate(kinds_recipe(kinds, tmp_path / "kinds", experts=("raw", "chat"), samples=16))  # each from its own start
+    assert "warning" not in capsys.readouterr().err
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_chat_template_setting_is_one_line(merged_scenario, tmp_path):
+    def mutate(recipe, _):
+        recipe["featcal"]["data"][recipe["models"][0]["model"]] = {"generate": {"chat_template": "sometimes"}}
+
+    assert_refused_in_one_line(merged_scenario, tmp_path, mutate, ["generate.chat_template", "'auto', 'on' or 'off'"])
