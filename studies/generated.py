@@ -1,4 +1,4 @@
-"""The demo calibrated on data the experts write themselves, against the real calibration records (issue 17).
+"""The demo calibrated on data the experts write themselves, against the real calibration records.
 
 On a finished demo workdir (`python -m featcal_llm demo --workdir W`), the demo's
 recipe (same merge, λ, α, ρ, samples) is calibrated once per data setting and

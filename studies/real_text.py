@@ -1,4 +1,4 @@
-"""Real-model study (issue 17's proof): does calibrating on text the experts write themselves work as real text?
+"""Real-model study: does calibrating on text the experts write themselves work as real text?
 
 ``python -m studies.real_text --workdir W [--base DIR | --gguf FILE]`` builds, in W (each phase skipped
 when its output exists, so a rerun only does what is missing):

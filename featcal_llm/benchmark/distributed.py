@@ -1,4 +1,4 @@
-"""Distributed benchmark (issue 19): the layer loop on 2 ranks × 1 thread against 1 × 1 and 1 × 2, and the bytes per layer.
+"""Distributed benchmark: the layer loop on 2 ranks × 1 thread against 1 × 1 and 1 × 2, and the bytes per layer.
 
 `python -m featcal_llm.benchmark.distributed [--layers N]` builds (cached) a
 SmolLM2-135M-shaped random Llama (hidden 576, 3 experts × 64 × 128 tokens),

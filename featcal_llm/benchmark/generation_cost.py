@@ -1,4 +1,4 @@
-"""What `generate:` costs next to the calibration itself, on the benchmark's shapes (issue 17).
+"""What `generate:` costs next to the calibration itself, on the benchmark's shapes.
 
 Each expert writing as many tokens as the benchmark calibrates on, with
 transformers `generate` (KV cache, batches of 32 as `generate:` defaults to,

@@ -34,7 +34,7 @@ GROUPS = {  # input group → (the projection that reads it, the projections sol
 }
 MODES = {  # name → (dtype of the running totals and of everything formed from them, dtype of each batch's products)
     "float64": (torch.float64, torch.float64),
-    "float32 totals": (torch.float32, torch.float32),  # stats_dtype float32 before issue 11
+    "float32 totals": (torch.float32, torch.float32),  # an earlier stats_dtype float32, kept for comparison
     "float32 products": (torch.float64, torch.float32),  # stats_dtype float32 now
 }
 

@@ -3,7 +3,7 @@
     python -m featcal_llm.benchmark.tuning_cost [--hidden 4096 --intermediate 14336 ...]
 
 Runs the engine's layer loop (`calibrate`) on the same records in three modes,
-interleaved and repeated: `fixed` (no probe: the engine before issue 9),
+interleaved and repeated: `fixed` (no held-out probe, no drift diagnostics),
 `fixed+drift` (what `run` does with fixed values: diagnostics on a 1/16
 subsample) and `auto` (all three hyper-parameters auto; 25 % of the records held
 out for selection). Prints the median seconds and the factor to `fixed`.

@@ -2,7 +2,7 @@
 
 ``FULL`` is the scenario the README reports; ``QUICK`` is the seconds-long variant
 the test suite runs end to end.  The featcal and merge settings of ``FULL`` were
-chosen on the dev split (see ``studies/SWEEP.md``), never on test.
+chosen on the dev split (see ``docs/studies/demo-sweeps.md``), never on test.
 """
 
 from __future__ import annotations

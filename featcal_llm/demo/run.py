@@ -57,7 +57,7 @@ def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
         chosen = "featcal chooses lambda, alpha and rho itself on held-out cal records (`python -m featcal_llm demo --auto`)."
     else:
         hyper = f"  lambda: {cfg.lam:g}\n  alpha: {cfg.alpha:g}\n  rho: {cfg.rho:g}\n"
-        chosen = "featcal hyper-parameters were chosen on the demo's dev split (studies/SWEEP.md)."
+        chosen = "featcal hyper-parameters were chosen on the demo's dev split (docs/studies/demo-sweeps.md)."
     return f"""\
 # FeatCal demo recipe, written by `python -m featcal_llm demo` into its workdir.
 # Every path is relative to that workdir (mergekit resolves model paths against the
@@ -125,7 +125,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     # One one-thread worker per expert (each stops at its own step); the main process uses the cores:
-    # pre-training steps 143 ms at 2 threads vs 225 ms at 1 on 2 cores, bit-identical weights (SWEEP.md §4).
+    # pre-training steps 143 ms at 2 threads vs 225 ms at 1 on 2 cores, bit-identical weights (docs/studies/demo-sweeps.md, section 4).
     workers = 1 if quick or device != "cpu" else min(threads or len(cfg.tasks), len(cfg.tasks))
     threads = threads or (1 if quick else min(os.cpu_count() or 1, 4))
     set_threads(threads)

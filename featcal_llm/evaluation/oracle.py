@@ -3,7 +3,7 @@
 The hub's `test` field is a script EvalPlus generated from its release data (tools/*/to_original_fmt.py):
 data statements (`inputs = [...]`, `results = [...]`, or a `ref_func` for the cross-check rows), an
 `assertion` helper, and a loop that calls the entry point on every input. Running that script as-is
-differs from EvalPlus in ways that move scores (issue 12):
+differs from EvalPlus in ways that move scores:
 
 - HumanEval/32's loop asserts `_poly(*candidate(*inp), inp)`, which raises for every program;
 - Mbpp/737, 787 and 794 (EvalPlus's "output is not None" tasks) compute `exact_match` and never

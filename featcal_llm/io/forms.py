@@ -14,7 +14,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 
-# mergekit 0.1.5's registry → (FeatCal applies, why). The README's table is this one.
+# mergekit 0.1.5's registry → (FeatCal applies, why). docs/methods.md's table is this one.
 MERGE_METHODS: dict[str, tuple[bool, str]] = {
     "task_arithmetic": (True, "base + weighted task vectors"),
     "ties": (True, "task vectors, trimmed and sign-elected"),

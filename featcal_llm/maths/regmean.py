@@ -18,7 +18,7 @@ Definitions followed (uiuctml/MergeBench, read at commits 399ac2d / 48a5b15):
   only ``.weight`` of a module with a Gram is regressed; biases and norms are
   the plain average of the fine-tuned models there.
 
-Where we differ, deliberately and documented (README, "RegMean and RegMean++"):
+Where we differ, deliberately and documented (docs/methods.md, "RegMean and RegMean++"):
 padding tokens are masked (only real tokens count, as everywhere in
 featcal-llm); biases, norms, embeddings and lm_head come from `merged` (a
 `linear` merge with equal weights is MergeBench's average); the solve is a
