@@ -116,6 +116,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
     "reduction": (0.0, True, 1.0),
 }
 METHODS = ("featcal", "regmean", "regmean++")
+STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
 FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases")
 REGMEAN_ONLY = ("reduction",)
@@ -181,7 +182,10 @@ class FeatCalConfig(BaseModel):
     merged: str
     output: str
     data: dict[str, DataSpec]
-    method: str = Field("featcal", description="featcal, regmean (expert i's own inputs) or regmean++ (the propagated inputs)")
+    method: str | tuple[str, str] = Field(
+        "featcal", description="featcal, regmean (expert i's own inputs), regmean++ (the propagated inputs), or a stack "
+        "[regmean, featcal] / [regmean++, featcal]: RegMean first, then FeatCal on its result, in one run"
+    )
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1)
     max_length: int = Field(2048, ge=2)
@@ -215,23 +219,51 @@ class FeatCalConfig(BaseModel):
 
     @field_validator("method", mode="before")
     @classmethod
-    def _known_method(cls, value: Any) -> str:
-        if isinstance(value, list):
-            raise ValueError("expected one method; for FeatCal on a RegMean merge run two recipes (the second's `merged` is the first's `output`)")
+    def _known_method(cls, value: Any) -> str | tuple[str, str]:
+        if isinstance(value, (list, tuple)):
+            if len(value) == 1 and value[0] in METHODS:
+                return value[0]
+            if tuple(value) not in STACKS:
+                raise ValueError("expected a stack [regmean, featcal] or [regmean++, featcal]: RegMean first, then FeatCal on its result")
+            return tuple(value)
         if value not in METHODS:
-            raise ValueError(f"expected one of {', '.join(METHODS)}")
+            raise ValueError(f"expected one of {', '.join(METHODS)}, or a stack [regmean++, featcal]")
         return value
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the method is a stack: RegMean or RegMean++ first, then FeatCal on its result."""
+        return isinstance(self.method, tuple)
+
+    def stage(self, index: int, intermediate: str) -> "FeatCalConfig":
+        """The stack's stage as a one-method block: stage 0 writes RegMean to `intermediate`, stage 1 calibrates it.
+
+        Each stage keeps its own keys; `tune:` goes to the stages that search or replay a search, so that a stack
+        does what two recipes run one after the other do.
+        """
+        method = self.method[index]
+        update: dict[str, Any] = {"method": method}
+        if index == 0:
+            update.update(output=intermediate, eval=None, **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
+        else:
+            update.update(merged=intermediate, reduction=None)
+        stage = self.model_copy(update=update)
+        searched = stage.tuned or stage.per_layer
+        return stage.model_copy(update={"tune": self.tune if searched else None})
 
     @property
     def regmean(self) -> bool:
         """Whether the method is RegMean or RegMean++ (reduction is theirs; lambda/alpha/rho/norms/biases are FeatCal's)."""
-        return self.method != "featcal"
+        return self.method in ("regmean", "regmean++")
 
     def hyper_values(self) -> dict[str, Any]:
-        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer)."""
-        if self.regmean:
-            return {"reduction": 0.5 if self.reduction is None else self.reduction}
-        return {"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho}
+        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer); a stack's: both stages'."""
+        values: dict[str, Any] = {}
+        if self.regmean or self.stacked:
+            values["reduction"] = 0.5 if self.reduction is None else self.reduction
+        if not self.regmean:
+            values.update({"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho})
+        return values
 
     @property
     def tuned(self) -> bool:
@@ -275,6 +307,7 @@ class Recipe:
     featcal: FeatCalConfig
     base: Any  # mergekit ModelReference
     experts: tuple[Expert, ...]
+    merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
 
 
 def _format_validation_error(path: Path, error: ValidationError, prefix: str) -> str:
@@ -322,6 +355,11 @@ def _experts_of(merge_config: Any) -> list[Any]:
     return unique
 
 
+def _stages(featcal: FeatCalConfig) -> list[FeatCalConfig]:
+    """The block's one-method stages (itself, unless it is a stack)."""
+    return [featcal.stage(i, featcal.output) for i in range(2)] if featcal.stacked else [featcal]
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Parse and validate a recipe without touching any model or dataset."""
     MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
@@ -343,12 +381,12 @@ def load_recipe(path: str | Path) -> Recipe:
         featcal = FeatCalConfig.model_validate(block)
     except ValidationError as error:
         raise FeatCalError(_format_validation_error(path, error, "featcal")) from None
-    wrong = [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
+    wrong = [] if featcal.stacked else [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
     if wrong:
         key = wrong[0].rstrip("_")
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
         raise FeatCalError(f"{path}: featcal.{key}: only method {owner} reads it (method is {featcal.method})")
-    if featcal.tuned and featcal.per_layer:
+    if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         raise FeatCalError(f"{path}: featcal: per_layer values replay a tuned run and cannot be combined with auto or candidate lists")
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
         raise FeatCalError(f"{path}: featcal.tune: nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)")
