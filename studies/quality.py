@@ -312,7 +312,10 @@ def _base(args, work: Path | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
+    import transformers
     from transformers import AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
 
     if args.command == "prepare":
         if args.gguf is not None:
