@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="also copy results.md, results.json and state.json here after every row (e.g. $OUT)")
     run.add_argument("--keep", action="store_true", help="keep every calibrated checkpoint (default: merges only)")
     run.add_argument("--quick", action="store_true",
-                     help="smoke test: 1 fine-tuning step on 2 short records, 4 calibration records of 32 tokens, "
+                     help="smoke test: 1 fine-tuning step on 2 short records, 8 calibration records of 32 tokens, "
                           "2 short test records, one sweep point, 2 generated samples of 8 tokens")
     run.add_argument("--until", choices=("experts",), default=None, help="stop after this phase")
     return p
@@ -130,6 +130,8 @@ class Study:
                                    2 if quick else args.kl_records, 120 if quick else None)
         self.options = {**{k: v for k, v in vars(args).items() if k != "command"},
                         "settings": [s.strip() for s in args.settings.split(",") if s.strip()]}
+        if quick:  # what the smoke test really used
+            self.options.update(steps=1, cal_records=8, test_records=2, kl_records=2)
 
     def timed(self, phase: str, seconds: float) -> None:
         self.state.data["timings"][phase] = round(self.state.data["timings"].get(phase, 0.0) + seconds, 2)
@@ -221,7 +223,7 @@ class Study:
             quick_row = type(row)(row.name, row.method, row.keys, row.merged, row.data, min(row.samples, 2))
         text = recipe_text(setting, quick_row, output, merged, record_tokens=self.record_tokens,
                            prompt_tokens=self.prompt_tokens if not args.quick else self.record_tokens - 8,
-                           cal_records=4 if args.quick else args.cal_records, seed=args.seed, device=args.device,
+                           cal_records=8 if args.quick else args.cal_records, seed=args.seed, device=args.device,
                            dtype=args.calibration_dtype, merge_weight=args.merge_weight)
         recipe = self.work / "recipes" / setting_name / f"{Path(output).name}.yaml"
         recipe.parent.mkdir(parents=True, exist_ok=True)

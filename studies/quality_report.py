@@ -62,7 +62,7 @@ def setting_table(summary: dict, setting: Setting) -> list[str]:
              f"({_cell(summary['best_expert_average'])}).", "",
              f"| model | NLL {' | NLL '.join(KINDS)} | NLL avg | recovered {' | rec. '.join(KINDS)} | rec. mean "
              f"| KL {' | KL '.join(KINDS)} | KL rec. mean | beats every expert (avg) | s |",
-             "|---" + "|---:" * (3 * len(KINDS) + 4) + "|---|---:|"]
+             "|---" + "|---:" * (3 * len(KINDS) + 3) + "|---|---:|"]
     for model, row in summary["models"].items():
         rec = row.get("recovered", {})
         beats = row.get("beats_every_expert")

@@ -103,3 +103,17 @@ def test_mix_interleaves_kinds_and_cli_needs_a_source():
     assert _interleave([[1, 2, 3], ["a", "b", "c"], ["x", "y", "z"]], 7) == [1, "a", "x", 2, "b", "y", 3]
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", "--data", "d", "--workdir", "w"])
+
+
+def test_report_tables_are_rectangular(tmp_path):
+    from studies.quality_report import write_report
+
+    state = {**_state(), "timings": {"scoring": 1.0}}
+    options = {"settings": ["broad"], "device": "cpu", "steps": 96, "batch_size": 8, "lr": 5e-4, "cal_records": 64,
+               "test_records": 48, "kl_records": 16, "calibration_dtype": "float32", "quick": False}
+    text = write_report(state, options, tmp_path)
+    table = [line for line in text.splitlines() if line.startswith("| model")]
+    rows = text.split(table[0])[1].split("\n\n")[0].strip().splitlines()
+    assert len({line.count("|") for line in [table[0], *rows] if line.startswith("|")}) == 1
+    assert "| featcal auto | 1.750 | 2.300 | 1.850 | 1.967 | 0.50 | 0.50 | 0.50 | 0.50 |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["broad"]["best_expert"] == "expert:broad"
