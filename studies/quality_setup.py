@@ -63,8 +63,9 @@ def sweep_name(lam: float, alpha: float, rho: float) -> str:
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
     if phase == "core":
-        return [Row("featcal defaults"), Row("featcal auto", keys=AUTO),
-                Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
+        return [Row("featcal defaults"), Row("featcal auto", keys=AUTO)]
+    if phase == "levers":
+        return [Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
     if phase == "regmean":
         return [Row("regmean++", method="regmean++", merged="linear"),
                 Row("stack: regmean++ → featcal defaults", merged="regmean++"),
@@ -77,7 +78,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "regmean", "sweep", "generate")
+PHASES = ("core", "regmean", "levers", "sweep", "generate")
 
 
 def _yaml_value(value) -> str:
