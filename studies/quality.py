@@ -9,7 +9,7 @@ and ``D/mix/{train,cal,prompts}.jsonl`` for the broad expert; a few MB) so that 
 fully fine-tuned (code, prose, c, and a broad one on the mix), then per setting (``narrow``: code/prose/c;
 ``broad``: broad/code/c) the rows of ``quality_setup.rows`` through the product's own recipe path, most important
 first: the Task Arithmetic merge, FeatCal with the product's defaults and with ``auto``; RegMean++ on a linear
-merge and the stacks; a global sweep; calibration on 64 vs 256 generated samples. Every model is scored on every
+merge and the stacks; ``auto`` choosing by the output criterion; a global sweep; 64 vs 256 generated samples. Every model is scored on every
 domain (held-out NLL, KL to the domain's expert) as soon as it exists, and ``results.md``/``results.json`` are
 rewritten after each. ``--budget-s`` skips the rows that would start after that many seconds.
 """
