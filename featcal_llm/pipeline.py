@@ -259,8 +259,14 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         QUIET["warnings"] = False
 
 
-def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None, progress: bool, timer) -> Path:
-    recipe = check_before_run(recipe_path)  # every problem `validate` finds, before any model is resolved
+def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer) -> Path:
+    # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
+    recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path)
+    if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function
+        from featcal_llm.engine.stack import run_stack
+
+        stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer)  # noqa: E731
+        return run_stack(recipe, force, stage, _check_output, comm.is_main, comm.barrier)
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
     _check_output(recipe, output, force)
@@ -374,7 +380,7 @@ def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None,
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
-    write_card(checkpoint, recipe, featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype}, {"base_model": base, **experts})
+    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype}, {"base_model": base, **experts})
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
     if featcal.eval is not None:

@@ -62,12 +62,15 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, batch_size: int, lr: float,
-             seed: int, log=print) -> dict:
-    """Full fine-tune of the decoder layers and final norm (tied embeddings frozen), AdamW, warmup + cosine."""
+             seed: int, log=print, device: str = "cpu", bf16: bool = False) -> dict:
+    """Full fine-tune of the decoder layers and final norm (tied embeddings frozen), AdamW, warmup + cosine.
+
+    Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast (GPUs).
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
     model.get_input_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -82,11 +85,12 @@ def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, 
             rng.shuffle(epoch)
             order += epoch
         picked, order = order[:batch_size], order[batch_size:]
-        ids, mask, labels = _batch([sequences[i] for i in picked], tokenizer.pad_token_id)
+        ids, mask, labels = (t.to(device) for t in _batch([sequences[i] for i in picked], tokenizer.pad_token_id))
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -94,12 +98,12 @@ def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, 
         losses.append(loss.item())
         log(f"  step {step + 1}/{steps} loss {losses[-1]:.4f}")
     model.eval()
-    save_atomically(model, tokenizer, out)
+    save_atomically(model.cpu(), tokenizer, out)
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 @torch.no_grad()
-def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16, model=None) -> float:
+def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16, model=None, device: str = "cpu") -> float:
     """Token-weighted mean negative log-likelihood (nats) of the texts' tokens, each given BOS and its prefix."""
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +112,7 @@ def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16,
     total, count = 0.0, 0
     sequences = encode(tokenizer, texts)
     for start in range(0, len(sequences), batch_size):
-        ids, mask, labels = _batch(sequences[start:start + batch_size], tokenizer.pad_token_id)
+        ids, mask, labels = (t.to(device) for t in _batch(sequences[start:start + batch_size], tokenizer.pad_token_id))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         target = labels[:, 1:]
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
@@ -124,21 +128,23 @@ def token_kl(reference_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tenso
 
 
 @torch.no_grad()
-def log_probs(model, tokenizer, texts: list[str], batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def log_probs(model, tokenizer, texts: list[str], batch_size: int = 16,
+              device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per batch: next-token log-probabilities at the text's positions (BOS and prefix given) and their mask."""
     out = []
     sequences = encode(tokenizer, texts)
     for start in range(0, len(sequences), batch_size):
-        ids, mask, _ = _batch(sequences[start:start + batch_size], tokenizer.pad_token_id)
+        ids, mask, _ = (t.to(device) for t in _batch(sequences[start:start + batch_size], tokenizer.pad_token_id))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
         out.append((torch.log_softmax(logits, -1), mask[:, 1:].float()))
     return out
 
 
-def mean_kl(reference: list[tuple[torch.Tensor, torch.Tensor]], model, tokenizer, texts: list[str]) -> float:
+def mean_kl(reference: list[tuple[torch.Tensor, torch.Tensor]], model, tokenizer, texts: list[str],
+            device: str = "cpu") -> float:
     """Token-mean KL(reference model ‖ model) on the texts: how far the model's predictions are from the expert's."""
     total, count = 0.0, 0
-    for (ref, mask), (logp, _) in zip(reference, log_probs(model, tokenizer, texts)):
+    for (ref, mask), (logp, _) in zip(reference, log_probs(model, tokenizer, texts, device=device)):
         kl, n = token_kl(ref, logp, mask)
         total, count = total + kl, count + n
     return total / count

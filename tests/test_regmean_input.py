@@ -20,7 +20,7 @@ def _regmean(method: str = "regmean", drop=FEATCAL_KEYS, **keys):
 
 CASES = {
     "unknown method": (_regmean("regmaen"), ["bad.yaml: featcal.method: expected one of featcal, regmean, regmean++", "'regmaen'"]),
-    "two methods in one run": (_regmean(["regmean++", "featcal"]), ["featcal.method: expected one method", "run two recipes"]),
+    "a stack in the wrong order": (_regmean(["featcal", "regmean++"]), ["featcal.method: expected a stack [regmean, featcal] or [regmean++, featcal]"]),
     "reduction above one": (_regmean(reduction=1.5), ["bad.yaml: featcal.reduction:", "less than or equal to 1"]),
     "reduction below zero": (_regmean(reduction=-0.1), ["bad.yaml: featcal.reduction:", "greater than or equal to 0"]),
     "reduction candidate outside [0, 1]": (_regmean(reduction=[0.5, 2.0]), ["featcal.reduction:", "less than or equal to 1"]),

@@ -119,6 +119,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
     "reduction": (0.0, True, 1.0),
 }
 METHODS = ("featcal", "regmean", "regmean++")
+STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
 FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases")
 REGMEAN_ONLY = ("reduction",)
@@ -184,7 +185,10 @@ class FeatCalConfig(BaseModel):
     merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
     output: str = Field(description="directory the calibrated checkpoint is written to")
     data: dict[str, DataSpec] = Field(description="calibration data per expert, keyed by the expert's name as written under models:")
-    method: str = Field("featcal", description="featcal, regmean (expert i's own inputs) or regmean++ (the propagated inputs)")
+    method: str | tuple[str, str] = Field(
+        "featcal", description="featcal, regmean (expert i's own inputs), regmean++ (the propagated inputs), or a stack "
+        "[regmean, featcal] / [regmean++, featcal]: RegMean first, then FeatCal on its result, in one run"
+    )
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1, description="calibration records per expert")
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
@@ -220,23 +224,51 @@ class FeatCalConfig(BaseModel):
 
     @field_validator("method", mode="before")
     @classmethod
-    def _known_method(cls, value: Any) -> str:
-        if isinstance(value, list):
-            raise ValueError("expected one method; for FeatCal on a RegMean merge run two recipes (the second's `merged` is the first's `output`)")
+    def _known_method(cls, value: Any) -> str | tuple[str, str]:
+        if isinstance(value, (list, tuple)):
+            if len(value) == 1 and value[0] in METHODS:
+                return value[0]
+            if tuple(value) not in STACKS:
+                raise ValueError("expected a stack [regmean, featcal] or [regmean++, featcal]: RegMean first, then FeatCal on its result")
+            return tuple(value)
         if value not in METHODS:
-            raise ValueError(f"expected one of {', '.join(METHODS)}")
+            raise ValueError(f"expected one of {', '.join(METHODS)}, or a stack [regmean++, featcal]")
         return value
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the method is a stack: RegMean or RegMean++ first, then FeatCal on its result."""
+        return isinstance(self.method, tuple)
+
+    def stage(self, index: int, intermediate: str) -> "FeatCalConfig":
+        """The stack's stage as a one-method block: stage 0 writes RegMean to `intermediate`, stage 1 calibrates it.
+
+        Each stage keeps its own keys; `tune:` goes to the stages that search or replay a search, so that a stack
+        does what two recipes run one after the other do.
+        """
+        method = self.method[index]
+        update: dict[str, Any] = {"method": method}
+        if index == 0:
+            update.update(output=intermediate, eval=None, **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
+        else:
+            update.update(merged=intermediate, reduction=None)
+        stage = self.model_copy(update=update)
+        searched = stage.tuned or stage.per_layer
+        return stage.model_copy(update={"tune": self.tune if searched else None})
 
     @property
     def regmean(self) -> bool:
         """Whether the method is RegMean or RegMean++ (reduction is theirs; lambda/alpha/rho/norms/biases are FeatCal's)."""
-        return self.method != "featcal"
+        return self.method in ("regmean", "regmean++")
 
     def hyper_values(self) -> dict[str, Any]:
-        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer)."""
-        if self.regmean:
-            return {"reduction": 0.5 if self.reduction is None else self.reduction}
-        return {"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho}
+        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer); a stack's: both stages'."""
+        values: dict[str, Any] = {}
+        if self.regmean or self.stacked:
+            values["reduction"] = 0.5 if self.reduction is None else self.reduction
+        if not self.regmean:
+            values.update({"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho})
+        return values
 
     @property
     def tuned(self) -> bool:
@@ -281,6 +313,7 @@ class Recipe:
     featcal: FeatCalConfig
     base: Any  # mergekit ModelReference
     experts: tuple[Expert, ...]
+    merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
 
 
 def _read_yaml_mapping(path: Path) -> dict:
@@ -318,6 +351,11 @@ def _experts_of(merge_config: Any) -> list[Any]:
     return unique
 
 
+def _stages(featcal: FeatCalConfig) -> list[FeatCalConfig]:
+    """The block's one-method stages (itself, unless it is a stack)."""
+    return [featcal.stage(i, featcal.output) for i in range(2)] if featcal.stacked else [featcal]
+
+
 def check_device(value: str, where: str) -> str:
     """`auto`, `cpu`, `cuda` or `cuda:N`, as the recipe key and the `--device` option both take it."""
     if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
@@ -336,11 +374,11 @@ def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
 
 def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, problems: list[Problem]) -> tuple[Expert, ...]:
     """What one block cannot say alone: method-specific keys, tuning, recipe forms, experts against data entries."""
-    wrong = [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
+    wrong = [] if featcal.stacked else [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
     for key in wrong:
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
-    if featcal.tuned and featcal.per_layer:
+    if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
         problems.append(Problem(str(path), "featcal.tune", f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)"))

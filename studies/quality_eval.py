@@ -1,0 +1,51 @@
+"""Held-out NLL per domain and KL(owner expert ‖ model), on any device, with the owners' predictions cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from studies.real_data import KINDS, read_jsonl
+from studies.real_models import log_probs, mean_nll, token_kl
+
+
+def load(path: Path, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+class Evaluator:
+    """Scores models on every domain's test split; the owners' log-probabilities are computed once per domain."""
+
+    def __init__(self, data: Path, tokenizer, device: str, test_records: int, kl_records: int,
+                 characters: int | None = None):
+        self.tokenizer, self.device = tokenizer, device
+        self.tests = {k: [r["text"][:characters] for r in read_jsonl(data / k / "test.jsonl")][:test_records]
+                      for k in KINDS}
+        self.kl_texts = {k: texts[:kl_records] for k, texts in self.tests.items()}
+        self._references: dict[tuple[str, str], list] = {}
+
+    def nll(self, model) -> dict[str, float]:
+        return {k: mean_nll(Path("."), self.tokenizer, texts, model=model, device=self.device)
+                for k, texts in self.tests.items()}
+
+    @torch.no_grad()
+    def reference(self, owner: str, owner_dir: Path, domain: str) -> list:
+        key = (owner, domain)
+        if key not in self._references:
+            model = load(owner_dir, self.device)
+            self._references[key] = log_probs(model, self.tokenizer, self.kl_texts[domain], device=self.device)
+            del model
+        return self._references[key]
+
+    @torch.no_grad()
+    def kl(self, model, reference: list, domain: str) -> float:
+        """Token-mean KL(owner ‖ model) on the domain's first test records."""
+        total, count = 0.0, 0
+        for (ref, mask), (logp, _) in zip(reference, log_probs(model, self.tokenizer, self.kl_texts[domain],
+                                                               device=self.device)):
+            kl, n = token_kl(ref, logp, mask)
+            total, count = total + kl, count + n
+        return total / count

@@ -1,0 +1,118 @@
+"""The quality study's two settings and the recipes of every row, written as the product reads them.
+
+Setting ``narrow``: three experts, each fully fine-tuned on one kind of real text (``real_data.KINDS``).
+Setting ``broad``: one expert fine-tuned on a mix of the three kinds (as an instruction expert is) beside two
+narrow ones (code, c): shipping the broad expert alone is the bar a merge must clear.
+
+Every row is a recipe run from the workdir through ``featcal_llm.pipeline.run_recipe``; the first recipe of a
+setting merges (mergekit Task Arithmetic, or a linear merge for RegMean++) and later ones reuse the merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from studies.real_data import KINDS
+
+MIX = "mix"  # the broad expert's data: every kind's records interleaved
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    experts: tuple[str, ...]  # data kinds the experts were trained on (``mix``: the broad expert)
+    owners: dict[str, str]  # domain → the expert whose NLL (and predictions) the merge is measured against
+
+
+SETTINGS = {
+    "narrow": Setting("narrow", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}),
+    "broad": Setting("broad", (MIX, "code", "c"), {"code": "code", "prose": MIX, "c": "c"}),
+}
+
+
+def expert_dir(kind: str) -> str:
+    return f"experts/{'broad' if kind == MIX else kind}"
+
+
+def expert_label(kind: str) -> str:
+    return "expert:broad" if kind == MIX else f"expert:{kind}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One calibrated model of a setting: its recipe's ``featcal:`` keys and where it starts from."""
+
+    name: str
+    method: str = "featcal"  # featcal, regmean++
+    keys: dict = field(default_factory=dict)  # extra featcal: keys (lambda, alpha, rho, reduction, samples)
+    merged: str = "ta"  # ta (Task Arithmetic), linear, or another row's name (a stack: its output is the start)
+    data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings
+    samples: int | None = None  # generate: samples per expert
+
+
+# (λ, α, ρ): the product's defaults are (1e-5, 0.15, 0.5), the earlier study's fixed setting (1e-3, 0.5, 1)
+SWEEP = ((1e-3, 0.5, 1.0), (1e-3, 0.15, 0.5), (1e-1, 0.5, 1.0), (1e-5, 0.5, 1.0), (1e-3, 1.0, 1.0),
+         (1e-3, 0.5, 0.5), (1e-3, 0.5, 1.5), (1e-2, 0.85, 1.0))
+AUTO = {"lambda": "auto", "alpha": "auto", "rho": "auto"}
+
+
+def sweep_name(lam: float, alpha: float, rho: float) -> str:
+    return f"featcal λ{lam:g} α{alpha:g} ρ{rho:g}"
+
+
+def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
+    """The rows of one phase, most important first."""
+    if phase == "core":
+        return [Row("featcal defaults"), Row("featcal auto", keys=AUTO)]
+    if phase == "levers":
+        return [Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
+    if phase == "regmean":
+        return [Row("regmean++", method="regmean++", merged="linear"),
+                Row("stack: regmean++ → featcal defaults", merged="regmean++"),
+                Row("stack: regmean++ → featcal auto", keys=AUTO, merged="regmean++")]
+    if phase == "sweep":
+        return [Row(sweep_name(*point), keys={"lambda": point[0], "alpha": point[1], "rho": point[2]})
+                for point in sweep]
+    if phase == "generate":
+        return [Row(f"featcal defaults, generate {n}", data="generate", samples=n) for n in samples]
+    raise ValueError(phase)
+
+
+PHASES = ("core", "regmean", "levers", "sweep", "generate")
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
+    return str(value) if not isinstance(value, float) else f"{value:g}" if "e" not in f"{value:g}" else f"{value:.0e}"
+
+
+def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_tokens: int, prompt_tokens: int,
+                cal_records: int, seed: int, device: str, dtype: str, merge_weight: float) -> str:
+    """A mergekit recipe (Task Arithmetic, or linear with the base at weight 0 for RegMean++) with its featcal: block."""
+    linear = row.merged == "linear"
+    lines = [f"# written by studies.quality: setting {setting.name}, row {row.name}",
+             f"merge_method: {'linear' if linear else 'task_arithmetic'}", "base_model: base", "models:"]
+    for kind in setting.experts:
+        weight = 1.0 if linear else merge_weight
+        lines += [f"  - model: {expert_dir(kind)}", f"    parameters: {{weight: {weight}}}"]
+    if linear:
+        lines += ["  - model: base", "    parameters: {weight: 0.0}"]
+    lines += ["dtype: float32", "featcal:"]
+    if row.method != "featcal":
+        lines.append(f"  method: {row.method}")
+    lines += [f"  merged: {merged}", f"  output: {output}", "  data:"]
+    for kind in setting.experts:
+        if row.data == "cal":
+            spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
+        else:
+            spec = (f"{{generate: {{prompts: data/{kind}/prompts.jsonl, samples: {row.samples}, "
+                    f"max_new_tokens: {record_tokens - prompt_tokens}, chat_template: \"off\", seed: {seed}}}}}")
+        lines.append(f"    {expert_dir(kind)}: {spec}")
+    if row.data == "cal":
+        lines.append(f"  samples: {cal_records}")
+    else:
+        lines.append(f"  samples: {row.samples}")
+    lines += [f"  max_length: {record_tokens}", f"  device: {device}", f"  dtype: {dtype}"]
+    lines += [f"  {key}: {_yaml_value(value)}" for key, value in row.keys.items()]
+    return "\n".join(lines) + "\n"

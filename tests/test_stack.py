@@ -1,0 +1,113 @@
+"""`method: [regmean++, featcal]` in one run: the same weights as the two recipes run one after the other, replayed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from test_exactness import read_weights
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.recipe import load_recipe
+from featcal_llm.pipeline import run_recipe
+
+FEATCAL = {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
+
+
+def recipe(scenario, path, **featcal):
+    """The scenario's recipe with FeatCal's keys dropped, then the given keys set (float64, small batches)."""
+    raw = yaml.safe_load(scenario.recipe.read_text())
+    block = raw["featcal"]
+    for key in ("lambda", "alpha", "rho", "norms", "biases"):
+        block.pop(key, None)
+    block.update(batch_tokens=150, dtype="float64", **featcal)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, different[:5]
+
+
+def two_recipes(scenario, tmp_path, regmean: dict, featcal: dict) -> dict:
+    first = run_recipe(recipe(scenario, tmp_path / "first.yaml", method="regmean++", output=str(tmp_path / "regmeanpp"),
+                              **regmean), progress=False)
+    second = run_recipe(recipe(scenario, tmp_path / "second.yaml", merged=str(first), output=str(tmp_path / "two"),
+                               **featcal), progress=False)
+    return read_weights(second)
+
+
+def test_stack_equals_two_recipes_and_leaves_no_intermediate(merged_scenario, tmp_path):
+    """Fixed settings: bit for bit the weights of RegMean++ then FeatCal run as two recipes."""
+    stacked = run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"],
+                                output=str(tmp_path / "stack"), reduction=0.5, **FEATCAL), progress=False)
+    reference = two_recipes(merged_scenario, tmp_path, {"reduction": 0.5}, FEATCAL)
+    ours = read_weights(stacked)
+    assert_same(ours, reference)
+    merged = read_weights(merged_scenario.root / "merged")
+    assert any(not torch.equal(ours[n], merged[n]) for n in ours)  # the stack changed the merge
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no stage left behind
+    saved = yaml.safe_load((stacked / "featcal_recipe.yml").read_text())["featcal"]
+    assert saved["method"] == ["regmean++", "featcal"]
+
+
+def test_tuned_stack_equals_two_recipes_and_replays_bit_for_bit(merged_scenario, tmp_path):
+    """Both stages searched on held-out records: same as two tuned recipes; the saved recipe replays both choices."""
+    regmean, featcal = {"reduction": [0.2, 0.9]}, {"lambda": [1e-4, 1e-1], "alpha": 0.5, "rho": 1.0}
+    stacked = run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"],
+                                output=str(tmp_path / "stack"), **regmean, **featcal), progress=False)
+    assert_same(read_weights(stacked), two_recipes(merged_scenario, tmp_path, regmean, featcal))
+    saved = yaml.safe_load((stacked / "featcal_recipe.yml").read_text())
+    block = saved["featcal"]
+    chosen = json.loads((stacked / "featcal_tuning.json").read_text())["chosen"]
+    assert block["lambda"] == {"per_layer": chosen["lambda"]}
+    assert set(block["reduction"]) == {"per_layer"} and len(block["reduction"]["per_layer"]) == 3
+    block["output"] = str(tmp_path / "replayed")
+    replay = tmp_path / "replay.yaml"
+    replay.write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert_same(read_weights(run_recipe(replay, progress=False)), read_weights(stacked))
+
+
+@pytest.mark.parametrize("method, message", [
+    (["featcal", "regmean++"], "featcal.method: expected a stack [regmean, featcal] or [regmean++, featcal]"),
+    (["regmean++", "featcal", "featcal"], "featcal.method: expected a stack [regmean, featcal] or [regmean++, featcal]"),
+    ("stack", "featcal.method: expected one of featcal, regmean, regmean++, or a stack [regmean++, featcal]"),
+])
+def test_bad_stack_is_one_line(scenario, tmp_path, method, message):
+    path = recipe(scenario, tmp_path / "bad.yaml", method=method)
+    with pytest.raises(FeatCalError) as error:
+        load_recipe(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    done = subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(path)], capture_output=True, text=True)
+    assert done.returncode != 0 and message in done.stderr and not (tmp_path / "calibrated").exists()
+
+
+def test_stack_takes_both_methods_keys_and_one_method_still_refuses_the_other(scenario, tmp_path):
+    stack = load_recipe(recipe(scenario, tmp_path / "s.yaml", method=["regmean", "featcal"], reduction=0.3, **FEATCAL))
+    first, second = stack.featcal.stage(0, "x"), stack.featcal.stage(1, "x")
+    assert (first.method, first.output, first.hyper_values()) == ("regmean", "x", {"reduction": 0.3})
+    assert (second.method, second.merged, second.hyper_values()) == ("featcal", "x", {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0})
+    with pytest.raises(FeatCalError, match="featcal.reduction: only method regmean and regmean"):
+        load_recipe(recipe(scenario, tmp_path / "f.yaml", reduction=0.3))
+
+
+def test_existing_output_stops_the_stack_before_any_work(scenario, tmp_path):
+    (tmp_path / "out").mkdir()
+    path = recipe(scenario, tmp_path / "s.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "out"))
+    with pytest.raises(FeatCalError, match="already exists"):
+        run_recipe(path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.yaml"]
+
+
+def test_card_names_the_stack(merged_scenario, tmp_path):
+    stacked = run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean", "featcal"],
+                                output=str(tmp_path / "stack"), **FEATCAL), progress=False)
+    front = yaml.safe_load((stacked / "README.md").read_text().split("---")[1])["featcal"]
+    merged = yaml.safe_load(merged_scenario.recipe.read_text())["featcal"]["merged"]
+    assert front["merged_model"] == f"{merged} + regmean" and front["method"] == "featcal"
