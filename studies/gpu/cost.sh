@@ -13,7 +13,7 @@ common=${COMMON:-"--device cuda --dtype bfloat16 --lam 1e-5 --layers 2 --sequenc
 timeout "${T8:-210}" python3 -m featcal_llm bench $common ${SHAPES8:---hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8} \
     --extrapolate-to 32 --workdir "$W/8b" --clean > "$OUT/bench-8b.json" 2> "$OUT/bench-8b.log"; echo "8b rc=$?"
 # Llama-3.2-3B: hidden 3072, MLP 8192, 24 heads / 8 KV heads, 28 layers
-timeout "${T3:-120}" python3 -m featcal_llm bench $common ${SHAPES3:---hidden 3072 --intermediate 8192 --heads 24 --kv-heads 8} \
+[ "${T3:-120}" -gt 0 ] && timeout "${T3:-120}" python3 -m featcal_llm bench $common ${SHAPES3:---hidden 3072 --intermediate 8192 --heads 24 --kv-heads 8} \
     --extrapolate-to 28 --workdir "$W/3b" --clean > "$OUT/bench-3b.json" 2> "$OUT/bench-3b.log"; echo "3b rc=$?"
 for f in "$OUT"/bench-*.log; do echo "== $f"; tail -n 3 "$f"; done
 python3 - "$OUT" <<'PY'
