@@ -205,3 +205,52 @@ def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(un
     generated = lambda name: (tmp_path / name / "featcal_generated" / "expert0.jsonl").read_text()  # noqa: E731
     assert generated("one") == generated("two")
     assert worst_delta(tmp_path / "two" / "out", tmp_path / "one" / "out", scenario.root / "merged") <= EQUAL
+
+
+def test_rank_0_steps_longer_than_the_collective_timeout_are_waited_for(uneven, tmp_path):
+    """Rank 0's merge and generation each take longer than FEATCAL_DISTRIBUTED_TIMEOUT: rank 1 waits on the store, both finish."""
+    scenario, _ = uneven
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert0"])] = {"generate": {"samples": 4, "max_new_tokens": 6, "chat_template": "off"}}
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ranks = launch(path, 2, tmp_path / "logs", "--slow-main", "14", env={"FEATCAL_DISTRIBUTED_TIMEOUT": "6"})
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "calibrated checkpoint written" in ranks[0].stdout and ranks[1].stderr == ""
+
+
+def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
+    """Rank 0's view when rank 1 timed out in a collective (it left a record and stopped beating): it gave up, it is not the cause."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
+    ranks = {}
+    for rank in (0, 1):
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop, comm.timeout = dist, rank, 2, threading.Event(), timedelta(seconds=6)
+        ranks[rank] = comm
+    ranks[0]._start_heartbeat()
+    try:
+        mine = ranks[1]._peer_failure(RuntimeError("[gloo] Timed out waiting 6000ms for recv operation to complete"))
+        assert "rank 1 of 2 gave up: it waited 6 s in a collective" in str(mine)
+        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
+        assert str(stopped) == (
+            "rank 1 of 2 gave up: it waited 6 s in a collective (FEATCAL_DISTRIBUTED_TIMEOUT); "
+            "raise FEATCAL_DISTRIBUTED_TIMEOUT if a step is legitimately that slow"
+        )
+    finally:
+        ranks[0]._stop.set()
+        del master
