@@ -70,7 +70,7 @@ def test_a_merge_made_by_featcal_from_another_configuration_is_merged_again(smal
     changed = load_recipe(_recipe(small, tmp_path / "b.yaml", weight=0.2, merged=str(merged)))
     ensure_merged(changed, merged, "cpu")
     log = capsys.readouterr().err
-    assert "was made from another configuration (differs in models[0].parameters.weight); merging again" in log
+    assert "was made from other inputs than the recipe's (differs in models[0].parameters.weight); merging again" in log
     reference = tmp_path / "reference"
     ensure_merged(load_recipe(_recipe(small, tmp_path / "c.yaml", weight=0.2, merged=str(reference))), reference, "cpu")
     ours, theirs = load_file(merged / "model.safetensors"), load_file(reference / "model.safetensors")
@@ -111,6 +111,22 @@ def test_a_moved_and_touched_merge_of_the_same_configuration_is_reused(small, tm
     monkeypatch.setattr(merge_module, "_merge", lambda *a, **k: pytest.fail("merged again"), raising=False)
     ensure_merged(load_recipe(_recipe(small, tmp_path / "b.yaml", merged=str(moved))), moved, "cpu")
     assert f"reusing {moved}" in capsys.readouterr().err
+
+
+def test_a_merge_featcal_made_is_merged_again_when_an_expert_s_files_change(small, tmp_path, capsys):
+    expert = tmp_path / "experts" / "expert0"
+    shutil.copytree(small.experts["expert0"], expert)
+    recipe = _recipe(small, tmp_path / "a.yaml", merged=str(tmp_path / "merged"))
+    recipe.write_text(recipe.read_text().replace(str(small.experts["expert0"]), str(expert)))
+    ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
+    getattr(merge_module, "_settled", {}).clear()  # a new process
+    _touch(expert)
+    ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
+    assert "reusing" in capsys.readouterr().err
+    getattr(merge_module, "_settled", {}).clear()
+    _perturb(expert)
+    ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
+    assert f"differs in the files of {expert}); merging again" in capsys.readouterr().err
 
 
 # --- saved layers (resume) and spilled streams ---------------------------------------------------------------------

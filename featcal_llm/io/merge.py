@@ -4,8 +4,10 @@ mergekit writes the configuration it merged into its output (`mergekit_config.ym
 an existing merged directory is reused only when that configuration, parsed, equals
 the recipe's. When it differs, a merge featcal-llm made itself (it leaves
 `featcal_merge.json` beside it) is merged again, and a directory the user supplied is
-refused with the differing keys named. A directory without `mergekit_config.yml`
-cannot be checked: it is used, with a warning.
+refused with the differing keys named. A merge featcal-llm made is also merged again
+when the files of a local model it was made from changed since (recorded in the
+marker, by content). A directory without `mergekit_config.yml` cannot be checked: it
+is used, with a warning.
 """
 
 from __future__ import annotations
@@ -101,6 +103,32 @@ def merge_identity(merged: Path) -> dict | None:
         return None
 
 
+def input_identities(recipe: Recipe) -> dict[str, Any]:
+    """Reference → content identity of every local model (and adapter) the merge reads; hub references are left out."""
+    from featcal_llm.io.identity import content_digest, weights_identity
+
+    identities: dict[str, Any] = {}
+    for reference in [recipe.base, *(e.reference for e in recipe.experts)]:
+        if not reference:
+            continue
+        for part in str(reference).split("+"):
+            directory = Path(part)
+            if directory.is_dir():
+                files = weights_identity(directory) or [[f.name, content_digest(f)] for f in sorted(directory.glob("adapter_*")) if f.is_file()]
+                identities[part] = files
+    return identities
+
+
+def _changed_inputs(recipe: Recipe, merged: Path) -> list[str]:
+    """The local models whose files changed since featcal-llm merged them into `merged`."""
+    try:
+        recorded = json.loads((merged / MARKER).read_text(encoding="utf-8")).get("inputs", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    now = input_identities(recipe)
+    return [reference for reference, identity in now.items() if reference in recorded and recorded[reference] != identity]
+
+
 def _stale(recipe: Recipe, merged: Path) -> list[str] | None:
     """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's."""
     wanted = _normal(recipe.merge_config)
@@ -116,6 +144,8 @@ def _stale(recipe: Recipe, merged: Path) -> list[str] | None:
         warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
     elif stored != wanted:
         return differing_keys(wanted, stored)
+    elif (merged / MARKER).is_file() and (changed := _changed_inputs(recipe, merged)):
+        return [f"the files of {reference}" for reference in changed]
     else:
         _say(f"reusing {merged} (its {MERGEKIT_CONFIG} is the recipe's merge)")
     _settled[str(merged.resolve())] = wanted
@@ -140,7 +170,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
                 f"{recipe.path}: featcal.merged: {merged} was merged from another configuration (its {MERGEKIT_CONFIG} differs in {keys}); "
                 "remove it to merge again, or point featcal.merged elsewhere"
             )
-        _say(f"{merged} was made from another configuration (differs in {keys}); merging again")
+        _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
     _merge(recipe, merged, device, sources, trust_remote_code)
     _settled[str(merged.resolve())] = _normal(recipe.merge_config)
     return merged
@@ -168,7 +198,8 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
-        (partial / MARKER).write_text(json.dumps({"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path)}, indent=1) + "\n")
+        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe)}
+        (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     except FeatCalError:
         shutil.rmtree(partial, ignore_errors=True)
         raise
