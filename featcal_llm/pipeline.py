@@ -294,9 +294,8 @@ def _run(comm: Single, recipe_path: str | Path, force: bool, device: str | None,
         check_override_architecture(expert.reference, expert_configs[expert.name], f"{recipe.path}: models: {expert.name}")
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
-    for name, source in {"base_model": base, **experts}.items():  # adapter config and shapes, from headers, before any work
-        if source.adapter is not None:
-            source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
+    for name, source in {"base_model": base, **experts}.items():  # weights (and adapter) readable, from headers, before any merge
+        source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
     plan = CalibrationPlan(
         architecture=architecture,

@@ -254,3 +254,60 @@ def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
     finally:
         ranks[0]._stop.set()
         del master
+
+
+def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops(monkeypatch, capsys):
+    """Rank 1 waiting for rank 0's step (real TCPStore): it notes the wait while rank 0 beats, and stops naming rank 0 once it does not."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(distributed, "WAIT_NOTE_S", 0.2)
+    comms = {}
+    for rank in (0, 1):
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop, comm.is_main = dist, rank, 2, threading.Event(), rank == 0
+        comms[rank] = comm
+    comms[0]._start_heartbeat()
+    try:
+        threading.Timer(0.8, lambda: master.set("featcal/step/1", "null")).start()  # rank 0 finishes its step after 0.8 s
+        comms[1]._wait_for_main("merge", "featcal/step/1")
+        assert "featcal-llm: rank 1: waiting for rank 0's merge" in capsys.readouterr().err
+        comms[0]._stop.set()  # rank 0's heartbeat stops during the next step
+        with pytest.raises(distributed.WorldError, match=r"^rank 0 of 2 stopped \(no heartbeat for \d+ s\) during the generation"):
+            comms[1]._wait_for_main("generation", "featcal/step/2")
+    finally:
+        comms[0]._stop.set()
+        del master
+
+
+def test_a_generating_expert_without_tokenizer_files_stops_both_ranks_in_one_line(uneven, tmp_path):
+    import shutil
+
+    scenario, _ = uneven
+    expert = tmp_path / "expert0"
+    shutil.copytree(scenario.experts["expert0"], expert)
+    for item in expert.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            item.unlink()
+    recipe = yaml.safe_load(scenario.recipe.read_text().replace(str(scenario.experts["expert0"]), str(expert)))
+    recipe["featcal"]["data"][str(expert)] = {"generate": {"samples": 4, "max_new_tokens": 6}}
+    recipe["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ranks = launch(path, 2, tmp_path / "logs", timeout=100)
+    assert [r.returncode for r in ranks] == [2, 2], ranks
+    lines = ranks[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featcal-llm: error:") and f"expert {expert}" in lines[0] and "no tokenizer files" in lines[0]
+    assert ranks[1].stderr == ""
