@@ -77,6 +77,20 @@ def test_a_merge_made_by_featcal_from_another_configuration_is_merged_again(smal
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
 
 
+def test_a_rerun_with_force_after_editing_a_merge_weight_calibrates_the_new_merge(small, tmp_path, capsys):
+    """The edited recipe's run equals a run of it from scratch (its own fresh merge), not a calibration of the old merge."""
+    recipe = _recipe(small, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    run_recipe(recipe, progress=False)
+    recipe = _recipe(small, tmp_path / "r.yaml", weight=0.2, merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    run_recipe(recipe, force=True, progress=False)
+    log = capsys.readouterr().err
+    fresh = run_recipe(_recipe(small, tmp_path / "f.yaml", weight=0.2, merged=str(tmp_path / "m2"), output=str(tmp_path / "fresh")), progress=False)
+    ours, theirs = load_file(tmp_path / "out" / "model.safetensors"), load_file(fresh / "model.safetensors")
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    assert "merging again" in log
+    assert "weight: 0.2" in (tmp_path / "out" / "featcal_recipe.yml").read_text()
+
+
 def test_a_merge_the_user_supplied_from_another_configuration_is_refused_naming_the_keys(small, tmp_path):
     merged = tmp_path / "merged"
     ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
