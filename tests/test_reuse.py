@@ -337,3 +337,20 @@ def test_generating_expert_without_tokenizer_files_is_one_line(small, tmp_path):
         _generation(small, tmp_path / "work", expert)
     message = str(refused.value)
     assert "\n" not in message and "expert " + str(expert) in message and "no tokenizer files" in message
+
+
+def test_a_full_disk_while_storing_samples_leaves_no_set_and_no_temporary_file(small, tmp_path, monkeypatch):
+    from featcal_llm.generation import store
+
+    real = Path.replace
+
+    def full(self, target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "replace", full)
+    samples, record = tmp_path / "g" / "e.jsonl", tmp_path / "g" / "e.json"
+    with pytest.raises(OSError):
+        store.store_samples(samples, record, [{"token_ids": [1, 2]}], {"key": "k"})
+    monkeypatch.setattr(Path, "replace", real)
+    assert list((tmp_path / "g").iterdir()) == []
+    assert store.cached_samples(samples, record, "k") is None

@@ -52,8 +52,12 @@ def cached_samples(samples_path: Path, record_path: Path, key: str) -> tuple[lis
 
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(path)
+    except OSError:  # a full disk: leave nothing half-written behind
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def store_samples(samples_path: Path, record_path: Path, samples: list[dict], record: dict[str, Any]) -> dict:
