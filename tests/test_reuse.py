@@ -127,7 +127,7 @@ def test_a_moved_and_touched_merge_of_the_same_configuration_is_reused(small, tm
     assert f"reusing {moved}" in capsys.readouterr().err
 
 
-def test_a_merge_featcal_made_is_merged_again_when_an_expert_s_files_change(small, tmp_path, capsys):
+def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when_its_files_change(small, tmp_path, capsys):
     expert = tmp_path / "experts" / "expert0"
     shutil.copytree(small.experts["expert0"], expert)
     recipe = _recipe(small, tmp_path / "a.yaml", merged=str(tmp_path / "merged"))
@@ -135,12 +135,16 @@ def test_a_merge_featcal_made_is_merged_again_when_an_expert_s_files_change(smal
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     getattr(merge_module, "_settled", {}).clear()  # a new process
     _touch(expert)
+    moved = tmp_path / "moved" / "expert0"  # the same files elsewhere: the same model
+    shutil.move(expert.parent, moved.parent)
+    recipe.write_text(recipe.read_text().replace(str(expert), str(moved)))
+    expert = moved
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     assert "reusing" in capsys.readouterr().err
     getattr(merge_module, "_settled", {}).clear()
     _perturb(expert)
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
-    assert f"differs in the files of {expert}); merging again" in capsys.readouterr().err
+    assert "(differs in models[0].model); merging again" in capsys.readouterr().err
 
 
 # --- saved layers (resume) and spilled streams ---------------------------------------------------------------------

@@ -2,17 +2,19 @@
 
 mergekit writes the configuration it merged into its output (`mergekit_config.yml`);
 an existing merged directory is reused only when that configuration, parsed, equals
-the recipe's. When it differs, a merge featcal-llm made itself (it leaves
-`featcal_merge.json` beside it) is merged again, and a directory the user supplied is
-refused with the differing keys named. A merge featcal-llm made is also merged again
-when the files of a local model it was made from changed since (recorded in the
-marker, by content). A directory without `mergekit_config.yml` cannot be checked: it
-is used, with a warning.
+the recipe's, with each model reference standing for the model's files by content
+(so a moved expert, or a hub reference to the same files, is the same model; a merge
+featcal-llm made records its models' files in `featcal_merge.json`, so an expert whose
+files changed since is a different model). When they differ, a merge featcal-llm made
+is merged again, and a directory the user supplied is refused with the differing keys
+named. A directory without `mergekit_config.yml` cannot be checked: it is used, with a
+warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -103,33 +105,72 @@ def merge_identity(merged: Path) -> dict | None:
         return None
 
 
-def input_identities(recipe: Recipe) -> dict[str, Any]:
-    """Reference → content identity of every local model (and adapter) the merge reads; hub references are left out."""
+def _files(part: str) -> Any:
+    """A local model or adapter directory's files by content."""
     from featcal_llm.io.identity import content_digest, weights_identity
 
-    identities: dict[str, Any] = {}
-    for reference in [recipe.base, *(e.reference for e in recipe.experts)]:
-        if not reference:
-            continue
-        for part in str(reference).split("+"):
-            directory = Path(part)
-            if directory.is_dir():
-                files = weights_identity(directory) or [[f.name, content_digest(f)] for f in sorted(directory.glob("adapter_*")) if f.is_file()]
-                identities[part] = files
-    return identities
+    directory = Path(part)
+    return weights_identity(directory) or [[f.name, content_digest(f)] for f in sorted(directory.glob("adapter_*")) if f.is_file()]
 
 
-def _changed_inputs(recipe: Recipe, merged: Path) -> list[str]:
-    """The local models whose files changed since featcal-llm merged them into `merged`."""
+def _local_files(reference: str) -> list | None:
+    parts = str(reference).split("+")
+    return [_files(part) for part in parts] if all(Path(part).is_dir() for part in parts) else None
+
+
+def input_identities(recipe: Recipe) -> dict[str, Any]:
+    """Each local model (or adapter) directory the merge reads → its files by content; hub references are left out."""
+    references = [recipe.base, *(e.reference for e in recipe.experts)]
+    return {part: _files(part) for reference in references if reference for part in str(reference).split("+") if Path(part).is_dir()}
+
+
+def _with_files(config: dict, identify) -> dict:
+    """The configuration with each model reference replaced by what `identify` says of it (None: left as written)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: _digest(identify(v)) or v if k in ("model", "base_model") and isinstance(v, str) else walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    return walk(config)
+
+
+def _digest(files: Any) -> str | None:
+    return None if files is None else "files " + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _recipe_side(sources: dict[str, Any] | None):
+    def identify(reference: str) -> Any:
+        local = _local_files(reference)
+        if local is not None:
+            return {"files": local}
+        source = (sources or {}).get(reference)  # a hub reference, resolved to its snapshot
+        if source is None:
+            return None
+        return {"files": [_files(str(source.directory)), *([_files(str(source.adapter))] if source.adapter is not None else [])]}
+
+    return identify
+
+
+def _stored_side(merged: Path):
     try:
         recorded = json.loads((merged / MARKER).read_text(encoding="utf-8")).get("inputs", {})
     except (OSError, ValueError, AttributeError):
-        return []
-    now = input_identities(recipe)
-    return [reference for reference, identity in now.items() if reference in recorded and recorded[reference] != identity]
+        recorded = {}
+
+    def identify(reference: str) -> Any:
+        parts = reference.split("+")
+        if all(part in recorded for part in parts):  # the files the merge was made from, as recorded then
+            return {"files": [recorded[part] for part in parts]}
+        local = _local_files(reference)
+        return {"files": local} if local is not None else None
+
+    return identify
 
 
-def _stale(recipe: Recipe, merged: Path) -> list[str] | None:
+def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list[str] | None:
     """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's."""
     wanted = _normal(recipe.merge_config)
     if _settled.get(str(merged.resolve())) == wanted:
@@ -142,10 +183,8 @@ def _stale(recipe: Recipe, merged: Path) -> list[str] | None:
         return [MERGEKIT_CONFIG]
     if stored is None:
         warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
-    elif stored != wanted:
-        return differing_keys(wanted, stored)
-    elif (merged / MARKER).is_file() and (changed := _changed_inputs(recipe, merged)):
-        return [f"the files of {reference}" for reference in changed]
+    elif differing := differing_keys(_with_files(wanted, _recipe_side(sources)), _with_files(stored, _stored_side(merged))):
+        return differing
     else:
         _say(f"reusing {merged} (its {MERGEKIT_CONFIG} is the recipe's merge)")
     _settled[str(merged.resolve())] = wanted
@@ -161,7 +200,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
     output, removed afterwards.
     """
     if merged.exists():
-        differing = _stale(recipe, merged)
+        differing = _stale(recipe, merged, sources)
         if differing is None:
             return merged
         keys = ", ".join(differing[:8]) + (f" and {len(differing) - 8} more" if len(differing) > 8 else "")
