@@ -7,6 +7,7 @@ tokenise the calibration data → merge with mergekit if needed → the layer lo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
-from featcal_llm.io.merge import ensure_merged
+from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -202,7 +203,8 @@ def _open_checkpoints(merged_dir: Path, base: ModelSource, experts: dict[str, Mo
 def _run_fingerprint(
     recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int, sources: dict[str, ModelSource]
 ) -> str:
-    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb"})
+    # Where the merged model is does not matter: its files and the configuration it was merged from are recorded.
+    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged"})
     return fingerprint(
         [
             __version__,
@@ -211,6 +213,7 @@ def _run_fingerprint(
             sequences_digest(sequences),
             sequences_digest(probe_sequences),
             checkpoint_identity(models.merged.directory),
+            merge_identity(models.merged.directory),
             {name: [source.identity(), checkpoint_identity(source.directory)] for name, source in sources.items()},
             [runner.device.type, str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
         ]
@@ -236,6 +239,16 @@ def _staging(comm: Single, partial: Path, run_fingerprint: str) -> StagingArea:
     return staging if staging is not None else StagingReader(partial, run_fingerprint, completed)
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)
+
+
+def _unwritable(comm: Single, error: OSError) -> FeatCalError:
+    where = f" {error.filename}" if error.filename else ""
+    message = f"cannot write{where} ({error.strerror or os.strerror(error.errno)}); free space or make the directory writable, then rerun the same command to resume"
+    comm.report_failure(message)
+    return FeatCalError(f"rank {comm.rank}: {message}" if comm.world > 1 else message)
+
+
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory.
 
@@ -249,6 +262,10 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         return _run(comm, recipe_path, force, device, progress, timer)
     except WorldError:
         raise
+    except OSError as error:  # a full disk or a read-only directory: one line; saved layers stay for the rerun
+        if error.errno not in WRITE_ERRNOS:
+            raise
+        raise _unwritable(comm, error) from None
     except FeatCalError as error:
         if not comm.ready:  # during the setup every rank meets the others with its error: rank 0 reports
             comm.agree(None, str(error))
@@ -285,9 +302,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         check_override_architecture(expert.reference, expert_configs[expert.name], f"{recipe.path}: models: {expert.name}")
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
-    for name, source in {"base_model": base, **experts}.items():  # adapter config and shapes, from headers, before any work
-        if source.adapter is not None:
-            source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
+    for name, source in {"base_model": base, **experts}.items():  # weights (and adapter) readable, from headers, before any merge
+        source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
     plan = CalibrationPlan(
         architecture=architecture,
@@ -299,9 +315,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     search = plan.tuning
 
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
-        if comm.is_main:  # only rank 0 merges; the others wait for it
-            ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
-        comm.agree(None)
+        comm.run_on_main("merge", lambda: ensure_merged(recipe, merged_path, str(compute_device), experts, trust))
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
@@ -335,10 +349,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     )
 
     comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it here and below
-    if comm.is_main:
-        ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
-    comm.agree(None)
-    merged_dir = ensure_merged(recipe, merged_path, str(compute_device), experts, trust)
+    comm.run_on_main("merge", lambda: ensure_merged(recipe, merged_path, str(compute_device), experts, trust))
+    merged_dir = merged_path  # made, or checked against the recipe, by rank 0 above
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
     models = _open_checkpoints(merged_dir, base, experts, architecture.layer_prefix.split("{")[0])

@@ -10,6 +10,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 from scenario import build_scenario  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _digest_cache(tmp_path_factory):
+    """Remembered file digests (io/identity.py) go to a temporary directory, not the user's cache."""
+    import os
+
+    os.environ["FEATCAL_CACHE_DIR"] = str(tmp_path_factory.mktemp("digests"))
+
+
 @pytest.fixture(scope="session")
 def scenario(tmp_path_factory):
     """Three experts, three layers, sharded checkpoints; merged by the first `run` that needs it."""

@@ -3,7 +3,8 @@
 Optional faults for the tests: `--kill-at R:L` makes rank R SIGKILL itself when layer L
 starts (a rank that dies mid-run); `--skip-rank R` makes rank R contribute zero
 statistics (a broken reduction, which the equality test must catch);
-`--recipe-for R:PATH` gives rank R another recipe.
+`--recipe-for R:PATH` gives rank R another recipe; `--slow-main S` makes rank 0's merge and generation
+take S seconds longer each (steps only rank 0 runs while the others wait).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--kill-at", default=None)
     parser.add_argument("--skip-rank", type=int, default=None)
     parser.add_argument("--recipe-for", default=None, help="R:PATH: rank R reads another recipe")
+    parser.add_argument("--slow-main", type=float, default=None)
     args, rest = parser.parse_known_args()
     rank = int(os.environ["RANK"])
     if args.recipe_for is not None and int(args.recipe_for.split(":", 1)[0]) == rank:
@@ -52,6 +54,19 @@ def main() -> None:
             return real_reduce(self, stats, owners)
 
         distributed.TorchDistributed.reduce_statistics = skipping
+    if args.slow_main is not None and rank == 0:
+        import featcal_llm.generation.run as generation
+        import featcal_llm.pipeline as pipeline
+
+        def slowed(real):
+            def slow(*a, **k):
+                time.sleep(args.slow_main)
+                return real(*a, **k)
+
+            return slow
+
+        generation.generated_sequences = slowed(generation.generated_sequences)
+        pipeline.ensure_merged = slowed(pipeline.ensure_merged)
     from featcal_llm.cli import main as cli
 
     sys.argv = ["featcal-llm", "run", args.recipe, *rest]

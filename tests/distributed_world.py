@@ -20,8 +20,10 @@ class Rank:
     stderr: str
 
 
-def launch(recipe: Path, world: int, logs: Path, *extra: str, timeout: float = 150.0, recipes: dict[int, Path] | None = None) -> list[Rank]:
-    """`featcal-llm run RECIPE` (through dist_worker.py's optional faults) on `world` ranks of one thread each."""
-    env = {"FEATCAL_DISTRIBUTED_TIMEOUT": "60", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def launch(
+    recipe: Path, world: int, logs: Path, *extra: str, timeout: float = 150.0, recipes: dict[int, Path] | None = None, env: dict | None = None
+) -> list[Rank]:
+    """`featcal-llm run RECIPE` (through dist_worker.py's optional faults) on `world` ranks of one thread each; `env` adds variables."""
+    env = {"FEATCAL_DISTRIBUTED_TIMEOUT": "60", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     command = [sys.executable, str(WORKER), str(recipe), *extra]
     return [Rank(*result) for result in launch_world(command, world, logs, threads=1, timeout=timeout, env=env)]

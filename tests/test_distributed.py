@@ -205,3 +205,109 @@ def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(un
     generated = lambda name: (tmp_path / name / "featcal_generated" / "expert0.jsonl").read_text()  # noqa: E731
     assert generated("one") == generated("two")
     assert worst_delta(tmp_path / "two" / "out", tmp_path / "one" / "out", scenario.root / "merged") <= EQUAL
+
+
+def test_rank_0_steps_longer_than_the_collective_timeout_are_waited_for(uneven, tmp_path):
+    """Rank 0's merge and generation each take longer than FEATCAL_DISTRIBUTED_TIMEOUT: rank 1 waits on the store, both finish."""
+    scenario, _ = uneven
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert0"])] = {"generate": {"samples": 4, "max_new_tokens": 6, "chat_template": "off"}}
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ranks = launch(path, 2, tmp_path / "logs", "--slow-main", "14", env={"FEATCAL_DISTRIBUTED_TIMEOUT": "6"})
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "calibrated checkpoint written" in ranks[0].stdout and ranks[1].stderr == ""
+
+
+def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
+    """Rank 0's view when rank 1 timed out in a collective (it left a record and stopped beating): it gave up, it is not the cause."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
+    ranks = {}
+    for rank in (0, 1):
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop, comm.timeout = dist, rank, 2, threading.Event(), timedelta(seconds=6)
+        ranks[rank] = comm
+    ranks[0]._start_heartbeat()
+    try:
+        mine = ranks[1]._peer_failure(RuntimeError("[gloo] Timed out waiting 6000ms for recv operation to complete"))
+        assert "rank 1 of 2 gave up: it waited 6 s in a collective" in str(mine)
+        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
+        assert str(stopped) == (
+            "rank 1 of 2 gave up: it waited 6 s in a collective (FEATCAL_DISTRIBUTED_TIMEOUT); "
+            "raise FEATCAL_DISTRIBUTED_TIMEOUT if a step is legitimately that slow"
+        )
+    finally:
+        ranks[0]._stop.set()
+        del master
+
+
+def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops(monkeypatch, capsys):
+    """Rank 1 waiting for rank 0's step (real TCPStore): it notes the wait while rank 0 beats, and stops naming rank 0 once it does not."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from featcal_llm.engine import distributed
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(distributed, "WAIT_NOTE_S", 0.2)
+    comms = {}
+    for rank in (0, 1):
+        comm = object.__new__(distributed.TorchDistributed)
+        comm.dist, comm.rank, comm.world, comm._stop, comm.is_main = dist, rank, 2, threading.Event(), rank == 0
+        comms[rank] = comm
+    comms[0]._start_heartbeat()
+    try:
+        threading.Timer(0.8, lambda: master.set("featcal/step/1", "null")).start()  # rank 0 finishes its step after 0.8 s
+        comms[1]._wait_for_main("merge", "featcal/step/1")
+        assert "featcal-llm: rank 1: waiting for rank 0's merge" in capsys.readouterr().err
+        comms[0]._stop.set()  # rank 0's heartbeat stops during the next step
+        with pytest.raises(distributed.WorldError, match=r"^rank 0 of 2 stopped \(no heartbeat for \d+ s\) during the generation"):
+            comms[1]._wait_for_main("generation", "featcal/step/2")
+    finally:
+        comms[0]._stop.set()
+        del master
+
+
+def test_a_generating_expert_without_tokenizer_files_stops_both_ranks_in_one_line(uneven, tmp_path):
+    import shutil
+
+    scenario, _ = uneven
+    expert = tmp_path / "expert0"
+    shutil.copytree(scenario.experts["expert0"], expert)
+    for item in expert.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            item.unlink()
+    recipe = yaml.safe_load(scenario.recipe.read_text().replace(str(scenario.experts["expert0"]), str(expert)))
+    recipe["featcal"]["data"][str(expert)] = {"generate": {"samples": 4, "max_new_tokens": 6}}
+    recipe["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    ranks = launch(path, 2, tmp_path / "logs", timeout=100)
+    assert [r.returncode for r in ranks] == [2, 2], ranks
+    lines = ranks[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featcal-llm: error:") and f"expert {expert}" in lines[0] and "no tokenizer files" in lines[0]
+    assert ranks[1].stderr == ""

@@ -13,11 +13,13 @@ no-op, so `python -m featcal_llm run` is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
 TIMEOUT_ENV = "FEATCAL_DISTRIBUTED_TIMEOUT"  # seconds a collective may wait for a rank that hangs (default 1800)
 REDUCE_ENV = "FEATCAL_DISTRIBUTED_REDUCE"  # "owner" (default): reduce to each group's owner; "all": all-reduce
 HEARTBEAT_S = 1.0
+STALL_BEATS = 30  # a waiting rank gives rank 0 up for dead after this many heartbeat periods without a beat
+WAIT_NOTE_S = 300.0  # a rank waiting for rank 0's long step says so this often
+GAVE_UP = "gave up: "  # a failure record of a rank that only timed out waiting (not the cause of the stop)
 
 
 def shard_indices(lengths: list[int], rank: int, world: int) -> list[int]:
@@ -103,6 +108,10 @@ class Single:
     def use(self, device: torch.device) -> None:
         return None
 
+    def run_on_main(self, step: str, work: Callable[[], Any]) -> Any:
+        """Run `work` on rank 0 only (a long step: the merge, generation); every rank returns its result (others: None)."""
+        return work()
+
     def report_failure(self, message: str) -> None:
         return None
 
@@ -139,6 +148,7 @@ class TorchDistributed(Single):
         self.ready = False  # True once every rank agreed on the run's fingerprint: errors after it are one rank's own
         self._beats: Any = None
         self._stop = threading.Event()
+        self._steps = 0
         if self.mode not in ("owner", "all"):
             self.close()
             raise FeatCalError(f"{REDUCE_ENV}: expected 'owner' or 'all', got {self.mode!r}")
@@ -168,23 +178,87 @@ class TorchDistributed(Single):
         threading.Thread(target=beat, name="featcal-heartbeat", daemon=True).start()
 
     def _peer_failure(self, error: BaseException) -> "WorldError":
-        """The one-line error for a collective that failed because another rank stopped (it names the rank)."""
+        """The one-line error for a collective that failed because another rank stopped: which rank, and why.
+
+        A rank's own error (left in the store) comes first, then a rank whose heartbeat stopped, then a rank that
+        only gave up waiting (its collective timed out); this rank's own time-out is named when nothing else is known.
+        """
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        if timed_out:
+            self.report_failure(f"{GAVE_UP}waited {self.timeout.total_seconds():g} s in a collective (FEATCAL_DISTRIBUTED_TIMEOUT)")
+        gave_up = {}
         try:
             store = self._store()
             for rank in range(self.world):
                 key = f"featcal/failed/{rank}"
                 if rank != self.rank and store.check([key]):
-                    return WorldError(f"rank {rank} of {self.world} failed: {store.get(key).decode()}")
+                    message = store.get(key).decode()
+                    if not message.startswith(GAVE_UP):
+                        return WorldError(f"rank {rank} of {self.world} failed: {message}")
+                    gave_up[rank] = message[len(GAVE_UP):]
             before = [store.add(f"featcal/alive/{r}", 0) for r in range(self.world)]
             time.sleep(3 * HEARTBEAT_S)
             after = [store.add(f"featcal/alive/{r}", 0) for r in range(self.world)]
-            dead = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+            dead = [r for r in range(self.world) if r != self.rank and after[r] == before[r] and r not in gave_up]
         except Exception:
             dead = [0] if self.rank != 0 else []  # the store lives with rank 0 (or torchrun's agent)
-        if not dead:
-            return WorldError(f"rank {self.rank} of {self.world}: a collective failed ({str(error).splitlines()[0][:200]})")
-        names = ", ".join(str(r) for r in dead)
-        return WorldError(f"rank {names} of {self.world} stopped (no heartbeat); rerun the same command to resume after the last finished layer")
+        if dead:
+            names = ", ".join(str(r) for r in dead)
+            return WorldError(f"rank {names} of {self.world} stopped (no heartbeat); rerun the same command to resume after the last finished layer")
+        if gave_up:
+            rank, why = next(iter(gave_up.items()))
+            return WorldError(f"rank {rank} of {self.world} gave up: it {why}; raise FEATCAL_DISTRIBUTED_TIMEOUT if a step is legitimately that slow")
+        if timed_out:
+            return WorldError(f"rank {self.rank} of {self.world} gave up: it waited {self.timeout.total_seconds():g} s in a collective (FEATCAL_DISTRIBUTED_TIMEOUT)")
+        return WorldError(f"rank {self.rank} of {self.world}: a collective failed ({str(error).splitlines()[0][:200]})")
+
+    def run_on_main(self, step: str, work: Callable[[], Any]) -> Any:
+        """Rank 0 runs `work` (the merge, generation: as long as it takes); the others wait without a time limit.
+
+        The waiting ranks poll the rendezvous store for the end of rank 0's step while rank 0's heartbeat
+        goes on (a stopped heartbeat stops them, naming rank 0), so the collective timeout bounds only
+        collectives. Rank 0's error (one line) then stops every rank alike, through `agree`.
+        """
+        self._steps += 1
+        key = f"featcal/step/{self._steps}"
+        if self.is_main:
+            result, error = None, None
+            try:
+                result = work()
+            except FeatCalError as failure:
+                error = str(failure)
+            except Exception as failure:  # an unexpected error must still meet the waiting ranks
+                error = f"{step}: {type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+            try:
+                self._store().set(key, json.dumps(error))
+            except Exception:
+                pass
+            self.agree(None, error)
+            return result
+        self._wait_for_main(step, key)
+        self.agree(None)
+        return None
+
+    def _wait_for_main(self, step: str, key: str) -> None:
+        try:
+            store = self._store()
+        except Exception:
+            return  # no store: the collective in `agree` is the only wait
+        began = noted = time.monotonic()
+        last_beat, last_change = store.add("featcal/alive/0", 0), time.monotonic()
+        while not store.check([key]):
+            time.sleep(HEARTBEAT_S)
+            if store.check(["featcal/failed/0"]):
+                return  # rank 0 stopped with an error before the step: it says why in `agree`
+            beat = store.add("featcal/alive/0", 0)
+            now = time.monotonic()
+            if beat != last_beat:
+                last_beat, last_change = beat, now
+            elif now - last_change > STALL_BEATS * HEARTBEAT_S:
+                raise WorldError(f"rank 0 of {self.world} stopped (no heartbeat for {now - last_change:.0f} s) during the {step}; rerun the same command")
+            if now - noted >= WAIT_NOTE_S:
+                noted = now
+                print(f"featcal-llm: rank {self.rank}: waiting for rank 0's {step} ({(now - began) / 60:.0f} min so far; rank 0 is alive)", file=sys.stderr, flush=True)
 
     def report_failure(self, message: str) -> None:
         """Leave this rank's error in the store so the others can name it (called before exiting on an error)."""
@@ -282,6 +356,8 @@ class TorchDistributed(Single):
         fails (bad input) meets the others here instead of leaving them
         waiting: rank 0 prints one line, the others exit quietly.
         """
+        if error is not None:
+            self.report_failure(error)  # ranks waiting for rank 0's long step stop waiting and meet it here
         answers: list[Any] = [None] * self.world
         self._call(self.dist.all_gather_object, answers, (fingerprint, error))
         for rank, (_, failure) in enumerate(answers):

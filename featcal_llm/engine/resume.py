@@ -45,15 +45,10 @@ def fingerprint(parts: Iterable[Any]) -> str:
 
 
 def checkpoint_identity(directory: Path) -> list:
-    """Cheap identity of a checkpoint: config and index bytes, weight file names, sizes and mtimes."""
-    identity = []
-    for item in sorted(directory.iterdir()):
-        if item.name in ("config.json", "model.safetensors.index.json"):
-            identity.append([item.name, hashlib.sha256(item.read_bytes()).hexdigest()])
-        elif item.suffix == ".safetensors":
-            stat = item.stat()
-            identity.append([item.name, stat.st_size, stat.st_mtime_ns])
-    return identity
+    """A checkpoint's identity by content: config, index and weight files (io/identity.py; a touch or a move keeps it)."""
+    from featcal_llm.io.identity import weights_identity
+
+    return weights_identity(directory)
 
 
 def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:

@@ -6,8 +6,6 @@ from typing import Any
 
 import torch
 
-from featcal_llm.errors import FeatCalError
-
 
 def with_generated(
     comm: Any, recipe: Any, sequences: dict, sources: dict, configs: dict, device: torch.device, dtypes: dict, progress: bool
@@ -19,14 +17,11 @@ def with_generated(
     featcal = recipe.featcal
     if all(featcal.data[e.name].generate is None for e in recipe.experts):
         return sequences
-    generated, error = None, None
-    if comm.is_main:
+    def generate() -> dict[str, list[list[int]]]:
         from featcal_llm.generation.run import generated_sequences
 
-        try:
-            generated = generated_sequences(recipe, sources, configs, device, dtypes, progress)
-        except FeatCalError as failure:
-            error = str(failure)
-    comm.agree(None, error)
+        return generated_sequences(recipe, sources, configs, device, dtypes, progress)
+
+    generated = comm.run_on_main("generation", generate)  # the others wait as long as it takes, not a collective's timeout
     generated = comm.broadcast_object(generated)
     return {e.name: sequences[e.name] if e.name in sequences else [s[: featcal.max_length] for s in generated[e.name]] for e in recipe.experts}

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from featcal_llm.engine.drift import short_names
 from featcal_llm.engine.resume import checkpoint_identity, fingerprint
+from featcal_llm.io.identity import sampling_identity
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
 from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
@@ -57,6 +58,27 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
     }
 
 
+def key_ingredients(source: Any, settings: dict, start: Start, device: torch.device, dtype: torch.dtype, backend: str) -> dict[str, Any]:
+    """Everything that changes an expert's samples, by name: a stored set is reused only when all of them are equal.
+
+    The model by content (weights, adapter, generation config and tokenizer files: the sampler's EOS ids come from
+    them), the resolved settings, the start (chat template and prompt token ids) and where and how it runs (compute
+    dtype, device, backend). Not where the files are: a moved or touched model keeps its samples.
+    """
+    return {
+        "format": FORMAT,
+        "weights": checkpoint_identity(source.directory),
+        "adapter": source.identity().get("adapter"),
+        "sampling": sampling_identity(source.directory, source.tokenizer_directory),
+        "settings": settings,
+        "chat_template": start.chat,
+        "prompt_ids": [list(ids) for ids in start.ids],
+        "dtype": str(dtype),
+        "device": device.type if device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(device)})",
+        "backend": backend,
+    }
+
+
 def _sample(sampler: Any, backend: str, start: Start, settings: dict, tokenizer: Any, label: str, progress: bool) -> Tally:
     """Rounds of samples until `samples` pass the quality rule (or MAX_ROUNDS); sample i continues prompt i mod len(prompts)."""
     wanted, special = settings["samples"], set(tokenizer.all_special_ids)
@@ -93,7 +115,10 @@ def _sample(sampler: Any, backend: str, start: Start, settings: dict, tokenizer:
 def _summary(name: str, record: dict, path: Path, reused: bool) -> str:
     dropped = record["dropped"]
     dropped_text = ", ".join(f"{dropped[r]} {r}" for r in REASONS if dropped.get(r)) or "none"
-    how = "reused" if reused else f"{record['backend']}, {record['generated_tokens']} tokens in {record['seconds']:.1f} s, {record['tokens_per_second']:.0f} tok/s"
+    if reused:
+        how = "reused: same weights, generation config, tokenizer files, settings, prompts, dtype, device and backend"
+    else:
+        how = f"{record['backend']}, {record['generated_tokens']} tokens in {record['seconds']:.1f} s, {record['tokens_per_second']:.0f} tok/s"
     return f"featcal-llm: generation: expert {name}: {record['kept']} samples from the {record['start']} ({how}; dropped {dropped_text}) → {path}"
 
 
@@ -163,12 +188,26 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     return candidates[choice.mode], choice.mode, choice, sampler
 
 
+def _expert_tokenizer(source: Any, name: str, where: str, trust_remote_code: bool) -> Any:
+    """The expert's own tokenizer (its EOS ids stop its samples); a missing or unreadable one is a one-line error."""
+    from transformers import AutoTokenizer
+
+    directory = source.tokenizer_directory
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        raise FeatCalError(
+            f"{where}: expert {name}: {directory} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+            "an expert that writes its own data needs its tokenizer: copy it into that directory, or give this expert a data file"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise FeatCalError(f"{where}: expert {name}: {directory}: cannot load its tokenizer ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+
+
 def generated_sequences(
     recipe: Recipe, sources: dict[str, Any], configs: dict[str, Any], device: torch.device, dtypes: dict[str, torch.dtype], progress: bool
 ) -> dict[str, list[list[int]]]:
     """Expert name → token ids of its own samples, for every expert whose data is `generate:`."""
-    from transformers import AutoTokenizer
-
     from featcal_llm.io.references import resolve_source
 
     featcal = recipe.featcal
@@ -180,17 +219,16 @@ def generated_sequences(
         spec, source = featcal.data[name].generate, sources[name]
         where = f"{recipe.path}: featcal.data.{name}.generate"
         settings = settings_of(recipe, name)
-        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_directory, trust_remote_code=featcal.trust_remote_code)
+        tokenizer = _expert_tokenizer(source, name, where, featcal.trust_remote_code)
         samples_path, record_path = set_paths(Path(featcal.output), labels[name])
         start, mode, choice, sampler = _start(recipe, name, sources, base, tokenizer, configs[name], settings, samples_path, device, dtypes[name], where)
-        key = fingerprint([FORMAT, source.identity(), checkpoint_identity(source.directory), settings, start.chat, [list(i) for i in start.ids],
-                           mode])
+        backend = choose_backend(spec.backend, device, where)
+        key = fingerprint([key_ingredients(source, settings, start, device, dtypes[name], backend) | {"mode": mode}])
         cached = cached_samples(samples_path, record_path, key)
         try:
             if cached is not None:
                 samples, record = cached
             else:
-                backend = choose_backend(spec.backend, device, where)
                 if sampler is None or backend != "transformers":
                     if sampler is not None:
                         sampler.close()

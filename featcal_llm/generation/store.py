@@ -1,7 +1,8 @@
 """Generated sets on disk, beside the output: `featcal_generated/<expert>.jsonl` plus a `.json` record of how it was made.
 
-A set is reused when its record's key (the expert's identity, the settings and
-the prompt token ids) matches and the JSON-lines file is the one the record
+A set is reused when its record's key (generation/run.py `key_ingredients`: the
+expert's files by content, the settings, the prompt token ids, dtype, device and
+backend) matches and the JSON-lines file is the one the record
 describes; otherwise it is generated again. Both files are written to a
 temporary name and renamed, the record last, so an interrupted run leaves no set
 that looks finished.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 GENERATED_DIR = "featcal_generated"
-FORMAT = 1  # bump when what a key covers or what a record holds changes
+FORMAT = 2  # bump when what a key covers or what a record holds changes
 
 
 def set_paths(output: Path, label: str) -> tuple[Path, Path]:
@@ -51,8 +52,12 @@ def cached_samples(samples_path: Path, record_path: Path, key: str) -> tuple[lis
 
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(path)
+    except OSError:  # a full disk: leave nothing half-written behind
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def store_samples(samples_path: Path, record_path: Path, samples: list[dict], record: dict[str, Any]) -> dict:

@@ -141,7 +141,7 @@ def write_calibrated_checkpoint(
         shutil.copy2(merged.directory / INDEX_FILE, output / INDEX_FILE)
 
 
-def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README.md",)) -> None:
+def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README.md", "featcal_merge.json")) -> None:
     """Config, generation config, tokenizer and anything else that is not weights."""
     for item in sorted(source.iterdir()):
         if item.name in skip or item.name == INDEX_FILE or item.name.endswith(WEIGHT_SUFFIXES):

@@ -13,7 +13,6 @@ refused by name.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -56,12 +55,10 @@ def is_adapter_directory(directory: Path) -> bool:
 
 
 def adapter_identity(directory: Path) -> list:
-    """Cheap identity of an adapter for run fingerprints: config bytes, weight file size and mtime."""
-    identity: list = [[ADAPTER_CONFIG, hashlib.sha256((directory / ADAPTER_CONFIG).read_bytes()).hexdigest()]]
-    for item in sorted(directory.glob("*.safetensors")):
-        stat = item.stat()
-        identity.append([item.name, stat.st_size, stat.st_mtime_ns])
-    return identity
+    """An adapter's identity for run fingerprints: its config and weight files by content (a touch or a move keeps it)."""
+    from featcal_llm.io.identity import content_digest
+
+    return [[item.name, content_digest(item)] for item in [directory / ADAPTER_CONFIG, *sorted(directory.glob("*.safetensors"))]]
 
 
 def load_lora_config(directory: Path, what: str) -> Any:
@@ -210,12 +207,18 @@ class LoraReader:
         deltas = self.deltas.get(name)
         if not deltas:
             return tensor
-        work = torch.float64 if tensor.dtype == torch.float64 else torch.float32  # as peft merges bf16 on CPU
+        # As peft merges (adapter weights up-cast to float32 for half-precision bases): a linear layer adds the
+        # float32 update and rounds once; an embedding rounds the update to the base dtype first, then adds in it.
+        work = torch.float64 if tensor.dtype == torch.float64 else torch.float32
         total = tensor.to(work)
         for delta in deltas:
             b = self._handle.get_tensor(delta.b).to(work)
             update = b if not delta.a else b @ self._handle.get_tensor(delta.a).to(work)
-            total = total + delta.scale * (update.T if delta.transpose else update)
+            update = update.T * delta.scale if delta.transpose else delta.scale * update
+            if delta.transpose:  # embedding
+                total = (total.to(tensor.dtype) + update.to(tensor.dtype)).to(work)
+            else:
+                total = total + update
         return total.to(tensor.dtype)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -1,15 +1,35 @@
-"""Run the recipe's merge through mergekit when the merged model does not exist yet."""
+"""Run the recipe's merge through mergekit, or reuse a merged model only when it was made from the recipe's merge.
+
+mergekit writes the configuration it merged into its output (`mergekit_config.yml`);
+an existing merged directory is reused only when that configuration, parsed, equals
+the recipe's, with each model reference standing for the model's files by content
+(so a moved expert, or a hub reference to the same files, is the same model; a merge
+featcal-llm made records its models' files in `featcal_merge.json`, so an expert whose
+files changed since is a different model). When they differ, a merge featcal-llm made
+is merged again, and a directory the user supplied is refused with the differing keys
+named. A directory without `mergekit_config.yml` cannot be checked: it is used, with a
+warning.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
-from featcal_llm.errors import FeatCalError
+import yaml
+
+from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.io.recipe import Recipe
+
+MERGEKIT_CONFIG = "mergekit_config.yml"
+MARKER = "featcal_merge.json"  # written by featcal-llm after a merge it made succeeded
+_settled: dict[str, Any] = {}  # merged directory → the configuration it was found (or made) to match, in this process
 
 
 def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> Any:
@@ -38,17 +58,168 @@ def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> An
     return MergeConfiguration.model_validate(rewrite(merge_config.model_dump(mode="json", exclude_none=True)))
 
 
-def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None = None, trust_remote_code: bool = False) -> Path:
-    """The merged model directory, created by mergekit (into a temporary sibling, then renamed) if absent.
+def _say(message: str) -> None:
+    if not QUIET["warnings"]:
+        print(f"featcal-llm: merge: {message}", file=sys.stderr)
 
+
+def stored_configuration(merged: Path) -> dict | None:
+    """The merge configuration a merged directory was made from (parsed and normalised); None when it does not say.
+
+    Raises FeatCalError when `mergekit_config.yml` is there but is not a mergekit configuration.
+    """
+    from mergekit.config import MergeConfiguration
+
+    path = merged / MERGEKIT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("not a mapping")
+        raw.pop("featcal", None)  # featcal-llm stores the whole recipe
+        return _normal(MergeConfiguration.model_validate(raw))
+    except Exception as error:
+        raise FeatCalError(f"{path}: not a mergekit configuration ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+
+
+def _normal(config: Any) -> dict:
+    return config.model_dump(mode="json", exclude_none=True)
+
+
+def differing_keys(ours: Any, theirs: Any, where: str = "") -> list[str]:
+    """Dotted paths (with [i] for list items) at which two parsed configurations differ."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        keys = sorted(set(ours) | set(theirs))
+        return [d for k in keys for d in differing_keys(ours.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))]
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in differing_keys(a, b, f"{where}[{i}]")]
+    return [] if ours == theirs else [where or "(the whole configuration)"]
+
+
+def merge_identity(merged: Path) -> dict | None:
+    """What a run's fingerprint records of the merge: the parsed configuration it was made from (None: unknown)."""
+    try:
+        return stored_configuration(merged)
+    except FeatCalError:
+        return None
+
+
+def _files(part: str) -> Any:
+    """A local model or adapter directory's files by content."""
+    from featcal_llm.io.identity import content_digest, weights_identity
+
+    directory = Path(part)
+    return weights_identity(directory) or [[f.name, content_digest(f)] for f in sorted(directory.glob("adapter_*")) if f.is_file()]
+
+
+def _local_files(reference: str) -> list | None:
+    parts = str(reference).split("+")
+    return [_files(part) for part in parts] if all(Path(part).is_dir() for part in parts) else None
+
+
+def input_identities(recipe: Recipe) -> dict[str, Any]:
+    """Each local model (or adapter) directory the merge reads → its files by content; hub references are left out."""
+    references = [recipe.base, *(e.reference for e in recipe.experts)]
+    return {part: _files(part) for reference in references if reference for part in str(reference).split("+") if Path(part).is_dir()}
+
+
+def _with_files(config: dict, identify) -> dict:
+    """The configuration with each model reference replaced by what `identify` says of it (None: left as written)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: _digest(identify(v)) or v if k in ("model", "base_model") and isinstance(v, str) else walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    return walk(config)
+
+
+def _digest(files: Any) -> str | None:
+    return None if files is None else "files " + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _recipe_side(sources: dict[str, Any] | None):
+    def identify(reference: str) -> Any:
+        local = _local_files(reference)
+        if local is not None:
+            return {"files": local}
+        source = (sources or {}).get(reference)  # a hub reference, resolved to its snapshot
+        if source is None:
+            return None
+        return {"files": [_files(str(source.directory)), *([_files(str(source.adapter))] if source.adapter is not None else [])]}
+
+    return identify
+
+
+def _stored_side(merged: Path):
+    try:
+        recorded = json.loads((merged / MARKER).read_text(encoding="utf-8")).get("inputs", {})
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+
+    def identify(reference: str) -> Any:
+        parts = reference.split("+")
+        if all(part in recorded for part in parts):  # the files the merge was made from, as recorded then
+            return {"files": [recorded[part] for part in parts]}
+        local = _local_files(reference)
+        return {"files": local} if local is not None else None
+
+    return identify
+
+
+def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list[str] | None:
+    """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's."""
+    wanted = _normal(recipe.merge_config)
+    if _settled.get(str(merged.resolve())) == wanted:
+        return None
+    try:
+        stored = stored_configuration(merged)
+    except FeatCalError as error:
+        if not (merged / MARKER).is_file():
+            raise FeatCalError(f"{recipe.path}: featcal.merged: {error}") from None
+        return [MERGEKIT_CONFIG]
+    if stored is None:
+        warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
+    elif differing := differing_keys(_with_files(wanted, _recipe_side(sources)), _with_files(stored, _stored_side(merged))):
+        return differing
+    else:
+        _say(f"reusing {merged} (its {MERGEKIT_CONFIG} is the recipe's merge)")
+    _settled[str(merged.resolve())] = wanted
+    return None
+
+
+def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None = None, trust_remote_code: bool = False) -> Path:
+    """The merged model directory, made by mergekit (into a temporary sibling, then renamed) unless it is there already.
+
+    An existing directory is checked against the recipe (see the module's docstring).
     `sources` (expert name → ModelSource) lets plain adapter directories be merged
     as `base+adapter`; mergekit merges LoRA experts into a scratch cache beside the
     output, removed afterwards.
     """
     if merged.exists():
-        return merged
+        differing = _stale(recipe, merged, sources)
+        if differing is None:
+            return merged
+        keys = ", ".join(differing[:8]) + (f" and {len(differing) - 8} more" if len(differing) > 8 else "")
+        if not (merged / MARKER).is_file():
+            raise FeatCalError(
+                f"{recipe.path}: featcal.merged: {merged} was merged from another configuration (its {MERGEKIT_CONFIG} differs in {keys}); "
+                "remove it to merge again, or point featcal.merged elsewhere"
+            )
+        _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
+    _merge(recipe, merged, device, sources, trust_remote_code)
+    _settled[str(merged.resolve())] = _normal(recipe.merge_config)
+    return merged
+
+
+def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None, trust_remote_code: bool) -> None:
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
+
+    from featcal_llm import __version__
 
     partial = merged.with_name(merged.name + ".merging")
     lora_cache = merged.with_name(f".{merged.name}.lora-cache")
@@ -65,13 +236,25 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
+        (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
+        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe)}
+        (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     except FeatCalError:
+        shutil.rmtree(partial, ignore_errors=True)
         raise
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise FeatCalError(f"{recipe.path}: featcal.merged: {merged}: cannot write the merge ({error.strerror or error})") from None
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
         raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
-    (partial / "mergekit_config.yml").write_text(recipe.text, encoding="utf-8")
-    partial.rename(merged)
-    return merged
+    if merged.exists():  # a stale merge featcal-llm made: swapped out, then removed
+        trash = merged.with_name(f".{merged.name}.stale")
+        shutil.rmtree(trash, ignore_errors=True)
+        merged.rename(trash)
+        partial.rename(merged)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        partial.rename(merged)

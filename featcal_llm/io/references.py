@@ -42,8 +42,11 @@ class ModelSource:
         return base if self.adapter is None else LoraReader(base, self.adapter, what)
 
     def identity(self) -> dict[str, Any]:
-        """What a run fingerprint records besides the checkpoint's files: the reference, its revisions, the adapter's files."""
-        identity: dict[str, Any] = {"reference": self.reference, "revisions": list(self.revisions), "directory": str(self.directory)}
+        """What a run fingerprint records besides the checkpoint's files: the reference, its revisions, the adapter's files.
+
+        Not the directory's location: the files' contents identify it, so a moved model keeps its saved work.
+        """
+        identity: dict[str, Any] = {"reference": self.reference, "revisions": list(self.revisions)}
         if self.adapter is not None:
             identity["adapter"] = adapter_identity(self.adapter)
         return identity
