@@ -69,7 +69,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
         raise
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+        raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
     (partial / "mergekit_config.yml").write_text(recipe.text, encoding="utf-8")
