@@ -138,7 +138,22 @@ def test_run_shows_token_progress_stages_a_summary_and_logs(small, tmp_path, mon
     for expected in ("merging with mergekit", "merged in", "layer 1/2 calibrated", "layer 2/2 calibrated", "expert1 ",
                      "calibrated checkpoint written to"):
         assert expected in text, expected
-    assert "\r" not in text
+
+
+def test_log_keeps_lines_and_drops_progress_bar_redraws(tmp_path):
+    import sys
+
+    from featcal_llm import runlog
+
+    log = tmp_path / "run.log"
+    with runlog.session(log, runlog.QUIET):
+        print("a warning line", file=sys.stderr)
+        sys.stderr.write("\rFeatCal layer 1/2:  40%|####      | 2.0k/5.0k")
+        runlog.note("layer 1/2 calibrated")
+        runlog.stage("merged in 1 s")
+    lines = log.read_text().splitlines()
+    assert lines[0] == "a warning line" and lines[1].endswith(" layer 1/2 calibrated") and lines[2].endswith(" merged in 1 s")
+    assert len(lines) == 3 and sys.stderr is not None and not hasattr(sys.stderr, "log")  # the streams are restored
 
 
 def test_quiet_run_prints_only_the_result(small, tmp_path):
