@@ -188,3 +188,31 @@ def test_a_failed_merge_shows_mergekit_s_full_error(small, tmp_path, monkeypatch
     verbose = CliRunner().invoke(main, ["run", str(recipe), "--verbose"])
     assert verbose.exit_code == 2 and "Traceback (most recent call last)" in verbose.stderr
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, monkeypatch):
+    """`featcal_llm.evaluate` on a tiny model with lm-eval's hf backend (one local fixture task): the same summary file
+    and table as `featcal-llm eval` writes."""
+    pytest.importorskip("lm_eval")
+    import featcal_llm
+    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("OMP_NUM_THREADS", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_char_tokenizer()
+    model = save_model(new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), 0), tokenizer, tmp_path / "tiny")
+    fixture = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench" / "arc_challenge.jsonl"
+    result = featcal_llm.evaluate({"mine": model}, tasks=["arc_challenge"], backend={"name": "hf"}, output="scores",
+                                  chat_template="off", limit=2, data={"arc_challenge": str(fixture)}, quiet=True)
+    assert result.output == tmp_path / "scores" and list(result.summaries) == ["mine"]
+    summary = json.loads((tmp_path / "scores" / "mine.json").read_text())
+    assert result.summaries["mine"] == summary and list(summary["tasks"]) == ["arc_challenge"]
+    assert "| mine |" in result.table and (tmp_path / "scores" / "last-eval.md").read_text() == result.table
+    from featcal_llm.errors import FeatCalError
+
+    with pytest.raises(FeatCalError, match="two models have the same label"):
+        featcal_llm.evaluate([tmp_path / "a" / "m", tmp_path / "b" / "m"])
+    with pytest.raises(FeatCalError, match=r"eval --limit: Input should be greater than 0"):
+        featcal_llm.evaluate(model, limit=0)
