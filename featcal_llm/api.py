@@ -11,6 +11,7 @@ Heavy libraries (torch, transformers, mergekit) load on the first call, not on `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError
 
 __all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "calibrate", "evaluate"]
@@ -153,10 +155,11 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
 
     `recipe`: a recipe file, or the same content as a dict. `output` overrides
     `featcal.output`, `device` overrides `featcal.device`; `force` replaces an
-    existing output. A run that stops is resumed by calling again with the same
-    recipe. `push_to_hub`: upload the calibrated model to this Hub repository
-    (created private unless `public`) after the run succeeded. Errors in the
-    input raise `FeatCalError` with a one-line message.
+    existing output; `progress=False` silences the progress bar and the stage
+    lines. A run that stops is resumed by calling again with the same recipe.
+    `push_to_hub`: upload the calibrated model to this Hub repository (created
+    private unless `public`) after the run succeeded. Errors in the input raise
+    `FeatCalError` with a one-line message.
     """
     from featcal_llm.startup import heavy_import
 
@@ -168,18 +171,20 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     start = time.perf_counter()
     memory = _PeakMemory()
     _gpu_peak(reset=True)
+    quiet = contextlib.nullcontext() if runlog.in_session() else runlog.session(None, runlog.NORMAL if progress else runlog.QUIET)
     try:
-        outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device, progress=progress,
-                                                                          output=output)
+        with quiet:
+            outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device, progress=progress,
+                                                                              output=output)
+            if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
+                from featcal_llm.io.hub import push_folder
+
+                push_folder(outcome.output, push_to_hub, private=not public)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
     report = outcome.output / "featcal_drift.json"
     experts = summarize_report(json.loads(report.read_text(encoding="utf-8"))) if report.is_file() else {}
-    if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
-        from featcal_llm.io.hub import push_folder
-
-        push_folder(outcome.output, push_to_hub, private=not public)
     return CalibrationResult(
         output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,

@@ -16,11 +16,16 @@ from pathlib import Path
 from typing import IO, Iterator, TextIO
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
-_state: dict = {"verbosity": NORMAL, "log": None}
+_state: dict = {"verbosity": NORMAL, "log": None, "session": False}
 
 
 def verbosity() -> int:
     return _state["verbosity"]
+
+
+def in_session() -> bool:
+    """Whether a caller (the CLI) has already set where the run's messages go."""
+    return _state["session"]
 
 
 def wants_notes() -> bool:
@@ -94,7 +99,7 @@ def session(log_path: Path | None = None, level: int = NORMAL) -> Iterator[IO[st
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "a", encoding="utf-8")
             sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
-        _state.update(verbosity=level, log=log)
+        _state.update(verbosity=level, log=log, session=True)
         yield log
     finally:
         sys.stdout, sys.stderr = out, err

@@ -26,7 +26,7 @@ def small(tmp_path_factory):
     return scenario
 
 
-def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evaluation(small, tmp_path, monkeypatch):
+def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evaluation(small, tmp_path, monkeypatch, capfd):
     import featcal_llm
     import featcal_llm.evaluation
 
@@ -36,6 +36,7 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
                                 eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
     result = featcal_llm.calibrate(recipe, progress=False)
     assert len(seen) == 1 and result.evaluation == TABLE
+    assert "featcal-llm: evaluating" not in capfd.readouterr().err  # progress=False: no stage lines either
     card = (tmp_path / "out" / "README.md").read_text()
     absolute = re.findall(r"(?<![\w.:/])/(?:tmp|home|work|root|Users|var)\b[^\s`'\"]*", card)
     assert absolute == [] and str(small.root) not in card and str(tmp_path) not in card
