@@ -1,13 +1,24 @@
-"""featcal-llm: FeatCal feature calibration as a mergekit post-merge stage."""
+"""featcal-llm: FeatCal feature calibration as a mergekit post-merge stage.
+
+The Python API (`calibrate`, `evaluate`, `validate` and their result types) lives in
+`featcal_llm.api` and is loaded on first use, so `import featcal_llm` stays light.
+"""
 
 __version__ = "0.1.0"
 
-_API = {"validate": "featcal_llm.api", "Problem": "featcal_llm.api"}  # loaded on first use: `import featcal_llm` stays light
+_API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem"}
+__all__ = sorted(_API)
 
 
 def __getattr__(name: str):
     if name in _API:
         import importlib
 
-        return getattr(importlib.import_module(_API[name]), name)
+        api = importlib.import_module("featcal_llm.api")
+        if hasattr(api, name):
+            return getattr(api, name)
     raise AttributeError(f"module 'featcal_llm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API})

@@ -1,18 +1,242 @@
-"""The Python API: what the command line does, as functions.
+"""The Python API: what `featcal-llm run` and `featcal-llm eval` do, callable from a script or a notebook.
 
     import featcal_llm
-    problems = featcal_llm.validate("recipe.yaml")   # [] when the recipe is clean
-    for problem in problems:
-        print(problem)                               # file: key: what is wrong and what is expected
+
+    result = featcal_llm.calibrate("recipe.yaml")        # or a dict holding the recipe
+    print(result.table())                                # drift and next-token KL, merged vs calibrated
+    scores = featcal_llm.evaluate({"calibrated": result.output}, tasks=["gsm8k"])
+
+Heavy libraries (torch, transformers, mergekit) load on the first call, not on `import featcal_llm`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable, Mapping
 
+from featcal_llm import runlog
+from featcal_llm.errors import FeatCalError
 from featcal_llm.io.problems import Problem
 
-__all__ = ["Problem", "validate"]
+__all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "calibrate", "evaluate", "validate"]
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    """How far the merged and the calibrated model are from one expert, on that expert's probe records.
+
+    `drift_*`: relative feature drift ‖h − h_expert‖ / ‖h_expert‖ at the last decoder layer's output;
+    `kl_*`: mean next-token KL(expert ‖ model) through each model's final norm and LM head.
+    None where the run did not measure it.
+    """
+
+    drift_merged: float | None
+    drift_calibrated: float | None
+    kl_merged: float | None
+    kl_calibrated: float | None
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What `calibrate` produced and what it cost."""
+
+    output: Path  # the calibrated checkpoint
+    merged: Path  # the merged model it was calibrated from
+    experts: dict[str, ExpertSummary] = field(default_factory=dict)  # by the recipe's expert name
+    seconds: float = 0.0  # wall-clock time of the whole run (merge and evaluation included)
+    peak_host_memory: int | None = None  # bytes: the process's peak resident memory during the run (None where unknown)
+    peak_gpu_memory: int | None = None  # bytes: peak CUDA memory allocated by torch (None without CUDA)
+    evaluation: str | None = None  # the merged-vs-calibrated table of the recipe's `eval:` block
+
+    def table(self) -> str:
+        """The per-expert summary as a plain-text table, with the run's time and peak memory."""
+        def number(value: float | None) -> str:
+            return "–" if value is None else f"{value:.4g}"
+
+        from featcal_llm.engine.drift import short_names
+
+        labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
+        width = max([len("expert"), *(len(label) for label in labels.values())])
+        header = f"{'expert':<{width}}  {'drift merged':>12}  {'drift calibrated':>16}  {'KL merged':>10}  {'KL calibrated':>13}"
+        rows = [header, "-" * len(header)]
+        for name, summary in self.experts.items():
+            rows.append(f"{labels[name]:<{width}}  {number(summary.drift_merged):>12}  {number(summary.drift_calibrated):>16}  "
+                        f"{number(summary.kl_merged):>10}  {number(summary.kl_calibrated):>13}")
+        memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
+        memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
+        rows.append(f"time {_duration(self.seconds)}" + (f"; peak memory: {', '.join(memory)}" if memory else ""))
+        return "\n".join(rows)
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)} min {rest:.0f} s" if minutes else f"{rest:.1f} s"
+
+
+def summarize_report(report: Mapping[str, Any]) -> dict[str, ExpertSummary]:
+    """Per-expert summary of a featcal_drift.json payload: the last layer's drift and the final next-token KL."""
+    layers = report.get("layers") or []
+    last = layers[-1] if layers else {}
+    divergence = report.get("output_divergence") or {}
+    return {
+        name: ExpertSummary(
+            last.get("merged", {}).get(name), last.get("calibrated", {}).get(name),
+            divergence.get("merged", {}).get(name), divergence.get("calibrated", {}).get(name),
+        )
+        for name in report.get("experts", [])
+    }
+
+
+class _PeakMemory:
+    """The run's peak resident memory: Linux's high-water mark, reset at the start where the kernel allows it."""
+
+    def __init__(self) -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+            self.reset = True
+        except OSError:
+            self.reset = False
+        self.start_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def host(self) -> int | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    return peak if self.reset or peak > self.start_peak else None
+        except OSError:
+            pass
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak if peak > self.start_peak else None  # an earlier, higher peak says nothing about this run
+
+
+def _gpu_peak(reset: bool) -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any]) -> tuple[Path, Path | None]:
+    """A path to the recipe; a dict is written to a hidden file in the working directory (removed after the run),
+    so that its relative paths mean what they would in a recipe file there."""
+    if isinstance(recipe, Mapping):
+        import yaml
+
+        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".featcal-recipe-", dir=Path.cwd(), delete=False,
+                                             encoding="utf-8")
+        with handle:
+            yaml.safe_dump(dict(recipe), handle, sort_keys=False)
+        return Path(handle.name), Path(handle.name)
+    if isinstance(recipe, (str, os.PathLike)):
+        return Path(recipe), None
+    raise FeatCalError(f"calibrate: recipe must be a path or a mapping, got {type(recipe).__name__}")
+
+
+def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os.PathLike | None = None,
+              device: str | None = None, force: bool = False, progress: bool = True,
+              push_to_hub: str | None = None, public: bool = False) -> CalibrationResult:
+    """Merge (if the merged model does not exist yet) and calibrate the model a recipe describes.
+
+    `recipe`: a recipe file, or the same content as a dict. `output` overrides
+    `featcal.output`, `device` overrides `featcal.device`; `force` replaces an
+    existing output; `progress=False` silences the progress bar and the stage
+    lines. A run that stops is resumed by calling again with the same recipe.
+    `push_to_hub`: upload the calibrated model to this Hub repository (created
+    private unless `public`) after the run succeeded. Errors in the input raise
+    `FeatCalError` with a one-line message.
+    """
+    from featcal_llm.startup import heavy_import
+
+    if push_to_hub is not None:
+        from featcal_llm.io.hub import check_repo_id
+
+        check_repo_id(push_to_hub)
+    path, temporary = _recipe_file(recipe)
+    start = time.perf_counter()
+    memory = _PeakMemory()
+    _gpu_peak(reset=True)
+    quiet = contextlib.nullcontext() if runlog.in_session() else runlog.session(None, runlog.NORMAL if progress else runlog.QUIET)
+    try:
+        with quiet:
+            outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device, progress=progress,
+                                                                              output=output)
+            if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
+                from featcal_llm.io.hub import push_folder
+
+                push_folder(outcome.output, push_to_hub, private=not public)
+    finally:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+    report = outcome.output / "featcal_drift.json"
+    experts = summarize_report(json.loads(report.read_text(encoding="utf-8"))) if report.is_file() else {}
+    return CalibrationResult(
+        output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
+        peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
+    )
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """Each model's summary (as written to OUTPUT/LABEL.json) and the leaderboard table over them."""
+
+    summaries: dict[str, dict]
+    table: str
+    output: Path
+
+
+def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[str, str | os.PathLike], *,
+             suite: str = "mergebench", tasks: list[str] | None = None, backend: str | Mapping[str, Any] = "auto",
+             output: str | os.PathLike = "eval-results", quiet: bool = False, **settings: Any) -> EvaluationResult:
+    """Score models on an evaluation suite, one subprocess per model, reusing cached results.
+
+    `models`: a model directory, a list of them (labelled by directory name), or
+    {label: directory}. `backend`: auto, vllm or hf, or a mapping of backend
+    settings (name, dtype, batch_size, device, ...). Other keyword arguments are
+    the settings of a recipe's `eval:` block (limit, max_gen_toks, data,
+    allow_code_execution, chat_template, ...); relative paths are read from the
+    working directory.
+    """
+    from featcal_llm.evaluation.config import section_from_options
+    from featcal_llm.evaluation.leaderboard import build_leaderboard
+    from featcal_llm.evaluation.runner import evaluate_model
+
+    if isinstance(models, Mapping):
+        labelled = [(str(label), Path(path)) for label, path in models.items()]
+    else:
+        paths = [models] if isinstance(models, (str, os.PathLike)) else list(models)
+        labelled = [(Path(path).resolve().name, Path(path)) for path in paths]
+    if not labelled:
+        raise FeatCalError("evaluate: give at least one model directory")
+    if len({label for label, _ in labelled}) < len(labelled):
+        raise FeatCalError("evaluate: two models have the same label; pass {label: directory}")
+    options = {"suite": suite, "tasks": tasks, "backend": {"name": backend} if isinstance(backend, str) else dict(backend),
+               "output": str(output), **settings}
+    section = section_from_options(options, base=Path.cwd())
+    echo = (lambda line: None) if quiet else (lambda line: print(line, file=__import__("sys").stderr))
+    summaries = {}
+    for label, path in labelled:
+        summary = evaluate_model(path, label, section, echo=echo)
+        summaries[summary["label"]] = summary
+    files = [Path(section.output) / f"{label}.json" for label in summaries]
+    table, _ = build_leaderboard(files, Path(section.output), stem="last-eval")
+    return EvaluationResult(summaries, table, Path(section.output))
 
 
 def validate(recipe: str | Path, *, online: bool = False) -> list[Problem]:

@@ -56,23 +56,45 @@ def main() -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
-def run(recipe: Path, force: bool, device: str | None) -> None:
+@click.option("--log", "log_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the run's messages, a line per layer and full errors to FILE (appended).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar, stage lines or summary: warnings, errors and the result only.")
+@click.option("--verbose", "-v", is_flag=True, help="Also a line per layer (time, tokens/s, ETA) and full tracebacks of failures.")
+@click.option("--push-to-hub", "repo_id", default=None, metavar="REPO_ID",
+              help="Upload the calibrated model to this Hugging Face Hub repository (created private); nothing is pushed if the run fails.")
+@click.option("--public", is_flag=True, help="With --push-to-hub: create the repository public.")
+def run(recipe: Path, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
+        repo_id: str | None, public: bool) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE."""
     import os
 
+    from featcal_llm import runlog
     from featcal_llm.errors import QuietExit
     from featcal_llm.io.recipe import check_device
     from featcal_llm.startup import freezing_imports, heavy_import
 
     if device is not None:
         check_device(device, "--device")
-    try:
-        with freezing_imports():
-            output = heavy_import("featcal_llm.pipeline").run_recipe(recipe, force=force, device=device)
-    except QuietExit:  # a torchrun rank whose error rank 0 reports
-        sys.exit(2)
-    if os.environ.get("RANK", "0") == "0":
-        click.echo(f"calibrated checkpoint written to {output}")
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose exclude each other")
+    if public and repo_id is None:
+        raise click.UsageError("--public applies to --push-to-hub REPO_ID")
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks (and logs) for every rank
+    level = runlog.QUIET if quiet or not main_rank else runlog.VERBOSE if verbose else runlog.NORMAL
+    with runlog.session(log_file if main_rank else None, level):
+        try:
+            with freezing_imports():
+                result = heavy_import("featcal_llm.api").calibrate(recipe, device=device, force=force, progress=level > runlog.QUIET,
+                                                                   push_to_hub=repo_id, public=public)
+        except QuietExit:  # a torchrun rank whose error rank 0 reports
+            sys.exit(2)
+        except FeatCalError as error:
+            runlog.failure(error)
+            sys.exit(2)
+        if main_rank:
+            if level > runlog.QUIET and result.experts:
+                click.echo(result.table(), err=True)
+            click.echo(f"calibrated checkpoint written to {result.output}")
 
 
 @main.command()

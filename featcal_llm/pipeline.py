@@ -12,18 +12,20 @@ import json
 import os
 import shutil
 import sys
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from featcal_llm import __version__
+from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
 from featcal_llm.engine.method import objective_for
-from featcal_llm.io.card import write_card
+from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
@@ -249,8 +251,24 @@ def _unwritable(comm: Single, error: OSError) -> FeatCalError:
     return FeatCalError(f"rank {comm.rank}: {message}" if comm.world > 1 else message)
 
 
-def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None) -> Path:
-    """Calibrate the merge described by the recipe; returns the output directory.
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a run produced: the calibrated and the merged model's directories, and the `eval:` table if one ran."""
+
+    output: Path
+    merged: Path
+    evaluation: str | None = None
+
+
+def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
+               output: str | Path | None = None) -> Path:
+    """Calibrate the merge described by the recipe; returns the output directory (`output` overrides featcal.output)."""
+    return run_recipe_outcome(recipe_path, force, device, progress, timer, output).output
+
+
+def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
+                       output: str | Path | None = None) -> RunOutcome:
+    """Calibrate the merge described by the recipe; returns what the run produced.
 
     Progress is kept in a hidden sibling of the output after every layer; rerunning
     the same command after a crash resumes from it. Under torchrun (WORLD_SIZE > 1)
@@ -259,7 +277,7 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
     comm = communicator()
     QUIET["warnings"] = not comm.is_main
     try:
-        return _run(comm, recipe_path, force, device, progress, timer)
+        return _run(comm, recipe_path, force, device, progress, timer, output)
     except WorldError:
         raise
     except OSError as error:  # a full disk or a read-only directory: one line; saved layers stay for the rerun
@@ -270,20 +288,37 @@ def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None 
         if not comm.ready:  # during the setup every rank meets the others with its error: rank 0 reports
             comm.agree(None, str(error))
         comm.report_failure(str(error))  # in the loop: this rank's own error, which the others will name
-        raise FeatCalError(f"rank {comm.rank}: {error}" if comm.world > 1 else str(error)) from None
+        if comm.world == 1:
+            raise  # with its cause (mergekit's full error, for one), which the CLI shows
+        raise FeatCalError(f"rank {comm.rank}: {error}") from None
     finally:
         comm.close()
         QUIET["warnings"] = False
 
 
-def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer) -> Path:
+def _merge(recipe: Recipe, merged_path: Path, device: str, experts: dict[str, ModelSource], trust: bool) -> Path:
+    """`ensure_merged`, announced: mergekit's merge is a stage of its own, minutes long on large models."""
+    if merged_path.exists():  # checked against the recipe: re-merged if featcal-llm made it from other inputs, else refused
+        return ensure_merged(recipe, merged_path, device, experts, trust)
+    runlog.stage(f"merging with mergekit ({recipe.merge_config.merge_method}) into {merged_path}")
+    start = time.perf_counter()
+    merged = ensure_merged(recipe, merged_path, device, experts, trust)
+    runlog.stage(f"merged in {time.perf_counter() - start:.0f} s")
+    return merged
+
+
+def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer,
+         output_override: str | Path | None = None) -> RunOutcome:
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
     recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path)
+    if output_override is not None:
+        recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}))
     if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function
         from featcal_llm.engine.stack import run_stack
 
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer)  # noqa: E731
-        return run_stack(recipe, force, stage, _check_output, comm.is_main, comm.barrier)
+        outcome = run_stack(recipe, force, stage, _check_output, comm.is_main, comm.barrier)
+        return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
     _check_output(recipe, output, force)
@@ -315,7 +350,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     search = plan.tuning
 
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
-        comm.run_on_main("merge", lambda: ensure_merged(recipe, merged_path, str(compute_device), experts, trust))
+        comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(compute_device), experts, trust))
     tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
@@ -349,7 +384,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     )
 
     comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it here and below
-    comm.run_on_main("merge", lambda: ensure_merged(recipe, merged_path, str(compute_device), experts, trust))
+    comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(compute_device), experts, trust))
     merged_dir = merged_path  # made, or checked against the recipe, by rank 0 above
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
@@ -375,7 +410,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
     comm.barrier()
     if not comm.is_main:
-        return output
+        return RunOutcome(output, merged_dir)
     probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()}, probe.source,
                   divergence=probe.divergence)  # the report counts every rank's records
     records = [staging.record(layer) for layer in range(merged_config.num_hidden_layers)]
@@ -392,11 +427,18 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
-    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype}, {"base_model": base, **experts})
+    calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
+                  "norms": plan.norms, "biases": plan.biases}
+    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
+               {"base_model": base, **experts}, calibrated)
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
+    table = None
     if featcal.eval is not None:
         from featcal_llm.evaluation import run_after_calibration
 
-        print(run_after_calibration(featcal.eval, merged_dir, output, Path.cwd()))  # relative paths: as mergekit's
-    return output
+        runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
+        table = run_after_calibration(featcal.eval, merged_dir, output, Path.cwd())  # relative paths: as mergekit's
+        append_evaluation(output, table)
+        print(table)
+    return RunOutcome(output, merged_dir, table)

@@ -102,7 +102,8 @@ def test_model_card_has_front_matter_and_the_recipe(bf16_sharded):
     text = (output / "README.md").read_text()
     front = yaml.safe_load(text.split("---")[1])
     assert front["tags"] == ["merge", "mergekit", "featcal"]
-    assert front["base_model"].endswith("base")
+    assert "base_model" not in front  # a local base is no hub id; the card names it by its short name
+    assert front["featcal"]["base_model"] == "base"
     assert len(front["featcal"]["experts"]) == 3
     assert front["featcal"]["hyperparameters"]["lambda"] == 1e-3
     assert "featcal:" in (output / "featcal_recipe.yml").read_text()

@@ -13,7 +13,7 @@ import pytest
 from featcal_llm.evaluation import cache, provenance, runner
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import ChatDecision
-from featcal_llm.evaluation.suite import eval_root, load_suite
+from featcal_llm.evaluation.suite import load_suite
 
 CHAT = ChatDecision(True, "forced on", "0" * 64)
 BACKEND = {"name": "hf", "model_args": {"dtype": "auto"}, "batch_size": 1}
@@ -86,7 +86,7 @@ def test_dataset_identity_records_path_and_revision(monkeypatch, section):
     assert fields["dataset"] == {"path": "evalplus/mbppplus", "name": None, "pinned": None, "revision": "unresolved"}
     assert fields["grader"] == provenance.grader_source_sha256() and fields["task_source"]
     assert set(fields["versions"]) >= {"lm_eval", "vllm", "transformers", "torch"}
-    local = EvalSection.model_validate({"allow_code_execution": True, "data": {"gsm8k": str(eval_root() / "fixtures/mergebench/gsm8k.jsonl")}})
+    local = EvalSection.model_validate({"allow_code_execution": True, "data": {"gsm8k": str(Path(__file__).resolve().parents[1] / "eval" / "fixtures/mergebench/gsm8k.jsonl")}})
     assert runner.key_fields(suite, "gsm8k", local, "f" * 64, BACKEND, CHAT)["dataset"]["local"]
 
 

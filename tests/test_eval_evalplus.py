@@ -8,14 +8,14 @@ where that differs from EvalPlus is a grading fix this file guards.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from featcal_llm.evaluation import evalplus
 from featcal_llm.evaluation.oracle import HubTestError, parse_hub_test
-from featcal_llm.evaluation.suite import eval_root
 
-FIXTURES = eval_root() / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures"
 
 
 def _rows(path) -> dict:

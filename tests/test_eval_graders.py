@@ -4,6 +4,7 @@ lm-eval task configs, filters and metrics a real run uses (the model is replaced
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,9 +12,9 @@ pytest.importorskip("lm_eval")
 
 from featcal_llm.evaluation.evalplus import CodeExecutionRefused  # noqa: E402
 from featcal_llm.evaluation.replay import grade_completions  # noqa: E402
-from featcal_llm.evaluation.suite import eval_root, load_suite  # noqa: E402
+from featcal_llm.evaluation.suite import load_suite  # noqa: E402
 
-FIXTURES = eval_root() / "fixtures" / "mergebench"
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,16 @@ settings, no chat template, code sampled n = 10 at T = 0.2 and scored pass@1 = c
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation import runner
 from featcal_llm.evaluation.config import EvalSection
-from featcal_llm.evaluation.suite import eval_root, load_suite
+from featcal_llm.evaluation.suite import load_suite
 
-FIXTURES = eval_root() / "fixtures" / "mergebench"
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
 
 
 @pytest.fixture(scope="module")

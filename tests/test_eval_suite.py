@@ -106,7 +106,7 @@ def test_task_configs_resolve_from_lm_eval_and_our_yamls():
     from featcal_llm.evaluation.tasks import resolve_task_config
 
     suite = load_suite("mergebench")
-    fixtures = eval_root() / "fixtures" / "mergebench"
+    fixtures = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
     names = {}
     for task_id in SIX:
         config = resolve_task_config(suite, task_id, data=fixtures / f"{task_id}.jsonl", max_gen_toks=None)

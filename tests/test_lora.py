@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -136,8 +138,8 @@ def test_lora_expert_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_pa
     values = [[v for model in ("merged", "calibrated") for v in d[model].values()] for d in drift]  # expert order
     assert values[0] == pytest.approx(values[1], rel=1e-8)  # the LM head (lm_head copy for rslora) is the expert's
     card = yaml.safe_load((as_lora / "README.md").read_text().split("---")[1])
-    expert = card["featcal"]["models"][_written(lora_scenario, name)]
-    assert expert["lora_adapter"] == str(adapter)
+    (expert,) = [model for model in card["featcal"]["models"].values() if "lora_adapter" in model]
+    assert not Path(expert["lora_adapter"]).is_absolute() and str(adapter).endswith("/" + expert["lora_adapter"])  # a short name
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))

@@ -88,7 +88,8 @@ def assert_matches_brute_force(scenario, recipe_path: Path, output: Path, expert
 def refused(recipe: Path) -> str:
     """Runs the CLI; the one error line (exit 2)."""
     result = CliRunner().invoke(main, ["run", str(recipe)])
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("featcal-llm: warning")]
+    stages = ("featcal-llm: warning", "featcal-llm: merging with mergekit", "featcal-llm: merged in")  # not the error
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(stages)]
     assert result.exit_code == 2, (result.exit_code, lines, result.exception)
     assert len(lines) == 1 and lines[0].startswith("featcal-llm: error: "), lines
     return lines[0]

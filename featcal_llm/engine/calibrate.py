@@ -10,15 +10,15 @@ exists at a time.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext, Streams
 from featcal_llm.engine.drift import Head, Heads, outputs, next_token_kls, reduced_drifts
 from featcal_llm.engine.prefetch import LayerPrefetcher, LayerTensors
+from featcal_llm.engine.progress import NullProgress, TokenProgress
 from featcal_llm.engine.record import record_task
 from featcal_llm.engine.streams import TokenBatch
 from featcal_llm.engine.transfer import on_device
@@ -108,8 +108,8 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
     prefetcher = LayerPrefetcher(
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=ctx.runner.device.type == "cuda"
     )
-    bar = tqdm(total=num_layers, desc="FeatCal", unit="layer", file=sys.stderr, disable=not progress)
-    bar.set_postfix(tokens=total_tokens, tasks=len(ctx.batches))
+    counted = progress or runlog.wants_notes()  # the log's per-layer lines come from the same counts, bar or no bar
+    ctx.progress = TokenProgress(num_layers, total_tokens, min(ctx.staging.completed, num_layers), progress) if counted else NullProgress()
     try:
         for layer in range(num_layers):
             with ctx.timer.phase("read"):
@@ -119,13 +119,14 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
                 replay_layer(ctx, layer, tensors, {name[len(prefix):]: t for name, t in ctx.staging.load(layer).items()})
             else:
                 calibrate_layer(ctx, layer, tensors)
+                ctx.progress.layer_done(layer)
             del tensors
-            bar.update(1)
         if ctx.probe is not None:
             ctx.probe.divergence = output_divergence(ctx)
     finally:
         prefetcher.close()
-        bar.close()
+        ctx.progress.close()
+        ctx.progress = NullProgress()
     return ctx.staging.replacements()
 
 

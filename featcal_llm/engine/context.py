@@ -18,6 +18,7 @@ from featcal_llm.engine.distributed import Single
 from featcal_llm.engine.drift import Heads, Probe
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer, PhaseTimer
+from featcal_llm.engine.progress import NullProgress, TokenProgress
 from featcal_llm.engine.record import StatisticsWorkspace
 from featcal_llm.engine.resume import StagingArea
 from featcal_llm.engine.streams import HostStore, TokenBatch
@@ -50,3 +51,4 @@ class RunContext:
     workspace: StatisticsWorkspace = field(default_factory=StatisticsWorkspace)
     comm: Single = field(default_factory=Single)  # the ranks of a torchrun world (no-ops in one process)
     owners: dict[str, int] = field(default_factory=dict)  # this layer's input group → the rank that solves it
+    progress: NullProgress | TokenProgress = field(default_factory=NullProgress)  # set by calibrate() for its loop

@@ -141,6 +141,7 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
         expert_stream[index] = store.store(h_next, batch.keep)
         for s in stats.values():
             s.tokens += batch.tokens
+        ctx.progress.tokens(batch.tokens)
         del h_cal, h_exp, h_next
     return stats
 
@@ -172,5 +173,6 @@ def record_grams(ctx: "RunContext", task: str, expert_layer: torch.nn.Module, st
             hidden_stream[index] = store.store(output, batch.keep)
         for s in stats.values():
             s.tokens += batch.tokens
+        ctx.progress.tokens(batch.tokens)
         del hidden, output
     return stats

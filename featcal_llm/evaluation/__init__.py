@@ -1,4 +1,4 @@
-"""MergeBench-style evaluation: suites in eval/, lm-eval (vLLM or hf) in one subprocess per
+"""MergeBench-style evaluation: suites shipped in evaluation/suites/, lm-eval (vLLM or hf) in one subprocess per
 model, cached results, EvalPlus grading, leaderboards.
 
 Importing this package is cheap (pydantic only); lm-eval, torch and vLLM load in the worker.

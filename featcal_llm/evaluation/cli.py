@@ -60,7 +60,7 @@ def _batch_size(value: str | None):
 
 @click.command("eval")
 @click.argument("models", nargs=-1)
-@click.option("--suite", default="mergebench", show_default=True, help="Suite name in eval/ or a suite YAML.")
+@click.option("--suite", default="mergebench", show_default=True, help="Suite name (shipped: mergebench, mergebench-protocol; $FEATCAL_EVAL_DIR names a folder of your own) or a suite YAML.")
 @click.option("--tasks", default=None, help="Comma-separated task ids of the suite (default: all).")
 @click.option("--backend", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
               help="auto = vllm when CUDA is present, else lm-eval's hf.")

@@ -65,7 +65,7 @@ class EvalSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    suite: str = Field("mergebench", description="a suite in eval/ by name, or a suite YAML path")
+    suite: str = Field("mergebench", description="a suite by name (shipped: mergebench, mergebench-protocol; or in $FEATCAL_EVAL_DIR), or a suite YAML path")
     tasks: list[str] | None = Field(None, description="subset of the suite's task ids; None = all")
     backend: BackendSettings = Field(default_factory=BackendSettings, description="how lm-eval drives the model (see eval.backend:)")
     chat_template: ChatTemplateMode = Field(

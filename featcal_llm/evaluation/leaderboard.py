@@ -18,7 +18,7 @@ import yaml
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation import uncertainty
-from featcal_llm.evaluation.suite import Suite, eval_root, load_suite
+from featcal_llm.evaluation.suite import SHIPPED, Suite, load_suite
 
 REFERENCE_FILE = "reference/featcal_paper.yaml"
 
@@ -126,7 +126,7 @@ def comparison_row(base: dict, other: dict, suite: Suite, name: str | None = Non
 
 def reference_rows(models: list[str], suite: Suite) -> list[Row]:
     """Paper rows for the named base models (`all` for every one)."""
-    path = eval_root() / REFERENCE_FILE
+    path = SHIPPED / REFERENCE_FILE  # the paper's rows ship with the package
     data = yaml.safe_load(path.read_text())
     if data["suite"] != suite.name:
         return []

@@ -1,4 +1,4 @@
-"""Evaluation suites: versioned YAML data in `eval/`, validated here.
+"""Evaluation suites: versioned YAML data shipped in `featcal_llm/evaluation/suites/`, validated here.
 
 A suite pins, per task, the lm-eval task (a registry name or a task YAML of ours), the few-shot
 count, generation kwargs and the one metric that is reported. Everything that changes a score
@@ -26,12 +26,17 @@ from pydantic import (
 from featcal_llm.errors import FeatCalError
 
 
+SHIPPED = Path(__file__).resolve().parent / "suites"  # installed with the package: suites, their task files, paper rows
+
+
 def eval_root() -> Path:
-    """The `eval/` folder: $FEATCAL_EVAL_DIR, else the one next to the package (a checkout)."""
+    """The folder suites are looked up in by name: $FEATCAL_EVAL_DIR when set, else the suites shipped with featcal-llm.
+
+    FEATCAL_EVAL_DIR points at a folder of your own suites (`NAME.yaml`, task files beside them);
+    a name it does not hold is still found among the shipped suites.
+    """
     override = os.environ.get("FEATCAL_EVAL_DIR")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[2] / "eval"
+    return Path(override) if override else SHIPPED
 
 
 class Report(BaseModel):
@@ -137,17 +142,18 @@ def code_opt_in_problem(suite: Suite, task_ids: list[str], allowed: bool) -> str
 
 
 def resolve_suite_path(name_or_path: str) -> Path:
-    """A suite name (`mergebench`) means `eval/<name>.yaml`; anything else is a path."""
+    """A suite name (`mergebench`) means `<name>.yaml` in $FEATCAL_EVAL_DIR or among the shipped suites; anything else is a path."""
     candidate = Path(name_or_path).expanduser()
     if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
         return candidate
-    return eval_root() / f"{name_or_path}.yaml"
+    own = eval_root() / f"{name_or_path}.yaml"
+    return own if own.is_file() else SHIPPED / f"{name_or_path}.yaml"
 
 
 def load_suite(name_or_path: str) -> Suite:
     path = resolve_suite_path(name_or_path)
     if not path.is_file():
-        raise FeatCalError(f"{path}: suite file not found (give a suite name in eval/ or a YAML path)")
+        raise FeatCalError(f"{path}: suite file not found (give a suite name such as mergebench, or a YAML path)")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

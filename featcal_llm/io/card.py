@@ -1,7 +1,14 @@
-"""The calibrated checkpoint's model card and saved recipe."""
+"""The calibrated checkpoint's model card and saved recipe.
+
+The card is written to be published: models given by local paths appear by
+their short names (the shortest trailing part of the path that tells them
+apart), hub ids as they are; the saved recipe (`featcal_recipe.yml`) keeps the
+paths, since it is what reruns the calibration.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,52 @@ HOW_TEXT = {
 }
 
 
+EVAL_HEADING = "## Evaluation"
+
+
+def is_local(reference: str) -> bool:
+    """Whether a model reference (or one part of `model+adapter`) is a local path rather than a hub id."""
+    part = reference.split("@")[0]
+    return os.path.isabs(part) or part.startswith(("./", "../", "~", ".\\")) or part in (".", "..") or Path(part).exists()
+
+
+def public_names(references: list[str]) -> dict[str, str]:
+    """Each reference as a card shows it: hub ids unchanged, local paths (also as `base+adapter` parts) by short name."""
+    from featcal_llm.engine.drift import short_names
+
+    parts = {part for reference in references for part in reference.split("+") if is_local(part)}
+    short = short_names(sorted(parts))
+    return {reference: "+".join(short.get(part, part) for part in reference.split("+")) for reference in references}
+
+
+def _public_recipe(text: str, names: dict[str, str]) -> str:
+    """The recipe's YAML with every local path (a string holding a path separator that exists or is absolute) shortened."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {walk(key): walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if isinstance(node, str) and node in names:
+            return names[node]
+        if isinstance(node, str) and ("/" in node or os.sep in node) and is_local(node):
+            return Path(node.split("+")[0]).name + ("+" + Path(node.split("+", 1)[1]).name if "+" in node else "")
+        return node
+
+    return yaml.safe_dump(walk(yaml.safe_load(text)), sort_keys=False)
+
+
+def _calibrated_text(calibrated: dict | None, regmean: bool) -> str:
+    if calibrated is None or calibrated["every_projection"]:
+        what = "every linear projection of every decoder layer was re-fitted"
+    else:
+        listed = ", ".join(f"`{name}`" for name in calibrated["projections"])
+        what = f"the projections {listed} of every decoder layer were re-fitted (the other projections keep the merged weights)"
+    if calibrated is not None and not regmean:
+        extras = [name for name, on in (("RMSNorm scales", calibrated["norms"]), ("biases", calibrated["biases"])) if on]
+        what += f"; also updated: {', '.join(extras)}" if extras else "; norms and biases keep the merged values"
+    return what
+
+
 REPLAY_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
     "# (featcal_tuning.json) and the precisions it resolved. Running it again replays them, without a search.\n"
@@ -47,12 +100,13 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
 
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
-    precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None,
+    precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
 
     `sources` (base_model / expert name → io.references.ModelSource) records every model as read:
-    its reference, hub revision and LoRA adapter.
+    its reference, hub revision and LoRA adapter. `calibrated`: the projections re-fitted
+    (`projections`, `every_projection`) and whether norms and biases were (`norms`, `biases`).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -83,31 +137,49 @@ def write_card(
         saved = saved.rstrip("\n") + "\n" + "".join(
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
         )
+    base = str(recipe.base)
+    names = public_names([base, merged, *(expert.name for expert in recipe.experts)])
+    models = {}
+    for role, source in (sources or {}).items():
+        record = source.describe()
+        record["reference"] = public_names([record["reference"]])[record["reference"]]
+        if "lora_adapter" in record:
+            record["lora_adapter"] = public_names([record["lora_adapter"]])[record["lora_adapter"]]
+        models[names.get(role, role)] = record
+    settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
+    settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
+    if calibrated is not None:
+        settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
+        if not featcal.regmean:
+            settings |= {"norms": calibrated["norms"], "biases": calibrated["biases"]}
     front = {
-        "base_model": str(recipe.base),
+        **({} if is_local(base) else {"base_model": base}),
         "tags": ["merge", "mergekit", "featcal"],
         "library_name": "transformers",
         "featcal": {
-            "merged_model": merged,
+            "base_model": names[base],
+            "merged_model": names[merged],
             "merge_method": recipe.merge_config.merge_method,
             "method": featcal.method,
-            "experts": [expert.name for expert in recipe.experts],
+            "experts": [names[expert.name] for expert in recipe.experts],
             "hyperparameters": hyper,
-            "calibration_tokens": tokens,
-            **({"generation_starts": starts} if starts else {}),
-            **({"models": {name: source.describe() for name, source in sources.items()}} if sources else {}),
+            "settings": settings,
+            "calibration_tokens": {names[name]: count for name, count in tokens.items()},
+            **({"generation_starts": {names.get(name, name): start for name, start in starts.items()}} if starts else {}),
+            **({"models": models} if models else {}),
             "featcal_llm_version": __version__,
         },
     }
     experts = "\n".join(
-        f"- `{e.name}`: {tokens[e.name]} calibration tokens"
+        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens"
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
         for e in recipe.experts
     )
+    setting_lines = "\n".join(f"- {key}: {value}" for key, value in settings.items())
     body = f"""# {"FeatCal-calibrated merge" if featcal.method == "featcal" else featcal.method + " merge"}
 
-This model is `{merged}` (a `{recipe.merge_config.merge_method}` merge of the experts below onto
-`{recipe.base}`, made with [mergekit](https://github.com/arcee-ai/mergekit)) after {METHOD_TEXT[featcal.method]} with featcal-llm {__version__}: every linear projection of every decoder layer was re-fitted,
+This model is `{names[merged]}` (a `{recipe.merge_config.merge_method}` merge of the experts below onto
+`{names[base]}`, made with [mergekit](https://github.com/arcee-ai/mergekit)) after {METHOD_TEXT[featcal.method]} with featcal-llm {__version__}: {_calibrated_text(calibrated, featcal.regmean)},
 in forward order, {HOW_TEXT["featcal" if featcal.method == "featcal" else "regmean"]}
 
 ## Experts
@@ -116,15 +188,28 @@ in forward order, {HOW_TEXT["featcal" if featcal.method == "featcal" else "regme
 ## Hyper-parameters
 {values}
 
+## Settings
+{setting_lines}
+
 Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`.
 
 ## Recipe
-The full recipe (mergekit configuration plus the `featcal:` block) is saved as `{RECIPE_FILE}`:
+The full recipe (mergekit configuration plus the `featcal:` block) is saved as `{RECIPE_FILE}`; here with local
+paths shortened to their names:
 
 ```yaml
-{recipe.text.rstrip()}
+{_public_recipe(recipe.text, names).rstrip()}
 ```
 """
     text = "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
     (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")
+
+
+def append_evaluation(directory: Path, table: str) -> None:
+    """Add the merged-vs-calibrated evaluation table (a run's `eval:` block) to the card, before the recipe."""
+    card = directory / "README.md"
+    text = card.read_text(encoding="utf-8")
+    section = f"{EVAL_HEADING}\nThe merged and the calibrated model scored with one pipeline (featcal-llm `eval:`):\n\n{table.rstrip()}\n\n"
+    head, marker, tail = text.partition("## Recipe")
+    card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")

@@ -247,7 +247,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         raise FeatCalError(f"{recipe.path}: featcal.merged: {merged}: cannot write the merge ({error.strerror or error})") from None
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+        raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
     if merged.exists():  # a stale merge featcal-llm made: swapped out, then removed

@@ -1,0 +1,218 @@
+"""The Python API (`featcal_llm.calibrate`, `featcal_llm.evaluate`) and what `featcal-llm run` shows: progress counted
+in tokens, the merge as a stage with mergekit's full error, --log, --quiet/--verbose and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from featcal_llm.cli import main
+from scenario import build_scenario
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two experts, two layers, merged once."""
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("api"), experts=2, layers=2, samples=8)
+    ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
+    return scenario
+
+
+def test_import_stays_light_and_the_api_is_reexported():
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import featcal_llm
+        light = [m for m in ("torch", "transformers", "mergekit", "featcal_llm.api") if m in sys.modules]
+        from featcal_llm import api
+        same = featcal_llm.calibrate is api.calibrate and featcal_llm.evaluate is api.evaluate
+        same = same and featcal_llm.CalibrationResult is api.CalibrationResult
+        heavy = [m for m in ("torch", "transformers", "mergekit") if m in sys.modules]
+        print(json.dumps({"light": light, "same": same, "heavy": heavy, "all": "calibrate" in featcal_llm.__all__}))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == {"light": [], "same": True, "heavy": [], "all": True}
+
+
+def test_calibrate_takes_a_dict_and_returns_paths_and_the_drift_summary(small, tmp_path, monkeypatch):
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    result = featcal_llm.calibrate(recipe, output="calibrated", progress=False)
+    assert result.output == Path("calibrated") and (tmp_path / "calibrated" / "config.json").is_file()
+    assert result.merged == small.root / "merged"
+    assert not list(tmp_path.glob(".featcal-recipe-*"))  # the dict's temporary recipe file is gone
+    report = json.loads((tmp_path / "calibrated" / "featcal_drift.json").read_text())
+    last = report["layers"][-1]
+    assert list(result.experts) == [str(path) for path in small.experts.values()]
+    for name, summary in result.experts.items():
+        assert summary.drift_merged == last["merged"][name] and summary.drift_calibrated == last["calibrated"][name]
+        assert summary.kl_merged == report["output_divergence"]["merged"][name]
+        assert summary.kl_calibrated == report["output_divergence"]["calibrated"][name]
+        assert summary.drift_calibrated < summary.drift_merged and summary.kl_calibrated < summary.kl_merged
+    assert result.seconds > 0 and result.peak_host_memory > 100 * 2**20 and result.peak_gpu_memory is None
+    table = result.table().splitlines()
+    assert table[0].split() == ["expert", "drift", "merged", "drift", "calibrated", "KL", "merged", "KL", "calibrated"]
+    first = result.experts[str(small.experts["expert0"])]
+    assert table[2].split() == ["expert0", *(f"{v:.4g}" for v in (first.drift_merged, first.drift_calibrated, first.kl_merged,
+                                                                     first.kl_calibrated))]
+    assert table[-1].startswith("time ") and "peak memory: host" in table[-1]
+
+
+def test_calibrate_refuses_what_is_not_a_recipe():
+    import featcal_llm
+    from featcal_llm.errors import FeatCalError
+
+    with pytest.raises(FeatCalError, match="recipe must be a path or a mapping, got int"):
+        featcal_llm.calibrate(3)
+
+
+class RecordingBar:
+    """Stands in for tqdm: records how the calibration bar is set up and advanced."""
+
+    made: list["RecordingBar"] = []
+
+    def __init__(self, *args, total=None, initial=0, unit="it", **kwargs):
+        self.total, self.unit, self.n, self.updates, self.descriptions = total, unit, initial, 0, [kwargs.get("desc")]
+        RecordingBar.made.append(self)
+
+    def update(self, count=1):
+        self.n += count
+        self.updates += 1
+
+    def set_description(self, text, refresh=True):
+        self.descriptions.append(text)
+
+    def close(self):
+        pass
+
+    @staticmethod
+    def write(text, file=None, **kwargs):
+        print(text, file=file or sys.stderr)
+
+
+def test_run_shows_token_progress_stages_a_summary_and_logs(small, tmp_path, monkeypatch):
+    """A fresh merge is announced; the bar counts tokens batch by batch (a rate after the first batch, not after a layer);
+    --verbose adds a line per layer; the summary table ends the run; --log holds all of it without bar redraws."""
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
+    RecordingBar.made = []
+    recipe = small.write_recipe(tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    log = tmp_path / "logs" / "run.log"
+    result = CliRunner().invoke(main, ["run", str(recipe), "--log", str(log), "--verbose"])
+    assert result.exit_code == 0, result.output
+    (bar,) = [b for b in RecordingBar.made if b.unit == "tok"]
+    from featcal_llm.io.recipe import load_recipe
+    from featcal_llm.io.data import calibration_sequences
+    from featcal_llm.tiny import build_char_tokenizer
+
+    featcal = load_recipe(recipe).featcal
+    sequences = calibration_sequences(featcal.data, list(featcal.data), build_char_tokenizer(), featcal.samples, featcal.max_length,
+                                      False, 0, recipe)
+    tokens = sum(len(s) for seqs in sequences.values() for s in seqs)
+    assert bar.total == 2 * tokens and bar.n == bar.total  # two layers, every calibration token once per layer
+    assert bar.updates > 2 * len(sequences)  # per batch (each expert has more than one), so the ETA starts early
+    assert bar.descriptions[:2] == ["FeatCal layer 1/2", "FeatCal layer 2/2"]
+    stderr = result.stderr
+    assert f"featcal-llm: merging with mergekit (task_arithmetic) into {tmp_path / 'merged'}" in stderr
+    assert "featcal-llm: layer 1/2 calibrated (" in stderr and "tokens/s, about" in stderr
+    summary = json.loads((tmp_path / "out" / "featcal_drift.json").read_text())
+    row = next(line for line in stderr.splitlines() if line.startswith("expert1 "))
+    assert float(row.split()[1]) == pytest.approx(summary["layers"][-1]["merged"][str(small.experts["expert1"])], rel=1e-3)
+    assert result.stdout == f"calibrated checkpoint written to {tmp_path / 'out'}\n"
+    text = log.read_text()
+    for expected in ("merging with mergekit", "merged in", "layer 1/2 calibrated", "layer 2/2 calibrated", "expert1 ",
+                     "calibrated checkpoint written to"):
+        assert expected in text, expected
+
+
+def test_log_keeps_lines_and_drops_progress_bar_redraws(tmp_path):
+    import sys
+
+    from featcal_llm import runlog
+
+    log = tmp_path / "run.log"
+    with runlog.session(log, runlog.QUIET):
+        print("a warning line", file=sys.stderr)
+        sys.stderr.write("\rFeatCal layer 1/2:  40%|####      | 2.0k/5.0k")
+        runlog.note("layer 1/2 calibrated")
+        runlog.stage("merged in 1 s")
+    lines = log.read_text().splitlines()
+    assert lines[0] == "a warning line" and lines[1].endswith(" layer 1/2 calibrated") and lines[2].endswith(" merged in 1 s")
+    assert len(lines) == 3 and sys.stderr is not None and not hasattr(sys.stderr, "log")  # the streams are restored
+
+
+def test_quiet_run_prints_only_the_result(small, tmp_path):
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    result = CliRunner().invoke(main, ["run", str(recipe), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "" and result.stdout == f"calibrated checkpoint written to {tmp_path / 'out'}\n"
+    both = CliRunner().invoke(main, ["run", str(recipe), "--quiet", "--verbose"])
+    assert both.exit_code == 2 and "--quiet and --verbose exclude each other" in both.output
+
+
+def test_a_failed_merge_shows_mergekit_s_full_error(small, tmp_path, monkeypatch):
+    """The one-line error, then every line of mergekit's message; its traceback in the log (and with --verbose)."""
+    import mergekit.merge
+
+    def failing(*args, **kwargs):
+        raise ValueError("tensor model.layers.0.mlp.up_proj.weight: shapes differ\n  expert0: (64, 32)\n  expert1: (48, 32)")
+
+    monkeypatch.setattr(mergekit.merge, "run_merge", failing)
+    recipe = small.write_recipe(tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    log = tmp_path / "run.log"
+    result = CliRunner().invoke(main, ["run", str(recipe), "--log", str(log)])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    start = lines.index(f"featcal-llm: error: {recipe}: mergekit failed to merge the recipe: "
+                        "tensor model.layers.0.mlp.up_proj.weight: shapes differ")
+    assert lines[start + 1:] == ["  ValueError: tensor model.layers.0.mlp.up_proj.weight: shapes differ",
+                                 "    expert0: (64, 32)", "    expert1: (48, 32)"]
+    assert "Traceback" not in result.stderr
+    text = log.read_text()
+    assert "expert1: (48, 32)" in text and "Traceback (most recent call last)" in text and "in failing" in text
+    verbose = CliRunner().invoke(main, ["run", str(recipe), "--verbose"])
+    assert verbose.exit_code == 2 and "Traceback (most recent call last)" in verbose.stderr
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, monkeypatch):
+    """`featcal_llm.evaluate` on a tiny model with lm-eval's hf backend (one local fixture task): the same summary file
+    and table as `featcal-llm eval` writes."""
+    pytest.importorskip("lm_eval")
+    import featcal_llm
+    from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, save_model, tiny_llama_config
+
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("OMP_NUM_THREADS", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_char_tokenizer()
+    model = save_model(new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), 0), tokenizer, tmp_path / "tiny")
+    fixture = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench" / "arc_challenge.jsonl"
+    result = featcal_llm.evaluate({"mine": model}, tasks=["arc_challenge"], backend={"name": "hf"}, output="scores",
+                                  chat_template="off", limit=2, data={"arc_challenge": str(fixture)}, quiet=True)
+    assert result.output == tmp_path / "scores" and list(result.summaries) == ["mine"]
+    summary = json.loads((tmp_path / "scores" / "mine.json").read_text())
+    assert result.summaries["mine"] == summary and list(summary["tasks"]) == ["arc_challenge"]
+    assert "| mine |" in result.table and (tmp_path / "scores" / "last-eval.md").read_text() == result.table
+    from featcal_llm.errors import FeatCalError
+
+    with pytest.raises(FeatCalError, match="two models have the same label"):
+        featcal_llm.evaluate([tmp_path / "a" / "m", tmp_path / "b" / "m"])
+    with pytest.raises(FeatCalError, match=r"eval --limit: Input should be greater than 0"):
+        featcal_llm.evaluate(model, limit=0)

@@ -1,0 +1,133 @@
+"""What a run leaves for others: a model card fit to publish (no local paths, what was calibrated, the evaluation
+table after an `eval:` block) and `--push-to-hub` (tested against a stand-in of huggingface_hub's HfApi)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from featcal_llm.cli import main
+from scenario import build_scenario
+
+TABLE = "| model | ARC-C |\n|---|---|\n| merged | 21.0 |\n| calibrated | 23.5 |\n"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("outputs"), experts=2, layers=2, samples=8)
+    ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
+    return scenario
+
+
+def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evaluation(small, tmp_path, monkeypatch, capfd):
+    import featcal_llm
+    import featcal_llm.evaluation
+
+    seen = []
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", lambda *args: seen.append(args) or TABLE)
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), modules=["q_proj", "down_proj"],
+                                eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
+    result = featcal_llm.calibrate(recipe, progress=False)
+    assert len(seen) == 1 and result.evaluation == TABLE
+    assert "featcal-llm: evaluating" not in capfd.readouterr().err  # progress=False: no stage lines either
+    card = (tmp_path / "out" / "README.md").read_text()
+    absolute = re.findall(r"(?<![\w.:/])/(?:tmp|home|work|root|Users|var)\b[^\s`'\"]*", card)
+    assert absolute == [] and str(small.root) not in card and str(tmp_path) not in card
+    front = yaml.safe_load(card.split("---")[1])
+    assert "base_model" not in front  # a local base is not a hub id
+    assert front["featcal"]["base_model"] == "base" and front["featcal"]["merged_model"] == "merged"
+    assert front["featcal"]["experts"] == ["expert0", "expert1"]
+    assert front["featcal"]["calibration_tokens"].keys() == {"expert0", "expert1"}
+    assert front["featcal"]["settings"]["projections"] == ["mlp.down_proj", "self_attn.q_proj"]
+    assert "the projections `mlp.down_proj`, `self_attn.q_proj` of every decoder layer were re-fitted" in card
+    assert "every linear projection" not in card
+    evaluation = card.index("## Evaluation")
+    assert card.index(TABLE.rstrip(), evaluation) < card.index("## Recipe")
+    recipe_block = card[card.index("```yaml"):]
+    assert "base_model: base" in recipe_block and "- q_proj" in recipe_block
+    assert str(small.base) in (tmp_path / "out" / "featcal_recipe.yml").read_text()  # the replayable recipe keeps its paths
+
+
+def test_card_keeps_hub_ids_and_says_every_projection():
+    from featcal_llm.io.card import _calibrated_text, is_local, public_names
+
+    names = public_names(["meta-llama/Llama-3.2-3B", "/data/runs/a/math", "/data/runs/b/math", "./experts/code+/lora/x"])
+    assert names == {"meta-llama/Llama-3.2-3B": "meta-llama/Llama-3.2-3B", "/data/runs/a/math": "a/math",
+                     "/data/runs/b/math": "b/math", "./experts/code+/lora/x": "code+x"}
+    assert not is_local("org/model@v2") and is_local("~/models/x")
+    every = {"projections": ["mlp.up_proj"], "every_projection": True, "norms": True, "biases": False}
+    assert _calibrated_text(every, regmean=False) == "every linear projection of every decoder layer was re-fitted; also updated: RMSNorm scales"
+
+
+class FakeHub:
+    """Stands in for huggingface_hub.HfApi: records what would be created and uploaded."""
+
+    calls: list = []
+    fail = False
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def create_repo(self, repo_id, *, repo_type=None, private=None, exist_ok=False, **kwargs):
+        FakeHub.calls.append(("create_repo", repo_id, repo_type, private, exist_ok))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, folder_path, repo_id, repo_type=None, **kwargs):
+        if FakeHub.fail:
+            raise RuntimeError("401 Client Error: Unauthorized\nInvalid token")
+        files = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        FakeHub.calls.append(("upload_folder", repo_id, repo_type, files))
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    FakeHub.calls, FakeHub.fail = [], False
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    return FakeHub
+
+
+def test_push_to_hub_uploads_the_calibrated_model_privately(small, tmp_path, hub):
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    result = CliRunner().invoke(main, ["run", str(recipe), "--quiet", "--push-to-hub", "me/merged-featcal"])
+    assert result.exit_code == 0, result.output
+    assert hub.calls[0] == ("create_repo", "me/merged-featcal", "model", True, True)
+    name, repo, kind, files = hub.calls[1]
+    assert (name, repo, kind) == ("upload_folder", "me/merged-featcal", "model")
+    assert {"README.md", "config.json", "featcal_drift.json", "featcal_recipe.yml"} <= set(files)
+    assert any(f.endswith(".safetensors") for f in files) and len(hub.calls) == 2
+
+
+def test_public_repository_and_upload_errors(tmp_path, hub):
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.hub import push_folder
+
+    (tmp_path / "README.md").write_text("card")
+    assert push_folder(tmp_path, "me/x", private=False) == "https://huggingface.co/me/x"
+    assert hub.calls[0] == ("create_repo", "me/x", "model", False, True)
+    hub.fail = True
+    with pytest.raises(FeatCalError, match=rf"^--push-to-hub me/x: upload failed \(401 Client Error: Unauthorized\); "
+                                           rf"the calibrated model is kept in {re.escape(str(tmp_path))}$"):
+        push_folder(tmp_path, "me/x")
+
+
+def test_nothing_is_pushed_when_the_run_fails_or_the_repo_id_is_bad(small, tmp_path, hub):
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["featcal"]["data"][str(small.experts["expert0"])]["path"] = str(tmp_path / "missing.jsonl")
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(recipe))
+    failed = CliRunner().invoke(main, ["run", str(tmp_path / "bad.yaml"), "--push-to-hub", "me/model"])
+    assert failed.exit_code == 2 and "missing.jsonl" in failed.stderr
+    bad_id = CliRunner().invoke(main, ["run", str(small.recipe), "--push-to-hub", "me/bad name"])
+    assert bad_id.exit_code == 2 and bad_id.stderr.startswith("featcal-llm: error: --push-to-hub me/bad name: not a Hub repository id")
+    alone = CliRunner().invoke(main, ["run", str(small.recipe), "--public"])
+    assert alone.exit_code == 2 and "--public applies to --push-to-hub REPO_ID" in alone.output
+    assert hub.calls == [] and not (tmp_path / "out").exists()

@@ -1,0 +1,97 @@
+"""The package as users install it: a wheel built from this tree, installed into a fresh virtual environment and run
+outside the checkout, finds its evaluation suites (package data) and carries the licence."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A venv (system site-packages, plus this interpreter's, for the dependencies) holding only the built wheel."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # a copy: a build writes egg-info and build/ into its source tree
+    shutil.copytree(ROOT / "featcal_llm", source / "featcal_llm", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"),
+                            str(source)], capture_output=True, text=True, cwd=root, env=_clean_env())
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (root / "dist").glob("featcal_llm-*.whl")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                             capture_output=True, text=True, cwd=root, env=_clean_env())
+    assert install.returncode == 0, install.stderr[-3000:]
+    # then the dependencies, from the interpreter running the tests (after the install, so pip does not take them for
+    # an installed featcal-llm): plain path entries, so their .pth hooks (an editable checkout) do not run
+    Path(purelib, "zz_test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return wheel, venv, root / "elsewhere"
+
+
+def _clean_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "FEATCAL_EVAL_DIR")}
+
+
+def test_wheel_holds_the_suites_and_the_licence(installed):
+    wheel, _, _ = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    for shipped in ("featcal_llm/evaluation/suites/mergebench.yaml", "featcal_llm/evaluation/suites/mergebench-protocol.yaml",
+                    "featcal_llm/evaluation/suites/tasks/evalplus_humaneval_plus.yaml",
+                    "featcal_llm/evaluation/suites/reference/featcal_paper.yaml", "featcal_llm/generation/seed_prompts.jsonl"):
+        assert shipped in names, shipped
+    licence = [name for name in names if name.endswith("dist-info/licenses/LICENSE") or name.endswith("dist-info/LICENSE")]
+    assert licence and "Apache License" in zipfile.ZipFile(wheel).read(licence[0]).decode()
+    assert not any(name.startswith(("tests/", "studies/", "eval/")) for name in names)
+
+
+def test_installed_cli_finds_the_mergebench_suite_outside_the_checkout(installed):
+    _, venv, elsewhere = installed
+    elsewhere.mkdir(exist_ok=True)
+    help_text = subprocess.run([venv / "bin" / "featcal-llm", "eval", "--suite", "mergebench", "--help"], capture_output=True,
+                               text=True, cwd=elsewhere, env=_clean_env())
+    assert help_text.returncode == 0, help_text.stderr[-3000:]
+    assert "Score MODEL_DIR" in help_text.stdout and "FEATCAL_EVAL_DIR" in help_text.stdout
+    code = textwrap.dedent(
+        """
+        import featcal_llm
+        from featcal_llm.evaluation.leaderboard import reference_rows
+        from featcal_llm.evaluation.suite import load_suite
+        suite = load_suite("mergebench")
+        files = [suite.task_path(t) for t in suite.tasks if suite.task_path(t) is not None]
+        assert all(path.is_file() for path in files)
+        print(featcal_llm.__file__)
+        print(sorted(suite.tasks))
+        print(len(files), len(reference_rows(["all"], suite)) > 0)
+        """
+    )
+    loaded = subprocess.run([venv / "bin" / "python", "-c", code], capture_output=True, text=True, cwd=elsewhere, env=_clean_env())
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    location, tasks, counts = loaded.stdout.splitlines()
+    assert location.startswith(str(venv)) and not location.startswith(str(ROOT))  # the wheel's copy, not this checkout
+    assert tasks == str(sorted(["arc_challenge", "gsm8k", "humaneval_plus", "ifeval", "math500", "mbpp_plus"]))
+    assert counts == "2 True"
+
+
+def test_own_suite_folder_comes_first_and_falls_back_to_the_shipped_suites(tmp_path, monkeypatch):
+    from featcal_llm.evaluation.suite import SHIPPED, resolve_suite_path
+
+    (tmp_path / "mine.yaml").write_text("name: mine\n")
+    monkeypatch.setenv("FEATCAL_EVAL_DIR", str(tmp_path))
+    assert resolve_suite_path("mine") == tmp_path / "mine.yaml"
+    assert resolve_suite_path("mergebench") == SHIPPED / "mergebench.yaml"
+    assert SHIPPED.is_relative_to(ROOT / "featcal_llm")
