@@ -60,7 +60,7 @@ class CalibrationResult:
         def number(value: float | None) -> str:
             return "–" if value is None else f"{value:.4g}"
 
-        from featcal_llm.engine.drift import short_names
+        from featcal_llm.io.names import short_names
 
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
         width = max([len("expert"), *(len(label) for label in labels.values())])

@@ -429,8 +429,10 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     write_report(checkpoint, drift_report(probe, records))
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases}
+    from featcal_llm.generation.run import start_records
+
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
-               {"base_model": base, **experts}, calibrated)
+               {"base_model": base, **experts}, calibrated, start_records(recipe))
     _publish(checkpoint, output)
     shutil.rmtree(partial, ignore_errors=True)
     table = None

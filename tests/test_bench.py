@@ -70,7 +70,8 @@ def test_flop_counts_match_hand_computation():
 
     from featcal_llm.family.architectures import ARCHITECTURES
     from featcal_llm.engine.plan import CalibrationPlan
-    from featcal_llm.maths.objective import FeatCal, Hyperparameters
+    from featcal_llm.engine.objectives import FeatCal
+    from featcal_llm.maths.objective import Hyperparameters
 
     architecture = ARCHITECTURES["LlamaForCausalLM"]
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -55,7 +55,8 @@ def test_shards_are_token_balanced_deterministic_and_complete():
 def test_groups_are_owned_by_cost(uneven):
     from featcal_llm.engine.plan import CalibrationPlan
     from featcal_llm.family.architectures import architecture_for, select_projections
-    from featcal_llm.maths.objective import FeatCal, Hyperparameters
+    from featcal_llm.engine.objectives import FeatCal
+    from featcal_llm.maths.objective import Hyperparameters
     from transformers import AutoConfig, AutoModelForCausalLM
 
     scenario, _ = uneven

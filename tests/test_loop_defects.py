@@ -16,7 +16,7 @@ import yaml
 from test_exactness import read_weights
 
 import featcal_llm.engine.tuned as tuned_module
-from featcal_llm.maths.objective import FeatCal
+from featcal_llm.engine.objectives import FeatCal
 from featcal_llm.pipeline import run_recipe
 
 TWO_LAMBDAS = {"lambda": [1e-3, 1e-1], "alpha": 0.3, "rho": 0.5}  # the search starts at λ = 1e-3

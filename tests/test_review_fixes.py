@@ -149,7 +149,7 @@ def test_chat_format_passes_a_fixed_date():
 
 def test_nan_in_the_calibrated_stream_is_caught_in_the_layer_that_makes_it(merged_scenario, tmp_path, monkeypatch, capsys):
     """Bug 8: NaN in the cal stream is named where it appears, not a layer later after six futile ridge retries."""
-    from featcal_llm.maths.objective import FeatCal
+    from featcal_llm.engine.objectives import FeatCal
 
     real = FeatCal.solve_layer
 

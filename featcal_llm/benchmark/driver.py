@@ -129,7 +129,8 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
     from featcal_llm.engine.plan import CalibrationPlan
-    from featcal_llm.maths.objective import FeatCal, Hyperparameters
+    from featcal_llm.engine.objectives import FeatCal
+    from featcal_llm.maths.objective import Hyperparameters
     from featcal_llm.maths.stats import TOTAL_DTYPE
     from featcal_llm.engine.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS

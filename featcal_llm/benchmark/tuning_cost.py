@@ -67,7 +67,8 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     from featcal_llm.family.layers import LayerRunner
     from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
     from featcal_llm.engine.plan import CalibrationPlan
-    from featcal_llm.maths.objective import FeatCal, Hyperparameters
+    from featcal_llm.engine.objectives import FeatCal
+    from featcal_llm.maths.objective import Hyperparameters
     from featcal_llm.engine.resume import StagingArea
     from featcal_llm.engine.streams import HostStore, make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS

@@ -125,8 +125,8 @@ def _timed(command: list[str], cwd: Path, log, progress_pattern: str | None = No
             text = buffer.decode(errors="replace")
             if progress_pattern and "start" not in marks and progress_pattern in text:
                 marks["start"] = now
-            # the first line counting a finished layer (tqdm may fold layer 0 into a later refresh on fast runs)
-            if progress_pattern and "first_layer" not in marks and re.search(r"\|\s*[1-9]\d*/\d+", text):
+            # the first line after layer 0 finished: the bar moves on to layer 2 (tqdm may fold it into a later refresh)
+            if progress_pattern and "first_layer" not in marks and re.search(r"FeatCal layer (?:[2-9]|\d{2,})/\d+|layer \d+/\d+ calibrated", text):
                 marks["first_layer"] = now
             buffer = buffer[-4096:]
             tail[:] = text.splitlines()[-5:]

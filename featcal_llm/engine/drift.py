@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from featcal_llm.io.names import short_names  # noqa: F401  (the drift report's legend)
 from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.family.layers import LayerRunner, norm_epsilon
 from featcal_llm.engine.streams import HostStore, TokenBatch
@@ -157,24 +158,6 @@ def next_token_kl(
     return next_token_kls([(head, stream)], expert_head, expert_stream, batches, comm)[0]
 
 
-def short_names(names: list[str]) -> dict[str, str]:
-    """Each model name's shortest trailing run of path components that no other name ends with.
-
-    Recipes name experts by paths, often long absolute ones; a legend needs only
-    what tells them apart (``/runs/a/experts/math`` → ``math``, or ``a/math`` when
-    another expert is ``/runs/b/math``).
-    """
-    parts = {name: [p for p in name.replace("\\", "/").split("/") if p] or [name] for name in names}
-    labels = {}
-    for name, tail in parts.items():
-        label = name
-        for count in range(1, len(tail) + 1):
-            candidate = "/".join(tail[-count:])
-            if all(other == name or "/".join(parts[other][-count:]) != candidate for other in parts):
-                label = candidate
-                break
-        labels[name] = label
-    return labels
 
 
 def write_report(directory: Path, report: dict) -> None:

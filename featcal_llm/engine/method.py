@@ -6,8 +6,10 @@ from typing import Any
 
 from featcal_llm.engine.tuning import build_search
 from featcal_llm.errors import FeatCalError
-from featcal_llm.maths.objective import FeatCal, Hyperparameters
-from featcal_llm.maths.regmean import RegMean, RegMeanSetting
+from featcal_llm.engine.objectives import FeatCal
+from featcal_llm.maths.objective import Hyperparameters
+from featcal_llm.engine.objectives import RegMean
+from featcal_llm.maths.regmean import RegMeanSetting
 
 STREAMS = {"regmean": "expert", "regmean++": "cal"}  # which hidden states feed expert i's layer for its Grams
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from featcal_llm.family.architectures import Architecture, InputGroup
-from featcal_llm.maths.objective import FeatCal
-from featcal_llm.maths.regmean import RegMean
+from featcal_llm.engine.objectives import FeatCal
+from featcal_llm.engine.objectives import RegMean
 
 if TYPE_CHECKING:
     from featcal_llm.engine.tuning import Search

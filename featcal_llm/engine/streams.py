@@ -11,20 +11,11 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class TokenBatch:
-    input_ids: torch.Tensor  # (batch, seq) int64, right-padded
-    keep: torch.Tensor  # (batch, seq) bool, True for real tokens
-
-    @property
-    def tokens(self) -> int:
-        return int(self.keep.sum())
+from featcal_llm.family.batch import TokenBatch
 
 
 def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0) -> list[TokenBatch]:

@@ -20,7 +20,7 @@ import torch
 from featcal_llm.family.architectures import Architecture
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.front import ModelFront
-from featcal_llm.engine.streams import TokenBatch
+from featcal_llm.family.batch import TokenBatch
 
 
 class LayerRunner:

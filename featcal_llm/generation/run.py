@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from featcal_llm.engine.drift import short_names
+from featcal_llm.io.names import short_names
 from featcal_llm.engine.resume import checkpoint_identity, fingerprint
 from featcal_llm.io.identity import sampling_identity
 from featcal_llm.errors import FeatCalError, warn

@@ -44,7 +44,7 @@ def is_local(reference: str) -> bool:
 
 def public_names(references: list[str]) -> dict[str, str]:
     """Each reference as a card shows it: hub ids unchanged, local paths (also as `base+adapter` parts) by short name."""
-    from featcal_llm.engine.drift import short_names
+    from featcal_llm.io.names import short_names
 
     parts = {part for reference in references for part in reference.split("+") if is_local(part)}
     short = short_names(sorted(parts))
@@ -101,12 +101,14 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
+    starts: dict[str, dict] | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
 
     `sources` (base_model / expert name → io.references.ModelSource) records every model as read:
     its reference, hub revision and LoRA adapter. `calibrated`: the projections re-fitted
     (`projections`, `every_projection`) and whether norms and biases were (`norms`, `biases`).
+    `starts`: how each `generate:` expert began its samples (generation.run.start_records).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -130,9 +132,7 @@ def write_card(
             + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps}"
         )
         saved = replay_text(recipe, tuning, precisions or {})
-    from featcal_llm.generation.run import start_records
-
-    starts = start_records(recipe)
+    starts = starts or {}
     if starts:
         saved = saved.rstrip("\n") + "\n" + "".join(
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()

@@ -384,7 +384,7 @@ def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, 
         problems.append(Problem(str(path), "featcal.tune", f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)"))
     for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
         if spec.generate is not None and spec.generate.prompts is not None:
-            from featcal_llm.generation.prompts import read_prompts
+            from featcal_llm.io.prompts import read_prompts
 
             where = f"{path}: featcal.data.{name}.generate.prompts"
             collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))

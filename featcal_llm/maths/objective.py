@@ -17,19 +17,12 @@ solver keeps Cholesky factors across candidates (`RidgeSolver`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver, anchor, task_weight
+from featcal_llm.maths.solve import SOLVE_DTYPE, task_weight
 from featcal_llm.maths.stats import GroupStatistics
-
-if TYPE_CHECKING:
-    from featcal_llm.engine.plan import CalibrationPlan
-    from featcal_llm.engine.prefetch import LayerTensors
-    from featcal_llm.engine.tuning import Search
-
 
 @dataclass(frozen=True)
 class Hyperparameters:
@@ -164,98 +157,3 @@ def solve_norm(system: GroupSystem, norm_anchor: torch.Tensor, lam: float) -> to
     solving on the effective scale 1 + w.
     """
     return (system.norm_numerator + lam * norm_anchor) / (system.norm_denominator + lam)
-
-
-class LayerSettings:
-    """What every objective is parameterised by: one setting for all layers, one per layer (a replay), or a search's start."""
-
-    def __init__(self, setting, search: "Search | None" = None):
-        self._setting = tuple(setting) if isinstance(setting, (list, tuple)) else setting
-        self.search = search
-
-    @property
-    def tuned(self) -> bool:
-        return self.search is not None
-
-    def hyper(self, layer: int):
-        """The setting of `layer` in a run that does not search (a tuned run's start point otherwise)."""
-        return self._setting[layer] if isinstance(self._setting, tuple) else self._setting
-
-    def settings(self) -> tuple:
-        return self._setting if isinstance(self._setting, tuple) else (self._setting,)
-
-    @property
-    def eps(self) -> float:
-        return self.hyper(0).eps
-
-
-class FeatCal(LayerSettings):
-    """FeatCal with given hyper-parameters (one setting, or one per layer) or chosen per layer by a search."""
-
-    name = "featcal"
-
-    def __init__(self, hyper: Hyperparameters | Sequence[Hyperparameters], search: "Search | None" = None, split_targets: bool = False):
-        super().__init__(hyper, search)
-        self.split_targets = split_targets or search is not None  # a search needs every α; a replay folds as the search did
-
-    def smallest_lambda(self) -> float:
-        """The smallest λ the run may solve with: it decides the statistics' precision."""
-        if self.search is not None:
-            return min(self.search.values["lambda"])
-        return min(h.lam for h in self.settings())
-
-    def new_system(self, layer: int) -> GroupSystem:
-        targets = (lambda: SplitTargets()) if self.split_targets else (lambda: MixedTargets(self.hyper(layer).alpha))
-        return GroupSystem(lhs=None, targets=targets(), biases=targets())  # type: ignore[arg-type]
-
-    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, GroupSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor]) -> None:
-        """Add one task's statistics to every input group's system (so they can be freed)."""
-        for group in plan.groups():
-            selected = plan.selected(group)
-            expert = ExpertGroup(
-                weights={p: expert_weights[f"{p}.weight"] for p in selected},
-                biases={p: expert_weights[f"{p}.bias"] for p in selected if plan.biases and f"{p}.bias" in expert_weights},
-                norm=expert_weights.get(f"{group.norm}.weight") if group.norm else None,
-            )
-            if group.name not in systems:
-                systems[group.name] = self.new_system(layer)
-            fold(systems[group.name], stats[group.name], expert, self.eps)
-
-    def solve_layer(
-        self, plan: "CalibrationPlan", layer: int, systems: dict[str, GroupSystem], tensors: "LayerTensors",
-        hyper: Hyperparameters | None = None, solver: RidgeSolver | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Calibrated tensors of one layer (names relative to the layer), in the merged checkpoint's dtypes.
-
-        `hyper` defaults to the layer's setting; a tuned run passes each candidate
-        and one `RidgeSolver(keep_lhs=True)` that keeps factors across them.
-        """
-        hyper = hyper or self.hyper(layer)
-        solver = solver or RidgeSolver()
-        merged, base = tensors.merged, tensors.base
-        solved: dict[str, torch.Tensor] = {}
-        for group in plan.groups():
-            system = systems[group.name]
-            device = system.lhs.device
-
-            def anchored(name: str) -> torch.Tensor:
-                return anchor(merged[name].to(device), base[name].to(device), hyper.rho)
-
-            selected = plan.selected(group)
-            if selected:
-                rhs, bias_sums = system.targets.at(hyper.alpha), system.biases.at(hyper.alpha)
-                solutions = solver.solve(
-                    group.name, system.lhs, {p: rhs[p] for p in selected}, {p: anchored(f"{p}.weight") for p in selected},
-                    hyper.lam, hyper.eps, where=f"layer {layer} {group.name}",
-                )
-                for projection, weight in solutions.items():
-                    solved[f"{projection}.weight"] = weight
-                    if projection in bias_sums:
-                        solved[f"{projection}.bias"] = solve_bias(system, bias_sums[projection], weight, anchored(f"{projection}.bias"), hyper.lam)
-            if plan.norms and group.norm:
-                solved[f"{group.norm}.weight"] = solve_norm(system, anchored(f"{group.norm}.weight"), hyper.lam)
-        for name, tensor in solved.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise FeatCalError(f"layer {layer}: solution for {name} has NaN/Inf")
-            solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
-        return solved

@@ -34,19 +34,9 @@ per layer — so every candidate reduction is one lerp of the same sums.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal
 
-import torch
-
-from featcal_llm.errors import FeatCalError
-from featcal_llm.maths.objective import LayerSettings, MixedTargets, SplitTargets, Targets
-from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver
-from featcal_llm.maths.stats import GroupStatistics
-
-if TYPE_CHECKING:
-    from featcal_llm.engine.plan import CalibrationPlan
-    from featcal_llm.engine.prefetch import LayerTensors
-    from featcal_llm.engine.tuning import Search
+from featcal_llm.maths.objective import Targets
 
 GRAM = "gram"  # the lhs's name inside its Targets
 
@@ -81,66 +71,3 @@ class RegMeanSystem:
     gram: Targets
     targets: Targets
     tasks: int = 0
-
-
-class RegMean(LayerSettings):
-    """RegMean (`stream="expert"`) or RegMean++ (`stream="cal"`), with a fixed, per-layer or searched reduction."""
-
-    def __init__(self, stream: Literal["expert", "cal"], setting: RegMeanSetting | Sequence[RegMeanSetting], search: "Search | None" = None):
-        super().__init__(setting, search)
-        self.recording = GramRecording(stream)
-        self.name = "regmean" if stream == "expert" else "regmean++"
-        self.split_targets = search is not None or not isinstance(setting, RegMeanSetting)
-
-    def smallest_lambda(self) -> float:
-        """No ridge: the Grams are solved as they are, so the statistics need full precision (`stats_dtype: auto` → float64)."""
-        return 0.0
-
-    def new_system(self, layer: int) -> RegMeanSystem:
-        make = SplitTargets if self.split_targets else (lambda: MixedTargets(self.hyper(layer).reduction))
-        return RegMeanSystem(gram=make(), targets=make())
-
-    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, RegMeanSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor]) -> None:
-        """Add task i's reduced Gram and W_i G̃_i to every group's sums (equal task weights, MergeBench step 2.2)."""
-        for group in plan.groups():
-            group_stats = stats[group.name]
-            if group_stats.tokens == 0:
-                raise FeatCalError("internal: a task contributed no tokens")
-            gram = group_stats.gram.to(SOLVE_DTYPE) / float(group_stats.tokens)  # per-token mean (compute_grams L46-49)
-            diagonal = gram.diagonal().clone()
-            system = systems.setdefault(group.name, self.new_system(layer))
-            for projection in plan.selected(group):
-                weight = expert_weights[f"{projection}.weight"].to(device=gram.device, dtype=SOLVE_DTYPE)
-                system.targets.add(projection, weight @ gram, weight * diagonal, 1.0)  # W_i G and W_i diag(G)
-            system.gram.add(GRAM, gram, torch.diag(diagonal), 1.0)
-            system.tasks += 1
-
-    def solve_layer(
-        self, plan: "CalibrationPlan", layer: int, systems: dict[str, RegMeanSystem], tensors: "LayerTensors",
-        hyper: RegMeanSetting | None = None, solver: RidgeSolver | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """W*_p = (Σ_i W_i,p G̃_i)(Σ_i G̃_i + eps I)⁻¹ for every selected projection, in the merged checkpoint's dtypes.
-
-        `solver` is ignored: Σ G̃ changes with every candidate r, so no factor can
-        be kept across candidates (each solve factors its own).
-        """
-        hyper = hyper or self.hyper(layer)
-        merged = tensors.merged
-        solved: dict[str, torch.Tensor] = {}
-        for group in plan.groups():
-            selected = plan.selected(group)
-            if not selected:
-                continue
-            system = systems[group.name]
-            lhs = system.gram.at(hyper.reduction)[GRAM]
-            rhs = system.targets.at(hyper.reduction)
-            anchors = {p: merged[f"{p}.weight"].to(device=lhs.device, dtype=SOLVE_DTYPE) for p in selected}
-            solutions = RidgeSolver().solve(group.name, lhs, {p: rhs[p] for p in selected}, anchors, 0.0, hyper.eps,
-                                            where=f"layer {layer} {group.name}")
-            for projection, weight in solutions.items():
-                solved[f"{projection}.weight"] = weight
-        for name, tensor in solved.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise FeatCalError(f"layer {layer}: solution for {name} has NaN/Inf")
-            solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
-        return solved

@@ -1,0 +1,17 @@
+"""A batch of calibration token sequences as a decoder layer sees it: right-padded ids and the mask of real tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    input_ids: torch.Tensor  # (batch, seq) int64, right-padded
+    keep: torch.Tensor  # (batch, seq) bool, True for real tokens
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keep.sum())

@@ -1,0 +1,23 @@
+"""Short, unambiguous labels for models a recipe names by (often long) paths."""
+
+from __future__ import annotations
+
+
+def short_names(names: list[str]) -> dict[str, str]:
+    """Each model name's shortest trailing run of path components that no other name ends with.
+
+    Recipes name experts by paths, often long absolute ones; a legend needs only
+    what tells them apart (``/runs/a/experts/math`` → ``math``, or ``a/math`` when
+    another expert is ``/runs/b/math``).
+    """
+    parts = {name: [p for p in name.replace("\\", "/").split("/") if p] or [name] for name in names}
+    labels = {}
+    for name, tail in parts.items():
+        label = name
+        for count in range(1, len(tail) + 1):
+            candidate = "/".join(tail[-count:])
+            if all(other == name or "/".join(parts[other][-count:]) != candidate for other in parts):
+                label = candidate
+                break
+        labels[name] = label
+    return labels

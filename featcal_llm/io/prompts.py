@@ -1,0 +1,39 @@
+"""Prompt files for `generate:` (.txt, one prompt per line, or .jsonl with a `prompt` field), read at recipe load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from featcal_llm.errors import FeatCalError
+
+PROMPT_SUFFIXES = (".txt", ".jsonl")
+
+
+def read_prompts(path: Path, where: str) -> list[str]:
+    """The prompts of a `.txt` file (one per non-blank line) or a `.jsonl` file (a string field `prompt` per record)."""
+    if not path.is_file():
+        raise FeatCalError(f"{where}: {path}: prompts file not found")
+    if path.suffix.lower() not in PROMPT_SUFFIXES:
+        raise FeatCalError(f"{where}: {path}: expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise FeatCalError(f"{where}: {path}: not UTF-8 text") from None
+    if path.suffix.lower() == ".txt":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise FeatCalError(f"{where}: {path}: line {number} is not JSON") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                raise FeatCalError(f"{where}: {path}: line {number}: expected an object with a non-empty string field `prompt`")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise FeatCalError(f"{where}: {path}: no prompts (the file is empty)")
+    return prompts
