@@ -30,6 +30,7 @@ from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
     copy_side_files,
+    move_into_place,
     write_calibrated_checkpoint,
 )
 from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
@@ -220,18 +221,6 @@ def _run_fingerprint(
             [runner.device.type, str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
         ]
     )
-
-
-def _publish(checkpoint: Path, output: Path) -> None:
-    """Move the finished checkpoint into place; an old output (--force) is swapped out, then removed."""
-    if output.exists():
-        trash = output.with_name(f".{output.name}.featcal-old")
-        shutil.rmtree(trash, ignore_errors=True)
-        output.rename(trash)
-        checkpoint.rename(output)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        checkpoint.rename(output)
 
 
 def _staging(comm: Single, partial: Path, run_fingerprint: str) -> StagingArea:
@@ -433,7 +422,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
                {"base_model": base, **experts}, calibrated, start_records(recipe))
-    _publish(checkpoint, output)
+    move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None
     if featcal.eval is not None:

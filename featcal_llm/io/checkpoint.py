@@ -148,3 +148,19 @@ def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README
             continue
         if item.is_file():
             shutil.copy2(item, output / item.name)
+
+
+def move_into_place(finished: Path, target: Path, trash_suffix: str) -> None:
+    """Rename a finished directory onto `target`; an existing target is swapped out first, then removed.
+
+    A rename cannot replace a non-empty directory, and removing the old one first would leave
+    nothing in place if the process died between the two steps.
+    """
+    if target.exists():
+        trash = target.with_name(f".{target.name}.{trash_suffix}")
+        shutil.rmtree(trash, ignore_errors=True)
+        target.rename(trash)
+        finished.rename(target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        finished.rename(target)

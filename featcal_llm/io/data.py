@@ -86,6 +86,16 @@ def plain_jsonl_records(path: Path) -> list[dict[str, str]] | None:
     return records
 
 
+
+def file_builder(path: Path, where: str) -> str:
+    """The datasets builder for a local calibration file (json, csv, parquet); an unknown type or an empty file is refused."""
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise FeatCalError(f"{where}.path: {path}: unsupported file type (expected {', '.join(FILE_BUILDERS)})")
+    if path.stat().st_size == 0:
+        raise FeatCalError(f"{where}.path: {path}: file is empty")
+    return builder
+
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
     datasets = heavy_import("datasets")
@@ -94,12 +104,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     path = data_path(spec, base_dir)
     try:
         if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise FeatCalError(f"{where}.path: {path}: unsupported file type (expected {', '.join(FILE_BUILDERS)})")
-            if path.stat().st_size == 0:
-                raise FeatCalError(f"{where}.path: {path}: file is empty")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         looks_like_hub_id = not path.is_absolute() and len(path.parts) == 2 and not spec.path.startswith(".") and path.suffix == ""

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from featcal_llm.io.checkpoint import move_into_place
 from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.io.recipe import Recipe
 
@@ -250,11 +251,4 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
-    if merged.exists():  # a stale merge featcal-llm made: swapped out, then removed
-        trash = merged.with_name(f".{merged.name}.stale")
-        shutil.rmtree(trash, ignore_errors=True)
-        merged.rename(trash)
-        partial.rename(merged)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        partial.rename(merged)
+    move_into_place(partial, merged, "stale")  # a stale merge featcal-llm made is swapped out, then removed

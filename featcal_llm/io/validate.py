@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.data import FILE_BUILDERS, PLAIN_JSONL_MAX_BYTES, data_path
+from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
@@ -131,11 +131,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names."""
     path = data_path(spec, base_dir)
     if path.is_file():
-        builder = FILE_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise FeatCalError(f"{where}.path: {path}: unsupported file type (expected {', '.join(FILE_BUILDERS)})")
-        if path.stat().st_size == 0:
-            raise FeatCalError(f"{where}.path: {path}: file is empty")
+        file_builder(path, where)
         fields = record_fields(path, f"{where}.path: {spec.path}")
         for name in needed_fields(spec) if fields is not None else []:
             if name not in fields:
