@@ -115,7 +115,7 @@ def failure(error: BaseException) -> None:
     """
     import traceback
 
-    lines = [f"featcal-llm: error: {error}"]
+    lines = [f"featcal-llm: error: {line}" for line in str(error).splitlines() or [""]]  # every problem of a recipe, one line each
     cause = error.__cause__
     if cause is not None:
         detail = str(cause).strip() or type(cause).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -110,4 +111,4 @@ def test_card_names_the_stack(merged_scenario, tmp_path):
                                 output=str(tmp_path / "stack"), **FEATCAL), progress=False)
     front = yaml.safe_load((stacked / "README.md").read_text().split("---")[1])["featcal"]
     merged = yaml.safe_load(merged_scenario.recipe.read_text())["featcal"]["merged"]
-    assert front["merged_model"] == f"{merged} + regmean" and front["method"] == "featcal"
+    assert front["merged_model"] == f"{Path(merged).name} + regmean" and front["method"] == "featcal"
