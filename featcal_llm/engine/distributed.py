@@ -147,6 +147,7 @@ class TorchDistributed(Single):
         self.device = torch.device("cpu")  # where reductions happen: the compute GPU once `use` is called
         self.ready = False  # True once every rank agreed on the run's fingerprint: errors after it are one rank's own
         self._beats: Any = None
+        self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self._steps = 0
         if self.mode not in ("owner", "all"):
@@ -175,7 +176,8 @@ class TorchDistributed(Single):
                 except Exception:
                     return
 
-        threading.Thread(target=beat, name="featcal-heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=beat, name="featcal-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def _peer_failure(self, error: BaseException) -> "WorldError":
         """The one-line error for a collective that failed because another rank stopped: which rank, and why.
@@ -378,6 +380,8 @@ class TorchDistributed(Single):
 
     def close(self) -> None:
         self._stop.set()
+        if self._heartbeat is not None:  # no store call may be in flight when the process exits (C++ would abort it)
+            self._heartbeat.join(timeout=10 * HEARTBEAT_S)
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 
