@@ -39,21 +39,21 @@ def _stamp() -> str:
 
 def note(line: str) -> None:
     """A line for the log file only (and the terminal when verbose)."""
-    log: IO[str] | None = _state["log"]
-    if log is not None:
-        log.write(f"{_stamp()} {line}\n")
-        log.flush()
-    if verbosity() >= VERBOSE:
-        _terminal(line)
+    _emit(line, VERBOSE)
 
 
 def stage(line: str) -> None:
     """A phase of the run starts or ends: on the terminal unless quiet, always in the log."""
+    _emit(line, NORMAL)
+
+
+def _emit(line: str, level: int) -> None:
+    """Always into the log file (time-stamped); on the terminal from `level` of verbosity up."""
     log: IO[str] | None = _state["log"]
     if log is not None:
         log.write(f"{_stamp()} {line}\n")
         log.flush()
-    if verbosity() >= NORMAL:
+    if verbosity() >= level:
         _terminal(line)
 
 

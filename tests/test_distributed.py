@@ -73,20 +73,13 @@ def test_groups_are_owned_by_cost(uneven):
 def test_a_stopped_rank_is_named_by_its_heartbeat_and_a_failed_one_by_its_error(monkeypatch):
     """Rank 0's view of a 3-rank world in which rank 1 stopped beating and rank 2 is alive (real TCPStore, no process group)."""
     import threading
-    from datetime import timedelta
 
     import torch.distributed as dist
 
     from featcal_llm.engine import distributed
 
-    import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, 3, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    master = _local_store(monkeypatch, 3)
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
     ranks = {}
     for rank in (0, 2):  # rank 1 never beats
@@ -223,7 +216,6 @@ def test_rank_0_steps_longer_than_the_collective_timeout_are_waited_for(uneven, 
 
 def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
     """Rank 0's view when rank 1 timed out in a collective (it left a record and stopped beating): it gave up, it is not the cause."""
-    import socket
     import threading
     from datetime import timedelta
 
@@ -231,12 +223,7 @@ def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
 
     from featcal_llm.engine import distributed
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    master = _local_store(monkeypatch, 2)
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
     ranks = {}
     for rank in (0, 1):
@@ -259,20 +246,13 @@ def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
 
 def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops(monkeypatch, capsys):
     """Rank 1 waiting for rank 0's step (real TCPStore): it notes the wait while rank 0 beats, and stops naming rank 0 once it does not."""
-    import socket
     import threading
-    from datetime import timedelta
 
     import torch.distributed as dist
 
     from featcal_llm.engine import distributed
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    master = _local_store(monkeypatch, 2)
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
     monkeypatch.setattr(distributed, "WAIT_NOTE_S", 0.2)
     comms = {}
@@ -312,3 +292,18 @@ def test_a_generating_expert_without_tokenizer_files_stops_both_ranks_in_one_lin
     lines = ranks[0].stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("featcal-llm: error:") and f"expert {expert}" in lines[0] and "no tokenizer files" in lines[0]
     assert ranks[1].stderr == ""
+
+
+def _local_store(monkeypatch, world: int):
+    """A rendezvous store on a free loopback port, found by the code under test through MASTER_ADDR / MASTER_PORT."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
