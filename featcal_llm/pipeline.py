@@ -24,19 +24,20 @@ from featcal_llm.family.architectures import architecture_for, select_projection
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
-from featcal_llm.engine.method import objective_for
+from featcal_llm.engine.method import head_setting, objective_for
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
     copy_side_files,
     move_into_place,
+    untie_head,
     write_calibrated_checkpoint,
 )
 from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
-from featcal_llm.engine.drift import TUNING_JSON, Probe, drift_report, drift_sample, write_report
+from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, drift_sample, write_report
 from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
@@ -335,6 +336,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         norms=featcal.norms and not featcal.regmean,  # RegMean: norms and biases stay the merged model's
         biases=featcal.biases and not featcal.regmean,
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
+        head=head_setting(featcal),
     )
     search = plan.tuning
 
@@ -409,6 +411,9 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     checkpoint.mkdir()
     write_calibrated_checkpoint(models.merged, replacements, checkpoint)
     copy_side_files(merged_dir, checkpoint)
+    untied = LM_HEAD in replacements and LM_HEAD not in models.merged.weight_map
+    if untied:
+        untie_head(checkpoint)
     tokens = {task: sum(len(s) for s in seqs) for task, seqs in sequences.items()}
     tuning = None
     if search is not None:
@@ -417,7 +422,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
-                  "norms": plan.norms, "biases": plan.biases}
+                  "norms": plan.norms, "biases": plan.biases,
+                  "head": None if plan.head is None else {**plan.head.values(), "untied": untied}}
     from featcal_llm.generation.run import start_records
 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},

@@ -103,3 +103,29 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
         for norm, gamma in new_norms.items():
             cal_layer.get_submodule(norm).weight.copy_(gamma)
     return cal
+
+
+@torch.no_grad()
+def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float) -> torch.Tensor:
+    """The LM head re-fitted on the final features of each model's own full forward (`model.model(...)`, after its final norm).
+
+    `cal` is the brute force's calibrated model: its body gives x_cal, each expert's gives x_exp; R_i is formed
+    literally from W_i x_tgt, one sequence at a time, in float64.
+    """
+    dim = merged.config.hidden_size
+    lhs = torch.zeros(dim, dim, dtype=torch.float64)
+    rhs = torch.zeros_like(merged.get_output_embeddings().weight, dtype=torch.float64)
+    for task, expert in experts.items():
+        expert = expert.double().eval()
+        x_cal = torch.cat([cal.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences[task]]).double()
+        x_exp = torch.cat([expert.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences[task]]).double()
+        n = x_cal.shape[0]
+        gram = x_cal.T @ x_cal / n
+        omega = 1.0 / max(float(torch.linalg.matrix_norm(gram)), eps)
+        w_i = expert.get_output_embeddings().weight.double()
+        x_tgt = alpha * x_exp + (1 - alpha) * x_cal
+        lhs += omega * gram
+        rhs += omega * ((x_tgt @ w_i.T).T @ x_cal) / n
+    w_anchor = rho * merged.get_output_embeddings().weight.double() + (1 - rho) * base.get_output_embeddings().weight.double()
+    lhs += (lam + eps) * torch.eye(dim, dtype=torch.float64)
+    return torch.linalg.solve(lhs.T, (rhs + lam * w_anchor).T).T

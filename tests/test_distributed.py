@@ -113,6 +113,20 @@ def test_two_ranks_give_the_one_process_weights(uneven, tmp_path):
             assert row[kind] == pytest.approx(reference[kind], rel=1e-9)
 
 
+def test_two_ranks_refit_the_head_as_one_process_does(uneven, tmp_path):
+    """`head:`: each rank adds its shard's final features; the head and the output divergence match one process."""
+    scenario, _ = uneven
+    single = run_recipe(scenario.write_recipe(tmp_path / "s.yaml", output=str(tmp_path / "single"), head=True), progress=False)
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), head=True), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    ours, theirs, merged = (read_weights(d) for d in (tmp_path / "out", single, scenario.root / "merged"))
+    assert delta_error(ours["lm_head.weight"], theirs["lm_head.weight"], merged["lm_head.weight"]) <= EQUAL
+    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+    ours, theirs = (json.loads((d / "featcal_drift.json").read_text()) for d in (tmp_path / "out", single))
+    for kind in ("merged", "calibrated"):
+        assert ours["output_divergence"][kind] == pytest.approx(theirs["output_divergence"][kind], rel=1e-9)
+
+
 def test_a_rank_whose_statistics_are_skipped_breaks_equality(uneven, tmp_path):
     """The guard of the test above: drop rank 1's statistics from the reduction and the weights move far beyond 1e-10."""
     scenario, single = uneven

@@ -16,7 +16,8 @@ import torch
 
 from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext, Streams
-from featcal_llm.engine.drift import Head, Heads, outputs, next_token_kls, reduced_drifts
+from featcal_llm.engine.drift import LM_HEAD, Head, Heads, outputs, next_token_kls, reduced_drifts
+from featcal_llm.engine.head import calibrate_head
 from featcal_llm.engine.prefetch import LayerPrefetcher, LayerTensors
 from featcal_llm.engine.progress import NullProgress, TokenProgress
 from featcal_llm.engine.record import record_task
@@ -79,10 +80,13 @@ def output_divergence(ctx: RunContext) -> dict[str, dict[str, float]]:
     """Mean next-token KL(expert i ‖ model) on expert i's probe records, for the merged and the calibrated model."""
     probe = ctx.probe
     merged_head = Head(ctx.runner, ctx.models.merged)
+    calibrated_head = merged_head
+    if ctx.head is not None:
+        calibrated_head = Head(ctx.runner, ctx.models.merged, ctx.head)
     result: dict[str, dict[str, float]] = {"merged": {}, "calibrated": {}}
     for task, batches in probe.batches.items():
         expert_head = Head(ctx.runner, ctx.models.experts[task])
-        compared = [(merged_head, probe.merged[task]), (merged_head, probe.cal[task])]
+        compared = [(merged_head, probe.merged[task]), (calibrated_head, probe.cal[task])]
         result["merged"][task], result["calibrated"][task] = next_token_kls(compared, expert_head, probe.expert[task], batches, ctx.comm)
     return result
 
@@ -121,6 +125,12 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
                 calibrate_layer(ctx, layer, tensors)
                 ctx.progress.layer_done(layer)
             del tensors
+        if plan.head is not None:  # the head is staged as one more "layer"
+            if ctx.staging.completed <= num_layers:
+                ctx.staging.commit(num_layers, head := calibrate_head(ctx, plan.head))
+            else:
+                head = ctx.staging.load(num_layers)
+            ctx.head = head[LM_HEAD]
         if ctx.probe is not None:
             ctx.probe.divergence = output_divergence(ctx)
     finally:

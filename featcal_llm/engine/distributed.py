@@ -80,6 +80,10 @@ class Single:
     def sum_int(self, value: int) -> int:
         return value
 
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor summed over every rank, on its own device."""
+        return tensor
+
     def sum_floats(self, values: list[float]) -> list[float]:
         return values
 
@@ -291,6 +295,9 @@ class TorchDistributed(Single):
 
     def sum_int(self, value: int) -> int:
         return int(self._all_reduce(torch.tensor([value], dtype=torch.int64), "counts").item())
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, "statistics").to(tensor.device)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         return self._all_reduce(torch.tensor(values, dtype=torch.float64), "criterion").cpu().tolist()

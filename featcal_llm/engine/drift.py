@@ -90,16 +90,22 @@ def reduced_drifts(comm, streams: Streams, references: Streams, batches: dict[st
     return {task: drift_ratio(sums[2 * i], sums[2 * i + 1]) for i, task in enumerate(batches)}
 
 
+def final_norm(runner: LayerRunner, reader: CheckpointReader) -> torch.nn.Module:
+    """The model's final norm as the family's own class (its epsilon, Gemma's 1 + w scale), on the compute device."""
+    template = runner.front.model.norm  # on the meta device: its class and epsilon
+    norm = type(template)(runner.config.hidden_size, eps=norm_epsilon(template))
+    norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(runner.dtype)}, assign=True)
+    return norm.to(runner.device)
+
+
 class Head:
     """A model's final norm and LM head (the family's own final-norm class), giving next-token log-probabilities."""
 
-    def __init__(self, runner: LayerRunner, reader: CheckpointReader):
-        final_norm = runner.front.model.norm  # the family's final norm, on the meta device: its class and epsilon
-        self.norm = type(final_norm)(runner.config.hidden_size, eps=norm_epsilon(final_norm))
-        self.norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(runner.dtype)}, assign=True)
-        self.norm.to(runner.device)
-        name = LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens
-        self.weight = reader.get(name).to(device=runner.device, dtype=runner.dtype)
+    def __init__(self, runner: LayerRunner, reader: CheckpointReader, weight: torch.Tensor | None = None):
+        self.norm = final_norm(runner, reader)
+        if weight is None:  # `weight`: another head on the same features (a calibrated one)
+            weight = reader.get(LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens)
+        self.weight = weight.to(device=runner.device, dtype=runner.dtype)
         self.device = runner.device
         self.softcap = getattr(runner.config, "final_logit_softcapping", None)  # Gemma-2 caps its logits: tanh(z / c) · c
 

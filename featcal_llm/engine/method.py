@@ -53,3 +53,10 @@ def _regmean(featcal: Any, num_layers: int, where: str) -> RegMean:
     if featcal.per_layer:
         return RegMean(stream, [RegMeanSetting(r, featcal.eps) for r in _per_layer(reduction, "reduction", num_layers, where)])
     return RegMean(stream, RegMeanSetting(reduction, featcal.eps))
+
+
+def head_setting(featcal: Any) -> Hyperparameters | None:
+    """The LM head's re-fit (`head:`), FeatCal only: RegMean leaves everything outside the layers merged."""
+    if featcal.head is None or featcal.regmean:
+        return None
+    return Hyperparameters(featcal.head.lambda_, featcal.head.alpha, featcal.head.rho, featcal.eps)

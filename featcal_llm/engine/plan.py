@@ -11,6 +11,7 @@ from featcal_llm.engine.objectives import RegMean
 
 if TYPE_CHECKING:
     from featcal_llm.engine.tuning import Search
+    from featcal_llm.maths.objective import Hyperparameters
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class CalibrationPlan:
     norms: bool
     biases: bool
     objective: FeatCal | RegMean
+    head: "Hyperparameters | None" = None  # the LM head's re-fit after the last layer (FeatCal's `head:`)
     only: frozenset[str] | None = None  # the input groups this rank folds and solves (None: all of them)
 
     @property

@@ -76,6 +76,11 @@ def _calibrated_text(calibrated: dict | None, regmean: bool) -> str:
     if calibrated is not None and not regmean:
         extras = [name for name, on in (("RMSNorm scales", calibrated["norms"]), ("biases", calibrated["biases"])) if on]
         what += f"; also updated: {', '.join(extras)}" if extras else "; norms and biases keep the merged values"
+        head = calibrated.get("head")
+        if head is not None:
+            what += ("; after the last layer the LM head was re-fitted the same way on the final norm's outputs"
+                     + (" (it was tied to the input embeddings and is now a tensor of its own, config `tie_word_embeddings: false`)"
+                        if head["untied"] else ""))
     return what
 
 
@@ -152,6 +157,8 @@ def write_card(
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:
             settings |= {"norms": calibrated["norms"], "biases": calibrated["biases"]}
+            if calibrated.get("head") is not None:
+                settings["head"] = calibrated["head"]
     front = {
         **({} if is_local(base) else {"base_model": base}),
         "tags": ["merge", "mergekit", "featcal"],

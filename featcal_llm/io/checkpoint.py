@@ -121,9 +121,12 @@ def write_calibrated_checkpoint(
     value. Peak memory is one shard.
     """
     staged: dict[Path, object] = {}
-    for shard, names in merged.shards().items():
+    layout = merged.shards()
+    added = [name for name in replacements if name not in merged.weight_map]  # a head untied from the embeddings
+    last, added_bytes = list(layout)[-1], 0
+    for shard, names in layout.items():
         tensors: dict[str, torch.Tensor] = {}
-        for name in names:
+        for name in names + (added if shard == last else []):
             source = replacements.get(name)
             if source is None:
                 tensors[name] = merged.get(name)
@@ -131,14 +134,28 @@ def write_calibrated_checkpoint(
             if source not in staged:
                 staged[source] = safe_open(source, framework="pt")
             value = staged[source].get_tensor(name)
-            original = merged.get(name)
+            original = merged.get(name) if name in merged.weight_map else value
             if value.shape != original.shape or value.dtype != original.dtype:
                 raise FeatCalError(f"internal: calibrated {name} is {value.dtype}{tuple(value.shape)}, merged is {original.dtype}{tuple(original.shape)}")
             tensors[name] = value
+            if name in added:
+                added_bytes += value.numel() * value.element_size()
         save_file(tensors, output / shard, metadata=merged.shard_metadata(shard) or {"format": "pt"})
         del tensors
     if (merged.directory / INDEX_FILE).is_file():
-        shutil.copy2(merged.directory / INDEX_FILE, output / INDEX_FILE)
+        index = json.loads((merged.directory / INDEX_FILE).read_text(encoding="utf-8"))
+        index["weight_map"].update({name: last for name in added})
+        if added and "total_size" in index.get("metadata", {}):
+            index["metadata"]["total_size"] += added_bytes
+        (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def untie_head(directory: Path) -> None:
+    """The checkpoint now holds an LM head of its own: transformers must not tie it back to the input embeddings."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README.md", "featcal_merge.json")) -> None:

@@ -121,7 +121,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
 METHODS = ("featcal", "regmean", "regmean++")
 STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
-FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases")
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head")
 REGMEAN_ONLY = ("reduction",)
 
 
@@ -177,6 +177,16 @@ class TuneSpec(BaseModel):
     )
 
 
+class HeadSpec(BaseModel):
+    """`head:`: after the last layer, the LM head is re-fitted by the same ridge rule on the final norm's outputs."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    lambda_: float = Field(1e-5, alias="lambda", gt=0, description="ridge strength of the head's re-fit")
+    alpha: float = Field(1.0, ge=0, le=1, description="target input mix at the head (1: each expert's own logits)")
+    rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
+
+
 class FeatCalConfig(BaseModel):
     """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
 
@@ -212,6 +222,10 @@ class FeatCalConfig(BaseModel):
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
     norms: bool = Field(False, description="also update RMSNorm scales")
+    head: HeadSpec | None = Field(
+        None, description="also re-fit the LM head after the last layer: true, or {lambda, alpha, rho}; a head tied to the "
+        "input embeddings becomes a tensor of its own (config tie_word_embeddings: false)"
+    )
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
@@ -221,6 +235,15 @@ class FeatCalConfig(BaseModel):
     @classmethod
     def _tunable(cls, value: Any, info) -> Any:
         return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
+
+    @field_validator("head", mode="before")
+    @classmethod
+    def _head(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
     @field_validator("method", mode="before")
     @classmethod

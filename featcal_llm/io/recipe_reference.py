@@ -15,13 +15,14 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
-from featcal_llm.io.recipe import DataSpec, FeatCalConfig, GenerateSpec, PerLayer, TuneSpec, Tunable
+from featcal_llm.io.recipe import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, PerLayer, TuneSpec, Tunable
 
 # (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("featcal:", FeatCalConfig, "The block FeatCal adds after a mergekit recipe. Keys not listed here are errors."),
     ("featcal.data.EXPERT:", DataSpec, "One entry per expert, keyed by the expert's name exactly as written under `models:`. Give `path` (a dataset) or `generate` (the expert writes its own texts), not both."),
     ("featcal.data.EXPERT.generate:", GenerateSpec, "The expert samples its own calibration texts. With `generate`, only `samples` may be set beside it."),
+    ("featcal.head:", HeadSpec, "The LM head re-fitted after the last layer by the layers' rule, on the final norm's outputs. `head: true` takes these defaults."),
     ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
     ("per_layer", PerLayer, "The form `lambda`, `alpha`, `rho` and `reduction` take in a tuned run's written recipe: `{per_layer: [...]}`, replayed as given."),
     ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Relative paths are relative to the recipe."),

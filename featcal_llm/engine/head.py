@@ -1,0 +1,64 @@
+"""The `head:` step after the last layer: the LM head re-fitted on the final norm's outputs (featcal_llm.maths.head).
+
+The streams h_cal and h_exp,i already hold the last layer's outputs, so the
+step costs one final norm per batch and two d × d products per token, plus
+the vocabulary-wide solve. The calibrated model's final norm is the merged
+one (FeatCal leaves it as it is); expert i's features go through its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from featcal_llm.engine.drift import LM_HEAD, final_norm
+from featcal_llm.engine.transfer import on_device
+from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.maths.head import HeadStatistics, solve_head
+from featcal_llm.maths.objective import Hyperparameters
+from featcal_llm.maths.stats import accumulate_gram, accumulate_moment
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
+
+
+def head_tensor(reader: CheckpointReader, embed_tokens: str) -> str:
+    """The checkpoint's LM head: `lm_head.weight`, or the input embedding it is tied to."""
+    return LM_HEAD if LM_HEAD in reader.names() else embed_tokens
+
+
+def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, expert_norm: torch.nn.Module) -> HeadStatistics:
+    """Σ x_cal x_calᵀ and Σ x_exp x_calᵀ over task i's non-padding tokens, x = the final norm's output."""
+    runner = ctx.runner
+    stats = HeadStatistics.empty(runner.config.hidden_size, runner.device)
+    with torch.no_grad(), ctx.timer.phase("statistics"):
+        for batch, (h_cal, h_exp) in zip(ctx.batches[task], on_device(runner.device, ctx.cal[task], ctx.expert[task])):
+            keep = batch.keep.to(runner.device)
+            x_cal, x_exp = merged_norm(h_cal)[keep], expert_norm(h_exp)[keep]
+            accumulate_gram(stats.gram, x_cal, runner.stats_dtype)
+            accumulate_moment(stats.moment, x_exp, x_cal, runner.stats_dtype)
+            stats.tokens += int(x_cal.shape[0])
+    comm = ctx.comm  # every rank adds its shard's sums, then solves the same system
+    stats.gram, stats.moment = comm.all_sum(stats.gram), comm.all_sum(stats.moment)
+    stats.tokens = comm.sum_int(stats.tokens)
+    return stats
+
+
+def calibrate_head(ctx: "RunContext", hyper: Hyperparameters) -> dict[str, torch.Tensor]:
+    """{"lm_head.weight": W*} in the merged head's dtype, on the host."""
+    runner, models = ctx.runner, ctx.models
+    embed = ctx.plan.architecture.embed_tokens
+    merged_norm = final_norm(runner, models.merged)
+    statistics, heads = [], []
+    for task, reader in models.experts.items():
+        statistics.append(head_statistics(ctx, task, merged_norm, final_norm(runner, reader)))
+        heads.append(reader.get(head_tensor(reader, embed)))
+    merged = models.merged.get(head_tensor(models.merged, embed))
+    with ctx.timer.phase("solve"):
+        solved = solve_head(statistics, heads, merged, models.base.get(head_tensor(models.base, embed)), hyper, dtype=merged.dtype)
+    if not bool(torch.isfinite(solved).all()):
+        from featcal_llm.errors import FeatCalError
+
+        raise FeatCalError("LM head: the solution has NaN/Inf")
+    return {LM_HEAD: solved.cpu()}

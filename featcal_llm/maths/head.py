@@ -1,0 +1,64 @@
+"""The LM head's re-fit after the last layer (the `head:` option), as pure functions over tensors.
+
+The head is one more linear module whose input is the final norm's output, so
+the layers' rule applies unchanged: with x_cal the calibrated model's final
+features, x_exp expert i's, G_i = Σ x_cal x_calᵀ / n_i, C_i = Σ x_exp x_calᵀ / n_i
+and W_i expert i's head,
+
+    W* (Σ ω_i G_i + (λ + eps) I) = Σ ω_i W_i (α C_i + (1 − α) G_i) + λ W_anc.
+
+Only d × d sums per expert are kept: the vocabulary-wide right-hand side is
+formed and solved a block of rows at a time, so a 128k-token head never needs
+a second vocabulary × d float64 matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from featcal_llm.maths.objective import Hyperparameters
+from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver, anchor, task_weight
+
+HEAD_ROWS = 16384  # vocabulary rows per solve block
+
+
+@dataclass
+class HeadStatistics:
+    """One expert's sums over its non-padding tokens (float64)."""
+
+    gram: torch.Tensor  # Σ x_cal x_calᵀ
+    moment: torch.Tensor  # Σ x_exp x_calᵀ
+    tokens: int
+
+    @classmethod
+    def empty(cls, dim: int, device: torch.device) -> "HeadStatistics":
+        zeros = lambda: torch.zeros(dim, dim, device=device, dtype=SOLVE_DTYPE)  # noqa: E731
+        return cls(zeros(), zeros(), 0)
+
+
+def solve_head(
+    statistics: list[HeadStatistics], expert_heads: list[torch.Tensor], merged_head: torch.Tensor, base_head: torch.Tensor,
+    hyper: Hyperparameters, dtype: torch.dtype = SOLVE_DTYPE, rows: int = HEAD_ROWS,
+) -> torch.Tensor:
+    """W* of the formula above, on the statistics' device, each block solved in float64 and kept in `dtype`."""
+    device = statistics[0].gram.device
+    lhs = torch.zeros_like(statistics[0].gram)
+    mixes, omegas = [], []
+    for stats in statistics:
+        gram = stats.gram / stats.tokens
+        omega = task_weight(gram, hyper.eps)
+        lhs.add_(gram, alpha=omega)
+        mixes.append(torch.lerp(gram, stats.moment / stats.tokens, hyper.alpha))  # α C_i + (1 − α) G_i
+        omegas.append(omega)
+    solver = RidgeSolver(keep_lhs=True)  # one factor of lhs + (λ + eps) I serves every block
+    blocks = []
+    for start in range(0, merged_head.shape[0], rows):
+        stop = min(start + rows, merged_head.shape[0])
+        rhs = torch.zeros(stop - start, lhs.shape[0], device=device, dtype=SOLVE_DTYPE)
+        for omega, mix, head in zip(omegas, mixes, expert_heads):
+            rhs.addmm_(head[start:stop].to(device=device, dtype=SOLVE_DTYPE), mix, alpha=omega)
+        anchored = anchor(merged_head[start:stop].to(device), base_head[start:stop].to(device), hyper.rho)
+        blocks.append(solver.solve("lm_head", lhs, {"head": rhs}, {"head": anchored}, hyper.lam, hyper.eps, where=f"LM head rows {start}-{stop - 1}")["head"].to(dtype))
+    return torch.cat(blocks)
