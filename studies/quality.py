@@ -23,6 +23,7 @@ import shutil
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from studies import real_data as rd
@@ -54,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu or cuda")
     run.add_argument("--settings", default="narrow,broad")
     run.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (experts always)")
-    run.add_argument("--steps", type=int, default=96)
+    run.add_argument("--steps", type=int, default=96, help="fine-tuning steps of each narrow expert (one pass)")
+    run.add_argument("--broad-steps", type=int, default=288,
+                     help="of the broad expert: three passes over its mix, so that it is the best single expert")
+    run.add_argument("--generate-samples", default="64,256", help="samples per expert of the generate rows")
     run.add_argument("--batch-size", type=int, default=8)
     run.add_argument("--lr", type=float, default=5e-4)
     run.add_argument("--cal-records", type=int, default=64, help="calibration records per expert (cal split)")
@@ -154,7 +158,8 @@ class Study:
             if out.exists():
                 continue
             texts = [r["text"] for r in rd.read_jsonl(self.work / "data" / kind / "train.jsonl")]
-            steps, texts = (1, [t[:120] for t in texts[:2]]) if args.quick else (args.steps, texts)
+            steps = args.broad_steps if kind == MIX else args.steps
+            steps, texts = (1, [t[:120] for t in texts[:2]]) if args.quick else (steps, texts)
             log(f"fine-tuning {out.name}: {steps} steps × {args.batch_size} records, lr {args.lr} on {args.device}")
             started = time.time()
             self.state.data["training"][out.name] = finetune(
@@ -220,7 +225,9 @@ class Study:
             return False
         quick_row = row
         if args.quick and row.data == "generate":
-            quick_row = type(row)(row.name, row.method, row.keys, row.merged, row.data, min(row.samples, 2))
+            quick_row = replace(row, samples=min(row.samples, 2))
+        if args.quick and row.records:
+            quick_row = replace(row, records=8)
         text = recipe_text(setting, quick_row, output, merged, record_tokens=self.record_tokens,
                            prompt_tokens=self.prompt_tokens if not args.quick else self.record_tokens - 8,
                            cal_records=8 if args.quick else args.cal_records, seed=args.seed, device=args.device,
@@ -281,7 +288,7 @@ class Study:
         log(f"base and experts scored in {time.time() - started:.0f} s")
         phases = [p.strip() for p in args.phases.split(",") if p.strip()]
         sweep = SWEEP[:1] if args.quick else SWEEP
-        samples = (2,) if args.quick else (64, 256)
+        samples = (2,) if args.quick else tuple(int(n) for n in args.generate_samples.split(","))
         for phase in phases:
             phase_started = time.time()
             for row in rows(phase, sweep, samples):  # row by row across settings: a budget cut leaves both alike

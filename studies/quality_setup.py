@@ -48,12 +48,14 @@ class Row:
     merged: str = "ta"  # ta (Task Arithmetic), linear, or another row's name (a stack: its output is the start)
     data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings
     samples: int | None = None  # generate: samples per expert
+    records: int | None = None  # cal: records per expert (default: the run's --cal-records)
 
 
 # (λ, α, ρ): the product's defaults are (1e-5, 0.15, 0.5), the earlier study's fixed setting (1e-3, 0.5, 1)
 SWEEP = ((1e-3, 0.5, 1.0), (1e-3, 0.15, 0.5), (1e-1, 0.5, 1.0), (1e-5, 0.5, 1.0), (1e-3, 1.0, 1.0),
          (1e-3, 0.5, 0.5), (1e-3, 0.5, 1.5), (1e-2, 0.85, 1.0))
 AUTO = {"lambda": "auto", "alpha": "auto", "rho": "auto"}
+HEAD = {"head": True}  # the LM head re-fitted after the last layer (λ 1e-5, α 1, ρ 0.5)
 
 
 def sweep_name(lam: float, alpha: float, rho: float) -> str:
@@ -63,25 +65,35 @@ def sweep_name(lam: float, alpha: float, rho: float) -> str:
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
     if phase == "core":
-        return [Row("featcal defaults"), Row("featcal auto", keys=AUTO)]
-    if phase == "levers":
-        return [Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
+        return [Row("featcal defaults"), Row("featcal defaults + head", keys=HEAD)]
+    if phase == "records":
+        return [Row("featcal defaults, 256 records", records=256),
+                Row("featcal defaults + head, 256 records", keys=HEAD, records=256)]
     if phase == "regmean":
         return [Row("regmean++", method="regmean++", merged="linear"),
-                Row("stack: regmean++ → featcal defaults", merged="regmean++"),
-                Row("stack: regmean++ → featcal auto", keys=AUTO, merged="regmean++")]
+                Row("stack: regmean++ → featcal defaults + head", keys=HEAD, merged="regmean++")]
+    if phase == "generate":
+        return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
+                for n in samples for head, keys in ((" + head", HEAD), ("", {}))]
+    if phase == "ablations":
+        return [Row("featcal defaults + head α0.15", keys={"head": {"alpha": 0.15}}),
+                Row("stack: regmean++ → featcal defaults", merged="regmean++")]
+    if phase == "auto":
+        return [Row("featcal auto", keys=AUTO), Row("stack: regmean++ → featcal auto", keys=AUTO, merged="regmean++")]
+    if phase == "levers":
+        return [Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
     if phase == "sweep":
         return [Row(sweep_name(*point), keys={"lambda": point[0], "alpha": point[1], "rho": point[2]})
                 for point in sweep]
-    if phase == "generate":
-        return [Row(f"featcal defaults, generate {n}", data="generate", samples=n) for n in samples]
     raise ValueError(phase)
 
 
-PHASES = ("core", "regmean", "levers", "sweep", "generate")
+PHASES = ("core", "records", "regmean", "generate", "ablations", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
     return str(value) if not isinstance(value, float) else f"{value:g}" if "e" not in f"{value:g}" else f"{value:.0e}"
@@ -110,7 +122,7 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
                     f"max_new_tokens: {record_tokens - prompt_tokens}, chat_template: \"off\", seed: {seed}}}}}")
         lines.append(f"    {expert_dir(kind)}: {spec}")
     if row.data == "cal":
-        lines.append(f"  samples: {cal_records}")
+        lines.append(f"  samples: {row.records or cal_records}")
     else:
         lines.append(f"  samples: {row.samples}")
     lines += [f"  max_length: {record_tokens}", f"  device: {device}", f"  dtype: {dtype}"]

@@ -43,14 +43,19 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             assert raw["merge_method"] == ("linear" if row.merged == "linear" else "task_arithmetic")
             assert featcal.method == row.method and featcal.merged == merged
             for key, value in row.keys.items():
-                if key != "tune":
+                if key == "head":
+                    assert featcal.head is not None and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
+                elif key != "tune":
                     assert featcal.hyper_values()[key] == value, (row.name, key)
+            if "head" not in row.keys:
+                assert featcal.head is None
             if row.data == "generate":
                 assert all(spec.generate.samples == row.samples for spec in featcal.data.values())
             else:
-                assert featcal.samples == 64 and all(spec.path.endswith("/cal.jsonl") for spec in featcal.data.values())
+                assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal.jsonl") for spec in featcal.data.values())
             seen.add(row.name)
-    assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults"} <= seen
+    assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults", "featcal defaults + head",
+            "featcal defaults + head, 256 records"} <= seen
 
 
 def test_defaults_row_leaves_the_products_defaults(tmp_path, monkeypatch):
