@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (experts always)")
     run.add_argument("--steps", type=int, default=96, help="fine-tuning steps of each narrow expert (one pass)")
     run.add_argument("--broad-steps", type=int, default=288,
-                     help="of the broad expert: three passes over its mix, so that it is the best single expert")
+                     help="of the broad expert: one pass over every kind's train records (three times a narrow expert's)")
     run.add_argument("--generate-samples", default="64,256", help="samples per expert of the generate rows")
     run.add_argument("--batch-size", type=int, default=8)
     run.add_argument("--lr", type=float, default=5e-4)
@@ -82,7 +82,7 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _interleave(lists: list[list[dict]], total: int) -> list[dict]:
+def _interleave(lists: list[list], total: int | None = None) -> list:
     out = []
     for group in zip(*lists):
         out.extend(group)
@@ -157,7 +157,10 @@ class Study:
             out = self.work / expert_dir(kind)
             if out.exists():
                 continue
-            texts = [r["text"] for r in rd.read_jsonl(self.work / "data" / kind / "train.jsonl")]
+            if kind == MIX:  # every kind's train records interleaved: three times a narrow expert's text, one pass
+                texts = _interleave([[r["text"] for r in rd.read_jsonl(self.work / "data" / k / "train.jsonl")] for k in rd.KINDS])
+            else:
+                texts = [r["text"] for r in rd.read_jsonl(self.work / "data" / kind / "train.jsonl")]
             steps = args.broad_steps if kind == MIX else args.steps
             steps, texts = (1, [t[:120] for t in texts[:2]]) if args.quick else (steps, texts)
             log(f"fine-tuning {out.name}: {steps} steps × {args.batch_size} records, lr {args.lr} on {args.device}")
@@ -197,9 +200,7 @@ class Study:
 
     # --- rows ----------------------------------------------------------------------------------------------
     def merged_dir(self, setting: str, row) -> str:
-        if row.merged in ("ta", "linear"):
-            return f"merged/{setting}-{'ta' if row.merged == 'ta' else 'linear'}"
-        return self.output_dir(setting, row.merged)
+        return f"merged/{setting}-{row.merged}"
 
     @staticmethod
     def output_dir(setting: str, row_name: str) -> str:
@@ -220,9 +221,6 @@ class Study:
                 self.state.data["skipped"].append(name)
             return False
         merged, output = self.merged_dir(setting_name, row), self.output_dir(setting_name, row.name)
-        if row.merged not in ("ta", "linear") and not (self.work / merged).exists():
-            record[name] = {"error": f"needs {row.merged}, which did not run"}
-            return False
         quick_row = row
         if args.quick and row.data == "generate":
             quick_row = replace(row, samples=min(row.samples, 2))

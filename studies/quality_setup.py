@@ -43,9 +43,9 @@ class Row:
     """One calibrated model of a setting: its recipe's ``featcal:`` keys and where it starts from."""
 
     name: str
-    method: str = "featcal"  # featcal, regmean++
+    method: str = "featcal"  # featcal, regmean++, or STACK
     keys: dict = field(default_factory=dict)  # extra featcal: keys (lambda, alpha, rho, reduction, samples)
-    merged: str = "ta"  # ta (Task Arithmetic), linear, or another row's name (a stack: its output is the start)
+    merged: str = "ta"  # ta (Task Arithmetic) or linear
     data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings
     samples: int | None = None  # generate: samples per expert
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
@@ -55,6 +55,7 @@ class Row:
 SWEEP = ((1e-3, 0.5, 1.0), (1e-3, 0.15, 0.5), (1e-1, 0.5, 1.0), (1e-5, 0.5, 1.0), (1e-3, 1.0, 1.0),
          (1e-3, 0.5, 0.5), (1e-3, 0.5, 1.5), (1e-2, 0.85, 1.0))
 AUTO = {"lambda": "auto", "alpha": "auto", "rho": "auto"}
+STACK = "[regmean++, featcal]"  # one run of the product: RegMean++ on the linear merge, then FeatCal on its result
 HEAD = {"head": True}  # the LM head re-fitted after the last layer (λ 1e-5, α 1, ρ 0.5)
 
 
@@ -65,21 +66,21 @@ def sweep_name(lam: float, alpha: float, rho: float) -> str:
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
     if phase == "core":
-        return [Row("featcal defaults"), Row("featcal defaults + head", keys=HEAD)]
-    if phase == "records":
-        return [Row("featcal defaults, 256 records", records=256),
-                Row("featcal defaults + head, 256 records", keys=HEAD, records=256)]
+        return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":
         return [Row("regmean++", method="regmean++", merged="linear"),
-                Row("stack: regmean++ → featcal defaults + head", keys=HEAD, merged="regmean++")]
+                Row("regmean++, 256 records", method="regmean++", merged="linear", records=256),
+                Row("stack: regmean++ → featcal defaults, 256 records", method=STACK, merged="linear", records=256)]
     if phase == "generate":
         return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
-                for n in samples for head, keys in ((" + head", HEAD), ("", {}))]
-    if phase == "ablations":
-        return [Row("featcal defaults + head α0.15", keys={"head": {"alpha": 0.15}}),
-                Row("stack: regmean++ → featcal defaults", merged="regmean++")]
+                for n in samples for head, keys in (("", {}), (" + head", HEAD))]
+    if phase == "head":
+        return [Row("featcal defaults + head", keys=HEAD),
+                Row("featcal defaults + head, 256 records", keys=HEAD, records=256),
+                Row("featcal defaults + head α0.15", keys={"head": {"alpha": 0.15}}),
+                Row("stack: regmean++ → featcal defaults", method=STACK, merged="linear")]
     if phase == "auto":
-        return [Row("featcal auto", keys=AUTO), Row("stack: regmean++ → featcal auto", keys=AUTO, merged="regmean++")]
+        return [Row("featcal auto", keys=AUTO), Row("stack: regmean++ → featcal auto", method=STACK, keys=AUTO, merged="linear")]
     if phase == "levers":
         return [Row("featcal auto, criterion output", keys={**AUTO, "tune": {"criterion": "output"}})]
     if phase == "sweep":
@@ -88,7 +89,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "records", "regmean", "generate", "ablations", "auto", "levers", "sweep")
+PHASES = ("core", "regmean", "generate", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:

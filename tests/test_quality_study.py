@@ -41,7 +41,9 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             featcal, raw = recipe.featcal, yaml.safe_load(text)
             assert [e.name for e in recipe.experts] == [expert_dir(k) for k in SETTINGS[setting].experts]
             assert raw["merge_method"] == ("linear" if row.merged == "linear" else "task_arithmetic")
-            assert featcal.method == row.method and featcal.merged == merged
+            assert (row.merged == "linear") == (row.method != "featcal")  # RegMean++ and its stacks start from the linear merge
+            assert featcal.method == (tuple(yaml.safe_load(row.method)) if row.method.startswith("[") else row.method)
+            assert featcal.merged == merged
             for key, value in row.keys.items():
                 if key == "head":
                     assert featcal.head is not None and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
@@ -55,7 +57,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                 assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal.jsonl") for spec in featcal.data.values())
             seen.add(row.name)
     assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults", "featcal defaults + head",
-            "featcal defaults + head, 256 records"} <= seen
+            "featcal defaults, 256 records", "regmean++, 256 records", "stack: regmean++ → featcal defaults, 256 records"} <= seen
 
 
 def test_defaults_row_leaves_the_products_defaults(tmp_path, monkeypatch):
