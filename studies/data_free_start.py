@@ -1,19 +1,28 @@
 """Real-model study: does `generate: {}` (nothing else) calibrate as well as real text, for raw-text and chat-tuned experts?
 
-``python -m studies.data_free_start --workdir W --gguf FILE [--device cuda]`` (each phase skipped when its output
-exists):
+``python -m studies.data_free_start --workdir W --gguf FILE --data D [--device cuda] [--budget-s S] [--results-dir R]``
+(each phase skipped when its output exists):
 
-1. ``base`` from the GGUF file; ``data/<kind>/{train,cal,test}.jsonl`` as in ``studies.real_text`` (made beforehand
-   with ``--prepare-only --prose-dir DIR`` where the prose sources are installed);
-2. two families of three experts fine-tuned from the base: ``raw/<kind>`` on the records as raw text (domain
-   adaptation), ``chat/<kind>`` on the records as the answer to a request through the tokenizer's chat template
-   (instruction tuning; the loss on the answer only);
-3. per family, one Task Arithmetic merge and a FeatCal run per calibration setting: ``real`` (the cal split, as the
-   expert saw its text), ``auto`` (``generate: {}``: the start measured per expert), ``bos``
-   (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4`` (``generate:
-   {samples: 4 × cal}``);
+1. ``base`` from the GGUF file; ``data/<kind>/{train,cal,test}.jsonl`` for code, prose and c: with ``--data D`` the
+   folder ``studies.quality prepare`` wrote (linked as ``W/data``), otherwise built as in ``studies.real_text``
+   (beforehand, with ``--prepare-only --prose-dir DIR`` where the prose sources are installed);
+2. two families of three experts fine-tuned from the base: ``raw/<kind>`` on the records as raw text after BOS
+   (domain adaptation), ``chat/<kind>`` on the records as the answer to a request through the tokenizer's chat
+   template (instruction tuning; the loss on the answer only);
+3. per family, one Task Arithmetic merge and a FeatCal run per calibration setting, through the product's CLI:
+   ``real`` (the cal split, as the expert saw its text), ``auto`` (``generate: {}``: the start measured per expert),
+   ``bos`` (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4``
+   (``generate: {samples: 4 × cal}``). FeatCal's lambda/alpha/rho are the product's defaults unless given. The
+   settings run setting by setting across both families (``real`` and ``auto`` first), so that a ``--budget-s`` cut
+   leaves the main comparison complete. Where ``auto`` chose the same start for every expert of a family, the forced
+   setting with that start would draw the very same samples (same seed and settings): it is not run again but
+   reported as ``auto``'s, and ``auto_x4`` reuses ``auto``'s start measurement (``--no-reuse``: run and measure both);
 4. held-out NLL of every model on its family's test texts and the share of the merge→expert gap each setting
-   recovered, the start each expert chose, and generation and choice times, to ``results.json`` and ``results.md``.
+   recovered, the start each expert chose, and generation and choice times, to ``results.json`` and ``results.md``
+   (copied to ``--results-dir`` after every setting).
+
+``--quick`` is a smoke test of the whole path (numbers mean nothing): 1 fine-tuning step on 2 short records per
+expert, 4 short calibration records or samples (``max_length`` 64, 16 new tokens), 2 short test records.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,8 +42,10 @@ import torch.nn.functional as F
 from studies import real_data as rd
 
 FAMILIES = ("raw", "chat")
-SETTINGS = ("real", "auto", "bos", "chat", "auto_x4")
-GENERATE = {"auto": "{}", "bos": "{chat_template: \"off\"}", "chat": "{chat_template: \"on\"}"}
+SETTINGS = ("real", "auto", "bos", "chat", "auto_x4")  # in priority order: a budget cut drops the last
+GENERATE = {"auto": {}, "bos": {"chat_template": '"off"'}, "chat": {"chat_template": '"on"'}}
+QUICK = {"steps": 1, "train_records": 2, "cal_records": 4, "test_records": 2, "chars": 120, "max_length": 64,
+         "max_new_tokens": 16}
 
 
 def request(kind: str) -> str:
@@ -64,8 +76,12 @@ def _batch(rows: list[tuple[list[int], int]], device: str) -> tuple[torch.Tensor
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def finetune(base: Path, tokenizer, rows: list, out: Path, steps: int, batch_size: int, lr: float, seed: int, device: str) -> dict:
-    """Full fine-tune (tied embeddings frozen), AdamW, warmup then cosine, as ``studies.real_models.finetune``."""
+def finetune(base: Path, tokenizer, rows: list, out: Path, steps: int, batch_size: int, lr: float, seed: int, device: str,
+             bf16: bool = False) -> dict:
+    """Full fine-tune (tied embeddings frozen), AdamW, warmup then cosine, as ``studies.real_models.finetune``.
+
+    Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast (GPUs).
+    """
     import math
     import random
 
@@ -90,8 +106,9 @@ def finetune(base: Path, tokenizer, rows: list, out: Path, steps: int, batch_siz
         scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -99,15 +116,22 @@ def finetune(base: Path, tokenizer, rows: list, out: Path, steps: int, batch_siz
         losses.append(loss.item())
     model.eval().to("cpu")
     save_atomically(model, tokenizer, out)
-    return {"steps": steps, "first_loss": losses[0], "last_loss": losses[-1]}
+    del model, optimizer, params
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the product's runs are other processes on the same GPU
+    return {"steps": steps, "batch_size": batch_size, "bf16": bf16, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def load(path: Path, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
 @torch.no_grad()
-def mean_nll(path: Path, rows: list, device: str) -> float:
+def mean_nll(path: Path, rows: list, device: str, model=None) -> float:
     """Token-weighted NLL (nats) of the scored tokens (the text; for chat, the answer and its end token)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = load(path, device) if model is None else model
     total, count = 0.0, 0
     for start in range(0, len(rows), 16):
         ids, mask, labels = _batch(rows[start : start + 16], device)
@@ -115,6 +139,18 @@ def mean_nll(path: Path, rows: list, device: str) -> float:
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum").item()
         count += int((labels[:, 1:] != -100).sum())
     return total / count
+
+
+def generate_spec(setting: str, args) -> str:
+    """The `generate:` mapping of a setting: exactly `{}` for auto unless --max-new-tokens (or --quick) sets the length."""
+    spec = dict(GENERATE.get(setting, {}))
+    if setting == "auto_x4":
+        spec["samples"] = 4 * args.cal_records
+    elif args.quick:
+        spec["samples"] = args.cal_records
+    if args.max_new_tokens is not None:
+        spec["max_new_tokens"] = args.max_new_tokens
+    return "{" + ", ".join(f"{k}: {v}" for k, v in spec.items()) + "}"
 
 
 def recipe_text(family: str, setting: str, args) -> str:
@@ -126,13 +162,14 @@ def recipe_text(family: str, setting: str, args) -> str:
     for kind in rd.KINDS:
         if setting == "real":
             spec = f"{{path: {family}_cal/{kind}.jsonl, format: text}}"
-        elif setting == "auto_x4":
-            spec = f"{{generate: {{samples: {4 * args.cal_records}}}}}"
         else:
-            spec = f"{{generate: {GENERATE[setting]}}}"
+            spec = f"{{generate: {generate_spec(setting, args)}}}"
         lines.append(f"    {family}/{kind}: {spec}")
-    lines += [f"  samples: {args.cal_records}", f"  max_length: {args.max_length}", f"  lambda: {args.lam}",
-              f"  alpha: {args.alpha}", f"  rho: {args.rho}", f"  device: {args.device}", ""]
+    lines += [f"  samples: {args.cal_records}", f"  max_length: {args.max_length}"]
+    for key, value in (("lambda", args.lam), ("alpha", args.alpha), ("rho", args.rho)):
+        if value is not None:  # otherwise the product's default, as a user writing `generate: {}` gets it
+            lines.append(f"  {key}: {value}")
+    lines += [f"  device: {args.device}", ""]
     return "\n".join(lines)
 
 
@@ -140,12 +177,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m studies.data_free_start", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--gguf", type=Path)
-    p.add_argument("--prose-dir", type=Path)
+    p.add_argument("--data", type=Path, help="prepared data folder (DIR/<kind>/{train,cal,test}.jsonl), linked as WORKDIR/data")
+    p.add_argument("--prose-dir", type=Path, help="without --data: where the prose sources are (to build the data)")
     p.add_argument("--prepare-only", action="store_true", help="build base and data, then stop")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: fine-tuning, scoring and the product's runs")
     p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--record-tokens", type=int, default=128)
+    p.add_argument("--settings", default=",".join(SETTINGS), help="run in this order, each across all families")
+    p.add_argument("--record-tokens", type=int, default=128, help="without --data: tokens per built record")
     p.add_argument("--train-records", type=int, default=768)
     p.add_argument("--cal-records", type=int, default=64)
     p.add_argument("--test-records", type=int, default=48)
@@ -153,118 +191,282 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-length", type=int, default=192)
-    p.add_argument("--lambda", dest="lam", type=float, default=1e-3)
-    p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--rho", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generate.max_new_tokens (default: the product's)")
+    p.add_argument("--lambda", dest="lam", type=float, default=None, help="featcal.lambda (default: the product's)")
+    p.add_argument("--alpha", type=float, default=None, help="featcal.alpha (default: the product's)")
+    p.add_argument("--rho", type=float, default=None, help="featcal.rho (default: the product's)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no FeatCal run after this many seconds")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="also copy results.md, results.json and run-logs.tar.gz here after every setting (e.g. $OUT)")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="run bos/chat even where auto chose that start for every expert (same samples), and measure "
+                        "auto_x4's start again instead of reusing auto's measurement")
+    p.add_argument("--quick", action="store_true", help="smoke test of the whole path; its numbers mean nothing")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from transformers import AutoTokenizer
+def _kind_order(path: Path) -> int:
+    return rd.KINDS.index(path.stem) if path.stem in rd.KINDS else len(rd.KINDS)
 
-    work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    results_path = work / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {"nll": {}, "training": {}, "runs": {}}
 
-    def save() -> None:
-        results_path.write_text(json.dumps(results, indent=1) + "\n")
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    if not (work / "base").exists():
-        from studies.real_models import build_base_from_gguf
-
-        build_base_from_gguf(args.gguf.resolve(), work / "base")
-    tokenizer = AutoTokenizer.from_pretrained(work / "base")
-    if not all((work / "data" / k / "test.jsonl").exists() for k in rd.KINDS):
+def _prepare_data(args, work: Path, tokenizer, log) -> None:
+    data = work / "data"
+    if args.data is not None:
+        source = args.data.resolve()
+        missing = [f"{k}/{s}.jsonl" for k in rd.KINDS for s in ("train", "cal", "test") if not (source / k / f"{s}.jsonl").is_file()]
+        if missing:
+            sys.exit(f"--data {args.data}: missing {', '.join(missing)} (write them with `python -m studies.quality prepare`)")
+        if data.is_symlink() and data.resolve() != source:
+            data.unlink()
+        if not data.exists():
+            data.symlink_to(source, target_is_directory=True)
+        elif data.resolve() != source:
+            sys.exit(f"{data} exists and is not --data {args.data}; use another --workdir")
+        return
+    if not all((data / k / "test.jsonl").exists() for k in rd.KINDS):
         from studies.real_text import _data
 
         args.seed, args.prompt_tokens, args.train_per_document = 0, 32, 16
         _data(work, tokenizer, args, log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    began = time.time()
+    if args.quick:
+        args.steps, args.cal_records, args.test_records = QUICK["steps"], QUICK["cal_records"], QUICK["test_records"]
+        args.max_length = min(args.max_length, QUICK["max_length"])
+        args.max_new_tokens = args.max_new_tokens or QUICK["max_new_tokens"]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("--device cuda: CUDA is not available")
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results_path = work / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for key in ("nll", "training", "runs", "failed", "timings"):
+        results.setdefault(key, {})
+    results["skipped"] = []
+    results["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def save() -> None:
+        tmp = results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(results_path)
+        (work / "results.md").write_text(report(results))
+        if args.results_dir is not None:
+            args.results_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("results.md", "results.json"):
+                shutil.copyfile(work / name, args.results_dir / name)
+
+    def timed(phase: str, seconds: float) -> None:
+        results["timings"][phase] = round(results["timings"].get(phase, 0.0) + seconds, 2)
+
+    if not (work / "base").exists():
+        from studies.real_models import build_base_from_gguf
+
+        if args.gguf is None:
+            sys.exit("--gguf FILE is needed to build the base")
+        started = time.time()
+        log(f"dequantising {args.gguf} into {work / 'base'}")
+        build_base_from_gguf(args.gguf.resolve(), work / "base")
+        timed("base", time.time() - started)
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    _prepare_data(args, work, tokenizer, log)
     if args.prepare_only:
         return 0
-    texts = {k: {s: [r["text"] for r in rd.read_jsonl(work / "data" / k / f"{s}.jsonl")] for s in ("train", "cal", "test")} for k in rd.KINDS}
+
+    def read(kind: str, split: str, count: int | None) -> list[str]:
+        texts = [r["text"] for r in rd.read_jsonl(work / "data" / kind / f"{split}.jsonl")][:count]
+        return [t[: QUICK["chars"]] for t in texts] if args.quick else texts
+
+    texts = {k: {"train": read(k, "train", QUICK["train_records"] if args.quick else None),
+                 "cal": read(k, "cal", args.cal_records), "test": read(k, "test", args.test_records)} for k in rd.KINDS}
     families = [f for f in args.families.split(",") if f]
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = [n for n in families if n not in FAMILIES] + [s for s in settings if s not in SETTINGS]
+    if unknown:
+        sys.exit(f"unknown family or setting: {', '.join(unknown)}")
+    tests = {f: {k: [as_family(f, tokenizer, t, k) for t in texts[k]["test"]] for k in rd.KINDS} for f in families}
+
+    def score(family: str, model: str, path: Path) -> None:
+        row = results["nll"].setdefault(family, {}).setdefault(model, {})
+        kinds = [k for k in ([model.split(":")[1]] if model.startswith("expert:") else rd.KINDS) if k not in row]
+        if not kinds or not path.exists():
+            return
+        started = time.time()
+        loaded = load(path, args.device)  # once for every kind
+        for kind in kinds:
+            row[kind] = mean_nll(path, tests[family][kind], args.device, model=loaded)
+        del loaded
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        timed("scoring", time.time() - started)
+        save()
+
+    # 1. the experts of every family, their real calibration text, their own NLL
     for family in families:
-        tests = {k: [as_family(family, tokenizer, t, k) for t in texts[k]["test"]] for k in rd.KINDS}
         for kind in rd.KINDS:
             out = work / family / kind
             if not out.exists():
                 started = time.time()
                 rows = [as_family(family, tokenizer, t, kind) for t in texts[kind]["train"]]
-                results["training"][f"{family}/{kind}"] = finetune(work / "base", tokenizer, rows, out, args.steps, args.batch_size, args.lr, 0, args.device) | {"seconds": time.time() - started}
+                log(f"fine-tuning {family}/{kind}: {args.steps} steps × {min(args.batch_size, len(rows))} records on {args.device}")
+                results["training"][f"{family}/{kind}"] = finetune(
+                    work / "base", tokenizer, rows, out, args.steps, args.batch_size, args.lr, 0, args.device,
+                    bf16=args.device.startswith("cuda")) | {"seconds": round(time.time() - started, 2)}
+                timed("finetune", time.time() - started)
                 log(f"fine-tuned {family}/{kind}: {results['training'][f'{family}/{kind}']}")
             cal = work / f"{family}_cal" / f"{kind}.jsonl"
-            if not cal.exists():  # the real calibration text, as the expert saw it
+            if not cal.exists():  # the real calibration text, as the expert saw it (BOS or chat template included)
                 rows = [as_family(family, tokenizer, t, kind)[0] for t in texts[kind]["cal"]]
-                rd.write_jsonl([{"text": tokenizer.decode(ids[1:] if family == "raw" else ids)} for ids in rows], cal)
-        def score(model: str, path: Path) -> None:
-            row = results["nll"].setdefault(family, {}).setdefault(model, {})
-            for kind in ([model.split(":")[1]] if model.startswith("expert:") else rd.KINDS):
-                if kind not in row and path.exists():
-                    row[kind] = mean_nll(path, tests[kind], args.device)
-            save()
+                rd.write_jsonl([{"text": tokenizer.decode(ids)} for ids in rows], cal)
+            score(family, f"expert:{kind}", out)
+    log(f"experts ready and scored ({time.time() - began:.0f} s)")
 
-        for kind in rd.KINDS:
-            score(f"expert:{kind}", work / family / kind)
-        for setting in [s for s in args.settings.split(",") if s]:
+    def auto_chose(family: str, setting: str) -> bool:
+        """Whether `auto` chose this forced setting's start for every expert: the same seed and settings then give
+        the forced run auto's very samples (and result), so it is not run again (unless --no-reuse)."""
+        auto = results["runs"].get(f"{family}_auto", {})
+        modes = [record.get("start_mode") for record in auto.get("generated", {}).values()]
+        done = all(k in results["nll"].get(family, {}).get("featcal:auto", {}) for k in rd.KINDS)
+        return setting in ("bos", "chat") and not args.no_reuse and len(modes) == len(rd.KINDS) and set(modes) == {setting} and done
+
+    # 2. one FeatCal run per setting and family, setting by setting: real and auto for both families first
+    for setting in settings:
+        for family in families:
             name = f"{family}_{setting}"
+            folder = work / "runs" / name
+            if f"featcal:{setting}" in results["nll"].get(family, {}) and (
+                    (folder / "featcal").exists() or results["runs"].get(name, {}).get("same_as")):
+                continue
+            if auto_chose(family, setting):
+                results["nll"][family][f"featcal:{setting}"] = dict(results["nll"][family]["featcal:auto"])
+                results["runs"][name] = {"same_as": f"{family}_auto", "seconds": 0.0, "generated": {}, "warnings": [], "choices": []}
+                log(f"{name}: not run: auto chose this start for every expert, so its samples and result are {family}_auto's")
+                save()
+                continue
+            if args.budget_s is not None and time.time() - began > args.budget_s:
+                results["skipped"].append(name)
+                log(f"{name}: skipped (budget of {args.budget_s:.0f} s spent)")
+                save()
+                continue
             recipe = work / f"recipe_{name}.yaml"
             recipe.write_text(recipe_text(family, setting, args))
-            folder = work / "runs" / name
             if not (folder / "featcal").exists():
                 folder.mkdir(parents=True, exist_ok=True)
+                measured = sorted((work / "runs" / f"{family}_auto" / "featcal_generated").glob("*.start.json"))
+                if setting == "auto_x4" and not args.no_reuse and measured:  # the start choice does not depend on samples
+                    (folder / "featcal_generated").mkdir(exist_ok=True)
+                    for path in measured:
+                        shutil.copyfile(path, folder / "featcal_generated" / path.name)
+                merging = not (work / f"merged_{family}").exists()
+                log(f"{name}: featcal-llm run {recipe.name}" + (" (merging first)" if merging else ""))
                 started = time.time()
                 with open(folder / "run.log", "w") as handle:
-                    done = subprocess.run([sys.executable, "-m", "featcal_llm", "run", recipe.name, "--force"], cwd=work,
-                                          stdout=handle, stderr=subprocess.STDOUT, env={**os.environ})
+                    done = subprocess.run([sys.executable, "-m", "featcal_llm", "run", recipe.name, "--force", "--device", args.device],
+                                          cwd=work, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ})
+                seconds = time.time() - started
+                timed("featcal runs", seconds)
+                lines = (folder / "run.log").read_text(errors="replace").splitlines()
+                if args.results_dir is not None:  # one file for all the logs: few files come back from a GPU call
+                    import tarfile
+
+                    args.results_dir.mkdir(parents=True, exist_ok=True)
+                    with tarfile.open(args.results_dir / "run-logs.tar.gz", "w:gz") as tar:
+                        for log_file in sorted((work / "runs").glob("*/run.log")):
+                            tar.add(log_file, arcname=f"{log_file.parent.name}.log")
                 if done.returncode != 0:
-                    log(f"{name}: featcal-llm run failed; see {folder / 'run.log'}")
+                    results["failed"][name] = {"returncode": done.returncode, "seconds": round(seconds, 1), "log_tail": lines[-25:]}
+                    log(f"{name}: featcal-llm run failed (exit {done.returncode}); see {folder / 'run.log'}:\n  " + "\n  ".join(lines[-8:]))
+                    save()
                     continue
+                results["failed"].pop(name, None)
                 generated = folder / "featcal_generated"
-                records = {p.name: json.loads(p.read_text()) for p in generated.glob("*.json")} if generated.exists() else {}
-                results["runs"][name] = {"seconds": time.time() - started, "generated": {
-                    n: {k: r.get(k) for k in ("start", "start_mode", "start_choice", "kept", "generated_tokens", "seconds", "tokens_per_second")}
-                    for n, r in records.items() if not n.endswith(".start.json")},
-                    "warnings": [line for line in (folder / "run.log").read_text().splitlines() if "warning" in line],
-                    "choices": [line for line in (folder / "run.log").read_text().splitlines() if ": chose " in line]}
+                records = {p.stem: json.loads(p.read_text()) for p in sorted(generated.glob("*.json"), key=_kind_order)
+                           if not p.name.endswith(".start.json")} if generated.exists() else {}
+                results["runs"][name] = {
+                    "seconds": round(seconds, 1), "merged_first": merging,
+                    "generated": {n: {k: r.get(k) for k in ("start", "start_mode", "start_choice", "kept", "dropped",
+                                                            "generated_tokens", "seconds", "tokens_per_second")}
+                                  for n, r in records.items()},
+                    "warnings": [line for line in lines if "warning" in line],
+                    "choices": [line.strip() for line in lines if ": chose " in line]}
+                for line in results["runs"][name]["choices"]:
+                    log(f"  {line}")
+                log(f"{name}: done in {seconds:.0f} s")
                 save()
-                log(f"{name}: done in {results['runs'][name]['seconds']:.0f} s")
-            score("merged", work / f"merged_{family}")
-            score(f"featcal:{setting}", folder / "featcal")
-            (work / "results.md").write_text(report(results))
-    (work / "results.md").write_text(report(results))
+            score(family, "merged", work / f"merged_{family}")
+            score(family, f"featcal:{setting}", folder / "featcal")
+            log(f"{name}: scored ({time.time() - began:.0f} s in all)")
+    results["timings"]["total (this invocation)"] = round(time.time() - began, 1)
+    save()
     print(report(results))
     return 0
 
 
 def report(results: dict) -> str:
-    """The share of the merge→expert gap each setting recovered, per family and kind, and the starts chosen."""
+    """The share of the merge→expert gap each setting recovered, per family and kind, the NLLs, and the starts chosen."""
+    options = results.get("options", {})
     lines = []
+    if options.get("quick"):
+        lines += ["**Quick smoke test: the numbers mean nothing.**", ""]
+    lambdas = ", ".join(f"{k} {options.get(o)}" for k, o in (("lambda", "lam"), ("alpha", "alpha"), ("rho", "rho"))
+                        if options.get(o) is not None) or "the product's defaults"
+    if options:
+        lines += [f"FeatCal: {lambdas}; {options.get('cal_records')} records or samples per expert, max_length "
+                  f"{options.get('max_length')}, max_new_tokens {options.get('max_new_tokens') or 'default'}; "
+                  f"experts: {options.get('steps')} steps × {options.get('batch_size')}; device {options.get('device')}.", ""]
     for family, nll in results["nll"].items():
+        order = ["merged", *(f"featcal:{s}" for s in SETTINGS)]
+        nll = {m: nll[m] for m in sorted(nll, key=lambda m: order.index(m) if m in order else len(order))}
         lines += [f"## {family} experts: share of the merge→expert NLL gap recovered", "",
                   "| setting | " + " | ".join(rd.KINDS) + " | mean |", "|---|" + "---|" * (len(rd.KINDS) + 1)]
         for model in [m for m in nll if m.startswith("featcal:")]:
-            known = [k for k in rd.KINDS if k in nll.get(f"expert:{k}", {}) and k in nll.get("merged", {}) and k in nll[model]]
-            shares = [rd.gap_recovered(nll[f"expert:{k}"][k], nll["merged"][k], nll[model][k]) if k in known else None for k in rd.KINDS]
+            shares = [rd.gap_recovered(nll[f"expert:{k}"][k], nll["merged"][k], nll[model][k])
+                      if k in nll.get(f"expert:{k}", {}) and k in nll.get("merged", {}) and k in nll[model] else None
+                      for k in rd.KINDS]
             valid = [s for s in shares if s is not None]
             cells = [("–" if s is None else f"{s:.2f}") for s in shares]
-            lines.append(f"| {model.split(':')[1]} | " + " | ".join(cells) + f" | {sum(valid) / len(valid):.2f} |" if valid else "")
+            setting = model.split(":")[1]
+            same = " (= auto)" if results["runs"].get(f"{family}_{setting}", {}).get("same_as") else ""
+            lines.append(f"| {setting}{same} | " + " | ".join(cells) + f" | {(f'{sum(valid) / len(valid):.2f}' if valid else '–')} |")
+        lines += ["", f"Held-out NLL (nats/token) on the {family} family's test texts:", "",
+                  "| model | " + " | ".join(rd.KINDS) + " |", "|---|" + "---|" * len(rd.KINDS)]
+        experts = {k: nll.get(f"expert:{k}", {}).get(k) for k in rd.KINDS}
+        lines.append("| own expert | " + " | ".join("–" if v is None else f"{v:.4f}" for v in experts.values()) + " |")
+        for model in [m for m in nll if not m.startswith("expert:")]:
+            lines.append(f"| {model} | " + " | ".join("–" if k not in nll[model] else f"{nll[model][k]:.4f}" for k in rd.KINDS) + " |")
         lines.append("")
         for name, run in results["runs"].items():
             if not name.startswith(family + "_"):
                 continue
+            if run.get("same_as"):
+                lines.append(f"- {name}: not run: {run['same_as']} chose this start for every expert, so its samples "
+                             "(same seed and settings) and its result are that run's (`--no-reuse` runs it)")
+                continue
+            lines.append(f"- {name}: FeatCal run {run['seconds']:.0f} s" + (" (merging first)" if run.get("merged_first") else ""))
             for expert, record in run["generated"].items():
-                choice = record.get("start_choice")
-                scores = {m: round(v["score"], 3) for m, v in choice["scores"].items()} if choice else None
-                lines.append(f"- {name} {expert}: {record['start']} ({record['kept']} samples, {record['seconds']:.1f} s"
-                             + (f"; chosen with scores {scores} in {choice['seconds']:.1f} s" if choice else "") + ")")
+                lines.append(f"  - {expert}: {record['kept']} samples from the {record['start']}, {record['generated_tokens']} "
+                             f"tokens in {record['seconds']:.1f} s")
+            for line in run.get("choices", []):
+                lines.append(f"  - {line.removeprefix('featcal-llm: generation: ')}")
             for warning in run.get("warnings", []):
-                lines.append(f"- {name}: {warning}")
+                lines.append(f"  - {warning.strip()}")
         lines.append("")
+    for name, failure in results.get("failed", {}).items():
+        lines.append(f"- FAILED {name} (exit {failure['returncode']}): {failure['log_tail'][-1] if failure['log_tail'] else ''}")
+    if results.get("skipped"):
+        lines.append(f"- skipped (budget): {', '.join(results['skipped'])}")
+    if results.get("timings"):
+        lines += ["", "Timings (s): " + ", ".join(f"{k} {v}" for k, v in results["timings"].items())]
+    lines.append("")
     return "\n".join(lines)
 
 
