@@ -337,3 +337,21 @@ def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
     with pytest.raises(FeatCalError, match=r"^device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
         run_recipe(recipe, device="gpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_plan_counts_the_samples_an_expert_generates():
+    """Hidden-state streams scale with every calibration record, the generated ones included (generate.samples)."""
+    from featcal_llm.benchmark.estimate import memory_plan
+    from featcal_llm.io.recipe import FeatCalConfig
+
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}
+
+    def plan(data):
+        featcal = FeatCalConfig(merged="m", output="o", data=data, samples=64, max_length=1024, device="cpu", host_memory_gb=1000)
+        return memory_plan(config, featcal, experts=2, merged_exists=True)
+
+    files = plan({"a": {"path": "a.jsonl"}, "b": {"path": "b.jsonl"}})
+    generated = plan({"a": {"path": "a.jsonl"}, "b": {"generate": {"samples": 4096}}})
+    streams = lambda records: records * 1024 * 64 * 2 * 4  # noqa: E731  tokens × hidden × (cal and expert) × float32
+    assert generated.host_bytes - files.host_bytes == streams(64 + 4096) - streams(64 + 64)

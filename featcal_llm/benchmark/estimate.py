@@ -112,7 +112,7 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     largest = max((g.input_dim for g in shape.groups), default=0)
     systems = statistics_bytes(shape, 8, moments=False) + 3 * largest**2 * 8
     decoder = 2 * shape.linear_params * compute
-    tokens = sum(spec.samples or featcal.samples for spec in featcal.data.values()) * featcal.max_length
+    tokens = sum(spec.records(featcal.samples) for spec in featcal.data.values()) * featcal.max_length
     activations = min(featcal.batch_tokens, tokens) * (4 * hidden + 3 * inter) * compute
     streams = tokens * hidden * 2 * compute
     budget = featcal.host_memory_gb * 2**30 if featcal.host_memory_gb else machine_ram() / 2

@@ -49,7 +49,7 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
     position = [e.name for e in recipe.experts].index(name)
     return {
         "stream": position,
-        "samples": generate.samples or spec.samples or featcal.samples,
+        "samples": spec.records(featcal.samples),
         "max_new_tokens": generate.max_new_tokens or min(DEFAULT_NEW_TOKENS, featcal.max_length),
         "temperature": generate.temperature,
         "top_p": generate.top_p,

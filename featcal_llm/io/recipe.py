@@ -89,6 +89,10 @@ class DataSpec(BaseModel):
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
 
+    def records(self, default: int) -> int:
+        """How many calibration records this expert contributes (generated ones included); `default`: featcal.samples."""
+        return (self.generate.samples if self.generate is not None else None) or self.samples or default
+
     @model_validator(mode="after")
     def _one_source(self) -> "DataSpec":
         if (self.path is None) == (self.generate is None):
