@@ -175,6 +175,12 @@ def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys):
+    """Both experts answer the shipped seed prompts: only what they write is compared, not the prompts they share."""
+    _generate(kinds_recipe(kinds, tmp_path / "seeds", experts=("raw", "chat"), chat_template="on", samples=16))
+    assert "nearly the same text" not in capsys.readouterr().err
+
+
 # --- bad input --------------------------------------------------------------------------------------------------
 
 

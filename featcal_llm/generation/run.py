@@ -102,7 +102,8 @@ def _sample(sampler: Any, backend: str, start: Start, settings: dict, tokenizer:
                     tally.dropped[reason] += 1
                     continue
                 ids = [*prompt, *continuation]
-                tally.kept.append({"prompt": start.texts[prompt_index], "text": tokenizer.decode(ids), "token_ids": ids})
+                tally.kept.append({"prompt": start.texts[prompt_index], "text": tokenizer.decode(ids), "token_ids": ids,
+                                   "prompt_length": len(prompt)})
                 bar.update(1)
             tally.seconds = time.perf_counter() - began
             bar.set_postfix_str(f"{tally.tokens / max(tally.seconds, 1e-9):.0f} tok/s, dropped {sum(tally.dropped.values())}")
@@ -214,7 +215,7 @@ def generated_sequences(
     names = [e.name for e in recipe.experts if featcal.data[e.name].generate is not None]
     labels = short_names([e.name for e in recipe.experts])
     base = resolve_source(recipe.base, f"{recipe.path}: base_model")
-    result = {}
+    result, written = {}, {}
     for name in names:
         spec, source = featcal.data[name].generate, sources[name]
         where = f"{recipe.path}: featcal.data.{name}.generate"
@@ -251,7 +252,8 @@ def generated_sequences(
                 sampler.close()
         print(_summary(name, record, samples_path, cached is not None), file=sys.stderr)
         result[name] = [sample["token_ids"] for sample in samples]
-    _warn_look_alike(recipe, {name: [s[: featcal.max_length] for s in result[name]] for name in result})
+        written[name] = [sample["token_ids"][sample.get("prompt_length", 0) : featcal.max_length] for sample in samples]
+    _warn_look_alike(recipe, written)  # what the experts wrote: a prompt every expert shares says nothing about them
     return result
 
 
