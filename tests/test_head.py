@@ -113,3 +113,26 @@ def test_regmean_refuses_the_head(family_scenarios, tmp_path):
         recipe.write_text(text)
     with pytest.raises(FeatCalError, match=r"featcal\.head: only method featcal reads it"):
         run_recipe(recipe, progress=False)
+
+
+@pytest.mark.parametrize("crash_in", ["calibrate_head", "output_divergence"])  # before the head is staged, after it
+def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_path, monkeypatch, crash_in):
+    import featcal_llm.engine.calibrate as calibrate_module
+    from test_reliability import tree_hash
+
+    scenario = family_scenarios("gemma2")
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), head=True)
+    digest = tree_hash(run_recipe(recipe, progress=False))
+    real = getattr(calibrate_module, crash_in)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(calibrate_module, crash_in, crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_recipe(recipe, force=True, progress=False)
+    monkeypatch.setattr(calibrate_module, crash_in, real)
+    state = json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())
+    assert state["completed_layers"] == (2 if crash_in == "calibrate_head" else 3)  # two layers, then the head
+    run_recipe(recipe, force=True, progress=False)
+    assert tree_hash(tmp_path / "out") == digest
