@@ -38,8 +38,9 @@ def _capture(layer: torch.nn.Module, names: tuple[str, ...], store: dict[str, li
 
 
 @torch.no_grad()
-def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float, norms: bool = False):
-    """Returns the calibrated model (float64)."""
+def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float, norms: bool = False,
+                        shares: dict[str, float] | None = None):
+    """Returns the calibrated model (float64); `shares`: expert → its weight (multiplies ω_i and q_i; default 1)."""
     projections, norm_names, offset = FAMILIES[merged.config.model_type]
     cal = copy.deepcopy(merged).double().eval()
     base = copy.deepcopy(base).double().eval()
@@ -65,7 +66,7 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
                 w_i = expert_layer.get_submodule(name).weight.double()
                 x_tgt = alpha * xe + (1 - alpha) * xc
                 gram = xc.T @ xc / n
-                omega = 1.0 / max(float(torch.linalg.matrix_norm(gram)), eps)
+                omega = (shares or {}).get(task, 1.0) / max(float(torch.linalg.matrix_norm(gram)), eps)
                 grams.setdefault(name, []).append(omega * gram)
                 rights.setdefault(name, []).append(omega * ((x_tgt @ w_i.T).T @ xc) / n)
                 b_i = expert_layer.get_submodule(name).bias
@@ -78,7 +79,7 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
                     eps_norm = getattr(module, "variance_epsilon", getattr(module, "eps", None))
                     z = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps_norm)
                     gamma = offset + expert_layer.get_submodule(norm).weight.double()  # the effective scale
-                    norm_q.setdefault(norm, []).append(((z * z).mean(0), gamma))
+                    norm_q.setdefault(norm, []).append(((shares or {}).get(task, 1.0) * (z * z).mean(0), gamma))
         for name in projections:
             module = cal_layer.get_submodule(name)
             w_anchor = rho * module.weight + (1 - rho) * base_layer.get_submodule(name).weight
@@ -106,7 +107,8 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
 
 
 @torch.no_grad()
-def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float) -> torch.Tensor:
+def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float,
+                     shares: dict[str, float] | None = None) -> torch.Tensor:
     """The LM head re-fitted on the final features of each model's own full forward (`model.model(...)`, after its final norm).
 
     `cal` is the brute force's calibrated model: its body gives x_cal, each expert's gives x_exp; R_i is formed
@@ -121,7 +123,7 @@ def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list
         x_exp = torch.cat([expert.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences[task]]).double()
         n = x_cal.shape[0]
         gram = x_cal.T @ x_cal / n
-        omega = 1.0 / max(float(torch.linalg.matrix_norm(gram)), eps)
+        omega = (shares or {}).get(task, 1.0) / max(float(torch.linalg.matrix_norm(gram)), eps)
         w_i = expert.get_output_embeddings().weight.double()
         x_tgt = alpha * x_exp + (1 - alpha) * x_cal
         lhs += omega * gram

@@ -50,7 +50,8 @@ def delta_error(ours: torch.Tensor, reference: torch.Tensor, merged: torch.Tenso
 TOLERANCE = 1e-8
 
 
-def check_against_brute_force(scenario, output, norms: bool, samples: int, max_length: int, lam=1e-3, alpha=0.3, rho=0.5, eps=1e-8) -> dict[str, float]:
+def check_against_brute_force(scenario, output, norms: bool, samples: int, max_length: int, lam=1e-3, alpha=0.3, rho=0.5, eps=1e-8,
+                              shares: dict[str, float] | None = None) -> dict[str, float]:
     """ΔW error of every tensor that differs from the merge, plus the checks every family shares."""
     def load64(path):
         return load(path, torch.float64)
@@ -58,7 +59,7 @@ def check_against_brute_force(scenario, output, norms: bool, samples: int, max_l
     reference = brute_force_featcal(
         load64(scenario.root / "merged"), load64(scenario.base), {str(p): load64(p) for p in scenario.experts.values()},
         {str(scenario.experts[n]): s for n, s in calibration_sequences(scenario, samples, max_length).items()},
-        lam, alpha, rho, eps, norms=norms,
+        lam, alpha, rho, eps, norms=norms, shares=shares,
     ).state_dict()
     ours, merged = read_weights(output), read_weights(scenario.root / "merged")
     assert set(ours) == set(merged)

@@ -162,7 +162,7 @@ def calibrate_layer(ctx: RunContext, layer: int, tensors: LayerTensors) -> None:
         with timer.phase("reduce"):
             comm.reduce_statistics(stats, ctx.owners)
         with timer.phase("solve"):
-            plan.objective.fold_task(owned, layer, systems, stats, expert_weights)
+            plan.objective.fold_task(owned, layer, systems, stats, expert_weights, task)
         del stats
     record: dict = {}
     cal_out = None

@@ -56,7 +56,8 @@ def calibrate_head(ctx: "RunContext", hyper: Hyperparameters) -> dict[str, torch
         heads.append(reader.get(head_tensor(reader, embed)))
     merged = models.merged.get(head_tensor(models.merged, embed))
     with ctx.timer.phase("solve"):
-        solved = solve_head(statistics, heads, merged, models.base.get(head_tensor(models.base, embed)), hyper, dtype=merged.dtype)
+        shares = [ctx.plan.task_weight(task) for task in models.experts]
+        solved = solve_head(statistics, heads, merged, models.base.get(head_tensor(models.base, embed)), hyper, shares, dtype=merged.dtype)
     if not bool(torch.isfinite(solved).all()):
         from featcal_llm.errors import FeatCalError
 

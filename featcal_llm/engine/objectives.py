@@ -62,7 +62,7 @@ class FeatCal(LayerSettings):
         targets = (lambda: SplitTargets()) if self.split_targets else (lambda: MixedTargets(self.hyper(layer).alpha))
         return GroupSystem(lhs=None, targets=targets(), biases=targets())  # type: ignore[arg-type]
 
-    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, GroupSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor]) -> None:
+    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, GroupSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor], task: str) -> None:
         """Add one task's statistics to every input group's system (so they can be freed)."""
         for group in plan.groups():
             selected = plan.selected(group)
@@ -73,7 +73,7 @@ class FeatCal(LayerSettings):
             )
             if group.name not in systems:
                 systems[group.name] = self.new_system(layer)
-            fold(systems[group.name], stats[group.name], expert, self.eps)
+            fold(systems[group.name], stats[group.name], expert, self.eps, plan.task_weight(task))
 
     def solve_layer(
         self, plan: "CalibrationPlan", layer: int, systems: dict[str, GroupSystem], tensors: "LayerTensors",
@@ -132,8 +132,9 @@ class RegMean(LayerSettings):
         make = SplitTargets if self.split_targets else (lambda: MixedTargets(self.hyper(layer).reduction))
         return RegMeanSystem(gram=make(), targets=make())
 
-    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, RegMeanSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor]) -> None:
-        """Add task i's reduced Gram and W_i G̃_i to every group's sums (equal task weights, MergeBench step 2.2)."""
+    def fold_task(self, plan: "CalibrationPlan", layer: int, systems: dict[str, RegMeanSystem], stats: dict[str, GroupStatistics], expert_weights: dict[str, torch.Tensor], task: str) -> None:
+        """Add task i's reduced Gram and W_i G̃_i to every group's sums (MergeBench step 2.2: equal weights unless the recipe gives them)."""
+        share = plan.task_weight(task)
         for group in plan.groups():
             group_stats = stats[group.name]
             if group_stats.tokens == 0:
@@ -143,8 +144,8 @@ class RegMean(LayerSettings):
             system = systems.setdefault(group.name, self.new_system(layer))
             for projection in plan.selected(group):
                 weight = expert_weights[f"{projection}.weight"].to(device=gram.device, dtype=SOLVE_DTYPE)
-                system.targets.add(projection, weight @ gram, weight * diagonal, 1.0)  # W_i G and W_i diag(G)
-            system.gram.add(GRAM, gram, torch.diag(diagonal), 1.0)
+                system.targets.add(projection, weight @ gram, weight * diagonal, share)  # W_i G and W_i diag(G)
+            system.gram.add(GRAM, gram, torch.diag(diagonal), share)
             system.tasks += 1
 
     def solve_layer(

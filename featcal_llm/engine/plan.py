@@ -25,6 +25,10 @@ class CalibrationPlan:
     objective: FeatCal | RegMean
     head: "Hyperparameters | None" = None  # the LM head's re-fit after the last layer (FeatCal's `head:`)
     only: frozenset[str] | None = None  # the input groups this rank folds and solves (None: all of them)
+    task_weights: dict[str, float] | None = None  # expert → its weight in the objective (`data.<expert>.weight`; None: all 1)
+
+    def task_weight(self, task: str) -> float:
+        return 1.0 if self.task_weights is None else self.task_weights.get(task, 1.0)
 
     @property
     def tuning(self) -> "Search | None":

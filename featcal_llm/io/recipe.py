@@ -88,6 +88,7 @@ class DataSpec(BaseModel):
     prompt: str = Field("prompt", description="field holding the user turn (format: chat without messages)")
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
+    weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit, relative to the others (0: merged in, not calibrated toward)")
 
     def records(self, default: int) -> int:
         """How many calibration records this expert contributes (generated ones included); `default`: featcal.samples."""
@@ -98,9 +99,9 @@ class DataSpec(BaseModel):
         if (self.path is None) == (self.generate is None):
             raise ValueError("expected either path (a dataset) or generate (the expert writes its own), not " + ("both" if self.path else "neither"))
         if self.generate is not None:
-            given = [key for key in self.model_fields_set if key not in ("generate", "samples")]
+            given = [key for key in self.model_fields_set if key not in ("generate", "samples", "weight")]
             if given:
-                raise ValueError(f"{given[0]} describes dataset records; with generate only samples applies")
+                raise ValueError(f"{given[0]} describes dataset records; with generate only samples and weight apply")
             if self.samples is not None and self.generate.samples is not None:
                 raise ValueError("samples is given twice (here and under generate); keep one")
         return self
@@ -409,6 +410,8 @@ def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, 
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
         problems.append(Problem(str(path), "featcal.tune", f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)"))
+    if featcal.data and all(spec.weight == 0 for spec in featcal.data.values()):
+        problems.append(Problem(str(path), "featcal.data", "every expert has weight 0: nothing to calibrate toward (give at least one a weight above 0)"))
     for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
         if spec.generate is not None and spec.generate.prompts is not None:
             from featcal_llm.io.prompts import read_prompts

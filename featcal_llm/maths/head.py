@@ -40,15 +40,18 @@ class HeadStatistics:
 
 def solve_head(
     statistics: list[HeadStatistics], expert_heads: list[torch.Tensor], merged_head: torch.Tensor, base_head: torch.Tensor,
-    hyper: Hyperparameters, dtype: torch.dtype = SOLVE_DTYPE, rows: int = HEAD_ROWS,
+    hyper: Hyperparameters, shares: list[float] | None = None, dtype: torch.dtype = SOLVE_DTYPE, rows: int = HEAD_ROWS,
 ) -> torch.Tensor:
-    """W* of the formula above, on the statistics' device, each block solved in float64 and kept in `dtype`."""
+    """W* of the formula above, on the statistics' device, each block solved in float64 and kept in `dtype`.
+
+    `shares`: each expert's weight from the recipe, multiplying its ω_i (default: all 1).
+    """
     device = statistics[0].gram.device
     lhs = torch.zeros_like(statistics[0].gram)
     mixes, omegas = [], []
-    for stats in statistics:
+    for stats, share in zip(statistics, shares or [1.0] * len(statistics)):
         gram = stats.gram / stats.tokens
-        omega = task_weight(gram, hyper.eps)
+        omega = task_weight(gram, hyper.eps) * share
         lhs.add_(gram, alpha=omega)
         mixes.append(torch.lerp(gram, stats.moment / stats.tokens, hyper.alpha))  # α C_i + (1 − α) G_i
         omegas.append(omega)

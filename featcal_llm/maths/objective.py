@@ -108,8 +108,11 @@ class ExpertGroup:
     norm: torch.Tensor | None = None
 
 
-def fold(system: GroupSystem, stats: GroupStatistics, expert: ExpertGroup, eps: float) -> None:
-    """Add one task's statistics of one group to its system, consuming them (G_i is formed in the Gram's storage)."""
+def fold(system: GroupSystem, stats: GroupStatistics, expert: ExpertGroup, eps: float, share: float = 1.0) -> None:
+    """Add one task's statistics of one group to its system, consuming them (G_i is formed in the Gram's storage).
+
+    `share` is the task's weight from the recipe (`data.<expert>.weight`): it multiplies ω_i, and q_i in the norm update.
+    """
     if stats.tokens == 0:
         raise FeatCalError("internal: a task contributed no tokens")
     crosses = stats.expert_crosses(expert.weights)
@@ -117,7 +120,7 @@ def fold(system: GroupSystem, stats: GroupStatistics, expert: ExpertGroup, eps: 
     device = stats.gram.device
     stats.gram.div_(n)
     gram_mean = stats.gram.to(SOLVE_DTYPE)
-    omega = task_weight(gram_mean, eps)
+    omega = task_weight(gram_mean, eps) * share
     if system.lhs is None:
         system.lhs = torch.zeros_like(gram_mean)
     system.lhs.add_(gram_mean, alpha=omega)
@@ -139,8 +142,8 @@ def fold(system: GroupSystem, stats: GroupStatistics, expert: ExpertGroup, eps: 
         gamma = expert.norm.to(device=q.device, dtype=SOLVE_DTYPE)
         if system.norm_numerator is None:
             system.norm_numerator, system.norm_denominator = torch.zeros_like(q), torch.zeros_like(q)
-        system.norm_numerator.add_(q * gamma)
-        system.norm_denominator.add_(q)
+        system.norm_numerator.add_(q * gamma, alpha=share)
+        system.norm_denominator.add_(q, alpha=share)
 
 
 def solve_bias(system: GroupSystem, bias_sum: torch.Tensor, solved_weight: torch.Tensor, bias_anchor: torch.Tensor, lam: float) -> torch.Tensor:
