@@ -49,6 +49,7 @@ class Row:
     data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings
     samples: int | None = None  # generate: samples per expert
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
+    weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
 
 
 # (λ, α, ρ): the product's defaults are (1e-5, 0.15, 0.5), the earlier study's fixed setting (1e-3, 0.5, 1)
@@ -74,6 +75,9 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     if phase == "generate":
         return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
                 for n in samples for head, keys in (("", {}), (" + head", HEAD))]
+    if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
+        return [Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),)),
+                Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)))]
     if phase == "head":
         return [Row("featcal defaults + head", keys=HEAD),
                 Row("featcal defaults + head, 256 records", keys=HEAD, records=256),
@@ -89,7 +93,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "regmean", "generate", "head", "auto", "levers", "sweep")
+PHASES = ("core", "regmean", "generate", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:
@@ -121,6 +125,9 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
         else:
             spec = (f"{{generate: {{prompts: data/{kind}/prompts.jsonl, samples: {row.samples}, "
                     f"max_new_tokens: {record_tokens - prompt_tokens}, chat_template: \"off\", seed: {seed}}}}}")
+        weight = dict(row.weights).get(kind)
+        if weight is not None:
+            spec = spec[:-1] + f", weight: {weight:g}}}"
         lines.append(f"    {expert_dir(kind)}: {spec}")
     if row.data == "cal":
         lines.append(f"  samples: {row.records or cal_records}")

@@ -51,6 +51,10 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                     assert featcal.hyper_values()[key] == value, (row.name, key)
             if "head" not in row.keys:
                 assert featcal.head is None
+            for kind, weight in row.weights:
+                if kind in SETTINGS[setting].experts:
+                    assert featcal.data[expert_dir(kind)].weight == weight
+            assert sum(spec.weight != 1 for spec in featcal.data.values()) == sum(k in SETTINGS[setting].experts for k, _ in row.weights)
             if row.data == "generate":
                 assert all(spec.generate.samples == row.samples for spec in featcal.data.values())
             else:
