@@ -2,20 +2,14 @@
 # The data-free start study (studies/data_free_start.py) on one GPU machine, from the repository root:
 #   bash studies/gpu/data_free.sh GGUF DATA [BUDGET_S] [more `studies.data_free_start` options, e.g. --settings real,auto]
 # DATA is a folder written by `python -m studies.quality prepare` (DATA/<kind>/{train,cal,test}.jsonl). Wheels under
-# .whl/ (pydantic, pydantic-core, annotated-types, typing-inspection, mergekit, immutables, gguf) are installed into
-# /tmp/site first when present (once per machine); results.md, results.json and run-logs.tar.gz (every FeatCal run's
+# .whl/ are installed first (setup.sh); results.md, results.json and run-logs.tar.gz (every FeatCal run's
 # log) are copied into $OUT after every setting, log.txt as it goes. No FeatCal run starts after BUDGET_S seconds
 # (default 420: on one H200 the experts, real, auto and the other start of both families fit; auto_x4 does not).
 set -euo pipefail
 gguf=$1 data=$2 budget=${3:-420}
 shift $(( $# < 3 ? $# : 3 ))
-if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" >/dev/null; then  # an earlier call on this machine may have done it
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/setup.sh"
 out=${OUT:-data-free-results}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m studies.data_free_start --gguf "$gguf" --data "$data" --workdir /tmp/data-free-work --device cuda \
     --budget-s "$budget" --results-dir "$out" "$@" 2>&1 | tee "$out/log.txt"
