@@ -6,4 +6,4 @@ if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" >/dev/null; then  # an earlier 
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
