@@ -30,6 +30,8 @@ def test_weights_scale_each_experts_share_of_the_refit_as_the_brute_force_does(f
     by_path = {str(scenario.experts[name]): share for name, share in shares.items()}
     errors = check_against_brute_force(scenario, output, norms=True, samples=12, max_length=64, shares=by_path)
     assert any("bias" in name for name in errors) and any("layernorm" in name for name in errors)
+    card = (output / "README.md").read_text()
+    assert f"calibration tokens, weight {shares['expert1']:g}" in card and "expert_weights:" in card
     unweighted = run_recipe(scenario.write_recipe(tmp_path / "u.yaml", output=str(tmp_path / "u"), norms=True, batch_tokens=150, dtype="float64"), progress=False)
     ours, plain = read_weights(output), read_weights(unweighted)
     assert not torch.equal(ours["model.layers.1.mlp.down_proj.weight"], plain["model.layers.1.mlp.down_proj.weight"])

@@ -177,8 +177,11 @@ def write_card(
             "featcal_llm_version": __version__,
         },
     }
+    weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data and featcal.data[e.name].weight != 1}
+    if weights:
+        front["featcal"]["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
     experts = "\n".join(
-        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens"
+        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + (f", weight {weights[e.name]:g}" if e.name in weights else "")
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
         for e in recipe.experts
     )
