@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--broad-steps", type=int, default=288,
                      help="of the broad expert: one pass over every kind's train records (three times a narrow expert's)")
     run.add_argument("--generate-samples", default="64,256", help="samples per expert of the generate rows")
+    run.add_argument("--max-records", type=int, default=None, help="skip the rows that calibrate on more records (a CPU run)")
+    run.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                     help="fine-tune under bfloat16 autocast (auto: on a GPU; on: also on a CPU with bf16 units)")
     run.add_argument("--batch-size", type=int, default=8)
     run.add_argument("--lr", type=float, default=5e-4)
     run.add_argument("--cal-records", type=int, default=64, help="calibration records per expert (cal split)")
@@ -167,7 +170,8 @@ class Study:
             started = time.time()
             self.state.data["training"][out.name] = finetune(
                 self.work / "base", self.tokenizer, texts, out, steps=steps, batch_size=args.batch_size, lr=args.lr,
-                seed=args.seed, log=lambda m: None, device=args.device, bf16=args.device.startswith("cuda"))
+                seed=args.seed, log=lambda m: None, device=args.device,
+                bf16=args.bf16 == "on" or (args.bf16 == "auto" and args.device.startswith("cuda")))
             self.timed(f"finetune {out.name}", time.time() - started)
             log(f"  {out.name}: loss {self.state.data['training'][out.name]['first_loss']:.3f} → "
                 f"{self.state.data['training'][out.name]['last_loss']:.3f} in {time.time() - started:.0f} s")
@@ -228,6 +232,8 @@ class Study:
             quick_row = replace(row, samples=min(row.samples, 2))
         if args.quick and row.records:
             quick_row = replace(row, records=8)
+        elif args.max_records and row.records and row.records > args.max_records:
+            return True
         text = recipe_text(setting, quick_row, output, merged, record_tokens=self.record_tokens,
                            prompt_tokens=self.prompt_tokens if not args.quick else self.record_tokens - 8,
                            cal_records=8 if args.quick else args.cal_records, seed=args.seed, device=args.device,

@@ -76,7 +76,9 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
         return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
                 for n in samples for head, keys in (("", {}), (" + head", HEAD))]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
-        return [Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),)),
+        return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),)),
+                Row("featcal defaults, broad only", weights=(("code", 0.0), ("c", 0.0))),
+                Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),)),
                 Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)))]
     if phase == "head":
         return [Row("featcal defaults + head", keys=HEAD),
