@@ -140,6 +140,11 @@ class Study:
         if quick:  # what the smoke test really used
             self.options.update(steps=1, cal_records=8, test_records=2, kl_records=2)
 
+    def kinds(self) -> list[str]:
+        """The experts the chosen settings use, in training order."""
+        used = {kind for name in self.options["settings"] for kind in SETTINGS[name].experts}
+        return [kind for kind in (*rd.KINDS, MIX) if kind in used]
+
     def timed(self, phase: str, seconds: float) -> None:
         self.state.data["timings"][phase] = round(self.state.data["timings"].get(phase, 0.0) + seconds, 2)
 
@@ -156,7 +161,7 @@ class Study:
         from studies.real_models import finetune
 
         args = self.args
-        for kind in (*rd.KINDS, MIX):
+        for kind in self.kinds():
             out = self.work / expert_dir(kind)
             if out.exists():
                 continue
@@ -288,7 +293,7 @@ class Study:
             return
         started = time.time()
         self.score("base", self.work / "base", settings)
-        for kind in (*rd.KINDS, MIX):
+        for kind in self.kinds():
             self.score(expert_label(kind), self.work / expert_dir(kind), settings)
         self.report()
         log(f"base and experts scored in {time.time() - started:.0f} s")
