@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from studies import real_data as rd
+from studies.real_models import rows_nll, train_rows
 
 FAMILIES = ("raw", "chat")
 SETTINGS = ("real", "auto", "bos", "chat", "auto_x4")  # in priority order: a budget cut drops the last
@@ -64,64 +64,6 @@ def as_family(family: str, tokenizer, text: str, kind: str) -> tuple[list[int], 
     return [*prompt, *answer, tokenizer.eos_token_id], len(prompt)
 
 
-def _batch(rows: list[tuple[list[int], int]], device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for row, (sequence, first) in enumerate(rows):
-        ids[row, : len(sequence)] = torch.tensor(sequence)
-        mask[row, : len(sequence)] = 1
-        labels[row, first : len(sequence)] = torch.tensor(sequence[first:])
-    return ids.to(device), mask.to(device), labels.to(device)
-
-
-def finetune(base: Path, tokenizer, rows: list, out: Path, steps: int, batch_size: int, lr: float, seed: int, device: str,
-             bf16: bool = False) -> dict:
-    """Full fine-tune (tied embeddings frozen), AdamW, warmup then cosine, as ``studies.real_models.finetune``.
-
-    Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast (GPUs).
-    """
-    import math
-    import random
-
-    from transformers import AutoModelForCausalLM
-
-    from featcal_llm.demo.models import save_atomically
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
-    model.get_input_embeddings().weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng, order, losses, warmup = random.Random(seed), [], [], max(1, steps // 10)
-    model.train()
-    for step in range(steps):
-        if len(order) < batch_size:
-            epoch = list(range(len(rows)))
-            rng.shuffle(epoch)
-            order += epoch
-        picked, order = order[:batch_size], order[batch_size:]
-        ids, mask, labels = _batch([rows[i] for i in picked], device)
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr * scale
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    model.eval().to("cpu")
-    save_atomically(model, tokenizer, out)
-    del model, optimizer, params
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # the product's runs are other processes on the same GPU
-    return {"steps": steps, "batch_size": batch_size, "bf16": bf16, "first_loss": losses[0], "last_loss": losses[-1]}
-
-
 def load(path: Path, device: str):
     from transformers import AutoModelForCausalLM
 
@@ -131,14 +73,7 @@ def load(path: Path, device: str):
 @torch.no_grad()
 def mean_nll(path: Path, rows: list, device: str, model=None) -> float:
     """Token-weighted NLL (nats) of the scored tokens (the text; for chat, the answer and its end token)."""
-    model = load(path, device) if model is None else model
-    total, count = 0.0, 0
-    for start in range(0, len(rows), 16):
-        ids, mask, labels = _batch(rows[start : start + 16], device)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum").item()
-        count += int((labels[:, 1:] != -100).sum())
-    return total / count
+    return rows_nll(load(path, device) if model is None else model, rows, 0, 16, device)
 
 
 def generate_spec(setting: str, args) -> str:
@@ -318,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.time()
                 rows = [as_family(family, tokenizer, t, kind) for t in texts[kind]["train"]]
                 log(f"fine-tuning {family}/{kind}: {args.steps} steps × {min(args.batch_size, len(rows))} records on {args.device}")
-                results["training"][f"{family}/{kind}"] = finetune(
-                    work / "base", tokenizer, rows, out, args.steps, args.batch_size, args.lr, 0, args.device,
-                    bf16=args.device.startswith("cuda")) | {"seconds": round(time.time() - started, 2)}
+                results["training"][f"{family}/{kind}"] = train_rows(
+                    work / "base", tokenizer, rows, out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=0,
+                    log=lambda _: None, device=args.device, bf16=args.device.startswith("cuda")) | {"seconds": round(time.time() - started, 2)}
                 timed("finetune", time.time() - started)
                 log(f"fine-tuned {family}/{kind}: {results['training'][f'{family}/{kind}']}")
             cal = work / f"{family}_cal" / f"{kind}.jsonl"

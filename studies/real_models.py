@@ -43,15 +43,19 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [bos + tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
-def _batch(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask, and labels with -100 on padding (the shift leaves BOS unscored)."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+Row = tuple[list[int], int]  # token ids, and the index of the first token the loss scores (1: all after BOS)
+
+
+def _batch(rows: list[Row], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask, and labels with -100 on padding and before each row's first scored token."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, seq in enumerate(sequences):
+    labels = torch.full_like(ids, -100)
+    for row, (seq, first) in enumerate(rows):
         ids[row, :len(seq)] = torch.tensor(seq)
         mask[row, :len(seq)] = 1
-    labels = ids.masked_fill(mask == 0, -100)
+        labels[row, first:len(seq)] = torch.tensor(seq[first:])
     return ids, mask, labels
 
 
@@ -63,9 +67,16 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
 
 def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, batch_size: int, lr: float,
              seed: int, log=print, device: str = "cpu", bf16: bool = False) -> dict:
+    """Full fine-tune on raw texts after BOS (every token scored): `train_rows` on them."""
+    return train_rows(base, tokenizer, [(ids, 1) for ids in encode(tokenizer, texts)], out, steps=steps,
+                      batch_size=batch_size, lr=lr, seed=seed, log=log, device=device, bf16=bf16)
+
+
+def train_rows(base: Path, tokenizer, rows: list[Row], out: Path, *, steps: int, batch_size: int, lr: float,
+               seed: int, log=print, device: str = "cpu", bf16: bool = False) -> dict:
     """Full fine-tune of the decoder layers and final norm (tied embeddings frozen), AdamW, warmup + cosine.
 
-    Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast (GPUs).
+    Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast.
     """
     from transformers import AutoModelForCausalLM
 
@@ -74,18 +85,17 @@ def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, 
     model.get_input_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sequences = encode(tokenizer, texts)
     order: list[int] = []
     rng = random.Random(seed)
     losses = []
     model.train()
     for step in range(steps):
         if len(order) < batch_size:
-            epoch = list(range(len(sequences)))
+            epoch = list(range(len(rows)))
             rng.shuffle(epoch)
             order += epoch
         picked, order = order[:batch_size], order[batch_size:]
-        ids, mask, labels = (t.to(device) for t in _batch([sequences[i] for i in picked], tokenizer.pad_token_id))
+        ids, mask, labels = (t.to(device) for t in _batch([rows[i] for i in picked], tokenizer.pad_token_id))
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
@@ -99,7 +109,10 @@ def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, 
         log(f"  step {step + 1}/{steps} loss {losses[-1]:.4f}")
     model.eval()
     save_atomically(model.cpu(), tokenizer, out)
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "first_loss": losses[0], "last_loss": losses[-1]}
+    del model, optimizer, params
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # a product run in another process may share the GPU
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "bf16": bf16, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 @torch.no_grad()
@@ -109,10 +122,15 @@ def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16,
 
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return rows_nll(model, [(ids, 1) for ids in encode(tokenizer, texts)], tokenizer.pad_token_id, batch_size, device)
+
+
+@torch.no_grad()
+def rows_nll(model, rows: list[Row], pad: int, batch_size: int = 16, device: str = "cpu") -> float:
+    """Token-weighted mean negative log-likelihood (nats) of each row's scored tokens."""
     total, count = 0.0, 0
-    sequences = encode(tokenizer, texts)
-    for start in range(0, len(sequences), batch_size):
-        ids, mask, labels = (t.to(device) for t in _batch(sequences[start:start + batch_size], tokenizer.pad_token_id))
+    for start in range(0, len(rows), batch_size):
+        ids, mask, labels = (t.to(device) for t in _batch(rows[start:start + batch_size], pad))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         target = labels[:, 1:]
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
@@ -134,7 +152,7 @@ def log_probs(model, tokenizer, texts: list[str], batch_size: int = 16,
     out = []
     sequences = encode(tokenizer, texts)
     for start in range(0, len(sequences), batch_size):
-        ids, mask, _ = (t.to(device) for t in _batch(sequences[start:start + batch_size], tokenizer.pad_token_id))
+        ids, mask, _ = (t.to(device) for t in _batch([(s, 1) for s in sequences[start:start + batch_size]], tokenizer.pad_token_id))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
         out.append((torch.log_softmax(logits, -1), mask[:, 1:].float()))
     return out
