@@ -16,6 +16,7 @@ from featcal_llm.generation import alike, choose, run as generation_run
 from featcal_llm.generation.store import GENERATED_DIR
 from studies.tiny_kinds import build_kinds, kinds_recipe
 from test_bad_input import assert_refused_in_one_line
+from test_generate import _generate_only
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +25,6 @@ def kinds(tmp_path_factory):
     return build_kinds(tmp_path_factory.mktemp("kinds"), steps=50)
 
 
-def _generate(path: Path) -> dict[str, list[list[int]]]:
-    from transformers import AutoConfig
-
-    from featcal_llm.io.recipe import load_recipe
-    from featcal_llm.io.references import resolve_source
-
-    recipe = load_recipe(path)
-    base = resolve_source(recipe.base, "base_model")
-    sources = {e.name: resolve_source(e.reference, e.name, base) for e in recipe.experts}
-    configs = {name: AutoConfig.from_pretrained(source.directory) for name, source in sources.items()}
-    return generation_run.generated_sequences(recipe, sources, configs, torch.device("cpu"), dict.fromkeys(sources, torch.float32), False)
 
 
 def _record(root: Path, expert: str) -> dict:
@@ -85,7 +75,7 @@ def test_overlap_and_look_alike_rule():
 
 def test_raw_text_experts_start_at_bos_and_chat_tuned_ones_answer_prompts(kinds, tmp_path, capsys, probes):
     path = kinds_recipe(kinds, tmp_path)
-    sequences = _generate(path)
+    sequences = _generate_only(path)
     err = capsys.readouterr().err
     raw, chat = _record(tmp_path, "raw"), _record(tmp_path, "chat")
     assert raw["start_mode"] == "bos" and raw["start"] == "BOS token"
@@ -106,9 +96,9 @@ def test_raw_text_experts_start_at_bos_and_chat_tuned_ones_answer_prompts(kinds,
 
 def test_the_choice_is_cached_recorded_and_in_the_set_key(kinds, tmp_path, probes, monkeypatch):
     path = kinds_recipe(kinds, tmp_path, experts=("raw",))
-    first = _generate(path)
+    first = _generate_only(path)
     assert len(probes) == 1
-    assert _generate(path) == first and len(probes) == 1  # the choice and the set reused
+    assert _generate_only(path) == first and len(probes) == 1  # the choice and the set reused
     # another choice (here: the stored one edited) gives another set, from the other start
     stored = tmp_path / GENERATED_DIR / "raw.start.json"
     record = json.loads(stored.read_text())
@@ -117,7 +107,7 @@ def test_the_choice_is_cached_recorded_and_in_the_set_key(kinds, tmp_path, probe
     opened = []
     original = generation_run.open_sampler
     monkeypatch.setattr(generation_run, "open_sampler", lambda *a, **k: opened.append(1) or original(*a, **k))
-    second = _generate(path)
+    second = _generate_only(path)
     assert len(probes) == 1 and opened == [1]  # not measured again, but sampled again
     assert _record(tmp_path, "raw")["start_mode"] == "chat" and second != first
 
@@ -145,7 +135,7 @@ def test_the_card_and_saved_recipe_name_the_chosen_start(kinds, tmp_path):
 )
 def test_the_recipe_still_forces_a_start(kinds, tmp_path, monkeypatch, expert, forced, mode, source):
     monkeypatch.setattr(generation_run, "choose_start", lambda *a, **k: pytest.fail("measured a forced start"))
-    _generate(kinds_recipe(kinds, tmp_path, experts=(expert,), **forced))
+    _generate_only(kinds_recipe(kinds, tmp_path, experts=(expert,), **forced))
     record = _record(tmp_path, expert)
     assert record["start_mode"] == mode and record["start"] == source and record["start_choice"] is None
 
@@ -166,18 +156,18 @@ def test_default_new_tokens_stop_at_max_length(kinds, tmp_path):
 
 
 def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
-    _generate(kinds_recipe(kinds, tmp_path / "twins", experts=("raw", "raw_twin"), chat_template="off", samples=16))
+    _generate_only(kinds_recipe(kinds, tmp_path / "twins", experts=("raw", "raw_twin"), chat_template="off", samples=16))
     err = capsys.readouterr().err
     assert err.count("featcal-llm: warning:") == 1, err
     warning = next(line for line in err.splitlines() if "warning" in line)
     assert f"the generated sets of {kinds['raw']} and {kinds['raw_twin']} are nearly the same text" in warning
-    _generate(kinds_recipe(kinds, tmp_path / "kinds", experts=("raw", "chat"), samples=16))  # each from its own start
+    _generate_only(kinds_recipe(kinds, tmp_path / "kinds", experts=("raw", "chat"), samples=16))  # each from its own start
     assert "warning" not in capsys.readouterr().err
 
 
 def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys):
     """Both experts answer the shipped seed prompts: only what they write is compared, not the prompts they share."""
-    _generate(kinds_recipe(kinds, tmp_path / "seeds", experts=("raw", "chat"), chat_template="on", samples=16))
+    _generate_only(kinds_recipe(kinds, tmp_path / "seeds", experts=("raw", "chat"), chat_template="on", samples=16))
     assert "nearly the same text" not in capsys.readouterr().err
 
 
