@@ -337,7 +337,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         biases=featcal.biases and not featcal.regmean,
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
         head=head_setting(featcal),
-        task_weights={name: spec.weight for name, spec in featcal.data.items()} if any(spec.weight != 1 for spec in featcal.data.values()) else None,
+        task_weights={name: spec.weight for name, spec in featcal.data.items()},
     )
     search = plan.tuning
 

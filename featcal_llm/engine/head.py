@@ -14,6 +14,7 @@ import torch
 
 from featcal_llm.engine.drift import LM_HEAD, final_norm
 from featcal_llm.engine.transfer import on_device
+from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.maths.head import HeadStatistics, solve_head
 from featcal_llm.maths.objective import Hyperparameters
@@ -59,7 +60,5 @@ def calibrate_head(ctx: "RunContext", hyper: Hyperparameters) -> dict[str, torch
         shares = [ctx.plan.task_weight(task) for task in models.experts]
         solved = solve_head(statistics, heads, merged, models.base.get(head_tensor(models.base, embed)), hyper, shares, dtype=merged.dtype)
     if not bool(torch.isfinite(solved).all()):
-        from featcal_llm.errors import FeatCalError
-
         raise FeatCalError("LM head: the solution has NaN/Inf")
     return {LM_HEAD: solved.cpu()}
