@@ -70,7 +70,7 @@ def run(recipe: Path, force: bool, device: str | None, log_file: Path | None, qu
 
     from featcal_llm import runlog
     from featcal_llm.errors import QuietExit
-    from featcal_llm.io.recipe import check_device
+    from featcal_llm.io.block import check_device
     from featcal_llm.startup import freezing_imports, heavy_import
 
     if device is not None:

@@ -44,7 +44,8 @@ from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
-from featcal_llm.io.recipe import Recipe, check_device
+from featcal_llm.io.block import check_device
+from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (

@@ -317,7 +317,7 @@ def test_the_memory_plan_reads_the_layer_shape_that_transformers_builds():
 def test_the_memory_plan_is_near_the_measured_cpu_peak():
     """8B shapes, 3 experts x 512 tokens on a CPU, float64 statistics: 22.0 GB peak host RSS measured (docs/benchmark.md)."""
     from featcal_llm.benchmark.estimate import GB, memory_plan
-    from featcal_llm.io.recipe import FeatCalConfig
+    from featcal_llm.io.block import FeatCalConfig
 
     config = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256, torch_dtype="bfloat16")
     featcal = FeatCalConfig.model_validate(dict(
@@ -342,7 +342,7 @@ def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
 def test_the_memory_plan_counts_the_samples_an_expert_generates():
     """Hidden-state streams scale with every calibration record, the generated ones included (generate.samples)."""
     from featcal_llm.benchmark.estimate import memory_plan
-    from featcal_llm.io.recipe import FeatCalConfig
+    from featcal_llm.io.block import FeatCalConfig
 
     config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}

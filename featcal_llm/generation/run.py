@@ -22,7 +22,8 @@ from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOK
 from featcal_llm.generation.prompts import Start, candidate_starts, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
 from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, set_paths, store_choice, store_samples
-from featcal_llm.io.recipe import Recipe, beside_recipe
+from featcal_llm.io.block import beside_recipe
+from featcal_llm.io.recipe import Recipe
 
 MAX_ROUNDS = 3  # a round replaces the samples the quality rule dropped in the one before
 DEFAULT_NEW_TOKENS = 512  # capped at featcal.max_length: calibration never sees tokens past it

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.io.recipe import DataSpec, beside_recipe
+from featcal_llm.io.block import DataSpec, beside_recipe
 from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).

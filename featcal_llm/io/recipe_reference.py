@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
-from featcal_llm.io.recipe import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, PerLayer, TuneSpec, Tunable
+from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, PerLayer, TuneSpec, Tunable
 
 # (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [

@@ -24,7 +24,8 @@ from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
-from featcal_llm.io.recipe import DataSpec, Recipe, _experts_of, read_recipe
+from featcal_llm.io.block import DataSpec
+from featcal_llm.io.recipe import Recipe, _experts_of, read_recipe
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole

@@ -1,0 +1,326 @@
+"""The ``featcal:`` block of a recipe, as pydantic models: every key, its type, default and range.
+
+Strict: an unknown or misspelled key is an error that names it. Reading a recipe file, the mergekit part and the
+checks across both parts are in ``featcal_llm.io.recipe``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from featcal_llm.errors import FeatCalError
+
+try:  # the evaluation package owns its own block; the engine works without it
+    from featcal_llm.evaluation.config import EvalSection
+except ImportError:  # pragma: no cover - only while the evaluation package is absent
+    EvalSection = dict[str, Any]  # type: ignore[misc,assignment]
+
+
+def beside_recipe(path: str, base_dir: Path | None) -> Path:
+    """`path` as given (relative to the current directory, as mergekit reads paths), or under the recipe's directory where only that one exists."""
+    given = Path(path)
+    if not given.is_absolute() and base_dir is not None and not given.exists() and (base_dir / given).exists():
+        return base_dir / given
+    return given
+
+
+class GenerateSpec(BaseModel):
+    """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, or continuing prompts.
+
+    Defaults sample the expert's own distribution (temperature 1, no top-p or
+    top-k cut): calibration wants inputs on which the expert behaves as itself,
+    not its most likely text, which repeats itself far more often.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
+    max_new_tokens: int | None = Field(None, ge=1, description="default 512, at most featcal.max_length (calibration sees no token past it)")
+    prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
+    start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
+    temperature: float = Field(1.0, ge=0.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
+    seed: int | None = Field(None, description="default featcal.seed")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="without prompts or start: on answers the shipped seed prompts, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"
+    )
+    batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
+    backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted `on`/`off` as a boolean: take it as the word written."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _start_without_prompts(self) -> "GenerateSpec":
+        if self.start is not None and self.prompts is not None:
+            raise ValueError("start is the first token of prompt-less samples; with prompts the prompts begin them")
+        if self.start is not None and self.chat_template == "on":
+            raise ValueError("start begins raw samples; chat_template: on answers prompts (set chat_template: off)")
+        return self
+
+
+class DataSpec(BaseModel):
+    """Where one expert's calibration texts come from (a dataset, or the expert itself) and how records become text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
+    split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
+    name: str | None = Field(None, description="dataset configuration name for load_dataset")
+    format: Literal["text", "alpaca", "chat"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template")
+    text: str = Field("text", description="field holding the text (format: text)")
+    instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
+    input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
+    response: str = Field("response", description="field holding the response (formats alpaca and chat)")
+    prompt: str = Field("prompt", description="field holding the user turn (format: chat without messages)")
+    messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
+    samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
+    weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit, relative to the others (0: merged in, not calibrated toward)")
+
+    def records(self, default: int) -> int:
+        """How many calibration records this expert contributes (generated ones included); `default`: featcal.samples."""
+        return (self.generate.samples if self.generate is not None else None) or self.samples or default
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSpec":
+        if (self.path is None) == (self.generate is None):
+            raise ValueError("expected either path (a dataset) or generate (the expert writes its own), not " + ("both" if self.path else "neither"))
+        if self.generate is not None:
+            given = [key for key in self.model_fields_set if key not in ("generate", "samples", "weight")]
+            if given:
+                raise ValueError(f"{given[0]} describes dataset records; with generate only samples and weight apply")
+            if self.samples is not None and self.generate.samples is not None:
+                raise ValueError("samples is given twice (here and under generate); keep one")
+        return self
+
+
+class PerLayer(BaseModel):
+    """One value per decoder layer, as a tuned run writes its winners (`lambda: {per_layer: [...]}`): replayed, not searched."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_layer: tuple[float, ...] = Field(description="one value per decoder layer, in layer order")
+
+
+# a fixed value, a candidate list, the documented default set, or one value per layer
+Tunable = float | tuple[float, ...] | Literal["auto"] | PerLayer
+_RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
+    "lambda": (0.0, False, None),
+    "alpha": (0.0, True, 1.0),
+    "rho": (None, True, None),
+    "reduction": (0.0, True, 1.0),
+}
+METHODS = ("featcal", "regmean", "regmean++")
+STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
+# keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head")
+REGMEAN_ONLY = ("reduction",)
+
+
+def _check_tunable(key: str, value: Any) -> Any:
+    """A number, `auto`, a non-empty list of numbers or {per_layer: [numbers]}, each inside the key's range.
+
+    A one-element list is that value, fixed: there is nothing to choose between.
+    """
+    if value == "auto" or isinstance(value, PerLayer):
+        return value
+    if isinstance(value, dict):
+        if set(value) != {"per_layer"} or not isinstance(value["per_layer"], (list, tuple)) or not value["per_layer"]:
+            raise ValueError("expected {per_layer: [one number per decoder layer]}")
+        return {"per_layer": _numbers(key, value["per_layer"])}
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise ValueError("expected a number, auto or a non-empty list of numbers")
+    numbers = _numbers(key, values)
+    if isinstance(value, (list, tuple)) and len(set(numbers)) > 1:
+        return tuple(numbers)
+    return numbers[0]
+
+
+def _numbers(key: str, values: Any) -> list[float]:
+    """Each value as a float inside the key's range."""
+    low, inclusive, high = _RANGES[key]
+    numbers = []
+    for item in values:
+        if isinstance(item, str):  # YAML 1.1 reads `1e-5` (no dot) as a string, as pydantic's floats accept
+            try:
+                item = float(item)
+            except ValueError:
+                pass
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item:
+            raise ValueError(f"expected a number, auto or a list of numbers, got {item!r}")
+        numbers.append(float(item))
+        if low is not None and (item < low or (item == low and not inclusive)):
+            raise ValueError(f"every value should be greater than {'or equal to ' if inclusive else ''}{low:g}, got {item!r}")
+        if high is not None and item > high:
+            raise ValueError(f"every value should be less than or equal to {high:g}, got {item!r}")
+    return numbers
+
+
+class TuneSpec(BaseModel):
+    """How `auto`/list hyper-parameters are chosen (featcal_llm/engine/tuning.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    holdout: float = Field(0.25, gt=0.0, lt=1.0, description="share of each expert's records kept aside for selection")
+    budget: int = Field(12, ge=1, description="at most this many candidate settings evaluated per layer")
+    criterion: Literal["output", "hidden"] = Field(
+        "hidden", description="hidden: the layer output's drift to the expert; output: next-token KL through the final norm and LM head"
+    )
+
+
+class HeadSpec(BaseModel):
+    """`head:`: after the last layer, the LM head is re-fitted by the same ridge rule on the final norm's outputs."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    lambda_: float = Field(1e-5, alias="lambda", gt=0, description="ridge strength of the head's re-fit")
+    alpha: float = Field(1.0, ge=0, le=1, description="target input mix at the head (1: each expert's own logits)")
+    rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
+
+
+class FeatCalConfig(BaseModel):
+    """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
+    output: str = Field(description="directory the calibrated checkpoint is written to")
+    data: dict[str, DataSpec] = Field(description="calibration data per expert, keyed by the expert's name as written under models:")
+    method: str | tuple[str, str] = Field(
+        "featcal", description="featcal, regmean (expert i's own inputs), regmean++ (the propagated inputs), or a stack "
+        "[regmean, featcal] / [regmean++, featcal]: RegMean first, then FeatCal on its result, in one run"
+    )
+    reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
+    samples: int = Field(256, ge=1, description="calibration records per expert")
+    max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
+    lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
+    alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
+    rho: Tunable = Field(0.5, description="ridge anchor rho * merged + (1 - rho) * base (any real; above 1 extrapolates past the merge); tunable like lambda")
+    tune: TuneSpec | None = Field(None, description="how auto or candidate-list hyper-parameters are chosen (see tune:)")
+    eps: float = Field(1e-8, gt=0, description="floor of each task's Gram norm in its weight 1 / max(norm, eps), also added to the ridge")
+    shuffle: bool = Field(False, description="shuffle each expert's records (with seed) before taking the first samples")
+    seed: int = Field(0, description="seed of the shuffle, the held-out split and generation")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs, on CPUs bfloat16 where the CPU has bf16 units, else float32"
+    )
+    stats_dtype: Literal["auto", "float32", "float64"] = Field(
+        "auto", description="precision of the statistics products (summed in float64); auto: float32 when every lambda the run uses is >= 1e-2, else float64 (float32 with a warning on GPUs without fast float64)"
+    )
+    host_memory_gb: float | None = Field(
+        None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"
+    )
+    batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
+    modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
+    norms: bool = Field(False, description="also update RMSNorm scales")
+    head: HeadSpec | None = Field(
+        None, description="also re-fit the LM head after the last layer: true, or {lambda, alpha, rho}; a head tied to the "
+        "input embeddings becomes a tensor of its own (config tie_word_embeddings: false)"
+    )
+    biases: bool = Field(True, description="update biases of projections that have one")
+    tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
+
+    @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
+    @classmethod
+    def _tunable(cls, value: Any, info) -> Any:
+        return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
+
+    @field_validator("head", mode="before")
+    @classmethod
+    def _head(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known_method(cls, value: Any) -> str | tuple[str, str]:
+        if isinstance(value, (list, tuple)):
+            if len(value) == 1 and value[0] in METHODS:
+                return value[0]
+            if tuple(value) not in STACKS:
+                raise ValueError("expected a stack [regmean, featcal] or [regmean++, featcal]: RegMean first, then FeatCal on its result")
+            return tuple(value)
+        if value not in METHODS:
+            raise ValueError(f"expected one of {', '.join(METHODS)}, or a stack [regmean++, featcal]")
+        return value
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the method is a stack: RegMean or RegMean++ first, then FeatCal on its result."""
+        return isinstance(self.method, tuple)
+
+    def stage(self, index: int, intermediate: str) -> "FeatCalConfig":
+        """The stack's stage as a one-method block: stage 0 writes RegMean to `intermediate`, stage 1 calibrates it.
+
+        Each stage keeps its own keys; `tune:` goes to the stages that search or replay a search, so that a stack
+        does what two recipes run one after the other do.
+        """
+        method = self.method[index]
+        update: dict[str, Any] = {"method": method}
+        if index == 0:
+            update.update(output=intermediate, eval=None, **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
+        else:
+            update.update(merged=intermediate, reduction=None)
+        stage = self.model_copy(update=update)
+        searched = stage.tuned or stage.per_layer
+        return stage.model_copy(update={"tune": self.tune if searched else None})
+
+    @property
+    def regmean(self) -> bool:
+        """Whether the method is RegMean or RegMean++ (reduction is theirs; lambda/alpha/rho/norms/biases are FeatCal's)."""
+        return self.method in ("regmean", "regmean++")
+
+    def hyper_values(self) -> dict[str, Any]:
+        """The method's hyper-parameters as the recipe gives them (numbers, `auto`, lists or per_layer); a stack's: both stages'."""
+        values: dict[str, Any] = {}
+        if self.regmean or self.stacked:
+            values["reduction"] = 0.5 if self.reduction is None else self.reduction
+        if not self.regmean:
+            values.update({"lambda": self.lambda_, "alpha": self.alpha, "rho": self.rho})
+        return values
+
+    @property
+    def tuned(self) -> bool:
+        """Whether any hyper-parameter is chosen by the run (auto or a list) rather than given."""
+        return any(v == "auto" or isinstance(v, tuple) for v in self.hyper_values().values())
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether records are held out of the statistics: by a search, or by the replay of one (per_layer values with `tune:`)."""
+        return self.tuned or (self.per_layer and self.tune is not None)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether any hyper-parameter is given per layer (a tuned run's written winners)."""
+        return any(isinstance(v, PerLayer) for v in self.hyper_values().values())
+
+    def tune_settings(self) -> TuneSpec:
+        return self.tune or TuneSpec()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            return check_device(value, "device")
+        except FeatCalError as error:
+            raise ValueError(str(error).removeprefix("device: ")) from None
+
+
+def check_device(value: str, where: str) -> str:
+    """`auto`, `cpu`, `cuda` or `cuda:N`, as the recipe key and the `--device` option both take it."""
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise FeatCalError(f"{where}: expected auto, cpu, cuda or cuda:N, got {value!r}")
