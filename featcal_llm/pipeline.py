@@ -22,6 +22,7 @@ import torch
 from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
+from featcal_llm.engine.coverage import expert_weights
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
 from featcal_llm.engine.method import head_setting, objective_for
@@ -338,7 +339,6 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         biases=featcal.biases and not featcal.regmean,
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
         head=head_setting(featcal),
-        task_weights={name: spec.weight for name, spec in featcal.data.items()},
     )
     search = plan.tuning
 
@@ -399,6 +399,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     staging = _staging(comm, partial, run_fingerprint)
     spill = partial / "spill" if comm.world == 1 else partial / "spill" / f"rank-{comm.rank}"
     store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=compute_device.type == "cuda")
+    weights, coverage = expert_weights(featcal, runner, store, models, sequences, merged_config.num_hidden_layers, comm)
+    plan = replace(plan, task_weights=weights)
     context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer(), comm=comm)
     replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
     comm.barrier()
@@ -429,7 +431,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     from featcal_llm.generation.run import start_records
 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
-               {"base_model": base, **experts}, calibrated, start_records(recipe))
+               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None

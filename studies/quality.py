@@ -229,8 +229,8 @@ class Study:
             if name not in self.state.data["skipped"]:
                 self.state.data["skipped"].append(name)
             return False
-        if row.weights and MIX not in setting.experts:
-            return True  # the weights rows weigh the broad expert against the narrow ones: only the broad setting has both
+        if row.settings and setting_name not in row.settings:
+            return True
         merged, output = self.merged_dir(setting_name, row), self.output_dir(setting_name, row.name)
         quick_row = row
         if args.quick and row.data == "generate":

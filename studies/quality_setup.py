@@ -50,6 +50,7 @@ class Row:
     samples: int | None = None  # generate: samples per expert
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
     weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
+    settings: tuple[str, ...] = ()  # the settings the row is run in (empty: every setting)
 
 
 # (λ, α, ρ): the product's defaults are (1e-5, 0.15, 0.5), the earlier study's fixed setting (1e-3, 0.5, 1)
@@ -76,10 +77,17 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
         return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
                 for n in samples for head, keys in (("", {}), (" + head", HEAD))]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
-        return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),)),
-                Row("featcal defaults, broad only", weights=(("code", 0.0), ("c", 0.0))),
-                Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),)),
-                Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)))]
+        broad = ("broad",)
+        return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),), settings=broad),
+                Row("featcal defaults, broad only", weights=(("code", 0.0), ("c", 0.0)), settings=broad),
+                Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),), settings=broad),
+                Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)),
+                    settings=broad)]
+    if phase == "balance":  # the experts' weights: all 1, or by coverage (the product's default)
+        return [Row("featcal, balance equal", keys={"balance": "equal"}),
+                Row("featcal, balance coverage", keys={"balance": "coverage"}),
+                Row("featcal, balance equal, 256 records", records=256, keys={"balance": "equal"}),
+                Row("featcal, balance coverage, 256 records", records=256, keys={"balance": "coverage"})]
     if phase == "head":
         return [Row("featcal defaults + head", keys=HEAD),
                 Row("featcal defaults + head, 256 records", keys=HEAD, records=256),
@@ -95,7 +103,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "regmean", "generate", "weights", "head", "auto", "levers", "sweep")
+PHASES = ("core", "balance", "regmean", "generate", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:

@@ -97,6 +97,7 @@ def build_scenario(
             "alpha": 0.3,
             "rho": 0.5,
             "eps": 1.0e-8,
+            "balance": "equal",  # the maths' tests compare against the brute force at weight 1; test_coverage covers the default
             "device": "cpu",
             "batch_tokens": 256,
         },

@@ -28,6 +28,33 @@ def tree_hash(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def resumes_to_the_same_bytes(recipe: Path, output: Path, crash_layer: int, monkeypatch) -> None:
+    """Run the recipe; rerun it crashing before layer `crash_layer`, then resume: the output must be byte-identical."""
+    import json
+
+    import pytest
+
+    import featcal_llm.engine.calibrate as calibrate_module
+    from featcal_llm.pipeline import run_recipe
+
+    digest = tree_hash(run_recipe(recipe, progress=False))
+    real = calibrate_module.calibrate_layer
+
+    def crash(ctx, layer, *args, **kwargs):
+        if layer == crash_layer:
+            raise RuntimeError("simulated crash")
+        return real(ctx, layer, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_recipe(recipe, force=True, progress=False)
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", real)
+    state = json.loads((output.with_name(f".{output.name}.featcal-partial") / "state.json").read_text())
+    assert state["completed_layers"] == crash_layer
+    run_recipe(recipe, force=True, progress=False)
+    assert tree_hash(output) == digest
+
+
 def run_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(recipe), *extra], capture_output=True, text=True, timeout=600)
 

@@ -9,9 +9,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 from test_exactness import read_weights, relative_error
-from test_reliability import tree_hash
+from test_reliability import resumes_to_the_same_bytes, tree_hash
 
-import featcal_llm.engine.calibrate as calibrate_module
 import featcal_llm.engine.tuned as tuned_module
 from featcal_llm.cli import main
 from featcal_llm.maths.objective import ExpertGroup, GroupSystem, Hyperparameters, MixedTargets, SplitTargets, fold, solve_bias, solve_norm
@@ -208,22 +207,7 @@ def test_tuned_run_records_its_choice_and_is_deterministic(merged_scenario, tmp_
 
 def test_tuned_run_resumes_to_the_same_bytes(merged_scenario, tmp_path, monkeypatch):
     recipe = _tuned(merged_scenario, tmp_path, "out", **{"lambda": [1e-3, 1e-1], "dtype": "float32"})
-    reference = run_recipe(recipe, progress=False)
-    digest = tree_hash(reference)
-    real = calibrate_module.calibrate_layer
-
-    def crash_at_layer_two(ctx, layer, *args, **kwargs):
-        if layer == 2:
-            raise RuntimeError("simulated crash")
-        return real(ctx, layer, *args, **kwargs)
-
-    monkeypatch.setattr(calibrate_module, "calibrate_layer", crash_at_layer_two)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_recipe(recipe, force=True, progress=False)
-    monkeypatch.setattr(calibrate_module, "calibrate_layer", real)
-    assert json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())["completed_layers"] == 2
-    run_recipe(recipe, force=True, progress=False)
-    assert tree_hash(tmp_path / "out") == digest
+    resumes_to_the_same_bytes(recipe, tmp_path / "out", 2, monkeypatch)
 
 
 BAD = {

@@ -10,7 +10,8 @@ host RSS was 22 GB; this model gives about 20 GB there.
     group systems    every group's float64 system and right-hand side, + 3 copies of the largest d x d (solve)
     decoder layers   2 layers in the compute dtype on the compute device
     activations      batch_tokens x (4 hidden + 3 intermediate) in the compute dtype
-    hidden streams   every calibration token x hidden x 2 (calibrated and expert stream), compute dtype;
+    hidden streams   every calibration token x hidden x 2 (calibrated and expert stream), compute dtype, or the
+                     coverage pass's (1 + experts) x its sample's tokens x hidden when larger (they never coexist);
                      RAM up to host_memory_gb (default half the machine), the rest spills to disk
     disk             the merge (when not yet written) + the output checkpoint + the staged layers + spill
 """
@@ -115,6 +116,11 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     tokens = sum(spec.records(featcal.samples) for spec in featcal.data.values()) * featcal.max_length
     activations = min(featcal.batch_tokens, tokens) * (4 * hidden + 3 * inter) * compute
     streams = tokens * hidden * 2 * compute
+    if featcal.balancing == "coverage" and experts > 1:  # before the loop: (1 + experts) models on a sample of every expert's records
+        from featcal_llm.maths.coverage import COVERAGE_RECORDS
+
+        sample = sum(min(COVERAGE_RECORDS, spec.records(featcal.samples)) for spec in featcal.data.values()) * featcal.max_length
+        streams = max(streams, (1 + experts) * sample * hidden * compute)
     budget = featcal.host_memory_gb * 2**30 if featcal.host_memory_gb else machine_ram() / 2
     in_ram, spilled = min(streams, budget), max(0.0, streams - budget)
 

@@ -34,14 +34,16 @@ KL_CHUNK = 1024  # tokens per log-softmax: 1024 × 128k float64 logits is 1 GiB
 Streams = dict[str, list[torch.Tensor]]
 
 
+def spaced_sample(records: list, count: int) -> list:
+    """`count` evenly spaced records, deterministic (the first one included)."""
+    step = len(records) / count
+    return [records[int(i * step)] for i in range(count)]
+
+
 def drift_sample(sequences: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
     """An evenly spaced, deterministic subsample of each expert's calibration records."""
-    sample = {}
-    for task, task_sequences in sequences.items():
-        count = min(SAMPLE_MOST, max(1, math.ceil(len(task_sequences) * SAMPLE_SHARE)))
-        step = len(task_sequences) / count
-        sample[task] = [task_sequences[int(i * step)] for i in range(count)]
-    return sample
+    return {task: spaced_sample(seqs, min(SAMPLE_MOST, max(1, math.ceil(len(seqs) * SAMPLE_SHARE))))
+            for task, seqs in sequences.items()}
 
 
 @dataclass

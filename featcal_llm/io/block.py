@@ -200,6 +200,12 @@ class FeatCalConfig(BaseModel):
     )
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1, description="calibration records per expert")
+    balance: Literal["coverage", "equal"] | None = Field(
+        None, description="how the experts weigh against each other where data.<expert>.weight is not given. coverage "
+        "(FeatCal's default): each expert counts once for its own records plus the share of every other expert's gain over "
+        "the base that it also achieves on that expert's records, so a broad expert beside narrow ones counts for several "
+        "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default)"
+    )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
@@ -277,6 +283,11 @@ class FeatCalConfig(BaseModel):
         stage = self.model_copy(update=update)
         searched = stage.tuned or stage.per_layer
         return stage.model_copy(update={"tune": self.tune if searched else None})
+
+    @property
+    def balancing(self) -> str:
+        """The `balance:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
+        return self.balance or ("equal" if self.regmean else "coverage")
 
     @property
     def regmean(self) -> bool:

@@ -106,7 +106,7 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
-    starts: dict[str, dict] | None = None,
+    starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
 
@@ -114,6 +114,8 @@ def write_card(
     its reference, hub revision and LoRA adapter. `calibrated`: the projections re-fitted
     (`projections`, `every_projection`) and whether norms and biases were (`norms`, `biases`).
     `starts`: how each `generate:` expert began its samples (generation.run.start_records).
+    `weights`: each expert's weight in the objective as the run used it; `coverage`: the
+    NLLs the coverage weights came from (engine.coverage.expert_weights).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -152,6 +154,7 @@ def write_card(
             record["lora_adapter"] = public_names([record["lora_adapter"]])[record["lora_adapter"]]
         models[names.get(role, role)] = record
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
+    settings["balance"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None:
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
@@ -177,11 +180,19 @@ def write_card(
             "featcal_llm_version": __version__,
         },
     }
-    weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data and featcal.data[e.name].weight != 1}
-    if weights:
+    if weights is None:  # the recipe's own
+        weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
+    weights = {name: round(weight, 4) for name, weight in weights.items()}
+    weighed = any(weight != 1 for weight in weights.values())
+    if weighed:
         front["featcal"]["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
+    if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
+        front["featcal"]["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()}
+                                            for model, row in coverage.items()}
+    given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
+    how = lambda name: "" if not weighed else f", weight {weights[name]:g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(
-        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + (f", weight {weights[e.name]:g}" if e.name in weights else "")
+        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
         for e in recipe.experts
     )

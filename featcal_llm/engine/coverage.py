@@ -1,0 +1,127 @@
+"""The coverage pass: every expert's and the base's next-token NLL on every expert's records, layer by layer.
+
+Before the calibration loop, a sample of each expert's calibration records is
+run through the base and through every expert, one decoder layer at a time (the
+same streaming as the loop: one layer of each model on the device, hidden
+states on the host), and scored by each model's own final norm and LM head.
+The NLLs give the experts' coverage weights (maths/coverage.py). Each rank
+scores its shard of the sample and the sums are added, so ranks agree.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from featcal_llm import runlog
+from featcal_llm.engine.drift import KL_CHUNK, Head, spaced_sample
+from featcal_llm.engine.prefetch import LayerPrefetcher
+from featcal_llm.engine.streams import HostStore, TokenBatch, make_batches
+from featcal_llm.engine.transfer import on_device
+from featcal_llm.family.layers import LayerRunner
+from featcal_llm.io.names import short_names
+from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, coverage_shares, coverage_weights
+
+BASE = "base"
+
+
+def batch_nll_sums(head: Head, hidden: torch.Tensor, batch: TokenBatch) -> tuple[float, int]:
+    """Σ −log p(next token) over the batch's scored positions (a token with a successor in its record), and their count."""
+    keep = batch.keep.to(hidden.device)
+    scored = keep[:, :-1] & keep[:, 1:]
+    rows = hidden[:, :-1][scored]
+    targets = batch.input_ids.to(hidden.device)[:, 1:][scored]
+    total = 0.0
+    for chunk, target in zip(rows.split(KL_CHUNK), targets.split(KL_CHUNK)):
+        log_probs = head.log_probs(chunk)
+        total -= float(log_probs.gather(1, target.to(log_probs.device).unsqueeze(1)).sum())
+    return total, int(scored.sum())
+
+
+def model_losses(runner: LayerRunner, store: HostStore, models, sequences: dict[str, list[list[int]]], num_layers: int,
+                 batch_tokens: int, comm) -> tuple[Losses, dict[str, float]]:
+    """Mean next-token NLL of each expert (and of the base) on a sample of each expert's records.
+
+    `models`: the run's Models; `sequences`: this rank's shard of the sample. Returns
+    (expert i → expert j → NLL, expert j → the base's NLL).
+    """
+    readers = {BASE: models.base, **models.experts}
+    batches = {task: make_batches(seqs, batch_tokens, pad_id=0) for task, seqs in sequences.items()}
+    embed = runner.architecture.embed_tokens
+    streams = {model: {task: [store.store(runner.embed(b, reader.get(embed), reader.what), b.keep) for b in task_batches]
+                       for task, task_batches in batches.items()} for model, reader in readers.items()}
+    prefetcher = LayerPrefetcher(models.merged, models.base, models.experts, runner.architecture.prefix, num_layers,
+                                 pin=runner.device.type == "cuda")
+    try:
+        for layer in range(num_layers):
+            tensors = prefetcher.get(layer)
+            for model, weights in ((BASE, tensors.base), *tensors.experts.items()):
+                module = runner.build(layer, weights, readers[model].what)
+                for task, task_batches in batches.items():
+                    stream = streams[model][task]
+                    for index, (batch, (hidden,)) in enumerate(zip(task_batches, on_device(runner.device, stream))):
+                        stream[index] = store.store(runner.forward(module, hidden, runner.context(batch, hidden)), batch.keep)
+                del module
+            del tensors
+    finally:
+        prefetcher.close()
+    sums: list[float] = []
+    for model, reader in readers.items():
+        head = Head(runner, reader)
+        for task, task_batches in batches.items():
+            total, count = 0.0, 0
+            for batch, (hidden,) in zip(task_batches, on_device(runner.device, streams[model][task])):
+                batch_total, batch_count = batch_nll_sums(head, hidden, batch)
+                total, count = total + batch_total, count + batch_count
+            sums += [total, float(count)]
+        del head
+    sums = comm.sum_floats(sums)
+    losses: Losses = {}
+    position = 0
+    for model in readers:
+        losses[model] = {}
+        for task in batches:
+            losses[model][task] = sums[position] / max(sums[position + 1], 1.0)
+            position += 2
+    base = losses.pop(BASE)
+    return losses, base
+
+
+def coverage_sample(sequences: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """An evenly spaced sample of COVERAGE_RECORDS of each expert's calibration records."""
+    return {task: spaced_sample(seqs, min(len(seqs), COVERAGE_RECORDS)) for task, seqs in sequences.items()}
+
+
+def describe(weights: dict[str, float], losses: Losses, base: dict[str, float], names: dict[str, str], seconds: float,
+             given: set[str]) -> str:
+    """One log line: each expert's weight, with the share of each other expert's gain it achieves (or `given`)."""
+    shares = coverage_shares(losses, base)
+    parts = []
+    for expert, weight in weights.items():
+        others = ", ".join(f"{names[j]} {share:.2f}" for j, share in shares[expert].items() if j != expert)
+        parts.append(f"{names[expert]} {weight:.2f} " + ("(data.<expert>.weight)" if expert in given else f"(1 + its share of each other's gain: {others})"))
+    return f"experts weighed by coverage ({seconds:.0f} s): " + "; ".join(parts)
+
+
+def expert_weights(featcal, runner: LayerRunner, store: HostStore, models, sequences: dict[str, list[list[int]]], num_layers: int,
+                   comm) -> tuple[dict[str, float], Losses | None]:
+    """Each expert's weight in the objective: `data.<expert>.weight` where given, else by the block's `balance:`.
+
+    Returns the weights and, when the coverage pass ran, its losses (model → records → NLL, the base under BASE).
+    """
+    given = {name: spec.weight for name, spec in featcal.data.items() if "weight" in spec.model_fields_set}
+    unset = [name for name in featcal.data if name not in given]
+    if featcal.balancing == "equal" or not unset or len(featcal.data) < 2:
+        return {name: given.get(name, 1.0) for name in featcal.data}, None
+    runlog.stage(f"weighing the experts by coverage: {COVERAGE_RECORDS} records per expert through the base and every expert")
+    started = time.perf_counter()
+    losses, base = model_losses(runner, store, models, comm.shard(coverage_sample(sequences)), num_layers, featcal.batch_tokens, comm)
+    covered = coverage_weights(losses, base)
+    weights = {name: given.get(name, covered[name]) for name in featcal.data}
+    runlog.stage(describe(weights, losses, base, short_names(list(featcal.data)), time.perf_counter() - started,
+                          set(given)))
+    return weights, {**losses, BASE: base}
+
+
+__all__ = ["COVERAGE_RECORDS", "batch_nll_sums", "coverage_sample", "coverage_weights", "describe", "expert_weights", "model_losses"]

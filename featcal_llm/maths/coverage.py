@@ -1,0 +1,43 @@
+"""Coverage weights: an expert that does other experts' work counts for them too.
+
+FeatCal's objective has one term per expert. Beside narrow experts, a broad one
+(an instruction expert, trained on many kinds of text) is then one voice among
+several, and the narrow experts pull the shared layers as hard as it does; the
+calibrated merge stays behind the broad expert shipped alone. Coverage weighs
+expert i by how much of every expert j's gain over the base it achieves on j's
+own calibration text:
+
+    s_ij = clip((NLL_base(D_j) − NLL_i(D_j)) / (NLL_base(D_j) − NLL_j(D_j)), 0, 1),   s_jj = 1,
+    weight_i = Σ_j s_ij,
+
+so a narrow expert weighs about 1 and an expert as good as each other expert on
+its text weighs about the number of experts. Label-free: next-token NLL of the
+models on the calibration records. An expert that is no better than the base on
+its own text has no gain to share: s_ij = 0 for i ≠ j.
+"""
+
+from __future__ import annotations
+
+COVERAGE_RECORDS = 16  # of each expert's calibration records, scored by the base and every expert
+Losses = dict[str, dict[str, float]]  # model → expert whose records were scored → mean next-token NLL
+
+
+def coverage_shares(losses: Losses, base: dict[str, float]) -> Losses:
+    """s_ij for every pair: the share of expert j's gain over the base on j's records that expert i achieves."""
+    shares: Losses = {}
+    for i in losses:
+        shares[i] = {}
+        for j in losses:
+            gain = base[j] - losses[j][j]
+            if i == j:
+                shares[i][j] = 1.0
+            elif gain <= 0:
+                shares[i][j] = 0.0
+            else:
+                shares[i][j] = min(1.0, max(0.0, (base[j] - losses[i][j]) / gain))
+    return shares
+
+
+def coverage_weights(losses: Losses, base: dict[str, float]) -> dict[str, float]:
+    """weight_i = Σ_j s_ij: 1 for an expert that only does its own work, up to the number of experts."""
+    return {i: sum(row.values()) for i, row in coverage_shares(losses, base).items()}

@@ -1,0 +1,131 @@
+"""`balance: coverage`: each expert weighs 1 plus the share of the other experts' gain over the base it also achieves.
+
+The coverage pass's NLLs are checked against each model's own full forward (transformers' causal LM: its
+embedding scaling, final norm, tied head and soft-capped logits), and the calibrated update against the brute
+force run with the weights those NLLs give.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from reference import brute_force_featcal
+from test_exactness import TOLERANCE, delta_error, read_weights
+from scenario import build_scenario
+from test_head import reference_models
+
+from featcal_llm.tiny import save_model
+
+from featcal_llm.maths.coverage import coverage_weights
+from featcal_llm.pipeline import run_recipe
+
+
+def test_coverage_weights_by_hand():
+    base = {"a": 3.0, "b": 3.0, "c": 3.0}
+    losses = {  # model → records → NLL
+        "a": {"a": 2.0, "b": 2.4, "c": 2.6},  # does b's work fully (clipped at 1), half of c's
+        "b": {"a": 3.5, "b": 2.5, "c": 2.9},  # worse than the base on a's records: 0; an eighth of c's gain
+        "c": {"a": 2.5, "b": 3.0, "c": 2.2},
+    }
+    assert coverage_weights(losses, base) == pytest.approx({"a": 2.5, "b": 1.125, "c": 1.5})
+    no_gain = {**base, "b": 2.4}  # b is no better than the base on its own records: nobody shares its gain
+    assert coverage_weights(losses, no_gain)["a"] == pytest.approx(1.5)
+
+
+def full_model_nll(model, sequences: list[list[int]]) -> float:
+    """Token-weighted mean next-token NLL through the whole causal LM, one record at a time (no padding at all)."""
+    total, count = 0.0, 0
+    for ids in sequences:
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+        if getattr(model.config, "final_logit_softcapping", None):
+            assert logits.abs().max() <= model.config.final_logit_softcapping  # the family capped them itself
+        total += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum"))
+        count += len(ids) - 1
+    return total / count
+
+
+def card_front(output) -> dict:
+    return yaml.safe_load((output / "README.md").read_text().split("---")[1])
+
+
+def trained_scenario(root, family: str, steps: tuple[int, ...]):
+    """A float64 scenario whose experts are fine-tuned on their own records (expert i for steps[i] Adam steps), so
+    that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only."""
+    from scenario import build_char_tokenizer
+    from test_exactness import FAMILIES
+    from transformers import AutoModelForCausalLM
+
+    scenario = build_scenario(root, experts=len(steps), layers=2, samples=12, words=(4, 10), family=family, dtype="float64",
+                              **FAMILIES[family])
+    tokenizer = build_char_tokenizer()
+    records = {name: [tokenizer(json.loads(line)["text"])["input_ids"] for line in path.read_text().splitlines()]
+               for name, path in scenario.data.items()}
+    for (name, path), count in zip(scenario.experts.items(), steps):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for step in range(count):
+            ids = torch.tensor([records[name][step % len(records[name])]])
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        shutil.rmtree(path)
+        save_model(model.eval(), tokenizer, path, max_shard_size="40KB")
+    return scenario
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied head; tied head with scaled embeddings and soft-capped logits
+def test_coverage_nll_and_update_match_full_model_forward_and_brute_force(family, tmp_path):
+    scenario = trained_scenario(tmp_path / "scenario", family, (24, 6))
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                   balance="coverage")
+    output = run_recipe(recipe, progress=False)
+    merged, base, experts, sequences = reference_models(scenario)  # 12 records each: the pass scores all of them
+    with torch.no_grad():
+        losses = {i: {j: full_model_nll(model, sequences[j]) for j in experts} for i, model in experts.items()}
+        base_losses = {j: full_model_nll(base, sequences[j]) for j in experts}
+    front = card_front(output)["featcal"]
+    ours = front["coverage_nll"]
+    names = {str(path): name for name, path in scenario.experts.items()}
+    worst = max(abs(ours[names[i]][names[j]] - losses[i][j]) for i in experts for j in experts)
+    worst = max(worst, *(abs(ours["base"][names[j]] - base_losses[j]) for j in experts))
+    print(f"{family}: coverage NLLs within {worst:.1e} of the full forward; NLL {ours}")
+    assert worst < 1e-10
+    shares = coverage_weights(losses, base_losses)
+    assert max(abs(share - 1) for share in shares.values()) > 0.05, "the scenario must give weights other than 1"
+    expected = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, shares=shares).state_dict()
+    calibrated, merged_weights = read_weights(output), read_weights(scenario.root / "merged")
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert delta_error(calibrated[name], expected[name], merged_weights[name]) <= TOLERANCE
+    unit = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8).state_dict()
+    assert delta_error(calibrated[name], unit[name], merged_weights[name]) > 100 * TOLERANCE  # the weights mattered
+
+
+def test_a_coverage_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
+    """The weights are recomputed on the rerun from the same records and models: the resumed layers get the same ones."""
+    from test_reliability import resumes_to_the_same_bytes
+
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage", dtype="float64")
+    resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)
+
+
+def test_given_weights_win_and_equal_skips_the_pass(tmp_path, capsys):
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage").read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert1"])]["weight"] = 0.25
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    front = card_front(run_recipe(tmp_path / "r.yaml", progress=False))["featcal"]
+    weights = coverage_weights(*split_base(front["coverage_nll"]))
+    assert front["expert_weights"] == {"expert0": round(weights["expert0"], 4), "expert1": 0.25}
+    assert "expert1 0.25 (data.<expert>.weight)" in capsys.readouterr().err
+    equal = card_front(run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "e")), progress=False))
+    assert "coverage_nll" not in equal["featcal"] and "expert_weights" not in equal["featcal"]
+    assert equal["featcal"]["settings"]["balance"] == "equal"
+
+
+def split_base(nll: dict) -> tuple[dict, dict]:
+    return {model: row for model, row in nll.items() if model != "base"}, nll["base"]
