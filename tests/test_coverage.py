@@ -129,3 +129,32 @@ def test_given_weights_win_and_equal_skips_the_pass(tmp_path, capsys):
 
 def split_base(nll: dict) -> tuple[dict, dict]:
     return {model: row for model, row in nll.items() if model != "base"}, nll["base"]
+
+
+def test_a_bad_balance_is_one_line_naming_the_key(family_scenarios, tmp_path):
+    from featcal_llm.errors import FeatCalError
+
+    scenario = family_scenarios("llama")
+    with pytest.raises(FeatCalError) as error:
+        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="by-size"), progress=False)
+    message = str(error.value).strip()
+    assert "featcal.balance" in message and "'coverage' or 'equal'" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_regmean_takes_coverage_weights_when_asked(tmp_path):
+    """RegMean's default stays equal (its closed form sums the Grams); `balance: coverage` weighs its sums too."""
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")).read_text())
+    for key in ("lambda", "alpha", "rho", "balance"):
+        recipe["featcal"].pop(key)
+    recipe["featcal"]["method"] = "regmean"
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    plain = card_front(run_recipe(tmp_path / "r.yaml", progress=False))["featcal"]
+    assert plain["settings"]["balance"] == "equal" and "coverage_nll" not in plain
+    recipe["featcal"].update(balance="coverage", output=str(tmp_path / "cov"))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    covered = card_front(run_recipe(tmp_path / "c.yaml", progress=False))["featcal"]
+    assert covered["expert_weights"] == {name: round(w, 4) for name, w in coverage_weights(*split_base(covered["coverage_nll"])).items()}
+    assert not torch.equal(read_weights(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"],
+                           read_weights(tmp_path / "cov")["model.layers.0.mlp.up_proj.weight"])
