@@ -28,7 +28,7 @@ from pathlib import Path
 
 from studies import real_data as rd
 from studies.quality_report import write_report
-from studies.quality_setup import MIX, PHASES, SETTINGS, SWEEP, expert_dir, expert_label, recipe_text, rows
+from studies.quality_setup import AS_TRAINED, MIX, PHASES, SETTINGS, SWEEP, expert_dir, expert_label, recipe_text, rows
 
 DEBIAN_DOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"
 
@@ -108,6 +108,21 @@ def prepare(args, tokenizer) -> None:
         rd.write_jsonl(_interleave([splits[k][split] for k in rd.KINDS], total), args.data / MIX / f"{split}.jsonl")
     meta = {k: v for k, v in vars(args).items() if k not in ("command",)}
     (args.data / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+
+
+def records_as_trained(data: Path, tokenizer) -> None:
+    """Beside each kind's cal and prompt records, the same records beginning with the BOS token (``-bos``).
+
+    The experts are fine-tuned and scored on BOS + text (``real_models.encode``), but this tokenizer adds no BOS of
+    its own, so the product would calibrate on text the experts never saw without it (no attention sink at position
+    0). Its text form tokenises to exactly BOS + the record's tokens.
+    """
+    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id] else ""
+    for kind in (*rd.KINDS, MIX):
+        for split, key in (("cal", "text"), ("prompts", "prompt")):
+            source = data / kind / f"{split}.jsonl"
+            if source.exists():
+                rd.write_jsonl([{**r, key: bos + r[key]} for r in rd.read_jsonl(source)], data / kind / f"{split}{AS_TRAINED}.jsonl")
 
 
 class State:
@@ -288,6 +303,7 @@ class Study:
 
     def main(self) -> None:
         args, settings = self.args, self.options["settings"]
+        records_as_trained(self.work / "data", self.tokenizer)
         self.experts()
         if args.until == "experts":
             return

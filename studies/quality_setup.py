@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from studies.real_data import KINDS
 
 MIX = "mix"  # the broad expert's data: every kind's records interleaved
+AS_TRAINED = "-bos"  # the cal and prompt records as the experts were trained and are scored: BOS first (quality.records_as_trained)
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,9 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
     lines += [f"  merged: {merged}", f"  output: {output}", "  data:"]
     for kind in setting.experts:
         if row.data == "cal":
-            spec = f"{{path: data/{kind}/cal.jsonl, format: text}}"
+            spec = f"{{path: data/{kind}/cal{AS_TRAINED}.jsonl, format: text}}"
         else:
-            spec = (f"{{generate: {{prompts: data/{kind}/prompts.jsonl, samples: {row.samples}, "
+            spec = (f"{{generate: {{prompts: data/{kind}/prompts{AS_TRAINED}.jsonl, samples: {row.samples}, "
                     f"max_new_tokens: {record_tokens - prompt_tokens}, chat_template: \"off\", seed: {seed}}}}}")
         weight = dict(row.weights).get(kind)
         if weight is not None:
@@ -143,6 +144,6 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
         lines.append(f"  samples: {row.records or cal_records}")
     else:
         lines.append(f"  samples: {row.samples}")
-    lines += [f"  max_length: {record_tokens}", f"  device: {device}", f"  dtype: {dtype}"]
+    lines += [f"  max_length: {record_tokens + 1}", f"  device: {device}", f"  dtype: {dtype}"]
     lines += [f"  {key}: {_yaml_value(value)}" for key, value in row.keys.items()]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from featcal_llm.io.recipe import load_recipe
-from studies.quality import _interleave, _parser
+from featcal_llm.tiny import build_char_tokenizer
+from studies.quality import _interleave, _parser, records_as_trained
 from studies.quality_report import setting_summary
 from studies.quality_setup import PHASES, SETTINGS, Row, expert_dir, recipe_text, rows
 
@@ -23,7 +24,19 @@ def _workdir(tmp_path):
         folder.mkdir(parents=True)
         (folder / "cal.jsonl").write_text(json.dumps({"text": f"{kind} text"}) + "\n")
         (folder / "prompts.jsonl").write_text(json.dumps({"prompt": f"{kind}"}) + "\n")
+    records_as_trained(tmp_path / "data", build_char_tokenizer())
     return tmp_path
+
+
+def test_the_product_calibrates_on_the_records_as_the_experts_were_trained_bos_first(tmp_path):
+    """The study fine-tunes and scores BOS + text; a tokenizer that adds no BOS gets it written into the records."""
+    from studies.real_models import encode
+
+    tokenizer = build_char_tokenizer()
+    folder = _workdir(tmp_path) / "data" / "code"
+    record, prompt = json.loads((folder / "cal-bos.jsonl").read_text()), json.loads((folder / "prompts-bos.jsonl").read_text())
+    assert tokenizer(record["text"])["input_ids"] == encode(tokenizer, ["code text"])[0]
+    assert prompt["prompt"] == tokenizer.bos_token + "code"
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -60,7 +73,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             if row.data == "generate":
                 assert all(spec.generate.samples == row.samples for spec in featcal.data.values())
             else:
-                assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal.jsonl") for spec in featcal.data.values())
+                assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal-bos.jsonl") for spec in featcal.data.values())
             seen.add(row.name)
     assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults", "featcal defaults + head",
             "featcal defaults, 256 records", "regmean++, 256 records", "stack: regmean++ → featcal defaults, 256 records"} <= seen
