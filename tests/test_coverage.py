@@ -158,3 +158,15 @@ def test_regmean_takes_coverage_weights_when_asked(tmp_path):
     assert covered["expert_weights"] == {name: round(w, 4) for name, w in coverage_weights(*split_base(covered["coverage_nll"])).items()}
     assert not torch.equal(read_weights(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"],
                            read_weights(tmp_path / "cov")["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_non_finite_nll_is_one_line_naming_the_model_not_a_silent_weight(tmp_path, monkeypatch):
+    import featcal_llm.engine.coverage as coverage_module
+    from featcal_llm.errors import FeatCalError
+
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (4, 2))
+    real = coverage_module.batch_nll_sums
+    monkeypatch.setattr(coverage_module, "batch_nll_sums", lambda head, hidden, batch: (float("nan"), real(head, hidden, batch)[1]))
+    with pytest.raises(FeatCalError, match=r"balance: coverage: .*NLL on expert .* is not finite") as error:
+        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage"), progress=False)
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()

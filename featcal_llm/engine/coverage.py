@@ -10,6 +10,7 @@ scores its shard of the sample and the sums are added, so ranks agree.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -19,6 +20,7 @@ from featcal_llm.engine.drift import KL_CHUNK, Head, spaced_sample
 from featcal_llm.engine.prefetch import LayerPrefetcher
 from featcal_llm.engine.streams import HostStore, TokenBatch, make_batches
 from featcal_llm.engine.transfer import on_device
+from featcal_llm.errors import FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, coverage_shares, coverage_weights
@@ -84,6 +86,11 @@ def model_losses(runner: LayerRunner, store: HostStore, models, sequences: dict[
         for task in batches:
             losses[model][task] = sums[position] / max(sums[position + 1], 1.0)
             position += 2
+    for model, row in losses.items():
+        for task, loss in row.items():
+            if not math.isfinite(loss):
+                raise FeatCalError(f"balance: coverage: {readers[model].what}'s NLL on expert {task}'s records is not finite; "
+                                   "check that model's weights, or set balance: equal")
     base = losses.pop(BASE)
     return losses, base
 
