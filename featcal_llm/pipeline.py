@@ -399,9 +399,9 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     staging = _staging(comm, partial, run_fingerprint)
     spill = partial / "spill" if comm.world == 1 else partial / "spill" / f"rank-{comm.rank}"
     store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=compute_device.type == "cuda")
-    weights, coverage = expert_weights(featcal, runner, store, models, sequences, merged_config.num_hidden_layers, comm)
-    plan = replace(plan, task_weights=weights)
     context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer(), comm=comm)
+    weights, coverage = expert_weights(context, featcal, sequences, merged_config.num_hidden_layers)
+    context.plan = plan = replace(plan, task_weights=weights)
     replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
     comm.barrier()
     if not comm.is_main:

@@ -28,16 +28,16 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.maths.objective import GroupSystem
 
 
+def embedded(ctx: RunContext, reader, batches: list[TokenBatch], what: str) -> list[torch.Tensor]:
+    """Layer 0's input of every batch through `reader`'s embedding (the family's embedding step), as a host stream."""
+    embedding = reader.get(ctx.plan.architecture.embed_tokens)
+    return [ctx.store.store(ctx.runner.embed(b, embedding, what), b.keep) for b in batches]
+
+
 def initial_streams(ctx: RunContext, batches: dict[str, list[TokenBatch]]) -> tuple[Streams, Streams]:
     """h_cal from the merged embedding for every task; h_exp,i from expert i's own (both through the family's embedding step)."""
-    name = ctx.plan.architecture.embed_tokens
-
-    def stream(reader, task_batches: list[TokenBatch], what: str) -> list[torch.Tensor]:
-        embedding = reader.get(name)
-        return [ctx.store.store(ctx.runner.embed(b, embedding, what), b.keep) for b in task_batches]
-
-    cal = {task: stream(ctx.models.merged, task_batches, "merged model") for task, task_batches in batches.items()}
-    experts = {task: stream(ctx.models.experts[task], task_batches, f"expert {task}") for task, task_batches in batches.items()}
+    cal = {task: embedded(ctx, ctx.models.merged, task_batches, "merged model") for task, task_batches in batches.items()}
+    experts = {task: embedded(ctx, ctx.models.experts[task], task_batches, f"expert {task}") for task, task_batches in batches.items()}
     return cal, experts
 
 

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from featcal_llm import runlog
+from featcal_llm.engine.calibrate import advance, embedded
 from featcal_llm.engine.drift import KL_CHUNK, Head, spaced_sample
 from featcal_llm.engine.prefetch import LayerPrefetcher
-from featcal_llm.engine.streams import HostStore, TokenBatch, make_batches
+from featcal_llm.engine.streams import TokenBatch, make_batches
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, coverage_shares, coverage_weights
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
 
 BASE = "base"
 
@@ -41,29 +45,24 @@ def batch_nll_sums(head: Head, hidden: torch.Tensor, batch: TokenBatch) -> tuple
     return total, int(scored.sum())
 
 
-def model_losses(runner: LayerRunner, store: HostStore, models, sequences: dict[str, list[list[int]]], num_layers: int,
-                 batch_tokens: int, comm) -> tuple[Losses, dict[str, float]]:
+def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_layers: int, batch_tokens: int) -> tuple[Losses, dict[str, float]]:
     """Mean next-token NLL of each expert (and of the base) on a sample of each expert's records.
 
-    `models`: the run's Models; `sequences`: this rank's shard of the sample. Returns
-    (expert i → expert j → NLL, expert j → the base's NLL).
+    `sequences`: this rank's shard of the sample. Returns (expert i → expert j → NLL, expert j → the base's NLL).
     """
+    models, runner = ctx.models, ctx.runner
     readers = {BASE: models.base, **models.experts}
     batches = {task: make_batches(seqs, batch_tokens, pad_id=0) for task, seqs in sequences.items()}
-    embed = runner.architecture.embed_tokens
-    streams = {model: {task: [store.store(runner.embed(b, reader.get(embed), reader.what), b.keep) for b in task_batches]
-                       for task, task_batches in batches.items()} for model, reader in readers.items()}
-    prefetcher = LayerPrefetcher(models.merged, models.base, models.experts, runner.architecture.prefix, num_layers,
-                                 pin=runner.device.type == "cuda")
+    streams = {model: {task: embedded(ctx, reader, task_batches, reader.what) for task, task_batches in batches.items()}
+               for model, reader in readers.items()}
+    prefetcher = LayerPrefetcher(None, models.base, models.experts, runner.architecture.prefix, num_layers, pin=runner.device.type == "cuda")
     try:
         for layer in range(num_layers):
             tensors = prefetcher.get(layer)
             for model, weights in ((BASE, tensors.base), *tensors.experts.items()):
                 module = runner.build(layer, weights, readers[model].what)
                 for task, task_batches in batches.items():
-                    stream = streams[model][task]
-                    for index, (batch, (hidden,)) in enumerate(zip(task_batches, on_device(runner.device, stream))):
-                        stream[index] = store.store(runner.forward(module, hidden, runner.context(batch, hidden)), batch.keep)
+                    advance(ctx, module, task_batches, streams[model][task])
                 del module
             del tensors
     finally:
@@ -78,7 +77,7 @@ def model_losses(runner: LayerRunner, store: HostStore, models, sequences: dict[
                 total, count = total + batch_total, count + batch_count
             sums += [total, float(count)]
         del head
-    sums = comm.sum_floats(sums)
+    sums = ctx.comm.sum_floats(sums)
     losses: Losses = {}
     position = 0
     for model in readers:
@@ -111,8 +110,7 @@ def describe(weights: dict[str, float], losses: Losses, base: dict[str, float], 
     return f"experts weighed by coverage ({seconds:.0f} s): " + "; ".join(parts)
 
 
-def expert_weights(featcal, runner: LayerRunner, store: HostStore, models, sequences: dict[str, list[list[int]]], num_layers: int,
-                   comm) -> tuple[dict[str, float], Losses | None]:
+def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[int]]], num_layers: int) -> tuple[dict[str, float], Losses | None]:
     """Each expert's weight in the objective: `data.<expert>.weight` where given, else by the block's `balance:`.
 
     Returns the weights and, when the coverage pass ran, its losses (model → records → NLL, the base under BASE).
@@ -123,7 +121,7 @@ def expert_weights(featcal, runner: LayerRunner, store: HostStore, models, seque
         return {name: given.get(name, 1.0) for name in featcal.data}, None
     runlog.stage(f"weighing the experts by coverage: {COVERAGE_RECORDS} records per expert through the base and every expert")
     started = time.perf_counter()
-    losses, base = model_losses(runner, store, models, comm.shard(coverage_sample(sequences)), num_layers, featcal.batch_tokens, comm)
+    losses, base = model_losses(ctx, ctx.comm.shard(coverage_sample(sequences)), num_layers, featcal.batch_tokens)
     covered = coverage_weights(losses, base)
     weights = {name: given.get(name, covered[name]) for name in featcal.data}
     runlog.stage(describe(weights, losses, base, short_names(list(featcal.data)), time.perf_counter() - started,
