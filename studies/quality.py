@@ -9,7 +9,8 @@ and ``D/mix/{train,cal,prompts}.jsonl`` for the broad expert; a few MB) so that 
 fully fine-tuned (code, prose, c, and a broad one on the mix), then per setting (``narrow``: code/prose/c;
 ``broad``: broad/code/c) the rows of ``quality_setup.rows`` through the product's own recipe path, most important
 first: the Task Arithmetic merge, FeatCal with the product's defaults and with ``auto``; RegMean++ on a linear
-merge and the stacks; ``auto`` choosing by the output criterion; a global sweep; 64 vs 256 generated samples. Every model is scored on every
+merge and the stacks; ``auto`` choosing by the output criterion; a global sweep; 64 vs 256 generated samples; the data-free
+default (``generate:`` with no prompts) and two ways of sampling it. Every model is scored on every
 domain (held-out NLL, KL to the domain's expert) as soon as it exists, and ``results.md``/``results.json`` are
 rewritten after each. ``--budget-s`` skips the rows that would start after that many seconds.
 """
@@ -248,7 +249,7 @@ class Study:
             return True
         merged, output = self.merged_dir(setting_name, row), self.output_dir(setting_name, row.name)
         quick_row = row
-        if args.quick and row.data == "generate":
+        if args.quick and row.data in ("generate", "self"):
             quick_row = replace(row, samples=min(row.samples, 2))
         if args.quick and row.records:
             quick_row = replace(row, records=8)
@@ -278,7 +279,7 @@ class Study:
         seconds = time.time() - started
         generated = self.work / Path(output).parent / "featcal_generated"
         generation = sum(json.loads(p.read_text()).get("seconds", 0) for p in generated.glob("*.json")) \
-            if row.data == "generate" and generated.exists() else 0.0
+            if row.data in ("generate", "self") and generated.exists() else 0.0
         record[name] = {"seconds": round(seconds, 1), "generation_s": round(generation, 1), "merged_first": merging,
                         "recipe": str(recipe.relative_to(self.work))}
         self.timed(f"{setting_name}: {row.name}", seconds)
@@ -287,7 +288,7 @@ class Study:
             self.score(merge_row, self.work / merged, [setting_name])
             record.setdefault(merge_row, {})
         self.score(name, self.work / output, [setting_name])
-        if generated.exists() and row.data == "generate":
+        if generated.exists() and row.data in ("generate", "self"):
             shutil.rmtree(generated, ignore_errors=True)  # the next generate row writes its own
         self.report()
         return True

@@ -47,8 +47,10 @@ class Row:
     method: str = "featcal"  # featcal, regmean++, or STACK
     keys: dict = field(default_factory=dict)  # extra featcal: keys (lambda, alpha, rho, reduction, samples)
     merged: str = "ta"  # ta (Task Arithmetic) or linear
-    data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings
-    samples: int | None = None  # generate: samples per expert
+    data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings; self: the
+    # experts write from the start the product chooses (`generate:` with no prompts), with `sampling`'s keys
+    samples: int | None = None  # generate, self: samples per expert
+    sampling: tuple[tuple[str, float], ...] = ()  # self: more `generate:` keys (top_p, temperature)
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
     weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
     settings: tuple[str, ...] = ()  # the settings the row is run in (empty: every setting)
@@ -77,6 +79,9 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     if phase == "generate":
         return [Row(f"featcal defaults{head}, generate {n}", keys=keys, data="generate", samples=n)
                 for n in samples for head, keys in (("", {}), (" + head", HEAD))]
+    if phase == "self":  # data-free: each expert writes its calibration text from the start the product chooses
+        return [Row(f"featcal defaults, generate {{}} 64{label}", data="self", samples=64, sampling=sampling)
+                for label, sampling in (("", ()), (", top_p 0.9", (("top_p", 0.9),)), (", temperature 0.7", (("temperature", 0.7),)))]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
         broad = ("broad",)
         return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),), settings=broad),
@@ -104,7 +109,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "balance", "regmean", "generate", "weights", "head", "auto", "levers", "sweep")
+PHASES = ("core", "balance", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:
@@ -133,6 +138,9 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
     for kind in setting.experts:
         if row.data == "cal":
             spec = f"{{path: data/{kind}/cal{AS_TRAINED}.jsonl, format: text}}"
+        elif row.data == "self":
+            keys = {"samples": row.samples, "max_new_tokens": record_tokens, **dict(row.sampling)}
+            spec = f"{{generate: {_yaml_value(keys)}}}"
         else:
             spec = (f"{{generate: {{prompts: data/{kind}/prompts{AS_TRAINED}.jsonl, samples: {row.samples}, "
                     f"max_new_tokens: {record_tokens - prompt_tokens}, chat_template: \"off\", seed: {seed}}}}}")

@@ -72,11 +72,18 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             assert sum(spec.weight != 1 for spec in featcal.data.values()) == sum(k in SETTINGS[setting].experts for k, _ in row.weights)
             if row.data == "generate":
                 assert all(spec.generate.samples == row.samples for spec in featcal.data.values())
+            elif row.data == "self":  # data-free: no prompts, no forced start; the row's sampling keys, the rest the product's
+                for spec in featcal.data.values():
+                    assert spec.path is None and spec.generate.samples == row.samples and spec.generate.prompts is None
+                    assert spec.generate.chat_template == "auto" and spec.generate.start is None
+                    sampling = {"top_p": 1.0, "temperature": 1.0, **dict(row.sampling)}
+                    assert (spec.generate.top_p, spec.generate.temperature) == (sampling["top_p"], sampling["temperature"])
             else:
                 assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal-bos.jsonl") for spec in featcal.data.values())
             seen.add(row.name)
     assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults", "featcal defaults + head",
-            "featcal defaults, 256 records", "regmean++, 256 records", "stack: regmean++ → featcal defaults, 256 records"} <= seen
+            "featcal defaults, 256 records", "regmean++, 256 records", "stack: regmean++ → featcal defaults, 256 records",
+            "featcal defaults, generate {} 64", "featcal defaults, generate {} 64, top_p 0.9"} <= seen
 
 
 def test_defaults_row_leaves_the_products_defaults(tmp_path, monkeypatch):
