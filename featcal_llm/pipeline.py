@@ -23,6 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
+from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
 from featcal_llm.engine.method import head_setting, objective_for
@@ -39,13 +40,12 @@ from featcal_llm.family.compat import check_embedding_rows, check_family_setting
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, drift_sample, write_report
-from featcal_llm.errors import QUIET, FeatCalError, warn
+from featcal_llm.errors import QUIET, FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
-from featcal_llm.io.block import check_device
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
@@ -60,79 +60,6 @@ from featcal_llm.engine.streams import HostStore, make_batches
 from featcal_llm.engine.tuning import split_holdout, tuning_report, tuning_table
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-
-
-def resolve_device(requested: str) -> torch.device:
-    check_device(requested, "device")  # a caller's override, checked as the recipe key is
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise FeatCalError(f"featcal.device: {requested} requested but CUDA is not available")
-    return torch.device(requested)
-
-
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): there bf16 layers run 3-4× faster than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(requested: str, device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
-    """Compute dtype: bfloat16 on GPUs; on CPUs the checkpoint's bfloat16 where the CPU has bf16 units, else float32."""
-    if requested != "auto":
-        return getattr(torch, requested)
-    if device.type == "cuda" or (stored == torch.bfloat16 and native_bf16_matmul()):
-        return torch.bfloat16
-    return torch.float32
-
-
-# float32 statistics are used only where the ridge keeps their rounding under 1e-5 relative on ΔW (docs/benchmark.md)
-FLOAT32_STATS_MIN_LAMBDA = 1e-2
-
-
-def stored_dtype(config: Any) -> torch.dtype | None:
-    """The dtype a checkpoint's config says its weights are stored in (transformers 5: `dtype`; older: `torch_dtype`)."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else None
-
-
-def fast_float64(device: torch.device) -> bool:
-    """CPUs and data-centre GPUs (A100, H100/H200, B100/B200) multiply float64 at a useful rate; other GPUs at 1/64 of float32."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) in {(8, 0), (9, 0), (10, 0)}
-
-
-def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Precision of the statistics products: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
-
-    The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
-    and float32 sums perturb them by the products' own rounding (not by the
-    order of the additions: a float64 running total per batch or Kahan
-    summation change nothing, measured). On SmolLM2-135M shapes float32 products
-    move ΔW by ≤ 3.8e-6 relative at λ = 1e-2 but by 5.6e-4 at λ = 1e-5
-    (`python -m featcal_llm.benchmark.precision`). A tuned run passes its smallest
-    candidate; float64 features always get float64 sums. A GPU without fast
-    float64 keeps float32 below λ = 1e-2 (float64 would cost hours per model there), with a warning.
-    """
-    if requested != "auto":
-        return getattr(torch, requested)
-    if compute_dtype == torch.float64:
-        return torch.float64
-    if smallest_lambda >= FLOAT32_STATS_MIN_LAMBDA:
-        return torch.float32
-    if not fast_float64(device):
-        warn(
-            f"featcal.stats_dtype: lambda {smallest_lambda:g} < {FLOAT32_STATS_MIN_LAMBDA:g} on a GPU without fast float64: "
-            "statistics use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
-        )
-        return torch.float32
-    return torch.float64
 
 
 def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:

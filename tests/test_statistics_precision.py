@@ -86,8 +86,8 @@ def test_group_moment_gives_the_per_projection_crosses():
 def test_auto_statistics_precision_follows_the_ridge(monkeypatch, capsys):
     """float32 products only where λ bounds their effect on ΔW (every λ of a tuned run), never for float64 features;
     a GPU without fast float64 keeps float32 below the threshold, and says so."""
-    import featcal_llm.pipeline as pipeline
-    from featcal_llm.pipeline import FLOAT32_STATS_MIN_LAMBDA, resolve_stats_dtype
+    import featcal_llm.engine.devices as devices
+    from featcal_llm.engine.devices import FLOAT32_STATS_MIN_LAMBDA, resolve_stats_dtype
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert FLOAT32_STATS_MIN_LAMBDA == 1e-2
@@ -98,12 +98,12 @@ def test_auto_statistics_precision_follows_the_ridge(monkeypatch, capsys):
     assert resolve_stats_dtype("float32", 1e-5, torch.float32, cpu) == torch.float32
     assert resolve_stats_dtype("float64", 3.0, torch.float32, cpu) == torch.float64
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(pipeline, "fast_float64", lambda device: device.type != "cuda")
+    monkeypatch.setattr(devices, "fast_float64", lambda device: device.type != "cuda")
     assert resolve_stats_dtype("auto", 1e-5, torch.bfloat16, gpu) == torch.float32
     assert "stats_dtype: float64" in capsys.readouterr().err
     assert resolve_stats_dtype("auto", 1e-2, torch.bfloat16, gpu) == torch.float32
     assert resolve_stats_dtype("float64", 1e-5, torch.bfloat16, gpu) == torch.float64
-    monkeypatch.setattr(pipeline, "fast_float64", lambda device: True)
+    monkeypatch.setattr(devices, "fast_float64", lambda device: True)
     assert resolve_stats_dtype("auto", 1e-5, torch.bfloat16, gpu) == torch.float64
     assert capsys.readouterr().err == ""
 
@@ -144,20 +144,20 @@ def test_float32_statistics_at_the_auto_threshold_match_float64_on_the_update(me
 
 def test_auto_compute_dtype_uses_bf16_units_for_bf16_checkpoints(monkeypatch):
     """CPUs with bf16 units compute a bf16 checkpoint in bf16 (as GPUs do); otherwise float32; an explicit dtype wins."""
-    import featcal_llm.pipeline as pipeline
+    import featcal_llm.engine.devices as devices
     from transformers import LlamaConfig
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     config = LlamaConfig(dtype="bfloat16")
-    assert pipeline.stored_dtype(config) == torch.bfloat16 and pipeline.stored_dtype(LlamaConfig()) is None
-    monkeypatch.setattr(pipeline, "native_bf16_matmul", lambda: True)
-    assert pipeline.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16
-    assert pipeline.resolve_dtype("auto", cpu, torch.float32) == torch.float32
-    assert pipeline.resolve_dtype("auto", cpu, None) == torch.float32
-    assert pipeline.resolve_dtype("float32", cpu, torch.bfloat16) == torch.float32
-    monkeypatch.setattr(pipeline, "native_bf16_matmul", lambda: False)
-    assert pipeline.resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
-    assert pipeline.resolve_dtype("auto", gpu, torch.float32) == torch.bfloat16
+    assert devices.stored_dtype(config) == torch.bfloat16 and devices.stored_dtype(LlamaConfig()) is None
+    monkeypatch.setattr(devices, "native_bf16_matmul", lambda: True)
+    assert devices.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16
+    assert devices.resolve_dtype("auto", cpu, torch.float32) == torch.float32
+    assert devices.resolve_dtype("auto", cpu, None) == torch.float32
+    assert devices.resolve_dtype("float32", cpu, torch.bfloat16) == torch.float32
+    monkeypatch.setattr(devices, "native_bf16_matmul", lambda: False)
+    assert devices.resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert devices.resolve_dtype("auto", gpu, torch.float32) == torch.bfloat16
 
 
 def test_run_picks_the_statistics_precision_from_every_lambda_it_may_use(merged_scenario, tmp_path, monkeypatch):

@@ -127,7 +127,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from featcal_llm.engine.context import Models
     from featcal_llm.io.checkpoint import copy_side_files, write_calibrated_checkpoint
     from featcal_llm.family.layers import LayerRunner
-    from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
+    from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype
     from featcal_llm.engine.plan import CalibrationPlan
     from featcal_llm.engine.objectives import FeatCal
     from featcal_llm.maths.objective import Hyperparameters

@@ -65,7 +65,7 @@ def main(hidden, intermediate, heads, kv_heads, layers, vocab, experts, sequence
     from featcal_llm.io.checkpoint import CheckpointReader
     from featcal_llm.engine.drift import Probe
     from featcal_llm.family.layers import LayerRunner
-    from featcal_llm.pipeline import resolve_device, resolve_dtype, resolve_stats_dtype
+    from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype
     from featcal_llm.engine.plan import CalibrationPlan
     from featcal_llm.engine.objectives import FeatCal
     from featcal_llm.maths.objective import Hyperparameters

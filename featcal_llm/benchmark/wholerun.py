@@ -170,7 +170,7 @@ def _delta_difference(product: Path, baseline: Path, merged: Path) -> dict:
 
 def run_whole(spec: WholeRunSpec, workdir: Path, lam: float, baseline: bool, log, dtype: str = "auto", stats_dtype: str = "auto", method: str = "featcal") -> dict:
     """Build (cached), run the product with `method` and (optionally, FeatCal only) the baseline; raw measurements as a dict."""
-    from featcal_llm.pipeline import resolve_dtype, resolve_stats_dtype
+    from featcal_llm.engine.devices import resolve_dtype, resolve_stats_dtype
 
     workdir.mkdir(parents=True, exist_ok=True)
     recipe = build(spec, workdir, lam, log, dtype, stats_dtype, method)
