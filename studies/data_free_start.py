@@ -12,8 +12,8 @@
 3. per family, one Task Arithmetic merge and a FeatCal run per calibration setting, through the product's CLI:
    ``real`` (the cal split, as the expert saw its text), ``auto`` (``generate: {}``: the start measured per expert),
    ``bos`` (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4``
-   (``generate: {samples: 4 × cal}``), ``top_p90`` (``generate: {top_p: 0.9}``), ``temp07``
-   (``generate: {temperature: 0.7}``). FeatCal's lambda/alpha/rho are the product's defaults unless given. The
+   (``generate: {samples: 4 × cal}``), ``temp1`` (``generate: {temperature: 1}``: the expert's own distribution),
+   ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``). FeatCal's lambda/alpha/rho are the product's defaults unless given. The
    settings run setting by setting across both families (``real`` and ``auto`` first), so that a ``--budget-s`` cut
    leaves the main comparison complete. Where ``auto`` chose the same start for every expert of a family, the forced
    setting with that start would draw the very same samples (same seed and settings): it is not run again but
@@ -43,9 +43,9 @@ from studies import real_data as rd
 from studies.real_models import rows_nll, train_rows
 
 FAMILIES = ("raw", "chat")
-SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "top_p90", "temp07")  # in priority order: a budget cut drops the last
+SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90")  # in priority order: a budget cut drops the last
 GENERATE = {"auto": {}, "bos": {"chat_template": '"off"'}, "chat": {"chat_template": '"on"'},
-            "top_p90": {"top_p": 0.9}, "temp07": {"temperature": 0.7}}
+            "temp1": {"temperature": 1.0}, "top_p90": {"temperature": 1.0, "top_p": 0.9}}
 QUICK = {"steps": 1, "train_records": 2, "cal_records": 4, "test_records": 2, "chars": 120, "max_length": 64,
          "max_new_tokens": 16}
 

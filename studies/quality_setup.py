@@ -50,7 +50,7 @@ class Row:
     data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings; self: the
     # experts write from the start the product chooses (`generate:` with no prompts), with `sampling`'s keys
     samples: int | None = None  # generate, self: samples per expert
-    sampling: tuple[tuple[str, float], ...] = ()  # self: more `generate:` keys (top_p, temperature)
+    sampling: tuple[tuple[str, float], ...] = ()  # self: more `generate:` keys (temperature, top_p; default the product's)
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
     weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
     settings: tuple[str, ...] = ()  # the settings the row is run in (empty: every setting)
@@ -81,7 +81,8 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                 for n in samples for head, keys in (("", {}), (" + head", HEAD))]
     if phase == "self":  # data-free: each expert writes its calibration text from the start the product chooses
         return [Row(f"featcal defaults, generate {{}} 64{label}", data="self", samples=64, sampling=sampling)
-                for label, sampling in (("", ()), (", top_p 0.9", (("top_p", 0.9),)), (", temperature 0.7", (("temperature", 0.7),)))]
+                for label, sampling in (("", ()), (", temperature 1", (("temperature", 1.0),)),
+                                        (", temperature 1, top_p 0.9", (("temperature", 1.0), ("top_p", 0.9))))]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
         broad = ("broad",)
         return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),), settings=broad),

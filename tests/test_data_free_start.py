@@ -33,8 +33,8 @@ def test_settings_and_overrides():
     assert _featcal(dfs.recipe_text("raw", "bos", args))["data"]["raw/c"] == {"generate": {"chat_template": "off"}}
     assert _featcal(dfs.recipe_text("raw", "chat", args))["data"]["raw/c"] == {"generate": {"chat_template": "on"}}
     assert _featcal(dfs.recipe_text("raw", "auto_x4", args))["data"]["raw/c"] == {"generate": {"samples": 4 * args.cal_records}}
-    assert _featcal(dfs.recipe_text("raw", "top_p90", args))["data"]["raw/c"] == {"generate": {"top_p": 0.9}}
-    assert _featcal(dfs.recipe_text("chat", "temp07", args))["data"]["chat/c"] == {"generate": {"temperature": 0.7}}
+    assert _featcal(dfs.recipe_text("raw", "top_p90", args))["data"]["raw/c"] == {"generate": {"temperature": 1.0, "top_p": 0.9}}
+    assert _featcal(dfs.recipe_text("chat", "temp1", args))["data"]["chat/c"] == {"generate": {"temperature": 1.0}}
     args.max_new_tokens = 32
     assert _featcal(dfs.recipe_text("raw", "auto", args))["data"]["raw/c"] == {"generate": {"max_new_tokens": 32}}
 

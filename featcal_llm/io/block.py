@@ -30,9 +30,10 @@ def beside_recipe(path: str, base_dir: Path | None) -> Path:
 class GenerateSpec(BaseModel):
     """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, or continuing prompts.
 
-    Defaults sample the expert's own distribution (temperature 1, no top-p or
-    top-k cut): calibration wants inputs on which the expert behaves as itself,
-    not its most likely text, which repeats itself far more often.
+    Defaults sample at temperature 0.7 with no top-p or top-k cut: calibration wants inputs on which the expert behaves
+    as itself, and a cooler draw keeps a small expert's samples on its own kind of text (measured: a larger share of
+    the merge's gap recovered than at temperature 1 for raw-text, chat-tuned and broad experts, docs/data-free.md);
+    the samples that fall into repetition loops are dropped and drawn again.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -41,7 +42,7 @@ class GenerateSpec(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, description="default 512, at most featcal.max_length (calibration sees no token past it)")
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
-    temperature: float = Field(1.0, ge=0.0, description="0: greedy")
+    temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
     seed: int | None = Field(None, description="default featcal.seed")
     chat_template: Literal["auto", "on", "off"] = Field(
