@@ -355,10 +355,10 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied}}
-    from featcal_llm.generation.run import start_records
+    from featcal_llm.generation.run import sampling_records, start_records
 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
-               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage)
+               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage, sampling_records(recipe))
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None

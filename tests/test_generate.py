@@ -391,3 +391,36 @@ def test_unquoted_yaml_switches_and_per_expert_streams(merged_scenario, tmp_path
     assert recipe.featcal.data[names[0]].generate.chat_template == "off"
     assert [generation_run.settings_of(recipe, n)["stream"] for n in names[:2]] == [0, 1]
     assert generation_run.settings_of(recipe, names[0])["seed"] == generation_run.settings_of(recipe, names[1])["seed"]
+
+
+def test_the_saved_recipe_spells_out_the_sampling_and_replays_the_same_samples(merged_scenario, tmp_path, count_samplers, monkeypatch):
+    """featcal_recipe.yml writes out each `generate:` expert's sampling settings, so its replay reuses the very samples
+    (and gives the same weights) even under a later version whose sampling defaults differ; file-backed experts stay as written."""
+    from featcal_llm.io.card import PINNED_SAMPLING
+    from featcal_llm.io.recipe import load_recipe
+
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0, 1), chat_template="off")
+    names = [m["model"] for m in yaml.safe_load(path.read_text())["models"]]
+    run_recipe(path, progress=False)
+    first = (tmp_path / "out" / "model.safetensors").read_bytes()
+    saved_text = (tmp_path / "out" / "featcal_recipe.yml").read_text()
+    saved = yaml.safe_load(saved_text)["featcal"]["data"]
+    original = load_recipe(path)
+    for name in names[:2]:
+        resolved = generation_run.settings_of(original, name)
+        assert {key: saved[name]["generate"][key] for key in PINNED_SAMPLING} == {key: resolved[key] for key in PINNED_SAMPLING}
+    assert saved[names[2]] == yaml.safe_load(path.read_text())["featcal"]["data"][names[2]]
+
+    settings_of = generation_run.settings_of
+
+    def later_defaults(recipe, name):  # a version that samples cooler and longer unless the recipe says otherwise
+        settings, given = settings_of(recipe, name), recipe.featcal.data[name].generate.model_fields_set
+        return settings | {key: value for key, value in (("temperature", 0.3), ("max_new_tokens", 9)) if key not in given}
+
+    monkeypatch.setattr(generation_run, "settings_of", later_defaults)
+    replay = tmp_path / "replay.yaml"
+    replay.write_text(saved_text)
+    opened = len(count_samplers)
+    run_recipe(replay, force=True, progress=False)
+    assert len(count_samplers) == opened  # both sets reused: nothing sampled again
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == first

@@ -268,6 +268,11 @@ def _warn_look_alike(recipe: Recipe, sets: dict[str, list[list[int]]]) -> None:
         )
 
 
+def sampling_records(recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """Expert name → the resolved sampling settings of each `generate:` expert (written out in the saved recipe)."""
+    return {e.name: settings_of(recipe, e.name) for e in recipe.experts if recipe.featcal.data[e.name].generate is not None}
+
+
 def start_records(recipe: Recipe) -> dict[str, dict]:
     """Expert name → how its generated set began ({"start", "mode", "chosen_by", "scores"}), from the sets' records."""
     import json

@@ -103,10 +103,34 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
     return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
 
 
+PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")  # what a default change could move
+SAMPLING_HEADER = (
+    "# Written by featcal-llm: the recipe as run, with the sampling settings each `generate:` expert used written out,\n"
+    "# so that running it again draws the same samples (and reuses them) whatever a later version's defaults are.\n"
+)
+
+
+def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
+    """The recipe text with each `generate:` expert's resolved sampling settings (`sampling`: name → settings) explicit."""
+    if not sampling:
+        return text
+    raw = yaml.safe_load(text)
+    for name, settings in sampling.items():
+        spec = raw["featcal"]["data"][name]
+        if not isinstance(spec.get("generate"), dict):  # `generate:` written bare
+            spec["generate"] = {}
+        generate = spec["generate"]
+        for key in PINNED_SAMPLING:
+            generate.setdefault(key, settings[key])
+    header = "" if text.startswith(REPLAY_HEADER) else SAMPLING_HEADER
+    return header + yaml.safe_dump(raw, sort_keys=False)
+
+
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
     starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
+    sampling: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
 
@@ -115,7 +139,8 @@ def write_card(
     (`projections`, `every_projection`) and whether norms and biases were (`norms`, `biases`).
     `starts`: how each `generate:` expert began its samples (generation.run.start_records).
     `weights`: each expert's weight in the objective as the run used it; `coverage`: the
-    NLLs the coverage weights came from (engine.coverage.expert_weights).
+    NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
+    expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -139,6 +164,7 @@ def write_card(
             + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps}"
         )
         saved = replay_text(recipe, tuning, precisions or {})
+    saved = with_sampling_pinned(saved, sampling or {})
     starts = starts or {}
     if starts:
         saved = saved.rstrip("\n") + "\n" + "".join(
