@@ -424,3 +424,17 @@ def test_the_saved_recipe_spells_out_the_sampling_and_replays_the_same_samples(m
     run_recipe(replay, force=True, progress=False)
     assert len(count_samplers) == opened  # both sets reused: nothing sampled again
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == first
+
+
+def test_writing_out_the_sampling_keeps_what_the_recipe_says_and_a_replay_header():
+    """Given keys win over resolved ones; a bare `generate:` gets a mapping; a tuned run's replay header survives."""
+    from featcal_llm.io.card import PINNED_SAMPLING, REPLAY_HEADER, SAMPLING_HEADER, with_sampling_pinned
+
+    text = "models: []\nfeatcal:\n  data:\n    a: {generate: {temperature: 0.2}}\n    b: {generate: null}\n    c: {path: c.jsonl}\n"
+    resolved = dict(zip(PINNED_SAMPLING, (16, 0.7, 1.0, 3, 32)))
+    out = with_sampling_pinned(text, {"a": resolved | {"temperature": 0.2}, "b": resolved})
+    data = yaml.safe_load(out)["featcal"]["data"]
+    assert data["a"]["generate"] == dict(zip(PINNED_SAMPLING, (16, 0.2, 1.0, 3, 32)))
+    assert data["b"]["generate"] == resolved and data["c"] == {"path": "c.jsonl"}
+    assert out.startswith(SAMPLING_HEADER) and with_sampling_pinned(text, {}) == text
+    assert with_sampling_pinned(REPLAY_HEADER + text, {"b": resolved}).startswith(REPLAY_HEADER)

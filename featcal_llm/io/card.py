@@ -122,7 +122,10 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
         generate = spec["generate"]
         for key in PINNED_SAMPLING:
             generate.setdefault(key, settings[key])
-    header = "" if text.startswith(REPLAY_HEADER) else SAMPLING_HEADER
+    if text.startswith(REPLAY_HEADER):  # a tuned run's replay: its header stays (loading the YAML drops comments)
+        header = REPLAY_HEADER + "# The sampling settings of each `generate:` expert are written out as well.\n"
+    else:
+        header = SAMPLING_HEADER
     return header + yaml.safe_dump(raw, sort_keys=False)
 
 
