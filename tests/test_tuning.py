@@ -278,6 +278,7 @@ def test_shipped_auto_recipe_is_the_one_demo_auto_writes():
     shipped = (Path(__file__).parent.parent / "recipes" / "demo-auto.yaml").read_text()
     assert shipped == recipe_text(FULL.replace(auto=True))
     assert "lambda: auto" in shipped and "alpha: auto" in shipped and "rho: auto" in shipped
+    assert "tune: {criterion: output}" in shipped  # the criterion that did at least as well as the drift on every demo seed
 
 
 def test_tuning_cost_benchmark_runs_every_mode(tmp_path):
