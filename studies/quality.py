@@ -249,7 +249,7 @@ class Study:
             return True
         merged, output = self.merged_dir(setting_name, row), self.output_dir(setting_name, row.name)
         quick_row = row
-        if args.quick and row.data in ("generate", "self"):
+        if args.quick and row.generates:
             quick_row = replace(row, samples=min(row.samples, 2))
         if args.quick and row.records:
             quick_row = replace(row, records=8)
@@ -279,7 +279,7 @@ class Study:
         seconds = time.time() - started
         generated = self.work / Path(output).parent / "featcal_generated"
         generation = sum(json.loads(p.read_text()).get("seconds", 0) for p in generated.glob("*.json")) \
-            if row.data in ("generate", "self") and generated.exists() else 0.0
+            if row.generates and generated.exists() else 0.0
         record[name] = {"seconds": round(seconds, 1), "generation_s": round(generation, 1), "merged_first": merging,
                         "recipe": str(recipe.relative_to(self.work))}
         self.timed(f"{setting_name}: {row.name}", seconds)
@@ -288,7 +288,7 @@ class Study:
             self.score(merge_row, self.work / merged, [setting_name])
             record.setdefault(merge_row, {})
         self.score(name, self.work / output, [setting_name])
-        if generated.exists() and row.data in ("generate", "self"):
+        if generated.exists() and row.generates:
             shutil.rmtree(generated, ignore_errors=True)  # the next generate row writes its own
         self.report()
         return True

@@ -55,6 +55,11 @@ class Row:
     weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
     settings: tuple[str, ...] = ()  # the settings the row is run in (empty: every setting)
 
+    @property
+    def generates(self) -> bool:
+        """Whether the experts write this row's calibration text (its sets are timed, then removed for the next row)."""
+        return self.data in ("generate", "self")
+
 
 # (λ, α, ρ): the product's defaults are (1e-5, 0.15, 0.5), the earlier study's fixed setting (1e-3, 0.5, 1)
 SWEEP = ((1e-3, 0.5, 1.0), (1e-3, 0.15, 0.5), (1e-1, 0.5, 1.0), (1e-5, 0.5, 1.0), (1e-3, 1.0, 1.0),
