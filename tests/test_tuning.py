@@ -269,6 +269,49 @@ def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_pa
     assert all(row["calibrated"][key] < row["merged"][key] for row in report["layers"]), merged_drift
 
 
+def test_output_criterion_is_the_geometric_mean_of_each_experts_kl_from_full_model_forwards(merged_scenario, tmp_path):
+    """The last layer's winning `output` criterion against transformers' full models on the held-out records.
+
+    After the last layer the winner's held-out stream is the calibrated model's, so its criterion is the next-token
+    KL(expert i ‖ calibrated) per expert over its held-out tokens, combined by the geometric mean (float32 models:
+    5e-9 apart); the arithmetic mean of the same KLs lies further off than the tolerance, so the test tells them apart.
+    """
+    import math
+
+    from test_exactness import calibration_sequences, load
+
+    recipe = merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), tune={"criterion": "output"}, **SINGLE)
+    output = run_recipe(recipe, progress=False)
+    chosen = json.loads((output / "featcal_tuning.json").read_text())["layers"][-1]["chosen"]["criterion"]
+    sequences = {str(merged_scenario.experts[name]): records for name, records in calibration_sequences(merged_scenario, 16, 64).items()}
+    _, held_out = split_holdout(sequences, 0.25, 0, "test")  # drawn per expert as the recipe names it
+    calibrated = load(output)
+    kls = []
+    for name, records in held_out.items():
+        expert = load(name)
+        total = tokens = 0.0
+        for sequence in records:  # one record at a time: no padding
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                log_p, log_q = expert(ids).logits.double().log_softmax(-1), calibrated(ids).logits.double().log_softmax(-1)
+            total += float((log_p.exp() * (log_p - log_q)).sum())
+            tokens += len(sequence)
+        kls.append(total / tokens)
+    geometric, arithmetic = math.exp(sum(map(math.log, kls)) / len(kls)), sum(kls) / len(kls)
+    assert abs(chosen - geometric) <= 1e-6 * geometric, (chosen, geometric, kls)
+    assert abs(arithmetic - geometric) > 1e-4 * geometric, kls  # 100 × the tolerance above
+
+
+def test_geometric_mean_keeps_an_exact_match_finite_and_a_nan_a_nan():
+    import math
+
+    from featcal_llm.engine.tuned import geometric_mean
+
+    assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0, rel=1e-15)
+    assert 0.0 < geometric_mean([0.0, 1.0]) < 1e-150  # a perfect candidate still wins, by a finite score
+    assert math.isnan(geometric_mean([math.nan, 1.0]))  # a failed candidate stays failed (+inf in the search)
+
+
 def test_shipped_auto_recipe_is_the_one_demo_auto_writes():
     from pathlib import Path
 

@@ -29,14 +29,28 @@ def criterion(
     name: str, probe: Probe, candidate: dict[str, list[torch.Tensor]], expert: dict[str, list[torch.Tensor]],
     heads: Heads | None, device: torch.device | None = None, comm=None,
 ) -> float:
-    """Mean over experts (equal weights) of the held-out drift (`hidden`) or logit-lens KL (`output`), over every rank's records."""
+    """The held-out score of one candidate over every rank's records, lower is better.
+
+    `hidden`: the arithmetic mean over experts of the relative drift, already a
+    scale-free number per expert. `output`: the geometric mean over experts of
+    the logit-lens KL, whose scale differs from expert to expert (in nats, larger
+    for an expert further from the merge); the geometric mean counts a 10 %
+    change the same for every expert, so the expert with the largest KL does not
+    decide the layer alone.
+    """
     if name == "output":
-        values = [next_token_kl(heads.merged, candidate[task], heads.experts[task], expert[task], batches, comm) for task, batches in probe.batches.items()]
-    elif comm is not None:
+        return geometric_mean([next_token_kl(heads.merged, candidate[task], heads.experts[task], expert[task], batches, comm)
+                               for task, batches in probe.batches.items()])
+    if comm is not None:
         values = list(reduced_drifts(comm, candidate, expert, probe.batches, device).values())
     else:
         values = [relative_drift(candidate[task], expert[task], batches, device) for task, batches in probe.batches.items()]
     return sum(values) / len(values)
+
+
+def geometric_mean(values: list[float]) -> float:
+    """exp(mean log v); a zero (an exact match) counts as the smallest positive float, so the mean stays finite."""
+    return math.exp(sum(math.log(max(value, math.ulp(0.0))) for value in values) / len(values))
 
 
 def _finite(streams: dict[str, list[torch.Tensor]]) -> bool:
