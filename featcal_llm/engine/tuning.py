@@ -3,9 +3,10 @@
 A tuned run selects per layer (see calibrate.py): the layer's statistics are
 recorded once on the calibration records, every candidate is solved from them
 (candidates.py), and each is scored on the held-out records by how far its
-layer output drifts from the expert's (criterion `hidden`) or by the next-token
-KL divergence through the final norm and LM head (criterion `output`, a logit
-lens). The winner advances the streams. The candidates evaluated per layer
+layer output drifts from the expert's (criterion `hidden`, averaged over
+experts) or by the next-token KL divergence through the final norm and LM head
+(criterion `output`, a logit lens; the geometric mean over experts, tuned.py says
+why). The winner advances the streams. The candidates evaluated per layer
 follow a coordinate search: every λ at the starting (α, ρ), then every α at the
 best λ, then every ρ at the best (λ, α).
 """
