@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -276,8 +277,6 @@ def test_output_criterion_is_the_geometric_mean_of_each_experts_kl_from_full_mod
     KL(expert i ‖ calibrated) per expert over its held-out tokens, combined by the geometric mean (float32 models:
     5e-9 apart); the arithmetic mean of the same KLs lies further off than the tolerance, so the test tells them apart.
     """
-    import math
-
     from test_exactness import calibration_sequences, load
 
     recipe = merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), tune={"criterion": "output"}, **SINGLE)
@@ -303,8 +302,6 @@ def test_output_criterion_is_the_geometric_mean_of_each_experts_kl_from_full_mod
 
 
 def test_geometric_mean_keeps_an_exact_match_finite_and_a_nan_a_nan():
-    import math
-
     from featcal_llm.engine.tuned import geometric_mean
 
     assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0, rel=1e-15)
