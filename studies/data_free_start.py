@@ -13,7 +13,8 @@
    ``real`` (the cal split, as the expert saw its text), ``auto`` (``generate: {}``: the start measured per expert),
    ``bos`` (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4``
    (``generate: {samples: 4 × cal}``), ``temp1`` (``generate: {temperature: 1}``: the expert's own distribution),
-   ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``). FeatCal's lambda/alpha/rho are the product's defaults unless given. The
+   ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``), ``min_p10`` (``generate: {temperature: 1, min_p: 0.1}``).
+   FeatCal's lambda/alpha/rho are the product's defaults unless given. The
    settings run setting by setting across both families (``real`` and ``auto`` first), so that a ``--budget-s`` cut
    leaves the main comparison complete. Where ``auto`` chose the same start for every expert of a family, the forced
    setting with that start would draw the very same samples (same seed and settings): it is not run again but
@@ -43,9 +44,10 @@ from studies import real_data as rd
 from studies.real_models import rows_nll, train_rows
 
 FAMILIES = ("raw", "chat")
-SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90")  # in priority order: a budget cut drops the last
+SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90", "min_p10")  # in priority order: a budget cut drops the last
 GENERATE = {"auto": {}, "bos": {"chat_template": '"off"'}, "chat": {"chat_template": '"on"'},
-            "temp1": {"temperature": 1.0}, "top_p90": {"temperature": 1.0, "top_p": 0.9}}
+            "temp1": {"temperature": 1.0}, "top_p90": {"temperature": 1.0, "top_p": 0.9},
+            "min_p10": {"temperature": 1.0, "min_p": 0.1}}
 QUICK = {"steps": 1, "train_records": 2, "cal_records": 4, "test_records": 2, "chars": 120, "max_length": 64,
          "max_new_tokens": 16}
 

@@ -35,6 +35,7 @@ def test_settings_and_overrides():
     assert _featcal(dfs.recipe_text("raw", "auto_x4", args))["data"]["raw/c"] == {"generate": {"samples": 4 * args.cal_records}}
     assert _featcal(dfs.recipe_text("raw", "top_p90", args))["data"]["raw/c"] == {"generate": {"temperature": 1.0, "top_p": 0.9}}
     assert _featcal(dfs.recipe_text("chat", "temp1", args))["data"]["chat/c"] == {"generate": {"temperature": 1.0}}
+    assert _featcal(dfs.recipe_text("raw", "min_p10", args))["data"]["raw/c"] == {"generate": {"temperature": 1.0, "min_p": 0.1}}
     args.max_new_tokens = 32
     assert _featcal(dfs.recipe_text("raw", "auto", args))["data"]["raw/c"] == {"generate": {"max_new_tokens": 32}}
 

@@ -147,6 +147,7 @@ BAD = {
     "zero new tokens": ({"generate": {"max_new_tokens": 0}}, ["generate.max_new_tokens", "greater than or equal to 1"]),
     "negative temperature": ({"generate": {"temperature": -0.5}}, ["generate.temperature"]),
     "top_p above one": ({"generate": {"top_p": 1.5}}, ["generate.top_p"]),
+    "min_p of one": ({"generate": {"min_p": 1.0}}, ["generate.min_p", "less than 1"]),
     "unknown generate key": ({"generate": {"sample": 4}}, ["generate.sample: unknown key"]),
     "prompts file missing": ({"generate": {"prompts": "/nonexistent/prompts.txt"}}, ["generate.prompts: /nonexistent/prompts.txt: prompts file not found"]),
     "prompts file empty": (_prompts_file("p.txt", "\n \n"), ["generate.prompts", "p.txt: no prompts (the file is empty)"]),
@@ -222,6 +223,7 @@ def test_the_cache_is_missed_when_settings_or_the_expert_change(merged_scenario,
     assert run() is False  # hit
     assert run(temperature=0.5) is True  # a setting changed
     assert run(temperature=0.5) is False
+    assert run(temperature=0.5, min_p=0.05) is True
     assert run(temperature=0.5, max_new_tokens=8) is True
     samples = root / GENERATED_DIR / "expert-copy.jsonl"
     samples.write_text(samples.read_text().replace('"text"', '"text" ', 1))  # edited by hand: not the recorded set
@@ -294,16 +296,24 @@ def test_dropped_samples_are_replaced_by_new_rounds(merged_scenario, tmp_path, m
 
 
 def test_gumbel_sampling_draws_from_the_softmax():
-    """argmax(scores + Gumbel noise) is a draw from softmax(scores): 40 000 draws over 5 tokens, temperature and top-p applied first."""
+    """argmax(scores + Gumbel noise) is a draw from softmax(scores): 40 000 draws over 5 tokens, temperature, min-p and
+    top-p applied first, in vLLM's order. Probabilities at temperature 1: 0.61, 0.22, 0.14, 0.03, 0."""
     scores = torch.tensor([[2.0, 1.0, 0.5, -1.0, float("-inf")]]).repeat(40_000, 1)
-    for settings in ({"temperature": 1.0, "top_p": 1.0}, {"temperature": 0.5, "top_p": 1.0}, {"temperature": 1.0, "top_p": 0.8}):
+    cases = [  # (settings, the tokens left to draw from)
+        ({"temperature": 1.0, "top_p": 1.0}, [0, 1, 2, 3]),
+        ({"temperature": 0.5, "top_p": 1.0}, [0, 1, 2, 3]),
+        ({"temperature": 1.0, "top_p": 0.8}, [0, 1]),  # the smallest top set holding 0.8: 0.61 + 0.22
+        ({"temperature": 1.0, "top_p": 1.0, "min_p": 0.3}, [0, 1]),  # ≥ 0.3 × 0.61: 0.22 stays, 0.14 goes
+        ({"temperature": 0.5, "top_p": 1.0, "min_p": 0.3}, [0]),  # at 0.5 the second is e^-2 = 0.14 of the first
+        # min-p 0.2 first leaves 0.63, 0.23, 0.14 (renormalised): top-p 0.85 then drops the third; top-p first would keep it
+        ({"temperature": 1.0, "top_p": 0.85, "min_p": 0.2}, [0, 1]),
+    ]
+    for settings, kept in cases:
         processors = backends.sampling_processors(settings, torch.Generator().manual_seed(0))
         draws = processors(torch.zeros((40_000, 1), dtype=torch.long), scores.clone()).argmax(dim=-1)
         frequencies = torch.bincount(draws, minlength=5).double() / 40_000
-        expected = torch.softmax(scores[0].double() / settings["temperature"], dim=0)
-        if settings["top_p"] < 1.0:  # the smallest set of top tokens holding 0.8 of the mass: tokens 0 and 1 (0.61 + 0.22)
-            expected = torch.tensor([expected[0], expected[1], 0, 0, 0], dtype=torch.double)
-            expected /= expected.sum()
+        expected = torch.zeros(5, dtype=torch.double)
+        expected[kept] = torch.softmax(scores[0, kept].double() / settings["temperature"], dim=0)
         assert frequencies[4] == 0 and torch.allclose(frequencies, expected, atol=0.01), (settings, frequencies, expected)
     assert len(backends.sampling_processors({"temperature": 0, "top_p": 0.5}, torch.Generator())) == 0  # greedy
 
@@ -357,11 +367,12 @@ def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
     from featcal_llm.io.references import ModelSource
 
     sampler = backends.VllmSampler(ModelSource("m", tmp_path), tmp_path, torch.bfloat16, False, seed=3)
-    out = sampler.sample([(1,), (1, 5, 6)], {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 4}, seed=42)
+    out = sampler.sample([(1,), (1, 5, 6)], {"temperature": 1.0, "top_p": 0.95, "min_p": 0.05, "max_new_tokens": 4}, seed=42)
     assert out == [[9, 1, 2], [9, 3, 2]]
     assert made["engine"]["dtype"] == "bfloat16" and made["engine"]["seed"] == 3
     assert [p.seed for p in made["params"]] == [backends.batch_seed(42, 0, 0), backends.batch_seed(42, 0, 1)]
     assert {p.max_tokens for p in made["params"]} == {4} and {p.top_p for p in made["params"]} == {0.95}
+    assert {p.min_p for p in made["params"]} == {0.05}
     sampler.close()
     assert not hasattr(sampler, "llm")
 
@@ -431,10 +442,10 @@ def test_writing_out_the_sampling_keeps_what_the_recipe_says_and_a_replay_header
     from featcal_llm.io.card import PINNED_SAMPLING, REPLAY_HEADER, SAMPLING_HEADER, with_sampling_pinned
 
     text = "models: []\nfeatcal:\n  data:\n    a: {generate: {temperature: 0.2}}\n    b: {generate: null}\n    c: {path: c.jsonl}\n"
-    resolved = dict(zip(PINNED_SAMPLING, (16, 0.7, 1.0, 3, 32)))
+    resolved = dict(zip(PINNED_SAMPLING, (16, 0.7, 1.0, 0.0, 3, 32), strict=True))
     out = with_sampling_pinned(text, {"a": resolved | {"temperature": 0.2}, "b": resolved})
     data = yaml.safe_load(out)["featcal"]["data"]
-    assert data["a"]["generate"] == dict(zip(PINNED_SAMPLING, (16, 0.2, 1.0, 3, 32)))
+    assert data["a"]["generate"] == dict(zip(PINNED_SAMPLING, (16, 0.2, 1.0, 0.0, 3, 32), strict=True))
     assert data["b"]["generate"] == resolved and data["c"] == {"path": "c.jsonl"}
     assert out.startswith(SAMPLING_HEADER) and with_sampling_pinned(text, {}) == text
     assert with_sampling_pinned(REPLAY_HEADER + text, {"b": resolved}).startswith(REPLAY_HEADER)

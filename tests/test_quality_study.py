@@ -76,14 +76,15 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                 for spec in featcal.data.values():
                     assert spec.path is None and spec.generate.samples == row.samples and spec.generate.prompts is None
                     assert spec.generate.chat_template == "auto" and spec.generate.start is None
-                    sampling = {"top_p": 1.0, "temperature": 0.7, **dict(row.sampling)}  # the product's defaults unless set
-                    assert (spec.generate.top_p, spec.generate.temperature) == (sampling["top_p"], sampling["temperature"])
+                    sampling = {"top_p": 1.0, "temperature": 0.7, "min_p": 0.0, **dict(row.sampling)}  # the product's defaults unless set
+                    assert (spec.generate.top_p, spec.generate.temperature, spec.generate.min_p) == (sampling["top_p"], sampling["temperature"], sampling["min_p"])
             else:
                 assert featcal.samples == (row.records or 64) and all(spec.path.endswith("/cal-bos.jsonl") for spec in featcal.data.values())
             seen.add(row.name)
     assert {"featcal defaults", "featcal auto", "regmean++", "stack: regmean++ → featcal defaults", "featcal defaults + head",
             "featcal defaults, 256 records", "regmean++, 256 records", "stack: regmean++ → featcal defaults, 256 records",
-            "featcal defaults, generate {} 64", "featcal defaults, generate {} 64, temperature 1, top_p 0.9"} <= seen
+            "featcal defaults, generate {} 64", "featcal defaults, generate {} 64, temperature 1, top_p 0.9",
+            "featcal defaults, generate {} 64, temperature 1, min_p 0.1"} <= seen
 
 
 def test_defaults_row_leaves_the_products_defaults(tmp_path, monkeypatch):

@@ -86,12 +86,14 @@ class GumbelSampling:
 
 
 def sampling_processors(settings: dict, generator: torch.Generator):
-    """Temperature, then top-p, then the Gumbel draw (none for temperature 0: greedy)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    """Temperature, then min-p, then top-p (vLLM's order), then the Gumbel draw (none for temperature 0: greedy)."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
 
     if settings["temperature"] == 0:
         return LogitsProcessorList()
     processors = [TemperatureLogitsWarper(settings["temperature"])]
+    if settings.get("min_p", 0.0) > 0.0:
+        processors.append(MinPLogitsWarper(settings["min_p"]))
     if settings["top_p"] < 1.0:
         processors.append(TopPLogitsWarper(settings["top_p"]))
     return LogitsProcessorList([*processors, GumbelSampling(generator)])
@@ -172,7 +174,7 @@ class VllmSampler:
             lora_request = LoRARequest("expert", 1, str(self.source.adapter))
         params = [
             SamplingParams(
-                temperature=settings["temperature"], top_p=settings["top_p"], top_k=-1,
+                temperature=settings["temperature"], top_p=settings["top_p"], min_p=settings.get("min_p", 0.0), top_k=-1,
                 max_tokens=settings["max_new_tokens"], seed=batch_seed(seed, 0, index),
             )
             for index in range(len(prompts))

@@ -54,6 +54,7 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
         "max_new_tokens": generate.max_new_tokens or min(DEFAULT_NEW_TOKENS, featcal.max_length),
         "temperature": generate.temperature,
         "top_p": generate.top_p,
+        "min_p": generate.min_p,
         "seed": featcal.seed if generate.seed is None else generate.seed,
         "batch_size": generate.batch_size,
     }
@@ -128,7 +129,7 @@ def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, s
     """What a start choice depends on: every model of the merge, the merge itself, the probe's sampling, the candidates."""
     models = {"base": [base.identity(), checkpoint_identity(base.directory)]}
     models |= {n: [s.identity(), checkpoint_identity(s.directory)] for n, s in sources.items()}
-    probe = {k: settings[k] for k in ("stream", "seed", "temperature", "top_p", "max_new_tokens")}
+    probe = {k: settings[k] for k in ("stream", "seed", "temperature", "top_p", "min_p", "max_new_tokens")}
     return fingerprint([FORMAT, "start choice", name, models, recipe.merge_config.model_dump(mode="json"), probe,
                         [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}])
 

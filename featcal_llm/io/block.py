@@ -44,6 +44,7 @@ class GenerateSpec(BaseModel):
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
+    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="drop the tokens less likely than min_p × the most likely one's probability, after temperature (0: no cut)")
     seed: int | None = Field(None, description="default featcal.seed")
     chat_template: Literal["auto", "on", "off"] = Field(
         "auto", description="without prompts or start: on answers the shipped seed prompts, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"

@@ -103,7 +103,7 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
     return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
 
 
-PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")  # what a default change could move
+PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "min_p", "seed", "batch_size")  # what a default change could move
 SAMPLING_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the sampling settings each `generate:` expert used written out,\n"
     "# so that running it again draws the same samples (and reuses them) whatever a later version's defaults are.\n"
