@@ -300,9 +300,9 @@ def test_gumbel_sampling_draws_from_the_softmax():
     top-p applied first, in vLLM's order. Probabilities at temperature 1: 0.61, 0.22, 0.14, 0.03, 0."""
     scores = torch.tensor([[2.0, 1.0, 0.5, -1.0, float("-inf")]]).repeat(40_000, 1)
     cases = [  # (settings, the tokens left to draw from)
-        ({"temperature": 1.0, "top_p": 1.0}, [0, 1, 2, 3]),
-        ({"temperature": 0.5, "top_p": 1.0}, [0, 1, 2, 3]),
-        ({"temperature": 1.0, "top_p": 0.8}, [0, 1]),  # the smallest top set holding 0.8: 0.61 + 0.22
+        ({"temperature": 1.0, "top_p": 1.0, "min_p": 0.0}, [0, 1, 2, 3]),
+        ({"temperature": 0.5, "top_p": 1.0, "min_p": 0.0}, [0, 1, 2, 3]),
+        ({"temperature": 1.0, "top_p": 0.8, "min_p": 0.0}, [0, 1]),  # the smallest top set holding 0.8: 0.61 + 0.22
         ({"temperature": 1.0, "top_p": 1.0, "min_p": 0.3}, [0, 1]),  # ≥ 0.3 × 0.61: 0.22 stays, 0.14 goes
         ({"temperature": 0.5, "top_p": 1.0, "min_p": 0.3}, [0]),  # at 0.5 the second is e^-2 = 0.14 of the first
         # min-p 0.2 first leaves 0.63, 0.23, 0.14 (renormalised): top-p 0.85 then drops the third; top-p first would keep it
@@ -334,8 +334,8 @@ def test_left_padded_batches_decode_as_each_prompt_alone(merged_scenario):
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
         alone.append(out[: out.index(2) + 1] if 2 in out else out)
-    assert sampler.sample(prompts, {"temperature": 0, "top_p": 1.0, "max_new_tokens": 8}, seed=1) == alone
-    assert sampler.sample(prompts, {"temperature": 1.0, "top_p": 1e-9, "max_new_tokens": 8}, seed=1) == alone
+    assert sampler.sample(prompts, {"temperature": 0, "top_p": 1.0, "min_p": 0.0, "max_new_tokens": 8}, seed=1) == alone
+    assert sampler.sample(prompts, {"temperature": 1.0, "top_p": 1e-9, "min_p": 0.0, "max_new_tokens": 8}, seed=1) == alone
 
 
 def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):

@@ -267,7 +267,7 @@ def test_lora_expert_generates_like_its_merged_checkpoint(lora_scenario):
     name = next(n for n, (_, form) in ADAPTERS.items() if form == "plus")
     adapter, full = lora_scenario.adapters[name]
     tokenizer = build_char_tokenizer()
-    settings = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}
+    settings = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "max_new_tokens": 12}
     prompts = [(1,), (1, 40, 41, 42)]
 
     def sample(source):

@@ -92,7 +92,7 @@ def sampling_processors(settings: dict, generator: torch.Generator):
     if settings["temperature"] == 0:
         return LogitsProcessorList()
     processors = [TemperatureLogitsWarper(settings["temperature"])]
-    if settings.get("min_p", 0.0) > 0.0:
+    if settings["min_p"] > 0.0:
         processors.append(MinPLogitsWarper(settings["min_p"]))
     if settings["top_p"] < 1.0:
         processors.append(TopPLogitsWarper(settings["top_p"]))
@@ -174,7 +174,7 @@ class VllmSampler:
             lora_request = LoRARequest("expert", 1, str(self.source.adapter))
         params = [
             SamplingParams(
-                temperature=settings["temperature"], top_p=settings["top_p"], min_p=settings.get("min_p", 0.0), top_k=-1,
+                temperature=settings["temperature"], top_p=settings["top_p"], min_p=settings["min_p"], top_k=-1,
                 max_tokens=settings["max_new_tokens"], seed=batch_seed(seed, 0, index),
             )
             for index in range(len(prompts))
