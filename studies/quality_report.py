@@ -52,7 +52,6 @@ def setting_summary(state: dict, setting: Setting) -> dict:
 
 
 def setting_table(summary: dict, setting: Setting) -> list[str]:
-    kinds = " | ".join(KINDS)
     best = summary["best_expert"]
     owners = ", ".join(f"{d} → {o}" for d, o in summary["owners"].items())
     lines = [f"### Setting `{setting.name}`: experts {', '.join(expert_label(k) for k in setting.experts)}", "",

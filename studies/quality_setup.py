@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from studies.real_data import KINDS
-
 MIX = "mix"  # the broad expert's data: every kind's records interleaved
 AS_TRAINED = "-bos"  # the cal and prompt records as the experts were trained and are scored: BOS first (quality.records_as_trained)
 

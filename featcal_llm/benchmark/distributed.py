@@ -129,7 +129,7 @@ def _worker(recipe: str, result: str) -> None:
 
 def smollm_statistics() -> list[tuple[str, tuple[int, ...]]]:
     """One task's float64 statistics of a SmolLM2-135M layer as reduced (hidden 576, MLP 1536; moments for q/k/v and gate/up)."""
-    h, ff, q, kv = 576, 1536, 576, 192
+    h, ff, q = 576, 1536, 576  # k/v (192 wide) share attn_input with q
     return [("attn_input", (h, h)), ("attn_input", (h, h)), ("attn_output", (q, q)), ("attn_output", (h, q)),
             ("mlp_input", (h, h)), ("mlp_input", (h, h)), ("mlp_hidden", (ff, ff)), ("mlp_hidden", (h, ff))]
 
