@@ -152,6 +152,36 @@ def test_default_new_tokens_stop_at_max_length(kinds, tmp_path):
         assert generation_run.settings_of(load_recipe(path), str(kinds["raw"]))["max_new_tokens"] == expected
 
 
+def test_a_close_call_is_the_runner_up_at_a_share_of_the_winner():
+    def choice(mode, **scores):
+        return choose.Choice(mode, {m: {"base": 1.0, "merged": v, "score": v} for m, v in scores.items()},
+                             {"bos": "BOS token", "chat": "shipped seed prompts", "config": "generation-config start"})
+
+    assert choice("bos", bos=0.233, chat=0.191).runner_up() == "chat"  # 0.82 of the winner
+    assert choice("chat", bos=0.287, chat=0.333, config=0.1).runner_up() == "bos"
+    assert choice("bos", bos=0.369, chat=0.164).runner_up() is None  # 0.44: a clear choice
+    assert choice("bos", bos=0.1, chat=0.1 * choose.CLOSE_CALL).runner_up() == "chat"  # the boundary counts as close
+    assert choice("bos", bos=0.0, chat=0.0).runner_up() is None and choice("bos", bos=0.3).runner_up() is None
+
+
+def test_a_close_call_is_warned_about_in_one_line(kinds, tmp_path, capsys, monkeypatch):
+    """The measured starts score close: the set is drawn from the winner, and a warning names both and the way out."""
+    def close_choice(candidates, *args, **kwargs):
+        scores = {"bos": {"base": 0.7, "merged": 0.233, "score": 0.233}, "chat": {"base": 0.6, "merged": 0.191, "score": 0.191}}
+        return choose.Choice("bos", scores, {m: candidates[m].source for m in scores}, probe_tokens=1, references=["base", "merged"])
+
+    monkeypatch.setattr(generation_run, "choose_start", close_choice)
+    path = kinds_recipe(kinds, tmp_path, experts=("chat",), samples=8)
+    sequences = _generate_only(path)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"featcal-llm: warning: {path}: featcal.data.{kinds['chat']}.generate: the measured starts score close "
+                                  "(BOS token 0.233, shipped seed prompts 0.191)"), warnings[0]
+    assert "prompts:" in warnings[0] and "chat_template: on/off" in warnings[0]
+    assert _record(tmp_path, "chat")["start_mode"] == "bos"
+    assert all(s[0] == 1 and s[1] != 1 for s in sequences[str(kinds["chat"])])  # drawn from the winner, BOS
+
+
 # --- look-alike sets --------------------------------------------------------------------------------------------
 
 
