@@ -27,8 +27,8 @@ PROBE_SAMPLES = 8
 PROBE_TOKENS = 64
 PROBE_STREAM = 1_000_000  # probe seeds never coincide with the seeds of the samples that are kept
 MODES = ("bos", "chat", "config")  # the candidate starts, in tie-break order
-# a runner-up scoring at least this share of the winner makes the choice uncertain (said in a warning): measured on
-# SmolLM2-135M, raw-text experts' runners-up scored 0.33-0.44 of BOS, chat-tuned experts' 0.69-0.86 of the winner,
+# a runner-up scoring at least this share of the winner makes the choice uncertain (said in a warning): on
+# SmolLM2-135M, raw-text experts' runners-up scored 0.22-0.44 of BOS, chat-tuned experts' 0.69-0.86 of the winner,
 # and for those the winner was not reliably the better start
 CLOSE_CALL = 0.6
 
@@ -64,11 +64,22 @@ class Choice:
         won = self.scores[self.mode]["score"]
         return second if won > 0 and self.scores[second]["score"] >= CLOSE_CALL * won else None
 
+    def doubt(self) -> str | None:
+        """What a warning says when the choice is a close call (see runner_up), else None."""
+        close = self.runner_up()
+        if close is None:
+            return None
+        return (f"the measured starts score close ({self._scored(self.mode)}, {self._scored(close)}), so the choice may not "
+                "be the better one; real records, their beginnings as prompts:, or chat_template: on/off are surer")
+
+    def _scored(self, mode: str) -> str:
+        return f"{self.sources[mode]} {self.scores[mode]['score']:.3g}"
+
     def describe(self) -> str:
         """`chose BOS token (KL vs base 0.52, vs merged 0.41; shipped seed prompts 0.05)`: the winner's KLs, the others' scores."""
         won = self.scores[self.mode]
         parts = ", vs ".join(f"{name} {won[name]:.3g}" for name in self.references)
-        others = "; ".join(f"{self.sources[m]} {self.scores[m]['score']:.3g}" for m in self.scores if m != self.mode)
+        others = "; ".join(self._scored(m) for m in self.scores if m != self.mode)
         return f"chose {self.sources[self.mode]} (KL vs {parts}" + (f"; {others}" if others else "") + ")"
 
 

@@ -188,11 +188,9 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
         f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds >= 0.05 else "")
     print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
-    close = choice.runner_up()
-    if close is not None:
-        warn(f"{where}: the measured starts score close ({choice.sources[choice.mode]} "
-             f"{choice.scores[choice.mode]['score']:.3g}, {choice.sources[close]} {choice.scores[close]['score']:.3g}), so "
-             f"the choice may not be the better one; real records, their beginnings as prompts:, or chat_template: on/off are surer")
+    doubt = choice.doubt()
+    if doubt is not None:
+        warn(f"{where}: {doubt}")
     return candidates[choice.mode], choice.mode, choice, sampler
 
 
