@@ -103,6 +103,7 @@ def test_the_choice_is_cached_recorded_and_in_the_set_key(kinds, tmp_path, probe
     stored = tmp_path / GENERATED_DIR / "raw.start.json"
     record = json.loads(stored.read_text())
     record["choice"]["mode"] = "chat"
+    record["choice"]["scores"]["chat"]["score"] = 10.0  # a clear winner: no mix of the two starts
     stored.write_text(json.dumps(record))
     opened = []
     original = generation_run.open_sampler
@@ -164,8 +165,19 @@ def test_a_close_call_is_the_runner_up_at_a_share_of_the_winner():
     assert choice("bos", bos=0.0, chat=0.0).runner_up() is None and choice("bos", bos=0.3).runner_up() is None
 
 
-def test_a_close_call_is_warned_about_in_one_line(kinds, tmp_path, capsys, monkeypatch):
-    """The measured starts score close: the set is drawn from the winner, and a warning names both and the way out."""
+def test_both_starts_alternate_half_each_cycling_the_shorter():
+    from featcal_llm.generation.prompts import Start, both_starts
+
+    bos = Start(("",), ((1,),), "BOS token", chat=False)
+    chat = Start(("a", "b", "c"), ((5, 6), (7,), (8, 9)), "shipped seed prompts", chat=True)
+    mixed = both_starts(bos, chat)
+    assert mixed.ids == ((1,), (5, 6), (1,), (7,), (1,), (8, 9)) and mixed.texts == ("", "a", "", "b", "", "c")
+    assert mixed.source == "BOS token and shipped seed prompts, half each" and mixed.chat
+    assert both_starts(chat, bos).ids == ((5, 6), (1,), (7,), (1,), (8, 9), (1,))  # the winner's prompts first
+
+
+def test_a_close_call_draws_half_the_samples_from_each_start_and_warns_in_one_line(kinds, tmp_path, capsys, monkeypatch):
+    """The measured starts score close: samples alternate between the two, and a warning names both and the way out."""
     def close_choice(candidates, *args, **kwargs):
         scores = {"bos": {"base": 0.7, "merged": 0.233, "score": 0.233}, "chat": {"base": 0.6, "merged": 0.191, "score": 0.191}}
         return choose.Choice("bos", scores, {m: candidates[m].source for m in scores}, probe_tokens=1, references=["base", "merged"])
@@ -176,10 +188,14 @@ def test_a_close_call_is_warned_about_in_one_line(kinds, tmp_path, capsys, monke
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"featcal-llm: warning: {path}: featcal.data.{kinds['chat']}.generate: the measured starts score close "
-                                  "(BOS token 0.233, shipped seed prompts 0.191)"), warnings[0]
+                                  "(BOS token 0.233, shipped seed prompts 0.191), so half the samples begin from each"), warnings[0]
     assert "prompts:" in warnings[0] and "chat_template: on/off" in warnings[0]
-    assert _record(tmp_path, "chat")["start_mode"] == "bos"
-    assert all(s[0] == 1 and s[1] != 1 for s in sequences[str(kinds["chat"])])  # drawn from the winner, BOS
+    record = _record(tmp_path, "chat")
+    assert record["start_mode"] == "bos+chat" and record["start"] == "BOS token and shipped seed prompts, half each"
+    samples = [json.loads(line) for line in (tmp_path / GENERATED_DIR / "chat.jsonl").read_text().splitlines()]
+    assert len(samples) == len(sequences[str(kinds["chat"])]) == 8
+    assert [s["prompt_length"] == 1 for s in samples] == [True, False] * 4  # BOS, a seed prompt, BOS, the next one, ...
+    assert all(s["token_ids"][0] == 1 and s["prompt_length"] > 3 and s["prompt"] for s in samples[1::2])
 
 
 # --- look-alike sets --------------------------------------------------------------------------------------------

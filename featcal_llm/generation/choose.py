@@ -8,7 +8,8 @@ next-token distributions. A start's score is the smaller of the two: behaviour t
 against the base (what its fine-tuning added) and missing from the merged model (what the merge lost). A start in which
 all experts drift alike from the base (a skill they all forgot) scores low against the merge; one where the merge
 follows another expert scores low against the base. The start with the highest score wins (ties: the earlier in
-MODES order).
+MODES order); when the runner-up scores at least CLOSE_CALL of the winner, the measurement cannot tell them apart and
+half the samples begin from each.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ PROBE_SAMPLES = 8
 PROBE_TOKENS = 64
 PROBE_STREAM = 1_000_000  # probe seeds never coincide with the seeds of the samples that are kept
 MODES = ("bos", "chat", "config")  # the candidate starts, in tie-break order
-# a runner-up scoring at least this share of the winner makes the choice uncertain (said in a warning): on
-# SmolLM2-135M, raw-text experts' runners-up scored 0.22-0.44 of BOS, chat-tuned experts' 0.69-0.86 of the winner,
-# and for those the winner was not reliably the better start
+# a runner-up scoring at least this share of the winner makes the choice uncertain: both starts are used, half the
+# samples each (and a warning says so). On SmolLM2-135M, raw-text experts' runners-up scored 0.22-0.44 of BOS,
+# chat-tuned experts' 0.69-0.86 of the winner, and for those the winner was not reliably the better start
 CLOSE_CALL = 0.6
 
 
@@ -69,8 +70,8 @@ class Choice:
         close = self.runner_up()
         if close is None:
             return None
-        return (f"the measured starts score close ({self._scored(self.mode)}, {self._scored(close)}), so the choice may not "
-                "be the better one; real records, their beginnings as prompts:, or chat_template: on/off are surer")
+        return (f"the measured starts score close ({self._scored(self.mode)}, {self._scored(close)}), so half the samples "
+                "begin from each; real records, their beginnings as prompts:, or chat_template: on/off are surer")
 
     def _scored(self, mode: str) -> str:
         return f"{self.sources[mode]} {self.scores[mode]['score']:.3g}"

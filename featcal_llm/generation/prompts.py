@@ -75,6 +75,18 @@ def resolve_start(
     return Start(texts, ids, prompts_source, chat)
 
 
+def both_starts(first: Start, second: Start) -> Start:
+    """Half the samples from each start, alternating (the first start's prompts at even positions, cycling the
+    shorter list), for when measurement cannot tell the two apart."""
+    width = max(len(first.ids), len(second.ids))
+    texts, ids = [], []
+    for index in range(width):
+        for start in (first, second):
+            texts.append(start.texts[index % len(start.texts)])
+            ids.append(start.ids[index % len(start.ids)])
+    return Start(tuple(texts), tuple(ids), f"{first.source} and {second.source}, half each", first.chat or second.chat)
+
+
 def config_start_token(directory: Any, tokenizer: Any) -> int | None:
     """The expert's generation_config.json start token (decoder start, else BOS), when it ships one."""
     path = Path(directory) / "generation_config.json"
