@@ -13,7 +13,8 @@
    ``real`` (the cal split, as the expert saw its text), ``auto`` (``generate: {}``: the start measured per expert),
    ``bos`` (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4``
    (``generate: {samples: 4 × cal}``), ``temp1`` (``generate: {temperature: 1}``: the expert's own distribution),
-   ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``), ``min_p10`` (``generate: {temperature: 1, min_p: 0.1}``).
+   ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``), ``min_p10`` (``generate: {temperature: 1, min_p: 0.1}``),
+   ``picked`` (each expert's ``chat_template`` from ``--picked``, e.g. the one start each would get without mixing).
    FeatCal's lambda/alpha/rho are the product's defaults unless given. The
    settings run setting by setting across both families (``real`` and ``auto`` first), so that a ``--budget-s`` cut
    leaves the main comparison complete. Where ``auto`` chose the same start for every expert of a family, the forced
@@ -44,7 +45,7 @@ from studies import real_data as rd
 from studies.real_models import rows_nll, train_rows
 
 FAMILIES = ("raw", "chat")
-SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90", "min_p10")  # in priority order: a budget cut drops the last
+SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90", "min_p10", "picked")  # in priority order: a budget cut drops the last
 GENERATE = {"auto": {}, "bos": {"chat_template": '"off"'}, "chat": {"chat_template": '"on"'},
             "temp1": {"temperature": 1.0}, "top_p90": {"temperature": 1.0, "top_p": 0.9},
             "min_p10": {"temperature": 1.0, "min_p": 0.1}}
@@ -80,9 +81,14 @@ def mean_nll(path: Path, rows: list, device: str, model=None) -> float:
     return rows_nll(load(path, device) if model is None else model, rows, 0, 16, device)
 
 
-def generate_spec(setting: str, args) -> str:
+def generate_spec(setting: str, args, kind: str = "") -> str:
     """The `generate:` mapping of a setting: exactly `{}` for auto unless --max-new-tokens (or --quick) sets the length."""
     spec = dict(GENERATE.get(setting, {}))
+    if setting == "picked":
+        picked = dict(item.split("=") for item in args.picked.split(",") if item)
+        if picked.get(kind) not in ("on", "off"):
+            sys.exit(f"--picked: give {kind}=on or {kind}=off (the chat_template each expert is forced to)")
+        spec["chat_template"] = f'"{picked[kind]}"'
     if setting == "auto_x4":
         spec["samples"] = 4 * args.cal_records
     elif args.quick:
@@ -102,7 +108,7 @@ def recipe_text(family: str, setting: str, args) -> str:
         if setting == "real":
             spec = f"{{path: {family}_cal/{kind}.jsonl, format: text}}"
         else:
-            spec = f"{{generate: {generate_spec(setting, args)}}}"
+            spec = f"{{generate: {generate_spec(setting, args, kind)}}}"
         lines.append(f"    {family}/{kind}: {spec}")
     lines += [f"  samples: {args.cal_records}", f"  max_length: {args.max_length}"]
     for key, value in (("lambda", args.lam), ("alpha", args.alpha), ("rho", args.rho)):
@@ -140,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true",
                    help="run bos/chat even where auto chose that start for every expert (same samples), and measure "
                         "auto_x4's start again instead of reusing auto's measurement")
+    p.add_argument("--picked", default="", help="for the picked setting: KIND=on|off,... (each expert's chat_template)")
     p.add_argument("--quick", action="store_true", help="smoke test of the whole path; its numbers mean nothing")
     return p
 
