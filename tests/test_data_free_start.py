@@ -40,6 +40,16 @@ def test_settings_and_overrides():
     assert _featcal(dfs.recipe_text("raw", "auto", args))["data"]["raw/c"] == {"generate": {"max_new_tokens": 32}}
 
 
+def test_picked_forces_each_experts_chat_template_and_refuses_a_missing_kind():
+    import pytest
+
+    data = _featcal(dfs.recipe_text("chat", "picked", _args("--picked", "code=on,prose=off,c=on")))["data"]
+    assert [data[f"chat/{k}"] for k in ("code", "prose", "c")] == [
+        {"generate": {"chat_template": "on"}}, {"generate": {"chat_template": "off"}}, {"generate": {"chat_template": "on"}}]
+    with pytest.raises(SystemExit, match="--picked: give c=on or c=off"):
+        dfs.recipe_text("chat", "picked", _args("--picked", "code=on,prose=off"))
+
+
 def test_quick_generate_is_small():
     args = _args("--quick")
     args.quick, args.cal_records, args.max_new_tokens = True, 4, 16

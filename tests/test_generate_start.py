@@ -1,5 +1,5 @@
 """`generate:` with no other key: each expert's start is measured (BOS for raw-text experts, chat for chat-tuned ones),
-recorded, cached, overridable; look-alike generated sets are warned about."""
+recorded, cached, overridable; a close call draws from both starts; look-alike generated sets are warned about."""
 
 from __future__ import annotations
 
