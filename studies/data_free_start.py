@@ -14,7 +14,8 @@
    ``bos`` (``chat_template: off``), ``chat`` (``chat_template: on``: the shipped seed prompts), ``auto_x4``
    (``generate: {samples: 4 × cal}``), ``temp1`` (``generate: {temperature: 1}``: the expert's own distribution),
    ``top_p90`` (``generate: {temperature: 1, top_p: 0.9}``), ``min_p10`` (``generate: {temperature: 1, min_p: 0.1}``),
-   ``picked`` (each expert's ``chat_template`` from ``--picked``, e.g. the one start each would get without mixing).
+   ``picked`` (each expert's ``chat_template`` from ``--picked``, e.g. the one start each would get without mixing),
+   ``real_x4`` (4 × cal real records, against ``auto_x4``).
    FeatCal's lambda/alpha/rho are the product's defaults unless given. The
    settings run setting by setting across both families (``real`` and ``auto`` first), so that a ``--budget-s`` cut
    leaves the main comparison complete. Where ``auto`` chose the same start for every expert of a family, the forced
@@ -45,7 +46,7 @@ from studies import real_data as rd
 from studies.real_models import rows_nll, train_rows
 
 FAMILIES = ("raw", "chat")
-SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90", "min_p10", "picked")  # in priority order: a budget cut drops the last
+SETTINGS = ("real", "auto", "bos", "chat", "auto_x4", "temp1", "top_p90", "min_p10", "picked", "real_x4")  # in priority order: a budget cut drops the last
 GENERATE = {"auto": {}, "bos": {"chat_template": '"off"'}, "chat": {"chat_template": '"on"'},
             "temp1": {"temperature": 1.0}, "top_p90": {"temperature": 1.0, "top_p": 0.9},
             "min_p10": {"temperature": 1.0, "min_p": 0.1}}
@@ -107,6 +108,8 @@ def recipe_text(family: str, setting: str, args) -> str:
     for kind in rd.KINDS:
         if setting == "real":
             spec = f"{{path: {family}_cal/{kind}.jsonl, format: text}}"
+        elif setting == "real_x4":
+            spec = f"{{path: {family}_cal_x4/{kind}.jsonl, format: text, samples: {4 * args.cal_records}}}"
         else:
             spec = f"{{generate: {generate_spec(setting, args, kind)}}}"
         lines.append(f"    {family}/{kind}: {spec}")
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return [t[: QUICK["chars"]] for t in texts] if args.quick else texts
 
     texts = {k: {"train": read(k, "train", QUICK["train_records"] if args.quick else None),
-                 "cal": read(k, "cal", args.cal_records), "test": read(k, "test", args.test_records)} for k in rd.KINDS}
+                 "test": read(k, "test", args.test_records)} for k in rd.KINDS}
     families = [f for f in args.families.split(",") if f]
     settings = [s for s in args.settings.split(",") if s]
     unknown = [n for n in families if n not in FAMILIES] + [s for s in settings if s not in SETTINGS]
@@ -269,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                     log=lambda _: None, device=args.device, bf16=args.device.startswith("cuda")) | {"seconds": round(time.time() - started, 2)}
                 timed("finetune", time.time() - started)
                 log(f"fine-tuned {family}/{kind}: {results['training'][f'{family}/{kind}']}")
-            cal = work / f"{family}_cal" / f"{kind}.jsonl"
-            if not cal.exists():  # the real calibration text, as the expert saw it (BOS or chat template included)
-                rows = [as_family(family, tokenizer, t, kind)[0] for t in texts[kind]["cal"]]
-                rd.write_jsonl([{"text": tokenizer.decode(ids)} for ids in rows], cal)
+            for folder, count in ((f"{family}_cal", args.cal_records), (f"{family}_cal_x4", 4 * args.cal_records)):
+                cal = work / folder / f"{kind}.jsonl"
+                if not cal.exists():  # the real calibration text, as the expert saw it (BOS or chat template included)
+                    rows = [as_family(family, tokenizer, t, kind)[0] for t in read(kind, "cal", count)]
+                    rd.write_jsonl([{"text": tokenizer.decode(ids)} for ids in rows], cal)
             score(family, f"expert:{kind}", out)
     log(f"experts ready and scored ({time.time() - began:.0f} s)")
 

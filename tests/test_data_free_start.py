@@ -30,6 +30,8 @@ def test_settings_and_overrides():
         "lambda": 0.001, "alpha": 0.5, "rho": 1.0}
     data = _featcal(dfs.recipe_text("chat", "real", args))["data"]
     assert data["chat/code"] == {"path": "chat_cal/code.jsonl", "format": "text"}
+    assert _featcal(dfs.recipe_text("chat", "real_x4", args))["data"]["chat/c"] == {
+        "path": "chat_cal_x4/c.jsonl", "format": "text", "samples": 4 * args.cal_records}
     assert _featcal(dfs.recipe_text("raw", "bos", args))["data"]["raw/c"] == {"generate": {"chat_template": "off"}}
     assert _featcal(dfs.recipe_text("raw", "chat", args))["data"]["raw/c"] == {"generate": {"chat_template": "on"}}
     assert _featcal(dfs.recipe_text("raw", "auto_x4", args))["data"]["raw/c"] == {"generate": {"samples": 4 * args.cal_records}}
