@@ -66,11 +66,8 @@ class Choice:
         won = self.scores[self.mode]["score"]
         return second if won > 0 and self.scores[second]["score"] >= CLOSE_CALL * won else None
 
-    def doubt(self) -> str | None:
-        """What a warning says when the choice is a close call (see runner_up), else None."""
-        close = self.runner_up()
-        if close is None:
-            return None
+    def doubt(self, close: str) -> str:
+        """What the warning says when `close` (the runner_up) scores near the winner."""
         return (f"the measured starts score close ({self._scored(self.mode)}, {self._scored(close)}), so half the samples "
                 "begin from each; real records, their beginnings as prompts:, or chat_template: on/off are surer")
 

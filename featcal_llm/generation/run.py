@@ -192,7 +192,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     close = choice.runner_up()
     if close is None:
         return candidates[choice.mode], choice.mode, choice, sampler
-    warn(f"{where}: {choice.doubt()}")
+    warn(f"{where}: {choice.doubt(close)}")
     return both_starts(candidates[choice.mode], candidates[close]), f"{choice.mode}+{close}", choice, sampler
 
 
