@@ -104,14 +104,37 @@ def test_start_follows_the_chat_template_setting(tmp_path):
     assert list(chat.ids[0]) == list(expected)
     raw = resolve_start(["ab c"], "file", "off", tokenizer, Config(), "g")
     assert raw.ids == (tuple(tokenizer("ab c")["input_ids"]),) and not raw.chat
+    empty = resolve_start(None, "", "empty", tokenizer, Config(), "g")  # one prompt: a user turn with nothing in it
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)["input_ids"]
+    assert empty.ids == (tuple(expected),) and empty.chat and empty.source == "empty request" and len(expected) > 3
     eos = resolve_start(None, "", "auto", tokenizer, Config(), "g", start="</s>")  # a start token makes raw samples
     assert eos.ids == ((tokenizer.eos_token_id,),) and not eos.chat and eos.source == "start token </s>"
     with pytest.raises(Exception, match="g.start: '<nope>' is not a token of the expert's vocabulary"):
         resolve_start(None, "", "off", tokenizer, Config(), "g", start="<nope>")
     tokenizer.chat_template = None
     assert resolve_start(None, "", "auto", tokenizer, Config(), "g").source == "BOS token"
-    with pytest.raises(Exception, match="g.chat_template: on, but the expert's tokenizer has no chat template"):
-        resolve_start(None, "", "on", tokenizer, Config(), "g")
+    for setting in ("on", "empty"):
+        with pytest.raises(Exception, match=f"g.chat_template: {setting}, but the expert's tokenizer has no chat template"):
+            resolve_start(None, "", setting, tokenizer, Config(), "g")
+
+
+def test_the_measured_candidates_are_bos_seed_prompts_an_empty_request_and_the_config_start(tmp_path):
+    from featcal_llm.generation.prompts import candidate_starts
+
+    tokenizer = build_char_tokenizer()
+
+    class Config:
+        bos_token_id = 1
+
+    found = candidate_starts(tokenizer, Config(), tmp_path, "g")
+    assert list(found) == ["bos", "chat", "empty"]
+    assert found["empty"] == resolve_start(None, "", "empty", tokenizer, Config(), "g")
+    assert found["chat"].source == "shipped seed prompts" and found["bos"].ids == ((1,),)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.eos_token_id}))
+    found = candidate_starts(tokenizer, Config(), tmp_path, "g")
+    assert found["config"].ids == ((tokenizer.eos_token_id,),) and found["config"].source == "generation-config start token </s>"
+    tokenizer.chat_template = None  # no template: no request to answer
+    assert list(candidate_starts(tokenizer, Config(), tmp_path, "g")) == ["bos", "config"]
 
 
 def test_prompt_files_in_both_formats(tmp_path):
@@ -153,7 +176,10 @@ BAD = {
     "prompts file empty": (_prompts_file("p.txt", "\n \n"), ["generate.prompts", "p.txt: no prompts (the file is empty)"]),
     "prompts wrong type": (_prompts_file("p.csv", "a,b\n"), ["generate.prompts", "expected a .txt file"]),
     "start with prompts": ({"generate": {"start": "</s>", "prompts": "p.txt"}}, ["generate: start is the first token of prompt-less samples"]),
-    "start with chat on": ({"generate": {"start": "</s>", "chat_template": "on"}}, ["chat_template: on answers prompts"]),
+    "start with chat on": ({"generate": {"start": "</s>", "chat_template": "on"}}, ["chat_template: on answers requests"]),
+    "start with an empty request": ({"generate": {"start": "</s>", "chat_template": "empty"}}, ["chat_template: empty answers requests"]),
+    "prompts with an empty request": ({"generate": {"prompts": "p.txt", "chat_template": "empty"}},
+                                      ["generate: chat_template: empty answers an empty request instead of prompts"]),
     "prompts jsonl without field": (_prompts_file("p.jsonl", '{"text": "a"}\n'), ["p.jsonl: line 1: expected an object with a non-empty string field `prompt`"]),
 }
 

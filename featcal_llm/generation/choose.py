@@ -8,8 +8,7 @@ next-token distributions. A start's score is the smaller of the two: behaviour t
 against the base (what its fine-tuning added) and missing from the merged model (what the merge lost). A start in which
 all experts drift alike from the base (a skill they all forgot) scores low against the merge; one where the merge
 follows another expert scores low against the base. The start with the highest score wins (ties: the earlier in
-MODES order); when the runner-up scores at least CLOSE_CALL of the winner, the measurement cannot tell them apart and
-half the samples begin from each.
+MODES order), and every sample begins from it.
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ from featcal_llm.generation.prompts import Start
 PROBE_SAMPLES = 8
 PROBE_TOKENS = 64
 PROBE_STREAM = 1_000_000  # probe seeds never coincide with the seeds of the samples that are kept
-MODES = ("bos", "chat", "config")  # the candidate starts, in tie-break order
-# a runner-up scoring at least this share of the winner: the measurement cannot tell the two starts apart, so half
-# the samples begin from each (and a warning says so). On SmolLM2-135M, runners-up scored 0.22-0.61 of the winner for
-# raw-text experts and 0.62-0.95 for chat-tuned ones; drawing from both raised the share of the gap recovered in two
-# of three same-machine comparisons and never worsened the average NLL (docs/studies/data-free-start.md)
-CLOSE_CALL = 0.6
+MODES = ("bos", "chat", "empty", "config")  # the candidate starts, in tie-break order
 
 
 @dataclass
@@ -56,20 +50,6 @@ class Choice:
     def from_record(cls, record: dict[str, Any]) -> "Choice":
         return cls(record["mode"], record["scores"], record["sources"], record["seconds"], record["probe_tokens"], record["references"],
                    record.get("merge_seconds", 0.0))
-
-    def runner_up(self) -> str | None:
-        """The best start after the winner when it scores at least CLOSE_CALL of the winner's score, else None."""
-        others = [m for m in self.scores if m != self.mode]
-        if not others:
-            return None
-        second = max(others, key=lambda m: self.scores[m]["score"])
-        won = self.scores[self.mode]["score"]
-        return second if won > 0 and self.scores[second]["score"] >= CLOSE_CALL * won else None
-
-    def doubt(self, close: str) -> str:
-        """What the warning says when `close` (the runner_up) scores near the winner."""
-        return (f"the measured starts score close ({self._scored(self.mode)}, {self._scored(close)}), so half the samples "
-                "begin from each; real records, their beginnings as prompts:, or chat_template: on/off are surer")
 
     def _scored(self, mode: str) -> str:
         return f"{self.sources[mode]} {self.scores[mode]['score']:.3g}"

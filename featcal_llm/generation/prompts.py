@@ -1,4 +1,4 @@
-"""Where an expert's generation starts: a user's prompts file, the shipped seed prompts, or the BOS token."""
+"""Where an expert's generation starts: a user's prompts file, the shipped seed prompts, an empty request, or the BOS token."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def start_token(tokenizer: Any, config: Any, start: str | None = None, where: st
 
 def uses_chat_template(setting: str, tokenizer: Any, where: str) -> bool:
     has_template = getattr(tokenizer, "chat_template", None) is not None
-    if setting == "on" and not has_template:
-        raise FeatCalError(f"{where}.chat_template: on, but the expert's tokenizer has no chat template")
-    return has_template if setting == "auto" else setting == "on"
+    if setting in ("on", "empty") and not has_template:
+        raise FeatCalError(f"{where}.chat_template: {setting}, but the expert's tokenizer has no chat template")
+    return has_template if setting == "auto" else setting in ("on", "empty")
 
 
 def resolve_start(
@@ -52,20 +52,19 @@ def resolve_start(
 ) -> Start:
     """Prompts (or none) → the token ids generation starts from, through the chat template when it applies.
 
-    Without prompts: a chat expert answers the shipped seed prompts (a chat model
-    asked nothing writes little of use); any other starts from its BOS token.
+    Without prompts: through the chat template, the expert answers the shipped seed prompts (`on`) or an empty
+    request (`empty`); otherwise it starts from its BOS token (or `start`).
     """
     chat = uses_chat_template(chat_setting, tokenizer, where) and start is None
+    if prompts is None and chat and chat_setting == "empty":
+        return empty_request(tokenizer)
     if prompts is None and chat:
         prompts, prompts_source = read_prompts(SEED_PROMPTS, "shipped seed prompts"), "shipped seed prompts"
     if prompts is None:
         token = start_token(tokenizer, config, start, where)
         return Start(("",), ((token,),), f"start token {start}" if start is not None else "BOS token", chat=False)
     if chat:
-        texts = tuple(
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)
-            for p in prompts
-        )
+        texts = tuple(chat_request(tokenizer, p) for p in prompts)
     else:
         texts = tuple(prompts)
     ids = tuple(tuple(encode(text, tokenizer)) for text in texts)
@@ -75,16 +74,15 @@ def resolve_start(
     return Start(texts, ids, prompts_source, chat)
 
 
-def both_starts(first: Start, second: Start) -> Start:
-    """Half the samples from each start, alternating (the first start's prompts at even positions, cycling the
-    shorter list), for when measurement cannot tell the two apart."""
-    width = max(len(first.ids), len(second.ids))
-    texts, ids = [], []
-    for index in range(width):
-        for start in (first, second):
-            texts.append(start.texts[index % len(start.texts)])
-            ids.append(start.ids[index % len(start.ids)])
-    return Start(tuple(texts), tuple(ids), f"{first.source} and {second.source}, half each", first.chat or second.chat)
+def chat_request(tokenizer: Any, request: str) -> str:
+    """`request` as the user's turn through the chat template, up to where the assistant's answer begins."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)
+
+
+def empty_request(tokenizer: Any) -> Start:
+    """A user turn with nothing in it: the expert answers with what it writes unasked, the kind of text it was tuned on."""
+    text = chat_request(tokenizer, "")
+    return Start((text,), (tuple(encode(text, tokenizer)),), "empty request", chat=True)
 
 
 def config_start_token(directory: Any, tokenizer: Any) -> int | None:
@@ -106,11 +104,12 @@ def config_start_token(directory: Any, tokenizer: Any) -> int | None:
 
 def candidate_starts(tokenizer: Any, config: Any, directory: Any, where: str) -> dict[str, Start]:
     """The starts `chat_template: auto` chooses among, by mode: "bos" (the BOS token), "chat" (the shipped seed
-    prompts through the chat template, when the tokenizer has one), "config" (the generation config's start token,
-    when it is another token than the BOS)."""
+    prompts through the chat template) and "empty" (an empty request through it), when the tokenizer has one,
+    "config" (the generation config's start token, when it is another token than the BOS)."""
     candidates = {"bos": resolve_start(None, "", "off", tokenizer, config, where)}
     if getattr(tokenizer, "chat_template", None) is not None:
         candidates["chat"] = resolve_start(None, "", "on", tokenizer, config, where)
+        candidates["empty"] = empty_request(tokenizer)
     token = config_start_token(directory, tokenizer)
     if token is not None and (token,) != candidates["bos"].ids[0]:
         name = tokenizer.convert_ids_to_tokens(token)

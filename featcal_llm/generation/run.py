@@ -19,7 +19,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
 from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
 from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
-from featcal_llm.generation.prompts import Start, both_starts, candidate_starts, read_prompts, resolve_start
+from featcal_llm.generation.prompts import Start, candidate_starts, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
 from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, set_paths, store_choice, store_samples
 from featcal_llm.io.block import beside_recipe
@@ -156,9 +156,8 @@ def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: A
 
 def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, config: Any, settings: dict,
            samples_path: Path, device: torch.device, dtype: torch.dtype, where: str) -> tuple[Start, str, Choice | None, Any]:
-    """The start this expert's samples begin with, its mode ("bos+chat" when a close call mixes two), the measured
-    choice (None when the recipe forces the start), and the transformers sampler the probe opened (or None), for the
-    samples to reuse."""
+    """The start this expert's samples begin with, its mode, the measured choice (None when the recipe forces the
+    start), and the transformers sampler the probe opened (or None), for the samples to reuse."""
     spec = recipe.featcal.data[name].generate
     if spec.prompts is not None:
         prompts_path = beside_recipe(spec.prompts, recipe.path.parent)
@@ -167,7 +166,8 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         return start, "prompts", None, None
     if spec.start is not None or spec.chat_template != "auto":
         start = resolve_start(None, "", spec.chat_template, tokenizer, config, where, spec.start)
-        return start, "start token" if spec.start is not None else ("chat" if start.chat else "bos"), None, None
+        mode = "start token" if spec.start is not None else ("empty" if spec.chat_template == "empty" else "chat" if start.chat else "bos")
+        return start, mode, None, None
     candidates = candidate_starts(tokenizer, config, sources[name].directory, where)
     if len(candidates) == 1:
         return candidates["bos"], "bos", None, None
@@ -189,11 +189,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
         f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds >= 0.05 else "")
     print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
-    close = choice.runner_up()
-    if close is None:
-        return candidates[choice.mode], choice.mode, choice, sampler
-    warn(f"{where}: {choice.doubt(close)}")
-    return both_starts(candidates[choice.mode], candidates[close]), f"{choice.mode}+{close}", choice, sampler
+    return candidates[choice.mode], choice.mode, choice, sampler
 
 
 def _expert_tokenizer(source: Any, name: str, where: str, trust_remote_code: bool) -> Any:

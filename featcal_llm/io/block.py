@@ -28,7 +28,8 @@ def beside_recipe(path: str, base_dir: Path | None) -> Path:
 
 
 class GenerateSpec(BaseModel):
-    """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, or continuing prompts.
+    """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, answering requests
+    through its chat template, or continuing prompts.
 
     Defaults sample at temperature 0.7 with no top-p or top-k cut: calibration wants inputs on which the expert behaves
     as itself, and a cooler draw keeps a small expert's samples on its own kind of text (measured: a larger share of
@@ -40,14 +41,14 @@ class GenerateSpec(BaseModel):
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default 512, at most featcal.max_length (calibration sees no token past it)")
-    prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: from BOS, or the shipped seed prompts for a chat template")
+    prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: no prompts, the start set by chat_template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
     min_p: float = Field(0.0, ge=0.0, lt=1.0, description="drop the tokens less likely than min_p × the most likely one's probability, after temperature (0: no cut)")
     seed: int | None = Field(None, description="default featcal.seed")
-    chat_template: Literal["auto", "on", "off"] = Field(
-        "auto", description="without prompts or start: on answers the shipped seed prompts, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"
+    chat_template: Literal["auto", "on", "off", "empty"] = Field(
+        "auto", description="without prompts or start: on answers the shipped seed prompts, empty answers an empty request, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"
     )
     batch_size: int = Field(32, ge=1, description="sequences per transformers generate call (part of what a seed reproduces)")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM when installed and the device is a GPU")
@@ -62,8 +63,10 @@ class GenerateSpec(BaseModel):
     def _start_without_prompts(self) -> "GenerateSpec":
         if self.start is not None and self.prompts is not None:
             raise ValueError("start is the first token of prompt-less samples; with prompts the prompts begin them")
-        if self.start is not None and self.chat_template == "on":
-            raise ValueError("start begins raw samples; chat_template: on answers prompts (set chat_template: off)")
+        if self.start is not None and self.chat_template in ("on", "empty"):
+            raise ValueError(f"start begins raw samples; chat_template: {self.chat_template} answers requests (set chat_template: off)")
+        if self.prompts is not None and self.chat_template == "empty":
+            raise ValueError("chat_template: empty answers an empty request instead of prompts; with prompts, use on (or off)")
         return self
 
 
