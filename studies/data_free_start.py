@@ -87,8 +87,8 @@ def generate_spec(setting: str, args, kind: str = "") -> str:
     spec = dict(GENERATE.get(setting, {}))
     if setting == "picked":
         picked = dict(item.split("=") for item in args.picked.split(",") if item)
-        if picked.get(kind) not in ("on", "off"):
-            sys.exit(f"--picked: give {kind}=on or {kind}=off (the chat_template each expert is forced to)")
+        if picked.get(kind) not in ("on", "off", "empty"):
+            sys.exit(f"--picked: give {kind}=on, {kind}=off or {kind}=empty (the chat_template each expert is forced to)")
         spec["chat_template"] = f'"{picked[kind]}"'
     if setting == "auto_x4":
         spec["samples"] = 4 * args.cal_records
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true",
                    help="run bos/chat even where auto chose that start for every expert (same samples), and measure "
                         "auto_x4's start again instead of reusing auto's measurement")
-    p.add_argument("--picked", default="", help="for the picked setting: KIND=on|off,... (each expert's chat_template)")
+    p.add_argument("--picked", default="", help="for the picked setting: KIND=on|off|empty,... (each expert's chat_template)")
     p.add_argument("--quick", action="store_true", help="smoke test of the whole path; its numbers mean nothing")
     return p
 

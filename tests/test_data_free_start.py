@@ -45,10 +45,10 @@ def test_settings_and_overrides():
 def test_picked_forces_each_experts_chat_template_and_refuses_a_missing_kind():
     import pytest
 
-    data = _featcal(dfs.recipe_text("chat", "picked", _args("--picked", "code=on,prose=off,c=on")))["data"]
+    data = _featcal(dfs.recipe_text("chat", "picked", _args("--picked", "code=on,prose=off,c=empty")))["data"]
     assert [data[f"chat/{k}"] for k in ("code", "prose", "c")] == [
-        {"generate": {"chat_template": "on"}}, {"generate": {"chat_template": "off"}}, {"generate": {"chat_template": "on"}}]
-    with pytest.raises(SystemExit, match="--picked: give c=on or c=off"):
+        {"generate": {"chat_template": "on"}}, {"generate": {"chat_template": "off"}}, {"generate": {"chat_template": "empty"}}]
+    with pytest.raises(SystemExit, match="--picked: give c=on, c=off or c=empty"):
         dfs.recipe_text("chat", "picked", _args("--picked", "code=on,prose=off"))
 
 
