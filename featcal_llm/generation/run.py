@@ -27,6 +27,7 @@ from featcal_llm.io.recipe import Recipe
 
 MAX_ROUNDS = 3  # a round replaces the samples the quality rule dropped in the one before
 DEFAULT_NEW_TOKENS = 512  # capped at featcal.max_length: calibration never sees tokens past it
+FORCED_MODES = {"on": "chat", "off": "bos", "empty": "empty"}  # chat_template → the mode it forces (the measured ones' names)
 
 
 @dataclass
@@ -166,8 +167,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         return start, "prompts", None, None
     if spec.start is not None or spec.chat_template != "auto":
         start = resolve_start(None, "", spec.chat_template, tokenizer, config, where, spec.start)
-        mode = "start token" if spec.start is not None else ("empty" if spec.chat_template == "empty" else "chat" if start.chat else "bos")
-        return start, mode, None, None
+        return start, "start token" if spec.start is not None else FORCED_MODES[spec.chat_template], None, None
     candidates = candidate_starts(tokenizer, config, sources[name].directory, where)
     if len(candidates) == 1:
         return candidates["bos"], "bos", None, None
