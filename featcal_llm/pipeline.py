@@ -23,6 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
+from featcal_llm.engine.token_weights import advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
@@ -329,6 +330,10 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer(), comm=comm)
     weights, coverage = expert_weights(context, featcal, sequences, merged_config.num_hidden_layers)
     context.plan = plan = replace(plan, task_weights=weights)
+    token_weights = None
+    if featcal.token_weighting == "advantage":
+        token_weights = advantage_weights(context, merged_config.num_hidden_layers, f"{recipe.path}: featcal.token_weights")
+        context.token_roots = token_weights.roots
     replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
     comm.barrier()
     if not comm.is_main:
@@ -358,7 +363,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     from featcal_llm.generation.run import sampling_records, start_records
 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
-               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage, sampling_records(recipe))
+               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage, sampling_records(recipe),
+               None if token_weights is None else token_weights.summary)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None

@@ -94,6 +94,11 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                 Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),), settings=broad),
                 Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)),
                     settings=broad)]
+    if phase == "tokens":  # every token alike, or by the expert's advantage over the merge (the product's default)
+        return [Row("featcal, token weights advantage", keys={"token_weights": "advantage"}),
+                Row("featcal, token weights equal", keys={"token_weights": "equal"}),
+                Row("featcal, token weights equal, 256 records", records=256, keys={"token_weights": "equal"}),
+                Row("featcal, token weights advantage, 256 records", records=256, keys={"token_weights": "advantage"})]
     if phase == "balance":  # the experts' weights: all 1, or by coverage (the product's default)
         return [Row("featcal, balance equal", keys={"balance": "equal"}),
                 Row("featcal, balance coverage", keys={"balance": "coverage"}),
@@ -114,7 +119,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "balance", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
+PHASES = ("core", "balance", "tokens", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:

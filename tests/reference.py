@@ -39,8 +39,12 @@ def _capture(layer: torch.nn.Module, names: tuple[str, ...], store: dict[str, li
 
 @torch.no_grad()
 def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float, norms: bool = False,
-                        shares: dict[str, float] | None = None):
-    """Returns the calibrated model (float64); `shares`: expert → its weight (multiplies ω_i and q_i; default 1)."""
+                        shares: dict[str, float] | None = None, token_weights: dict[str, list[torch.Tensor]] | None = None):
+    """Returns the calibrated model (float64); `shares`: expert → its weight (multiplies ω_i and q_i; default 1).
+
+    `token_weights`: expert → one weight per token of each of its sequences; every per-token term of the
+    statistics (Grams, R_i, the bias means, the norms' q_i) is multiplied by its token's weight (default 1).
+    """
     projections, norm_names, offset = FAMILIES[merged.config.model_type]
     cal = copy.deepcopy(merged).double().eval()
     base = copy.deepcopy(base).double().eval()
@@ -63,23 +67,25 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
             for name in projections:
                 xc, xe = torch.cat(x_cal[name]), torch.cat(x_exp[name])
                 n = xc.shape[0]
+                w = torch.ones(n, 1, dtype=torch.float64) if token_weights is None else torch.cat(token_weights[task]).double().reshape(n, 1)
                 w_i = expert_layer.get_submodule(name).weight.double()
                 x_tgt = alpha * xe + (1 - alpha) * xc
-                gram = xc.T @ xc / n
+                gram = (w * xc).T @ xc / n
                 omega = (shares or {}).get(task, 1.0) / max(float(torch.linalg.matrix_norm(gram)), eps)
                 grams.setdefault(name, []).append(omega * gram)
-                rights.setdefault(name, []).append(omega * ((x_tgt @ w_i.T).T @ xc) / n)
+                rights.setdefault(name, []).append(omega * ((w * (x_tgt @ w_i.T)).T @ xc) / n)
                 b_i = expert_layer.get_submodule(name).bias
-                if b_i is not None:  # Eq. 55 needs ω_i, b_i + W_i μ_tgt,i and μ_cal,i
-                    bias_terms.setdefault(name, []).append((omega, b_i.double() + w_i @ x_tgt.mean(0), xc.mean(0)))
+                if b_i is not None:  # Eq. 55 needs ω_i, b_i + W_i μ_tgt,i and μ_cal,i (weighted means: Σ w x / n)
+                    bias_terms.setdefault(name, []).append((omega, b_i.double() + w_i @ (w * x_tgt).sum(0) / n, (w * xc).sum(0) / n))
             if norms:
                 for norm in norm_names:
                     x = torch.cat(norm_in[norm])
                     module = cal_layer.get_submodule(norm)
                     eps_norm = getattr(module, "variance_epsilon", getattr(module, "eps", None))
                     z = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps_norm)
+                    w = 1.0 if token_weights is None else torch.cat(token_weights[task]).double().reshape(-1, 1)
                     gamma = offset + expert_layer.get_submodule(norm).weight.double()  # the effective scale
-                    norm_q.setdefault(norm, []).append(((shares or {}).get(task, 1.0) * (z * z).mean(0), gamma))
+                    norm_q.setdefault(norm, []).append(((shares or {}).get(task, 1.0) * (w * z * z).mean(0), gamma))
         for name in projections:
             module = cal_layer.get_submodule(name)
             w_anchor = rho * module.weight + (1 - rho) * base_layer.get_submodule(name).weight
@@ -108,7 +114,7 @@ def brute_force_featcal(merged, base, experts: dict, sequences: dict[str, list[l
 
 @torch.no_grad()
 def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list[list[int]]], lam: float, alpha: float, rho: float, eps: float,
-                     shares: dict[str, float] | None = None) -> torch.Tensor:
+                     shares: dict[str, float] | None = None, token_weights: dict[str, list[torch.Tensor]] | None = None) -> torch.Tensor:
     """The LM head re-fitted on the final features of each model's own full forward (`model.model(...)`, after its final norm).
 
     `cal` is the brute force's calibrated model: its body gives x_cal, each expert's gives x_exp; R_i is formed
@@ -122,12 +128,35 @@ def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list
         x_cal = torch.cat([cal.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences[task]]).double()
         x_exp = torch.cat([expert.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences[task]]).double()
         n = x_cal.shape[0]
-        gram = x_cal.T @ x_cal / n
+        w = torch.ones(n, 1, dtype=torch.float64) if token_weights is None else torch.cat(token_weights[task]).double().reshape(n, 1)
+        gram = (w * x_cal).T @ x_cal / n
         omega = (shares or {}).get(task, 1.0) / max(float(torch.linalg.matrix_norm(gram)), eps)
         w_i = expert.get_output_embeddings().weight.double()
         x_tgt = alpha * x_exp + (1 - alpha) * x_cal
         lhs += omega * gram
-        rhs += omega * ((x_tgt @ w_i.T).T @ x_cal) / n
+        rhs += omega * ((w * (x_tgt @ w_i.T)).T @ x_cal) / n
     w_anchor = rho * merged.get_output_embeddings().weight.double() + (1 - rho) * base.get_output_embeddings().weight.double()
     lhs += (lam + eps) * torch.eye(dim, dtype=torch.float64)
     return torch.linalg.solve(lhs.T, (rhs + lam * w_anchor).T).T
+
+
+@torch.no_grad()
+def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[list[int]]]) -> dict[str, list[torch.Tensor]]:
+    """Each token's weight, from the whole models' own forward: ½ + ½ a / mean(a) with a = max(0, log p_expert −
+    log p_merged) of the next token (0 for a record's last token), the mean over the expert's tokens."""
+    merged = copy.deepcopy(merged).double().eval()
+    weights = {}
+    for task, expert in experts.items():
+        expert = copy.deepcopy(expert).double().eval()
+        rows = []
+        for sequence in sequences[task]:
+            ids = torch.tensor([sequence])
+            lead = torch.zeros(len(sequence), dtype=torch.float64)
+            if len(sequence) > 1:
+                def next_token(model):
+                    return torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0]
+                lead[:-1] = (next_token(expert) - next_token(merged)).clamp(min=0)
+            rows.append(lead)
+        total, count = float(torch.cat(rows).sum()), sum(len(s) for s in sequences[task])
+        weights[task] = [0.5 + 0.5 * row * (count / total) if total > 0 else torch.ones_like(row) for row in rows]
+    return weights

@@ -165,8 +165,7 @@ def test_a_non_finite_nll_is_one_line_naming_the_model_not_a_silent_weight(tmp_p
     from featcal_llm.errors import FeatCalError
 
     scenario = trained_scenario(tmp_path / "scenario", "llama", (4, 2))
-    real = coverage_module.batch_nll_sums
-    monkeypatch.setattr(coverage_module, "batch_nll_sums", lambda head, hidden, batch: (float("nan"), real(head, hidden, batch)[1]))
+    monkeypatch.setattr(coverage_module, "token_log_probs", lambda head, hidden, batch: torch.full(batch.keep.shape, float("nan")))
     with pytest.raises(FeatCalError, match=r"balance: coverage: .*NLL on expert .* is not finite") as error:
         run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage"), progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()

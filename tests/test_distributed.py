@@ -323,15 +323,26 @@ def _local_store(monkeypatch, world: int):
     return dist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
 
 
+def _two_ranks_and_one(uneven, tmp_path, **featcal) -> list[dict]:
+    """The card's featcal front matter of a two-rank run and of one process, both with `featcal` keys; their updates agree."""
+    scenario, _ = uneven
+    single = run_recipe(scenario.write_recipe(tmp_path / "s.yaml", output=str(tmp_path / "single"), **featcal), progress=False)
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **featcal), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+    return [yaml.safe_load((d / "README.md").read_text().split("---")[1])["featcal"] for d in (tmp_path / "out", single)]
+
+
 def test_two_ranks_weigh_the_experts_by_coverage_as_one_process_does(uneven, tmp_path):
     """`balance: coverage`: each rank scores its shard of the sample and the sums are added, so the NLLs (and weights) agree."""
-    scenario, _ = uneven
-    single = run_recipe(scenario.write_recipe(tmp_path / "s.yaml", output=str(tmp_path / "single"), balance="coverage"), progress=False)
-    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage"), 2, tmp_path / "logs")
-    assert [r.returncode for r in ranks] == [0, 0], ranks
-    front = [yaml.safe_load((d / "README.md").read_text().split("---")[1])["featcal"] for d in (tmp_path / "out", single)]
+    front = _two_ranks_and_one(uneven, tmp_path, balance="coverage")
     ours, theirs = front[0]["coverage_nll"], front[1]["coverage_nll"]
     assert set(ours) == set(theirs) and len(ours) == 4  # three experts and the base
     for model, row in theirs.items():
         assert ours[model] == pytest.approx(row, rel=1e-12)
-    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+
+
+def test_two_ranks_weigh_the_tokens_by_advantage_as_one_process_does(uneven, tmp_path):
+    """`token_weights: advantage`: each rank weighs its shard's tokens, scaled by the sums over both ranks."""
+    front = _two_ranks_and_one(uneven, tmp_path, token_weights="advantage")
+    assert front[0]["token_advantage"] == front[1]["token_advantage"] and len(front[0]["token_advantage"]) == 3

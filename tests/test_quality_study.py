@@ -62,6 +62,8 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                     assert featcal.head is not None and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
                 elif key == "balance":
                     assert featcal.balancing == value
+                elif key == "token_weights":
+                    assert featcal.token_weighting == value
                 elif key != "tune":
                     assert featcal.hyper_values()[key] == value, (row.name, key)
             if "head" not in row.keys:

@@ -10,7 +10,8 @@ host RSS was 22 GB; this model gives about 20 GB there.
     group systems    every group's float64 system and right-hand side, + 3 copies of the largest d x d (solve)
     decoder layers   2 layers in the compute dtype on the compute device
     activations      batch_tokens x (4 hidden + 3 intermediate) in the compute dtype
-    hidden streams   every calibration token x hidden x 2 (calibrated and expert stream), compute dtype, or the
+    hidden streams   every calibration token x hidden x 2 (calibrated and expert stream; the token-weight pass before
+                     the loop holds the same two, merged and expert), compute dtype, or the
                      coverage pass's (1 + experts) x its sample's tokens x hidden when larger (they never coexist);
                      RAM up to host_memory_gb (default half the machine), the rest spills to disk
     disk             the merge (when not yet written) + the output checkpoint + the staged layers + spill

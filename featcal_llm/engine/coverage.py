@@ -14,13 +14,11 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-import torch
 
 from featcal_llm import runlog
-from featcal_llm.engine.calibrate import advance, embedded
-from featcal_llm.engine.drift import KL_CHUNK, Head, spaced_sample
-from featcal_llm.engine.prefetch import LayerPrefetcher
-from featcal_llm.engine.streams import TokenBatch, make_batches
+from featcal_llm.engine.drift import Head, spaced_sample
+from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log_probs
+from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.names import short_names
@@ -32,63 +30,37 @@ if TYPE_CHECKING:
 BASE = "base"
 
 
-def batch_nll_sums(head: Head, hidden: torch.Tensor, batch: TokenBatch) -> tuple[float, int]:
-    """Σ −log p(next token) over the batch's scored positions (a token with a successor in its record), and their count."""
-    keep = batch.keep.to(hidden.device)
-    scored = keep[:, :-1] & keep[:, 1:]
-    rows = hidden[:, :-1][scored]
-    targets = batch.input_ids.to(hidden.device)[:, 1:][scored]
-    total = 0.0
-    for chunk, target in zip(rows.split(KL_CHUNK), targets.split(KL_CHUNK)):
-        log_probs = head.log_probs(chunk)
-        total -= float(log_probs.gather(1, target.to(log_probs.device).unsqueeze(1)).sum())
-    return total, int(scored.sum())
-
-
 def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_layers: int, batch_tokens: int) -> tuple[Losses, dict[str, float]]:
     """Mean next-token NLL of each expert (and of the base) on a sample of each expert's records.
 
     `sequences`: this rank's shard of the sample. Returns (expert i → expert j → NLL, expert j → the base's NLL).
     """
     models, runner = ctx.models, ctx.runner
-    readers = {BASE: models.base, **models.experts}
+    readers = {(BASE,): models.base, **{(name,): reader for name, reader in models.experts.items()}}
     batches = {task: make_batches(seqs, batch_tokens, pad_id=0) for task, seqs in sequences.items()}
-    streams = {model: {task: embedded(ctx, reader, task_batches, reader.what) for task, task_batches in batches.items()}
-               for model, reader in readers.items()}
-    prefetcher = LayerPrefetcher(None, models.base, models.experts, runner.architecture.prefix, num_layers, pin=runner.device.type == "cuda")
-    try:
-        for layer in range(num_layers):
-            tensors = prefetcher.get(layer)
-            for model, weights in ((BASE, tensors.base), *tensors.experts.items()):
-                module = runner.build(layer, weights, readers[model].what)
-                for task, task_batches in batches.items():
-                    advance(ctx, module, task_batches, streams[model][task])
-                del module
-            del tensors
-    finally:
-        prefetcher.close()
+    streams = final_hidden(ctx, {role: (reader, batches) for role, reader in readers.items()}, num_layers)
     sums: list[float] = []
-    for model, reader in readers.items():
+    for role, reader in readers.items():
         head = Head(runner, reader)
         for task, task_batches in batches.items():
             total, count = 0.0, 0
-            for batch, (hidden,) in zip(task_batches, on_device(runner.device, streams[model][task])):
-                batch_total, batch_count = batch_nll_sums(head, hidden, batch)
-                total, count = total + batch_total, count + batch_count
+            for batch, (hidden,) in zip(task_batches, on_device(runner.device, streams[role][task])):
+                total -= float(token_log_probs(head, hidden, batch).sum())
+                count += int(scored_positions(batch).sum())
             sums += [total, float(count)]
         del head
     sums = ctx.comm.sum_floats(sums)
     losses: Losses = {}
     position = 0
-    for model in readers:
+    for (model,) in readers:
         losses[model] = {}
         for task in batches:
             losses[model][task] = sums[position] / max(sums[position + 1], 1.0)
             position += 2
-    for model, row in losses.items():
-        for task, loss in row.items():
+    for (model,), reader in readers.items():
+        for task, loss in losses[model].items():
             if not math.isfinite(loss):
-                raise FeatCalError(f"balance: coverage: {readers[model].what}'s NLL on expert {task}'s records is not finite; "
+                raise FeatCalError(f"balance: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
                                    "check that model's weights, or set balance: equal")
     base = losses.pop(BASE)
     return losses, base
@@ -129,4 +101,4 @@ def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[in
     return weights, {**losses, BASE: base}
 
 
-__all__ = ["COVERAGE_RECORDS", "batch_nll_sums", "coverage_sample", "coverage_weights", "describe", "expert_weights", "model_losses"]
+__all__ = ["COVERAGE_RECORDS", "coverage_sample", "coverage_weights", "describe", "expert_weights", "model_losses"]

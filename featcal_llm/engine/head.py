@@ -16,6 +16,7 @@ from featcal_llm.engine.drift import LM_HEAD, final_norm
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.maths.advantage import weighted_rows
 from featcal_llm.maths.head import HeadStatistics, solve_head
 from featcal_llm.maths.objective import Hyperparameters
 from featcal_llm.maths.stats import accumulate_gram, accumulate_moment
@@ -30,13 +31,15 @@ def head_tensor(reader: CheckpointReader, embed_tokens: str) -> str:
 
 
 def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, expert_norm: torch.nn.Module) -> HeadStatistics:
-    """Σ x_cal x_calᵀ and Σ x_exp x_calᵀ over task i's non-padding tokens, x = the final norm's output."""
+    """Σ w x_cal x_calᵀ and Σ w x_exp x_calᵀ over task i's non-padding tokens, x = the final norm's output (w: the token weights, else 1)."""
     runner = ctx.runner
     stats = HeadStatistics.empty(runner.config.hidden_size, runner.device)
+    roots = ctx.token_roots[task] if ctx.token_roots is not None else None
     with torch.no_grad(), ctx.timer.phase("statistics"):
-        for batch, (h_cal, h_exp) in zip(ctx.batches[task], on_device(runner.device, ctx.cal[task], ctx.expert[task])):
+        for index, (batch, (h_cal, h_exp)) in enumerate(zip(ctx.batches[task], on_device(runner.device, ctx.cal[task], ctx.expert[task]))):
             keep = batch.keep.to(runner.device)
-            x_cal, x_exp = merged_norm(h_cal)[keep], expert_norm(h_exp)[keep]
+            root = None if roots is None else roots[index].to(runner.device)[keep]
+            x_cal, x_exp = weighted_rows(merged_norm(h_cal)[keep], root), weighted_rows(expert_norm(h_exp)[keep], root)
             accumulate_gram(stats.gram, x_cal, runner.stats_dtype)
             accumulate_moment(stats.moment, x_exp, x_cal, runner.stats_dtype)
             stats.tokens += int(x_cal.shape[0])

@@ -25,7 +25,7 @@ class LayerTensors:
 
 
 class LayerPrefetcher:
-    def __init__(self, merged: CheckpointReader | None, base: CheckpointReader, experts: dict[str, CheckpointReader], prefix_of, num_layers: int, pin: bool):
+    def __init__(self, merged: CheckpointReader | None, base: CheckpointReader | None, experts: dict[str, CheckpointReader], prefix_of, num_layers: int, pin: bool):
         self._readers = (merged, base, experts)
         self._prefix_of = prefix_of
         self._num_layers = num_layers
@@ -47,7 +47,7 @@ class LayerPrefetcher:
                 tensors[name] = tensor
             return tensors
 
-        return LayerTensors(load(merged) if merged is not None else {}, load(base), {task: load(reader) for task, reader in experts.items()})
+        return LayerTensors(load(merged) if merged is not None else {}, load(base) if base is not None else {}, {task: load(reader) for task, reader in experts.items()})
 
     def _submit(self, layer: int) -> None:
         if 0 <= layer < self._num_layers and layer not in self._pending:

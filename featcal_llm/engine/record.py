@@ -15,6 +15,7 @@ from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.layers import LayerRunner, hooked, norm_epsilon
+from featcal_llm.maths.advantage import weighted_rows
 from featcal_llm.maths.stats import (
     GroupStatistics,
     accumulate_cross,
@@ -89,34 +90,36 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
         group_stats.via_moment = group_stats.moment is not None and cross_moment_pays(
             task_tokens, group_stats.gram.shape[0], sum(c.shape[0] for c in group_stats.cross.values())
         )
+    roots = ctx.token_roots[task] if ctx.token_roots is not None else None
     for index, (batch, (h_cal, h_exp)) in enumerate(zip(batches, on_device(device, cal_stream, expert_stream))):
         keep = batch.keep.to(device)
-        x_cal = {}  # input group → this batch's x_cal rows, shared by the expert hooks
+        root = None if roots is None else roots[index].to(device)[keep]  # √w of each kept token: products of scaled rows weigh w
+        x_cal = {}  # input group → this batch's x_cal rows (scaled by √w), shared by the expert hooks
         cal_hooks: dict[str, list[Callable]] = {}
         expert_hooks: dict[str, list[Callable]] = {}
         for group in plan.groups():
             group_stats = stats[group.name]
 
             def on_cal_input(x, _y, name=group.name, s=group_stats):
-                rows = x[keep]
+                rows = weighted_rows(x[keep], root)
                 x_cal[name] = rows
                 accumulate_gram(s.gram, rows, precision)
                 if s.sum_cal is not None:
-                    accumulate_sum(s.sum_cal, rows)
+                    accumulate_sum(s.sum_cal, weighted_rows(rows, root))
 
             cal_hooks.setdefault(group.projections[0], []).append(on_cal_input)
             if group_stats.norm_sq is not None:
                 epsilon = norm_epsilon(cal_layer.get_submodule(group.norm))
                 cal_hooks.setdefault(group.norm, []).append(
-                    lambda x, _y, s=group_stats, e=epsilon: accumulate_normalized_square(s.norm_sq, x[keep], e)
+                    lambda x, _y, s=group_stats, e=epsilon: accumulate_normalized_square(s.norm_sq, x[keep], e, root)
                 )
             if group_stats.sum_exp is not None:
                 expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, x[keep])
+                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, weighted_rows(x[keep], None if root is None else root * root))
                 )
             if group_stats.via_moment:  # the group's first projection sees x_exp as its input
                 expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, x[keep], x_cal[name], precision)
+                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, weighted_rows(x[keep], root), x_cal[name], precision)
                 )
                 continue
             for projection in plan.selected(group):
@@ -126,7 +129,7 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
                     rows = y[keep]  # y_exp = W_i x_exp (+ b_i)
                     if m.bias is not None:
                         rows = rows - m.bias
-                    accumulate_cross(s.cross[p], rows, x_cal[name], precision)
+                    accumulate_cross(s.cross[p], weighted_rows(rows, root), x_cal[name], precision)
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)
 

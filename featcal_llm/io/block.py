@@ -211,6 +211,12 @@ class FeatCalConfig(BaseModel):
         "the base that it also achieves on that expert's records, so a broad expert beside narrow ones counts for several "
         "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default)"
     )
+    token_weights: Literal["advantage", "equal"] | None = Field(
+        None, description="how the tokens of an expert's records weigh. advantage (FeatCal's default): each token by how much "
+        "better the expert predicts the next token than the merged model does, 0 where the merge predicts it as well or better, "
+        "so the re-fit goes where the expert knows what the merge lost (the merged model and each expert run over its records "
+        "once, before the layers); equal: every token 1, as in the paper"
+    )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
@@ -282,7 +288,8 @@ class FeatCalConfig(BaseModel):
         method = self.method[index]
         update: dict[str, Any] = {"method": method}
         if index == 0:
-            update.update(output=intermediate, eval=None, **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
+            update.update(output=intermediate, eval=None, token_weights=None,
+                          **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
         else:
             update.update(merged=intermediate, reduction=None)
         stage = self.model_copy(update=update)
@@ -293,6 +300,11 @@ class FeatCalConfig(BaseModel):
     def balancing(self) -> str:
         """The `balance:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
         return self.balance or ("equal" if self.regmean else "coverage")
+
+    @property
+    def token_weighting(self) -> str:
+        """The `token_weights:` the run uses: the recipe's, else advantage for FeatCal and equal for RegMean."""
+        return self.token_weights or ("equal" if self.regmean else "advantage")
 
     @property
     def regmean(self) -> bool:

@@ -133,7 +133,7 @@ def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
     starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
-    sampling: dict[str, dict[str, Any]] | None = None,
+    sampling: dict[str, dict[str, Any]] | None = None, advantage: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """README.md with hub-style YAML front matter, plus the recipe beside it.
 
@@ -144,6 +144,8 @@ def write_card(
     `weights`: each expert's weight in the objective as the run used it; `coverage`: the
     NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
+    `advantage`: per expert, the share of its tokens where it predicts the next token better than the
+    merge and its mean advantage in nats (engine.token_weights), when tokens were weighed by it.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -188,7 +190,7 @@ def write_card(
     if calibrated is not None:
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:
-            settings |= {"norms": calibrated["norms"], "biases": calibrated["biases"]}
+            settings |= {"token_weights": featcal.token_weighting, "norms": calibrated["norms"], "biases": calibrated["biases"]}
             if calibrated.get("head") is not None:
                 settings["head"] = calibrated["head"]
     front = {
@@ -218,6 +220,8 @@ def write_card(
     if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
         front["featcal"]["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()}
                                             for model, row in coverage.items()}
+    if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
+        front["featcal"]["token_advantage"] = {names[task]: summary for task, summary in advantage.items()}
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(

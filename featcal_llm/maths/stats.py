@@ -174,8 +174,10 @@ def accumulate_sum(total: torch.Tensor, rows: torch.Tensor) -> None:
     total.add_(rows.to(total.dtype).sum(dim=0))
 
 
-def accumulate_normalized_square(total: torch.Tensor, x: torch.Tensor, epsilon: float) -> None:
-    """Σ (x / rms(x))² per coordinate, with the norm module's own epsilon."""
+def accumulate_normalized_square(total: torch.Tensor, x: torch.Tensor, epsilon: float, root_weights: torch.Tensor | None = None) -> None:
+    """Σ w (x / rms(x))² per coordinate, with the norm module's own epsilon (w = 1, or the square of `root_weights`)."""
     x = x.to(total.dtype)
     z = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    if root_weights is not None:
+        z = z * root_weights.to(z.dtype).unsqueeze(1)
     total.add_(z.pow(2).sum(dim=0))

@@ -1,0 +1,82 @@
+"""The token-weight pass: where each expert predicts its own records better than the merge (maths/advantage.py).
+
+Before the calibration loop, each expert's calibration records run through
+the merged model and through that expert to the end of the network
+(engine/scoring.py). A token weighs the expert's advantage over the merge at
+predicting the next token, scaled to mean 1 over the expert's tokens (summed
+over every rank, so ranks weigh alike), for half of its weight; the other
+half is 1 (maths/advantage.py). The loop's statistics then take √w-scaled
+rows (engine/record.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from featcal_llm import runlog
+from featcal_llm.engine.drift import Head
+from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log_probs
+from featcal_llm.engine.transfer import on_device
+from featcal_llm.errors import warn
+from featcal_llm.io.names import short_names
+from featcal_llm.maths.advantage import advantages, mean_one_scale, token_weights
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
+
+MERGED = ("merged",)  # the pass's role keys: tuples, so that no expert's name can collide with the merge's
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    roots: dict[str, list[torch.Tensor]]  # task → √w of each of its batches, (batch, seq) float64 on the host
+    summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "advantage": mean nats}
+
+
+def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
+    """Every calibration token's weight: the expert's advantage over the merge there, mean 1 per expert."""
+    models, runner, batches = ctx.models, ctx.runner, ctx.batches
+    runs = {MERGED: (models.merged, batches), **{("expert", task): (models.experts[task], {task: task_batches})
+                                                  for task, task_batches in batches.items()}}
+    runlog.stage("weighing each expert's tokens by its advantage over the merge: its records through the merged model and the expert")
+    started = time.perf_counter()
+    streams = final_hidden(ctx, runs, num_layers)
+    merged_head = Head(runner, models.merged)
+    raw: dict[str, list[torch.Tensor]] = {}
+    sums: list[float] = []
+    for task, task_batches in batches.items():
+        expert_head = Head(runner, models.experts[task])
+        raw[task] = []
+        total = ahead = tokens = scored = 0.0
+        for batch, (merged_hidden, expert_hidden) in zip(task_batches, on_device(runner.device, streams[MERGED][task], streams[("expert", task)][task])):
+            positions = scored_positions(batch)
+            weights = advantages(token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch), positions)
+            raw[task].append(weights)
+            total, ahead = total + float(weights.sum()), ahead + float((weights > 0).sum())
+            tokens, scored = tokens + batch.tokens, scored + float(positions.sum())
+        sums += [total, ahead, tokens, scored]
+        del expert_head
+    del streams
+    sums = ctx.comm.sum_floats(sums)
+    roots, summary = {}, {}
+    for index, task in enumerate(batches):
+        total, ahead, tokens, scored = sums[4 * index: 4 * index + 4]
+        scale = mean_one_scale(total, int(tokens))
+        roots[task] = [token_weights(weights, batch.keep, scale).sqrt() for weights, batch in zip(raw[task], batches[task])]
+        summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "advantage": round(total / max(scored, 1.0), 4)}
+    names = short_names(list(batches))
+    for task in batches:
+        if summary[task]["tokens_ahead"] == 0:
+            warn(f"{where}: expert {task} predicts none of its records' tokens better than the merge, so its tokens weigh "
+                 "alike; check that its data is its kind of text")
+    runlog.stage(f"tokens weighed by the expert's advantage over the merge ({time.perf_counter() - started:.0f} s): "
+                 + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['advantage']:.3f} nats a token on average"
+                             for task, s in summary.items()))
+    return TokenWeights(roots, summary)
+
+
+__all__ = ["TokenWeights", "advantage_weights"]

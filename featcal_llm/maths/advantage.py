@@ -1,0 +1,55 @@
+"""Token weights: each calibration token counts by how much better the expert predicts the text there than the merge.
+
+FeatCal fits the merged model's features to each expert's on every token of
+the expert's records, all tokens alike. Where the merge already predicts the
+next token as well as the expert, or better (text the other experts also
+know, or text the expert itself predicts worse than the merge), that pull
+spends the layers' capacity on copying the expert, sometimes on its
+weaknesses. Weighing token t of expert i's records by
+
+    a_t = max(0, log p_i(x_{t+1} | x_≤t) − log p_merged(x_{t+1} | x_≤t))
+
+spends it where the expert knows something the merge lost. Label-free: the
+next token is the calibration text's own. A token with no successor (the last
+of its record) has no advantage. But a token's features are also the keys and
+values later tokens attend to, so no token may weigh nothing: a token weighs
+half 1 and half its advantage scaled to mean 1 over the expert's tokens,
+
+    w_t = ½ + ½ · a_t / mean(a),
+
+which keeps the statistics' scale (sums over n tokens divided by n stay
+weighted means). With all of the weight on the advantage, a synthetic task
+whose answers attend to unpredictable prompts lost most of its gain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def advantages(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """a_t = max(0, expert's − merge's log-probability of the next token) where `scored`, else 0 (same shape)."""
+    return (expert_log_probs - merged_log_probs).clamp(min=0.0) * scored
+
+
+ADVANTAGE_SHARE = 0.5  # of each token's weight; the rest is 1 for every token
+
+
+def mean_one_scale(weight_sum: float, tokens: int) -> float:
+    """The factor that gives weights summing to `weight_sum` over `tokens` tokens a mean of 1 (0 when they are all 0)."""
+    return tokens / weight_sum if weight_sum > 0 else 0.0
+
+
+def token_weights(advantage: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """w = (1 − share) + share · a · scale on the kept tokens (`scale`: mean_one_scale over the expert's tokens), 0 on padding.
+
+    Mean 1 over the expert's tokens; 1 on every token of an expert that is nowhere ahead (scale 0).
+    """
+    if scale == 0:
+        return keep.to(advantage.dtype)
+    return keep.to(advantage.dtype) * (1 - ADVANTAGE_SHARE) + ADVANTAGE_SHARE * scale * advantage
+
+
+def weighted_rows(rows: torch.Tensor, root_weights: torch.Tensor | None) -> torch.Tensor:
+    """Rows scaled by √w: products of two scaled rows (Grams, crosses, moments) are then Σ w x yᵀ."""
+    return rows if root_weights is None else rows * root_weights.to(rows.dtype).unsqueeze(1)

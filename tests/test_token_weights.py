@@ -1,0 +1,144 @@
+"""Token weights by the expert's advantage over the merge (`token_weights: advantage`, FeatCal's default).
+
+The product's weights come from its streamed pass (one layer at a time, the family's final norm and head); the
+reference's from each whole HF model's own forward, one sequence at a time (tests/reference.py). The calibrated
+updates must agree to 1e-8, biases and norms included, and so must what the card reports.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from reference import advantage_token_weights, brute_force_featcal, brute_force_head
+from test_coverage import card_front, trained_scenario
+from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, read_weights
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.maths.advantage import advantages, mean_one_scale, token_weights, weighted_rows
+from featcal_llm.pipeline import run_recipe
+
+
+def test_a_token_weighs_the_expert_lead_on_its_successor_and_nothing_where_the_merge_is_as_good():
+    expert = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], dtype=torch.float64)
+    merged = torch.tensor([[-1.5, -1.0, -0.5, 0.0]], dtype=torch.float64)
+    scored = torch.tensor([[True, True, True, False]])
+    assert advantages(expert, merged, scored).tolist() == [[0.5, 0.0, 0.0, 0.0]]
+    assert mean_one_scale(0.5, 4) == 8.0 and mean_one_scale(0.0, 4) == 0.0
+    lead, keep = torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64), torch.tensor([[True, True, True, True, False]])
+    assert token_weights(lead, keep, mean_one_scale(0.5, 4)).tolist() == [[2.5, 0.5, 0.5, 0.5, 0.0]]  # ½ + ½ a / mean(a)
+    assert token_weights(lead * 0, keep, 0.0).tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0]]  # nowhere ahead: every token 1
+    rows, roots = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([2.0, 0.0])
+    assert torch.equal(weighted_rows(rows, roots), torch.tensor([[2.0, 4.0], [0.0, 0.0]]))
+    assert weighted_rows(rows, None) is rows
+
+
+def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 64) -> dict[str, float]:
+    def load64(path):
+        return load(path, torch.float64)
+
+    merged_model = load64(scenario.root / "merged")
+    experts = {str(p): load64(p) for p in scenario.experts.values()}
+    sequences = {str(scenario.experts[n]): s for n, s in calibration_sequences(scenario, samples, max_length).items()}
+    weights = advantage_token_weights(merged_model, experts, sequences)
+    reference = brute_force_featcal(merged_model, load64(scenario.base), experts, sequences, 1e-3, 0.3, 0.5, 1e-8, norms=norms,
+                                    token_weights=weights).state_dict()
+    unweighted = brute_force_featcal(merged_model, load64(scenario.base), experts, sequences, 1e-3, 0.3, 0.5, 1e-8,
+                                     norms=norms).state_dict()
+    ours, merged = read_weights(output), read_weights(scenario.root / "merged")
+    changed = {n for n in ours if not torch.equal(ours[n], merged[n])}
+    expected = {n for n in merged if n in reference and not torch.equal(reference[n].to(merged[n].dtype), merged[n])}
+    assert changed == expected, sorted(changed ^ expected)
+    errors = {name: delta_error(ours[name], reference[name], merged[name]) for name in changed}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, (worst, errors[worst])
+    # the weights matter: the unweighted brute force is far from the product's updates
+    assert max(delta_error(ours[n], unweighted[n], merged[n]) for n in changed) > 1e-2
+    return weights
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # several padded batches and norms; q/k/v biases (the weighted means)
+def test_weighted_updates_match_the_brute_force_with_weights_from_the_whole_models(family, tmp_path):
+    scenario = trained_scenario(tmp_path / "scenario", family, (24, 6))
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                   norms=True, token_weights="advantage")
+    output = run_recipe(recipe, progress=False)
+    weights = _check(scenario, output, norms=True)
+    card = card_front(output)["featcal"]
+    assert card["settings"]["token_weights"] == "advantage"
+    for index, (name, rows) in enumerate(weights.items()):
+        lead = torch.cat(rows)
+        scored = sum(len(row) - 1 for row in rows)
+        summary = card["token_advantage"][f"expert{index}"]
+        assert summary["tokens_ahead"] == round(float((lead > 0.5).sum()) / scored, 4)
+        assert 0 < summary["tokens_ahead"] < 1
+
+
+def test_advantage_is_the_default_and_equal_weighs_every_token_alike(tmp_path):
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    del recipe["featcal"]["token_weights"]
+    recipe["featcal"].update(output=str(tmp_path / "default"), batch_tokens=150, dtype="float64")
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    default = run_recipe(tmp_path / "d.yaml", progress=False)
+    assert card_front(default)["featcal"]["settings"]["token_weights"] == "advantage"
+    _check(scenario, default, norms=False)
+    equal = run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "equal"), batch_tokens=150, dtype="float64"),
+                       progress=False)
+    front = card_front(equal)["featcal"]
+    assert front["settings"]["token_weights"] == "equal" and "token_advantage" not in front
+
+
+def test_the_head_re_fit_weighs_tokens_alike(family_scenarios, tmp_path):
+    """`head:` takes the same weights: the LM head's update against the brute force's on its weighted calibration."""
+    from test_head import HEAD, reference_models
+
+    scenario = family_scenarios("llama")
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              head=HEAD, token_weights="advantage"), progress=False)
+    merged, base, experts, sequences = reference_models(scenario)
+    weights = advantage_token_weights(merged, experts, sequences)
+    cal = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights)
+    expected = brute_force_head(cal, merged, base, experts, sequences, HEAD["lambda"], HEAD["alpha"], HEAD["rho"], 1e-8,
+                                token_weights=weights)
+    merged_head = merged.get_output_embeddings().weight
+    assert delta_error(read_weights(output)["lm_head.weight"], expected, merged_head) <= TOLERANCE
+
+
+def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
+    """One expert merged at weight 1 is the merge itself: it is ahead on no token, so its tokens weigh alike."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=1, layers=2, samples=6, words=(4, 10), dtype="float64")
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["models"][0]["parameters"]["weight"] = 1.0
+    recipe["featcal"].update(output=str(tmp_path / "out"), token_weights="advantage")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert any("featcal.token_weights: expert" in line and "predicts none of its records' tokens better than the merge" in line
+               for line in warning), warning
+    assert card_front(output)["featcal"]["token_advantage"]["expert0"] == {"tokens_ahead": 0.0, "advantage": 0.0}
+    recipe["featcal"].update(output=str(tmp_path / "equal"), token_weights="equal")
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    equal, ours = read_weights(run_recipe(tmp_path / "e.yaml", progress=False)), read_weights(output)
+    assert all(torch.allclose(ours[name], equal[name], rtol=1e-9, atol=1e-12) for name in equal)
+
+
+@pytest.mark.parametrize("featcal, message", [
+    ({"token_weights": "uniform"}, r"token_weights.*'advantage' or 'equal'"),
+    ({"token_weights": "advantage", "method": "regmean++", "lambda": None, "alpha": None, "rho": None},
+     r"featcal\.token_weights: advantage is FeatCal's; regmean\+\+ weighs every token alike"),
+])
+def test_bad_token_weights_are_one_line(tmp_path, featcal, message):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"].update(output=str(tmp_path / "out"))
+    recipe["featcal"].update(featcal)
+    recipe["featcal"] = {k: v for k, v in recipe["featcal"].items() if v is not None}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with pytest.raises(FeatCalError, match=message) as error:
+        run_recipe(tmp_path / "r.yaml", progress=False)
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
