@@ -12,6 +12,8 @@ sums over the task's non-padding tokens t, in float32 or better:
 * ``norm_sq``  Σ_t (x / rms(x))² of the group's norm input (RMSNorm update only)
 
 where y_exp,p = W_i x_exp is projection p's output in the expert (bias removed).
+With token weights (maths/advantage.py) every sum is Σ_t w_t (…): the rows come
+scaled by √w_t, so each product of two of them carries w_t once.
 The objective (objective.py) forms its targets from these sums: FeatCal's
 R_i = α cross / n + (1 − α) W_i G_i, since W_i x_tgt = α y_exp + (1 − α) W_i x_cal.
 A group whose projections' total output width m exceeds its input width d
