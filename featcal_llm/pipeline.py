@@ -331,7 +331,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     weights, coverage = expert_weights(context, featcal, sequences, merged_config.num_hidden_layers)
     context.plan = plan = replace(plan, task_weights=weights)
     token_weights = None
-    if featcal.token_weighting == "advantage":
+    if featcal.token_weighting == "expert_lead":
         token_weights = advantage_weights(context, merged_config.num_hidden_layers, f"{recipe.path}: featcal.token_weights")
         context.token_roots = token_weights.roots
     replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)

@@ -7,7 +7,7 @@ checks across both parts are in ``featcal_llm.io.recipe``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -191,10 +191,17 @@ class HeadSpec(BaseModel):
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
 
 
+# keys and values renamed since they were published: refused with a one-line error that names the new one
+RENAMED_KEYS = {"balance": "expert_weights"}
+RENAMED_VALUES = {"token_weights": {"advantage": "expert_lead"}}
+
+
 class FeatCalConfig(BaseModel):
-    """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
+    """The ``featcal:`` block. lambda, alpha and rho default to the paper's 3B settings; expert_weights and
+    token_weights default to featcal-llm's own (coverage, expert_lead), the paper's being equal and equal."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    renamed_keys: ClassVar[dict[str, str]] = RENAMED_KEYS
 
     merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
     output: str = Field(description="directory the calibrated checkpoint is written to")
@@ -205,17 +212,20 @@ class FeatCalConfig(BaseModel):
     )
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1, description="calibration records per expert")
-    balance: Literal["coverage", "equal"] | None = Field(
+    expert_weights: Literal["coverage", "equal"] | None = Field(
         None, description="how the experts weigh against each other where data.<expert>.weight is not given. coverage "
         "(FeatCal's default): each expert counts once for its own records plus the share of every other expert's gain over "
         "the base that it also achieves on that expert's records, so a broad expert beside narrow ones counts for several "
-        "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default)"
+        "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default, and the paper's)",
+        json_schema_extra={"shown_default": "`coverage` (regmean, regmean++: `equal`)"},
     )
-    token_weights: Literal["advantage", "equal"] | None = Field(
-        None, description="how the tokens of an expert's records weigh. advantage (FeatCal's default): each token by how much "
-        "better the expert predicts the next token than the merged model does, 0 where the merge predicts it as well or better, "
-        "so the re-fit goes where the expert knows what the merge lost (the merged model and each expert run over its records "
-        "once, before the layers); equal: every token 1, as in the paper"
+    token_weights: Literal["expert_lead", "equal"] | None = Field(
+        None, description="how the tokens of an expert's records weigh. expert_lead (FeatCal's default): half of each token's "
+        "weight is 1, half is the expert's lead over the merged model at predicting the next token, a = max(0, log p_expert − "
+        "log p_merged), scaled to mean 1 over the expert's tokens: w = ½ + ½·a/mean(a), so a token weighs ½ (not 0) where the "
+        "merge predicts it as well or better and the re-fit leans to where the expert knows what the merge lost (the merged "
+        "model and each expert run over its records once, before the layers); equal: every token 1 (RegMean's default, and the paper's)",
+        json_schema_extra={"shown_default": "`expert_lead` (regmean, regmean++: `equal`)"},
     )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
@@ -251,6 +261,14 @@ class FeatCalConfig(BaseModel):
     @classmethod
     def _tunable(cls, value: Any, info) -> Any:
         return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
+
+    @field_validator("token_weights", mode="before")
+    @classmethod
+    def _renamed_value(cls, value: Any) -> Any:
+        """`advantage` was the 0.1 name of expert_lead: refused with the new one, so no recipe changes meaning silently."""
+        if value in RENAMED_VALUES.get("token_weights", {}):
+            raise ValueError(f"{value} was renamed: use {RENAMED_VALUES['token_weights'][value]}")
+        return value
 
     @field_validator("head", mode="before")
     @classmethod
@@ -298,13 +316,13 @@ class FeatCalConfig(BaseModel):
 
     @property
     def balancing(self) -> str:
-        """The `balance:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
-        return self.balance or ("equal" if self.regmean else "coverage")
+        """The `expert_weights:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
+        return self.expert_weights or ("equal" if self.regmean else "coverage")
 
     @property
     def token_weighting(self) -> str:
-        """The `token_weights:` the run uses: the recipe's, else advantage for FeatCal and equal for RegMean."""
-        return self.token_weights or ("equal" if self.regmean else "advantage")
+        """The `token_weights:` the run uses: the recipe's, else expert_lead for FeatCal and equal for RegMean."""
+        return self.token_weights or ("equal" if self.regmean else "expert_lead")
 
     @property
     def regmean(self) -> bool:

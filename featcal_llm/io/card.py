@@ -145,7 +145,7 @@ def write_card(
     NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
     `advantage`: per expert, the share of its tokens where it predicts the next token better than the
-    merge and its mean advantage in nats (engine.token_weights), when tokens were weighed by it.
+    merge and its mean lead in nats (engine.token_weights), when tokens were weighed by it (`token_weights: expert_lead`).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -185,7 +185,7 @@ def write_card(
             record["lora_adapter"] = public_names([record["lora_adapter"]])[record["lora_adapter"]]
         models[names.get(role, role)] = record
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
-    settings["balance"] = featcal.balancing
+    settings["expert_weights"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None:
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
@@ -221,7 +221,7 @@ def write_card(
         front["featcal"]["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()}
                                             for model, row in coverage.items()}
     if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
-        front["featcal"]["token_advantage"] = {names[task]: summary for task, summary in advantage.items()}
+        front["featcal"]["expert_lead"] = {names[task]: summary for task, summary in advantage.items()}
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(

@@ -95,8 +95,8 @@ def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, 
     for key in wrong:
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
-    if featcal.regmean and featcal.token_weights == "advantage":
-        problems.append(Problem(str(path), "featcal.token_weights", f"advantage is FeatCal's; {featcal.method} weighs every token alike (equal)"))
+    if featcal.regmean and featcal.token_weights == "expert_lead":
+        problems.append(Problem(str(path), "featcal.token_weights", f"expert_lead is FeatCal's; {featcal.method} weighs every token alike (equal)"))
     if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:

@@ -86,6 +86,10 @@ def _bounds(metadata: Any) -> str:
 
 
 def default_text(field: Any) -> str:
+    """The default as a recipe writer reads it; a method-dependent one (null in the model) as the field spells it out."""
+    shown = (field.json_schema_extra or {}).get("shown_default") if isinstance(field.json_schema_extra, dict) else None
+    if shown:
+        return shown
     if field.is_required():
         return "required"
     value = field.default_factory() if field.default_factory is not None else field.default
