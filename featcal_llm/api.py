@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.problems import Problem
+from featcal_llm.io.problems import Problem, RecipeProblems
 
 __all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "calibrate", "evaluate", "validate"]
 
@@ -174,6 +174,11 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     _gpu_peak(reset=True)
     quiet = contextlib.nullcontext() if runlog.in_session() else runlog.session(None, runlog.NORMAL if progress else runlog.QUIET)
     try:
+        from featcal_llm.io.recipe import block_problems
+        from featcal_llm.io.validate import check_recipe
+
+        if block_problems(path):  # a key typo is refused before torch, transformers and mergekit load (seconds)
+            raise RecipeProblems(check_recipe(path, plan=False).problems)  # with the other checks that need no model
         with quiet:
             outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device, progress=progress,
                                                                               output=output)
