@@ -138,7 +138,7 @@ def _run_fingerprint(
     recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int, sources: dict[str, ModelSource]
 ) -> str:
     # Where the merged model is does not matter: its files and the configuration it was merged from are recorded.
-    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged"})
+    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license"})
     return fingerprint(
         [
             __version__,

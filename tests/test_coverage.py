@@ -52,6 +52,11 @@ def card_front(output) -> dict:
     return yaml.safe_load((output / "README.md").read_text().split("---")[1])
 
 
+def exact_weights(output) -> dict:
+    """featcal_weights.json: the NLLs and weights the card shows rounded, at full precision."""
+    return json.loads((output / "featcal_weights.json").read_text())
+
+
 def trained_scenario(root, family: str, steps: tuple[int, ...]):
     """A float64 scenario whose experts are fine-tuned on their own records (expert i for steps[i] Adam steps), so
     that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only."""
@@ -87,8 +92,7 @@ def test_coverage_nll_and_update_match_full_model_forward_and_brute_force(family
     with torch.no_grad():
         losses = {i: {j: full_model_nll(model, sequences[j]) for j in experts} for i, model in experts.items()}
         base_losses = {j: full_model_nll(base, sequences[j]) for j in experts}
-    front = card_front(output)["featcal"]
-    ours = front["coverage_nll"]
+    ours = exact_weights(output)["coverage_nll"]
     names = {str(path): name for name, path in scenario.experts.items()}
     worst = max(abs(ours[names[i]][names[j]] - losses[i][j]) for i in experts for j in experts)
     worst = max(worst, *(abs(ours["base"][names[j]] - base_losses[j]) for j in experts))
@@ -118,8 +122,9 @@ def test_given_weights_win_and_equal_skips_the_pass(tmp_path, capsys):
     recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage").read_text())
     recipe["featcal"]["data"][str(scenario.experts["expert1"])]["weight"] = 0.25
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    front = card_front(run_recipe(tmp_path / "r.yaml", progress=False))["featcal"]
-    weights = coverage_weights(*split_base(front["coverage_nll"]))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    front = card_front(output)["featcal"]
+    weights = coverage_weights(*split_base(exact_weights(output)["coverage_nll"]))
     assert front["expert_weights"] == {"expert0": round(weights["expert0"], 4), "expert1": 0.25}
     assert "expert1 0.25 (data.<expert>.weight)" in capsys.readouterr().err
     equal = card_front(run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "e")), progress=False))
@@ -154,8 +159,10 @@ def test_regmean_takes_coverage_weights_when_asked(tmp_path):
     assert plain["settings"]["expert_weights"] == "equal" and "coverage_nll" not in plain
     recipe["featcal"].update(expert_weights="coverage", output=str(tmp_path / "cov"))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    covered = card_front(run_recipe(tmp_path / "c.yaml", progress=False))["featcal"]
-    assert covered["expert_weights"] == {name: round(w, 4) for name, w in coverage_weights(*split_base(covered["coverage_nll"])).items()}
+    covered_output = run_recipe(tmp_path / "c.yaml", progress=False)
+    covered = card_front(covered_output)["featcal"]
+    exact = coverage_weights(*split_base(exact_weights(covered_output)["coverage_nll"]))
+    assert covered["expert_weights"] == {name: round(w, 4) for name, w in exact.items()}
     assert not torch.equal(read_weights(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"],
                            read_weights(tmp_path / "cov")["model.layers.0.mlp.up_proj.weight"])
 

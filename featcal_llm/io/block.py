@@ -255,6 +255,10 @@ class FeatCalConfig(BaseModel):
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    license: str | None = Field(
+        None, description="the model card's license, a Hub license id (apache-2.0, llama3.2, other, ...); default: the base "
+        "model's, when its card is on this machine (a local base, or a hub base already downloaded)"
+    )
     eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
 
     @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
