@@ -220,6 +220,20 @@ def _is_hub_reference(model_path: Any) -> bool:
     return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
 
 
+def _refuse_local_typo(path: str, what: str) -> None:
+    """`experts/cod` beside an existing `experts/code`: a local path with a typo, not a hub id (which it would be read as)."""
+    import difflib
+
+    parent = Path(path).parent
+    if not parent.is_dir():
+        return
+    siblings = [child.name for child in parent.iterdir() if child.is_dir()]
+    close = difflib.get_close_matches(Path(path).name, siblings, n=1, cutoff=0.75)
+    if close:
+        raise FeatCalError(f"{what}: model directory does not exist ({parent}/ is a local directory, so it is no hub id); "
+                           f"did you mean {str(parent / close[0])!r}?")
+
+
 def _hub_lookup(kind: str, repo: str, revision: str | None, where: str) -> None:
     """Whether a hub model or dataset exists at the revision (one API call, no download)."""
     from huggingface_hub import HfApi
@@ -269,6 +283,8 @@ def _model_config(reference: Any, what: str, online: bool, unchecked: list[str],
     from featcal_llm.io.references import resolve_source
 
     hub = [p for p in (reference.model, reference.lora) if p is not None and _is_hub_reference(p)]
+    for model_path in hub:
+        _refuse_local_typo(model_path.path, f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}")
     if not hub:
         source = resolve_source(reference, what, base)  # every path is local: no hub call
         return source, _read_config(source.directory, what)
