@@ -12,7 +12,7 @@ from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+from pydantic.fields import PydanticUndefined  # pydantic_core's, as pydantic re-exports it
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
 from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, PerLayer, TuneSpec, Tunable
