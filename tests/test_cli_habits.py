@@ -111,7 +111,11 @@ def test_recipes_lists_and_prints_the_shipped_ones():
     listing = CliRunner().invoke(main, ["recipes"])
     assert listing.exit_code == 0
     names = [line.split()[0] for line in listing.output.splitlines()]
-    assert {"demo", "demo-auto", "mergebench-llama-3.2-3b-ta-featcal", "mergebench-llama-3.1-8b-ta-featcal"} <= set(names), names
+    assert {"demo", "demo-auto", "mergebench-llama-3.2-3b-ta-featcal", "mergebench-llama-3.1-8b-ta-featcal",
+            "mergebench-llama-3.2-3b-ta-paper", "mergebench-llama-3.1-8b-ta-paper"} <= set(names), names
+    assert "mergebench-llama-3.2-3b-ta-paper         The paper's setting, FeatCal on MergeBench, Llama-3.2-3B-Instruct (the FeatCal paper, Table 4)" in listing.output.splitlines()
+    paper = yaml.safe_load(CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-paper"]).output)["featcal"]
+    assert (paper["expert_weights"], paper["token_weights"]) == ("equal", "equal")
     text = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcal"]).output
     assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
     wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
