@@ -182,9 +182,24 @@ def next_token_kl(
 
 
 
+REPORT_DIGITS = 12
+
+
+def _significant(value):
+    """Floats to 12 significant digits: a reduction's last bits can differ between a process that ran the weighting
+    passes and one that resumed after them (the weights themselves are bit-identical), and a report has no use for them."""
+    if isinstance(value, float):
+        return float(f"{value:.{REPORT_DIGITS}g}")
+    if isinstance(value, dict):
+        return {key: _significant(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_significant(item) for item in value]
+    return value
+
+
 def write_report(directory: Path, report: dict) -> None:
     """featcal_drift.json and a line chart of per-layer drift (merged dashed, calibrated solid), byte-reproducible."""
-    (directory / DRIFT_JSON).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (directory / DRIFT_JSON).write_text(json.dumps(_significant(report), indent=1) + "\n", encoding="utf-8")
     import matplotlib
 
     matplotlib.use("Agg")
