@@ -185,6 +185,7 @@ def write_card(
             record["lora_adapter"] = public_names([record["lora_adapter"]])[record["lora_adapter"]]
         models[names.get(role, role)] = record
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
+    settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (dare_*, della) was drawn with
     settings["balance"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None:
