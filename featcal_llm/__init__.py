@@ -1,13 +1,16 @@
 """featcal-llm: FeatCal feature calibration as a mergekit post-merge stage.
 
 The Python API (`calibrate`, `evaluate`, `validate` and their result types) lives in
-`featcal_llm.api` and is loaded on first use, so `import featcal_llm` stays light.
+`featcal_llm.api` and is loaded on first use, so `import featcal_llm` stays light;
+`FeatCalError`, what they raise for bad input, is here from the start.
 """
+
+from featcal_llm.errors import FeatCalError  # light: what `calibrate` and `validate` raise, to catch without the API loaded
 
 __version__ = "0.1.0"
 
-_API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem"}
-__all__ = sorted(_API)
+_API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "ValidationResult"}
+__all__ = sorted({*_API, "FeatCalError"})
 
 
 def __getattr__(name: str):

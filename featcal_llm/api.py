@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from featcal_llm import runlog
-from featcal_llm.errors import FeatCalError
-from featcal_llm.io.problems import Problem
+from featcal_llm.errors import FeatCalError, collected_warnings
+from featcal_llm.io.problems import Problem, RecipeProblems
 
-__all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "calibrate", "evaluate", "validate"]
+__all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalError", "Problem", "ValidationResult", "calibrate",
+           "evaluate", "validate"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,19 @@ class CalibrationResult:
     peak_host_memory: int | None = None  # bytes: the process's peak resident memory during the run (None where unknown)
     peak_gpu_memory: int | None = None  # bytes: peak CUDA memory allocated by torch (None without CUDA)
     evaluation: str | None = None  # the merged-vs-calibrated table of the recipe's `eval:` block
+    warnings: tuple[str, ...] = ()  # every warning the run printed, in order
+
+    def __str__(self) -> str:
+        """What `featcal-llm run` prints: where the checkpoint is, the per-expert table, the warnings and the evaluation."""
+        lines = [f"calibrated checkpoint: {self.output} (from the merged model {self.merged})"]
+        if self.experts:
+            lines += ["", self.table()]
+        else:
+            lines.append(f"time {_duration(self.seconds)}")
+        lines += [f"warning: {warning}" for warning in self.warnings]
+        if self.evaluation:
+            lines += ["", self.evaluation.rstrip()]
+        return "\n".join(lines)
 
     def table(self) -> str:
         """The per-expert summary as a plain-text table, with the run's time and peak memory."""
@@ -133,7 +147,7 @@ def _gpu_peak(reset: bool) -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
-def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any]) -> tuple[Path, Path | None]:
+def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> tuple[Path, Path | None]:
     """A path to the recipe; a dict is written to a hidden file in the working directory (removed after the run),
     so that its relative paths mean what they would in a recipe file there."""
     if isinstance(recipe, Mapping):
@@ -146,7 +160,7 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any]) -> tuple[Path, P
         return Path(handle.name), Path(handle.name)
     if isinstance(recipe, (str, os.PathLike)):
         return Path(recipe), None
-    raise FeatCalError(f"calibrate: recipe must be a path or a mapping, got {type(recipe).__name__}")
+    raise FeatCalError(f"{caller}: recipe must be a path or a mapping, got {type(recipe).__name__}")
 
 
 def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os.PathLike | None = None,
@@ -168,19 +182,25 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         from featcal_llm.io.hub import check_repo_id
 
         check_repo_id(push_to_hub)
-    path, temporary = _recipe_file(recipe)
+    path, temporary = _recipe_file(recipe, "calibrate")
     start = time.perf_counter()
     memory = _PeakMemory()
     _gpu_peak(reset=True)
     quiet = contextlib.nullcontext() if runlog.in_session() else runlog.session(None, runlog.NORMAL if progress else runlog.QUIET)
     try:
-        with quiet:
-            outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device, progress=progress,
-                                                                              output=output)
-            if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
-                from featcal_llm.io.hub import push_folder
+        with collected_warnings() as warnings:
+            from featcal_llm.io.recipe import block_problems
+            from featcal_llm.io.validate import check_recipe
 
-                push_folder(outcome.output, push_to_hub, private=not public)
+            if block_problems(path):  # a key typo is refused before torch, transformers and mergekit load (seconds)
+                raise RecipeProblems(check_recipe(path, plan=False).problems)  # with the other checks that need no model
+            with quiet:
+                outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device,
+                                                                                  progress=progress, output=output)
+                if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
+                    from featcal_llm.io.hub import push_folder
+
+                    push_folder(outcome.output, push_to_hub, private=not public)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
@@ -189,6 +209,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     return CalibrationResult(
         output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
+        warnings=tuple(warnings),
     )
 
 
@@ -199,6 +220,9 @@ class EvaluationResult:
     summaries: dict[str, dict]
     table: str
     output: Path
+
+    def __str__(self) -> str:
+        return f"{self.table.rstrip()}\n(summaries in {self.output})"
 
 
 def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[str, str | os.PathLike], *,
@@ -239,13 +263,49 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
     return EvaluationResult(summaries, table, Path(section.output))
 
 
-def validate(recipe: str | Path, *, online: bool = False) -> list[Problem]:
+class ValidationResult(list):
+    """The problems of a recipe (a list of `Problem`, empty when it is clean), with what else validation found.
+
+    `notes`: what was not checked or needs attention (hub ids left for --online, an existing output);
+    `warnings`: what was printed as a warning (a top-level key mergekit would ignore, say).
+    """
+
+    def __init__(self, problems: Iterable[Problem], notes: Iterable[str] = (), warnings: Iterable[str] = ()):
+        super().__init__(problems)
+        self.notes, self.warnings = list(notes), list(warnings)
+
+    @property
+    def ok(self) -> bool:
+        return not self
+
+    def __str__(self) -> str:
+        lines = [f"error: {problem}" for problem in self] + [f"warning: {text}" for text in self.warnings]
+        lines += [f"note: {text}" for text in self.notes]
+        count = len(self)
+        return "\n".join([*lines, "ok" if self.ok else f"{count} problem{'s' * (count > 1)}"])
+
+
+def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = False) -> ValidationResult:
     """Every problem of a recipe, found without loading any weights (as `featcal-llm validate`).
 
-    Checks the schema, recipe forms, calibration files and their fields, model
+    `recipe`: a recipe file, or the same content as a dict (as `calibrate` takes it; its problems then
+    name the file `<recipe>`). Checks the schema, recipe forms, calibration files and their fields, model
     references and adapters, and the output location. Hub model and dataset ids
     are looked up only with `online=True`; local paths never touch the network.
     """
-    from featcal_llm.io.validate import validate_recipe
+    from featcal_llm.io.validate import check_recipe
 
-    return validate_recipe(recipe, online=online)
+    path, temporary = _recipe_file(recipe, "validate")
+    try:
+        with collected_warnings() as warnings:
+            report = check_recipe(path, online=online, plan=False)
+    finally:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+    shown = "<recipe>" if temporary is not None else str(path)
+
+    def named(text: str) -> str:
+        return text.replace(str(path), shown) if temporary is not None else text
+
+    problems = [Problem(shown if problem.file == str(path) else problem.file, problem.key, named(problem.message)) for problem in report.problems]
+    return ValidationResult(problems, map(named, report.summary_notes()), map(named, warnings))

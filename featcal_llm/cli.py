@@ -2,6 +2,8 @@
 
 Sub-package commands (demo, eval, leaderboard, bench) are imported only when
 they are invoked (or listed by --help), so `run` starts without them.
+Exit codes (featcal_llm.errors): 0 done, 1 the run failed, 2 bad command line or
+input, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from pathlib import Path
 
 import click
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}  # sub-commands inherit it
+EXIT_CODES = """\b
+Exit codes: 0 done; 1 the run started and failed (non-finite values, an upload,
+out of memory, a library error); 2 bad command line or input (recipe, data,
+models): nothing was computed; 130 interrupted."""
 
 # command name → "module:attribute" of its click command
 LAZY_COMMANDS = {
@@ -24,7 +32,7 @@ LAZY_COMMANDS = {
 
 
 class _Group(click.Group):
-    """Lazy sub-commands; FeatCalError becomes a one-line message and exit code 2, as click does for usage errors."""
+    """Lazy sub-commands; FeatCalError becomes a one-line message and its exit code (2 for input, 1 for a failed run)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
@@ -43,17 +51,36 @@ class _Group(click.Group):
         except FeatCalError as error:
             for line in str(error).splitlines():  # several problems: one error line each
                 click.echo(f"featcal-llm: error: {line}", err=True)
-            sys.exit(2)
+            sys.exit(error.exit_code)
+        except KeyboardInterrupt:
+            click.echo("featcal-llm: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings=CONTEXT, epilog=f"""\b
+Examples:
+  featcal-llm validate recipe.yaml          check a recipe in under a second
+  featcal-llm run recipe.yaml               merge (if needed) and calibrate
+  featcal-llm run recipe.yaml out/my-model  the same, written to out/my-model
+  featcal-llm recipes                       the shipped example recipes
+  featcal-llm COMMAND -h                    one command's options
+
+{EXIT_CODES}""")
 @click.version_option(package_name="featcal-llm")
 def main() -> None:
-    """FeatCal post-merge calibration for mergekit-merged LLMs."""
+    """FeatCal post-merge calibration for mergekit-merged LLMs: a `featcal:` block after a mergekit recipe."""
 
 
-@main.command()
+@main.command(epilog=f"""\b
+Examples:
+  featcal-llm run recipe.yaml
+  featcal-llm run recipe.yaml out/calibrated --force
+  featcal-llm run recipe.yaml --device cuda:1 --log run.log
+  torchrun --nproc-per-node 4 -m featcal_llm run recipe.yaml
+
+{EXIT_CODES}""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("output", required=False, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -63,9 +90,12 @@ def main() -> None:
 @click.option("--push-to-hub", "repo_id", default=None, metavar="REPO_ID",
               help="Upload the calibrated model to this Hugging Face Hub repository (created private); nothing is pushed if the run fails.")
 @click.option("--public", is_flag=True, help="With --push-to-hub: create the repository public.")
-def run(recipe: Path, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
+def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
         repo_id: str | None, public: bool) -> None:
-    """Merge (if needed) and calibrate the model described by RECIPE."""
+    """Merge (if needed) and calibrate the model described by RECIPE.
+
+    OUTPUT, when given, replaces the recipe's featcal.output (as `mergekit-yaml CONFIG OUT` names its output).
+    """
     import os
 
     from featcal_llm import runlog
@@ -84,24 +114,34 @@ def run(recipe: Path, force: bool, device: str | None, log_file: Path | None, qu
     with runlog.session(log_file if main_rank else None, level):
         try:
             with freezing_imports():
-                result = heavy_import("featcal_llm.api").calibrate(recipe, device=device, force=force, progress=level > runlog.QUIET,
-                                                                   push_to_hub=repo_id, public=public)
+                result = heavy_import("featcal_llm.api").calibrate(recipe, output=output, device=device, force=force,
+                                                                   progress=level > runlog.QUIET, push_to_hub=repo_id, public=public)
         except QuietExit:  # a torchrun rank whose error rank 0 reports
-            sys.exit(2)
+            sys.exit(EXIT_USAGE)
         except FeatCalError as error:
             runlog.failure(error)
-            sys.exit(2)
+            sys.exit(error.exit_code)
         if main_rank:
             if level > runlog.QUIET and result.experts:
                 click.echo(result.table(), err=True)
             click.echo(f"calibrated checkpoint written to {result.output}")
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  featcal-llm validate recipe.yaml
+  featcal-llm validate recipe.yaml --online   also look up hub ids
+
+\b
+Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (needs the network).")
 def validate(recipe: Path, online: bool) -> None:
-    """Check RECIPE without loading any weights: every problem, one line each (exit 2), and a memory estimate."""
+    """Check RECIPE without loading any weights: every problem, one line each, and a memory estimate.
+
+    Problems of the featcal: block come back first, in well under a second; the mergekit part
+    and the models are checked once the block is clean.
+    """
     from featcal_llm.io.validate import check_recipe
 
     report = check_recipe(recipe, online=online)
@@ -112,7 +152,24 @@ def validate(recipe: Path, online: bool) -> None:
     if report.problems:
         count = len(report.problems)
         click.echo(f"{recipe}: {count} problem{'s' if count > 1 else ''}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     for line in report.plan.lines() if report.plan is not None else []:
         click.echo(line)
     click.echo(f"{recipe}: ok")
+
+
+@main.command(epilog="""\b
+Examples:
+  featcal-llm recipes                                   list them
+  featcal-llm recipes mergebench-llama-3.2-3b-ta-featcal > recipe.yaml
+""")
+@click.argument("name", required=False)
+def recipes(name: str | None) -> None:
+    """List the example recipes shipped with featcal-llm, or print recipe NAME (to copy and edit)."""
+    from featcal_llm.recipes import recipe_text, shipped
+
+    if name is None:
+        for entry in shipped():
+            click.echo(f"{entry.name:<40} {entry.title}")
+        return
+    click.echo(recipe_text(name), nl=False)

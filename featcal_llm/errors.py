@@ -1,8 +1,27 @@
 """User-facing errors: one line naming the file or key and what was expected."""
 
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+
+# The CLI's exit codes (README, "Exit codes"): a script can tell "fix the input" from "the run failed".
+EXIT_FAILED = 1  # the run started and failed: non-finite values, an upload, a library error, out of memory
+EXIT_USAGE = 2  # the command line or the input (recipe, data, models) is wrong: nothing was computed
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+
 
 class FeatCalError(Exception):
-    """A problem with the user's input; the CLI prints it on one line and exits non-zero."""
+    """A problem with the user's input; the CLI prints it on one line and exits with EXIT_USAGE."""
+
+    exit_code = EXIT_USAGE
+
+
+class RunFailure(FeatCalError):
+    """The run began and could not finish (not the input's fault as far as the checks can tell): EXIT_FAILED."""
+
+    exit_code = EXIT_FAILED
 
 
 class QuietExit(Exception):
@@ -10,12 +29,26 @@ class QuietExit(Exception):
 
 
 QUIET = {"warnings": False}  # set on the non-zero ranks of a distributed run: rank 0 speaks for all
+_COLLECTORS: list[list[str]] = []  # open `collected_warnings` lists
+
+
+@contextmanager
+def collected_warnings() -> Iterator[list[str]]:
+    """Inside: every warning is also appended to the yielded list, so that the Python API can return them."""
+    found: list[str] = []
+    _COLLECTORS.append(found)
+    try:
+        yield found
+    finally:
+        _COLLECTORS.remove(found)
 
 
 def warn(message: str) -> None:
-    """A one-line warning on stderr, in the same voice as errors."""
+    """A one-line warning on stderr, in the same voice as errors (and kept for the API's result)."""
     import sys
 
+    for found in _COLLECTORS:
+        found.append(message)
     if QUIET["warnings"]:
         return
     print(f"featcal-llm: warning: {message}", file=sys.stderr)

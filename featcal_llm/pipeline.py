@@ -392,8 +392,8 @@ def _open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
 def resolved_settings(featcal) -> dict[str, Any]:
     """The block as the run uses it: every default filled in (a default changed between a crash and its resume must not
     resume under the other setting), minus what does not change the weights."""
-    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged"})
-    settings.update(balance=featcal.balancing, token_weights=featcal.token_weighting, tune=featcal.tune_settings().model_dump(mode="json"),
+    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license"})
+    settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, tune=featcal.tune_settings().model_dump(mode="json"),
                     holds_out=featcal.holds_out)
     return settings
 
@@ -425,7 +425,7 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     else:
         weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
         token_weights = None
-        if featcal.token_weighting == "advantage":
+        if featcal.token_weighting == "expert_lead":
             token_weights = advantage_weights(context, opened.num_layers, f"{resolved.recipe.path}: featcal.token_weights")
         if context.comm.world == 1:
             staging.save_pass("weights", {"weights": weights, "coverage": coverage,

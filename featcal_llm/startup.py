@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import sys
 from contextlib import contextmanager
 from types import ModuleType
@@ -38,11 +39,27 @@ def freezing_imports() -> Iterator[None]:
 def heavy_import(name: str) -> ModuleType:
     """`importlib.import_module(name)`, with the cyclic collector paused while the module is first imported."""
     if name in sys.modules or not gc.isenabled():
-        return importlib.import_module(name)
+        return _quiet(importlib.import_module(name))
     gc.disable()
     try:
-        return importlib.import_module(name)
+        return _quiet(importlib.import_module(name))
     finally:
         if _freeze:
             gc.freeze()
         gc.enable()
+
+
+DEPRECATED_BY_US = "`torch_dtype` is deprecated"  # mergekit sets config.torch_dtype in every merge we start
+
+
+def _drop_our_deprecations(record: logging.LogRecord) -> bool:
+    return DEPRECATED_BY_US not in record.getMessage()
+
+
+def _quiet(module: ModuleType) -> ModuleType:
+    """Once transformers is loaded: drop its `torch_dtype` deprecation, which our merges cause and the user cannot act on."""
+    if "transformers" in sys.modules:
+        logger = logging.getLogger("transformers.configuration_utils")
+        if _drop_our_deprecations not in logger.filters:
+            logger.addFilter(_drop_our_deprecations)
+    return module

@@ -94,16 +94,16 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                 Row("featcal defaults, 256 records, broad weight 3", records=256, weights=((MIX, 3.0),), settings=broad),
                 Row("featcal defaults, 256 records, broad only", records=256, weights=(("code", 0.0), ("c", 0.0)),
                     settings=broad)]
-    if phase == "tokens":  # every token alike, or by the expert's advantage over the merge (the product's default)
-        return [Row("featcal, token weights advantage", keys={"token_weights": "advantage"}),
+    if phase == "tokens":  # every token alike, or by the expert's lead over the merge (expert_lead, featcal-llm's default)
+        return [Row("featcal, token weights advantage", keys={"token_weights": "expert_lead"}),
                 Row("featcal, token weights equal", keys={"token_weights": "equal"}),
                 Row("featcal, token weights equal, 256 records", records=256, keys={"token_weights": "equal"}),
-                Row("featcal, token weights advantage, 256 records", records=256, keys={"token_weights": "advantage"})]
-    if phase == "balance":  # the experts' weights: all 1, or by coverage (the product's default)
-        return [Row("featcal, balance equal", keys={"balance": "equal"}),
-                Row("featcal, balance coverage", keys={"balance": "coverage"}),
-                Row("featcal, balance equal, 256 records", records=256, keys={"balance": "equal"}),
-                Row("featcal, balance coverage, 256 records", records=256, keys={"balance": "coverage"})]
+                Row("featcal, token weights advantage, 256 records", records=256, keys={"token_weights": "expert_lead"})]
+    if phase == "balance":  # the experts' weights: all 1, or by coverage (expert_weights: coverage, featcal-llm's default)
+        return [Row("featcal, balance equal", keys={"expert_weights": "equal"}),
+                Row("featcal, balance coverage", keys={"expert_weights": "coverage"}),
+                Row("featcal, balance equal, 256 records", records=256, keys={"expert_weights": "equal"}),
+                Row("featcal, balance coverage, 256 records", records=256, keys={"expert_weights": "coverage"})]
     if phase == "head":
         return [Row("featcal defaults + head", keys=HEAD),
                 Row("featcal defaults + head, 256 records", keys=HEAD, records=256),

@@ -97,7 +97,7 @@ def build_scenario(
             "alpha": 0.3,
             "rho": 0.5,
             "eps": 1.0e-8,
-            "balance": "equal",  # the maths' tests compare against the brute force at weight 1; test_coverage covers the default
+            "expert_weights": "equal",  # the maths' tests compare against the brute force at weight 1; test_coverage covers the default
             "token_weights": "equal",  # every token 1, likewise; test_token_weights covers the default
             "device": "cpu",
             "batch_tokens": 256,

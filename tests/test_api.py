@@ -37,6 +37,8 @@ def test_import_stays_light_and_the_api_is_reexported():
         from featcal_llm import api
         same = featcal_llm.calibrate is api.calibrate and featcal_llm.evaluate is api.evaluate
         same = same and featcal_llm.CalibrationResult is api.CalibrationResult
+        from featcal_llm.errors import FeatCalError
+        same = same and featcal_llm.FeatCalError is FeatCalError and "FeatCalError" in featcal_llm.__all__
         heavy = [m for m in ("torch", "transformers", "mergekit") if m in sys.modules]
         print(json.dumps({"light": light, "same": same, "heavy": heavy, "all": "calibrate" in featcal_llm.__all__}))
         """
@@ -70,6 +72,41 @@ def test_calibrate_takes_a_dict_and_returns_paths_and_the_drift_summary(small, t
     assert table[2].split() == ["expert0", *(f"{v:.4g}" for v in (first.drift_merged, first.drift_calibrated, first.kl_merged,
                                                                      first.kl_calibrated))]
     assert table[-1].startswith("time ") and "peak memory: host" in table[-1]
+    text = str(result)  # readable, not a dataclass repr
+    assert text.splitlines()[0] == f"calibrated checkpoint: calibrated (from the merged model {small.root / 'merged'})"
+    assert result.table() in text and "CalibrationResult(" not in text
+
+
+def test_calibrate_returns_its_warnings(small, tmp_path, monkeypatch):
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["base_modle"] = "x"  # mergekit ignores it: a warning, not an error
+    result = featcal_llm.calibrate(recipe, output="calibrated", progress=False)
+    assert [w for w in result.warnings if "base_modle: not a mergekit or featcal key" in w and "did you mean 'base_model'" in w]
+    assert "warning: " in str(result) and "base_modle" in str(result)
+
+
+def test_validate_takes_a_dict_and_returns_problems_notes_and_warnings(small, tmp_path, monkeypatch):
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    clean = featcal_llm.validate(recipe)
+    assert clean == [] and clean.ok and str(clean).endswith("ok") and not list(tmp_path.glob(".featcal-recipe-*"))
+    recipe["featcal"]["lamda"] = 1.0
+    recipe["featcal"]["samples"] = 0
+    recipe["base_modle"] = "x"
+    result = featcal_llm.validate(recipe)
+    assert [(p.file, p.key) for p in result] == [("<recipe>", "featcal.samples"), ("<recipe>", "featcal.lamda")]
+    assert not result.ok and str(result).splitlines()[0] == "error: <recipe>: featcal.samples: Input should be greater than or equal to 1 (got 0)"
+    assert str(result).endswith("2 problems") and any("the mergekit part and the models are checked" in n for n in result.notes)
+    del recipe["featcal"]["lamda"], recipe["featcal"]["samples"]
+    warned = featcal_llm.validate(recipe)
+    assert warned.ok and any("base_modle" in w for w in warned.warnings), warned.warnings
+    with pytest.raises(featcal_llm.FeatCalError, match="validate: recipe must be a path or a mapping, got int"):
+        featcal_llm.validate(3)
 
 
 def test_calibrate_refuses_what_is_not_a_recipe():

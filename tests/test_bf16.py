@@ -70,11 +70,11 @@ def _runs(scenario, tmp_path, spy: WeightSpy | None = None, **settings) -> dict:
                                        stats_dtype="float64", **settings, **overrides)
         return read_weights(run_recipe(recipe, progress=False))
 
-    weighted64 = run("weighted64", dtype="float64", token_weights="advantage")
+    weighted64 = run("weighted64", dtype="float64", token_weights="expert_lead")
     merged = read_weights(scenario.root / "merged")  # made by the first run
     if spy is not None:  # the bf16 run gets exactly the float64 run's weights: only the statistics' precision differs
         spy.forced = spy.computed[torch.float64]
-    weighted16 = run("weighted16", dtype="bfloat16", token_weights="advantage")
+    weighted16 = run("weighted16", dtype="bfloat16", token_weights="expert_lead")
     equal64, equal16 = run("equal64", dtype="float64", token_weights="equal"), run("equal16", dtype="bfloat16", token_weights="equal")
     return {"weighted": update_error(weighted16, weighted64, merged), "equal": update_error(equal16, equal64, merged)}
 
@@ -98,7 +98,7 @@ def test_bf16_and_float64_runs_weigh_the_same_tokens(trained, tmp_path, monkeypa
     scenario = trained("llama")
     for dtype in ("float64", "bfloat16"):
         run_recipe(scenario.write_recipe(tmp_path / f"{dtype}.yaml", output=str(tmp_path / dtype), batch_tokens=150,
-                                         dtype=dtype, token_weights="advantage"), progress=False)
+                                         dtype=dtype, token_weights="expert_lead"), progress=False)
     reference, bf16 = spy.computed[torch.float64], spy.computed[torch.bfloat16]
     for task in reference.roots:
         exact = torch.cat([root.flatten() for root in reference.roots[task]]).pow(2)

@@ -1,4 +1,4 @@
-"""`balance: coverage`: each expert weighs 1 plus the share of the other experts' gain over the base it also achieves.
+"""`expert_weights: coverage`: each expert weighs 1 plus the share of the other experts' gain over the base it also achieves.
 
 The coverage pass's NLLs are checked against each model's own full forward (transformers' causal LM: its
 embedding scaling, final norm, tied head and soft-capped logits), and the calibrated update against the brute
@@ -52,6 +52,11 @@ def card_front(output) -> dict:
     return yaml.safe_load((output / "README.md").read_text().split("---")[1])
 
 
+def exact_weights(output) -> dict:
+    """featcal_weights.json: the NLLs and weights the card shows rounded, at full precision."""
+    return json.loads((output / "featcal_weights.json").read_text())
+
+
 def trained_scenario(root, family: str, steps: tuple[int, ...]):
     """A float64 scenario whose experts are fine-tuned on their own records (expert i for steps[i] Adam steps), so
     that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only."""
@@ -81,14 +86,13 @@ def trained_scenario(root, family: str, steps: tuple[int, ...]):
 def test_coverage_nll_and_update_match_full_model_forward_and_brute_force(family, tmp_path):
     scenario = trained_scenario(tmp_path / "scenario", family, (24, 6))
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
-                                   balance="coverage")
+                                   expert_weights="coverage")
     output = run_recipe(recipe, progress=False)
     merged, base, experts, sequences = reference_models(scenario)  # 12 records each: the pass scores all of them
     with torch.no_grad():
         losses = {i: {j: full_model_nll(model, sequences[j]) for j in experts} for i, model in experts.items()}
         base_losses = {j: full_model_nll(base, sequences[j]) for j in experts}
-    front = card_front(output)["featcal"]
-    ours = front["coverage_nll"]
+    ours = exact_weights(output)["coverage_nll"]
     names = {str(path): name for name, path in scenario.experts.items()}
     worst = max(abs(ours[names[i]][names[j]] - losses[i][j]) for i in experts for j in experts)
     worst = max(worst, *(abs(ours["base"][names[j]] - base_losses[j]) for j in experts))
@@ -109,53 +113,56 @@ def test_a_coverage_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     from test_reliability import resumes_to_the_same_bytes
 
     scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
-    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage", dtype="float64")
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage", dtype="float64")
     resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)
 
 
 def test_given_weights_win_and_equal_skips_the_pass(tmp_path, capsys):
     scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
-    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage").read_text())
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage").read_text())
     recipe["featcal"]["data"][str(scenario.experts["expert1"])]["weight"] = 0.25
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    front = card_front(run_recipe(tmp_path / "r.yaml", progress=False))["featcal"]
-    weights = coverage_weights(*split_base(front["coverage_nll"]))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    front = card_front(output)["featcal"]
+    weights = coverage_weights(*split_base(exact_weights(output)["coverage_nll"]))
     assert front["expert_weights"] == {"expert0": round(weights["expert0"], 4), "expert1": 0.25}
     assert "expert1 0.25 (data.<expert>.weight)" in capsys.readouterr().err
     equal = card_front(run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "e")), progress=False))
     assert "coverage_nll" not in equal["featcal"] and "expert_weights" not in equal["featcal"]
-    assert equal["featcal"]["settings"]["balance"] == "equal"
+    assert equal["featcal"]["settings"]["expert_weights"] == "equal"
 
 
 def split_base(nll: dict) -> tuple[dict, dict]:
     return {model: row for model, row in nll.items() if model != "base"}, nll["base"]
 
 
-def test_a_bad_balance_is_one_line_naming_the_key(family_scenarios, tmp_path):
+def test_a_bad_expert_weights_is_one_line_naming_the_key(family_scenarios, tmp_path):
     from featcal_llm.errors import FeatCalError
 
     scenario = family_scenarios("llama")
     with pytest.raises(FeatCalError) as error:
-        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="by-size"), progress=False)
+        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="by-size"), progress=False)
     message = str(error.value).strip()
-    assert "featcal.balance" in message and "'coverage' or 'equal'" in message and "\n" not in message
+    assert "featcal.expert_weights" in message and "'coverage' or 'equal'" in message and "\n" not in message
     assert not (tmp_path / "out").exists()
 
 
 def test_regmean_takes_coverage_weights_when_asked(tmp_path):
-    """RegMean's default stays equal (its closed form sums the Grams); `balance: coverage` weighs its sums too."""
+    """RegMean's default stays equal (its closed form sums the Grams); `expert_weights: coverage` weighs its sums too."""
     scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
     recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")).read_text())
-    for key in ("lambda", "alpha", "rho", "balance"):
+    for key in ("lambda", "alpha", "rho", "expert_weights"):
         recipe["featcal"].pop(key)
     recipe["featcal"]["method"] = "regmean"
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     plain = card_front(run_recipe(tmp_path / "r.yaml", progress=False))["featcal"]
-    assert plain["settings"]["balance"] == "equal" and "coverage_nll" not in plain
-    recipe["featcal"].update(balance="coverage", output=str(tmp_path / "cov"))
+    assert plain["settings"]["expert_weights"] == "equal" and "coverage_nll" not in plain
+    recipe["featcal"].update(expert_weights="coverage", output=str(tmp_path / "cov"))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    covered = card_front(run_recipe(tmp_path / "c.yaml", progress=False))["featcal"]
-    assert covered["expert_weights"] == {name: round(w, 4) for name, w in coverage_weights(*split_base(covered["coverage_nll"])).items()}
+    covered_output = run_recipe(tmp_path / "c.yaml", progress=False)
+    covered = card_front(covered_output)["featcal"]
+    exact = coverage_weights(*split_base(exact_weights(covered_output)["coverage_nll"]))
+    assert covered["expert_weights"] == {name: round(w, 4) for name, w in exact.items()}
     assert not torch.equal(read_weights(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"],
                            read_weights(tmp_path / "cov")["model.layers.0.mlp.up_proj.weight"])
 
@@ -166,6 +173,6 @@ def test_a_non_finite_nll_is_one_line_naming_the_model_not_a_silent_weight(tmp_p
 
     scenario = trained_scenario(tmp_path / "scenario", "llama", (4, 2))
     monkeypatch.setattr(coverage_module, "token_log_probs", lambda head, hidden, batch: torch.full(batch.keep.shape, float("nan")))
-    with pytest.raises(FeatCalError, match=r"balance: coverage: .*NLL on expert .* is not finite") as error:
-        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), balance="coverage"), progress=False)
+    with pytest.raises(FeatCalError, match=r"expert_weights: coverage: .*NLL on expert .* is not finite") as error:
+        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage"), progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()

@@ -73,7 +73,7 @@ def test_gap_recovery_and_table():
 
 
 def test_shipped_recipe_is_the_one_the_demo_writes():
-    assert (REPO / "recipes" / "demo.yaml").read_text() == recipe_text(FULL)
+    assert (REPO / "featcal_llm" / "recipes" / "demo.yaml").read_text() == recipe_text(FULL)
 
 
 def test_quick_demo_end_to_end(tmp_path):

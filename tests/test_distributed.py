@@ -330,19 +330,20 @@ def _two_ranks_and_one(uneven, tmp_path, **featcal) -> list[dict]:
     ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **featcal), 2, tmp_path / "logs")
     assert [r.returncode for r in ranks] == [0, 0], ranks
     assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
-    return [yaml.safe_load((d / "README.md").read_text().split("---")[1])["featcal"] for d in (tmp_path / "out", single)]
+    return [yaml.safe_load((d / "README.md").read_text().split("---")[1])["featcal"]
+            | json.loads((d / "featcal_weights.json").read_text()) for d in (tmp_path / "out", single)]
 
 
 def test_two_ranks_weigh_the_experts_by_coverage_as_one_process_does(uneven, tmp_path):
-    """`balance: coverage`: each rank scores its shard of the sample and the sums are added, so the NLLs (and weights) agree."""
-    front = _two_ranks_and_one(uneven, tmp_path, balance="coverage")
+    """`expert_weights: coverage`: each rank scores its shard of the sample and the sums are added, so the NLLs (and weights) agree."""
+    front = _two_ranks_and_one(uneven, tmp_path, expert_weights="coverage")
     ours, theirs = front[0]["coverage_nll"], front[1]["coverage_nll"]
     assert set(ours) == set(theirs) and len(ours) == 4  # three experts and the base
     for model, row in theirs.items():
         assert ours[model] == pytest.approx(row, rel=1e-12)
 
 
-def test_two_ranks_weigh_the_tokens_by_advantage_as_one_process_does(uneven, tmp_path):
-    """`token_weights: advantage`: each rank weighs its shard's tokens, scaled by the sums over both ranks."""
-    front = _two_ranks_and_one(uneven, tmp_path, token_weights="advantage")
-    assert front[0]["token_advantage"] == front[1]["token_advantage"] and len(front[0]["token_advantage"]) == 3
+def test_two_ranks_weigh_the_tokens_by_expert_lead_as_one_process_does(uneven, tmp_path):
+    """`token_weights: expert_lead`: each rank weighs its shard's tokens, scaled by the sums over both ranks."""
+    front = _two_ranks_and_one(uneven, tmp_path, token_weights="expert_lead")
+    assert front[0]["expert_lead"] == front[1]["expert_lead"] and len(front[0]["expert_lead"]) == 3

@@ -24,7 +24,7 @@ VAL = {"math": ("MergeBench/math_val", "query", None, "response"),
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_recipe_validates(name):
     model, lam, rho, alpha = PAPER[name]
-    raw = yaml.safe_load((ROOT / "recipes" / name).read_text())
+    raw = yaml.safe_load((ROOT / "featcal_llm" / "recipes" / name).read_text())
     featcal = raw.pop("featcal")
     config = MergeConfiguration.model_validate(raw)
     assert config.merge_method == "task_arithmetic"
@@ -51,7 +51,7 @@ def test_recipe_loads_with_the_recipe_loader(name):
     recipe = pytest.importorskip("featcal_llm.io.recipe")
     if not hasattr(recipe, "load_recipe"):
         pytest.skip("featcal_llm.io.recipe.load_recipe not written yet")
-    loaded = recipe.load_recipe(ROOT / "recipes" / name)
+    loaded = recipe.load_recipe(ROOT / "featcal_llm" / "recipes" / name)
     section = getattr(getattr(loaded, "featcal", None), "eval", None)
     assert isinstance(section, EvalSection)
     assert section.reference == PAPER[name][0]

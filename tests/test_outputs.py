@@ -46,7 +46,7 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     assert front["featcal"]["experts"] == ["expert0", "expert1"]
     assert front["featcal"]["calibration_tokens"].keys() == {"expert0", "expert1"}
     assert front["featcal"]["settings"]["projections"] == ["mlp.down_proj", "self_attn.q_proj"]
-    assert "the projections `mlp.down_proj`, `self_attn.q_proj` of every decoder layer were re-fitted" in card
+    assert "In every decoder layer the projections `mlp.down_proj`, `self_attn.q_proj` were re-fitted; the other projections keep" in card
     assert "every linear projection" not in card
     evaluation = card.index("## Evaluation")
     assert card.index(TABLE.rstrip(), evaluation) < card.index("## Recipe")
@@ -63,7 +63,9 @@ def test_card_keeps_hub_ids_and_says_every_projection():
                      "/data/runs/b/math": "b/math", "./experts/code+/lora/x": "code+x"}
     assert not is_local("org/model@v2") and is_local("~/models/x")
     every = {"projections": ["mlp.up_proj"], "every_projection": True, "norms": True, "biases": False}
-    assert _calibrated_text(every, regmean=False) == "every linear projection of every decoder layer was re-fitted; also updated: RMSNorm scales"
+    assert _calibrated_text(every, regmean=False, biases=False) == ("Every linear projection of every decoder layer was re-fitted. "
+                                                                   "The RMSNorm scales were updated too.")
+    assert _calibrated_text(every, regmean=False, biases=True).endswith("The projections' biases keep the merged model's values.")
 
 
 class FakeHub:

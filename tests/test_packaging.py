@@ -95,3 +95,45 @@ def test_own_suite_folder_comes_first_and_falls_back_to_the_shipped_suites(tmp_p
     assert resolve_suite_path("mine") == tmp_path / "mine.yaml"
     assert resolve_suite_path("mergebench") == SHIPPED / "mergebench.yaml"
     assert SHIPPED.is_relative_to(ROOT / "featcal_llm")
+
+
+def test_the_installed_cli_lists_and_prints_the_shipped_recipes(installed):
+    wheel, venv, elsewhere = installed
+    elsewhere.mkdir(exist_ok=True)
+    shipped = sorted(path.name for path in (ROOT / "featcal_llm" / "recipes").glob("*.yaml"))
+    assert len(shipped) >= 6 and all(f"featcal_llm/recipes/{name}" in zipfile.ZipFile(wheel).namelist() for name in shipped)
+    listing = subprocess.run([venv / "bin" / "featcal-llm", "recipes"], capture_output=True, text=True, cwd=elsewhere, env=_clean_env())
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    assert [line.split()[0] for line in listing.stdout.splitlines()] == [name.removesuffix(".yaml") for name in shipped]
+    name = shipped[-1].removesuffix(".yaml")
+    printed = subprocess.run([venv / "bin" / "featcal-llm", "recipes", name], capture_output=True, text=True, cwd=elsewhere, env=_clean_env())
+    assert printed.stdout == (ROOT / "featcal_llm" / "recipes" / shipped[-1]).read_text()
+    run_help = subprocess.run([venv / "bin" / "featcal-llm", "run", "-h"], capture_output=True, text=True, cwd=elsewhere, env=_clean_env())
+    assert run_help.returncode == 0 and "RECIPE [OUTPUT]" in run_help.stdout
+
+
+# imported by featcal_llm but brought by an extra (the evaluation worker runs only with it installed)
+FROM_EXTRAS = {"lm_eval": "eval", "nltk": "eval", "vllm": "vllm"}
+
+
+def test_every_third_party_import_is_declared():
+    """numpy, huggingface_hub, tokenizers, pyarrow...: a package we import is one we declare, not one a dependency happens to bring."""
+    import ast
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+                for requirement in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]}
+    modules = set()
+    for path in (ROOT / "featcal_llm").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    third_party = {m for m in modules if m not in sys.stdlib_module_names and m != "featcal_llm" and m not in FROM_EXTRAS}
+    distributions = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in third_party if not {d.lower().replace("_", "-") for d in distributions.get(m, [m])} & declared)
+    assert missing == [], f"imported but not declared in pyproject.toml: {missing}"

@@ -60,7 +60,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             for key, value in row.keys.items():
                 if key == "head":
                     assert featcal.head is not None and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
-                elif key == "balance":
+                elif key == "expert_weights":
                     assert featcal.balancing == value
                 elif key == "token_weights":
                     assert featcal.token_weighting == value

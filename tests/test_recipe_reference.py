@@ -33,3 +33,17 @@ def test_every_key_appears_once_in_its_section():
 
 def test_the_committed_page_is_the_generated_one():
     assert PAGE.read_text(encoding="utf-8") == render(), "regenerate: python -m featcal_llm.io.recipe_reference > docs/recipe.md"
+
+
+def test_method_dependent_defaults_are_shown_as_the_run_resolves_them():
+    """`expert_weights`/`token_weights` are null in the model (the method decides); the page shows what a run uses."""
+    from featcal_llm.io.block import FeatCalConfig
+
+    cells = [re.split(r"(?<!\\)\|", line) for line in PAGE.read_text(encoding="utf-8").splitlines() if line.startswith("| `")]
+    rows = {cell[1].strip(): cell[3].strip() for cell in cells}
+    block = {"merged": "m", "output": "o", "data": {}}
+    featcal, regmean = FeatCalConfig.model_validate(block), FeatCalConfig.model_validate(block | {"method": "regmean"})
+    assert (featcal.balancing, featcal.token_weighting, regmean.balancing, regmean.token_weighting) == ("coverage", "expert_lead", "equal", "equal")
+    assert rows["`expert_weights`"] == "`coverage` (regmean, regmean++: `equal`)"
+    assert rows["`token_weights`"] == "`expert_lead` (regmean, regmean++: `equal`)"
+    assert "w = ½ + ½·a/mean(a)" in FeatCalConfig.model_fields["token_weights"].description

@@ -48,7 +48,7 @@ def test_shipped_regmean_recipes_are_the_ones_the_demo_writes(method, name):
     from featcal_llm.demo.config import FULL
     from featcal_llm.io.recipe import load_recipe
 
-    path = Path(__file__).parent.parent / "recipes" / f"{name}.yaml"
+    path = Path(__file__).parent.parent / "featcal_llm" / "recipes" / f"{name}.yaml"
     assert path.read_text() == baseline_recipe(FULL, method, name.removeprefix("demo-"))
     recipe = load_recipe(path)
     assert recipe.featcal.method == method and recipe.merge_config.merge_method == "linear"

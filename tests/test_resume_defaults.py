@@ -52,9 +52,9 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
     implicit = load_recipe(_default_recipe(scenario, tmp_path / "implicit.yaml", tmp_path / "out")).featcal
     settings = pipeline.resolved_settings(implicit)
-    assert settings["balance"] == implicit.balancing == "coverage"
+    assert settings["expert_weights"] == implicit.balancing == "coverage"
     assert settings["token_weights"] == implicit.token_weighting
-    assert settings["token_weights"] in ("advantage", "expert_lead") and settings["tune"]["holdout"] > 0
+    assert settings["token_weights"] == "expert_lead" and settings["tune"]["holdout"] > 0
     raw = yaml.safe_load((tmp_path / "implicit.yaml").read_text())
     raw["featcal"]["token_weights"] = settings["token_weights"]
     (tmp_path / "explicit.yaml").write_text(yaml.safe_dump(raw))

@@ -145,10 +145,10 @@ def test_a_tuned_stack_holds_the_same_records_out_of_both_stages(merged_scenario
 
 
 def test_the_stack_regmean_stage_weighs_experts_and_tokens_alike(merged_scenario, tmp_path, monkeypatch):
-    """`balance:` and `token_weights:` are the FeatCal stage's: RegMean++ stays the published baseline."""
+    """`expert_weights:` and `token_weights:` are the FeatCal stage's: RegMean++ stays the published baseline."""
     seen = _records_per_stage(monkeypatch)
     run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
-                      reduction=0.5, balance="coverage", token_weights="advantage", **FEATCAL), progress=False)
+                      reduction=0.5, expert_weights="coverage", token_weights="expert_lead", **FEATCAL), progress=False)
     regmean, featcal = seen
     assert set(regmean["weights"].values()) <= {1.0} and regmean["token_roots"] is None
     assert featcal["token_roots"] is not None and len(set(featcal["weights"].values())) > 1

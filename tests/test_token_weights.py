@@ -1,4 +1,4 @@
-"""Token weights by the expert's advantage over the merge (`token_weights: advantage`, FeatCal's default).
+"""Token weights by the expert's advantage over the merge (`token_weights: expert_lead`, FeatCal's default).
 
 The product's weights come from its streamed pass (one layer at a time, the family's final norm and head); the
 reference's from each whole HF model's own forward, one sequence at a time (tests/reference.py). The calibrated
@@ -64,32 +64,32 @@ def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 6
 def test_weighted_updates_match_the_brute_force_with_weights_from_the_whole_models(family, tmp_path):
     scenario = trained_scenario(tmp_path / "scenario", family, (24, 6))
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
-                                   norms=True, token_weights="advantage")
+                                   norms=True, token_weights="expert_lead")
     output = run_recipe(recipe, progress=False)
     weights = _check(scenario, output, norms=True)
     card = card_front(output)["featcal"]
-    assert card["settings"]["token_weights"] == "advantage"
+    assert card["settings"]["token_weights"] == "expert_lead"
     for index, (name, rows) in enumerate(weights.items()):
         lead = torch.cat(rows)
         scored = sum(len(row) - 1 for row in rows)
-        summary = card["token_advantage"][f"expert{index}"]
+        summary = card["expert_lead"][f"expert{index}"]
         assert summary["tokens_ahead"] == round(float((lead > 0.5).sum()) / scored, 4)
         assert 0 < summary["tokens_ahead"] < 1
 
 
-def test_advantage_is_the_default_and_equal_weighs_every_token_alike(tmp_path):
+def test_expert_lead_is_the_default_and_equal_weighs_every_token_alike(tmp_path):
     scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
     recipe = yaml.safe_load(scenario.recipe.read_text())
     del recipe["featcal"]["token_weights"]
     recipe["featcal"].update(output=str(tmp_path / "default"), batch_tokens=150, dtype="float64")
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     default = run_recipe(tmp_path / "d.yaml", progress=False)
-    assert card_front(default)["featcal"]["settings"]["token_weights"] == "advantage"
+    assert card_front(default)["featcal"]["settings"]["token_weights"] == "expert_lead"
     _check(scenario, default, norms=False)
     equal = run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "equal"), batch_tokens=150, dtype="float64"),
                        progress=False)
     front = card_front(equal)["featcal"]
-    assert front["settings"]["token_weights"] == "equal" and "token_advantage" not in front
+    assert front["settings"]["token_weights"] == "equal" and "expert_lead" not in front
 
 
 def test_the_head_re_fit_weighs_tokens_alike(family_scenarios, tmp_path):
@@ -98,7 +98,7 @@ def test_the_head_re_fit_weighs_tokens_alike(family_scenarios, tmp_path):
 
     scenario = family_scenarios("llama")
     output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
-                                              head=HEAD, token_weights="advantage"), progress=False)
+                                              head=HEAD, token_weights="expert_lead"), progress=False)
     merged, base, experts, sequences = reference_models(scenario)
     weights = advantage_token_weights(merged, experts, sequences)
     cal = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights)
@@ -115,13 +115,13 @@ def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
     scenario = build_scenario(tmp_path / "scenario", experts=1, layers=2, samples=6, words=(4, 10), dtype="float64")
     recipe = yaml.safe_load(scenario.recipe.read_text())
     recipe["models"][0]["parameters"]["weight"] = 1.0
-    recipe["featcal"].update(output=str(tmp_path / "out"), token_weights="advantage")
+    recipe["featcal"].update(output=str(tmp_path / "out"), token_weights="expert_lead")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     output = run_recipe(tmp_path / "r.yaml", progress=False)
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert any("featcal.token_weights: expert" in line and "predicts none of its records' tokens better than the merge" in line
                for line in warning), warning
-    assert card_front(output)["featcal"]["token_advantage"]["expert0"] == {"tokens_ahead": 0.0, "advantage": 0.0}
+    assert card_front(output)["featcal"]["expert_lead"]["expert0"] == {"tokens_ahead": 0.0, "lead": 0.0}
     recipe["featcal"].update(output=str(tmp_path / "equal"), token_weights="equal")
     (tmp_path / "e.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     equal, ours = read_weights(run_recipe(tmp_path / "e.yaml", progress=False)), read_weights(output)
@@ -129,9 +129,10 @@ def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("featcal, message", [
-    ({"token_weights": "uniform"}, r"token_weights.*'advantage' or 'equal'"),
-    ({"token_weights": "advantage", "method": "regmean++", "lambda": None, "alpha": None, "rho": None},
-     r"featcal\.token_weights: advantage is FeatCal's; regmean\+\+ weighs every token alike"),
+    ({"token_weights": "uniform"}, r"token_weights.*'expert_lead' or 'equal'"),
+    ({"token_weights": "expert_lead", "method": "regmean++", "lambda": None, "alpha": None, "rho": None},
+     r"featcal\.token_weights: expert_lead is FeatCal's; regmean\+\+ weighs every token alike"),
+    ({"token_weights": "advantage"}, r"featcal\.token_weights: advantage was renamed: use expert_lead$"),
 ])
 def test_bad_token_weights_are_one_line(tmp_path, featcal, message):
     from scenario import build_scenario

@@ -315,7 +315,7 @@ def test_shipped_auto_recipe_is_the_one_demo_auto_writes():
     from featcal_llm.demo.config import FULL
     from featcal_llm.demo.run import recipe_text
 
-    shipped = (Path(__file__).parent.parent / "recipes" / "demo-auto.yaml").read_text()
+    shipped = (Path(__file__).parent.parent / "featcal_llm" / "recipes" / "demo-auto.yaml").read_text()
     assert shipped == recipe_text(FULL.replace(auto=True))
     assert "lambda: auto" in shipped and "alpha: auto" in shipped and "rho: auto" in shipped
     assert "tune: {criterion: output}" in shipped  # the criterion that did at least as well as the drift on every demo seed

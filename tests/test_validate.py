@@ -139,6 +139,11 @@ def _output_under_file(r, t):
     r["featcal"]["eval"] = {"data": {"gsm8k": str(t / "no-gsm8k.jsonl")}, "tasks": ["gsm8k"]}
 
 
+def _renamed(r, _t):
+    r["featcal"]["balance"] = "equal"
+    r["featcal"]["token_weights"] = "advantage"
+
+
 # name → (mutation of the scenario's recipe, or the file's text; one list of fragments per expected error line)
 CASES = {
     "empty file": (_text(""), [["bad.yaml: the recipe file is empty"]]),
@@ -178,10 +183,14 @@ CASES = {
         ["featcal.data.", "x: not an expert of this recipe", "did you mean"],
     ]),
     "adapter without adapter_config.json": (_bad_adapter, [["not-an-adapter: not a PEFT adapter (adapter_config.json is missing)"]]),
-    "mergekit and featcal errors together": (_mergekit_and_featcal, [
-        ["bad.yaml: merge_method: required key is missing"],
+    "featcal errors before mergekit's": (_mergekit_and_featcal, [  # the block's own come back without mergekit (< 1 s)
         ["featcal.alpha: every value should be less than or equal to 1, got 1.5"],
         ["featcal.device: expected auto, cpu, cuda or cuda:N, got 'gpu'"],
+    ]),
+    "a mergekit error": (lambda r, _t: r.pop("merge_method") and None, [["bad.yaml: merge_method: required key is missing"]]),
+    "renamed key and value": (_renamed, [
+        ["bad.yaml: featcal.balance: was renamed: use featcal.expert_weights"],
+        ["bad.yaml: featcal.token_weights: advantage was renamed: use expert_lead"],
     ]),
     "output under a file, eval data missing": (_output_under_file, [
         ["featcal.output:", "a-file is not a directory"],

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import click
 
+POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
 
-@click.command("bench")
-@click.option("--layers", default=2, show_default=True, help="Decoder layers to calibrate.")
-@click.option("--distinct-layers", type=int, default=None, help="Layers stored on disk (layer l reads stored layer l mod this); default: all, or what fits on disk.")
-@click.option("--experts", default=3, show_default=True, help="Number of experts (tasks).")
-@click.option("--sequences", default=2, show_default=True, help="Calibration sequences per expert.")
-@click.option("--seq-len", default=256, show_default=True, help="Tokens per sequence.")
-@click.option("--tokens", type=int, default=None, help="Tokens per expert (overrides --sequences; whole sequences of --seq-len).")
-@click.option("--batch-tokens", default=16384, show_default=True, help="Padded tokens per forward batch (featcal.batch_tokens).")
-@click.option("--hidden", default=4096, show_default=True, help="Hidden size (Llama-3.1-8B: 4096).")
-@click.option("--intermediate", default=14336, show_default=True, help="MLP intermediate size (Llama-3.1-8B: 14336).")
-@click.option("--heads", default=32, show_default=True, help="Attention heads.")
-@click.option("--kv-heads", default=8, show_default=True, help="Key/value heads.")
-@click.option("--vocab", default=128, show_default=True, help="Vocabulary size (kept small).")
+
+@click.command("bench", epilog="""\b
+Examples:
+  featcal-llm bench --layers 2 --device cuda            the layer loop at 8B shapes
+  featcal-llm bench --preset smollm2-135m --whole-run   a whole run against the baseline
+  featcal-llm bench --json > bench.json""")
+@click.option("--layers", type=POSITIVE, default=2, show_default=True, help="Decoder layers to calibrate.")
+@click.option("--distinct-layers", type=POSITIVE, default=None, help="Layers stored on disk (layer l reads stored layer l mod this); default: all, or what fits on disk.")
+@click.option("--experts", type=POSITIVE, default=3, show_default=True, help="Number of experts (tasks).")
+@click.option("--sequences", type=POSITIVE, default=2, show_default=True, help="Calibration sequences per expert.")
+@click.option("--seq-len", type=POSITIVE, default=256, show_default=True, help="Tokens per sequence.")
+@click.option("--tokens", type=POSITIVE, default=None, help="Tokens per expert (overrides --sequences; whole sequences of --seq-len).")
+@click.option("--batch-tokens", type=POSITIVE, default=16384, show_default=True, help="Padded tokens per forward batch (featcal.batch_tokens).")
+@click.option("--hidden", type=POSITIVE, default=4096, show_default=True, help="Hidden size (Llama-3.1-8B: 4096).")
+@click.option("--intermediate", type=POSITIVE, default=14336, show_default=True, help="MLP intermediate size (Llama-3.1-8B: 14336).")
+@click.option("--heads", type=POSITIVE, default=32, show_default=True, help="Attention heads.")
+@click.option("--kv-heads", type=POSITIVE, default=8, show_default=True, help="Key/value heads.")
+@click.option("--vocab", type=POSITIVE, default=128, show_default=True, help="Vocabulary size (kept small).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16", "float64"]), help="Compute dtype (auto: bfloat16 on GPU and on CPUs with bf16 units for bf16 checkpoints, else float32).")
 @click.option("--stats-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "float64"]), help="Precision of the statistics products, summed in float64 (auto: float32 when λ ≥ 1e-2, else float64).")
@@ -31,11 +37,11 @@ import click
 @click.option("--clean", is_flag=True, help="Delete the synthetic checkpoints after the run.")
 @click.option("--warm-cache", is_flag=True, help="Do not drop checkpoint files from the page cache before reading them.")
 @click.option("--no-finalize", is_flag=True, help="Skip timing write_calibrated_checkpoint (the final full-checkpoint write).")
-@click.option("--peak-size", type=int, default=None, help="Square matmul size for the peak rate [default: 2048 on CPU, 8192 on GPU].")
-@click.option("--probe-mb", type=int, default=None, help="Size of the disk probe file in MiB [default: two layers' weights, 64..2048].")
-@click.option("--shard-mb", default=500, show_default=True, help="Maximum shard size of the synthetic checkpoints (MB).")
-@click.option("--extrapolate-to", default=32, show_default=True, help="Layer count for the extrapolated total.")
-@click.option("--threads", type=int, default=None, help="torch.set_num_threads for the run.")
+@click.option("--peak-size", type=POSITIVE, default=None, help="Square matmul size for the peak rate [default: 2048 on CPU, 8192 on GPU].")
+@click.option("--probe-mb", type=POSITIVE, default=None, help="Size of the disk probe file in MiB [default: two layers' weights, 64..2048].")
+@click.option("--shard-mb", type=POSITIVE, default=500, show_default=True, help="Maximum shard size of the synthetic checkpoints (MB).")
+@click.option("--extrapolate-to", type=POSITIVE, default=32, show_default=True, help="Layer count for the extrapolated total.")
+@click.option("--threads", type=POSITIVE, default=None, help="torch.set_num_threads for the run.")
 @click.option("--generation/--no-generation", default=True, show_default=True, help="Also time `generate:` (each expert writing as many tokens as are calibrated on) with transformers generate, against the calibration.")
 @click.option("--host-memory-gb", type=float, default=None, help="RAM budget of the hidden-state streams before they spill to memory-mapped files [default: the engine's, half the RAM].")
 @click.option("--seed", default=0, show_default=True)

@@ -103,7 +103,7 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto
             "samples": spec.sequences, "max_length": spec.seq_len, "device": "cpu",
             "dtype": dtype, "stats_dtype": stats_dtype,
             # the baseline weighs every expert and token 1: so does the product run it is compared with
-            **({"lambda": lam, "balance": "equal", "token_weights": "equal"} if method == "featcal" else {"method": method}),
+            **({"lambda": lam, "expert_weights": "equal", "token_weights": "equal"} if method == "featcal" else {"method": method}),
         },
     }, sort_keys=False))
     return recipe

@@ -4,7 +4,7 @@ Both start from a mergekit `linear` merge (equal weights): MergeBench's RegMean
 averages every tensor it does not regress (biases, norms), and featcal-llm's
 RegMean keeps those from `merged`, so a linear merge gives the classic method.
 Each run goes through `featcal-llm run` like the FeatCal row; the recipes are
-written into the workdir (`recipes/demo-regmean.yaml`, `recipes/demo-regmeanpp.yaml`
+written into the workdir (`featcal_llm/recipes/demo-regmean.yaml`, `featcal_llm/recipes/demo-regmeanpp.yaml`
 are the shipped copies).
 """
 

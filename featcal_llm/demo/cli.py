@@ -7,13 +7,17 @@ from pathlib import Path
 import click
 
 
-@click.command("demo")
+@click.command("demo", epilog="""\b
+Examples:
+  featcal-llm demo --quick     seconds: a reduced scenario
+  featcal-llm demo             the full demo on a laptop CPU
+  featcal-llm demo --auto      FeatCal chooses lambda, alpha and rho itself""")
 @click.option("--workdir", default="demo-work", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where the scenario, models and results are built and cached.")
 @click.option("--quick", is_flag=True, help="A seconds-long reduced scenario (used by the test suite).")
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
 @click.option("--threads", type=int, default=None, help="Torch threads of the main process (default min(cores, 4); --quick: 1); the experts train in one-thread workers, one per expert (at most THREADS).")
-@click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (recipes/demo-auto.yaml).")
+@click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (featcal-llm recipes demo-auto).")
 @click.option("--baselines/--no-baselines", default=None, help="Also run and score RegMean and RegMean++ on a linear merge (default: on, off with --quick).")
 @click.option("--seed", type=int, default=None, help="Seed of the data, the base and the experts (default 0).")
 @click.option("--expert-target", type=click.FloatRange(0, 100), default=None,

@@ -24,7 +24,7 @@ from featcal_llm.engine.record import record_task
 from featcal_llm.engine.streams import TokenBatch
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.engine.tuned import select_layer
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import RunFailure
 from featcal_llm.maths.objective import GroupSystem
 
 
@@ -48,7 +48,7 @@ def advance(ctx: RunContext, layer: torch.nn.Module, batches: list[TokenBatch], 
         for index, (batch, (hidden,)) in enumerate(zip(batches, on_device(runner.device, stream))):
             output = runner.forward(layer, hidden, runner.context(batch, hidden))
             if not bool(torch.isfinite(output[batch.keep.to(output.device)]).all()):  # caught where it appears, not a layer later
-                raise FeatCalError(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")
+                raise RunFailure(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")
             stream[index] = ctx.store.store(output, batch.keep)
 
 
@@ -101,7 +101,7 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
     """
     plan = ctx.plan
     if plan.tuning is not None and ctx.probe is None:
-        raise FeatCalError("internal: a tuned run needs its held-out records as the probe")
+        raise RunFailure("internal: a tuned run needs its held-out records as the probe")
     ctx.cal, ctx.expert = initial_streams(ctx, ctx.batches)
     if ctx.probe is not None:
         start_probe(ctx)

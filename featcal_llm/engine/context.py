@@ -47,7 +47,7 @@ class RunContext:
     timer: NullTimer | PhaseTimer = field(default_factory=NullTimer)
     cal: Streams = field(default_factory=dict)  # h_cal per task, advanced through each calibrated layer
     expert: Streams = field(default_factory=dict)  # h_exp,i of expert i on its own task
-    token_roots: dict[str, list[torch.Tensor]] | None = None  # √(token weight) per task and batch (`token_weights: advantage`)
+    token_roots: dict[str, list[torch.Tensor]] | None = None  # √(token weight) per task and batch (`token_weights: expert_lead`)
     head: torch.Tensor | None = None  # the calibrated LM head (`head:`), once solved
     heads: Heads | None = None  # final norm + LM head per model, for the `output` tuning criterion
     workspace: StatisticsWorkspace = field(default_factory=StatisticsWorkspace)

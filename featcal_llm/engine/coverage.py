@@ -60,8 +60,8 @@ def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_l
     for (model,), reader in readers.items():
         for task, loss in losses[model].items():
             if not math.isfinite(loss):
-                raise FeatCalError(f"balance: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
-                                   "check that model's weights, or set balance: equal")
+                raise FeatCalError(f"expert_weights: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
+                                   "check that model's weights, or set expert_weights: equal")
     base = losses.pop(BASE)
     return losses, base
 
@@ -83,7 +83,7 @@ def describe(weights: dict[str, float], losses: Losses, base: dict[str, float], 
 
 
 def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[int]]], num_layers: int) -> tuple[dict[str, float], Losses | None]:
-    """Each expert's weight in the objective: `data.<expert>.weight` where given, else by the block's `balance:`.
+    """Each expert's weight in the objective: `data.<expert>.weight` where given, else by the block's `expert_weights:`.
 
     Returns the weights and, when the coverage pass ran, its losses (model → records → NLL, the base under BASE).
     """

@@ -34,7 +34,7 @@ MERGED = ("merged",)  # the pass's role keys: tuples, so that no expert's name c
 @dataclass(frozen=True)
 class TokenWeights:
     roots: dict[str, list[torch.Tensor]]  # task → √w of each of its batches, (batch, seq) float64 on the host
-    summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "advantage": mean nats}
+    summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "lead": mean nats}
 
 
 def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
@@ -42,7 +42,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
     models, runner, batches = ctx.models, ctx.runner, ctx.batches
     runs = {MERGED: (models.merged, batches), **{("expert", task): (models.experts[task], {task: task_batches})
                                                   for task, task_batches in batches.items()}}
-    runlog.stage("weighing each expert's tokens by its advantage over the merge: its records through the merged model and the expert")
+    runlog.stage("weighing each expert's tokens by its lead over the merge: its records through the merged model and the expert")
     started = time.perf_counter()
     streams = final_hidden(ctx, runs, num_layers)
     merged_head = Head(runner, models.merged)
@@ -67,14 +67,14 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
         total, ahead, tokens, scored = sums[4 * index: 4 * index + 4]
         scale = mean_one_scale(total, int(tokens))
         roots[task] = [token_weights(weights, batch.keep, scale).sqrt() for weights, batch in zip(raw[task], batches[task])]
-        summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "advantage": round(total / max(scored, 1.0), 4)}
+        summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
     names = short_names(list(batches))
     for task in batches:
         if summary[task]["tokens_ahead"] == 0:
             warn(f"{where}: expert {task} predicts none of its records' tokens better than the merge, so its tokens weigh "
                  "alike; check that its data is its kind of text")
-    runlog.stage(f"tokens weighed by the expert's advantage over the merge ({time.perf_counter() - started:.0f} s): "
-                 + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['advantage']:.3f} nats a token on average"
+    runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
+                 + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average"
                              for task, s in summary.items()))
     return TokenWeights(roots, summary)
 

@@ -58,7 +58,11 @@ def _batch_size(value: str | None):
     return int(value)
 
 
-@click.command("eval")
+@click.command("eval", epilog="""\b
+Examples:
+  featcal-llm eval out/calibrated --tasks gsm8k,arc_challenge
+  featcal-llm eval merged=out/merged calibrated=out/calibrated --backend vllm
+  featcal-llm eval out/calibrated --allow-code-execution   with HumanEval+/MBPP+""")
 @click.argument("models", nargs=-1)
 @click.option("--suite", default="mergebench", show_default=True, help="Suite name (shipped: mergebench, mergebench-protocol; $FEATCAL_EVAL_DIR names a folder of your own) or a suite YAML.")
 @click.option("--tasks", default=None, help="Comma-separated task ids of the suite (default: all).")
@@ -98,6 +102,9 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
         return
     if not models:
         raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
+    missing = [str(path) for _, path in _models(models) if not path.is_dir()]
+    if missing:  # before the suite's own checks: a wrong path is the first thing to fix
+        raise FeatCalError(f"eval: {', '.join(missing)}: model directory does not exist")
     from featcal_llm.evaluation.config import section_from_options
     from featcal_llm.evaluation.leaderboard import build_leaderboard
     from featcal_llm.evaluation.runner import evaluate_model
@@ -144,7 +151,10 @@ def _check_graders(data: dict[str, str], workers: int | None) -> None:
         raise SystemExit(1)
 
 
-@click.command("leaderboard")
+@click.command("leaderboard", epilog="""\b
+Examples:
+  featcal-llm leaderboard eval-results
+  featcal-llm leaderboard eval-results --reference Llama-3.2-3B-Instruct --compare merged:calibrated""")
 @click.argument("results", nargs=-1)
 @click.option("--output", default=None, help="Where to write leaderboard.md/.csv/.png (default: the first RESULTS dir).")
 @click.option("--reference", "references", multiple=True,

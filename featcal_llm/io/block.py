@@ -7,7 +7,7 @@ checks across both parts are in ``featcal_llm.io.recipe``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -212,10 +212,17 @@ class HeadSpec(BaseModel):
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
 
 
+# keys and values renamed since they were published: refused with a one-line error that names the new one
+RENAMED_KEYS = {"balance": "expert_weights"}
+RENAMED_VALUES = {"token_weights": {"advantage": "expert_lead"}}
+
+
 class FeatCalConfig(BaseModel):
-    """The ``featcal:`` block. Defaults are the paper's 3B settings where it has them."""
+    """The ``featcal:`` block. lambda, alpha and rho default to the paper's 3B settings; expert_weights and
+    token_weights default to featcal-llm's own (coverage, expert_lead), the paper's being equal and equal."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    renamed_keys: ClassVar[dict[str, str]] = RENAMED_KEYS
 
     merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
     output: str = Field(description="directory the calibrated checkpoint is written to")
@@ -226,17 +233,20 @@ class FeatCalConfig(BaseModel):
     )
     reduction: Tunable | None = Field(None, description="RegMean's off-diagonal scaling of the Grams (default 0.5)")
     samples: int = Field(256, ge=1, description="calibration records per expert")
-    balance: Literal["coverage", "equal"] | None = Field(
+    expert_weights: Literal["coverage", "equal"] | None = Field(
         None, description="how the experts weigh against each other where data.<expert>.weight is not given. coverage "
         "(FeatCal's default): each expert counts once for its own records plus the share of every other expert's gain over "
         "the base that it also achieves on that expert's records, so a broad expert beside narrow ones counts for several "
-        "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default)"
+        "(a pass over 16 records per expert, before the layers); equal: every expert 1 (RegMean's default, and the paper's)",
+        json_schema_extra={"shown_default": "`coverage` (regmean, regmean++: `equal`)"},
     )
-    token_weights: Literal["advantage", "equal"] | None = Field(
-        None, description="how the tokens of an expert's records weigh. advantage (FeatCal's default): each token by how much "
-        "better the expert predicts the next token than the merged model does, 0 where the merge predicts it as well or better, "
-        "so the re-fit goes where the expert knows what the merge lost (the merged model and each expert run over its records "
-        "once, before the layers); equal: every token 1, as in the paper"
+    token_weights: Literal["expert_lead", "equal"] | None = Field(
+        None, description="how the tokens of an expert's records weigh. expert_lead (FeatCal's default): half of each token's "
+        "weight is 1, half is the expert's lead over the merged model at predicting the next token, a = max(0, log p_expert − "
+        "log p_merged), scaled to mean 1 over the expert's tokens: w = ½ + ½·a/mean(a), so a token weighs ½ (not 0) where the "
+        "merge predicts it as well or better and the re-fit leans to where the expert knows what the merge lost (the merged "
+        "model and each expert run over its records once, before the layers); equal: every token 1 (RegMean's default, and the paper's)",
+        json_schema_extra={"shown_default": "`expert_lead` (regmean, regmean++: `equal`)"},
     )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
@@ -267,6 +277,10 @@ class FeatCalConfig(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
     merge_options: MergeOptionsSpec = Field(default_factory=MergeOptionsSpec, description="mergekit's options for the merge the run makes (see merge_options:)")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    license: str | None = Field(
+        None, description="the model card's license, a Hub license id (apache-2.0, llama3.2, other, ...); default: the base "
+        "model's, when its card is on this machine (a local base, or a hub base already downloaded)"
+    )
     eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
     # A stack's RegMean stage holds out the records its FeatCal stage holds out (set by `stage`, never by a recipe)
     _holds_out_for_stack: bool = PrivateAttr(False)
@@ -275,6 +289,14 @@ class FeatCalConfig(BaseModel):
     @classmethod
     def _tunable(cls, value: Any, info) -> Any:
         return _check_tunable("lambda" if info.field_name == "lambda_" else info.field_name, value)
+
+    @field_validator("token_weights", mode="before")
+    @classmethod
+    def _renamed_value(cls, value: Any) -> Any:
+        """`advantage` was the 0.1 name of expert_lead: refused with the new one, so no recipe changes meaning silently."""
+        if value in RENAMED_VALUES.get("token_weights", {}):
+            raise ValueError(f"{value} was renamed: use {RENAMED_VALUES['token_weights'][value]}")
+        return value
 
     @field_validator("head", mode="before")
     @classmethod
@@ -307,8 +329,8 @@ class FeatCalConfig(BaseModel):
         """The stack's stage as a one-method block: stage 0 writes RegMean to `intermediate`, stage 1 calibrates it.
 
         Which keys each stage reads: stage 0 (RegMean/RegMean++) reads `reduction` and weighs every expert and every
-        token alike, as the published baseline does (`balance:` and `token_weights:` are the FeatCal stage's);
-        stage 1 reads lambda/alpha/rho, norms, biases, head, balance and token_weights. Both read the data (each
+        token alike, as the published baseline does (`expert_weights:` and `token_weights:` are the FeatCal stage's);
+        stage 1 reads lambda/alpha/rho, norms, biases, head, expert_weights and token_weights. Both read the data (each
         expert's records and its `weight:`), samples, max_length, seed and the run settings. `tune:` goes to the
         stages that search or replay a search. When either stage holds records out (a search, or a replay of one),
         both hold out the same split, so that RegMean's Grams never see the records FeatCal's choices are scored on.
@@ -316,7 +338,7 @@ class FeatCalConfig(BaseModel):
         method = self.method[index]
         update: dict[str, Any] = {"method": method}
         if index == 0:
-            update.update(output=intermediate, eval=None, token_weights=None, balance=None,
+            update.update(output=intermediate, eval=None, token_weights=None, expert_weights=None,
                           **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
         else:
             update.update(merged=intermediate, reduction=None)
@@ -328,13 +350,13 @@ class FeatCalConfig(BaseModel):
 
     @property
     def balancing(self) -> str:
-        """The `balance:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
-        return self.balance or ("equal" if self.regmean else "coverage")
+        """The `expert_weights:` the run uses: the recipe's, else coverage for FeatCal and equal for RegMean."""
+        return self.expert_weights or ("equal" if self.regmean else "coverage")
 
     @property
     def token_weighting(self) -> str:
-        """The `token_weights:` the run uses: the recipe's, else advantage for FeatCal and equal for RegMean."""
-        return self.token_weights or ("equal" if self.regmean else "advantage")
+        """The `token_weights:` the run uses: the recipe's, else expert_lead for FeatCal and equal for RegMean."""
+        return self.token_weights or ("equal" if self.regmean else "expert_lead")
 
     @property
     def merge_seed(self) -> int:

@@ -21,16 +21,18 @@ from featcal_llm.io.recipe import Recipe
 RECIPE_FILE = "featcal_recipe.yml"
 SYMBOLS = {"lambda": "λ", "alpha": "α", "rho": "ρ", "reduction": "r", "eps": "eps"}
 METHOD_TEXT = {
-    "featcal": "FeatCal feature calibration\n(Gu et al., 2026)",
-    "regmean": "RegMean\n(Jin et al., 2023; MergeBench's definition, each expert's Grams on its own inputs)",
-    "regmean++": "RegMean++\n(Nguyen et al., 2025; MergeBench's definition, Grams on the inputs propagated through the layers already solved)",
+    "featcal": "FeatCal feature calibration (Gu et al., 2026)",
+    "regmean": "RegMean (Jin et al., 2023; MergeBench's definition: each expert's Grams on its own inputs)",
+    "regmean++": "RegMean++ (Nguyen et al., 2025; MergeBench's definition: Grams on the inputs propagated through the layers already solved)",
 }
 HOW_TEXT = {
-    "featcal": "by a closed-form ridge regression so that the merged model's features match each expert's\n"
-               "on its calibration data, while staying close to the anchor ρ·W_merged + (1 − ρ)·W_base.",
-    "regmean": "as W* = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹ with G̃ = r·G + (1 − r)·diag(G); biases, norms, embeddings\n"
-               "and lm_head are the merged model's.",
+    "featcal": "Each re-fitted weight is the closed-form ridge regression that makes the merged model's features match each "
+               "expert's on that expert's calibration data, while staying close to the anchor ρ·W_merged + (1 − ρ)·W_base.",
+    "regmean": "Each re-fitted weight is W* = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹ with G̃ = r·G + (1 − r)·diag(G), over the experts' "
+               "Grams G_i of their calibration inputs; {rest} are the merged model's.",
 }
+USAGE_ID = 'model_id = "'  # the usage snippet's line that --push-to-hub points at the Hub repository
+WEIGHTS_FILE = "featcal_weights.json"  # the expert and token weights at full precision (the card rounds them)
 
 
 EVAL_HEADING = "## Evaluation"
@@ -67,21 +69,72 @@ def _public_recipe(text: str, names: dict[str, str]) -> str:
     return yaml.safe_dump(walk(yaml.safe_load(text)), sort_keys=False)
 
 
-def _calibrated_text(calibrated: dict | None, regmean: bool) -> str:
+def has_biases(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` has any bias tensor (Qwen2's q/k/v do; Llama's projections do not)."""
+    import json
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+    else:
+        from safetensors import safe_open
+
+        names = []
+        for shard in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as handle:
+                names.extend(handle.keys())
+    return any(name.endswith(".bias") for name in names)
+
+
+def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> str:
+    """What was re-fitted, in plain sentences; biases are named only for a model that has them."""
     if calibrated is None or calibrated["every_projection"]:
-        what = "every linear projection of every decoder layer was re-fitted"
+        sentences = ["Every linear projection of every decoder layer was re-fitted."]
     else:
         listed = ", ".join(f"`{name}`" for name in calibrated["projections"])
-        what = f"the projections {listed} of every decoder layer were re-fitted (the other projections keep the merged weights)"
+        sentences = [f"In every decoder layer the projections {listed} were re-fitted; the other projections keep the merged model's weights."]
     if calibrated is not None and not regmean:
-        extras = [name for name, on in (("RMSNorm scales", calibrated["norms"]), ("biases", calibrated["biases"])) if on]
-        what += f"; also updated: {', '.join(extras)}" if extras else "; norms and biases keep the merged values"
+        sentences.append("The RMSNorm scales were updated too." if calibrated["norms"] else "The norms keep the merged model's scales.")
+        if biases:
+            sentences.append("The projections' biases were updated with their weights." if calibrated["biases"]
+                             else "The projections' biases keep the merged model's values.")
         head = calibrated.get("head")
         if head is not None:
-            what += ("; after the last layer the LM head was re-fitted the same way on the final norm's outputs"
-                     + (" (it was tied to the input embeddings and is now a tensor of its own, config `tie_word_embeddings: false`)"
-                        if head["untied"] else ""))
-    return what
+            sentences.append("After the last layer, the LM head was re-fitted the same way on the final norm's outputs"
+                             + (" (it was tied to the input embeddings and is now a tensor of its own, config `tie_word_embeddings: false`)."
+                                if head["untied"] else "."))
+    return " ".join(sentences)
+
+
+def _how_text(method: str, biases: bool) -> str:
+    if method == "featcal":
+        return HOW_TEXT["featcal"]
+    return HOW_TEXT["regmean"].format(rest="the norms, the embeddings, the LM head" + (" and the biases" if biases else ""))
+
+
+def _usage(name: str) -> str:
+    return f"""```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+{USAGE_ID}{name}"  # this model's directory, or its Hub repository id
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto")
+
+messages = [{{"role": "user", "content": "Write a haiku about merging models."}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt").to(model.device)
+print(tokenizer.decode(model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1]:], skip_special_tokens=True))
+```
+
+Without a chat template, call `tokenizer(text, return_tensors="pt")` instead of `apply_chat_template`."""
+
+
+def point_usage_at(directory: Path, repo_id: str) -> None:
+    """The usage snippet of the card in `directory` loads `repo_id` (what `--push-to-hub` publishes)."""
+    card = directory / "README.md"
+    if not card.is_file():
+        return
+    lines = card.read_text(encoding="utf-8").splitlines(keepends=True)
+    card.write_text("".join(f'{USAGE_ID}{repo_id}"\n' if line.startswith(USAGE_ID) else line for line in lines), encoding="utf-8")
 
 
 REPLAY_HEADER = (
@@ -145,7 +198,7 @@ def write_card(
     NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
     `advantage`: per expert, the share of its tokens where it predicts the next token better than the
-    merge and its mean advantage in nats (engine.token_weights), when tokens were weighed by it.
+    merge and its mean lead in nats (engine.token_weights), when tokens were weighed by it (`token_weights: expert_lead`).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -184,58 +237,65 @@ def write_card(
         if "lora_adapter" in record:
             record["lora_adapter"] = public_names([record["lora_adapter"]])[record["lora_adapter"]]
         models[names.get(role, role)] = record
+    biases = has_biases(directory)
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
     settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (dare_*, della) was drawn with
-    settings["balance"] = featcal.balancing
+    settings["expert_weights"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None:
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:
-            settings |= {"token_weights": featcal.token_weighting, "norms": calibrated["norms"], "biases": calibrated["biases"]}
+            settings |= {"token_weights": featcal.token_weighting, "norms": calibrated["norms"]}
+            if biases:  # a model without biases has nothing this setting could change
+                settings["biases"] = calibrated["biases"]
             if calibrated.get("head") is not None:
                 settings["head"] = calibrated["head"]
-    front = {
-        **({} if is_local(base) else {"base_model": base}),
-        "tags": ["merge", "mergekit", "featcal"],
-        "library_name": "transformers",
-        "featcal": {
-            "base_model": names[base],
-            "merged_model": names[merged],
-            "merge_method": recipe.merge_config.merge_method,
-            "method": featcal.method,
-            "experts": [names[expert.name] for expert in recipe.experts],
-            "hyperparameters": hyper,
-            "settings": settings,
-            "calibration_tokens": {names[name]: count for name, count in tokens.items()},
-            **({"generation_starts": {names.get(name, name): start for name, start in starts.items()}} if starts else {}),
-            **({"models": models} if models else {}),
-            "featcal_llm_version": __version__,
-        },
+    from featcal_llm.io.card_meta import CITATION, hub_front_matter, rounded
+
+    base_source = (sources or {}).get("base_model")
+    front = hub_front_matter(recipe, base_source.directory if base_source is not None else None)
+    front["featcal"] = {
+        "base_model": names[base],
+        "merged_model": names[merged],
+        "merge_method": recipe.merge_config.merge_method,
+        "method": featcal.method,
+        "experts": [names[expert.name] for expert in recipe.experts],
+        "hyperparameters": hyper,
+        "settings": settings,
+        "calibration_tokens": {names[name]: count for name, count in tokens.items()},
+        **({"generation_starts": {names.get(name, name): start for name, start in starts.items()}} if starts else {}),
+        **({"models": models} if models else {}),
+        "featcal_llm_version": __version__,
     }
     if weights is None:  # the recipe's own
         weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
-    weights = {name: round(weight, 4) for name, weight in weights.items()}
+    exact: dict[str, Any] = {}  # featcal_weights.json: what the card rounds, at full precision
     weighed = any(weight != 1 for weight in weights.values())
     if weighed:
-        front["featcal"]["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
+        exact["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
     if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
-        front["featcal"]["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()}
-                                            for model, row in coverage.items()}
+        exact["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
     if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
-        front["featcal"]["token_advantage"] = {names[task]: summary for task, summary in advantage.items()}
+        exact["expert_lead"] = {names[task]: summary for task, summary in advantage.items()}
+    front["featcal"] |= exact
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
-    how = lambda name: "" if not weighed else f", weight {weights[name]:g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
+    how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(
         f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
         for e in recipe.experts
     )
-    setting_lines = "\n".join(f"- {key}: {value}" for key, value in settings.items())
-    body = f"""# {"FeatCal-calibrated merge" if featcal.method == "featcal" else featcal.method + " merge"}
+    setting_lines = "\n".join(f"- {key}: {value}" for key, value in rounded(settings).items())
+    title = Path(featcal.output).name
+    kind = "FeatCal" if featcal.method == "featcal" else featcal.method
+    count = len(recipe.experts)
+    body = f"""# {title}
 
-This model is `{names[merged]}` (a `{recipe.merge_config.merge_method}` merge of the experts below onto
-`{names[base]}`, made with [mergekit](https://github.com/arcee-ai/mergekit)) after {METHOD_TEXT[featcal.method]} with featcal-llm {__version__}: {_calibrated_text(calibrated, featcal.regmean)},
-in forward order, {HOW_TEXT["featcal" if featcal.method == "featcal" else "regmean"]}
+This model is a merge of {count} expert{"s" * (count != 1)} fine-tuned from `{names[base]}`, calibrated after the merge with {kind}.
+The experts were first merged by [mergekit](https://github.com/arcee-ai/mergekit)'s `{recipe.merge_config.merge_method}` method
+into the merged model (`{names[merged]}`). featcal-llm {__version__} then applied {METHOD_TEXT[featcal.method]} to the merged model.
+{_how_text(featcal.method, biases)}
+{_calibrated_text(calibrated, featcal.regmean, biases)}
 
 ## Experts
 {experts}
@@ -246,7 +306,11 @@ in forward order, {HOW_TEXT["featcal" if featcal.method == "featcal" else "regme
 ## Settings
 {setting_lines}
 
-Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`.
+Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`.{
+" The expert and token weights at full precision: `" + WEIGHTS_FILE + "`." if exact else ""}
+
+## Usage
+{_usage(title)}
 
 ## Recipe
 The full recipe (mergekit configuration plus the `featcal:` block) is saved as `{RECIPE_FILE}`; here with local
@@ -255,10 +319,19 @@ paths shortened to their names:
 ```yaml
 {_public_recipe(recipe.text, names).rstrip()}
 ```
+
+## Citation
+```bibtex
+{CITATION}
+```
 """
-    text = "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
+    text = "---\n" + yaml.safe_dump(rounded(front), sort_keys=False, allow_unicode=True) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
     (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")
+    if exact:
+        import json
+
+        (directory / WEIGHTS_FILE).write_text(json.dumps(exact, indent=1) + "\n", encoding="utf-8")
 
 
 def append_evaluation(directory: Path, table: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, RunFailure
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -23,6 +23,9 @@ def push_folder(folder: Path, repo_id: str, private: bool = True) -> str:
 
     from featcal_llm import runlog
 
+    from featcal_llm.io.card import point_usage_at
+
+    point_usage_at(folder, repo_id)  # the card's usage snippet loads the repository it is published in
     api = HfApi()
     runlog.stage(f"uploading {folder} to the Hub as {repo_id} ({'private' if private else 'public'})")
     try:
@@ -31,6 +34,6 @@ def push_folder(folder: Path, repo_id: str, private: bool = True) -> str:
                           commit_message="featcal-llm: calibrated model")
     except Exception as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise FeatCalError(f"--push-to-hub {repo_id}: upload failed ({first}); the calibrated model is kept in {folder}") from error
+        raise RunFailure(f"--push-to-hub {repo_id}: upload failed ({first}); the calibrated model is kept in {folder}") from error
     runlog.stage(f"uploaded to {url}")
     return str(url)

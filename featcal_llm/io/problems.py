@@ -90,6 +90,12 @@ def known_keys(model: type[BaseModel]) -> list[str]:
 
 def keys_at(root: type[BaseModel], location: tuple) -> list[str]:
     """The keys accepted where `location` (a pydantic error location, the unknown key last) points."""
+    model = model_at(root, location)
+    return known_keys(model) if model is not None else []
+
+
+def model_at(root: type[BaseModel], location: tuple) -> type[BaseModel] | None:
+    """The block (pydantic model) holding the last key of `location`, or None where it is not one."""
     current: Any = root
     for part in location[:-1]:
         model = _model_class(current)
@@ -99,9 +105,8 @@ def keys_at(root: type[BaseModel], location: tuple) -> list[str]:
             continue
         current = _container_item(current)
         if current is None:
-            return []
-    model = _model_class(current)
-    return known_keys(model) if model is not None else []
+            return None
+    return _model_class(current)
 
 
 def _shown(value: Any) -> str:
@@ -116,6 +121,11 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
         location = ".".join(str(part) for part in item["loc"])
         key = f"{prefix}.{location}" if prefix and location else (prefix or location)
         if item["type"] == "extra_forbidden":
+            model = model_at(root, item["loc"]) if root is not None else None
+            renamed = getattr(model, "renamed_keys", {}).get(item["loc"][-1]) if model is not None else None
+            if renamed is not None:  # a key renamed since it was published: name the new one
+                problems.append(Problem(str(file), key, f"was renamed: use {key.rpartition('.')[0] + '.' if '.' in key else ''}{renamed}"))
+                continue
             hint = suggestion(item["loc"][-1], keys_at(root, item["loc"])) if root is not None else ""
             problems.append(Problem(str(file), key, f"unknown key{hint}"))
             continue
@@ -123,7 +133,7 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
             problems.append(Problem(str(file), key, "required key is missing"))
             continue
         message = item["msg"].removeprefix("Value error, ")
-        if "got " not in message and "input" in item:
+        if "got " not in message and "renamed" not in message and "input" in item:
             message += f" (got {_shown(item['input'])})"
         problems.append(Problem(str(file), key, message))
     return problems

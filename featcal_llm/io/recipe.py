@@ -89,14 +89,14 @@ def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
             warn(f"{path}: {key}: not a mergekit or featcal key (mergekit ignores it){hint}")
 
 
-def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, problems: list[Problem]) -> tuple[Expert, ...]:
-    """What one block cannot say alone: method-specific keys, tuning, recipe forms, experts against data entries."""
+def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -> None:
+    """What the block says wrong on its own, across its keys: method-specific keys, tuning, weights, prompts files."""
     wrong = [] if featcal.stacked else [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set]
     for key in wrong:
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
-    if featcal.regmean and featcal.token_weights == "advantage":
-        problems.append(Problem(str(path), "featcal.token_weights", f"advantage is FeatCal's; {featcal.method} weighs every token alike (equal)"))
+    if featcal.regmean and featcal.token_weights == "expert_lead":
+        problems.append(Problem(str(path), "featcal.token_weights", f"expert_lead is FeatCal's; {featcal.method} weighs every token alike (equal)"))
     if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
@@ -109,6 +109,10 @@ def _cross_checks(path: Path, featcal: FeatCalConfig, merge_config: Any | None, 
 
             where = f"{path}: featcal.data.{name}.generate.prompts"
             collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))
+
+
+def _merge_checks(path: Path, featcal: FeatCalConfig, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
+    """What the block and the mergekit part say together: recipe forms, the base, experts against data entries."""
     if merge_config is None:
         return ()
     before = len(problems)
@@ -140,38 +144,67 @@ class Parsed:
     merge_config: Any = None
     featcal: FeatCalConfig | None = None
     block: dict | None = None
+    merge_unchecked: bool = False  # the block had problems and the mergekit part was left for later (`block_first`)
 
 
-def read_recipe(path: str | Path) -> Parsed:
-    """The recipe and every problem its text shows (schema, recipe forms, experts against data), without touching a model."""
+def _read_block(path: Path, block: Any, problems: list[Problem]) -> FeatCalConfig | None:
+    """The `featcal:` block validated (pydantic only: no mergekit, no torch), with the checks across its keys."""
+    if block is None:
+        problems.append(Problem(str(path), "featcal", "block is missing (add it after the mergekit recipe)"))
+        return None
+    if not isinstance(block, dict):
+        problems.append(Problem(str(path), "featcal", "expected a mapping"))
+        return None
+    try:
+        featcal = FeatCalConfig.model_validate(block)
+    except ValidationError as error:
+        problems.extend(in_document_order(pydantic_problems(path, error, "featcal", FeatCalConfig), block, "featcal"))
+        return None
+    _block_checks(path, featcal, problems)
+    return featcal
+
+
+def block_problems(path: str | Path) -> list[Problem]:
+    """The YAML's and the `featcal:` block's own problems, without mergekit: what `run` refuses before it imports torch."""
+    path, problems = Path(path), []
+    raw = collect(problems, path, lambda: _read_yaml_mapping(path))
+    if raw is not None:
+        _read_block(path, raw.get("featcal"), problems)
+    return problems
+
+
+def read_recipe(path: str | Path, block_first: bool = False) -> Parsed:
+    """The recipe and every problem its text shows (schema, recipe forms, experts against data), without touching a model.
+
+    `block_first`: when the `featcal:` block has problems, return them without importing mergekit (which brings
+    torch and transformers, seconds): a key typo comes back at once; the mergekit part is checked once the block is clean.
+    """
     path = Path(path)
     problems: list[Problem] = []
     raw = collect(problems, path, lambda: _read_yaml_mapping(path))
     if raw is None:
         return Parsed(None, problems)
-    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
-    _unknown_top_keys(path, raw, MergeConfiguration)
     block = raw.pop("featcal", None)
     parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None)
+    block_problems: list[Problem] = []
+    parsed.featcal = _read_block(path, block, block_problems)
+    if block_first and block_problems:
+        problems.extend(block_problems)
+        parsed.merge_unchecked = True
+        return parsed
+    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
+    _unknown_top_keys(path, raw, MergeConfiguration)
     try:
         parsed.merge_config = MergeConfiguration.model_validate(raw)
     except ValidationError as error:
         problems.extend(pydantic_problems(path, error, "", MergeConfiguration))
     except Exception as error:  # mergekit raises RuntimeError from its own validators
         problems.append(Problem(str(path), "", f"not a valid mergekit recipe: {error}"))
-    if block is None:
-        problems.append(Problem(str(path), "featcal", "block is missing (add it after the mergekit recipe)"))
-    elif not isinstance(block, dict):
-        problems.append(Problem(str(path), "featcal", "expected a mapping"))
-    else:
-        try:
-            parsed.featcal = FeatCalConfig.model_validate(block)
-        except ValidationError as error:
-            problems.extend(in_document_order(pydantic_problems(path, error, "featcal", FeatCalConfig), block, "featcal"))
-    if parsed.featcal is None:
+    problems.extend(block_problems)
+    if parsed.featcal is None or parsed.merge_config is None:
         return parsed
-    experts = _cross_checks(path, parsed.featcal, parsed.merge_config, problems)
-    if not problems and parsed.merge_config is not None:
+    experts = _merge_checks(path, parsed.featcal, parsed.merge_config, problems)
+    if not problems:
         merge_config = parsed.merge_config
         text = path.read_text(encoding="utf-8")
         parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)

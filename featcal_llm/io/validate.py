@@ -63,11 +63,13 @@ def check_before_run(path: str | Path) -> Recipe:
 
 def check_recipe(path: str | Path, online: bool = False, plan: bool = True) -> Report:
     """Every problem of the recipe: its text first, then, for the parts that parsed, what they point at."""
-    parsed = read_recipe(path)
+    parsed = read_recipe(path, block_first=True)
     path, recipe, problems = Path(path), parsed.recipe, parsed.problems
     report = Report(recipe, problems)
     if parsed.merge_config is None and parsed.block is None:
         return report
+    if parsed.merge_unchecked:  # the block's own problems came back without mergekit: the models wait for a clean block
+        report.notes.append(f"{path}: the mergekit part and the models are checked once the featcal: block is fixed")
     block = parsed.block or {}
     experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
     for name, spec in _data_entries(parsed).items():
@@ -218,6 +220,20 @@ def _is_hub_reference(model_path: Any) -> bool:
     return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
 
 
+def _refuse_local_typo(path: str, what: str) -> None:
+    """`experts/cod` beside an existing `experts/code`: a local path with a typo, not a hub id (which it would be read as)."""
+    import difflib
+
+    parent = Path(path).parent
+    if not parent.is_dir():
+        return
+    siblings = [child.name for child in parent.iterdir() if child.is_dir()]
+    close = difflib.get_close_matches(Path(path).name, siblings, n=1, cutoff=0.75)
+    if close:
+        raise FeatCalError(f"{what}: model directory does not exist ({parent}/ is a local directory, so it is no hub id); "
+                           f"did you mean {str(parent / close[0])!r}?")
+
+
 def _hub_lookup(kind: str, repo: str, revision: str | None, where: str) -> None:
     """Whether a hub model or dataset exists at the revision (one API call, no download)."""
     from huggingface_hub import HfApi
@@ -267,6 +283,8 @@ def _model_config(reference: Any, what: str, online: bool, unchecked: list[str],
     from featcal_llm.io.references import resolve_source
 
     hub = [p for p in (reference.model, reference.lora) if p is not None and _is_hub_reference(p)]
+    for model_path in hub:
+        _refuse_local_typo(model_path.path, f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}")
     if not hub:
         source = resolve_source(reference, what, base)  # every path is local: no hub call
         return source, _read_config(source.directory, what)

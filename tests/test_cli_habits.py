@@ -1,0 +1,118 @@
+"""The command line's habits: -h everywhere, examples in every --help, `run RECIPE [OUTPUT]`, documented exit codes,
+and the first thing to fix said first (a missing model, a zero count, a local path with a typo)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from featcal_llm.cli import main
+from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError, RunFailure
+
+COMMANDS = ["run", "validate", "eval", "leaderboard", "bench", "demo", "recipes"]
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)], ids=lambda c: " ".join(c) or "featcal-llm")
+def test_dash_h_is_help_with_examples(command):
+    short, long = (CliRunner().invoke(main, [*command, flag]) for flag in ("-h", "--help"))
+    assert short.exit_code == 0 and short.output == long.output, short.output
+    assert re.search(r"Examples:\n +featcal-llm ", short.output), short.output
+
+
+def test_run_help_names_the_output_argument_and_the_exit_codes():
+    text = CliRunner().invoke(main, ["run", "-h"]).output
+    assert "RECIPE [OUTPUT]" in text and "replaces the recipe's featcal.output" in text
+    assert "Exit codes: 0 done; 1 the run started and failed" in text and "2 bad command line or input" in " ".join(text.split())
+
+
+def test_the_readme_documents_the_exit_codes_the_code_uses():
+    section = README.read_text(encoding="utf-8").split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    codes = dict(re.findall(r"^\| `(\d+)` \| (.+?) \|$", section, flags=re.M))
+    assert set(codes) == {"0", str(EXIT_FAILED), str(EXIT_USAGE), str(EXIT_INTERRUPTED)}, codes
+
+
+@pytest.mark.parametrize("raised, code", [(FeatCalError("r.yaml: featcal.samples: expected an integer"), EXIT_USAGE),
+                                          (RunFailure("layer 3: calibrated layer produced NaN/Inf hidden states"), EXIT_FAILED),
+                                          (KeyboardInterrupt(), EXIT_INTERRUPTED)])
+def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, raised, code):
+    import featcal_llm.api
+
+    def calibrate(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(featcal_llm.api, "calibrate", calibrate)
+    (tmp_path / "r.yaml").write_text("x: 1\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
+    assert result.exit_code == code, (result.output, result.exception)
+    if str(raised):
+        assert result.stderr.strip().splitlines()[0] == f"featcal-llm: error: {raised}"
+
+
+def test_a_bad_recipe_and_a_bad_option_exit_2(tmp_path):
+    (tmp_path / "r.yaml").write_text("merge_method: linear\n")
+    assert CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")]).exit_code == EXIT_USAGE
+    assert CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml"), "--nope"]).exit_code == EXIT_USAGE
+
+
+def test_run_writes_to_the_output_argument_without_transformers_deprecations(merged_scenario, tmp_path):
+    recipe = yaml.safe_load(merged_scenario.recipe.read_text())
+    recipe["featcal"].update(merged=str(tmp_path / "merged"), samples=4)  # a fresh merge: mergekit sets torch_dtype in it
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(path), str(tmp_path / "here")], capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == f"calibrated checkpoint written to {tmp_path / 'here'}"
+    assert (tmp_path / "here" / "model.safetensors").is_file() or (tmp_path / "here" / "model.safetensors.index.json").is_file()
+    assert not Path(recipe["featcal"]["output"]).exists()
+    assert "torch_dtype" not in result.stderr, result.stderr
+
+
+def test_eval_says_the_model_is_missing_first(tmp_path):
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "no-such-model")])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.strip() == f"featcal-llm: error: eval: {tmp_path / 'no-such-model'}: model directory does not exist"
+
+
+@pytest.mark.parametrize("option", ["--layers", "--experts", "--sequences", "--seq-len", "--hidden"])
+def test_bench_refuses_a_zero_count_before_any_work(option):
+    result = CliRunner().invoke(main, ["bench", option, "0"])
+    assert result.exit_code == EXIT_USAGE and f"Invalid value for '{option}': 0 is not in the range x>=1." in result.output
+
+
+def test_validate_flags_a_local_path_typo_with_did_you_mean(merged_scenario, tmp_path, monkeypatch):
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "code").symlink_to(next(iter(merged_scenario.experts.values())))
+    recipe = yaml.safe_load(merged_scenario.recipe.read_text())
+    old = recipe["models"][0]["model"]
+    recipe["models"][0]["model"] = "experts/cod"
+    recipe["featcal"]["data"]["experts/cod"] = recipe["featcal"]["data"].pop(old)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", "r.yaml"])
+    assert result.exit_code == EXIT_USAGE
+    assert ("featcal-llm: error: r.yaml: models: experts/cod: model directory does not exist (experts/ is a local directory, "
+            "so it is no hub id); did you mean 'experts/code'?") in result.stderr.splitlines(), result.stderr
+    recipe["models"][0]["model"] = "someone/cod"  # no local directory `someone/`: a hub id, looked up only --online
+    recipe["featcal"]["data"]["someone/cod"] = recipe["featcal"]["data"].pop("experts/cod")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert "someone/cod" in CliRunner().invoke(main, ["validate", "r.yaml"]).stderr.split("hub ids not looked up")[1]
+
+
+def test_recipes_lists_and_prints_the_shipped_ones():
+    listing = CliRunner().invoke(main, ["recipes"])
+    assert listing.exit_code == 0
+    names = [line.split()[0] for line in listing.output.splitlines()]
+    assert {"demo", "demo-auto", "mergebench-llama-3.2-3b-ta-featcal", "mergebench-llama-3.1-8b-ta-featcal"} <= set(names), names
+    text = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcal"]).output
+    assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
+    wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
+    assert wrong.exit_code == EXIT_USAGE and "did you mean 'mergebench-llama-3.2-3b-ta-featcal'?" in wrong.stderr
