@@ -23,7 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
-from featcal_llm.engine.token_weights import advantage_weights
+from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
@@ -56,6 +56,7 @@ from featcal_llm.engine.resume import (
     checkpoint_identity,
     fingerprint,
     sequences_digest,
+    source_digest,
 )
 from featcal_llm.engine.streams import HostStore, make_batches
 from featcal_llm.engine.tuning import split_holdout, tuning_report, tuning_table
@@ -138,11 +139,11 @@ def _run_fingerprint(
     recipe: Recipe, sequences, probe_sequences, models: Models, runner: LayerRunner, batch_tokens: int, sources: dict[str, ModelSource]
 ) -> str:
     # Where the merged model is does not matter: its files and the configuration it was merged from are recorded.
-    featcal = recipe.featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license"})
     return fingerprint(
         [
             __version__,
-            featcal,
+            source_digest(),
+            resolved_settings(recipe.featcal),
             recipe.merge_config.model_dump(mode="json"),
             sequences_digest(sequences),
             sequences_digest(probe_sequences),
@@ -227,8 +228,52 @@ def _merge(recipe: Recipe, merged_path: Path, device: str, experts: dict[str, Mo
     return merged
 
 
+@dataclass
+class Resolved:
+    """Stage 1, resolve: where every model is, their configs (checked against the base) and what the run calibrates."""
+
+    recipe: Recipe
+    output: Path
+    merged_path: Path
+    device: torch.device
+    base: ModelSource
+    experts: dict[str, ModelSource]
+    base_config: Any
+    expert_configs: dict[str, Any]
+    plan: CalibrationPlan
+
+    @property
+    def sources(self) -> dict[str, ModelSource]:
+        return {"base_model": self.base, **self.experts}
+
+
+@dataclass
+class Data:
+    """Stage 2, data: each expert's calibration records (read or generated), the held-out or probe records, batched."""
+
+    sequences: dict[str, list[list[int]]]  # what enters the statistics
+    probe_sequences: dict[str, list[list[int]]]
+    batches: dict[str, list]  # this rank's shard
+    probe: Probe
+    every: dict[str, list[list[int]]]  # every record read or generated, held-out ones included
+
+
+@dataclass
+class Opened:
+    """Stage 3, merge: the merged model made or checked, every checkpoint open, the layer runner in its dtypes."""
+
+    models: Models
+    merged_config: Any
+    runner: LayerRunner
+
+    @property
+    def num_layers(self) -> int:
+        return self.merged_config.num_hidden_layers
+
+
 def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer,
          output_override: str | Path | None = None) -> RunOutcome:
+    """resolve → data → merge → run context → weights → layers → outputs (a stack: two runs of this function)."""
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
     recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path)
     if output_override is not None:
@@ -239,17 +284,29 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer)  # noqa: E731
         outcome = run_stack(recipe, force, stage, _check_output, comm.is_main, comm.barrier)
         return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
+    resolved = _resolve(comm, recipe, force, device)
+    data = _data(comm, resolved, progress)
+    opened = _open_merged(comm, resolved, data)
+    context = _run_context(comm, resolved, data, opened, timer)
+    token_weights, coverage = _weights(context, resolved, data, opened)
+    replacements = calibrate(context, opened.num_layers, progress and comm.is_main)
+    comm.barrier()
+    if not comm.is_main:
+        return RunOutcome(resolved.output, opened.models.merged.directory)
+    return _write_outputs(context, resolved, data, opened, replacements, token_weights, coverage)
+
+
+def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> Resolved:
+    """Where the models are and that they agree (configs, shapes, readable weights), and the calibration plan."""
     featcal = recipe.featcal
     output, merged_path = Path(featcal.output), Path(featcal.merged)
     _check_output(recipe, output, force)
     compute_device = rank_device(resolve_device(device or featcal.device))
     comm.use(compute_device)
     trust = featcal.trust_remote_code
-
     base = resolve_source(recipe.base, f"{recipe.path}: base_model")
     experts = {e.name: resolve_source(e.reference, f"{recipe.path}: models: {e.name}", base) for e in recipe.experts}
-    base_dir = base.directory
-    base_config = _load_config(base_dir, f"{recipe.path}: base_model", trust)
+    base_config = _load_config(base.directory, f"{recipe.path}: base_model", trust)
     check_override_architecture(recipe.base, base_config, f"{recipe.path}: base_model {recipe.base}")
     check_slice_depth(recipe.merge_config, base_config.num_hidden_layers, recipe.path)
     expert_configs = {name: _load_config(source.directory, f"expert {name}", trust) for name, source in experts.items()}
@@ -268,79 +325,126 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
         head=head_setting(featcal),
     )
-    search = plan.tuning
+    return Resolved(recipe, output, merged_path, compute_device, base, experts, base_config, expert_configs, plan)
 
+
+def _data(comm: Single, resolved: Resolved, progress: bool) -> Data:
+    """Tokenised (or generated) records, checked against every tokenizer and vocabulary, split and batched."""
+    recipe, featcal, base_config = resolved.recipe, resolved.recipe.featcal, resolved.base_config
+    trust, merged_path = featcal.trust_remote_code, resolved.merged_path
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
-        comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(compute_device), experts, trust))
-    tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else base_dir)
+        comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.experts, trust))
+    tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else resolved.base.directory)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
         featcal.max_length, featcal.shuffle, featcal.seed, recipe.path,
     )
-    dtypes = {name: resolve_dtype(featcal.dtype, compute_device, stored_dtype(config)) for name, config in expert_configs.items()}
-    sequences = with_generated(comm, recipe, sequences, experts, expert_configs, compute_device, dtypes, progress)
+    dtypes = {name: resolve_dtype(featcal.dtype, resolved.device, stored_dtype(config)) for name, config in resolved.expert_configs.items()}
+    sequences = with_generated(comm, recipe, sequences, resolved.experts, resolved.expert_configs, resolved.device, dtypes, progress)
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
-    sized = {name: config.vocab_size for name, config in expert_configs.items() if getattr(config, "vocab_size", None) is not None}
+    sized = {name: config.vocab_size for name, config in resolved.expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
     if not merged_path.exists() and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
-        check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {base_dir}", {name: f"expert {name}" for name in sized})
-    for name, source in experts.items():
+        check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {resolved.base.directory}", {name: f"expert {name}" for name in sized})
+    for name, source in resolved.experts.items():
         directory = source.tokenizer_directory
         if (directory / "tokenizer_config.json").is_file():
             check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
         elif changes_tokenizer(recipe.merge_config):
             raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
-    every_sequence = sequences
     if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
-        sequences, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
+        calibration, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
     else:
-        probe_sequences = drift_sample(sequences)
+        calibration, probe_sequences = sequences, drift_sample(sequences)
     # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
     # Each rank keeps its token-balanced shard of every expert's records (all of them in one process).
-    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(sequences).items()}
+    batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(calibration).items()}
     probe = Probe(
         {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(probe_sequences).items()},
         "held-out records" if featcal.holds_out else "calibration subsample",
     )
+    comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it in the next stage
+    return Data(calibration, probe_sequences, batches, probe, sequences)
 
-    comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it here and below
-    comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(compute_device), experts, trust))
-    merged_dir = merged_path  # made, or checked against the recipe, by rank 0 above
+
+def _open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
+    """Merge with mergekit (rank 0) or check an existing merge, open every checkpoint, check the vocabularies."""
+    recipe, featcal, trust = resolved.recipe, resolved.recipe.featcal, resolved.recipe.featcal.trust_remote_code
+    merged_dir = resolved.merged_path
+    comm.run_on_main("merge", lambda: _merge(recipe, merged_dir, str(resolved.device), resolved.experts, trust))
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
-    check_compatible(base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
-    models = _open_checkpoints(merged_dir, base, experts, architecture.layer_prefix.split("{")[0])
+    check_compatible(resolved.base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
+    architecture = resolved.plan.architecture
+    models = _open_checkpoints(merged_dir, resolved.base, resolved.experts, architecture.layer_prefix.split("{")[0])
     readers = {"merged": models.merged, **models.experts}
-    check_embedding_rows(every_sequence, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
+    check_embedding_rows(data.every, {m: _embedding_rows(r, architecture.embed_tokens) for m, r in readers.items()}, {m: r.what for m, r in readers.items()})
     for tensor in dict.fromkeys((architecture.embed_tokens, "lm_head.weight")):  # the drift's LM heads compare one vocabulary
         rows = {m: _embedding_rows(r, tensor) for m, r in readers.items() if tensor in r.names()}
         merged_rows = rows.pop("merged", None)
         if merged_rows is not None:
             check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
-    compute_dtype = resolve_dtype(featcal.dtype, compute_device, stored_dtype(merged_config))
-    stats_dtype = resolve_stats_dtype(featcal.stats_dtype, plan.objective.smallest_lambda(), compute_dtype, compute_device)
-    runner = LayerRunner(architecture, merged_config, compute_device, compute_dtype, stats_dtype)
+    compute_dtype = resolve_dtype(featcal.dtype, resolved.device, stored_dtype(merged_config))
+    stats_dtype = resolve_stats_dtype(featcal.stats_dtype, resolved.plan.objective.smallest_lambda(), compute_dtype, resolved.device)
+    return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype))
 
-    partial = output.with_name(f".{output.name}.featcal-partial")
-    run_fingerprint = _run_fingerprint(recipe, sequences, probe_sequences, models, runner, featcal.batch_tokens, {"base_model": base, **experts})
+
+def resolved_settings(featcal) -> dict[str, Any]:
+    """The block as the run uses it: every default filled in (a default changed between a crash and its resume must not
+    resume under the other setting), minus what does not change the weights."""
+    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license"})
+    settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, tune=featcal.tune_settings().model_dump(mode="json"),
+                    holds_out=featcal.holds_out)
+    return settings
+
+
+def _run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, timer) -> RunContext:
+    """Fingerprint everything that determines the weights, open (or resume) the staging area and the hidden-state store."""
+    featcal = resolved.recipe.featcal
+    partial = resolved.output.with_name(f".{resolved.output.name}.featcal-partial")
+    run_fingerprint = _run_fingerprint(resolved.recipe, data.sequences, data.probe_sequences, opened.models, opened.runner,
+                                       featcal.batch_tokens, resolved.sources)
     comm.agree(run_fingerprint)  # ranks that see different recipes, data or models refuse to start
     staging = _staging(comm, partial, run_fingerprint)
     spill = partial / "spill" if comm.world == 1 else partial / "spill" / f"rank-{comm.rank}"
-    store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=compute_device.type == "cuda")
-    context = RunContext(models, plan, runner, store, staging, batches, probe, timer or NullTimer(), comm=comm)
-    weights, coverage = expert_weights(context, featcal, sequences, merged_config.num_hidden_layers)
-    context.plan = plan = replace(plan, task_weights=weights)
-    token_weights = None
-    if featcal.token_weighting == "expert_lead":
-        token_weights = advantage_weights(context, merged_config.num_hidden_layers, f"{recipe.path}: featcal.token_weights")
+    store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=resolved.device.type == "cuda")
+    return RunContext(opened.models, resolved.plan, opened.runner, store, staging, data.batches, data.probe, timer or NullTimer(), comm=comm)
+
+
+def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):
+    """The two passes before the layers: each expert's weight (coverage) and each token's (its expert's lead).
+
+    In one process their results are kept in the staging area with the layers, so a resumed run reuses them.
+    """
+    featcal, staging = resolved.recipe.featcal, context.staging
+    cached = staging.load_pass("weights") if context.comm.world == 1 else None
+    if cached is not None:
+        runlog.stage("expert and token weights: reused from the saved progress")
+        weights, coverage = cached["weights"], cached["coverage"]
+        token_weights = None if cached["token_roots"] is None else TokenWeights(cached["token_roots"], cached["token_summary"])
+    else:
+        weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
+        token_weights = None
+        if featcal.token_weighting == "expert_lead":
+            token_weights = advantage_weights(context, opened.num_layers, f"{resolved.recipe.path}: featcal.token_weights")
+        if context.comm.world == 1:
+            staging.save_pass("weights", {"weights": weights, "coverage": coverage,
+                                          "token_roots": None if token_weights is None else token_weights.roots,
+                                          "token_summary": None if token_weights is None else token_weights.summary})
+    context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
+    if token_weights is not None:
         context.token_roots = token_weights.roots
-    replacements = calibrate(context, merged_config.num_hidden_layers, progress and comm.is_main)
-    comm.barrier()
-    if not comm.is_main:
-        return RunOutcome(output, merged_dir)
-    probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in probe_sequences.items()}, probe.source,
-                  divergence=probe.divergence)  # the report counts every rank's records
-    records = [staging.record(layer) for layer in range(merged_config.num_hidden_layers)]
+    return token_weights, (weights, coverage)
+
+
+def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, token_weights, coverage) -> RunOutcome:
+    """The checkpoint, its report, tuning table and card, written beside the output and renamed into place; then `eval:`."""
+    recipe, featcal, plan, staging = resolved.recipe, resolved.recipe.featcal, context.plan, context.staging
+    models, output, runner = opened.models, resolved.output, opened.runner
+    merged_dir, partial = models.merged.directory, staging.root
+    probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in data.probe_sequences.items()}, data.probe.source,
+                  divergence=data.probe.divergence)  # the report counts every rank's records
+    records = [staging.record(layer) for layer in range(opened.num_layers)]
     shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
@@ -350,20 +454,22 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     untied = LM_HEAD in replacements and LM_HEAD not in models.merged.weight_map
     if untied:
         untie_head(checkpoint)
-    tokens = {task: sum(len(s) for s in seqs) for task, seqs in sequences.items()}
+    tokens = {task: sum(len(s) for s in seqs) for task, seqs in data.sequences.items()}
     tuning = None
-    if search is not None:
-        tuning = tuning_report(search, [record["tuning"] for record in records])
+    if plan.tuning is not None:
+        tuning = tuning_report(plan.tuning, [record["tuning"] for record in records])
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     write_report(checkpoint, drift_report(probe, records))
+    architecture = plan.architecture
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied}}
     from featcal_llm.generation.run import sampling_records, start_records
 
-    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": compute_dtype, "stats_dtype": stats_dtype},
-               {"base_model": base, **experts}, calibrated, start_records(recipe), weights, coverage, sampling_records(recipe),
+    weights, covered = coverage
+    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": runner.dtype, "stats_dtype": runner.stats_dtype},
+               resolved.sources, calibrated, start_records(recipe), weights, covered, sampling_records(recipe),
                None if token_weights is None else token_weights.summary)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)

@@ -208,3 +208,25 @@ def test_an_unknown_chat_template_setting_is_one_line(merged_scenario, tmp_path)
         recipe["featcal"]["data"][recipe["models"][0]["model"]] = {"generate": {"chat_template": "sometimes"}}
 
     assert_refused_in_one_line(merged_scenario, tmp_path, mutate, ["generate.chat_template", "'auto', 'on', 'off' or 'empty'"])
+
+
+def test_a_choice_measured_in_one_dtype_is_not_reused_in_another(kinds, tmp_path, probes):
+    """The choice's key holds dtype, device, backend and remote code, as the sample set's does (issue 45)."""
+    from featcal_llm.io.recipe import load_recipe
+    from featcal_llm.io.references import resolve_source
+    from transformers import AutoConfig
+
+    path = kinds_recipe(kinds, tmp_path, experts=("raw",))
+    recipe = load_recipe(path)
+    base = resolve_source(recipe.base, "base_model")
+    sources = {e.name: resolve_source(e.reference, e.name, base) for e in recipe.experts}
+    configs = {name: AutoConfig.from_pretrained(source.directory) for name, source in sources.items()}
+
+    def generate(dtype):
+        return generation_run.generated_sequences(recipe, sources, configs, torch.device("cpu"), dict.fromkeys(sources, dtype), False)
+
+    generate(torch.float32)
+    generate(torch.float32)
+    assert len(probes) == 1  # same dtype: the choice is reused
+    generate(torch.float64)
+    assert len(probes) == 2  # another dtype: measured again

@@ -112,3 +112,43 @@ def test_card_names_the_stack(merged_scenario, tmp_path):
     front = yaml.safe_load((stacked / "README.md").read_text().split("---")[1])["featcal"]
     merged = yaml.safe_load(merged_scenario.recipe.read_text())["featcal"]["merged"]
     assert front["merged_model"] == f"{Path(merged).name} + regmean" and front["method"] == "featcal"
+
+
+def _records_per_stage(monkeypatch) -> list[dict]:
+    """Each stage's calibration records (task → sorted token tuples) and settings, as the layer loop receives them."""
+    import featcal_llm.pipeline as pipeline
+
+    seen, original = [], pipeline.calibrate
+
+    def spy(ctx, *args, **kwargs):
+        records = {task: sorted(tuple(row[keep].tolist()) for batch in batches for row, keep in zip(batch.input_ids, batch.keep))
+                   for task, batches in ctx.batches.items()}
+        seen.append({"records": records, "weights": dict(ctx.plan.task_weights or {}), "token_roots": ctx.token_roots})
+        return original(ctx, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "calibrate", spy)
+    return seen
+
+
+def test_a_tuned_stack_holds_the_same_records_out_of_both_stages(merged_scenario, tmp_path, monkeypatch):
+    """FeatCal's search scores λ on held-out records: RegMean++'s Grams must not have been fitted on them either."""
+    seen = _records_per_stage(monkeypatch)
+    run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                      reduction=0.5, **{"lambda": [1e-4, 1e-1], "alpha": 0.5, "rho": 1.0}), progress=False)
+    regmean, featcal = seen
+    assert regmean["records"] == featcal["records"]
+    every = run_recipe(recipe(merged_scenario, tmp_path / "alone.yaml", method="regmean++", output=str(tmp_path / "alone"),
+                              reduction=0.5), progress=False)
+    assert every.is_dir() and len(seen) == 3
+    held_out = {task: len(seen[2]["records"][task]) - len(records) for task, records in featcal["records"].items()}
+    assert all(count > 0 for count in held_out.values()), held_out  # the stages did hold records out
+
+
+def test_the_stack_regmean_stage_weighs_experts_and_tokens_alike(merged_scenario, tmp_path, monkeypatch):
+    """`expert_weights:` and `token_weights:` are the FeatCal stage's: RegMean++ stays the published baseline."""
+    seen = _records_per_stage(monkeypatch)
+    run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                      reduction=0.5, expert_weights="coverage", token_weights="expert_lead", **FEATCAL), progress=False)
+    regmean, featcal = seen
+    assert set(regmean["weights"].values()) <= {1.0} and regmean["token_roots"] is None
+    assert featcal["token_roots"] is not None and len(set(featcal["weights"].values())) > 1

@@ -28,9 +28,12 @@ def test_a_token_weighs_the_expert_lead_on_its_successor_and_nothing_where_the_m
     lead, keep = torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64), torch.tensor([[True, True, True, True, False]])
     assert token_weights(lead, keep, mean_one_scale(0.5, 4)).tolist() == [[2.5, 0.5, 0.5, 0.5, 0.0]]  # ½ + ½ a / mean(a)
     assert token_weights(lead * 0, keep, 0.0).tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0]]  # nowhere ahead: every token 1
-    rows, roots = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([2.0, 0.0])
-    assert torch.equal(weighted_rows(rows, roots), torch.tensor([[2.0, 4.0], [0.0, 0.0]]))
-    assert weighted_rows(rows, None) is rows
+    rows, roots = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([2.0, 0.0], dtype=torch.float64)
+    assert torch.equal(weighted_rows(rows, roots, torch.float64), torch.tensor([[2.0, 4.0], [0.0, 0.0]], dtype=torch.float64))
+    assert weighted_rows(rows, None, torch.float64) is rows
+    # bf16 rows are scaled in the statistics' precision: 1.5 × (1 + 2⁻⁸) is not a bf16 number, and must not be rounded to one
+    scaled = weighted_rows(torch.tensor([[1.5]], dtype=torch.bfloat16), torch.tensor([1 + 2**-8], dtype=torch.float64), torch.float32)
+    assert scaled.dtype == torch.float32 and float(scaled) == 1.5 * (1 + 2**-8)
 
 
 def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 64) -> dict[str, float]:

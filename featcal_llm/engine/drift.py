@@ -92,28 +92,42 @@ def reduced_drifts(comm, streams: Streams, references: Streams, batches: dict[st
     return {task: drift_ratio(sums[2 * i], sums[2 * i + 1]) for i, task in enumerate(batches)}
 
 
-def final_norm(runner: LayerRunner, reader: CheckpointReader) -> torch.nn.Module:
-    """The model's final norm as the family's own class (its epsilon, Gemma's 1 + w scale), on the compute device."""
+def final_norm(runner: LayerRunner, reader: CheckpointReader, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model's final norm as the family's own class (its epsilon, Gemma's 1 + w scale), on the compute device, in `dtype` (default: the compute dtype)."""
     template = runner.front.model.norm  # on the meta device: its class and epsilon
     norm = type(template)(runner.config.hidden_size, eps=norm_epsilon(template))
-    norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(runner.dtype)}, assign=True)
+    norm.load_state_dict({"weight": reader.get(FINAL_NORM).to(dtype or runner.dtype)}, assign=True)
     return norm.to(runner.device)
 
 
+def head_dtype(compute: torch.dtype) -> torch.dtype:
+    """The precision of the final norm and the logits: float32 at least.
+
+    Where an expert and the merge predict a token about equally well, bf16
+    logits (8 bits of mantissa) turn rounding into an advantage for one of
+    them, and the token weights, coverage and KL reports would follow it.
+    """
+    return torch.promote_types(compute, torch.float32)
+
+
 class Head:
-    """A model's final norm and LM head (the family's own final-norm class), giving next-token log-probabilities."""
+    """A model's final norm and LM head (the family's own final-norm class), giving next-token log-probabilities.
+
+    Both run in float32 or wider (`head_dtype`), whatever the layers' compute dtype.
+    """
 
     def __init__(self, runner: LayerRunner, reader: CheckpointReader, weight: torch.Tensor | None = None):
-        self.norm = final_norm(runner, reader)
+        dtype = head_dtype(runner.dtype)
+        self.norm = final_norm(runner, reader, dtype)
         if weight is None:  # `weight`: another head on the same features (a calibrated one)
             weight = reader.get(LM_HEAD if LM_HEAD in reader.names() else runner.architecture.embed_tokens)
-        self.weight = weight.to(device=runner.device, dtype=runner.dtype)
+        self.weight = weight.to(device=runner.device, dtype=dtype)
         self.device = runner.device
         self.softcap = getattr(runner.config, "final_logit_softcapping", None)  # Gemma-2 caps its logits: tanh(z / c) · c
 
     @torch.inference_mode()
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(self.norm(hidden.to(self.device)), self.weight).to(torch.float64)
+        logits = torch.nn.functional.linear(self.norm(hidden.to(device=self.device, dtype=self.weight.dtype)), self.weight).to(torch.float64)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return torch.log_softmax(logits, dim=-1)
@@ -168,9 +182,24 @@ def next_token_kl(
 
 
 
+REPORT_DIGITS = 12
+
+
+def _significant(value):
+    """Floats to 12 significant digits: a reduction's last bits can differ between a process that ran the weighting
+    passes and one that resumed after them (the weights themselves are bit-identical), and a report has no use for them."""
+    if isinstance(value, float):
+        return float(f"{value:.{REPORT_DIGITS}g}")
+    if isinstance(value, dict):
+        return {key: _significant(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_significant(item) for item in value]
+    return value
+
+
 def write_report(directory: Path, report: dict) -> None:
     """featcal_drift.json and a line chart of per-layer drift (merged dashed, calibrated solid), byte-reproducible."""
-    (directory / DRIFT_JSON).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (directory / DRIFT_JSON).write_text(json.dumps(_significant(report), indent=1) + "\n", encoding="utf-8")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -39,9 +39,10 @@ def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, 
         for index, (batch, (h_cal, h_exp)) in enumerate(zip(ctx.batches[task], on_device(runner.device, ctx.cal[task], ctx.expert[task]))):
             keep = batch.keep.to(runner.device)
             root = None if roots is None else roots[index].to(runner.device)[keep]
-            x_cal, x_exp = weighted_rows(merged_norm(h_cal)[keep], root), weighted_rows(expert_norm(h_exp)[keep], root)
-            accumulate_gram(stats.gram, x_cal, runner.stats_dtype)
-            accumulate_moment(stats.moment, x_exp, x_cal, runner.stats_dtype)
+            weight = None if root is None else root * root
+            x_cal, x_exp = merged_norm(h_cal)[keep], expert_norm(h_exp)[keep]  # weighted in the statistics' precision
+            accumulate_gram(stats.gram, weighted_rows(x_cal, root, runner.stats_dtype), runner.stats_dtype)
+            accumulate_moment(stats.moment, weighted_rows(x_exp, weight, runner.stats_dtype), x_cal, runner.stats_dtype)
             stats.tokens += int(x_cal.shape[0])
     comm = ctx.comm  # every rank adds its shard's sums, then solves the same system
     stats.gram, stats.moment = comm.all_sum(stats.gram), comm.all_sum(stats.moment)

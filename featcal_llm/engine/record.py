@@ -17,6 +17,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.family.layers import LayerRunner, hooked, norm_epsilon
 from featcal_llm.maths.advantage import weighted_rows
 from featcal_llm.maths.stats import (
+    TOTAL_DTYPE,
     GroupStatistics,
     accumulate_cross,
     accumulate_gram,
@@ -93,19 +94,21 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
     roots = ctx.token_roots[task] if ctx.token_roots is not None else None
     for index, (batch, (h_cal, h_exp)) in enumerate(zip(batches, on_device(device, cal_stream, expert_stream))):
         keep = batch.keep.to(device)
-        root = None if roots is None else roots[index].to(device)[keep]  # √w of each kept token: products of scaled rows weigh w
-        x_cal = {}  # input group → this batch's x_cal rows (scaled by √w), shared by the expert hooks
+        # √w of each kept token (float64): Grams take it on both sides, the expert side of every cross, moment and
+        # sum takes w = (√w)² and the merged side's rows stay as they are, each scaled in the statistics' precision
+        root = None if roots is None else roots[index].to(device)[keep]
+        weight = None if root is None else root * root
+        x_cal = {}  # input group → this batch's x_cal rows (unweighted, compute dtype), shared by the expert hooks
         cal_hooks: dict[str, list[Callable]] = {}
         expert_hooks: dict[str, list[Callable]] = {}
         for group in plan.groups():
             group_stats = stats[group.name]
 
             def on_cal_input(x, _y, name=group.name, s=group_stats):
-                rows = weighted_rows(x[keep], root)
-                x_cal[name] = rows
-                accumulate_gram(s.gram, rows, precision)
+                rows = x_cal[name] = x[keep]
+                accumulate_gram(s.gram, weighted_rows(rows, root, precision), precision)
                 if s.sum_cal is not None:
-                    accumulate_sum(s.sum_cal, weighted_rows(rows, root))
+                    accumulate_sum(s.sum_cal, weighted_rows(rows, weight, TOTAL_DTYPE))
 
             cal_hooks.setdefault(group.projections[0], []).append(on_cal_input)
             if group_stats.norm_sq is not None:
@@ -115,21 +118,22 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
                 )
             if group_stats.sum_exp is not None:
                 expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, weighted_rows(x[keep], None if root is None else root * root))
+                    lambda x, _y, s=group_stats: accumulate_sum(s.sum_exp, weighted_rows(x[keep], weight, TOTAL_DTYPE))
                 )
             if group_stats.via_moment:  # the group's first projection sees x_exp as its input
                 expert_hooks.setdefault(group.projections[0], []).append(
-                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, weighted_rows(x[keep], root), x_cal[name], precision)
+                    lambda x, _y, name=group.name, s=group_stats: accumulate_moment(s.moment, weighted_rows(x[keep], weight, precision), x_cal[name], precision)
                 )
                 continue
             for projection in plan.selected(group):
                 module = expert_layer.get_submodule(projection)
 
                 def on_expert_output(_x, y, name=group.name, s=group_stats, p=projection, m=module):
-                    rows = y[keep]  # y_exp = W_i x_exp (+ b_i)
+                    rows = y[keep]  # y_exp = W_i x_exp (+ b_i): the bias comes off in the statistics' precision
                     if m.bias is not None:
-                        rows = rows - m.bias
-                    accumulate_cross(s.cross[p], weighted_rows(rows, root), x_cal[name], precision)
+                        wide = torch.promote_types(rows.dtype, precision)
+                        rows = rows.to(wide) - m.bias.to(wide)
+                    accumulate_cross(s.cross[p], weighted_rows(rows, weight, precision), x_cal[name], precision)
 
                 expert_hooks.setdefault(projection, []).append(on_expert_output)
 

@@ -11,6 +11,7 @@ in the staging directory is discarded with a message.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +50,21 @@ def checkpoint_identity(directory: Path) -> list:
     from featcal_llm.io.identity import weights_identity
 
     return weights_identity(directory)
+
+
+# The packages whose code decides the calibrated weights (not the evaluation, the CLI or the benchmarks)
+WEIGHT_CODE = ("maths", "engine", "family", "generation", "io")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the code that computes the weights: progress saved by another version of it is not resumed."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for folder in WEIGHT_CODE:
+        for path in sorted((package / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
@@ -107,6 +123,23 @@ class StagingArea:
         _write_atomically(self.layer_file(layer), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p))
         self.completed = layer + 1
         self._write_state()
+
+    def pass_file(self, name: str) -> Path:
+        return self.root / f"pass-{name}.pt"
+
+    def save_pass(self, name: str, result: dict) -> None:
+        """Keep what a pass before the layers computed (tensors, numbers, dicts and lists), for a resume."""
+        _write_atomically(self.pass_file(name), lambda p: torch.save(result, p))
+
+    def load_pass(self, name: str) -> dict | None:
+        """What `save_pass` kept under this fingerprint, or None."""
+        path = self.pass_file(name)
+        if not path.is_file():
+            return None
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception:  # a damaged file: the pass runs again
+            return None
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         with safe_open(self.layer_file(layer), framework="pt") as handle:

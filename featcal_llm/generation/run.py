@@ -61,6 +61,11 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
     }
 
 
+def device_label(device: torch.device) -> str:
+    """`cpu`, or the GPU's model: samples and start choices are reused only on the same kind of device."""
+    return device.type if device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(device)})"
+
+
 def key_ingredients(source: Any, settings: dict, start: Start, device: torch.device, dtype: torch.dtype, backend: str) -> dict[str, Any]:
     """Everything that changes an expert's samples, by name: a stored set is reused only when all of them are equal.
 
@@ -77,7 +82,7 @@ def key_ingredients(source: Any, settings: dict, start: Start, device: torch.dev
         "chat_template": start.chat,
         "prompt_ids": [list(ids) for ids in start.ids],
         "dtype": str(dtype),
-        "device": device.type if device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(device)})",
+        "device": device_label(device),
         "backend": backend,
     }
 
@@ -126,13 +131,20 @@ def _summary(name: str, record: dict, path: Path, reused: bool) -> str:
     return f"featcal-llm: generation: expert {name}: {record['kept']} samples from the {record['start']} ({how}; dropped {dropped_text}) → {path}"
 
 
-def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, settings: dict, candidates: dict[str, Start]) -> str:
-    """What a start choice depends on: every model of the merge, the merge itself, the probe's sampling, the candidates."""
+PROBE_BACKEND = "transformers"  # the start probe always samples with transformers, whatever backend writes the samples
+
+
+def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, settings: dict, candidates: dict[str, Start],
+                device: torch.device, dtype: torch.dtype) -> str:
+    """What a start choice depends on: every model of the merge, the merge itself, the probe's sampling, the candidates,
+    and where and how the probe runs (dtype, device, backend, remote code), as a sample set's key has them: a choice
+    measured in float32 on a CPU is not reused in bf16 on a GPU."""
     models = {"base": [base.identity(), checkpoint_identity(base.directory)]}
     models |= {n: [s.identity(), checkpoint_identity(s.directory)] for n, s in sources.items()}
     probe = {k: settings[k] for k in ("stream", "seed", "temperature", "top_p", "min_p", "max_new_tokens")}
+    runs = {"dtype": str(dtype), "device": device_label(device), "backend": PROBE_BACKEND, "trust_remote_code": recipe.featcal.trust_remote_code}
     return fingerprint([FORMAT, "start choice", name, models, recipe.merge_config.model_dump(mode="json"), probe,
-                        [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}])
+                        [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}, runs])
 
 
 def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype,
@@ -171,7 +183,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     candidates = candidate_starts(tokenizer, config, sources[name].directory, where)
     if len(candidates) == 1:
         return candidates["bos"], "bos", None, None
-    key, path, sampler = _choice_key(recipe, name, sources, base, settings, candidates), choice_path(samples_path), None
+    key, path, sampler = _choice_key(recipe, name, sources, base, settings, candidates, device, dtype), choice_path(samples_path), None
     cached = cached_choice(path, key)
     if cached is not None:
         choice = Choice.from_record(cached["choice"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from featcal_llm.errors import FeatCalError
 
@@ -169,6 +169,27 @@ def _numbers(key: str, values: Any) -> list[float]:
     return numbers
 
 
+class MergeOptionsSpec(BaseModel):
+    """`merge_options:`: what `mergekit-yaml` takes as options, for the merge featcal-llm runs when `merged` is missing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    random_seed: int | None = Field(
+        None, description="seed of the random merge methods (dare_*, della, breadcrumbs): default the block's seed, so a "
+        "re-merge (after an edit, or from featcal_recipe.yml) gives the same weights"
+    )
+    out_shard_size: int | str = Field("5B", description="parameters per output shard, as mergekit writes it (e.g. 5B, 500M)")
+    lazy_unpickle: bool = Field(False, description="mergekit's lazy unpickler, for less memory with .bin inputs")
+
+    @field_validator("out_shard_size")
+    @classmethod
+    def _size(cls, value: int | str) -> int | str:
+        from featcal_llm.io.names import parse_parameter_count
+
+        parse_parameter_count(value)  # raises ValueError with what is expected
+        return value
+
+
 class TuneSpec(BaseModel):
     """How `auto`/list hyper-parameters are chosen (featcal_llm/engine/tuning.py)."""
 
@@ -254,12 +275,15 @@ class FeatCalConfig(BaseModel):
     )
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
+    merge_options: MergeOptionsSpec = Field(default_factory=MergeOptionsSpec, description="mergekit's options for the merge the run makes (see merge_options:)")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
     license: str | None = Field(
         None, description="the model card's license, a Hub license id (apache-2.0, llama3.2, other, ...); default: the base "
         "model's, when its card is on this machine (a local base, or a hub base already downloaded)"
     )
     eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
+    # A stack's RegMean stage holds out the records its FeatCal stage holds out (set by `stage`, never by a recipe)
+    _holds_out_for_stack: bool = PrivateAttr(False)
 
     @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
     @classmethod
@@ -304,19 +328,25 @@ class FeatCalConfig(BaseModel):
     def stage(self, index: int, intermediate: str) -> "FeatCalConfig":
         """The stack's stage as a one-method block: stage 0 writes RegMean to `intermediate`, stage 1 calibrates it.
 
-        Each stage keeps its own keys; `tune:` goes to the stages that search or replay a search, so that a stack
-        does what two recipes run one after the other do.
+        Which keys each stage reads: stage 0 (RegMean/RegMean++) reads `reduction` and weighs every expert and every
+        token alike, as the published baseline does (`expert_weights:` and `token_weights:` are the FeatCal stage's);
+        stage 1 reads lambda/alpha/rho, norms, biases, head, expert_weights and token_weights. Both read the data (each
+        expert's records and its `weight:`), samples, max_length, seed and the run settings. `tune:` goes to the
+        stages that search or replay a search. When either stage holds records out (a search, or a replay of one),
+        both hold out the same split, so that RegMean's Grams never see the records FeatCal's choices are scored on.
         """
         method = self.method[index]
         update: dict[str, Any] = {"method": method}
         if index == 0:
-            update.update(output=intermediate, eval=None, token_weights=None,
+            update.update(output=intermediate, eval=None, token_weights=None, expert_weights=None,
                           **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
         else:
             update.update(merged=intermediate, reduction=None)
         stage = self.model_copy(update=update)
         searched = stage.tuned or stage.per_layer
-        return stage.model_copy(update={"tune": self.tune if searched else None})
+        stage = stage.model_copy(update={"tune": self.tune if searched or self.holds_out else None})
+        stage._holds_out_for_stack = self.holds_out
+        return stage
 
     @property
     def balancing(self) -> str:
@@ -327,6 +357,11 @@ class FeatCalConfig(BaseModel):
     def token_weighting(self) -> str:
         """The `token_weights:` the run uses: the recipe's, else expert_lead for FeatCal and equal for RegMean."""
         return self.token_weights or ("equal" if self.regmean else "expert_lead")
+
+    @property
+    def merge_seed(self) -> int:
+        """The seed mergekit's random merge methods draw with: merge_options.random_seed, else the block's seed."""
+        return self.seed if self.merge_options.random_seed is None else self.merge_options.random_seed
 
     @property
     def regmean(self) -> bool:
@@ -350,7 +385,7 @@ class FeatCalConfig(BaseModel):
     @property
     def holds_out(self) -> bool:
         """Whether records are held out of the statistics: by a search, or by the replay of one (per_layer values with `tune:`)."""
-        return self.tuned or (self.per_layer and self.tune is not None)
+        return self.tuned or (self.per_layer and self.tune is not None) or self._holds_out_for_stack
 
     @property
     def per_layer(self) -> bool:

@@ -239,6 +239,7 @@ def write_card(
         models[names.get(role, role)] = record
     biases = has_biases(directory)
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
+    settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (dare_*, della) was drawn with
     settings["expert_weights"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None:

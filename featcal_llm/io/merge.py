@@ -26,11 +26,12 @@ import yaml
 
 from featcal_llm.io.checkpoint import move_into_place
 from featcal_llm.errors import QUIET, FeatCalError, warn
+from featcal_llm.io.names import parse_parameter_count
 from featcal_llm.io.recipe import Recipe
 
 MERGEKIT_CONFIG = "mergekit_config.yml"
 MARKER = "featcal_merge.json"  # written by featcal-llm after a merge it made succeeded
-_settled: dict[str, Any] = {}  # merged directory → the configuration it was found (or made) to match, in this process
+_settled: dict[str, Any] = {}  # merged directory → the configuration and seed it was found (or made) to match, in this process
 
 
 def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> Any:
@@ -171,10 +172,18 @@ def _stored_side(merged: Path):
     return identify
 
 
+def _recorded_seed(merged: Path) -> int | None:
+    """The random seed a merge featcal-llm made was drawn with (None: not made by featcal-llm, or before seeds were kept)."""
+    try:
+        return json.loads((merged / MARKER).read_text(encoding="utf-8")).get("random_seed")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list[str] | None:
     """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's."""
     wanted = _normal(recipe.merge_config)
-    if _settled.get(str(merged.resolve())) == wanted:
+    if _settled.get(str(merged.resolve())) == (wanted, recipe.featcal.merge_seed):
         return None
     try:
         stored = stored_configuration(merged)
@@ -186,9 +195,11 @@ def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list
         warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
     elif differing := differing_keys(_with_files(wanted, _recipe_side(sources)), _with_files(stored, _stored_side(merged))):
         return differing
+    elif _recorded_seed(merged) not in (None, recipe.featcal.merge_seed):  # a random merge drawn with another seed
+        return ["featcal.merge_options.random_seed"]
     else:
         _say(f"reusing {merged} (its {MERGEKIT_CONFIG} is the recipe's merge)")
-    _settled[str(merged.resolve())] = wanted
+    _settled[str(merged.resolve())] = (wanted, recipe.featcal.merge_seed)
     return None
 
 
@@ -212,7 +223,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
             )
         _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
     _merge(recipe, merged, device, sources, trust_remote_code)
-    _settled[str(merged.resolve())] = _normal(recipe.merge_config)
+    _settled[str(merged.resolve())] = (_normal(recipe.merge_config), recipe.featcal.merge_seed)
     return merged
 
 
@@ -225,10 +236,13 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
     partial = merged.with_name(merged.name + ".merging")
     lora_cache = merged.with_name(f".{merged.name}.lora-cache")
     shutil.rmtree(partial, ignore_errors=True)
+    settings = recipe.featcal.merge_options
     options = MergeOptions(
         cuda=device.startswith("cuda"),
         copy_tokenizer=True,
-        lazy_unpickle=False,
+        random_seed=recipe.featcal.merge_seed,  # dare/della draw their masks from it: a re-merge gives the same weights
+        out_shard_size=parse_parameter_count(settings.out_shard_size),
+        lazy_unpickle=settings.lazy_unpickle,
         write_model_card=False,  # mergekit's card looks models up on the hub, which fails offline
         quiet=True,
         trust_remote_code=trust_remote_code,
@@ -238,7 +252,8 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
-        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe)}
+        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe),
+                  "random_seed": recipe.featcal.merge_seed}
         (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     except FeatCalError:
         shutil.rmtree(partial, ignore_errors=True)

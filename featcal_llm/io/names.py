@@ -21,3 +21,19 @@ def short_names(names: list[str]) -> dict[str, str]:
                 break
         labels[name] = label
     return labels
+
+
+def parse_parameter_count(value: int | str) -> int:
+    """A parameter count as mergekit spells it (`5B`, `500M`, `1000K` or a number); ValueError naming the form."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    text = str(value).strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        count = int(float(digits) * scale)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise ValueError(f"expected a positive parameter count such as 5B, 500M or 1000000, got {value!r}")
+    return count

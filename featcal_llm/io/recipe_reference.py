@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import PydanticUndefined  # pydantic_core's, as pydantic re-exports it
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
-from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, PerLayer, TuneSpec, Tunable
+from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, MergeOptionsSpec, PerLayer, TuneSpec, Tunable
 
 # (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [
@@ -23,6 +23,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("featcal.data.EXPERT:", DataSpec, "One entry per expert, keyed by the expert's name exactly as written under `models:`. Give `path` (a dataset) or `generate` (the expert writes its own texts), not both."),
     ("featcal.data.EXPERT.generate:", GenerateSpec, "The expert samples its own calibration texts. With `generate`, only `samples` may be set beside it."),
     ("featcal.head:", HeadSpec, "The LM head re-fitted after the last layer by the layers' rule, on the final norm's outputs. `head: true` takes these defaults."),
+    ("featcal.merge_options:", MergeOptionsSpec, "mergekit's options for the merge the run makes when `merged` does not exist, as `mergekit-yaml` takes them. The merge is re-made when its seed differs from the recipe's."),
     ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
     ("per_layer", PerLayer, "The form `lambda`, `alpha`, `rho` and `reduction` take in a tuned run's written recipe: `{per_layer: [...]}`, replayed as given."),
     ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Relative paths are relative to the recipe."),

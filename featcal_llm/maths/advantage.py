@@ -50,6 +50,15 @@ def token_weights(advantage: torch.Tensor, keep: torch.Tensor, scale: float) -> 
     return keep.to(advantage.dtype) * (1 - ADVANTAGE_SHARE) + ADVANTAGE_SHARE * scale * advantage
 
 
-def weighted_rows(rows: torch.Tensor, root_weights: torch.Tensor | None) -> torch.Tensor:
-    """Rows scaled by √w: products of two scaled rows (Grams, crosses, moments) are then Σ w x yᵀ."""
-    return rows if root_weights is None else rows * root_weights.to(rows.dtype).unsqueeze(1)
+def weighted_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows times a per-row `scale` (√w, or w), upcast to `dtype` first; unchanged where `scale` is None.
+
+    `dtype` is the statistics' precision: scaled in the compute dtype (bf16 on
+    a GPU), each row would be rounded once more before its products. Grams take
+    √w on both sides; crosses, moments and sums take w on one side and leave
+    the other side's rows as they are, so products are Σ w x yᵀ.
+    """
+    if scale is None:
+        return rows
+    wide = torch.promote_types(rows.dtype, dtype)
+    return rows.to(wide) * scale.to(device=rows.device, dtype=wide).unsqueeze(1)

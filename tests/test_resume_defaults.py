@@ -1,0 +1,72 @@
+"""Resume under the default settings (issue 45): the passes' results are staged with the layers, and the fingerprint
+holds the settings the run used, not the keys as written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from test_coverage import trained_scenario
+from test_reliability import resumes_to_the_same_bytes
+
+import featcal_llm.pipeline as pipeline
+from featcal_llm.io.recipe import load_recipe
+
+
+def _default_recipe(scenario, path, output):
+    """The scenario's recipe with every weighting key removed: expert and token weights are the product's defaults."""
+    raw = yaml.safe_load(scenario.recipe.read_text())
+    for key in ("balance", "expert_weights", "token_weights"):
+        raw["featcal"].pop(key, None)
+    raw["featcal"].update(output=str(output), dtype="float64", batch_tokens=150)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def test_a_default_run_resumes_to_the_same_bytes_without_running_its_passes_again(tmp_path, monkeypatch):
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = _default_recipe(scenario, tmp_path / "r.yaml", tmp_path / "out")
+    passes = {"experts": 0, "tokens": 0}
+    experts, tokens = pipeline.expert_weights, pipeline.advantage_weights
+
+    def counted(name, function):
+        def run(*args, **kwargs):
+            passes[name] += 1
+            return function(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(pipeline, "expert_weights", counted("experts", experts))
+    monkeypatch.setattr(pipeline, "advantage_weights", counted("tokens", tokens))
+    resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)
+    # the uninterrupted run and the crashed one ran both passes; the resume reused the crashed run's
+    assert passes == {"experts": 2, "tokens": 2}
+    front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---")[1])["featcal"]
+    assert front["coverage_nll"] and front["token_advantage"]  # the card still reports both passes
+
+
+def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
+    """Written as the default or left out: the same run. A default that changes changes the fingerprint."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    implicit = load_recipe(_default_recipe(scenario, tmp_path / "implicit.yaml", tmp_path / "out")).featcal
+    settings = pipeline.resolved_settings(implicit)
+    assert settings["expert_weights"] == implicit.balancing == "coverage"
+    assert settings["token_weights"] == implicit.token_weighting
+    assert settings["token_weights"] == "expert_lead" and settings["tune"]["holdout"] > 0
+    raw = yaml.safe_load((tmp_path / "implicit.yaml").read_text())
+    raw["featcal"]["token_weights"] = settings["token_weights"]
+    (tmp_path / "explicit.yaml").write_text(yaml.safe_dump(raw))
+    assert pipeline.resolved_settings(load_recipe(tmp_path / "explicit.yaml").featcal) == settings
+    raw["featcal"]["token_weights"] = "equal"
+    (tmp_path / "equal.yaml").write_text(yaml.safe_dump(raw))
+    assert pipeline.resolved_settings(load_recipe(tmp_path / "equal.yaml").featcal) != settings
+
+
+def test_progress_saved_by_other_weight_code_is_not_resumed(monkeypatch):
+    from featcal_llm.engine import resume
+
+    digest = resume.source_digest()
+    assert len(digest) == 64 and digest == resume.source_digest()
+    assert {"maths", "engine", "family"} <= set(resume.WEIGHT_CODE)
