@@ -120,3 +120,14 @@ def test_recipes_lists_and_prints_the_shipped_ones():
     assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
     wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
     assert wrong.exit_code == EXIT_USAGE and "did you mean 'mergebench-llama-3.2-3b-ta-featcal'?" in wrong.stderr
+
+
+def test_dash_h_survives_a_sub_command_used_on_its_own_first():
+    """click caches a command's help option at its first use: a command run alone (as tests and scripts do) keeps -h."""
+    from featcal_llm.cli import LAZY_COMMANDS
+
+    for name, target in LAZY_COMMANDS.items():
+        module, attribute = target.split(":")
+        command = getattr(__import__(module, fromlist=[attribute]), attribute)
+        assert CliRunner().invoke(command, ["-h"]).exit_code == 0, name
+        assert CliRunner().invoke(main, [name, "-h"]).exit_code == 0, name
