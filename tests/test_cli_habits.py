@@ -73,6 +73,11 @@ def test_run_writes_to_the_output_argument_without_transformers_deprecations(mer
     assert (tmp_path / "here" / "model.safetensors").is_file() or (tmp_path / "here" / "model.safetensors.index.json").is_file()
     assert not Path(recipe["featcal"]["output"]).exists()
     assert "torch_dtype" not in result.stderr, result.stderr
+    card = (tmp_path / "here" / "README.md").read_text()
+    assert 'model_id = "here"' in card  # the usage snippet loads the output it describes
+    snippet = re.search(r"## Usage\n```python\n(.*?)```", card, re.S).group(1).replace('model_id = "here"', f'model_id = "{tmp_path / "here"}"')
+    used = subprocess.run([sys.executable, "-c", snippet.replace("max_new_tokens=64", "max_new_tokens=4")], capture_output=True, text=True)
+    assert used.returncode == 0, used.stderr[-3000:]
 
 
 def test_eval_says_the_model_is_missing_first(tmp_path):
