@@ -102,9 +102,12 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
         return
     if not models:
         raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
-    missing = [str(path) for _, path in _models(models) if not path.is_dir()]
-    if missing:  # before the suite's own checks: a wrong path is the first thing to fix
-        raise FeatCalError(f"eval: {', '.join(missing)}: model directory does not exist")
+    missing = [str(path) for _, path in _models(models) if not path.exists()]
+    if missing:  # before the suite's own checks (code execution, data): a wrong path is the first thing to fix
+        raise FeatCalError(f"{', '.join(missing)}: model directory does not exist")
+    unreadable = [str(path) for _, path in _models(models) if not (path / "config.json").is_file()]
+    if unreadable:
+        raise FeatCalError(f"{', '.join(unreadable)}: not a model directory (no config.json)")
     from featcal_llm.evaluation.config import section_from_options
     from featcal_llm.evaluation.leaderboard import build_leaderboard
     from featcal_llm.evaluation.runner import evaluate_model
