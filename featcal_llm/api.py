@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from featcal_llm import runlog
-from featcal_llm.errors import FeatCalError, collected_warnings
+from featcal_llm.errors import FeatCalError, QuietExit, collected_warnings
 from featcal_llm.io.problems import Problem, RecipeProblems
 
 __all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalError", "Problem", "ValidationResult", "calibrate",
@@ -193,6 +193,8 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
             from featcal_llm.io.validate import check_recipe
 
             if block_problems(path):  # a key typo is refused before torch, transformers and mergekit load (seconds)
+                if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports it for every rank
+                    raise QuietExit()
                 raise RecipeProblems(check_recipe(path, plan=False).problems)  # with the other checks that need no model
             with quiet:
                 outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device,

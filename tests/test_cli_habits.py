@@ -73,6 +73,11 @@ def test_run_writes_to_the_output_argument_without_transformers_deprecations(mer
     assert (tmp_path / "here" / "model.safetensors").is_file() or (tmp_path / "here" / "model.safetensors.index.json").is_file()
     assert not Path(recipe["featcal"]["output"]).exists()
     assert "torch_dtype" not in result.stderr, result.stderr
+    card = (tmp_path / "here" / "README.md").read_text()
+    assert 'model_id = "here"' in card  # the usage snippet loads the output it describes
+    snippet = re.search(r"## Usage\n```python\n(.*?)```", card, re.S).group(1).replace('model_id = "here"', f'model_id = "{tmp_path / "here"}"')
+    used = subprocess.run([sys.executable, "-c", snippet.replace("max_new_tokens=64", "max_new_tokens=4")], capture_output=True, text=True)
+    assert used.returncode == 0, used.stderr[-3000:]
 
 
 def test_eval_says_the_model_is_missing_first(tmp_path):
@@ -111,8 +116,23 @@ def test_recipes_lists_and_prints_the_shipped_ones():
     listing = CliRunner().invoke(main, ["recipes"])
     assert listing.exit_code == 0
     names = [line.split()[0] for line in listing.output.splitlines()]
-    assert {"demo", "demo-auto", "mergebench-llama-3.2-3b-ta-featcal", "mergebench-llama-3.1-8b-ta-featcal"} <= set(names), names
+    assert {"demo", "demo-auto", "mergebench-llama-3.2-3b-ta-featcal", "mergebench-llama-3.1-8b-ta-featcal",
+            "mergebench-llama-3.2-3b-ta-paper", "mergebench-llama-3.1-8b-ta-paper"} <= set(names), names
+    assert "mergebench-llama-3.2-3b-ta-paper         The paper's setting, FeatCal on MergeBench, Llama-3.2-3B-Instruct (the FeatCal paper, Table 4)" in listing.output.splitlines()
+    paper = yaml.safe_load(CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-paper"]).output)["featcal"]
+    assert (paper["expert_weights"], paper["token_weights"]) == ("equal", "equal")
     text = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcal"]).output
     assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
     wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
     assert wrong.exit_code == EXIT_USAGE and "did you mean 'mergebench-llama-3.2-3b-ta-featcal'?" in wrong.stderr
+
+
+def test_dash_h_survives_a_sub_command_used_on_its_own_first():
+    """click caches a command's help option at its first use: a command run alone (as tests and scripts do) keeps -h."""
+    from featcal_llm.cli import LAZY_COMMANDS
+
+    for name, target in LAZY_COMMANDS.items():
+        module, attribute = target.split(":")
+        command = getattr(__import__(module, fromlist=[attribute]), attribute)
+        assert CliRunner().invoke(command, ["-h"]).exit_code == 0, name
+        assert CliRunner().invoke(main, [name, "-h"]).exit_code == 0, name

@@ -42,7 +42,7 @@ def test_a_default_run_resumes_to_the_same_bytes_without_running_its_passes_agai
     # the uninterrupted run and the crashed one ran both passes; the resume reused the crashed run's
     assert passes == {"experts": 2, "tokens": 2}
     front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---")[1])["featcal"]
-    assert front["coverage_nll"] and front["token_advantage"]  # the card still reports both passes
+    assert front["coverage_nll"] and front["expert_lead"]  # the card still reports both passes
 
 
 def test_the_fingerprint_holds_the_resolved_settings(tmp_path):

@@ -11,7 +11,7 @@ import click
 POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
 
 
-@click.command("bench", epilog="""\b
+@click.command("bench", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
 Examples:
   featcal-llm bench --layers 2 --device cuda            the layer loop at 8B shapes
   featcal-llm bench --preset smollm2-135m --whole-run   a whole run against the baseline

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 
-@click.command("demo", epilog="""\b
+@click.command("demo", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
 Examples:
   featcal-llm demo --quick     seconds: a reduced scenario
   featcal-llm demo             the full demo on a laptop CPU

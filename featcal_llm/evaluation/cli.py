@@ -58,7 +58,7 @@ def _batch_size(value: str | None):
     return int(value)
 
 
-@click.command("eval", epilog="""\b
+@click.command("eval", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
 Examples:
   featcal-llm eval out/calibrated --tasks gsm8k,arc_challenge
   featcal-llm eval merged=out/merged calibrated=out/calibrated --backend vllm
@@ -151,7 +151,7 @@ def _check_graders(data: dict[str, str], workers: int | None) -> None:
         raise SystemExit(1)
 
 
-@click.command("leaderboard", epilog="""\b
+@click.command("leaderboard", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
 Examples:
   featcal-llm leaderboard eval-results
   featcal-llm leaderboard eval-results --reference Llama-3.2-3B-Instruct --compare merged:calibrated""")

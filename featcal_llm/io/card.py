@@ -122,7 +122,8 @@ model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto")
 
 messages = [{{"role": "user", "content": "Write a haiku about merging models."}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt").to(model.device)
-print(tokenizer.decode(model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1]:], skip_special_tokens=True))
+outputs = model.generate(**inputs, max_new_tokens=64)
+print(tokenizer.decode(outputs[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```
 
 Without a chat template, call `tokenizer(text, return_tensors="pt")` instead of `apply_chat_template`."""

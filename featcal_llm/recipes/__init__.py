@@ -1,6 +1,6 @@
 """The example recipes shipped in the wheel (package data), listed and printed by `featcal-llm recipes [NAME]`.
 
-Each recipe's first comment line is its title.
+Each recipe's first comment line, up to its first colon, is its title.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from featcal_llm.errors import FeatCalError
 @dataclass(frozen=True)
 class Shipped:
     name: str  # the file name without .yaml
-    title: str  # its first comment line
+    title: str  # its first comment line, up to the first colon
 
 
 def shipped() -> list[Shipped]:
@@ -23,7 +23,7 @@ def shipped() -> list[Shipped]:
     for entry in sorted(resources.files(__package__).iterdir(), key=lambda item: item.name):
         if entry.name.endswith(".yaml"):
             first = entry.read_text(encoding="utf-8").splitlines()[0]
-            found.append(Shipped(entry.name.removesuffix(".yaml"), first.lstrip("# ").strip()))
+            found.append(Shipped(entry.name.removesuffix(".yaml"), first.lstrip("# ").split(": ")[0].strip().rstrip(".")))
     return found
 
 
