@@ -83,7 +83,7 @@ def test_run_writes_to_the_output_argument_without_transformers_deprecations(mer
 def test_eval_says_the_model_is_missing_first(tmp_path):
     result = CliRunner().invoke(main, ["eval", str(tmp_path / "no-such-model")])
     assert result.exit_code == EXIT_USAGE
-    assert result.stderr.strip() == f"featcal-llm: error: {tmp_path / 'no-such-model'}: model directory does not exist"
+    assert result.stderr.strip() == f"featcal-llm: error: eval: {tmp_path / 'no-such-model'}: model directory does not exist"
 
 
 @pytest.mark.parametrize("option", ["--layers", "--experts", "--sequences", "--seq-len", "--hidden"])

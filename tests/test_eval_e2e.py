@@ -101,9 +101,10 @@ def test_eval_writes_results_hits_cache_resumes_and_ranks(tmp_path):
 def test_missing_model_and_bad_data_are_one_line_errors(tmp_path):
     result = CliRunner().invoke(main, ["eval", str(tmp_path / "nope"), "--tasks", "gsm8k"])
     assert result.exit_code == 2
-    assert result.output.strip() == f"featcal-llm: error: {tmp_path / 'nope'}: model directory does not exist"
+    assert result.output.strip() == f"featcal-llm: error: eval: {tmp_path / 'nope'}: model directory does not exist"
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(main, ["eval", str(tmp_path / "empty"), "--tasks", "gsm8k"])
+    assert result.exit_code == 2
     assert result.output.strip() == f"featcal-llm: error: {tmp_path / 'empty'}: not a model directory (no config.json)"
     model = _tiny(tmp_path / "m", seed=0)
     result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "gsm8k", "--data", "gsm8k=/no/such.jsonl",

@@ -104,7 +104,7 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
         raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
     missing = [str(path) for _, path in _models(models) if not path.exists()]
     if missing:  # before the suite's own checks (code execution, data): a wrong path is the first thing to fix
-        raise FeatCalError(f"{', '.join(missing)}: model directory does not exist")
+        raise FeatCalError(f"eval: {', '.join(missing)}: model directory does not exist")
     unreadable = [str(path) for _, path in _models(models) if not (path / "config.json").is_file()]
     if unreadable:
         raise FeatCalError(f"{', '.join(unreadable)}: not a model directory (no config.json)")
