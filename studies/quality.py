@@ -281,7 +281,13 @@ class Study:
         generation = sum(json.loads(p.read_text()).get("seconds", 0) for p in generated.glob("*.json")) \
             if row.generates and generated.exists() else 0.0
         record[name] = {"seconds": round(seconds, 1), "generation_s": round(generation, 1), "merged_first": merging,
-                        "recipe": str(recipe.relative_to(self.work))}
+                        "recipe": str(recipe.relative_to(self.work)), "featcal": _featcal_block(text)}
+        drift = self.work / output / "featcal_drift.json"
+        if drift.exists():  # the per-layer drift to each expert outlives the checkpoint (removed after the phase)
+            kept = self.work / "drift" / setting_name / f"{Path(output).name}.json"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(drift, kept)
+            record[name]["drift"] = str(kept.relative_to(self.work))
         self.timed(f"{setting_name}: {row.name}", seconds)
         if merging:
             merge_row = f"{setting_name}:merged" if row.merged == "ta" else f"{setting_name}:{row.merged} merge"
@@ -328,6 +334,13 @@ class Study:
                         shutil.rmtree(self.work / self.output_dir(setting, row.name), ignore_errors=True)
             log(f"phase {phase} done in {time.time() - phase_started:.0f} s (total {time.time() - self.started:.0f} s)")
         self.report()
+
+
+def _featcal_block(recipe: str) -> dict:
+    """The recipe's ``featcal:`` keys as the product read them (the settings a row really used)."""
+    import yaml
+
+    return yaml.safe_load(recipe)["featcal"]
 
 
 def _base(args, work: Path | None) -> Path:
