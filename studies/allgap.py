@@ -61,18 +61,27 @@ def _evaluator(work: Path, tokenizer, test_records: int = 48):
 
 # --- gaps: which Task Arithmetic weight gives every expert a lead ---------------------------------------------
 def merge_ta(work: Path, weight: float, out: Path) -> float:
-    """mergekit Task Arithmetic of the three narrow experts at ``weight`` each (float32), as the study's recipes do."""
-    config = ["merge_method: task_arithmetic", "base_model: base", "models:"]
-    for kind in KINDS:
-        config += [f"  - model: experts/{kind}", f"    parameters: {{weight: {weight}}}"]
-    config.append("dtype: float32")
-    path = work / "recipes" / f"gaps-ta-{weight:g}.yml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(config) + "\n")
+    """Task Arithmetic of the three narrow experts at ``weight`` each: base + weight · Σ (expert − base), float32.
+
+    mergekit's task_arithmetic without normalisation, written directly (its CLI looks a bare ``base`` up on the hub,
+    offline here); the study's own merge at ``ALLGAP_WEIGHT`` (mergekit through the product) is reused when it matches.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     started = time.time()
-    subprocess.run([str(Path(sys.executable).parent / "mergekit-yaml"), str(path.relative_to(work)),
-                    str(out.relative_to(work)), "--copy-tokenizer"], cwd=work, check=True,
-                   stdout=subprocess.DEVNULL)
+    base = load_file(work / "base" / "model.safetensors")
+    merged = {name: tensor.clone() for name, tensor in base.items()}
+    for kind in KINDS:
+        expert = load_file(work / "experts" / kind / "model.safetensors")
+        for name, tensor in merged.items():
+            tensor += weight * (expert[name] - base[name])
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(work / "base", tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(merged, tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.replace(out)
     return time.time() - started
 
 
@@ -103,7 +112,15 @@ def gaps(args) -> None:
         name = f"ta {weight:g}"
         if name in nll:
             continue
-        out = work / "merged" / f"gaps-ta-{weight:g}"
+        study = work / "merged" / f"{SETTING}-ta"
+        from studies.quality_setup import SETTINGS
+
+        reuse = weight == SETTINGS[SETTING].merge_weight and (study / "config.json").exists()
+        scored = _load_json(work / "state.json").get("nll", {}).get(f"{SETTING}:merged")
+        if reuse and scored:
+            nll[name] = scored
+            continue
+        out = study if reuse else work / "merged" / f"gaps-ta-{weight:g}"
         if not out.exists():
             seconds = merge_ta(work, weight, out)
             log(f"merged TA {weight:g} in {seconds:.0f} s")
@@ -277,7 +294,7 @@ def distill(args) -> None:
     if not (folder / "merged.json").exists():
         model = load(merged, "cpu")
         _save_json(folder / "merged.json", {"val_kl": val_kl(model, tokenizer, val, val_teachers),
-                                            "nll": evaluator.nll(model), "teacher_s": round(teacher_s, 1)})
+                                            "teacher_s": round(teacher_s, 1)})  # its NLL: the study's allgap:merged
     if args.teachers_only:
         return
     steps = 2 if args.quick else args.steps
@@ -322,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="tables and the JSON")
     r.add_argument("--json", type=Path, default=Path("docs/studies/results/allgap.json"))
     r.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    r.add_argument("--conditions", default=None, help="the machine the wall times were measured on, in words")
     r.add_argument("--extra-workdirs", type=Path, nargs="*", default=[],
                    help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
     for q in (g, d, r):

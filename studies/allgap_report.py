@@ -26,7 +26,21 @@ def shares(merged: dict, experts: dict, model: dict) -> tuple[float, dict]:
     return sum(recovered.values()) / sum(gap.values()), {d: recovered[d] / gap[d] for d in KINDS}
 
 
+def effective(block: dict | None) -> dict | None:
+    """What the product ran with for a recipe's featcal: block (its defaults filled in)."""
+    if block is None:
+        return None
+    from featcal_llm.io.block import FeatCalConfig
+
+    config = FeatCalConfig.model_validate(block)
+    return {"expert_weights": config.balancing if hasattr(config, "balancing") else config.expert_weighting,
+            "token_weights": config.token_weighting, "lambda": config.lambda_, "alpha": config.alpha,
+            "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()}}
+
+
 def _row(nll: dict, merged: dict, own: dict, **extra) -> dict:
+    if extra.get("featcal") is not None:
+        extra["featcal_effective"] = effective(extra["featcal"])
     total, per = shares(merged, own, nll)
     return {"nll": {d: _r(nll[d]) for d in KINDS}, "nll_avg": _r(sum(nll[d] for d in KINDS) / 3), "share": _r(total),
             "share_per_domain": {d: _r(v) for d, v in per.items()}, **extra}
@@ -67,12 +81,13 @@ def build(work: Path, extra: tuple[Path, ...] = ()) -> dict:
         if not name.startswith("ta "):
             nll.setdefault(name, scores)
     own = {d: nll[f"expert:{d}"][d] for d in KINDS}
-    merged = nll[f"{SETTING}:merged"]
+    from studies.quality_setup import SETTINGS
+
+    # the merge: the study's score of it, else `gaps`' score of the same merge (same test text)
+    merged = nll.get(f"{SETTING}:merged") or gaps["nll"][f"ta {SETTINGS[SETTING].merge_weight:g}"]
     rows_state = state["rows"].get(SETTING, {})
     averages = {k: sum(nll[f"expert:{k}"][d] for d in KINDS) / 3 for k in KINDS}
     best = min(averages, key=averages.get)
-    from studies.quality_setup import SETTINGS
-
     setting = SETTINGS[SETTING]
     out = {
         "setting": {
@@ -170,6 +185,8 @@ def markdown(result: dict) -> str:
 
 def report(args) -> None:
     result = build(args.workdir.resolve(), tuple(p.resolve() for p in args.extra_workdirs))
+    if args.conditions:
+        result["setting"]["conditions"] = args.conditions
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     text = markdown(result)
