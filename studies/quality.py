@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--results-dir", type=Path, default=None,
                      help="also copy results.md, results.json and state.json here after every row (e.g. $OUT)")
     run.add_argument("--keep", action="store_true", help="keep every calibrated checkpoint (default: merges only)")
+    run.add_argument("--no-expert-scores", action="store_true",
+                     help="score the rows only (the base and experts are scored elsewhere, e.g. by studies.allgap gaps)")
+    run.add_argument("--rows", default=None,
+                     help="run only the rows of the phases with these names (comma-separated; e.g. to run rows side by side in "
+                          "workdirs that share the experts and the merge)")
     run.add_argument("--quick", action="store_true",
                      help="smoke test: 1 fine-tuning step on 2 short records, 8 calibration records of 32 tokens, "
                           "2 short test records, one sweep point, 2 generated samples of 8 tokens")
@@ -208,7 +213,7 @@ class Study:
         if name not in self.state.data["nll"]:
             model = load(path, self.args.device)
             self.state.data["nll"][name] = self.evaluator.nll(model)
-        for setting_name in settings:
+        for setting_name in settings if self.args.kl_records > 0 else ():  # --kl-records 0: NLL only
             setting = SETTINGS[setting_name]
             kl = self.state.data["kl"].setdefault(setting_name, {}).setdefault(name, {})
             for domain, owner in setting.owners.items():
@@ -281,7 +286,13 @@ class Study:
         generation = sum(json.loads(p.read_text()).get("seconds", 0) for p in generated.glob("*.json")) \
             if row.generates and generated.exists() else 0.0
         record[name] = {"seconds": round(seconds, 1), "generation_s": round(generation, 1), "merged_first": merging,
-                        "recipe": str(recipe.relative_to(self.work))}
+                        "recipe": str(recipe.relative_to(self.work)), "featcal": _featcal_block(text)}
+        drift = self.work / output / "featcal_drift.json"
+        if drift.exists():  # the per-layer drift to each expert outlives the checkpoint (removed after the phase)
+            kept = self.work / "drift" / setting_name / f"{Path(output).name}.json"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(drift, kept)
+            record[name]["drift"] = str(kept.relative_to(self.work))
         self.timed(f"{setting_name}: {row.name}", seconds)
         if merging:
             merge_row = f"{setting_name}:merged" if row.merged == "ta" else f"{setting_name}:{row.merged} merge"
@@ -309,17 +320,21 @@ class Study:
         if args.until == "experts":
             return
         started = time.time()
-        self.score("base", self.work / "base", settings)
-        for kind in self.kinds():
-            self.score(expert_label(kind), self.work / expert_dir(kind), settings)
-        self.report()
-        log(f"base and experts scored in {time.time() - started:.0f} s")
+        if not args.no_expert_scores:
+            self.score("base", self.work / "base", settings)
+            for kind in self.kinds():
+                self.score(expert_label(kind), self.work / expert_dir(kind), settings)
+            self.report()
+            log(f"base and experts scored in {time.time() - started:.0f} s")
         phases = [p.strip() for p in args.phases.split(",") if p.strip()]
         sweep = SWEEP[:1] if args.quick else SWEEP
         samples = (2,) if args.quick else tuple(int(n) for n in args.generate_samples.split(","))
         for phase in phases:
             phase_started = time.time()
+            only = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
             for row in rows(phase, sweep, samples):  # row by row across settings: a budget cut leaves both alike
+                if only is not None and row.name not in only:
+                    continue
                 for setting in settings:
                     self.run_row(setting, row)
             if not args.keep:
@@ -328,6 +343,13 @@ class Study:
                         shutil.rmtree(self.work / self.output_dir(setting, row.name), ignore_errors=True)
             log(f"phase {phase} done in {time.time() - phase_started:.0f} s (total {time.time() - self.started:.0f} s)")
         self.report()
+
+
+def _featcal_block(recipe: str) -> dict:
+    """The recipe's ``featcal:`` keys as the product read them (the settings a row really used)."""
+    import yaml
+
+    return yaml.safe_load(recipe)["featcal"]
 
 
 def _base(args, work: Path | None) -> Path:

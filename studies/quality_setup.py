@@ -3,6 +3,8 @@
 Setting ``narrow``: three experts, each fully fine-tuned on one kind of real text (``real_data.KINDS``).
 Setting ``broad``: one expert fine-tuned on a mix of the three kinds (as an instruction expert is) beside two
 narrow ones (code, c): shipping the broad expert alone is the bar a merge must clear.
+Setting ``allgap``: the narrow experts under Task Arithmetic at a weight of its own (``ALLGAP_WEIGHT`` each, not the
+average), so that every expert beats the merge on its own text (``studies.allgap``, docs/studies/all-gap.md).
 
 Every row is a recipe run from the workdir through ``featcal_llm.pipeline.run_recipe``; the first recipe of a
 setting merges (mergekit Task Arithmetic, or a linear merge for RegMean++) and later ones reuse the merge.
@@ -21,11 +23,15 @@ class Setting:
     name: str
     experts: tuple[str, ...]  # data kinds the experts were trained on (``mix``: the broad expert)
     owners: dict[str, str]  # domain → the expert whose NLL (and predictions) the merge is measured against
+    merge_weight: float | None = None  # Task Arithmetic weight per expert (None: the run's --merge-weight, 1/3)
 
+
+ALLGAP_WEIGHT = 1.0  # measured in docs/studies/all-gap.md: at 1/3 the merge beats the code and C experts on their text
 
 SETTINGS = {
     "narrow": Setting("narrow", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}),
     "broad": Setting("broad", (MIX, "code", "c"), {"code": "code", "prose": MIX, "c": "c"}),
+    "allgap": Setting("allgap", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}, ALLGAP_WEIGHT),
 }
 
 
@@ -71,8 +77,28 @@ def sweep_name(lam: float, alpha: float, rho: float) -> str:
     return f"featcal λ{lam:g} α{alpha:g} ρ{rho:g}"
 
 
+def expert_weights_key() -> str:
+    """The recipe key of the experts' weighing rule: ``expert_weights`` where the product has it, else ``balance``."""
+    from featcal_llm.io.block import FeatCalConfig
+
+    fields = FeatCalConfig.model_fields
+    return "expert_weights" if "expert_weights" in fields else "balance"
+
+
+def paper_rule() -> dict:
+    """The paper's rule: every expert and every token weighs 1."""
+    return {expert_weights_key(): "equal", "token_weights": "equal"}
+
+
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
+    allgap = ("allgap",)
+    if phase == "allgap":  # today's defaults (nothing set) and the paper's rule
+        return [Row("featcal defaults", settings=allgap), Row("featcal paper rule", keys=paper_rule(), settings=allgap)]
+    if phase == "single":  # the ceiling: calibrate toward one expert at a time (the others weigh 0)
+        kinds = SETTINGS["allgap"].experts
+        return [Row(f"featcal defaults, {kind} only", weights=tuple((k, 0.0) for k in kinds if k != kind), settings=allgap)
+                for kind in kinds]
     if phase == "core":
         return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":
@@ -119,7 +145,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("core", "balance", "tokens", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
+PHASES = ("allgap", "single", "core", "balance", "tokens", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:
@@ -137,7 +163,7 @@ def recipe_text(setting: Setting, row: Row, output: str, merged: str, *, record_
     lines = [f"# written by studies.quality: setting {setting.name}, row {row.name}",
              f"merge_method: {'linear' if linear else 'task_arithmetic'}", "base_model: base", "models:"]
     for kind in setting.experts:
-        weight = 1.0 if linear else merge_weight
+        weight = 1.0 if linear else setting.merge_weight if setting.merge_weight is not None else merge_weight
         lines += [f"  - model: {expert_dir(kind)}", f"    parameters: {{weight: {weight}}}"]
     if linear:
         lines += ["  - model: base", "    parameters: {weight: 0.0}"]

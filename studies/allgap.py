@@ -1,0 +1,360 @@
+"""The all-gap setting: every expert beats the merge on its own text; FeatCal's share of that gap, and its ceiling.
+
+    python -m studies.allgap gaps --workdir W [--weights 0.3333,0.5,1.0]
+    python -m studies.quality run --gguf G --data D --workdir W --settings allgap --phases allgap,single \\
+        --batch-size 4 --bf16 on
+    python -m studies.allgap distill --workdir W [--lrs 3e-5,1e-4,3e-4] [--steps 150] [--experts joint]
+    python -m studies.allgap report --workdir W [--json docs/studies/results/allgap.json]
+
+``gaps`` merges the narrow experts (mergekit Task Arithmetic) at each weight and scores every merge, the base and the
+experts on every domain's held-out text: the weight at which every expert leads the merge by >= 0.05 nats a token on
+its own text is the setting (``quality_setup.ALLGAP_WEIGHT``). ``quality`` runs the FeatCal rows through the product
+(phase ``allgap``: defaults and the paper's rule; ``single``: toward one expert at a time). ``distill`` is the
+gradient-based reference: the merge trained on the experts' calibration records (the FeatCal rows' 64 per expert) to
+minimise KL(expert ‖ model) on each record's tokens, each record's teacher being its own expert; ``joint`` serves
+every expert at once (the comparison to one FeatCal run), an expert's name serves that expert alone. Its learning rate
+is chosen by the KL to the experts on cal records FeatCal does not use (``--val-records`` after the first
+``--records``), then scored on the held-out test text like every row; the experts' log-probabilities are computed
+once (``--teachers-only``) and memory-mapped, so that runs with different rates can go side by side, each writing
+``W/distill/<serve>-lr<lr>.json``. ``report`` writes the tables and the JSON.
+
+Shares are ratios of sums: Σ_domains (merge − model) / Σ_domains (merge − expert), never a mean over the domains
+that happen to have a gap; per domain (merge − model) / (merge − expert).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from studies.real_data import KINDS, read_jsonl
+
+SETTING = "allgap"
+MIN_GAP = 0.05  # nats a token: what "the expert beats the merge on its own text" must mean here
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _load_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _evaluator(work: Path, tokenizer, test_records: int = 48):
+    from studies.quality_eval import Evaluator
+
+    return Evaluator(work / "data", tokenizer, "cpu", test_records, 16)
+
+
+# --- gaps: which Task Arithmetic weight gives every expert a lead ---------------------------------------------
+def merge_ta(work: Path, weight: float, out: Path) -> float:
+    """Task Arithmetic of the three narrow experts at ``weight`` each: base + weight · Σ (expert − base), float32.
+
+    mergekit's task_arithmetic without normalisation, written directly (its CLI looks a bare ``base`` up on the hub,
+    offline here); the study's own merge at ``ALLGAP_WEIGHT`` (mergekit through the product) is reused when it matches.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    started = time.time()
+    base = load_file(work / "base" / "model.safetensors")
+    merged = {name: tensor.clone() for name, tensor in base.items()}
+    for kind in KINDS:
+        expert = load_file(work / "experts" / kind / "model.safetensors")
+        for name, tensor in merged.items():
+            tensor += weight * (expert[name] - base[name])
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(work / "base", tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(merged, tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.replace(out)
+    return time.time() - started
+
+
+def gaps(args) -> None:
+    from transformers import AutoTokenizer
+
+    from studies.quality_eval import load
+
+    work = args.workdir.resolve()
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    evaluator = _evaluator(work, tokenizer)
+    path = work / "allgap_gaps.json"
+    result = _load_json(path)
+    nll = result.setdefault("nll", {})
+    scored = _load_json(work / "state.json").get("nll", {})  # the study's own scores of the same models, same test text
+    for name in ("base", *(f"expert:{k}" for k in KINDS)):
+        if name not in nll and name in scored:
+            nll[name] = scored[name]
+    for name, directory in [("base", work / "base"), *((f"expert:{k}", work / "experts" / k) for k in KINDS)]:
+        if name not in nll and directory.exists():
+            nll[name] = evaluator.nll(load(directory, "cpu"))
+            log(f"{name}: {nll[name]}")
+            _save_json(path, result)
+    if not all(f"expert:{k}" in nll for k in KINDS):
+        log("not every expert exists yet: scored the ones that do")
+        return
+    for weight in (float(w) for w in args.weights.split(",")):
+        name = f"ta {weight:g}"
+        if name in nll:
+            continue
+        study = work / "merged" / f"{SETTING}-ta"
+        from studies.quality_setup import SETTINGS
+
+        reuse = weight == SETTINGS[SETTING].merge_weight and (study / "config.json").exists()
+        scored = _load_json(work / "state.json").get("nll", {}).get(f"{SETTING}:merged")
+        if reuse and scored:
+            nll[name] = scored
+            continue
+        out = study if reuse else work / "merged" / f"gaps-ta-{weight:g}"
+        if not out.exists():
+            seconds = merge_ta(work, weight, out)
+            log(f"merged TA {weight:g} in {seconds:.0f} s")
+        nll[name] = evaluator.nll(load(out, "cpu"))
+        _save_json(path, result)
+    table = result["table"] = {}
+    for name, scores in nll.items():
+        if name.startswith("ta "):
+            gap = {k: scores[k] - nll[f"expert:{k}"][k] for k in KINDS}
+            table[name] = {"nll": scores, "average": sum(scores.values()) / 3, "gap": gap,
+                           "every_expert_leads": all(g >= MIN_GAP for g in gap.values())}
+            log(f"{name}: " + " ".join(f"{k} {scores[k]:.4f} (gap {gap[k]:+.4f})" for k in KINDS)
+                + f" avg {table[name]['average']:.4f} every gap >= {MIN_GAP}: {table[name]['every_expert_leads']}")
+    _save_json(path, result)
+
+
+# --- distill: the gradient-based reference ----------------------------------------------------------------------
+def _records(work: Path, tokenizer, kind: str, start: int, count: int) -> list[list[int]]:
+    """BOS + tokens of the kind's cal records [start, start + count) (the product's `samples` takes the first ones)."""
+    from studies.real_models import encode
+
+    texts = [r["text"] for r in read_jsonl(work / "data" / kind / "cal.jsonl")][start:start + count]
+    return encode(tokenizer, texts)
+
+
+def _pad(rows: list[list[int]], pad: int):
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]], batch: int = 8) -> dict:
+    """Each record's next-token log-probabilities under its own expert (float16, positions 0 .. len-2)."""
+    import torch
+
+    from studies.quality_eval import load
+
+    out = {}
+    with torch.no_grad():
+        for kind, rows in records.items():
+            model = load(work / "experts" / kind, "cpu")
+            out[kind] = []
+            for start in range(0, len(rows), batch):
+                chunk = rows[start:start + batch]
+                ids, mask = _pad(chunk, tokenizer.pad_token_id)
+                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+                for i, r in enumerate(chunk):
+                    out[kind].append(torch.log_softmax(logits[i, :len(r) - 1], -1).half())
+            del model
+    return out
+
+
+def _kl(student_logits, teacher_logp, lengths) -> tuple:
+    """Sum over tokens of KL(teacher ‖ student) and the token count (rows right-padded)."""
+    import torch
+
+    total, count = 0.0, 0
+    logp = torch.log_softmax(student_logits.float(), -1)
+    for i, (t, n) in enumerate(zip(teacher_logp, lengths)):
+        t = t.float()
+        total = total + (t.exp() * (t - logp[i, :n - 1])).sum()
+        count += n - 1
+    return total, count
+
+
+def val_kl(model, tokenizer, records: dict, teachers: dict, batch: int = 8) -> dict[str, float]:
+    import torch
+
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for kind, rows in records.items():
+            total, count = 0.0, 0
+            for start in range(0, len(rows), batch):
+                chunk = rows[start:start + batch]
+                ids, mask = _pad(chunk, tokenizer.pad_token_id)
+                kl, n = _kl(model(input_ids=ids, attention_mask=mask).logits, teachers[kind][start:start + batch],
+                            [len(r) for r in chunk])
+                total, count = total + float(kl), count + n
+            out[kind] = total / count
+    return out
+
+
+def distill_one(work: Path, tokenizer, merged: Path, train: list[tuple[str, int]], records: dict, teachers: dict,
+                *, lr: float, steps: int, batch: int, seed: int, bf16: bool):
+    """The merge trained on (kind, index) records toward each record's expert; returns the model and its wall time.
+
+    Full fine-tuning of the layers and final norm (tied embeddings frozen, as the experts were trained), AdamW,
+    warmup + cosine (``real_models._lr``), token-mean KL(expert ‖ model) per batch.
+    """
+    import torch
+
+    from studies.quality_eval import load
+    from studies.real_models import _lr
+
+    torch.manual_seed(seed)
+    started = time.time()
+    model = load(merged, "cpu").train()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng, order, losses = random.Random(seed), [], []
+    for step in range(steps):
+        if len(order) < batch:
+            epoch = list(train)
+            rng.shuffle(epoch)
+            order += epoch
+        picked, order = order[:batch], order[batch:]
+        rows = [records[k][i] for k, i in picked]
+        ids, mask = _pad(rows, tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        kl, count = _kl(logits, [teachers[k][i] for k, i in picked], [len(r) for r in rows])
+        loss = kl / count
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+        if (step + 1) % 25 == 0:
+            log(f"    step {step + 1}/{steps} KL {sum(losses[-25:]) / 25:.4f}")
+    model.eval()
+    return model, time.time() - started, losses
+
+
+def _teachers(work: Path, tokenizer, records: dict, val: dict, quick: bool) -> tuple[dict, dict, float]:
+    """The experts' log-probabilities on the train and val records, computed once and memory-mapped by every run."""
+    import torch
+
+    path = work / "distill" / ("teachers-quick.pt" if quick else "teachers.pt")
+    if not path.exists():
+        started = time.time()
+        payload = {"train": teacher_logprobs(work, tokenizer, records), "val": teacher_logprobs(work, tokenizer, val),
+                   "seconds": time.time() - started}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+        log(f"teacher log-probabilities in {payload['seconds']:.0f} s → {path}")
+    payload = torch.load(path, mmap=True)
+    return payload["train"], payload["val"], payload["seconds"]
+
+
+def distill(args) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from studies.quality_eval import load
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = args.workdir.resolve()
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    merged = work / "merged" / f"{SETTING}-ta"
+    if not merged.exists():
+        sys.exit(f"{merged}: run the allgap phase of studies.quality first (it writes the merge)")
+    evaluator = _evaluator(work, tokenizer, 2 if args.quick else 48)
+    folder = work / ("distill-quick" if args.quick else "distill")
+    folder.mkdir(parents=True, exist_ok=True)
+    n, nv = (4, 2) if args.quick else (args.records, args.val_records)
+    records = {k: _records(work, tokenizer, k, 0, n) for k in KINDS}
+    val = {k: _records(work, tokenizer, k, n, nv) for k in KINDS}
+    teachers, val_teachers, teacher_s = _teachers(work, tokenizer, records, val, args.quick)
+    if not (folder / "merged.json").exists():
+        model = load(merged, "cpu")
+        _save_json(folder / "merged.json", {"val_kl": val_kl(model, tokenizer, val, val_teachers),
+                                            "teacher_s": round(teacher_s, 1)})  # its NLL: the study's allgap:merged
+    if args.teachers_only:
+        return
+    steps = 2 if args.quick else args.steps
+    for serve in args.experts.split(","):
+        kinds = KINDS if serve == "joint" else (serve,)
+        train = [(k, i) for k in kinds for i in range(n)]
+        for lr in (float(x) for x in args.lrs.split(",")):
+            name = f"{serve} lr {lr:g}"
+            path = folder / f"{serve}-lr{lr:g}.json"
+            if path.exists():
+                continue
+            log(f"distill {name}: {steps} steps × {args.batch} records of {', '.join(kinds)}")
+            model, seconds, losses = distill_one(work, tokenizer, merged, train, records, teachers, lr=lr,
+                                                 steps=steps, batch=args.batch, seed=args.seed, bf16=args.bf16)
+            run = {"name": name, "serve": serve, "lr": lr, "steps": steps, "batch": args.batch, "records": n,
+                   "bf16": args.bf16, "threads": torch.get_num_threads(), "train_s": round(seconds, 1),
+                   "first_kl": losses[0], "last_kl": sum(losses[-10:]) / len(losses[-10:]),
+                   "val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
+            log(f"  {name}: {seconds:.0f} s; val KL " + " ".join(f"{k} {v:.4f}" for k, v in run["val_kl"].items())
+                + "; NLL " + " ".join(f"{k} {v:.4f}" for k, v in run["nll"].items()))
+            del model
+            _save_json(path, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m studies.allgap", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("gaps", help="merge at each Task Arithmetic weight and measure every expert's lead")
+    g.add_argument("--weights", default="0.333333,0.5,1.0")
+    d = sub.add_parser("distill", help="the gradient-based reference")
+    d.add_argument("--experts", default="joint", help="joint, or expert kinds (code,prose,c): whom a run serves")
+    d.add_argument("--lrs", default="3e-5,1e-4,3e-4")
+    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--batch", type=int, default=4)
+    d.add_argument("--records", type=int, default=64, help="cal records per expert (the FeatCal rows' samples)")
+    d.add_argument("--val-records", type=int, default=8, help="cal records after them that choose the learning rate")
+    d.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--quick", action="store_true", help="smoke test: 4 records, 2 steps, 2 test records")
+    d.add_argument("--teachers-only", action="store_true", help="write the teachers' cache and the merge's scores, then stop")
+    r = sub.add_parser("report", help="tables and the JSON")
+    r.add_argument("--json", type=Path, default=Path("docs/studies/results/allgap.json"))
+    r.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    r.add_argument("--conditions", default=None, help="the machine the wall times were measured on, in words")
+    r.add_argument("--extra-workdirs", type=Path, nargs="*", default=[],
+                   help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
+    for q in (g, d, r):
+        q.add_argument("--workdir", type=Path, required=True)
+    args = p.parse_args(argv)
+    if args.command == "gaps":
+        gaps(args)
+    elif args.command == "distill":
+        distill(args)
+    else:
+        from studies.allgap_report import report
+
+        report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The all-gap study's arithmetic: shares are ratios of sums over every domain, and the JSON's rows and keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from studies.allgap_report import build, markdown, shares
+from studies.quality_setup import SETTINGS, paper_rule, rows
+
+
+def test_share_is_a_ratio_of_sums_over_every_domain():
+    merged = {"code": 2.5, "prose": 2.4, "c": 2.2}
+    experts = {"code": 2.4, "prose": 2.0, "c": 2.1}  # gaps .1, .4, .1
+    model = {"code": 2.4, "prose": 2.3, "c": 2.25}  # recovered .1, .1, -.05
+    total, per = shares(merged, experts, model)
+    assert total == pytest.approx(0.15 / 0.6)  # not the mean of 1, .25, -.5
+    assert per == pytest.approx({"code": 1.0, "prose": 0.25, "c": -0.5})
+
+
+def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
+    assert SETTINGS["allgap"].merge_weight is not None and SETTINGS["allgap"].experts == ("code", "prose", "c")
+    main, single = rows("allgap"), rows("single")
+    assert [r.keys for r in main] == [{}, paper_rule()] and set(paper_rule().values()) == {"equal"}
+    assert [dict(r.weights) for r in single] == [{"prose": 0.0, "c": 0.0}, {"code": 0.0, "c": 0.0}, {"code": 0.0, "prose": 0.0}]
+    assert all(r.settings == ("allgap",) for r in main + single)
+
+
+def test_report_rows_and_keys(tmp_path):
+    nll = {
+        "expert:code": {"code": 2.0, "prose": 3.0, "c": 3.0},
+        "expert:prose": {"code": 3.0, "prose": 2.0, "c": 3.0},
+        "expert:c": {"code": 3.2, "prose": 3.2, "c": 2.0},
+        "allgap:merged": {"code": 2.2, "prose": 2.4, "c": 2.2},
+        "allgap:featcal defaults": {"code": 2.1, "prose": 2.2, "c": 2.2},
+        "allgap:featcal defaults, prose only": {"code": 2.3, "prose": 2.1, "c": 2.3},
+    }
+    block = {"merged": "m", "output": "o", "data": {"experts/code": {"path": "c.jsonl", "format": "text"}}, "samples": 64}
+    rows_state = {"allgap:featcal defaults": {"seconds": 10.0, "featcal": block},
+                  "allgap:featcal defaults, prose only": {"seconds": 5.0, "featcal": block}}
+    (tmp_path / "state.json").write_text(json.dumps({"nll": nll, "rows": {"allgap": rows_state}, "training": {}}))
+    result = build(tmp_path)
+    assert result["setting"]["gap"] == pytest.approx({"code": 0.2, "prose": 0.4, "c": 0.2})
+    row = result["rows"]["featcal defaults"]
+    assert row["share"] == pytest.approx(0.3 / 0.8) and row["seconds"] == 10.0 and row["featcal"] == block
+    assert row["featcal_effective"]["token_weights"] == "advantage" and row["featcal_effective"]["alpha"] == 0.15
+    assert set(row) >= {"nll", "nll_avg", "share", "share_per_domain", "seconds", "featcal"}
+    assert result["rows"]["best single expert"]["expert"] == "code"  # average 2.667
+    assert result["rows"]["merged"]["share"] == 0
+    assert result["ceiling"]["single_expert"]["prose"]["own_share"] == pytest.approx(0.75)
+    assert "| featcal defaults |" in markdown(result)
