@@ -32,8 +32,14 @@ def effective(block: dict | None) -> dict | None:
         return None
     from featcal_llm.io.block import FeatCalConfig
 
+    from featcal_llm.io.block import RENAMED_KEYS, RENAMED_VALUES
+
+    block = {RENAMED_KEYS.get(key, key): value for key, value in block.items()}  # runs recorded before the renames
+    for key, renamed in RENAMED_VALUES.items():
+        if block.get(key) in renamed:
+            block[key] = renamed[block[key]]
     config = FeatCalConfig.model_validate(block)
-    return {"expert_weights": config.balancing if hasattr(config, "balancing") else config.expert_weighting,
+    return {"expert_weights": config.balancing,
             "token_weights": config.token_weighting, "lambda": config.lambda_, "alpha": config.alpha,
             "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()}}
 

@@ -44,7 +44,7 @@ def test_report_rows_and_keys(tmp_path):
     assert result["setting"]["gap"] == pytest.approx({"code": 0.2, "prose": 0.4, "c": 0.2})
     row = result["rows"]["featcal defaults"]
     assert row["share"] == pytest.approx(0.3 / 0.8) and row["seconds"] == 10.0 and row["featcal"] == block
-    assert row["featcal_effective"]["token_weights"] == "advantage" and row["featcal_effective"]["alpha"] == 0.15
+    assert row["featcal_effective"]["token_weights"] == "expert_lead" and row["featcal_effective"]["alpha"] == 0.15
     assert set(row) >= {"nll", "nll_avg", "share", "share_per_domain", "seconds", "featcal"}
     assert result["rows"]["best single expert"]["expert"] == "code"  # average 2.667
     assert result["rows"]["merged"]["share"] == 0

@@ -1,0 +1,85 @@
+"""The README's results table, rendered from the studies' results files (docs/studies/results/*.json).
+
+The README holds this table between its `README-NUMBERS` markers; tests/test_readme_numbers.py renders it again
+from the committed results and compares, so a claim cannot lag the run it came from. After rerunning a study:
+
+    python -m studies.readme_numbers --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "studies" / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- README-NUMBERS", "<!-- /README-NUMBERS -->"
+
+DOMAINS = {"code": "Python code (`code`)", "prose": "Python's documentation (`prose`)", "c": "C headers (`c`)"}
+
+# (results file, row in it, what the README calls it)
+ROWS = [
+    ("allgap.json", "merged", "merged (Task Arithmetic)"),
+    ("allgap.json", "best single expert", "best single expert"),
+    ("allgap.json", "featcal paper rule", "+ FeatCal, the paper's weights (every expert and token alike)"),
+    ("allgap.json", "featcal defaults", "+ FeatCal, featcal-llm defaults"),
+]
+
+
+def _cell(row: dict, domains: list[str]) -> list[str]:
+    nll = [f"{row['nll'][d]:.3f}" for d in domains]
+    share = "" if row.get("share") is None else f"{row['share']:.2f}"
+    return [f"{row['nll_avg']:.3f}", *nll, share]
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    """The markdown block the README carries between its markers (markers excluded)."""
+    loaded: dict[str, dict] = {}
+    lines: list[str] = []
+    for file, key, label in ROWS:
+        results = loaded.setdefault(file, json.loads((results_dir / file).read_text(encoding="utf-8")))
+        if key not in results["rows"]:
+            continue
+        domains = list(results["setting"]["experts"])
+        if not lines:
+            setting = results["setting"]
+            lines.append(f"Setting `{setting['name']}` ([{file}](docs/studies/results/{file}), [docs/studies/all-gap.md](docs/studies/all-gap.md)): "
+                         "SmolLM2-135M-Instruct; three experts fully fine-tuned on "
+                         + ", ".join(DOMAINS.get(d, d) for d in domains) + f"; mergekit Task Arithmetic, weight {setting['ta_weight']:g} per expert; "
+                         f"{results['rows']['featcal defaults']['featcal']['samples']} unlabelled records per expert; "
+                         "held-out NLL in nats per token (lower is better); *recovered*: Σ over domains of (merge − model) / "
+                         "Σ of (merge − expert), the ratio of sums.")
+            lines.append("")
+            lines.append("| model | average NLL | " + " | ".join(f"{d} NLL" for d in domains) + " | recovered |")
+            lines.append("|---|" + "---:|" * (len(domains) + 2))
+        row = results["rows"][key]
+        name = label + (f" ({row['expert']})" if row.get("expert") else "")
+        lines.append(f"| {name} | " + " | ".join(_cell(row, domains)) + " |")
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> str:
+    """What the README holds between its markers (the opening marker's comment line excluded)."""
+    match = re.search(re.escape(BEGIN) + r".*?-->\n(.*?)\n" + re.escape(END), text, re.S)
+    if match is None:
+        raise ValueError(f"{README}: no {BEGIN} … {END} block")
+    return match.group(1)
+
+
+def write(readme: Path = README) -> None:
+    text = readme.read_text(encoding="utf-8")
+    block = readme_block(text)
+    readme.write_text(text.replace(block, render(), 1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the README's block in place")
+    args = parser.parse_args()
+    if args.write:
+        write()
+    else:
+        print(render())
