@@ -81,7 +81,7 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
     recording = getattr(ctx.plan.objective, "recording", None)
     if recording is not None:  # RegMean / RegMean++: Grams only, on expert i's layer
         return record_grams(ctx, task, expert_layer, recording.stream)
-    plan, runner, timer, store = ctx.plan, ctx.runner, ctx.timer, ctx.store
+    plan, runner, timer = ctx.plan, ctx.runner, ctx.timer
     batches, cal_stream, expert_stream = ctx.batches[task], ctx.cal[task], ctx.expert[task]
     device, precision = runner.device, runner.stats_dtype  # float64 totals; each batch's products in `precision`
     stats = ctx.workspace.zeroed(plan, cal_layer, runner)
@@ -143,14 +143,23 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
                 runner.forward(cal_layer, h_cal, context)
             with hooked(expert_layer, _compose(expert_hooks, timer)):
                 h_next = runner.forward(expert_layer, h_exp, context)
-        if not bool(torch.isfinite(h_next[keep]).all()):
-            raise FeatCalError(f"layer {cal_layer.featcal_index}: expert {task} produced NaN/Inf hidden states")
-        expert_stream[index] = store.store(h_next, batch.keep)
-        for s in stats.values():
-            s.tokens += batch.tokens
-        ctx.progress.tokens(batch.tokens)
+        _advance_expert(ctx, task, cal_layer.featcal_index, expert_stream, index, h_next, batch, keep)
+        _count(ctx, stats, batch)
         del h_cal, h_exp, h_next
     return stats
+
+
+def _advance_expert(ctx: "RunContext", task: str, layer: int, stream: list, index: int, output: torch.Tensor, batch, keep: torch.Tensor) -> None:
+    """Expert i's layer output replaces its input in the stream (h_exp for the next layer), once checked finite."""
+    if not bool(torch.isfinite(output[keep]).all()):
+        raise FeatCalError(f"layer {layer}: expert {task} produced NaN/Inf hidden states")
+    stream[index] = ctx.store.store(output, batch.keep)
+
+
+def _count(ctx: "RunContext", stats: dict[str, GroupStatistics], batch) -> None:
+    for s in stats.values():
+        s.tokens += batch.tokens
+    ctx.progress.tokens(batch.tokens)
 
 
 def record_grams(ctx: "RunContext", task: str, expert_layer: torch.nn.Module, stream: str) -> dict[str, GroupStatistics]:
@@ -162,7 +171,7 @@ def record_grams(ctx: "RunContext", task: str, expert_layer: torch.nn.Module, st
     One forward pass per batch and one Gram per group: the merged layer never
     runs over the calibration records, and no crosses are formed.
     """
-    plan, runner, timer, store = ctx.plan, ctx.runner, ctx.timer, ctx.store
+    plan, runner, timer = ctx.plan, ctx.runner, ctx.timer
     batches = ctx.batches[task]
     hidden_stream = ctx.expert[task] if stream == "expert" else ctx.cal[task]
     stats = ctx.workspace.zeroed(plan, expert_layer, runner, grams_only=True)
@@ -175,11 +184,7 @@ def record_grams(ctx: "RunContext", task: str, expert_layer: torch.nn.Module, st
         with torch.no_grad(), timer.phase("forward"), hooked(expert_layer, _compose(hooks, timer)):
             output = runner.forward(expert_layer, hidden, runner.context(batch, hidden))
         if stream == "expert":
-            if not bool(torch.isfinite(output[keep]).all()):
-                raise FeatCalError(f"layer {expert_layer.featcal_index}: expert {task} produced NaN/Inf hidden states")
-            hidden_stream[index] = store.store(output, batch.keep)
-        for s in stats.values():
-            s.tokens += batch.tokens
-        ctx.progress.tokens(batch.tokens)
+            _advance_expert(ctx, task, expert_layer.featcal_index, hidden_stream, index, output, batch, keep)
+        _count(ctx, stats, batch)
         del hidden, output
     return stats
