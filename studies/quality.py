@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-expert-scores", action="store_true",
                      help="score the rows only (the base and experts are scored elsewhere, e.g. by studies.allgap gaps)")
     run.add_argument("--rows", default=None,
-                     help="run only the rows of the phases with these names (comma-separated; e.g. to run rows side by side in "
+                     help="run only the rows of the phases with these names (separated by ';', as row names hold commas; e.g. to run rows side by side in "
                           "workdirs that share the experts and the merge)")
     run.add_argument("--quick", action="store_true",
                      help="smoke test: 1 fine-tuning step on 2 short records, 8 calibration records of 32 tokens, "
@@ -331,7 +331,7 @@ class Study:
         samples = (2,) if args.quick else tuple(int(n) for n in args.generate_samples.split(","))
         for phase in phases:
             phase_started = time.time()
-            only = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
+            only = None if args.rows is None else {r.strip() for r in args.rows.split(";")}
             for row in rows(phase, sweep, samples):  # row by row across settings: a budget cut leaves both alike
                 if only is not None and row.name not in only:
                     continue

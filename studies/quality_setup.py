@@ -27,11 +27,14 @@ class Setting:
 
 
 ALLGAP_WEIGHT = 1.0  # measured in docs/studies/all-gap.md: at 1/3 the merge beats the code and C experts on their text
+HALF_WEIGHT = 0.5  # the harder all-gap setting: experts trained longer, so that each leads the merge at Task Arithmetic ½
+ALLGAP_SETTINGS = ("allgap", "allgap-half")
 
 SETTINGS = {
     "narrow": Setting("narrow", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}),
     "broad": Setting("broad", (MIX, "code", "c"), {"code": "code", "prose": MIX, "c": "c"}),
     "allgap": Setting("allgap", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}, ALLGAP_WEIGHT),
+    "allgap-half": Setting("allgap-half", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}, HALF_WEIGHT),
 }
 
 
@@ -92,13 +95,16 @@ def paper_rule() -> dict:
 
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
-    allgap = ("allgap",)
+    allgap = ALLGAP_SETTINGS
     if phase == "allgap":  # today's defaults (nothing set) and the paper's rule
         return [Row("featcal defaults", settings=allgap), Row("featcal paper rule", keys=paper_rule(), settings=allgap)]
     if phase == "single":  # the ceiling: calibrate toward one expert at a time (the others weigh 0)
         kinds = SETTINGS["allgap"].experts
         return [Row(f"featcal defaults, {kind} only", weights=tuple((k, 0.0) for k in kinds if k != kind), settings=allgap)
                 for kind in kinds]
+    if phase == "allgap-levers":  # closed-form levers the product already has, each beside the defaults
+        return [Row("featcal defaults + norms", keys={"norms": True}, settings=allgap),
+                Row("featcal defaults + head", keys=HEAD, settings=allgap)]
     if phase == "core":
         return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":
@@ -145,7 +151,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
     raise ValueError(phase)
 
 
-PHASES = ("allgap", "single", "core", "balance", "tokens", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
+PHASES = ("allgap", "single", "allgap-levers", "core", "balance", "tokens", "regmean", "generate", "self", "weights", "head", "auto", "levers", "sweep")
 
 
 def _yaml_value(value) -> str:

@@ -22,10 +22,15 @@ DOMAINS = {"code": "Python code (`code`)", "prose": "Python's documentation (`pr
 
 # (results file, row in it, what the README calls it)
 ROWS = [
-    ("allgap.json", "merged", "merged (Task Arithmetic)"),
-    ("allgap.json", "best single expert", "best single expert"),
-    ("allgap.json", "featcal paper rule", "+ FeatCal, the paper's weights (every expert and token alike)"),
-    ("allgap.json", "featcal defaults", "+ FeatCal, featcal-llm defaults"),
+    ("allgap-half.json", "merged", "merged (Task Arithmetic)"),
+    ("allgap-half.json", "best single expert", "best single expert"),
+    ("allgap-half.json", "featcal paper rule", "+ FeatCal, the paper's weights (every expert and token alike)"),
+    ("allgap-half.json", "featcal defaults", "+ FeatCal, featcal-llm defaults"),
+]
+# the defaults' share in the study's other all-gap settings: (results file, how the README names the setting)
+OTHER_SETTINGS = [
+    ("allgap-half-long.json", "the same at weight ½ with every expert trained three times longer"),
+    ("allgap.json", "weight 1 per expert, where the merge interferes so badly that it is worse than the base on two domains"),
 ]
 
 
@@ -58,7 +63,21 @@ def render(results_dir: Path = RESULTS) -> str:
         row = results["rows"][key]
         name = label + (f" ({row['expert']})" if row.get("expert") else "")
         lines.append(f"| {name} | " + " | ".join(_cell(row, domains)) + " |")
+    lines.append("")
+    lines.append("The experts lead this merge on their own text by " + _leads(loaded[ROWS[0][0]]) + ". The defaults in the study's other "
+                 "all-gap settings: " + "; ".join(_other(json.loads((results_dir / file).read_text(encoding="utf-8")), label)
+                                                  for file, label in OTHER_SETTINGS) + ".")
     return "\n".join(lines)
+
+
+def _leads(results: dict) -> str:
+    gap = results["setting"]["gap"]
+    return ", ".join(f"{gap[d]:.3f} ({d})" for d in results["setting"]["experts"]) + " nats a token"
+
+
+def _other(results: dict, label: str) -> str:
+    row = results["rows"]["featcal defaults"]
+    return f"{label} (leads {_leads(results)}): recovered {row['share']:.2f}"
 
 
 def readme_block(text: str) -> str:

@@ -24,7 +24,7 @@ def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
     main, single = rows("allgap"), rows("single")
     assert [r.keys for r in main] == [{}, paper_rule()] and set(paper_rule().values()) == {"equal"}
     assert [dict(r.weights) for r in single] == [{"prose": 0.0, "c": 0.0}, {"code": 0.0, "c": 0.0}, {"code": 0.0, "prose": 0.0}]
-    assert all(r.settings == ("allgap",) for r in main + single)
+    assert all(r.settings == ("allgap", "allgap-half") for r in main + single)
 
 
 def test_report_rows_and_keys(tmp_path):
@@ -50,3 +50,23 @@ def test_report_rows_and_keys(tmp_path):
     assert result["rows"]["merged"]["share"] == 0
     assert result["ceiling"]["single_expert"]["prose"]["own_share"] == pytest.approx(0.75)
     assert "| featcal defaults |" in markdown(result)
+
+
+def test_report_of_the_half_setting_keeps_every_row_it_ran(tmp_path):
+    """The TA ½ setting's rows are keyed by its own name; a lever row run there appears with its share."""
+    nll = {
+        "expert:code": {"code": 2.0, "prose": 3.0, "c": 3.0},
+        "expert:prose": {"code": 3.0, "prose": 2.0, "c": 3.0},
+        "expert:c": {"code": 3.2, "prose": 3.2, "c": 2.0},
+        "allgap-half:merged": {"code": 2.2, "prose": 2.4, "c": 2.2},
+        "allgap-half:featcal defaults": {"code": 2.1, "prose": 2.2, "c": 2.2},
+        "allgap-half:featcal, a lever": {"code": 2.0, "prose": 2.0, "c": 2.0},
+        "allgap:featcal defaults": {"code": 9.0, "prose": 9.0, "c": 9.0},  # another setting's row: not this one's
+    }
+    rows_state = {"allgap-half:featcal defaults": {"seconds": 10.0}, "allgap-half:featcal, a lever": {"seconds": 7.0}}
+    (tmp_path / "state.json").write_text(json.dumps({"nll": nll, "rows": {"allgap-half": rows_state}, "training": {}}))
+    result = build(tmp_path, setting_name="allgap-half")
+    assert result["setting"]["name"] == "allgap-half" and result["setting"]["ta_weight"] == SETTINGS["allgap-half"].merge_weight
+    assert result["rows"]["featcal, a lever"]["share"] == pytest.approx(1.0)
+    assert result["rows"]["featcal defaults"]["share"] == pytest.approx(0.3 / 0.8)
+    assert list(result["rows"]) == ["merged", "featcal defaults", "featcal, a lever", "best single expert"]
