@@ -1,6 +1,7 @@
 """The all-gap setting: every expert beats the merge on its own text; FeatCal's share of that gap, and its ceiling.
 
     python -m studies.allgap gaps --workdir W [--weights 0.3333,0.5,1.0]
+    python -m studies.allgap train --source W --workdir W2 --kinds prose,c --steps 64 --seed 1   # allgap-half's experts
     python -m studies.quality run --gguf G --data D --workdir W --settings allgap --phases allgap,single \\
         --batch-size 4 --bf16 on
     python -m studies.allgap distill --workdir W [--lrs 3e-5,1e-4,3e-4] [--steps 150] [--experts joint]
@@ -137,6 +138,42 @@ def gaps(args) -> None:
     _save_json(path, result)
 
 
+# --- train: experts trained further, for the harder setting ----------------------------------------------------
+def train(args) -> None:
+    """Continue each named expert of --source's workdir for --steps more on its kind's train records, into --workdir.
+
+    The allgap-half experts: ``prose`` and ``c`` are allgap's 32-step experts trained 64 steps more with seed 1
+    (``code`` is allgap's 96-step expert, linked); the long variant trains all three of those 192 steps more, seed 3.
+    Each run records its steps, losses and seconds in ``W/training-<kind>.json``.
+    """
+    from transformers import AutoTokenizer
+
+    from studies.real_models import finetune
+
+    source, work = args.source.resolve(), args.workdir.resolve()
+    tokenizer = AutoTokenizer.from_pretrained(source / "base")
+    kinds = args.kinds.split(",")
+    (work / "experts").mkdir(parents=True, exist_ok=True)
+    links = {work / "base": source / "base", work / "data": source / "data",
+             **{work / "experts" / k: (source / "experts" / k).resolve() for k in KINDS if k not in kinds}}
+    for link, target in links.items():  # the base, the data and the experts not trained further: the source's
+        if not link.exists():
+            link.symlink_to(target)
+    for kind in kinds:
+        out = work / "experts" / kind
+        if out.exists():
+            log(f"{out} exists: kept")
+            continue
+        texts = [r["text"] for r in read_jsonl(source / "data" / kind / "train.jsonl")]
+        started = time.time()
+        start = source / "base" if args.from_base else source / "experts" / kind
+        info = finetune(start, tokenizer, texts, out, steps=args.steps, batch_size=args.batch, lr=args.lr, seed=args.seed,
+                        log=lambda m: None, device="cpu", bf16=args.bf16, train_embeddings=args.train_embeddings)
+        info.update(seconds=round(time.time() - started, 1), continued_from=str(start))
+        _save_json(work / f"training-{kind}.json", info)
+        log(f"{kind}: loss {info['first_loss']:.3f} → {info['last_loss']:.3f} in {info['seconds']:.0f} s")
+
+
 # --- distill: the gradient-based reference ----------------------------------------------------------------------
 def _records(work: Path, tokenizer, kind: str, start: int, count: int) -> list[list[int]]:
     """BOS + tokens of the kind's cal records [start, start + count) (the product's `samples` takes the first ones)."""
@@ -247,7 +284,7 @@ def distill_one(work: Path, tokenizer, merged: Path, train: list[tuple[str, int]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if (step + 1) % 25 == 0:
             log(f"    step {step + 1}/{steps} KL {sum(losses[-25:]) / 25:.4f}")
     model.eval()
@@ -298,18 +335,21 @@ def distill(args) -> None:
     if args.teachers_only:
         return
     steps = 2 if args.quick else args.steps
+    start = merged if args.start is None else (work / args.start).resolve()
+    suffix = "" if args.start is None else f" from {args.start_label}"
     for serve in args.experts.split(","):
         kinds = KINDS if serve == "joint" else (serve,)
         train = [(k, i) for k in kinds for i in range(n)]
         for lr in (float(x) for x in args.lrs.split(",")):
-            name = f"{serve} lr {lr:g}"
-            path = folder / f"{serve}-lr{lr:g}.json"
+            name = f"{serve} lr {lr:g}{suffix}"
+            path = folder / f"{serve}-lr{lr:g}{suffix.replace(' ', '-')}.json"
             if path.exists():
                 continue
             log(f"distill {name}: {steps} steps × {args.batch} records of {', '.join(kinds)}")
-            model, seconds, losses = distill_one(work, tokenizer, merged, train, records, teachers, lr=lr,
+            model, seconds, losses = distill_one(work, tokenizer, start, train, records, teachers, lr=lr,
                                                  steps=steps, batch=args.batch, seed=args.seed, bf16=args.bf16)
-            run = {"name": name, "serve": serve, "lr": lr, "steps": steps, "batch": args.batch, "records": n,
+            run = {"name": name, "serve": serve, "start": args.start_label if args.start else None, "lr": lr, "steps": steps,
+                   "batch": args.batch, "records": n,
                    "bf16": args.bf16, "threads": torch.get_num_threads(), "train_s": round(seconds, 1),
                    "first_kl": losses[0], "last_kl": sum(losses[-10:]) / len(losses[-10:]),
                    "val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
@@ -324,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("gaps", help="merge at each Task Arithmetic weight and measure every expert's lead")
     g.add_argument("--weights", default="0.333333,0.5,1.0")
+    t = sub.add_parser("train", help="continue experts of --source for more steps into --workdir (the harder setting)")
+    t.add_argument("--source", type=Path, required=True, help="a workdir with base/, data/ and experts/")
+    t.add_argument("--kinds", default="prose,c")
+    t.add_argument("--steps", type=int, default=64)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--from-base", action="store_true", help="train from --source's base, not from its experts")
+    t.add_argument("--train-embeddings", action="store_true",
+                   help="train the (tied) embeddings too, as a full fine-tune of every weight does")
     d = sub.add_parser("distill", help="the gradient-based reference")
     d.add_argument("--experts", default="joint", help="joint, or expert kinds (code,prose,c): whom a run serves")
     d.add_argument("--lrs", default="3e-5,1e-4,3e-4")
@@ -335,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--quick", action="store_true", help="smoke test: 4 records, 2 steps, 2 test records")
+    d.add_argument("--start", type=Path, default=None,
+                   help="start from this checkpoint (relative to --workdir, e.g. a FeatCal output) instead of the merge: "
+                        "the refinement of a calibrated merge")
+    d.add_argument("--start-label", default="featcal defaults", help="what --start is, in the run's name")
     d.add_argument("--teachers-only", action="store_true", help="write the teachers' cache and the merge's scores, then stop")
     r = sub.add_parser("report", help="tables and the JSON")
     r.add_argument("--json", type=Path, default=Path("docs/studies/results/allgap.json"))
@@ -343,12 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--variant", default=None, help="what sets this workdir's experts apart from the setting's first run, in words")
     r.add_argument("--extra-workdirs", type=Path, nargs="*", default=[],
                    help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
-    for q in (g, d, r):
+    for q in (g, t, d, r):
         q.add_argument("--workdir", type=Path, required=True)
         q.add_argument("--setting", default=SETTING, help="allgap (Task Arithmetic 1.0) or allgap-half (½, longer-trained experts)")
     args = p.parse_args(argv)
     if args.command == "gaps":
         gaps(args)
+    elif args.command == "train":
+        train(args)
     elif args.command == "distill":
         distill(args)
     else:

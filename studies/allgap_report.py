@@ -139,17 +139,19 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
         table = {}
         for name, run in runs.items():
             row = _row(run["nll"], merged, own, seconds=run["train_s"], lr=run["lr"], steps=run["steps"], threads=run.get("threads"),
+                       start=run.get("start"),
                        batch=run["batch"], records_per_expert=run["records"], serve=run["serve"],
                        val_kl={k: _r(v) for k, v in run["val_kl"].items()},
                        val_kl_mean=_r(sum(run["val_kl"].values()) / len(run["val_kl"])))
             table[name] = row
         out["ceiling"]["distill"] = {"teacher_s": distilled["merged"].get("teacher_s"), "runs": table,
                                      "merged_val_kl": {k: _r(v) for k, v in distilled["merged"]["val_kl"].items()}}
-        joint = {n: r for n, r in table.items() if r["serve"] == "joint"}
-        if joint:
-            chosen = min(joint, key=lambda n: joint[n]["val_kl_mean"])
-            out["ceiling"]["distill"]["joint_chosen"] = chosen
-            rows["distill joint (lr by val KL)"] = {**joint[chosen], "featcal": None}
+        for start, label in ((None, "distill joint (lr by val KL)"), ("featcal defaults", "featcal defaults → distill (lr by val KL)")):
+            joint = {n: r for n, r in table.items() if r["serve"] == "joint" and r.get("start") == start}
+            if joint:
+                chosen = min(joint, key=lambda n: joint[n]["val_kl_mean"])
+                out["ceiling"]["distill"]["joint_chosen" if start is None else "refined_chosen"] = chosen
+                rows[label] = {**joint[chosen], "featcal": None}
         for kind in KINDS:
             alone = {n: r for n, r in table.items() if r["serve"] == kind}
             if alone:

@@ -52,7 +52,7 @@ def render(results_dir: Path = RESULTS) -> str:
         if not lines:
             setting = results["setting"]
             lines.append(f"Setting `{setting['name']}` ([{file}](docs/studies/results/{file}), [docs/studies/all-gap.md](docs/studies/all-gap.md)): "
-                         "SmolLM2-135M-Instruct; three experts fully fine-tuned on "
+                         "SmolLM2-135M-Instruct; three experts fine-tuned (decoder layers and final norm; embeddings frozen) on "
                          + ", ".join(DOMAINS.get(d, d) for d in domains) + f"; mergekit Task Arithmetic, weight {setting['ta_weight']:g} per expert; "
                          f"{results['rows']['featcal defaults']['featcal']['samples']} unlabelled records per expert; "
                          "held-out NLL in nats per token (lower is better); *recovered*: Σ over domains of (merge − model) / "

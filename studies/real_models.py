@@ -66,15 +66,16 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def finetune(base: Path, tokenizer, texts: list[str], out: Path, *, steps: int, batch_size: int, lr: float,
-             seed: int, log=print, device: str = "cpu", bf16: bool = False) -> dict:
+             seed: int, log=print, device: str = "cpu", bf16: bool = False, train_embeddings: bool = False) -> dict:
     """Full fine-tune on raw texts after BOS (every token scored): `train_rows` on them."""
     return train_rows(base, tokenizer, [(ids, 1) for ids in encode(tokenizer, texts)], out, steps=steps,
-                      batch_size=batch_size, lr=lr, seed=seed, log=log, device=device, bf16=bf16)
+                      batch_size=batch_size, lr=lr, seed=seed, log=log, device=device, bf16=bf16,
+                      train_embeddings=train_embeddings)
 
 
 def train_rows(base: Path, tokenizer, rows: list[Row], out: Path, *, steps: int, batch_size: int, lr: float,
-               seed: int, log=print, device: str = "cpu", bf16: bool = False) -> dict:
-    """Full fine-tune of the decoder layers and final norm (tied embeddings frozen), AdamW, warmup + cosine.
+               seed: int, log=print, device: str = "cpu", bf16: bool = False, train_embeddings: bool = False) -> dict:
+    """Full fine-tune of the decoder layers and final norm (tied embeddings frozen unless ``train_embeddings``), AdamW, warmup + cosine.
 
     Weights and optimizer state stay float32; ``bf16`` runs the forward and backward under bfloat16 autocast.
     """
@@ -82,7 +83,7 @@ def train_rows(base: Path, tokenizer, rows: list[Row], out: Path, *, steps: int,
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
-    model.get_input_embeddings().weight.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(train_embeddings)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     order: list[int] = []
@@ -112,7 +113,8 @@ def train_rows(base: Path, tokenizer, rows: list[Row], out: Path, *, steps: int,
     del model, optimizer, params
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # a product run in another process may share the GPU
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "bf16": bf16, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "bf16": bf16, "first_loss": losses[0], "last_loss": losses[-1],
+            **({"train_embeddings": True} if train_embeddings else {})}
 
 
 @torch.no_grad()

@@ -10,6 +10,13 @@ from studies.allgap_report import build, markdown, shares
 from studies.quality_setup import SETTINGS, paper_rule, rows
 
 
+EXPERTS = {  # each expert best on its own domain; the C expert's average is the worst
+    "expert:code": {"code": 2.0, "prose": 3.0, "c": 3.0},
+    "expert:prose": {"code": 3.0, "prose": 2.0, "c": 3.0},
+    "expert:c": {"code": 3.2, "prose": 3.2, "c": 2.0},
+}
+
+
 def test_share_is_a_ratio_of_sums_over_every_domain():
     merged = {"code": 2.5, "prose": 2.4, "c": 2.2}
     experts = {"code": 2.4, "prose": 2.0, "c": 2.1}  # gaps .1, .4, .1
@@ -29,9 +36,7 @@ def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
 
 def test_report_rows_and_keys(tmp_path):
     nll = {
-        "expert:code": {"code": 2.0, "prose": 3.0, "c": 3.0},
-        "expert:prose": {"code": 3.0, "prose": 2.0, "c": 3.0},
-        "expert:c": {"code": 3.2, "prose": 3.2, "c": 2.0},
+        **EXPERTS,
         "allgap:merged": {"code": 2.2, "prose": 2.4, "c": 2.2},
         "allgap:featcal defaults": {"code": 2.1, "prose": 2.2, "c": 2.2},
         "allgap:featcal defaults, prose only": {"code": 2.3, "prose": 2.1, "c": 2.3},
@@ -55,9 +60,7 @@ def test_report_rows_and_keys(tmp_path):
 def test_report_of_the_half_setting_keeps_every_row_it_ran(tmp_path):
     """The TA ½ setting's rows are keyed by its own name; a lever row run there appears with its share."""
     nll = {
-        "expert:code": {"code": 2.0, "prose": 3.0, "c": 3.0},
-        "expert:prose": {"code": 3.0, "prose": 2.0, "c": 3.0},
-        "expert:c": {"code": 3.2, "prose": 3.2, "c": 2.0},
+        **EXPERTS,
         "allgap-half:merged": {"code": 2.2, "prose": 2.4, "c": 2.2},
         "allgap-half:featcal defaults": {"code": 2.1, "prose": 2.2, "c": 2.2},
         "allgap-half:featcal, a lever": {"code": 2.0, "prose": 2.0, "c": 2.0},
