@@ -247,9 +247,11 @@ def val_kl(model, tokenizer, records: dict, teachers: dict, batch: int = 8) -> d
     return out
 
 
-def distill_one(work: Path, tokenizer, merged: Path, train: list[tuple[str, int]], records: dict, teachers: dict,
+def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]], records: dict, teachers: dict,
                 *, lr: float, steps: int, batch: int, seed: int, bf16: bool):
-    """The merge trained on (kind, index) records toward each record's expert; returns the model and its wall time.
+    """`start` (the merge, or a calibrated merge to refine) trained on (kind, index) records toward each record's expert.
+
+    Returns the model, its wall time and the per-step losses.
 
     Full fine-tuning of the layers and final norm (tied embeddings frozen, as the experts were trained), AdamW,
     warmup + cosine (``real_models._lr``), token-mean KL(expert ‖ model) per batch.
@@ -261,7 +263,7 @@ def distill_one(work: Path, tokenizer, merged: Path, train: list[tuple[str, int]
 
     torch.manual_seed(seed)
     started = time.time()
-    model = load(merged, "cpu").train()
+    model = load(start, "cpu").train()
     model.get_input_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -400,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="workdirs that ran other rows side by side (experts and merge linked to --workdir's)")
     for q in (g, t, d, r):
         q.add_argument("--workdir", type=Path, required=True)
+    for q in (g, d, r):  # train reads no setting: it only writes experts
         q.add_argument("--setting", default=SETTING, help="allgap (Task Arithmetic 1.0) or allgap-half (½, longer-trained experts)")
     args = p.parse_args(argv)
     if args.command == "gaps":
