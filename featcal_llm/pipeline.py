@@ -27,6 +27,7 @@ from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
+from featcal_llm.engine.head import experts_with_their_own_head
 from featcal_llm.engine.method import head_setting, objective_for
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.checkpoint import (
@@ -44,6 +45,7 @@ from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, 
 from featcal_llm.errors import QUIET, FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
+from featcal_llm.io.names import short_names
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -314,18 +316,37 @@ def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> R
         check_override_architecture(expert.reference, expert_configs[expert.name], f"{recipe.path}: models: {expert.name}")
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
-    for name, source in {"base_model": base, **experts}.items():  # weights (and adapter) readable, from headers, before any merge
-        source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}").close()
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
+    readers = {name: source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}")
+               for name, source in {"base_model": base, **experts}.items()}  # weights (and adapter) readable, from headers, before any merge
+    try:
+        own_heads = _own_heads(featcal, readers, architecture.embed_tokens)
+    finally:
+        for reader in readers.values():
+            reader.close()
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, featcal.modules, str(recipe.path)),
         norms=featcal.norms and not featcal.regmean,  # RegMean: norms and biases stay the merged model's
         biases=featcal.biases and not featcal.regmean,
         objective=objective_for(featcal, base_config.num_hidden_layers, str(recipe.path)),
-        head=head_setting(featcal),
+        head=head_setting(featcal, own_heads),
+        own_heads=own_heads,
     )
     return Resolved(recipe, output, merged_path, compute_device, base, experts, base_config, expert_configs, plan)
+
+
+def _own_heads(featcal, readers: dict, embed_tokens: str) -> list[str] | None:
+    """`head: auto`: the experts whose LM head is not the base's, by their short names (each head read once here, one at a
+    time); None when not asked."""
+    if not featcal.head_when_changed or featcal.regmean:
+        return None
+    base = readers.pop("base_model")
+    labels = short_names(list(readers))
+    own = [labels[name] for name in experts_with_their_own_head(base, readers, embed_tokens)]
+    runlog.stage("head: auto: " + (f"the LM head is re-fitted after the last layer, since {', '.join(own)} changed it from the base's"
+                                   if own else "the LM head stays merged, since every expert kept the base's"))
+    return own
 
 
 def _data(comm: Single, resolved: Resolved, progress: bool) -> Data:
@@ -464,7 +485,8 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     architecture = plan.architecture
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
-                  "head": None if plan.head is None else {**plan.head.values(), "untied": untied}}
+                  "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
+                  "own_heads": plan.own_heads}
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from studies.quality_setup import MIX, expert_dir
 from studies.real_data import KINDS, read_jsonl
 
 SETTING = "allgap"
@@ -144,10 +145,12 @@ def train(args) -> None:
 
     The allgap-half experts: ``prose`` and ``c`` are allgap's 32-step experts trained 64 steps more with seed 1
     (``code`` is allgap's 96-step expert, linked); the long variant trains all three of those 192 steps more, seed 3.
+    ``mix`` is the broad expert (``experts/broad``, every kind's train records interleaved).
     Each run records its steps, losses and seconds in ``W/training-<kind>.json``.
     """
     from transformers import AutoTokenizer
 
+    from studies.quality import _interleave
     from studies.real_models import finetune
 
     source, work = args.source.resolve(), args.workdir.resolve()
@@ -160,17 +163,20 @@ def train(args) -> None:
         if not link.exists():
             link.symlink_to(target)
     for kind in kinds:
-        out = work / "experts" / kind
+        out = work / expert_dir(kind)
         if out.exists():
             log(f"{out} exists: kept")
             continue
-        texts = [r["text"] for r in read_jsonl(source / "data" / kind / "train.jsonl")]
+        if kind == MIX:  # the broad expert: every kind's train records interleaved, as studies.quality trains it
+            texts = _interleave([[r["text"] for r in read_jsonl(source / "data" / k / "train.jsonl")] for k in KINDS])
+        else:
+            texts = [r["text"] for r in read_jsonl(source / "data" / kind / "train.jsonl")]
         started = time.time()
-        start = source / "base" if args.from_base else source / "experts" / kind
+        start = source / "base" if args.from_base else source / expert_dir(kind)
         info = finetune(start, tokenizer, texts, out, steps=args.steps, batch_size=args.batch, lr=args.lr, seed=args.seed,
                         log=lambda m: None, device="cpu", bf16=args.bf16, train_embeddings=args.train_embeddings)
         info.update(seconds=round(time.time() - started, 1), continued_from=str(start))
-        _save_json(work / f"training-{kind}.json", info)
+        _save_json(work / f"training-{Path(expert_dir(kind)).name}.json", info)
         log(f"{kind}: loss {info['first_loss']:.3f} → {info['last_loss']:.3f} in {info['seconds']:.0f} s")
 
 

@@ -73,7 +73,8 @@ SWEEP = ((1e-3, 0.5, 1.0), (1e-3, 0.15, 0.5), (1e-1, 0.5, 1.0), (1e-5, 0.5, 1.0)
          (1e-3, 0.5, 0.5), (1e-3, 0.5, 1.5), (1e-2, 0.85, 1.0))
 AUTO = {"lambda": "auto", "alpha": "auto", "rho": "auto"}
 STACK = "[regmean++, featcal]"  # one run of the product: RegMean++ on the linear merge, then FeatCal on its result
-HEAD = {"head": True}  # the LM head re-fitted after the last layer (λ 1e-5, α 1, ρ 0.5)
+HEAD = {"head": True}  # the LM head re-fitted after the last layer (λ 1e-5, α 1, ρ 0.5) in every run, not only where
+# an expert changed it (`head: auto`, the default)
 
 
 def sweep_name(lam: float, alpha: float, rho: float) -> str:
@@ -104,7 +105,8 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                 for kind in kinds]
     if phase == "allgap-levers":  # closed-form levers the product already has, each beside the defaults
         return [Row("featcal defaults + norms", keys={"norms": True}, settings=allgap),
-                Row("featcal defaults + head", keys=HEAD, settings=allgap)]
+                Row("featcal defaults + head", keys=HEAD, settings=allgap),
+                Row("featcal defaults, head: false", keys={"head": False}, settings=(*allgap, "broad"))]
     if phase == "core":
         return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":

@@ -108,7 +108,7 @@ def test_quick_demo_end_to_end(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(workdir / "featcal")
     tokenizer = AutoTokenizer.from_pretrained(workdir / "featcal")
     ids = tokenizer("12+35=", return_tensors="pt", add_special_tokens=False)["input_ids"]
-    assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
+    assert model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
 
     second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr

@@ -28,7 +28,7 @@ def reference_models(scenario):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # an untied head; a tied one with (1 + w) norms and soft-capped logits
 def test_the_head_update_matches_the_brute_force_and_the_layers_are_unchanged(family_scenarios, family, tmp_path):
     scenario = family_scenarios(family)
-    plain = run_recipe(scenario.write_recipe(tmp_path / "plain.yaml", output=str(tmp_path / "plain"), batch_tokens=150, dtype="float64"), progress=False)
+    plain = run_recipe(scenario.write_recipe(tmp_path / "plain.yaml", output=str(tmp_path / "plain"), batch_tokens=150, dtype="float64", head=False), progress=False)
     output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64", head=HEAD), progress=False)
     merged, base, experts, sequences = reference_models(scenario)
     cal = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8)
@@ -136,3 +136,107 @@ def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_pat
     assert state["completed_layers"] == (2 if crash_in == "calibrate_head" else 3)  # two layers, then the head
     run_recipe(recipe, force=True, progress=False)
     assert tree_hash(tmp_path / "out") == digest
+
+
+# --- head: auto (the default): re-fitted only where an expert's head is not the base's ------------------------------
+def test_a_head_differs_only_beyond_the_precision_it_is_stored_in():
+    from featcal_llm.maths.head import differs_at_stored_precision
+
+    generator = torch.Generator().manual_seed(0)
+    head = torch.randn(64, 16, generator=generator)
+    assert not differs_at_stored_precision(head.clone(), head)
+    assert not differs_at_stored_precision(head.to(torch.bfloat16), head)  # the base saved again in bf16: the same head
+    assert not differs_at_stored_precision(head.to(torch.float16), head.to(torch.bfloat16))  # two roundings of one head
+    nudged = head.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
+    assert differs_at_stored_precision(nudged, head)  # one unit in the last place, same dtype: a trained head
+    tuned = head.clone()
+    tuned[7, 2] *= 1.05
+    assert differs_at_stored_precision(tuned.to(torch.bfloat16), head)  # beyond bf16's rounding
+    assert differs_at_stored_precision(head[:-1], head)  # a resized vocabulary
+
+
+def set_tensor(directory, name: str, tensor: torch.Tensor) -> None:
+    """Replace one tensor of a (sharded) safetensors checkpoint in place."""
+    from safetensors.torch import load_file, save_file
+
+    index = directory / "model.safetensors.index.json"
+    shard = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
+    tensors = load_file(directory / shard)
+    tensors[name] = tensor.to(tensors[name].dtype).contiguous()
+    save_file(tensors, directory / shard, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def head_scenarios(tmp_path_factory):
+    """(family, experts that keep the base's head) → a scenario and its head tensor: Llama's is untied, Gemma-2's is the
+    input embedding it is tied to; the other experts keep the perturbation every weight of theirs has."""
+    from scenario import build_scenario
+    from test_exactness import FAMILIES
+
+    built = {}
+
+    def get(family, keep):
+        if (family, keep) not in built:
+            scenario = build_scenario(tmp_path_factory.mktemp(f"auto-{family}"), experts=2, layers=2, samples=8, words=(4, 10),
+                                      family=family, dtype="float64", **FAMILIES[family])
+            tensor = "lm_head.weight" if family == "llama" else "model.embed_tokens.weight"
+            for name in keep:
+                set_tensor(scenario.experts[name], tensor, read_weights(scenario.base)[tensor])
+            built[family, keep] = (scenario, tensor)
+        return built[family, keep]
+
+    return get
+
+
+def auto_recipe(scenario, path, **keys):
+    """The scenario's recipe with `head:` as a user leaves it (not written), plus `keys`."""
+    import yaml
+
+    raw = yaml.safe_load(scenario.recipe.read_text())
+    raw["featcal"].pop("head", None)
+    raw["featcal"].update(dtype="float64", **keys)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_auto_leaves_the_head_merged_where_every_expert_kept_the_base_s(head_scenarios, family, tmp_path, capsys):
+    scenario, tensor = head_scenarios(family, ("expert0", "expert1"))
+    auto = run_recipe(auto_recipe(scenario, tmp_path / "auto.yaml", output=str(tmp_path / "auto")), progress=False)
+    assert "the LM head stays merged, since every expert kept the base's" in capsys.readouterr().err
+    off = run_recipe(auto_recipe(scenario, tmp_path / "off.yaml", output=str(tmp_path / "off"), head=False), progress=False)
+    ours, without = read_weights(auto), read_weights(off)
+    assert ours.keys() == without.keys() and all(torch.equal(ours[name], without[name]) for name in ours)
+    assert torch.equal(ours[tensor], read_weights(scenario.base)[tensor])  # the merge of equal heads: the base's
+    assert "The LM head keeps the merged model's weights (`head: auto`: every expert kept the base's)." in (auto / "README.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_auto_refits_the_head_as_head_true_does_where_an_expert_trained_its_own(head_scenarios, family, tmp_path, capsys):
+    scenario, tensor = head_scenarios(family, ("expert0",))
+    auto = run_recipe(auto_recipe(scenario, tmp_path / "auto.yaml", output=str(tmp_path / "auto")), progress=False)
+    assert "head: auto: the LM head is re-fitted after the last layer, since expert1 changed it from the base's" in capsys.readouterr().err
+    always = run_recipe(auto_recipe(scenario, tmp_path / "always.yaml", output=str(tmp_path / "always"), head=True), progress=False)
+    off = run_recipe(auto_recipe(scenario, tmp_path / "off.yaml", output=str(tmp_path / "off"), head=False), progress=False)
+    ours, expected, without = read_weights(auto), read_weights(always), read_weights(off)
+    assert ours.keys() == expected.keys() and all(torch.equal(ours[name], expected[name]) for name in ours)
+    assert not torch.equal(ours["lm_head.weight"], read_weights(scenario.root / "merged").get("lm_head.weight", without[tensor]))
+    card = (auto / "README.md").read_text()
+    assert "the LM head was re-fitted the same way on the final norm's outputs (`head: auto`: `expert1` changed its LM head from the base's)" in card
+    if family == "gemma2":
+        assert json.loads((auto / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):
+    scenario, _ = head_scenarios("llama", ("expert0",))
+    import yaml
+
+    raw = yaml.safe_load(auto_recipe(scenario, tmp_path / "r.yaml").read_text())
+    for key in ("lambda", "alpha", "rho"):
+        raw["featcal"].pop(key)
+    raw["featcal"].update(method="regmean", output=str(tmp_path / "out"), token_weights=None, expert_weights=None)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    assert "head: auto" not in capsys.readouterr().err
+    assert torch.equal(read_weights(output)["lm_head.weight"], read_weights(scenario.root / "merged")["lm_head.weight"])

@@ -58,8 +58,10 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             assert featcal.method == (tuple(yaml.safe_load(row.method)) if row.method.startswith("[") else row.method)
             assert featcal.merged == merged
             for key, value in row.keys.items():
-                if key == "head":
-                    assert featcal.head is not None and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
+                if key == "head" and value is False:
+                    assert featcal.head is None
+                elif key == "head":
+                    assert featcal.head is not None and featcal.head.when == "always" and all(getattr(featcal.head, k) == v for k, v in (value if isinstance(value, dict) else {}).items())
                 elif key == "expert_weights":
                     assert featcal.balancing == value
                 elif key == "token_weights":
@@ -69,7 +71,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                 elif key != "tune":
                     assert featcal.hyper_values()[key] == value, (row.name, key)
             if "head" not in row.keys:
-                assert featcal.head is None
+                assert featcal.head_when_changed  # the default: re-fitted only where an expert changed its head
             for kind, weight in row.weights:
                 if kind in SETTINGS[setting].experts:
                     assert featcal.data[expert_dir(kind)].weight == weight

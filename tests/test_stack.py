@@ -23,7 +23,7 @@ def recipe(scenario, path, **featcal):
     """The scenario's recipe with FeatCal's keys dropped, then the given keys set (float64, small batches)."""
     raw = yaml.safe_load(scenario.recipe.read_text())
     block = raw["featcal"]
-    for key in ("lambda", "alpha", "rho", "norms", "biases"):
+    for key in ("lambda", "alpha", "rho", "norms", "biases", "head"):
         block.pop(key, None)
     block.update(batch_tokens=150, dtype="float64", **featcal)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -17,7 +17,7 @@ from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.maths.advantage import weighted_rows
-from featcal_llm.maths.head import HeadStatistics, solve_head
+from featcal_llm.maths.head import HeadStatistics, differs_at_stored_precision, solve_head
 from featcal_llm.maths.objective import Hyperparameters
 from featcal_llm.maths.stats import accumulate_gram, accumulate_moment
 
@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 def head_tensor(reader: CheckpointReader, embed_tokens: str) -> str:
     """The checkpoint's LM head: `lm_head.weight`, or the input embedding it is tied to."""
     return LM_HEAD if LM_HEAD in reader.names() else embed_tokens
+
+
+def experts_with_their_own_head(base: CheckpointReader, experts: dict[str, CheckpointReader], embed_tokens: str) -> list[str]:
+    """The experts whose LM head (or the input embedding it is tied to) is not the base's: `head: auto` re-fits the head
+    only for them, since where every expert kept the base's head the merge's head is already each expert's."""
+    reference = base.get(head_tensor(base, embed_tokens))
+    return [name for name, reader in experts.items() if differs_at_stored_precision(reader.get(head_tensor(reader, embed_tokens)), reference)]
 
 
 def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, expert_norm: torch.nn.Module) -> HeadStatistics:

@@ -55,8 +55,12 @@ def _regmean(featcal: Any, num_layers: int, where: str) -> RegMean:
     return RegMean(stream, RegMeanSetting(reduction, featcal.eps))
 
 
-def head_setting(featcal: Any) -> Hyperparameters | None:
-    """The LM head's re-fit (`head:`), FeatCal only: RegMean leaves everything outside the layers merged."""
-    if featcal.head is None or featcal.regmean:
+def head_setting(featcal: Any, own_heads: list[str] | None = None) -> Hyperparameters | None:
+    """The LM head's re-fit (`head:`), FeatCal only: RegMean leaves everything outside the layers merged.
+
+    `own_heads`: the experts whose head differs from the base's; `head: auto` re-fits only when there is one.
+    """
+    spec = featcal.head
+    if spec is None or featcal.regmean or (featcal.head_when_changed and not own_heads):
         return None
-    return Hyperparameters(featcal.head.lambda_, featcal.head.alpha, featcal.head.rho, featcal.eps)
+    return Hyperparameters(spec.lambda_, spec.alpha, spec.rho, featcal.eps)

@@ -24,6 +24,7 @@ class CalibrationPlan:
     biases: bool
     objective: FeatCal | RegMean
     head: "Hyperparameters | None" = None  # the LM head's re-fit after the last layer (FeatCal's `head:`)
+    own_heads: list[str] | None = None  # `head: auto`: the experts whose LM head differs from the base's (None: not asked)
     only: frozenset[str] | None = None  # the input groups this rank folds and solves (None: all of them)
     task_weights: dict[str, float] | None = None  # expert → its weight in the objective (`data.<expert>.weight`; None: all 1)
 

@@ -207,6 +207,11 @@ class HeadSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
+    when: Literal["auto", "always"] = Field(
+        "always", description="auto: only where an expert's LM head (or the input embedding it is tied to) is not the base's, "
+        "as stored (bit for bit, or within one unit in the last place across dtypes); always: in every run",
+        json_schema_extra={"shown_default": "`always` (`auto` when `head:` is not written)"},
+    )
     lambda_: float = Field(1e-5, alias="lambda", gt=0, description="ridge strength of the head's re-fit")
     alpha: float = Field(1.0, ge=0, le=1, description="target input mix at the head (1: each expert's own logits)")
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
@@ -270,8 +275,10 @@ class FeatCalConfig(BaseModel):
     modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
     norms: bool = Field(False, description="also update RMSNorm scales")
     head: HeadSpec | None = Field(
-        None, description="also re-fit the LM head after the last layer: true, or {lambda, alpha, rho}; a head tied to the "
-        "input embeddings becomes a tensor of its own (config tie_word_embeddings: false)"
+        default_factory=lambda: HeadSpec(when="auto"), description="also re-fit the LM head after the last layer: auto "
+        "(re-fit it where an expert's LM head, or the input embedding it is tied to, is not the base's), true (always), "
+        "false (never), or a mapping (see head:); a head tied to the input embeddings becomes a tensor of its own "
+        "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto`"},
     )
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
@@ -305,7 +312,16 @@ class FeatCalConfig(BaseModel):
             return {}
         if value is False:
             return None
+        if value == "auto":
+            return {"when": "auto"}
+        if isinstance(value, str):
+            raise ValueError(f"expected auto, true, false or a mapping {{when, lambda, alpha, rho}}, got {value!r}")
         return value
+
+    @property
+    def head_when_changed(self) -> bool:
+        """Whether the head is re-fitted only where an expert changed it (`head: auto`, the default)."""
+        return self.head is not None and self.head.when == "auto"
 
     @field_validator("method", mode="before")
     @classmethod
@@ -339,7 +355,7 @@ class FeatCalConfig(BaseModel):
         update: dict[str, Any] = {"method": method}
         if index == 0:
             update.update(output=intermediate, eval=None, token_weights=None, expert_weights=None,
-                          **{key: FeatCalConfig.model_fields[key].default for key in FEATCAL_ONLY})
+                          **{key: FeatCalConfig.model_fields[key].get_default(call_default_factory=True) for key in FEATCAL_ONLY})
         else:
             update.update(merged=intermediate, reduction=None)
         stage = self.model_copy(update=update)

@@ -98,12 +98,20 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> st
         if biases:
             sentences.append("The projections' biases were updated with their weights." if calibrated["biases"]
                              else "The projections' biases keep the merged model's values.")
-        head = calibrated.get("head")
+        head, own_heads = calibrated.get("head"), calibrated.get("own_heads")
+        why = "" if not own_heads else f" (`head: auto`: {_listed(own_heads)} changed {'its' if len(own_heads) == 1 else 'their'} LM head from the base's)"
         if head is not None:
-            sentences.append("After the last layer, the LM head was re-fitted the same way on the final norm's outputs"
-                             + (" (it was tied to the input embeddings and is now a tensor of its own, config `tie_word_embeddings: false`)."
+            sentences.append("After the last layer, the LM head was re-fitted the same way on the final norm's outputs" + why
+                             + (": it was tied to the input embeddings and is now a tensor of its own, config `tie_word_embeddings: false`."
                                 if head["untied"] else "."))
+        elif own_heads is not None:
+            sentences.append("The LM head keeps the merged model's weights (`head: auto`: every expert kept the base's).")
     return " ".join(sentences)
+
+
+def _listed(names: list[str]) -> str:
+    quoted = [f"`{name}`" for name in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
 def _how_text(method: str, biases: bool) -> str:

@@ -24,6 +24,20 @@ from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver, anchor, task_weigh
 HEAD_ROWS = 16384  # vocabulary rows per solve block
 
 
+def differs_at_stored_precision(tensor: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether `tensor` is not `reference` as stored: bit for bit in one dtype; across dtypes, by more than one unit in
+    the last place of the coarser one (a float32 base saved again in bfloat16 is the same head, a fine-tuned one is not).
+    """
+    if tensor.shape != reference.shape:
+        return True
+    if tensor.dtype == reference.dtype:
+        return not torch.equal(tensor, reference)
+    coarse = max(tensor.dtype, reference.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+    ulp, tiny = torch.finfo(coarse).eps, torch.finfo(coarse).tiny
+    a, b = tensor.to(torch.float64), reference.to(torch.float64)
+    return bool(((a - b).abs() > ulp * torch.maximum(a.abs(), b.abs()) + tiny).any())
+
+
 @dataclass
 class HeadStatistics:
     """One expert's sums over its non-padding tokens (float64)."""
