@@ -90,8 +90,8 @@ def expert_weights_key() -> str:
 
 
 def paper_rule() -> dict:
-    """The paper's rule: every expert and every token weighs 1."""
-    return {expert_weights_key(): "equal", "token_weights": "equal"}
+    """The paper's rule: every expert and every token weighs 1, and the LM head stays merged."""
+    return {expert_weights_key(): "equal", "token_weights": "equal", "head": False}
 
 
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:

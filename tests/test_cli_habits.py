@@ -120,7 +120,7 @@ def test_recipes_lists_and_prints_the_shipped_ones():
             "mergebench-llama-3.2-3b-ta-paper", "mergebench-llama-3.1-8b-ta-paper"} <= set(names), names
     assert "mergebench-llama-3.2-3b-ta-paper         The paper's setting, FeatCal on MergeBench, Llama-3.2-3B-Instruct (the FeatCal paper, Table 4)" in listing.output.splitlines()
     paper = yaml.safe_load(CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-paper"]).output)["featcal"]
-    assert (paper["expert_weights"], paper["token_weights"]) == ("equal", "equal")
+    assert (paper["expert_weights"], paper["token_weights"], paper["head"]) == ("equal", "equal", False)
     text = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcal"]).output
     assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
     wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
