@@ -41,7 +41,8 @@ def effective(block: dict | None) -> dict | None:
     config = FeatCalConfig.model_validate(block)
     return {"expert_weights": config.balancing,
             "token_weights": config.token_weighting, "lambda": config.lambda_, "alpha": config.alpha,
-            "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()}}
+            "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()},
+            "head": "false" if config.head is None else config.head.when}
 
 
 def _row(nll: dict, merged: dict, own: dict, **extra) -> dict:

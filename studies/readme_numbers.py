@@ -27,10 +27,14 @@ ROWS = [
     ("allgap-half.json", "featcal paper rule", "+ FeatCal, the paper's weights (every expert and token alike)"),
     ("allgap-half.json", "featcal defaults", "+ FeatCal, featcal-llm defaults"),
 ]
-# the defaults' share in the study's other all-gap settings: (results file, how the README names the setting)
+# the defaults' share in the study's other all-gap settings: (results file, how the README names the setting,
+# a second row of that file to quote beside the defaults or None, how the README names that row)
 OTHER_SETTINGS = [
-    ("allgap-half-long.json", "the same at weight ½ with every expert trained three times longer"),
-    ("allgap.json", "weight 1 per expert, where the merge interferes so badly that it is worse than the base on two domains"),
+    ("allgap-half-embeddings.json", "the same at weight ½ with experts that also trained their embeddings, which SmolLM2 "
+     "ties to its LM head, so that `head: auto` re-fits the head", "featcal defaults, head: false", "the head left merged"),
+    ("allgap-half-long.json", "the same at weight ½ with every expert trained three times longer", None, None),
+    ("allgap.json", "weight 1 per expert, where the merge interferes so badly that it is worse than the base on two domains",
+     None, None),
 ]
 
 
@@ -65,8 +69,8 @@ def render(results_dir: Path = RESULTS) -> str:
         lines.append(f"| {name} | " + " | ".join(_cell(row, domains)) + " |")
     lines.append("")
     lines.append("The experts lead this merge on their own text by " + _leads(loaded[ROWS[0][0]]) + ". The defaults in the study's other "
-                 "all-gap settings: " + "; ".join(_other(json.loads((results_dir / file).read_text(encoding="utf-8")), label)
-                                                  for file, label in OTHER_SETTINGS) + ".")
+                 "all-gap settings: " + "; ".join(_other(json.loads((results_dir / file).read_text(encoding="utf-8")), *named)
+                                                  for file, *named in OTHER_SETTINGS) + ".")
     return "\n".join(lines)
 
 
@@ -75,9 +79,10 @@ def _leads(results: dict) -> str:
     return ", ".join(f"{gap[d]:.3f} ({d})" for d in results["setting"]["experts"]) + " nats a token"
 
 
-def _other(results: dict, label: str) -> str:
+def _other(results: dict, label: str, beside: str | None, beside_label: str | None) -> str:
     row = results["rows"]["featcal defaults"]
-    return f"{label} (leads {_leads(results)}): recovered {row['share']:.2f}"
+    text = f"{label} (leads {_leads(results)}): recovered {row['share']:.2f}"
+    return text if beside is None else text + f" ({beside_label}: {results['rows'][beside]['share']:.2f})"
 
 
 def readme_block(text: str) -> str:
