@@ -317,9 +317,10 @@ def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> R
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
-    readers = {name: source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}")
-               for name, source in {"base_model": base, **experts}.items()}  # weights (and adapter) readable, from headers, before any merge
-    try:
+    readers = {}
+    try:  # weights (and adapter) readable, from headers, before any merge
+        for name, source in {"base_model": base, **experts}.items():
+            readers[name] = source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}")
         own_heads = _own_heads(featcal, readers, architecture.embed_tokens)
     finally:
         for reader in readers.values():
@@ -341,9 +342,9 @@ def _own_heads(featcal, readers: dict, embed_tokens: str) -> list[str] | None:
     time); None when not asked."""
     if not featcal.head_when_changed or featcal.regmean:
         return None
-    base = readers.pop("base_model")
-    labels = short_names(list(readers))
-    own = [labels[name] for name in experts_with_their_own_head(base, readers, embed_tokens)]
+    experts = {name: reader for name, reader in readers.items() if name != "base_model"}
+    labels = short_names(list(experts))
+    own = [labels[name] for name in experts_with_their_own_head(readers["base_model"], experts, embed_tokens)]
     runlog.stage("head: auto: " + (f"the LM head is re-fitted after the last layer, since {', '.join(own)} changed it from the base's"
                                    if own else "the LM head stays merged, since every expert kept the base's"))
     return own
