@@ -27,7 +27,7 @@ from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
-from featcal_llm.engine.head import experts_with_their_own_head
+from featcal_llm.engine.head import experts_that_changed_the_head
 from featcal_llm.engine.method import head_setting, objective_for
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.checkpoint import (
@@ -45,7 +45,6 @@ from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, 
 from featcal_llm.errors import QUIET, FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
-from featcal_llm.io.names import short_names
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -321,7 +320,7 @@ def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> R
     try:  # weights (and adapter) readable, from headers, before any merge
         for name, source in {"base_model": base, **experts}.items():
             readers[name] = source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}")
-        own_heads = _own_heads(featcal, readers, architecture.embed_tokens)
+        own_heads = experts_that_changed_the_head(featcal, readers, architecture.embed_tokens)
     finally:
         for reader in readers.values():
             reader.close()
@@ -335,19 +334,6 @@ def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> R
         own_heads=own_heads,
     )
     return Resolved(recipe, output, merged_path, compute_device, base, experts, base_config, expert_configs, plan)
-
-
-def _own_heads(featcal, readers: dict, embed_tokens: str) -> list[str] | None:
-    """`head: auto`: the experts whose LM head is not the base's, by their short names (each head read once here, one at a
-    time); None when not asked."""
-    if not featcal.head_when_changed or featcal.regmean:
-        return None
-    experts = {name: reader for name, reader in readers.items() if name != "base_model"}
-    labels = short_names(list(experts))
-    own = [labels[name] for name in experts_with_their_own_head(readers["base_model"], experts, embed_tokens)]
-    runlog.stage("head: auto: " + (f"the LM head is re-fitted after the last layer, since {', '.join(own)} changed it from the base's"
-                                   if own else "the LM head stays merged, since every expert kept the base's"))
-    return own
 
 
 def _data(comm: Single, resolved: Resolved, progress: bool) -> Data:

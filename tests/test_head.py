@@ -113,6 +113,9 @@ def test_regmean_refuses_the_head(family_scenarios, tmp_path):
         recipe.write_text(text)
     with pytest.raises(FeatCalError, match=r"featcal\.head: only method featcal reads it"):
         run_recipe(recipe, progress=False)
+    recipe.write_text(recipe.read_text().replace("head: {}", "head: false").replace("head: true", "head: false"))
+    assert "head: false" in recipe.read_text()
+    run_recipe(recipe, progress=False)  # what RegMean does anyway: said, not refused
 
 
 @pytest.mark.parametrize("crash_in", ["calibrate_head", "output_divergence"])  # before the head is staged, after it

@@ -8,14 +8,16 @@ one (FeatCal leaves it as it is); expert i's features go through its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from featcal_llm import runlog
 from featcal_llm.engine.drift import LM_HEAD, final_norm
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.names import short_names
 from featcal_llm.maths.advantage import weighted_rows
 from featcal_llm.maths.head import HeadStatistics, differs_at_stored_precision, solve_head
 from featcal_llm.maths.objective import Hyperparameters
@@ -35,6 +37,21 @@ def experts_with_their_own_head(base: CheckpointReader, experts: dict[str, Check
     only for them, since where every expert kept the base's head the merge's head is already each expert's."""
     reference = base.get(head_tensor(base, embed_tokens))
     return [name for name, reader in experts.items() if differs_at_stored_precision(reader.get(head_tensor(reader, embed_tokens)), reference)]
+
+
+def experts_that_changed_the_head(featcal: Any, readers: dict[str, CheckpointReader], embed_tokens: str) -> list[str] | None:
+    """`head: auto`: the experts (by short name) whose LM head is not the base's, said in the log; None when not asked.
+
+    `readers`: the base (`base_model`) and every expert, opened; each head is read once here, one at a time.
+    """
+    if not featcal.head_when_changed or featcal.regmean:
+        return None
+    experts = {name: reader for name, reader in readers.items() if name != "base_model"}
+    labels = short_names(list(experts))
+    own = [labels[name] for name in experts_with_their_own_head(readers["base_model"], experts, embed_tokens)]
+    runlog.stage("head: auto: " + (f"the LM head is re-fitted after the last layer, since {', '.join(own)} changed it from the base's"
+                                   if own else "the LM head stays merged, since every expert kept the base's"))
+    return own
 
 
 def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, expert_norm: torch.nn.Module) -> HeadStatistics:
