@@ -23,6 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
+from featcal_llm.engine.teachers import let_the_merge_teach
 from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
@@ -289,12 +290,12 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     data = _data(comm, resolved, progress)
     opened = _open_merged(comm, resolved, data)
     context = _run_context(comm, resolved, data, opened, timer)
-    token_weights, coverage = _weights(context, resolved, data, opened)
+    lead_summary, coverage, taught = _weights(context, resolved, data, opened)
     replacements = calibrate(context, opened.num_layers, progress and comm.is_main)
     comm.barrier()
     if not comm.is_main:
         return RunOutcome(resolved.output, opened.models.merged.directory)
-    return _write_outputs(context, resolved, data, opened, replacements, token_weights, coverage)
+    return _write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught)
 
 
 def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> Resolved:
@@ -401,7 +402,8 @@ def resolved_settings(featcal) -> dict[str, Any]:
     """The block as the run uses it: every default filled in (a default changed between a crash and its resume must not
     resume under the other setting), minus what does not change the weights."""
     settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license"})
-    settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, tune=featcal.tune_settings().model_dump(mode="json"),
+    settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, trailing_experts=featcal.trailing,
+                    tune=featcal.tune_settings().model_dump(mode="json"),
                     holds_out=featcal.holds_out)
     return settings
 
@@ -420,32 +422,40 @@ def _run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, t
 
 
 def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):
-    """The two passes before the layers: each expert's weight (coverage) and each token's (its expert's lead).
+    """The passes before the layers: each expert's weight (coverage), each token's (its expert's lead), and who teaches
+    each expert's records (`trailing_experts:`).
 
     In one process their results are kept in the staging area with the layers, so a resumed run reuses them.
     """
     featcal, staging = resolved.recipe.featcal, context.staging
+    where = f"{resolved.recipe.path}: featcal"
     cached = staging.load_pass("weights") if context.comm.world == 1 else None
     if cached is not None:
         runlog.stage("expert and token weights: reused from the saved progress")
         weights, coverage = cached["weights"], cached["coverage"]
-        token_weights = None if cached["token_roots"] is None else TokenWeights(cached["token_roots"], cached["token_summary"])
+        token_weights = None if cached["token_summary"] is None else TokenWeights(cached["token_roots"], cached["token_summary"], cached["mean_leads"])
     else:
         weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
         token_weights = None
-        if featcal.token_weighting == "expert_lead":
-            token_weights = advantage_weights(context, opened.num_layers, f"{resolved.recipe.path}: featcal.token_weights")
+        if featcal.token_weighting == "expert_lead" or featcal.trailing == "merge":  # one pass measures both
+            token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights")
         if context.comm.world == 1:
             staging.save_pass("weights", {"weights": weights, "coverage": coverage,
                                           "token_roots": None if token_weights is None else token_weights.roots,
-                                          "token_summary": None if token_weights is None else token_weights.summary})
+                                          "token_summary": None if token_weights is None else token_weights.summary,
+                                          "mean_leads": None if token_weights is None else token_weights.signed})
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
-    if token_weights is not None:
+    if featcal.token_weighting == "expert_lead":
         context.token_roots = token_weights.roots
-    return token_weights, (weights, coverage)
+    taught = {}
+    if featcal.trailing == "merge":
+        taught = let_the_merge_teach(context, token_weights.signed, f"{where}.trailing_experts")
+    lead_summary = token_weights.summary if featcal.token_weighting == "expert_lead" else None
+    return lead_summary, (weights, coverage), taught
 
 
-def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, token_weights, coverage) -> RunOutcome:
+def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
+                   taught: dict[str, float]) -> RunOutcome:
     """The checkpoint, its report, tuning table and card, written beside the output and renamed into place; then `eval:`."""
     recipe, featcal, plan, staging = resolved.recipe, resolved.recipe.featcal, context.plan, context.staging
     models, output, runner = opened.models, resolved.output, opened.runner
@@ -473,13 +483,13 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
-                  "own_heads": plan.own_heads}
+                  "own_heads": plan.own_heads, "taught_by_merge": taught}
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": runner.dtype, "stats_dtype": runner.stats_dtype},
                resolved.sources, calibrated, start_records(recipe), weights, covered, sampling_records(recipe),
-               None if token_weights is None else token_weights.summary)
+               lead_summary)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None

@@ -125,7 +125,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
 METHODS = ("featcal", "regmean", "regmean++")
 STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
-FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head")
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head", "trailing_experts")
 REGMEAN_ONLY = ("reduction",)
 
 
@@ -253,6 +253,15 @@ class FeatCalConfig(BaseModel):
         "model and each expert run over its records once, before the layers); equal: every token 1 (RegMean's default, and the paper's)",
         json_schema_extra={"shown_default": "`expert_lead` (regmean, regmean++: `equal`)"},
     )
+    trailing_experts: Literal["merge", "keep"] | None = Field(
+        None, description="what the records of an expert that trails the merged model on them are calibrated toward (its "
+        "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged, "
+        "is 0 or below). merge (FeatCal's default): the merged model's own features and LM head, as if the merge were that "
+        "expert, so an expert that is behind the merge on its own text cannot pull the merge back; keep: the expert's, as for "
+        "every other expert (the paper's). The lead comes from the token-weight pass (the merged model and each expert run "
+        "over its records once, before the layers)",
+        json_schema_extra={"shown_default": "`merge` (regmean, regmean++: `keep`)"},
+    )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
@@ -373,6 +382,11 @@ class FeatCalConfig(BaseModel):
     def token_weighting(self) -> str:
         """The `token_weights:` the run uses: the recipe's, else expert_lead for FeatCal and equal for RegMean."""
         return self.token_weights or ("equal" if self.regmean else "expert_lead")
+
+    @property
+    def trailing(self) -> str:
+        """The `trailing_experts:` the run uses: the recipe's, else merge for FeatCal and keep for RegMean."""
+        return self.trailing_experts or ("keep" if self.regmean else "merge")
 
     @property
     def merge_seed(self) -> int:

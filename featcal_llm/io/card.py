@@ -254,7 +254,7 @@ def write_card(
     if calibrated is not None:
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:
-            settings |= {"token_weights": featcal.token_weighting, "norms": calibrated["norms"]}
+            settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing, "norms": calibrated["norms"]}
             if biases:  # a model without biases has nothing this setting could change
                 settings["biases"] = calibrated["biases"]
             if calibrated.get("head") is not None:
@@ -286,12 +286,17 @@ def write_card(
         exact["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
     if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
         exact["expert_lead"] = {names[task]: summary for task, summary in advantage.items()}
+    taught = (calibrated or {}).get("taught_by_merge") or {}
+    if taught:  # expert → its mean lead over the merge on its own records (≤ 0): the merge taught those records instead
+        exact["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
     front["featcal"] |= exact
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(
         f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
+        + (f"; it predicts its own records worse than the merged model (by {-taught[e.name]:.3g} nats a token), so its records "
+           "were calibrated toward the merged model (`trailing_experts: merge`)" if e.name in taught else "")
         for e in recipe.experts
     )
     setting_lines = "\n".join(f"- {key}: {value}" for key, value in rounded(settings).items())

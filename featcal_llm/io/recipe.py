@@ -92,7 +92,8 @@ def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
 def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -> None:
     """What the block says wrong on its own, across its keys: method-specific keys, tuning, weights, prompts files."""
     wrong = [] if featcal.stacked else [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set
-                                        and not (key == "head" and featcal.head is None)]  # `head: false` is what RegMean does
+                                        and not (key == "head" and featcal.head is None)  # `head: false` is what RegMean does
+                                        and not (key == "trailing_experts" and featcal.trailing_experts == "keep")]  # so is keep
     for key in wrong:
         owner = "regmean and regmean++" if not featcal.regmean else "featcal"
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))

@@ -27,9 +27,24 @@ from __future__ import annotations
 import torch
 
 
+def leads(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """expert's − merge's log-probability of the next token where `scored`, else 0 (same shape); negative where it trails."""
+    return (expert_log_probs - merged_log_probs) * scored
+
+
 def advantages(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """a_t = max(0, expert's − merge's log-probability of the next token) where `scored`, else 0 (same shape)."""
-    return (expert_log_probs - merged_log_probs).clamp(min=0.0) * scored
+    return leads(expert_log_probs, merged_log_probs, scored).clamp(min=0.0)
+
+
+def trails(lead_sum: float) -> bool:
+    """Whether an expert is behind the merge on its own records: its summed lead over their scored tokens is not above 0.
+
+    Such an expert knows nothing of its text that the merge lacks, on average;
+    pulling the merge toward it can only pull the merge back
+    (`trailing_experts: merge` lets the merge teach its records instead).
+    """
+    return lead_sum <= 0.0
 
 
 ADVANTAGE_SHARE = 0.5  # of each token's weight; the rest is 1 for every token

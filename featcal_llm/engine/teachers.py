@@ -1,0 +1,72 @@
+"""`trailing_experts: merge`: the merged model teaches the records of an expert that is behind it on them.
+
+FeatCal pulls the merge's features toward each expert's on that expert's
+records. Where the expert predicts its own records worse than the merge does
+(its mean lead over the merge at predicting the next token, from the
+token-weight pass, is 0 or below), that pull moves the merge toward what it
+already does better: calibrating makes it worse on that text. The token
+weights' ½ floor keeps half of the pull on every token, and the head's re-fit
+(α 1: each expert's own logits) carries it straight to the output.
+
+Such an expert's records are calibrated toward the merged model instead, as if
+the merged checkpoint were that expert: its streams, layers, final norm and LM
+head are the merge's, and its tokens weigh alike (the merge has no lead over
+itself). The records still count, with the expert's weight, so the layers
+keep doing on that text what the merge did there while the other experts pull
+them elsewhere. An expert that leads the merge on its records is untouched,
+so where every expert leads, the run is the same as with `keep`, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from featcal_llm import runlog
+from featcal_llm.engine.context import Models
+from featcal_llm.engine.streams import TokenBatch
+from featcal_llm.errors import warn
+from featcal_llm.io.names import short_names
+from featcal_llm.maths.advantage import trails
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
+
+
+def trailing_experts(mean_leads: dict[str, float]) -> dict[str, float]:
+    """The experts behind the merge on their own records, with their mean lead (nats a token, 0 or below)."""
+    return {task: lead for task, lead in mean_leads.items() if trails(lead)}
+
+
+def taught_by_the_merge(models: Models, tasks: list[str] | dict[str, float]) -> Models:
+    """`models` with the merged checkpoint in place of each of `tasks`' experts (the merge, the base and the rest as they are)."""
+    return replace(models, experts={task: models.merged if task in tasks else reader for task, reader in models.experts.items()})
+
+
+def alike(batches: list[TokenBatch]) -> list[torch.Tensor]:
+    """√w = 1 on every kept token, 0 on padding: the token weights of records the merge teaches."""
+    return [batch.keep.to(torch.float64) for batch in batches]
+
+
+def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: str) -> dict[str, float]:
+    """Swap in the merge as the teacher of every trailing expert's records (ctx.models, ctx.token_roots); returns them."""
+    behind = trailing_experts(mean_leads)
+    names = short_names(list(mean_leads))
+    if not behind:
+        runlog.stage("trailing_experts: merge: every expert leads the merge on its own records, so each teaches its own")
+        return behind
+    ctx.models = taught_by_the_merge(ctx.models, behind)
+    if ctx.token_roots is not None:
+        ctx.token_roots = {task: alike(ctx.batches[task]) if task in behind else roots for task, roots in ctx.token_roots.items()}
+    runlog.stage("trailing_experts: merge: the merged model teaches the records of "
+                 + ", ".join(f"{names[task]} (behind it by {-lead:.3f} nats a token)" for task, lead in behind.items())
+                 + ", as those experts predict their own records worse than the merge does")
+    if len(behind) == len(mean_leads):
+        warn(f"{where}: every expert predicts its own records worse than the merged model, so the calibrated model stays near "
+             "the merge; check that each expert's data is its kind of text, or set trailing_experts: keep")
+    return behind
+
+
+__all__ = ["alike", "let_the_merge_teach", "taught_by_the_merge", "trailing_experts"]

@@ -1,0 +1,151 @@
+"""`trailing_experts:`: the merge teaches the records of an expert that predicts them worse than the merge does.
+
+The scenario's expert0 is fine-tuned 24 steps on its records and leads the merge there; expert1, 6 steps, trails it
+(both measured here from the whole models' forward, independently of the product's pass). The reference is the brute
+force with the merged model in expert1's place and expert1's tokens weighed alike; the product's updates must match it
+to 1e-8, and be far from the brute force that keeps expert1 as its teacher.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from reference import advantage_token_weights, brute_force_featcal, brute_force_head, mean_leads
+from test_coverage import card_front, exact_weights, trained_scenario
+from test_exactness import TOLERANCE, delta_error, read_weights
+from test_head import HEAD, reference_models
+
+from featcal_llm.engine.teachers import trailing_experts
+from featcal_llm.errors import FeatCalError
+from featcal_llm.pipeline import run_recipe
+from featcal_llm.io.validate import validate_recipe
+
+
+def _updates_error(output, reference: dict[str, torch.Tensor], merged_dir, layers_only: bool = False) -> float:
+    """The worst ΔW error over the tensors the run changed (over the decoder layers' alone with `layers_only`)."""
+    ours, merged = read_weights(output), read_weights(merged_dir)
+    changed = [name for name in ours if not torch.equal(ours[name], merged[name]) and (not layers_only or ".layers." in name)]
+    assert changed
+    return max(delta_error(ours[name], reference[name], merged[name]) for name in changed)
+
+
+@pytest.fixture(scope="module")
+def lead_and_trail(tmp_path_factory):
+    """The scenario, its models and records in float64, and the leads measured from the whole models' forward."""
+    root = tmp_path_factory.mktemp("trailing")
+    scenario = trained_scenario(root / "scenario", "llama", (24, 6))
+    run_recipe(scenario.write_recipe(root / "merge.yaml", output=str(root / "first")), progress=False)  # writes the merge
+    merged, base, experts, sequences = reference_models(scenario)
+    return scenario, merged, base, experts, sequences, mean_leads(merged, experts, sequences)
+
+
+def test_the_scenario_has_one_expert_ahead_of_the_merge_and_one_behind(lead_and_trail):
+    *_, leads = lead_and_trail
+    first, second = leads.values()
+    assert first > 0.05 and second < -0.05, leads
+    assert list(trailing_experts(leads)) == [list(leads)[1]]
+    assert trailing_experts({"a": 0.0, "b": 1e-12}) == {"a": 0.0}  # no lead at all is no reason to pull toward it
+
+
+def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_trail, tmp_path):
+    scenario, merged, base, experts, sequences, leads = lead_and_trail
+    first, second = experts
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              token_weights="expert_lead", head=HEAD, trailing_experts=None), progress=False)  # the default
+    weights = advantage_token_weights(merged, experts, sequences)
+    teachers = {first: experts[first], second: merged}
+    alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
+    cal = brute_force_featcal(merged, base, teachers, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=alike)
+    reference = {**cal.state_dict(), "lm_head.weight": brute_force_head(cal, merged, base, teachers, sequences, HEAD["lambda"], HEAD["alpha"],
+                                                                        HEAD["rho"], 1e-8, token_weights=alike)}
+    error = _updates_error(output, reference, scenario.root / "merged")
+    kept = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
+    print(f"updates within {error:.1e} of the brute force with the merge teaching {second}; "
+          f"{_updates_error(output, kept, scenario.root / 'merged', layers_only=True):.1e} from the one that keeps it")
+    assert error <= TOLERANCE
+    assert _updates_error(output, kept, scenario.root / "merged", layers_only=True) > 1e-2  # the lever changes the updates
+    front = card_front(output)["featcal"]
+    assert front["settings"]["trailing_experts"] == "merge"
+    assert list(front["taught_by_merge"]) == ["expert1"]
+    assert abs(exact_weights(output)["taught_by_merge"]["expert1"] - leads[second]) < 1e-10
+    readme = (output / "README.md").read_text()
+    assert "`expert1`" in readme and "so its records were calibrated toward the merged model (`trailing_experts: merge`)" in readme
+
+
+def test_keep_calibrates_toward_every_expert_and_leading_experts_change_nothing(lead_and_trail, tmp_path, capsys):
+    scenario, merged, base, experts, sequences, _ = lead_and_trail
+    weights = advantage_token_weights(merged, experts, sequences)
+    kept = run_recipe(scenario.write_recipe(tmp_path / "k.yaml", output=str(tmp_path / "keep"), batch_tokens=150, dtype="float64",
+                                            token_weights="expert_lead", trailing_experts="keep"), progress=False)
+    reference = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
+    assert _updates_error(kept, reference, scenario.root / "merged") <= TOLERANCE
+    assert "taught_by_merge" not in card_front(kept)["featcal"]
+    # expert0 alone leads: `merge` changes nothing, bit for bit, and says so
+    only_first = yaml.safe_load(scenario.recipe.read_text())
+    only_first["models"] = only_first["models"][:1]
+    only_first["featcal"]["data"] = dict(list(only_first["featcal"]["data"].items())[:1])
+    runs = {}
+    for rule in ("merge", "keep"):
+        only_first["featcal"].update(output=str(tmp_path / f"one-{rule}"), merged=str(tmp_path / "merged-one"), batch_tokens=150,
+                                     dtype="float64", token_weights="expert_lead", trailing_experts=rule)
+        (tmp_path / f"{rule}.yaml").write_text(yaml.safe_dump(only_first, sort_keys=False))
+        runs[rule] = read_weights(run_recipe(tmp_path / f"{rule}.yaml", progress=False))
+    assert all(torch.equal(runs["merge"][name], runs["keep"][name]) for name in runs["keep"])
+    assert "every expert leads the merge on its own records" in capsys.readouterr().err
+
+
+def test_equal_token_weights_still_let_the_merge_teach(lead_and_trail, tmp_path):
+    """The lead is measured by the same pass when tokens weigh alike; only the teacher changes."""
+    scenario, merged, base, experts, sequences, _ = lead_and_trail
+    first, second = experts
+    output = run_recipe(scenario.write_recipe(tmp_path / "e.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              trailing_experts="merge"), progress=False)
+    reference = brute_force_featcal(merged, base, {first: experts[first], second: merged}, sequences, 1e-3, 0.3, 0.5, 1e-8).state_dict()
+    assert _updates_error(output, reference, scenario.root / "merged") <= TOLERANCE
+    front = card_front(output)["featcal"]
+    assert front["settings"]["token_weights"] == "equal" and "expert_lead" not in front and list(front["taught_by_merge"]) == ["expert1"]
+
+
+def test_every_expert_behind_the_merge_is_warned_about(tmp_path, capsys):
+    """One expert merged at weight 1 is the merge itself: it has no lead, so the merge teaches its records (the same run)."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=1, layers=1, samples=4, words=(4, 10), dtype="float64")
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["models"][0]["parameters"]["weight"] = 1.0
+    recipe["featcal"].update(output=str(tmp_path / "out"), trailing_experts="merge")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run_recipe(tmp_path / "r.yaml", progress=False)
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert any("featcal.trailing_experts: every expert predicts its own records worse than the merged model" in line for line in warning), warning
+
+
+@pytest.mark.parametrize("featcal, message", [
+    ({"trailing_experts": "expert"}, r"featcal\.trailing_experts.*'merge' or 'keep'"),
+    ({"trailing_experts": "merge", "method": "regmean", "lambda": None, "alpha": None, "rho": None, "head": None},
+     r"featcal\.trailing_experts: only method featcal reads it \(method is regmean\)"),
+])
+def test_bad_trailing_experts_are_one_line(tmp_path, featcal, message):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"].update(output=str(tmp_path / "out"), **featcal)
+    recipe["featcal"] = {k: v for k, v in recipe["featcal"].items() if v is not None}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with pytest.raises(FeatCalError, match=message) as error:
+        run_recipe(tmp_path / "r.yaml", progress=False)
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_regmean_accepts_keep_which_is_what_it_does(tmp_path):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"].update(output=str(tmp_path / "out"), method="regmean", trailing_experts="keep", token_weights="equal")
+    for key in ("lambda", "alpha", "rho", "head"):
+        recipe["featcal"].pop(key)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert validate_recipe(tmp_path / "r.yaml") == []
