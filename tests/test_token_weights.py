@@ -108,16 +108,22 @@ def test_the_head_re_fit_weighs_tokens_alike(family_scenarios, tmp_path):
     assert delta_error(read_weights(output)["lm_head.weight"], expected, merged_head) <= TOLERANCE
 
 
-def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
-    """One expert merged at weight 1 is the merge itself: it is ahead on no token, so its tokens weigh alike."""
+def merge_of_one_expert(tmp_path, layers: int, samples: int, **featcal) -> tuple[dict, object]:
+    """The recipe (raw) and its path for one expert merged at weight 1: the merge is the expert itself."""
     from scenario import build_scenario
 
-    scenario = build_scenario(tmp_path / "scenario", experts=1, layers=2, samples=6, words=(4, 10), dtype="float64")
+    scenario = build_scenario(tmp_path / "scenario", experts=1, layers=layers, samples=samples, words=(4, 10), dtype="float64")
     recipe = yaml.safe_load(scenario.recipe.read_text())
     recipe["models"][0]["parameters"]["weight"] = 1.0
-    recipe["featcal"].update(output=str(tmp_path / "out"), token_weights="expert_lead")
+    recipe["featcal"].update(output=str(tmp_path / "out"), **featcal)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    return recipe, tmp_path / "r.yaml"
+
+
+def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
+    """One expert merged at weight 1 is the merge itself: it is ahead on no token, so its tokens weigh alike."""
+    recipe, path = merge_of_one_expert(tmp_path, 2, 6, token_weights="expert_lead")
+    output = run_recipe(path, progress=False)
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert any("featcal.token_weights: expert" in line and "predicts none of its records' tokens better than the merge" in line
                for line in warning), warning

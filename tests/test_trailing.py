@@ -109,14 +109,9 @@ def test_equal_token_weights_still_let_the_merge_teach(lead_and_trail, tmp_path)
 
 def test_every_expert_behind_the_merge_is_warned_about(tmp_path, capsys):
     """One expert merged at weight 1 is the merge itself: it has no lead, so the merge teaches its records (the same run)."""
-    from scenario import build_scenario
+    from test_token_weights import merge_of_one_expert
 
-    scenario = build_scenario(tmp_path / "scenario", experts=1, layers=1, samples=4, words=(4, 10), dtype="float64")
-    recipe = yaml.safe_load(scenario.recipe.read_text())
-    recipe["models"][0]["parameters"]["weight"] = 1.0
-    recipe["featcal"].update(output=str(tmp_path / "out"), trailing_experts="merge")
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    run_recipe(tmp_path / "r.yaml", progress=False)
+    run_recipe(merge_of_one_expert(tmp_path, 1, 4, trailing_experts="merge")[1], progress=False)
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert any("featcal.trailing_experts: every expert predicts its own records worse than the merged model" in line for line in warning), warning
 
