@@ -90,11 +90,8 @@ def expert_weights_key() -> str:
 
 
 def paper_rule() -> dict:
-    """The paper's rule: every expert and every token weighs 1, every expert teaches its own records, the head stays merged."""
-    from featcal_llm.io.block import FeatCalConfig
-
-    keep = {"trailing_experts": "keep"} if "trailing_experts" in FeatCalConfig.model_fields else {}
-    return {expert_weights_key(): "equal", "token_weights": "equal", "head": False, **keep}
+    """The paper's rule: every expert and every token weighs 1, and the LM head stays merged."""
+    return {expert_weights_key(): "equal", "token_weights": "equal", "head": False}
 
 
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
@@ -110,7 +107,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
         return [Row("featcal defaults + norms", keys={"norms": True}, settings=allgap),
                 Row("featcal defaults + head", keys=HEAD, settings=allgap),
                 Row("featcal defaults, head: false", keys={"head": False}, settings=(*allgap, "broad")),
-                Row("featcal defaults, trailing_experts: keep", keys={"trailing_experts": "keep"}, settings=(*allgap, "broad"))]
+                Row("featcal defaults + trailing_experts: merge", keys={"trailing_experts": "merge"}, settings=(*allgap, "broad"))]
     if phase == "core":
         return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":

@@ -43,7 +43,6 @@ def test_a_default_run_resumes_to_the_same_bytes_without_running_its_passes_agai
     assert passes == {"experts": 2, "tokens": 2}
     front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---")[1])["featcal"]
     assert front["coverage_nll"] and front["expert_lead"]  # the card still reports both passes
-    assert list(front["taught_by_merge"]) == ["expert1"]  # and the teacher the lead chose (expert1 trails the merge)
 
 
 def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
@@ -56,7 +55,7 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     assert settings["expert_weights"] == implicit.balancing == "coverage"
     assert settings["token_weights"] == implicit.token_weighting
     assert settings["token_weights"] == "expert_lead" and settings["tune"]["holdout"] > 0
-    assert settings["trailing_experts"] == implicit.trailing == "merge"
+    assert settings["trailing_experts"] == implicit.trailing == "keep"
     raw = yaml.safe_load((tmp_path / "implicit.yaml").read_text())
     raw["featcal"]["token_weights"] = settings["token_weights"]
     (tmp_path / "explicit.yaml").write_text(yaml.safe_dump(raw))
@@ -65,9 +64,9 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     (tmp_path / "equal.yaml").write_text(yaml.safe_dump(raw))
     assert pipeline.resolved_settings(load_recipe(tmp_path / "equal.yaml").featcal) != settings
     raw["featcal"]["token_weights"] = settings["token_weights"]
-    raw["featcal"]["trailing_experts"] = "keep"
-    (tmp_path / "keep.yaml").write_text(yaml.safe_dump(raw))
-    assert pipeline.resolved_settings(load_recipe(tmp_path / "keep.yaml").featcal) != settings
+    raw["featcal"]["trailing_experts"] = "merge"
+    (tmp_path / "merge.yaml").write_text(yaml.safe_dump(raw))
+    assert pipeline.resolved_settings(load_recipe(tmp_path / "merge.yaml").featcal) != settings
 
 
 def test_progress_saved_by_other_weight_code_is_not_resumed(monkeypatch):

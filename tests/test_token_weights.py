@@ -64,7 +64,7 @@ def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 6
 def test_weighted_updates_match_the_brute_force_with_weights_from_the_whole_models(family, tmp_path):
     scenario = trained_scenario(tmp_path / "scenario", family, (24, 6))
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
-                                   norms=True, token_weights="expert_lead", trailing_experts="keep")  # expert1 trails: test_trailing
+                                   norms=True, token_weights="expert_lead")
     output = run_recipe(recipe, progress=False)
     weights = _check(scenario, output, norms=True)
     card = card_front(output)["featcal"]
@@ -81,7 +81,7 @@ def test_expert_lead_is_the_default_and_equal_weighs_every_token_alike(tmp_path)
     scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
     recipe = yaml.safe_load(scenario.recipe.read_text())
     del recipe["featcal"]["token_weights"]
-    recipe["featcal"].update(output=str(tmp_path / "default"), batch_tokens=150, dtype="float64", trailing_experts="keep")
+    recipe["featcal"].update(output=str(tmp_path / "default"), batch_tokens=150, dtype="float64")
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     default = run_recipe(tmp_path / "d.yaml", progress=False)
     assert card_front(default)["featcal"]["settings"]["token_weights"] == "expert_lead"

@@ -1,4 +1,4 @@
-"""`trailing_experts:`: the merge teaches the records of an expert that predicts them worse than the merge does.
+"""`trailing_experts: merge`: the merge teaches the records of an expert that predicts them worse than the merge does.
 
 The scenario's expert0 is fine-tuned 24 steps on its records and leads the merge there; expert1, 6 steps, trails it
 (both measured here from the whole models' forward, independently of the product's pass). The reference is the brute
@@ -52,7 +52,7 @@ def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_
     scenario, merged, base, experts, sequences, leads = lead_and_trail
     first, second = experts
     output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
-                                              token_weights="expert_lead", head=HEAD, trailing_experts=None), progress=False)  # the default
+                                              token_weights="expert_lead", head=HEAD, trailing_experts="merge"), progress=False)
     weights = advantage_token_weights(merged, experts, sequences)
     teachers = {first: experts[first], second: merged}
     alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
@@ -73,14 +73,15 @@ def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_
     assert "`expert1`" in readme and "so its records were calibrated toward the merged model (`trailing_experts: merge`)" in readme
 
 
-def test_keep_calibrates_toward_every_expert_and_leading_experts_change_nothing(lead_and_trail, tmp_path, capsys):
+def test_keep_is_the_default_and_calibrates_toward_every_expert_and_leading_experts_change_nothing(lead_and_trail, tmp_path,
+                                                                                                    capsys):
     scenario, merged, base, experts, sequences, _ = lead_and_trail
     weights = advantage_token_weights(merged, experts, sequences)
     kept = run_recipe(scenario.write_recipe(tmp_path / "k.yaml", output=str(tmp_path / "keep"), batch_tokens=150, dtype="float64",
-                                            token_weights="expert_lead", trailing_experts="keep"), progress=False)
+                                            token_weights="expert_lead", trailing_experts=None), progress=False)  # the default
     reference = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
     assert _updates_error(kept, reference, scenario.root / "merged") <= TOLERANCE
-    assert "taught_by_merge" not in card_front(kept)["featcal"]
+    assert "taught_by_merge" not in card_front(kept)["featcal"] and card_front(kept)["featcal"]["settings"]["trailing_experts"] == "keep"
     # expert0 alone leads: `merge` changes nothing, bit for bit, and says so
     only_first = yaml.safe_load(scenario.recipe.read_text())
     only_first["models"] = only_first["models"][:1]
@@ -117,7 +118,7 @@ def test_every_expert_behind_the_merge_is_warned_about(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("featcal, message", [
-    ({"trailing_experts": "expert"}, r"featcal\.trailing_experts.*'merge' or 'keep'"),
+    ({"trailing_experts": "expert"}, r"featcal\.trailing_experts.*'keep' or 'merge'"),
     ({"trailing_experts": "merge", "method": "regmean", "lambda": None, "alpha": None, "rho": None, "head": None},
      r"featcal\.trailing_experts: only method featcal reads it \(method is regmean\)"),
 ])

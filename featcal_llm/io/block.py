@@ -253,14 +253,15 @@ class FeatCalConfig(BaseModel):
         "model and each expert run over its records once, before the layers); equal: every token 1 (RegMean's default, and the paper's)",
         json_schema_extra={"shown_default": "`expert_lead` (regmean, regmean++: `equal`)"},
     )
-    trailing_experts: Literal["merge", "keep"] | None = Field(
+    trailing_experts: Literal["keep", "merge"] | None = Field(
         None, description="what the records of an expert that trails the merged model on them are calibrated toward (its "
-        "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged, "
-        "is 0 or below). merge (FeatCal's default): the merged model's own features and LM head, as if the merge were that "
-        "expert, so an expert that is behind the merge on its own text cannot pull the merge back; keep: the expert's, as for "
-        "every other expert (the paper's). The lead comes from the token-weight pass (the merged model and each expert run "
-        "over its records once, before the layers)",
-        json_schema_extra={"shown_default": "`merge` (regmean, regmean++: `keep`)"},
+        "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged "
+        "over every token, is 0 or below). keep (the default, and the paper's): the expert's, as for every other expert; "
+        "merge: the merged model's own features and LM head, as if the merge were that expert, so that an expert behind the "
+        "merge on its own text cannot pull the merge back (the lead counts every token, prompts included: an expert trained "
+        "on answers alone can trail there and still be the one that knows the answers). The lead comes from the token-weight "
+        "pass (the merged model and each expert run over its records once, before the layers)",
+        json_schema_extra={"shown_default": "`keep`"},
     )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
@@ -385,8 +386,8 @@ class FeatCalConfig(BaseModel):
 
     @property
     def trailing(self) -> str:
-        """The `trailing_experts:` the run uses: the recipe's, else merge for FeatCal and keep for RegMean."""
-        return self.trailing_experts or ("keep" if self.regmean else "merge")
+        """The `trailing_experts:` the run uses: the recipe's, else keep (every expert teaches its own records)."""
+        return self.trailing_experts or "keep"
 
     @property
     def merge_seed(self) -> int:
