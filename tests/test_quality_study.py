@@ -68,6 +68,8 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                     assert featcal.token_weighting == value
                 elif key == "norms":
                     assert featcal.norms is value
+                elif key == "trailing_experts":
+                    assert featcal.trailing == value
                 elif key != "tune":
                     assert featcal.hyper_values()[key] == value, (row.name, key)
             if "head" not in row.keys:
