@@ -145,3 +145,17 @@ def test_regmean_accepts_keep_which_is_what_it_does(tmp_path):
         recipe["featcal"].pop(key)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     assert validate_recipe(tmp_path / "r.yaml") == []
+
+
+def test_a_run_the_merge_teaches_in_resumes_to_the_same_bytes(lead_and_trail, tmp_path, monkeypatch, capsys):
+    """The leads are saved with the passes: a resumed run lets the merge teach the same expert without measuring again."""
+    from test_reliability import resumes_to_the_same_bytes
+
+    scenario, *_ = lead_and_trail
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                   token_weights="expert_lead", head=HEAD, trailing_experts="merge")
+    resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)
+    log = capsys.readouterr().err
+    assert log.count("reused from the saved progress") == 1
+    assert log.count("the merged model teaches the records of expert1") == 3  # the run, the crashed run, the resumed run
+    assert list(card_front(tmp_path / "out")["featcal"]["taught_by_merge"]) == ["expert1"]
