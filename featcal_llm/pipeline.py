@@ -443,13 +443,13 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
             staging.save_pass("weights", {"weights": weights, "coverage": coverage,
                                           "token_roots": None if token_weights is None else token_weights.roots,
                                           "token_summary": None if token_weights is None else token_weights.summary,
-                                          "mean_leads": None if token_weights is None else token_weights.signed})
+                                          "mean_leads": None if token_weights is None else token_weights.mean_leads})
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
     if featcal.token_weighting == "expert_lead":
         context.token_roots = token_weights.roots
     taught = {}
     if featcal.trailing == "merge":
-        taught = let_the_merge_teach(context, token_weights.signed, f"{where}.trailing_experts")
+        taught = let_the_merge_teach(context, token_weights.mean_leads, f"{where}.trailing_experts")
     lead_summary = token_weights.summary if featcal.token_weighting == "expert_lead" else None
     return lead_summary, (weights, coverage), taught
 

@@ -23,7 +23,7 @@ from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import leads, mean_one_scale, token_weights
+from featcal_llm.maths.advantage import advantages, leads, mean_one_scale, token_weights
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -35,7 +35,7 @@ MERGED = ("merged",)  # the pass's role keys: tuples, so that no expert's name c
 class TokenWeights:
     roots: dict[str, list[torch.Tensor]]  # task → √w of each of its batches, (batch, seq) float64 on the host
     summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "lead": mean nats}
-    signed: dict[str, float]  # task → the expert's mean lead over the merge per scored token, negative where it trails (not clamped)
+    mean_leads: dict[str, float]  # task → the expert's mean lead over the merge per scored token, negative where it trails (not clamped)
 
 
 def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
@@ -55,8 +55,8 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
         total = ahead = tokens = scored = signed = 0.0
         for batch, (merged_hidden, expert_hidden) in zip(task_batches, on_device(runner.device, streams[MERGED][task], streams[("expert", task)][task])):
             positions = scored_positions(batch)
-            lead = leads(token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch), positions)
-            weights = lead.clamp(min=0.0)  # the advantage a_t
+            expert_lp, merged_lp = token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch)
+            lead, weights = leads(expert_lp, merged_lp, positions), advantages(expert_lp, merged_lp, positions)
             raw[task].append(weights)
             total, ahead, signed = total + float(weights.sum()), ahead + float((weights > 0).sum()), signed + float(lead.sum())
             tokens, scored = tokens + batch.tokens, scored + float(positions.sum())
@@ -64,10 +64,10 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
         del expert_head
     del streams
     sums = ctx.comm.sum_floats(sums)
-    roots, summary, signed = {}, {}, {}
+    roots, summary, mean_leads = {}, {}, {}
     for index, task in enumerate(batches):
         total, ahead, tokens, scored, signed_sum = sums[5 * index: 5 * index + 5]
-        signed[task] = signed_sum / max(scored, 1.0)
+        mean_leads[task] = signed_sum / max(scored, 1.0)
         scale = mean_one_scale(total, int(tokens))
         roots[task] = [token_weights(weights, batch.keep, scale).sqrt() for weights, batch in zip(raw[task], batches[task])]
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
@@ -78,8 +78,8 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
                  "alike; check that its data is its kind of text")
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
-                             f"(net of where it trails: {signed[task]:+.3f})" for task, s in summary.items()))
-    return TokenWeights(roots, summary, signed)
+                             f"(net of where it trails: {mean_leads[task]:+.3f})" for task, s in summary.items()))
+    return TokenWeights(roots, summary, mean_leads)
 
 
 __all__ = ["TokenWeights", "advantage_weights"]

@@ -37,14 +37,15 @@ def advantages(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, s
     return leads(expert_log_probs, merged_log_probs, scored).clamp(min=0.0)
 
 
-def trails(lead_sum: float) -> bool:
-    """Whether an expert is behind the merge on its own records: its summed lead over their scored tokens is not above 0.
+def trails(lead: float) -> bool:
+    """Whether an expert is behind the merge on its own records: its lead over their scored tokens (the sum, or the mean:
+    the sign is the same) is not above 0.
 
     Such an expert knows nothing of its text that the merge lacks, on average;
     pulling the merge toward it can only pull the merge back
     (`trailing_experts: merge` lets the merge teach its records instead).
     """
-    return lead_sum <= 0.0
+    return lead <= 0.0
 
 
 ADVANTAGE_SHARE = 0.5  # of each token's weight; the rest is 1 for every token
