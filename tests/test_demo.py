@@ -76,6 +76,17 @@ def test_shipped_recipe_is_the_one_the_demo_writes():
     assert (REPO / "featcal_llm" / "recipes" / "demo.yaml").read_text() == recipe_text(FULL)
 
 
+def test_the_cached_calibration_is_redone_when_the_weight_code_changes(monkeypatch):
+    """A default changed in the code leaves the recipe's text as it was: the cache key must still change."""
+    import featcal_llm.demo.run as demo_run
+
+    experts, recipe = {"a": "1"}, recipe_text(QUICK)
+    key = demo_run.calibration_key(experts, recipe)
+    assert demo_run.calibration_key(experts, recipe) == key
+    monkeypatch.setattr(demo_run, "source_digest", lambda: "other weight code")
+    assert demo_run.calibration_key(experts, recipe) != key
+
+
 def test_quick_demo_end_to_end(tmp_path):
     """Also: the demo needs none of the test extras (it runs with them hidden)."""
     workdir = tmp_path / "work"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.demo.config import FULL, QUICK, DemoConfig, digest
+from featcal_llm.engine.resume import source_digest
 from featcal_llm.demo.models import TimedLog, build_base, quiet_transformers, set_threads, train_experts
 
 CACHE_FILE = ".demo-cache.json"
@@ -81,6 +82,12 @@ featcal:
   device: {device}
   batch_tokens: 4096
 """
+
+
+def calibration_key(expert_keys: dict[str, str], recipe: str) -> str:
+    """What the cached merge and calibration were made from: the experts, the recipe and the code that computes the
+    weights (a default changed there changes the run without changing the recipe's text)."""
+    return digest([expert_keys, recipe, source_digest()])
 
 
 def _refuse_failed_experts(cfg: DemoConfig, workdir: Path, records: list[dict]) -> None:
@@ -188,7 +195,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     t0 = time.perf_counter()
     recipe = recipe_text(cfg, device)
     (workdir / RECIPE_FILE).write_text(recipe)
-    merge_key = digest([expert_keys, recipe])
+    merge_key = calibration_key(expert_keys, recipe)
     if cache.fresh("featcal", merge_key, f"{MERGED_DIR}/config.json", f"{OUTPUT_DIR}/config.json"):
         log("merge + FeatCal: cached")
     else:
