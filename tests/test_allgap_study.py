@@ -31,7 +31,8 @@ def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
     main, single = rows("allgap"), rows("single")
     assert [r.keys for r in main] == [{}, paper_rule()] and set(paper_rule().values()) == {"equal", False}
     assert [dict(r.weights) for r in single] == [{"prose": 0.0, "c": 0.0}, {"code": 0.0, "c": 0.0}, {"code": 0.0, "prose": 0.0}]
-    assert all(r.settings == ("allgap", "allgap-half") for r in main + single)
+    assert all(r.settings == ("allgap", "allgap-half") for r in [main[0], *single])
+    assert main[1].settings == ("allgap", "allgap-half", "broad")  # the paper's rule is also the broad setting's ablation
 
 
 def test_report_rows_and_keys(tmp_path):
