@@ -1,0 +1,84 @@
+"""A prototype, not the product: the teacher of each calibration token chosen per token (docs/studies/all-gap.md).
+
+Each expert's records become two tasks over the same batches. The expert teaches the tokens where it leads the
+merge at the next token (token weight above ½ under `token_weights: expert_lead`); the merged model (its stream,
+layers, final norm and LM head, as `trailing_experts: merge` uses it) teaches the rest, with the same token
+weights. The expert's share is split between the two in proportion to their weight mass, so with no token handed
+over the run is the product's own. It wraps the pipeline's weight stage, so it needs the defaults' token weights.
+
+    python -m studies.per_token_teacher RECIPE OUTPUT          a `featcal-llm run`, per-token teachers
+    python -m studies.per_token_teacher --demo WORKDIR SEED    the demo, calibrated again with them
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+TWIN = "#merge"  # the name of the task the merge teaches, after its expert's
+
+
+def merge_taught(roots, batches):
+    """Per batch, the kept tokens whose weight is ½: where the expert does not lead the merge (its advantage is 0)."""
+    return [((root * root - 0.5).abs() < 1e-12) & batch.keep for root, batch in zip(roots, batches)]
+
+
+def split_teachers(context, resolved, hand_over=merge_taught) -> dict[str, float]:
+    """Give every expert's records a twin task the merged model teaches (in place); returns each expert's share handed over."""
+    plan, roots = context.plan, context.token_roots
+    if roots is None:
+        raise SystemExit("per-token teachers need token_weights: expert_lead")
+    batches, new_roots, experts = dict(context.batches), {}, dict(context.models.experts)
+    weights, handed = dict(plan.task_weights or {}), {}
+    for task, task_roots in roots.items():
+        masks = hand_over(task_roots, context.batches[task])
+        mass = sum(float((r * r).sum()) for r in task_roots)
+        handed[task] = sum(float((r * r * m).sum()) for r, m in zip(task_roots, masks)) / mass
+        twin = task + TWIN
+        batches[twin], experts[twin] = context.batches[task], context.models.merged
+        new_roots[task] = [r * (~m).double() for r, m in zip(task_roots, masks)]
+        new_roots[twin] = [r * m.double() for r, m in zip(task_roots, masks)]
+        share = plan.task_weight(task)
+        weights[task], weights[twin] = share * (1 - handed[task]), share * handed[task]
+        if context.probe is not None:
+            context.probe.batches[twin] = context.probe.batches[task]
+    context.batches, context.token_roots = batches, new_roots
+    context.models = replace(context.models, experts=experts)
+    context.plan = resolved.plan = replace(plan, task_weights=weights)
+    return handed
+
+
+def install(hand_over=merge_taught) -> None:
+    """Wrap the pipeline's weight stage; the drift report (keyed by the recipe's experts) is skipped."""
+    import featcal_llm.pipeline as pipeline
+
+    weights_stage = pipeline._weights
+
+    def with_split(context, resolved, data, opened):
+        result = weights_stage(context, resolved, data, opened)
+        for task, share in split_teachers(context, resolved, hand_over).items():
+            print(f"per-token teachers: the merge teaches {share:.1%} of {task}'s token weight", file=sys.stderr, flush=True)
+        return result
+
+    pipeline._weights = with_split
+    pipeline.write_report = lambda *args, **kwargs: None
+    pipeline.drift_report = lambda *args, **kwargs: {}
+
+
+def main(argv: list[str]) -> None:
+    install()
+    if argv[0] == "--demo":
+        import featcal_llm.demo.run as demo_run
+        from featcal_llm.demo.config import FULL
+
+        key = demo_run.calibration_key
+        demo_run.calibration_key = lambda experts, recipe: key(experts, recipe) + "-per-token"
+        demo_run.run_demo(argv[1], config=FULL.replace(seed=int(argv[2]), baselines=False))
+    else:
+        from featcal_llm.pipeline import run_recipe
+
+        run_recipe(argv[0], output=argv[1], progress=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
