@@ -8,6 +8,7 @@ over the run is the product's own. It wraps the pipeline's weight stage, so it n
 
     python -m studies.per_token_teacher RECIPE OUTPUT          a `featcal-llm run`, per-token teachers
     python -m studies.per_token_teacher --demo WORKDIR SEED    the demo, calibrated again with them
+    python -m studies.per_token_teacher --head-only …          the teachers split at the LM head alone
 """
 
 from __future__ import annotations
@@ -48,16 +49,39 @@ def split_teachers(context, resolved, hand_over=merge_taught) -> dict[str, float
     return handed
 
 
-def install(hand_over=merge_taught) -> None:
-    """Wrap the pipeline's weight stage; the drift report (keyed by the recipe's experts) is skipped."""
+def install(hand_over=merge_taught, head_only: bool = False) -> None:
+    """Wrap the pipeline's weight stage; the drift report (keyed by the recipe's experts) is skipped.
+
+    `head_only`: the layers keep every expert as the teacher of all its tokens (the twins weigh nothing there) and the
+    teachers are split at the LM head's re-fit alone.
+    """
+    import featcal_llm.engine.calibrate as calibrate_module
     import featcal_llm.pipeline as pipeline
 
     weights_stage = pipeline._weights
 
     def with_split(context, resolved, data, opened):
         result = weights_stage(context, resolved, data, opened)
+        whole_roots, whole_plan = context.token_roots, context.plan
         for task, share in split_teachers(context, resolved, hand_over).items():
             print(f"per-token teachers: the merge teaches {share:.1%} of {task}'s token weight", file=sys.stderr, flush=True)
+        if head_only:
+            split_roots, split_plan = context.token_roots, context.plan
+            context.token_roots = {task: whole_roots[task] if task in whole_roots else [r * 0 for r in roots]
+                                   for task, roots in split_roots.items()}
+            context.plan = resolved.plan = replace(split_plan, task_weights={task: whole_plan.task_weight(task) if task in whole_roots
+                                                                             else 0.0 for task in split_roots})
+            head_stage = calibrate_module.calibrate_head
+
+            def head_with_split(ctx, hyper):
+                layers_roots, layers_plan = ctx.token_roots, ctx.plan
+                ctx.token_roots, ctx.plan = split_roots, split_plan
+                try:
+                    return head_stage(ctx, hyper)
+                finally:
+                    ctx.token_roots, ctx.plan = layers_roots, layers_plan
+
+            calibrate_module.calibrate_head = head_with_split
         return result
 
     pipeline._weights = with_split
@@ -66,13 +90,15 @@ def install(hand_over=merge_taught) -> None:
 
 
 def main(argv: list[str]) -> None:
-    install()
+    head_only = argv[0] == "--head-only"
+    argv = argv[1:] if head_only else argv
+    install(head_only=head_only)
     if argv[0] == "--demo":
         import featcal_llm.demo.run as demo_run
         from featcal_llm.demo.config import FULL
 
         key = demo_run.calibration_key
-        demo_run.calibration_key = lambda experts, recipe: key(experts, recipe) + "-per-token"
+        demo_run.calibration_key = lambda experts, recipe: key(experts, recipe) + ("-head" if head_only else "") + "-per-token"
         demo_run.run_demo(argv[1], config=FULL.replace(seed=int(argv[2]), baselines=False))
     else:
         from featcal_llm.pipeline import run_recipe

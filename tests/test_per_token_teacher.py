@@ -22,14 +22,16 @@ def _run(scenario, path, **featcal):
                                                          token_weights="expert_lead", **featcal), progress=False))
 
 
-def test_no_token_handed_over_is_the_product_s_run(scenario, tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_only", [False, True])
+def test_no_token_handed_over_is_the_product_s_run(scenario, tmp_path, monkeypatch, head_only):
+    import featcal_llm.engine.calibrate as calibrate_module
     import featcal_llm.pipeline as pipeline
+    from test_head import HEAD
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    ours = _run(scenario, tmp_path / "a")
-    monkeypatch.setattr(pipeline, "_weights", pipeline._weights)  # undone after the test
-    monkeypatch.setattr(pipeline, "write_report", pipeline.write_report)
-    monkeypatch.setattr(pipeline, "drift_report", pipeline.drift_report)
-    per_token_teacher.install(lambda roots, batches: [torch.zeros_like(b.keep) for b in batches])
-    theirs = _run(scenario, tmp_path / "b")
+    ours = _run(scenario, tmp_path / "a", head=HEAD)
+    for module, name in ((pipeline, "_weights"), (pipeline, "write_report"), (pipeline, "drift_report"), (calibrate_module, "calibrate_head")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # undone after the test
+    per_token_teacher.install(lambda roots, batches: [torch.zeros_like(b.keep) for b in batches], head_only=head_only)
+    theirs = _run(scenario, tmp_path / "b", head=HEAD)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
