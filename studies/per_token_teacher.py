@@ -20,8 +20,12 @@ TWIN = "#merge"  # the name of the task the merge teaches, after its expert's
 
 
 def merge_taught(roots, batches):
-    """Per batch, the kept tokens whose weight is ½: where the expert does not lead the merge (its advantage is 0)."""
-    return [((root * root - 0.5).abs() < 1e-12) & batch.keep for root, batch in zip(roots, batches)]
+    """Per batch, the kept tokens whose weight is the floor 1 − ADVANTAGE_SHARE (½): where the expert does not lead the
+    merge (its advantage is 0; maths/advantage.token_weights)."""
+    from featcal_llm.maths.advantage import ADVANTAGE_SHARE
+
+    floor = 1 - ADVANTAGE_SHARE
+    return [((root * root - floor).abs() < 1e-12) & batch.keep for root, batch in zip(roots, batches)]
 
 
 def split_teachers(context, resolved, hand_over=merge_taught) -> dict[str, float]:

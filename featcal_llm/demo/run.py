@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.demo.config import FULL, QUICK, DemoConfig, digest
-from featcal_llm.engine.resume import source_digest
 from featcal_llm.demo.models import TimedLog, build_base, quiet_transformers, set_threads, train_experts
+from featcal_llm.engine.resume import source_digest
 
 CACHE_FILE = ".demo-cache.json"
 RECIPE_FILE = "recipe.yaml"
