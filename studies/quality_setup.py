@@ -90,8 +90,9 @@ def expert_weights_key() -> str:
 
 
 def paper_rule() -> dict:
-    """The paper's rule: every expert and every token weighs 1, and the LM head stays merged."""
-    return {expert_weights_key(): "equal", "token_weights": "equal", "head": False}
+    """The paper's rule: every expert and every token weighs 1, every expert teaches its own records, and the LM head
+    stays merged."""
+    return {expert_weights_key(): "equal", "token_weights": "equal", "trailing_experts": "keep", "head": False}
 
 
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
@@ -107,7 +108,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
         return [Row("featcal defaults + norms", keys={"norms": True}, settings=allgap),
                 Row("featcal defaults + head", keys=HEAD, settings=allgap),
                 Row("featcal defaults, head: false", keys={"head": False}, settings=(*allgap, "broad")),
-                Row("featcal defaults + trailing_experts: merge", keys={"trailing_experts": "merge"}, settings=(*allgap, "broad"))]
+                Row("featcal defaults, trailing_experts: keep", keys={"trailing_experts": "keep"}, settings=(*allgap, "broad"))]
     if phase == "core":
         return [Row("featcal defaults"), Row("featcal defaults, 256 records", records=256)]
     if phase == "regmean":

@@ -141,37 +141,47 @@ def brute_force_head(cal, merged, base, experts: dict, sequences: dict[str, list
 
 
 @torch.no_grad()
-def _token_leads(merged, expert, sequence: list[int]) -> torch.Tensor:
-    """log p_expert − log p_merged of each token's successor, from the whole models' forward (0 for the last token)."""
-    ids = torch.tensor([sequence])
+def _token_leads(merged, expert, sequence: list[int], start: int = 0) -> torch.Tensor:
+    """log p_expert − log p_merged of each token's successor, from the whole models' forward (0 for the last token, and
+    wherever the successor comes before `start`, a prompt/response record's first response token)."""
+    ids = torch.tensor([list(sequence)])
     lead = torch.zeros(len(sequence), dtype=torch.float64)
     if len(sequence) > 1:
         def next_token(model):
             return torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0]
         lead[:-1] = next_token(expert) - next_token(merged)
+    lead[: max(start - 1, 0)] = 0.0
     return lead
 
 
-def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[list[int]]]) -> dict[str, list[torch.Tensor]]:
+def _starts(sequences: dict[str, list[list[int]]], starts: dict[str, list[int]] | None, task: str) -> list[int]:
+    return starts[task] if starts is not None else [0] * len(sequences[task])
+
+
+def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[list[int]]],
+                            starts: dict[str, list[int]] | None = None) -> dict[str, list[torch.Tensor]]:
     """Each token's weight, from the whole models' own forward: ½ + ½ a / mean(a) with a = max(0, log p_expert −
-    log p_merged) of the next token (0 for a record's last token), the mean over the expert's tokens."""
+    log p_merged) of the next token (0 for a record's last token, and before `starts`), the mean over the expert's tokens."""
     merged = copy.deepcopy(merged).double().eval()
     weights = {}
     for task, expert in experts.items():
         expert = copy.deepcopy(expert).double().eval()
-        rows = [_token_leads(merged, expert, sequence).clamp(min=0) for sequence in sequences[task]]
+        rows = [_token_leads(merged, expert, sequence, start).clamp(min=0)
+                for sequence, start in zip(sequences[task], _starts(sequences, starts, task))]
         total, count = float(torch.cat(rows).sum()), sum(len(s) for s in sequences[task])
         weights[task] = [0.5 + 0.5 * row * (count / total) if total > 0 else torch.ones_like(row) for row in rows]
     return weights
 
 
-def mean_leads(merged, experts: dict, sequences: dict[str, list[list[int]]]) -> dict[str, float]:
+def mean_leads(merged, experts: dict, sequences: dict[str, list[list[int]]], starts: dict[str, list[int]] | None = None) -> dict[str, float]:
     """Each expert's mean lead over the merge per scored token of its records (negative where it trails), from the
-    whole models' forward; a record's last token has no successor and is not scored."""
+    whole models' forward; a record's last token has no successor and is not scored, nor is a prompt token's
+    prediction (a successor before `starts`)."""
     merged = copy.deepcopy(merged).double().eval()
     leads = {}
     for task, expert in experts.items():
         expert = copy.deepcopy(expert).double().eval()
-        total = sum(float(_token_leads(merged, expert, sequence).sum()) for sequence in sequences[task])
-        leads[task] = total / sum(len(s) - 1 for s in sequences[task])
+        pairs = list(zip(sequences[task], _starts(sequences, starts, task)))
+        total = sum(float(_token_leads(merged, expert, sequence, start).sum()) for sequence, start in pairs)
+        leads[task] = total / sum(len(s) - max(start, 1) for s, start in pairs)
     return leads

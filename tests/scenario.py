@@ -100,7 +100,7 @@ def build_scenario(
             "expert_weights": "equal",  # the maths' tests compare against the brute force at weight 1; test_coverage covers the default
             "token_weights": "equal",  # every token 1, likewise; test_token_weights covers the default
             "head": False,  # the layers only (every expert here changes its head); test_head covers the default, auto
-            "trailing_experts": "keep",  # every expert teaches its records, as in the brute force (the default); test_trailing: merge
+            "trailing_experts": "keep",  # every expert teaches its records, as in the brute force; test_trailing covers the default, merge
             "device": "cpu",
             "batch_tokens": 256,
         },

@@ -55,7 +55,7 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     assert settings["expert_weights"] == implicit.balancing == "coverage"
     assert settings["token_weights"] == implicit.token_weighting
     assert settings["token_weights"] == "expert_lead" and settings["tune"]["holdout"] > 0
-    assert settings["trailing_experts"] == implicit.trailing == "keep"
+    assert settings["trailing_experts"] == implicit.trailing == "merge"
     raw = yaml.safe_load((tmp_path / "implicit.yaml").read_text())
     raw["featcal"]["token_weights"] = settings["token_weights"]
     (tmp_path / "explicit.yaml").write_text(yaml.safe_dump(raw))
@@ -64,9 +64,9 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     (tmp_path / "equal.yaml").write_text(yaml.safe_dump(raw))
     assert pipeline.resolved_settings(load_recipe(tmp_path / "equal.yaml").featcal) != settings
     raw["featcal"]["token_weights"] = settings["token_weights"]
-    raw["featcal"]["trailing_experts"] = "merge"
-    (tmp_path / "merge.yaml").write_text(yaml.safe_dump(raw))
-    assert pipeline.resolved_settings(load_recipe(tmp_path / "merge.yaml").featcal) != settings
+    raw["featcal"]["trailing_experts"] = "keep"
+    (tmp_path / "keep.yaml").write_text(yaml.safe_dump(raw))
+    assert pipeline.resolved_settings(load_recipe(tmp_path / "keep.yaml").featcal) != settings
 
 
 def test_progress_saved_by_other_weight_code_is_not_resumed(monkeypatch):

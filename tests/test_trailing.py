@@ -73,12 +73,21 @@ def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_
     assert "`expert1`" in readme and "so its records were calibrated toward the merged model (`trailing_experts: merge`)" in readme
 
 
-def test_keep_is_the_default_and_calibrates_toward_every_expert_and_leading_experts_change_nothing(lead_and_trail, tmp_path,
-                                                                                                    capsys):
+def test_merge_is_the_default_and_keep_calibrates_toward_every_expert_and_leading_experts_change_nothing(
+        lead_and_trail, tmp_path, capsys):
     scenario, merged, base, experts, sequences, _ = lead_and_trail
+    first, second = experts
     weights = advantage_token_weights(merged, experts, sequences)
+    default = run_recipe(scenario.write_recipe(tmp_path / "d.yaml", output=str(tmp_path / "default"), batch_tokens=150, dtype="float64",
+                                               token_weights="expert_lead", trailing_experts=None), progress=False)
+    alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
+    reference = brute_force_featcal(merged, base, {first: experts[first], second: merged}, sequences, 1e-3, 0.3, 0.5, 1e-8,
+                                    token_weights=alike).state_dict()
+    assert _updates_error(default, reference, scenario.root / "merged") <= TOLERANCE
+    front = card_front(default)["featcal"]
+    assert list(front["taught_by_merge"]) == ["expert1"] and front["settings"]["trailing_experts"] == "merge"
     kept = run_recipe(scenario.write_recipe(tmp_path / "k.yaml", output=str(tmp_path / "keep"), batch_tokens=150, dtype="float64",
-                                            token_weights="expert_lead", trailing_experts=None), progress=False)  # the default
+                                            token_weights="expert_lead", trailing_experts="keep"), progress=False)
     reference = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
     assert _updates_error(kept, reference, scenario.root / "merged") <= TOLERANCE
     assert "taught_by_merge" not in card_front(kept)["featcal"] and card_front(kept)["featcal"]["settings"]["trailing_experts"] == "keep"

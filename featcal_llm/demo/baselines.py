@@ -32,7 +32,7 @@ def baseline_recipe(cfg: DemoConfig, method: str, output: str, device: str = "cp
     """
     models = "\n".join(f"  - model: experts/{t}\n    parameters: {{weight: 1.0}}" for t in cfg.tasks)
     models += "\n  - model: base\n    parameters: {weight: 0.0}"  # mergekit's linear weighs every model it reads, the base included
-    data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: text, text: text}}" for t in cfg.tasks)
+    data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: completion, prompt: prompt, response: answer}}" for t in cfg.tasks)
     return f"""\
 # {method} demo recipe, written by `python -m featcal_llm demo` into its workdir (run it from there).
 # The classic {method}: a linear merge (equal weights, normalised) supplies every tensor {method} does not regress.

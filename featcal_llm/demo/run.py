@@ -52,7 +52,7 @@ class _Cache:
 def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
     """The mergekit recipe with its featcal block; every path is relative to the workdir."""
     models = "\n".join(f"  - model: experts/{t}\n    parameters: {{weight: {cfg.ta_weight}}}" for t in cfg.tasks)
-    data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: text, text: text}}" for t in cfg.tasks)
+    data = "\n".join(f"    experts/{t}: {{path: data/{t}/cal.jsonl, format: completion, prompt: prompt, response: answer}}" for t in cfg.tasks)
     if cfg.auto:
         # the next-token KL criterion: cheap at this character vocabulary, and at least as good as the drift on every seed measured
         hyper = "  lambda: auto\n  alpha: auto\n  rho: auto\n  tune: {criterion: output}\n"

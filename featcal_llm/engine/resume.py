@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from featcal_llm.errors import warn
+from featcal_llm.family.batch import response_from
 
 STATE_FILE = "state.json"
 
@@ -73,6 +74,8 @@ def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
         digest.update(task.encode())
         for sequence in sequences[task]:
             digest.update(torch.tensor(sequence, dtype=torch.int64).numpy().tobytes())
+            if response_from(sequence):  # where a prompt/response record's scored tokens start
+                digest.update(f"@{response_from(sequence)}".encode())
             digest.update(b"|")
     return digest.hexdigest()
 

@@ -49,9 +49,10 @@ def final_hidden(ctx: "RunContext", runs: Runs, num_layers: int) -> Streams:
 
 
 def scored_positions(batch: TokenBatch) -> torch.Tensor:
-    """(batch, seq) bool: the tokens whose successor is in the same record (the last of a record has none)."""
+    """(batch, seq) bool: the tokens whose successor is in the same record (the last of a record has none) and counts
+    (is a response token, in a prompt/response record)."""
     scored = torch.zeros_like(batch.keep)
-    scored[:, :-1] = batch.keep[:, :-1] & batch.keep[:, 1:]
+    scored[:, :-1] = batch.keep[:, :-1] & batch.counted[:, 1:]
     return scored
 
 

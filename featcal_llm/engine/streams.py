@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from featcal_llm.family.batch import TokenBatch
+from featcal_llm.family.batch import TokenBatch, response_from
 
 
 def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0) -> list[TokenBatch]:
     """Deterministic length-sorted batches whose padded size stays within `batch_tokens`.
 
-    A sequence longer than the budget gets a batch of its own.
+    A sequence longer than the budget gets a batch of its own. A batch of plain-text sequences has no response mask
+    (every token counts); one with a prompt/response `Record` marks each record's response.
     """
     order = sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), i))
     groups: list[list[int]] = []
@@ -38,10 +39,12 @@ def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0)
         length = max(len(sequences[i]) for i in group)
         ids = torch.full((len(group), length), pad_id, dtype=torch.long)
         keep = torch.zeros((len(group), length), dtype=torch.bool)
+        response = keep.clone()
         for row, index in enumerate(group):
             ids[row, : len(sequences[index])] = torch.tensor(sequences[index], dtype=torch.long)
             keep[row, : len(sequences[index])] = True
-        batches.append(TokenBatch(ids, keep))
+            response[row, response_from(sequences[index]): len(sequences[index])] = True
+        batches.append(TokenBatch(ids, keep, None if torch.equal(response, keep) else response))
     return batches
 
 

@@ -7,11 +7,38 @@ from dataclasses import dataclass
 import torch
 
 
+class Record(list):
+    """One calibration record's token ids, knowing where its response starts.
+
+    Prompt/response records (`alpaca`, `chat`, `completion`) are scored on
+    their response alone: that is what an expert was trained to predict and what
+    a user's benchmarks score, while its prompt's tokens are whatever the user
+    typed. A plain list (plain text) is scored on every token. Every token is
+    still a calibration sample either way; only what the expert's lead over
+    the merge is measured on changes.
+    """
+
+    def __init__(self, ids: list[int], response_from: int):
+        super().__init__(ids)
+        self.response_from = response_from  # index of the first response token (its prediction is scored)
+
+
+def response_from(sequence: list[int]) -> int:
+    """Index of a sequence's first scored token: a `Record`'s response start, 0 for plain text."""
+    return getattr(sequence, "response_from", 0)
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     input_ids: torch.Tensor  # (batch, seq) int64, right-padded
     keep: torch.Tensor  # (batch, seq) bool, True for real tokens
+    response: torch.Tensor | None = None  # (batch, seq) bool, the real tokens a record is scored on; None: every real token
 
     @property
     def tokens(self) -> int:
         return int(self.keep.sum())
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """(batch, seq) bool: the real tokens whose prediction counts (the response of prompt/response records)."""
+        return self.keep if self.response is None else self.response

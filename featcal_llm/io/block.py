@@ -79,12 +79,12 @@ class DataSpec(BaseModel):
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
-    format: Literal["text", "alpaca", "chat"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template")
+    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then response, as is (TRL's prompt-completion records). The last three are scored on the response alone")
     text: str = Field("text", description="field holding the text (format: text)")
     instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
     input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
-    response: str = Field("response", description="field holding the response (formats alpaca and chat)")
-    prompt: str = Field("prompt", description="field holding the user turn (format: chat without messages)")
+    response: str = Field("response", description="field holding the response (formats alpaca, chat and completion)")
+    prompt: str = Field("prompt", description="field holding the user turn or prompt (formats chat without messages, and completion)")
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
     weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit, relative to the others (0: merged in, not calibrated toward)")
@@ -255,13 +255,12 @@ class FeatCalConfig(BaseModel):
     )
     trailing_experts: Literal["keep", "merge"] | None = Field(
         None, description="what the records of an expert that trails the merged model on them are calibrated toward (its "
-        "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged "
-        "over every token, is 0 or below). keep (the default, and the paper's): the expert's, as for every other expert; "
-        "merge: the merged model's own features and LM head, as if the merge were that expert, so that an expert behind the "
-        "merge on its own text cannot pull the merge back (the lead counts every token, prompts included: an expert trained "
-        "on answers alone can trail there and still be the one that knows the answers). The lead comes from the token-weight "
-        "pass (the merged model and each expert run over its records once, before the layers)",
-        json_schema_extra={"shown_default": "`keep`"},
+        "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged, "
+        "is 0 or below; on a prompt/response record only the response counts). merge (the default for FeatCal): the merged "
+        "model's own features and LM head, as if the merge were that expert, so that an expert behind the merge on its own "
+        "text cannot pull the merge back; keep (the paper's, and RegMean's): the expert's, as for every other expert. The "
+        "lead comes from the token-weight pass (the merged model and each expert run over its records once, before the layers)",
+        json_schema_extra={"shown_default": "`merge` (RegMean: `keep`)"},
     )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
@@ -386,8 +385,8 @@ class FeatCalConfig(BaseModel):
 
     @property
     def trailing(self) -> str:
-        """The `trailing_experts:` the run uses: the recipe's, else keep (every expert teaches its own records)."""
-        return self.trailing_experts or "keep"
+        """The `trailing_experts:` the run uses: the recipe's, else merge for FeatCal and keep for RegMean."""
+        return self.trailing_experts or ("keep" if self.regmean else "merge")
 
     @property
     def merge_seed(self) -> int:

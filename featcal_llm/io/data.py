@@ -3,7 +3,9 @@
 Records come from `datasets.load_dataset` (a local file, a local dataset
 directory or a hub id), are turned into text by the configured format and
 tokenised with the merged model's tokenizer. No padding here: batching and
-masks belong to the streams.
+masks belong to the streams. Prompt/response records (`alpaca`, `chat`,
+`completion`) also say where their response starts: the expert's lead over
+the merge is measured on the response alone (family.batch.Record).
 
 One shortcut: a local JSON-lines file of flat string records, read in file
 order, is parsed with `json` instead of `datasets` (whose import, with pyarrow
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.family.batch import Record
 from featcal_llm.io.block import DataSpec, beside_recipe
 from featcal_llm.startup import heavy_import
 
@@ -124,25 +127,63 @@ def _field(record: dict, key: str, where: str, index: int) -> Any:
     return record[key]
 
 
+def _chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
+    if spec.messages:
+        return _field(record, spec.messages, where, index)
+    return [
+        {"role": "user", "content": str(_field(record, spec.prompt, where, index))},
+        {"role": "assistant", "content": str(_field(record, spec.response, where, index))},
+    ]
+
+
+def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
+    instruction = _field(record, spec.instruction, where, index)
+    extra = record.get(spec.input) if spec.input else None
+    template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
+    return template.format(instruction=instruction, input=extra, response=response)
+
+
 def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str:
     if spec.format == "text":
         return str(_field(record, spec.text, where, index))
     if spec.format == "alpaca":
-        instruction = _field(record, spec.instruction, where, index)
-        response = _field(record, spec.response, where, index)
-        extra = record.get(spec.input) if spec.input else None
-        template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
-        return template.format(instruction=instruction, input=extra, response=response)
+        return _alpaca(record, spec, where, index, _field(record, spec.response, where, index))
+    if spec.format == "completion":
+        return str(_field(record, spec.prompt, where, index)) + str(_field(record, spec.response, where, index))
     if getattr(tokenizer, "chat_template", None) is None:
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
-    if spec.messages:
-        messages = _field(record, spec.messages, where, index)
-    else:
-        messages = [
-            {"role": "user", "content": str(_field(record, spec.prompt, where, index))},
-            {"role": "assistant", "content": str(_field(record, spec.response, where, index))},
-        ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_DATE)
+    return tokenizer.apply_chat_template(_chat_messages(record, spec, where, index), tokenize=False, date_string=CHAT_DATE)
+
+
+def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str | None:
+    """The text a record's response follows (what a user asks, not what the expert answers); None: no response to tell
+    apart (plain text, or a chat whose last turn is not the assistant's), so every token counts."""
+    if spec.format == "alpaca":
+        return _alpaca(record, spec, where, index, "")
+    if spec.format == "completion":
+        return str(_field(record, spec.prompt, where, index))
+    if spec.format == "chat":
+        messages = _chat_messages(record, spec, where, index)
+        if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+            return None
+        return tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)
+    return None
+
+
+def response_start(ids: list[int], prompt_ids: list[int]) -> int:
+    """Index of the first token past the longest common prefix of a record's ids and its prompt's alone.
+
+    A token spanning the boundary (a merge of the prompt's last characters
+    with the response's first) counts as the response's, and a template that
+    renders the prompt differently once a reply follows (a reasoning block)
+    counts from where the two first differ.
+    """
+    start = 0
+    for token, prompt_token in zip(ids, prompt_ids):
+        if token != prompt_token:
+            break
+        start += 1
+    return start
 
 
 def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int]:
@@ -152,14 +193,22 @@ def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int
     return list(tokenizer(text, add_special_tokens=not has_bos, **truncation)["input_ids"])
 
 
-def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str) -> list[list[int]]:
-    """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled."""
-    sequences = []
+def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str,
+                   prompts: list[str | None] | None = None) -> list[list[int]]:
+    """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled. Where a text has a
+    prompt, a `Record` that knows where its response starts; an expert none of whose records keeps a response token
+    within `max_length` is refused (nothing of it would be scored)."""
+    sequences: list[list[int]] = []
     for index, text in enumerate(texts):
         ids = encode(text, tokenizer, max_length)
         if len(ids) == 0:
             raise FeatCalError(f"{where}: record {index} tokenises to nothing")
-        sequences.append(list(ids))
+        prompt = prompts[index] if prompts is not None else None
+        sequences.append(list(ids) if prompt is None else Record(ids, response_start(ids, encode(prompt, tokenizer))))
+    if prompts is not None and any(p is not None for p in prompts) and all(
+            isinstance(s, Record) and s.response_from >= len(s) for s in sequences):
+        raise FeatCalError(f"{where}: no record keeps a response token within featcal.max_length {max_length} "
+                           "(the prompts fill it); raise max_length or shorten the prompts")
     return sequences
 
 
@@ -190,5 +239,6 @@ def calibration_sequences(
             warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them")
         records = records[: min(wanted, len(records))] if isinstance(records, list) else records.select(range(min(wanted, len(records))))
         texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
-        result[expert] = tokenize_texts(texts, tokenizer, max_length, where)
+        prompts = None if spec.format == "text" else [record_prompt(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
+        result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts)
     return result

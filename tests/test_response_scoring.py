@@ -1,0 +1,115 @@
+"""Prompt/response records are scored on their response alone.
+
+An expert trained on answers can trail the merge over every token of a record (its prompt is whatever the user
+typed) and still be the only model that knows the answers. For `alpaca`, `chat` and `completion` data the lead over
+the merge, which sets the token weights and which expert's records the merge teaches (`trailing_experts: merge`,
+the default), counts the response's tokens only; every token is still a calibration sample.
+
+The reference takes the response's start from the prompt's own token count (the tokenizer, not the product's
+prefix rule) and the leads from each whole HF model's forward (tests/reference.py); the updates must agree to 1e-8.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from reference import advantage_token_weights, brute_force_featcal, mean_leads
+from test_coverage import card_front, trained_scenario
+from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, read_weights
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.family.batch import Record
+from featcal_llm.engine.streams import make_batches
+from featcal_llm.engine.scoring import scored_positions
+from featcal_llm.io.block import DataSpec
+from featcal_llm.io.data import response_start, tokenize_texts, record_prompt, record_to_text
+from featcal_llm.pipeline import run_recipe
+from featcal_llm.tiny import build_char_tokenizer
+
+RECORD = {"instruction": "add 2 and 3", "input": "", "prompt": "2+3=", "response": "5 ok"}
+
+
+@pytest.mark.parametrize("fmt, scored", [("completion", "5 ok"), ("alpaca", "5 ok"), ("chat", "5 ok</s>")])
+def test_each_prompt_response_format_scores_the_response_s_tokens(fmt, scored):
+    tokenizer = build_char_tokenizer()  # one token per character: the response's tokens are known without the product
+    spec = DataSpec(path="x.jsonl", format=fmt)
+    text, prompt = record_to_text(RECORD, spec, tokenizer, "d", 0), record_prompt(RECORD, spec, tokenizer, "d", 0)
+    [record] = tokenize_texts([text], tokenizer, 512, "d", [prompt])
+    assert isinstance(record, Record) and tokenizer.decode(record[record.response_from:]) == scored
+    assert record.response_from == len(record) - len(tokenizer(scored, add_special_tokens=False)["input_ids"])
+    assert record_prompt({"text": "x"}, DataSpec(path="x.jsonl"), tokenizer, "d", 0) is None  # plain text: every token
+
+
+def test_a_chat_that_ends_on_the_user_s_turn_scores_every_token():
+    tokenizer = build_char_tokenizer()
+    spec = DataSpec(path="x.jsonl", format="chat", messages="messages")
+    assert record_prompt({"messages": [{"role": "user", "content": "hi"}]}, spec, tokenizer, "d", 0) is None
+
+
+def test_the_response_starts_where_the_record_and_its_prompt_first_differ():
+    assert response_start([5, 6, 7, 8], [5, 6]) == 2
+    assert response_start([5, 6, 9, 8], [5, 6, 7]) == 2  # a token spanning the boundary is the response's
+    assert response_start([5, 6], [5, 6, 7]) == 2  # truncated inside the prompt: nothing is scored
+
+
+def test_prompts_that_fill_max_length_are_one_line():
+    tokenizer = build_char_tokenizer()
+    with pytest.raises(FeatCalError, match=r"^d: no record keeps a response token within featcal\.max_length 4 ") as error:
+        tokenize_texts(["2+3=5", "1+1=2"], tokenizer, 4, "d", ["2+3=", "1+1="])
+    assert "\n" not in str(error.value)
+
+
+def test_only_the_response_s_predictions_are_scored_and_plain_batches_have_no_mask():
+    batches = make_batches([Record([3, 4, 5, 6], 2), [7, 8, 9]], 100)
+    [batch] = batches
+    assert scored_positions(batch).tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert make_batches([[3, 4, 5]], 100)[0].response is None
+
+
+def _as_completion(scenario, split: float = 0.5) -> dict[str, list[int]]:
+    """Each record's text split in two (prompt, response), written as completion records; the prompts' token counts."""
+    tokenizer = build_char_tokenizer()
+    starts = {}
+    for name, path in scenario.data.items():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            cut = max(1, int(len(row["text"]) * split))
+            row.update(prompt=row["text"][:cut], response=row["text"][cut:])
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        starts[str(scenario.experts[name])] = [len(tokenizer(row["prompt"])["input_ids"]) for row in rows][:12]
+    return starts
+
+
+def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    starts = _as_completion(scenario)
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150,
+                                                  dtype="float64", token_weights="expert_lead", trailing_experts=None).read_text())
+    recipe["featcal"] = {key: value for key, value in recipe["featcal"].items() if value is not None}  # the default teachers
+    for spec in recipe["featcal"]["data"].values():
+        spec.update(format="completion")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+
+    merged, base = load(scenario.root / "merged", torch.float64), load(scenario.base, torch.float64)
+    experts = {str(p): load(p, torch.float64) for p in scenario.experts.values()}
+    sequences = {str(scenario.experts[n]): s for n, s in calibration_sequences(scenario, 12, 64).items()}
+    leads = mean_leads(merged, experts, sequences, starts)
+    every_token = mean_leads(merged, experts, sequences)
+    first, second = experts
+    assert leads[first] > 0 and leads[second] < 0 and abs(leads[second] - every_token[second]) > 0.01, (leads, every_token)
+    weights = advantage_token_weights(merged, experts, sequences, starts)
+    teachers = {first: experts[first], second: merged}  # expert1 trails on its responses: the merge teaches them
+    alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
+    reference = brute_force_featcal(merged, base, teachers, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=alike).state_dict()
+    ours, merged_weights = read_weights(output), read_weights(scenario.root / "merged")
+    changed = [name for name in ours if not torch.equal(ours[name], merged_weights[name])]
+    errors = {name: delta_error(ours[name], reference[name], merged_weights[name]) for name in changed}
+    assert changed and max(errors.values()) <= TOLERANCE, errors
+    front = card_front(output)["featcal"]
+    assert front["taught_by_merge"] == {"expert1": pytest.approx(leads[second], abs=1e-4)}
+    scored = sum(len(s) - max(start, 1) for s, start in zip(sequences[first], starts[first]))
+    assert front["expert_lead"]["expert0"]["tokens_ahead"] == round(float((torch.cat(weights[first]) > 0.5).sum()) / scored, 4)
