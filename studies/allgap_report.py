@@ -42,7 +42,7 @@ def effective(block: dict | None) -> dict | None:
     return {"expert_weights": config.balancing,
             "token_weights": config.token_weighting, "lambda": config.lambda_, "alpha": config.alpha,
             "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()},
-            "head": "false" if config.head is None else config.head.when}
+            "head": "false" if config.head is None else config.head.when, "trailing_experts": config.trailing}
 
 
 def _row(nll: dict, merged: dict, own: dict, **extra) -> dict:

@@ -1,9 +1,9 @@
 """Prompt/response records are scored on their response alone.
 
 An expert trained on answers can trail the merge over every token of a record (its prompt is whatever the user
-typed) and still be the only model that knows the answers. For `alpaca`, `chat` and `completion` data the lead over
-the merge, which sets the token weights and which expert's records the merge teaches (`trailing_experts: merge`,
-the default), counts the response's tokens only; every token is still a calibration sample.
+typed) and still be the only model that knows the answers. For `alpaca`, `chat` and `completion` data the net lead
+over the merge, which decides whose records the merge teaches (`trailing_experts: merge`, the default), counts the
+response's tokens only; the token weights and the samples still count every token.
 
 The reference takes the response's start from the prompt's own token count (the tokenizer, not the product's
 prefix rule) and the leads from each whole HF model's forward (tests/reference.py); the updates must agree to 1e-8.
@@ -23,7 +23,7 @@ from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.batch import Record
 from featcal_llm.engine.streams import make_batches
-from featcal_llm.engine.scoring import scored_positions
+from featcal_llm.engine.scoring import response_positions, scored_positions
 from featcal_llm.io.block import DataSpec
 from featcal_llm.io.data import response_start, tokenize_texts, record_prompt, record_to_text
 from featcal_llm.pipeline import run_recipe
@@ -62,10 +62,10 @@ def test_prompts_that_fill_max_length_are_one_line():
     assert "\n" not in str(error.value)
 
 
-def test_only_the_response_s_predictions_are_scored_and_plain_batches_have_no_mask():
-    batches = make_batches([Record([3, 4, 5, 6], 2), [7, 8, 9]], 100)
-    [batch] = batches
-    assert scored_positions(batch).tolist() == [[False, True, True, False], [True, True, False, False]]
+def test_only_the_response_s_predictions_count_for_the_lead_and_plain_batches_have_no_mask():
+    [batch] = make_batches([Record([3, 4, 5, 6], 2), [7, 8, 9]], 100)
+    assert response_positions(batch).tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert scored_positions(batch).tolist() == [[True, True, True, False], [True, True, False, False]]
     assert make_batches([[3, 4, 5]], 100)[0].response is None
 
 
@@ -101,7 +101,7 @@ def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
     every_token = mean_leads(merged, experts, sequences)
     first, second = experts
     assert leads[first] > 0 and leads[second] < 0 and abs(leads[second] - every_token[second]) > 0.01, (leads, every_token)
-    weights = advantage_token_weights(merged, experts, sequences, starts)
+    weights = advantage_token_weights(merged, experts, sequences)  # the weights count every token
     teachers = {first: experts[first], second: merged}  # expert1 trails on its responses: the merge teaches them
     alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
     reference = brute_force_featcal(merged, base, teachers, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=alike).state_dict()
@@ -111,5 +111,5 @@ def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
     assert changed and max(errors.values()) <= TOLERANCE, errors
     front = card_front(output)["featcal"]
     assert front["taught_by_merge"] == {"expert1": pytest.approx(leads[second], abs=1e-4)}
-    scored = sum(len(s) - max(start, 1) for s, start in zip(sequences[first], starts[first]))
+    scored = sum(len(s) - 1 for s in sequences[first])
     assert front["expert_lead"]["expert0"]["tokens_ahead"] == round(float((torch.cat(weights[first]) > 0.5).sum()) / scored, 4)

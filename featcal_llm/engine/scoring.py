@@ -49,10 +49,17 @@ def final_hidden(ctx: "RunContext", runs: Runs, num_layers: int) -> Streams:
 
 
 def scored_positions(batch: TokenBatch) -> torch.Tensor:
-    """(batch, seq) bool: the tokens whose successor is in the same record (the last of a record has none) and counts
-    (is a response token, in a prompt/response record)."""
+    """(batch, seq) bool: the tokens whose successor is in the same record (the last of a record has none)."""
     scored = torch.zeros_like(batch.keep)
-    scored[:, :-1] = batch.keep[:, :-1] & batch.counted[:, 1:]
+    scored[:, :-1] = batch.keep[:, :-1] & batch.keep[:, 1:]
+    return scored
+
+
+def response_positions(batch: TokenBatch) -> torch.Tensor:
+    """(batch, seq) bool: the scored tokens whose successor is a response token (every scored token of plain text)."""
+    scored = scored_positions(batch)
+    if batch.response is not None:
+        scored[:, :-1] &= batch.response[:, 1:]
     return scored
 
 
@@ -69,4 +76,4 @@ def token_log_probs(head: Head, hidden: torch.Tensor, batch: TokenBatch) -> torc
     return result
 
 
-__all__ = ["Runs", "final_hidden", "scored_positions", "token_log_probs"]
+__all__ = ["Runs", "final_hidden", "response_positions", "scored_positions", "token_log_probs"]

@@ -7,6 +7,13 @@ predicting the next token, scaled to mean 1 over the expert's tokens (summed
 over every rank, so ranks weigh alike), for half of its weight; the other
 half is 1 (maths/advantage.py). The loop's statistics then take √w-scaled
 rows (engine/record.py).
+
+The same pass measures each expert's net lead over the merge, which decides
+who teaches its records (engine/teachers.py). On prompt/response records it
+counts the response alone: an expert is judged on what it was trained to
+answer, not on a user's prompt. The weights still count every token: a
+prompt token the expert predicts better (its task's format) holds features
+its answers attend to.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from featcal_llm import runlog
 from featcal_llm.engine.drift import Head
-from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log_probs
+from featcal_llm.engine.scoring import final_hidden, response_positions, scored_positions, token_log_probs
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
@@ -35,7 +42,8 @@ MERGED = ("merged",)  # the pass's role keys: tuples, so that no expert's name c
 class TokenWeights:
     roots: dict[str, list[torch.Tensor]]  # task → √w of each of its batches, (batch, seq) float64 on the host
     summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "lead": mean nats}
-    mean_leads: dict[str, float]  # task → the expert's mean lead over the merge per scored token, negative where it trails (not clamped)
+    mean_leads: dict[str, float]  # task → the expert's mean lead over the merge per scored response token (every token of
+    # plain text), negative where it trails (not clamped)
 
 
 def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
@@ -52,22 +60,23 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
     for task, task_batches in batches.items():
         expert_head = Head(runner, models.experts[task])
         raw[task] = []
-        total = ahead = tokens = scored = signed = 0.0
+        total = ahead = tokens = scored = signed = answered = 0.0
         for batch, (merged_hidden, expert_hidden) in zip(task_batches, on_device(runner.device, streams[MERGED][task], streams[("expert", task)][task])):
-            positions = scored_positions(batch)
+            positions, responses = scored_positions(batch), response_positions(batch)
             expert_lp, merged_lp = token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch)
-            lead, weights = leads(expert_lp, merged_lp, positions), advantages(expert_lp, merged_lp, positions)
+            lead, weights = leads(expert_lp, merged_lp, responses), advantages(expert_lp, merged_lp, positions)
             raw[task].append(weights)
             total, ahead, signed = total + float(weights.sum()), ahead + float((weights > 0).sum()), signed + float(lead.sum())
-            tokens, scored = tokens + batch.tokens, scored + float(positions.sum())
-        sums += [total, ahead, tokens, scored, signed]
+            tokens, scored, answered = tokens + batch.tokens, scored + float(positions.sum()), answered + float(responses.sum())
+        sums += [total, ahead, tokens, scored, signed, answered]
         del expert_head
     del streams
+    responses_only = any(batch.response is not None for task_batches in batches.values() for batch in task_batches)
     sums = ctx.comm.sum_floats(sums)
     roots, summary, mean_leads = {}, {}, {}
     for index, task in enumerate(batches):
-        total, ahead, tokens, scored, signed_sum = sums[5 * index: 5 * index + 5]
-        mean_leads[task] = signed_sum / max(scored, 1.0)
+        total, ahead, tokens, scored, signed_sum, answered = sums[6 * index: 6 * index + 6]
+        mean_leads[task] = signed_sum / max(answered, 1.0)
         scale = mean_one_scale(total, int(tokens))
         roots[task] = [token_weights(weights, batch.keep, scale).sqrt() for weights, batch in zip(raw[task], batches[task])]
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
@@ -78,7 +87,8 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
                  "alike; check that its data is its kind of text")
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
-                             f"(net of where it trails: {mean_leads[task]:+.3f})" for task, s in summary.items()))
+                             f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f})"
+                             for task, s in summary.items()))
     return TokenWeights(roots, summary, mean_leads)
 
 

@@ -37,8 +37,3 @@ class TokenBatch:
     @property
     def tokens(self) -> int:
         return int(self.keep.sum())
-
-    @property
-    def counted(self) -> torch.Tensor:
-        """(batch, seq) bool: the real tokens whose prediction counts (the response of prompt/response records)."""
-        return self.keep if self.response is None else self.response
