@@ -4,7 +4,9 @@ Each expert's records become two tasks over the same batches. The expert teaches
 merge at the next token (token weight above ½ under `token_weights: expert_lead`); the merged model (its stream,
 layers, final norm and LM head, as `trailing_experts: merge` uses it) teaches the rest, with the same token
 weights. The expert's share is split between the two in proportion to their weight mass, so with no token handed
-over the run is the product's own. It wraps the pipeline's weight stage, so it needs the defaults' token weights.
+over the run is the product's own with `trailing_experts: keep`. It wraps the pipeline's weight stage, so it needs
+the defaults' token weights, and it refines `keep`: a run in which the merge already teaches an expert's records
+stops (the measured 0.3 recipe sets `trailing_experts: keep`; on the demo every expert leads on its answers).
 
     python -m studies.per_token_teacher RECIPE OUTPUT          a `featcal-llm run`, per-token teachers
     python -m studies.per_token_teacher --demo WORKDIR SEED    the demo, calibrated again with them
@@ -66,6 +68,9 @@ def install(hand_over=merge_taught, head_only: bool = False) -> None:
 
     def with_split(context, resolved, data, opened):
         result = weights_stage(context, resolved, data, opened)
+        if result[2]:  # the merge already teaches a trailing expert's records: the split refines `keep`, not that
+            raise SystemExit("per-token teachers split the teachers of trailing_experts: keep; set it in the recipe "
+                             f"(the merge teaches {', '.join(result[2])} here)")
         whole_roots, whole_plan = context.token_roots, context.plan
         for task, share in split_teachers(context, resolved, hand_over).items():
             print(f"per-token teachers: the merge teaches {share:.1%} of {task}'s token weight", file=sys.stderr, flush=True)

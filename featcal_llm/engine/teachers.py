@@ -1,10 +1,11 @@
-"""`trailing_experts: merge`: the merged model teaches the records of an expert that is behind it on them.
+"""`trailing_experts: merge` (FeatCal's default): the merged model teaches the records of an expert that is behind it on them.
 
 FeatCal pulls the merge's features toward each expert's on that expert's
 records. Where the expert predicts its own records worse than the merge does
 (its mean lead over the merge at predicting the next token, from the
-token-weight pass, is 0 or below), that pull moves the merge toward what it
-already does better: calibrating makes it worse on that text. The token
+token-weight pass, is 0 or below; over the responses of prompt/response
+records, over every token of plain text), that pull moves the merge toward
+what it already does better: calibrating makes it worse on that text. The token
 weights' ½ floor keeps half of the pull on every token, and the head's re-fit
 (α 1: each expert's own logits) carries it straight to the output.
 

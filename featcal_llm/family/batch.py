@@ -10,12 +10,12 @@ import torch
 class Record(list):
     """One calibration record's token ids, knowing where its response starts.
 
-    Prompt/response records (`alpaca`, `chat`, `completion`) are scored on
-    their response alone: that is what an expert was trained to predict and what
-    a user's benchmarks score, while its prompt's tokens are whatever the user
-    typed. A plain list (plain text) is scored on every token. Every token is
-    still a calibration sample either way; only what the expert's lead over
-    the merge is measured on changes.
+    Whether an expert leads the merge on its records (which decides who
+    teaches them, engine/teachers.py) is judged on the responses of
+    prompt/response records (`alpaca`, `chat`, `completion`): that is what an
+    expert was trained to predict and what a user's benchmarks score, while a
+    prompt's tokens are whatever the user typed. A plain list (plain text) is
+    judged on every token. Every token is a calibration sample either way.
     """
 
     def __init__(self, ids: list[int], response_from: int):

@@ -79,7 +79,7 @@ class DataSpec(BaseModel):
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
-    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then response, as is (TRL's prompt-completion records). The last three are scored on the response alone")
+    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then response, as is (TRL's prompt-completion records). With the last three, whether an expert leads the merge on its records (trailing_experts) is judged on the responses")
     text: str = Field("text", description="field holding the text (format: text)")
     instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
     input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")

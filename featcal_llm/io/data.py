@@ -4,8 +4,8 @@ Records come from `datasets.load_dataset` (a local file, a local dataset
 directory or a hub id), are turned into text by the configured format and
 tokenised with the merged model's tokenizer. No padding here: batching and
 masks belong to the streams. Prompt/response records (`alpaca`, `chat`,
-`completion`) also say where their response starts: the expert's lead over
-the merge is measured on the response alone (family.batch.Record).
+`completion`) also say where their response starts: whether an expert leads
+the merge is judged there (family.batch.Record).
 
 One shortcut: a local JSON-lines file of flat string records, read in file
 order, is parsed with `json` instead of `datasets` (whose import, with pyarrow
