@@ -113,3 +113,23 @@ def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
     assert front["taught_by_merge"] == {"expert1": pytest.approx(leads[second], abs=1e-4)}
     scored = sum(len(s) - 1 for s in sequences[first])
     assert front["expert_lead"]["expert0"]["tokens_ahead"] == round(float((torch.cat(weights[first]) > 0.5).sum()) / scored, 4)
+
+
+def test_completion_records_without_their_fields_are_one_line_and_write_nothing(tmp_path):
+    from scenario import build_scenario
+
+    from featcal_llm.io.validate import validate_recipe
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    for spec in recipe["featcal"]["data"].values():
+        spec.update(format="completion", response="answer")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert len(validate_recipe(tmp_path / "r.yaml")) == 2
+    with pytest.raises(FeatCalError) as error:
+        run_recipe(tmp_path / "r.yaml", progress=False)
+    lines = str(error.value).splitlines()  # one line per expert, each naming its data entry and the missing field
+    assert len(lines) == 2 and all(".featcal.data." not in line and "featcal.data." in line and "has no field 'prompt' (fields: text)"
+                                   in line for line in lines), lines
+    assert not (tmp_path / "out").exists()
