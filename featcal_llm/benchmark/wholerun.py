@@ -102,8 +102,9 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto
             "data": {e: {"path": str(root / f"data{i}.jsonl"), "format": "text"} for i, e in enumerate(experts)},
             "samples": spec.sequences, "max_length": spec.seq_len, "device": "cpu",
             "dtype": dtype, "stats_dtype": stats_dtype,
-            # the baseline weighs every expert and token 1: so does the product run it is compared with
-            **({"lambda": lam, "expert_weights": "equal", "token_weights": "equal"} if method == "featcal" else {"method": method}),
+            # the baseline weighs every expert and token 1 and each expert teaches its records: so does the product run it is compared with
+            **({"lambda": lam, "expert_weights": "equal", "token_weights": "equal", "trailing_experts": "keep"} if method == "featcal"
+               else {"method": method}),
         },
     }, sort_keys=False))
     return recipe
