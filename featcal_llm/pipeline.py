@@ -23,7 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
-from featcal_llm.engine.teachers import let_the_merge_teach
+from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach
 from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
@@ -291,7 +291,12 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     opened = _open_merged(comm, resolved, data)
     context = _run_context(comm, resolved, data, opened, timer)
     lead_summary, coverage, taught = _weights(context, resolved, data, opened)
-    replacements = calibrate(context, opened.num_layers, progress and comm.is_main)
+    if every_expert_taught_by_the_merge(taught, context.batches):  # nothing to calibrate toward: the output is the merge
+        runlog.stage("trailing_experts: merge: every expert trails the merged model on its own records, so no layer is "
+                     "re-fitted and the output is the merged model, unchanged")
+        replacements = None
+    else:
+        replacements = calibrate(context, opened.num_layers, progress and comm.is_main)
     comm.barrier()
     if not comm.is_main:
         return RunOutcome(resolved.output, opened.models.merged.directory)
@@ -462,7 +467,9 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     merged_dir, partial = models.merged.directory, staging.root
     probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in data.probe_sequences.items()}, data.probe.source,
                   divergence=data.probe.divergence)  # the report counts every rank's records
-    records = [staging.record(layer) for layer in range(opened.num_layers)]
+    unchanged = replacements is None  # every expert trails the merge (`trailing_experts: merge`): no layer was fitted
+    replacements = replacements or {}
+    records = [] if unchanged else [staging.record(layer) for layer in range(opened.num_layers)]
     shutil.rmtree(partial / "spill", ignore_errors=True)
     checkpoint = partial / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
@@ -474,16 +481,17 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
         untie_head(checkpoint)
     tokens = {task: sum(len(s) for s in seqs) for task, seqs in data.sequences.items()}
     tuning = None
-    if plan.tuning is not None:
+    if plan.tuning is not None and not unchanged:
         tuning = tuning_report(plan.tuning, [record["tuning"] for record in records])
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
-    write_report(checkpoint, drift_report(probe, records))
+    if not unchanged:
+        write_report(checkpoint, drift_report(probe, records))
     architecture = plan.architecture
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
-                  "own_heads": plan.own_heads, "taught_by_merge": taught}
+                  "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged}
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage

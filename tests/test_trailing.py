@@ -117,13 +117,23 @@ def test_equal_token_weights_still_let_the_merge_teach(lead_and_trail, tmp_path)
     assert front["settings"]["token_weights"] == "equal" and "expert_lead" not in front and list(front["taught_by_merge"]) == ["expert1"]
 
 
-def test_every_expert_behind_the_merge_is_warned_about(tmp_path, capsys):
-    """One expert merged at weight 1 is the merge itself: it has no lead, so the merge teaches its records (the same run)."""
+def test_every_expert_behind_the_merge_leaves_the_merge_unchanged_and_says_so(tmp_path, capsys):
+    """Every target would be the merge's own features; only the anchor (toward the base) would move the weights. So no
+    layer is fitted and the output is the merged checkpoint, bit for bit, with a card that says why."""
     from test_token_weights import merge_of_one_expert
 
-    run_recipe(merge_of_one_expert(tmp_path, 1, 4, trailing_experts="merge")[1], progress=False)
-    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert any("featcal.trailing_experts: every expert predicts its own records worse than the merged model" in line for line in warning), warning
+    _, recipe = merge_of_one_expert(tmp_path, 1, 4, trailing_experts=None)  # one expert at weight 1: the merge itself
+    output = run_recipe(recipe, progress=False)
+    err = capsys.readouterr().err
+    assert any("featcal.trailing_experts: every expert predicts its own records worse than the merged model, so the output is "
+               "the merged model, unchanged" in line for line in err.splitlines() if "warning" in line), err
+    assert "no layer is re-fitted" in err and "layer 0" not in err
+    ours, merged = read_weights(output), read_weights(tmp_path / "scenario" / "merged")
+    assert ours.keys() == merged.keys() and all(torch.equal(ours[name], merged[name]) for name in merged)
+    front = card_front(output)["featcal"]
+    assert front["unchanged"] is True and list(front["taught_by_merge"]) == ["expert0"]
+    assert not (output / "featcal_drift.json").exists() and "this model is the merged model, unchanged" in (output / "README.md").read_text()
+
 
 
 @pytest.mark.parametrize("featcal, message", [

@@ -88,6 +88,9 @@ def has_biases(directory: Path) -> bool:
 
 def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> str:
     """What was re-fitted, in plain sentences; biases are named only for a model that has them."""
+    if calibrated is not None and calibrated.get("unchanged"):
+        return ("Every expert predicts its own calibration records worse than the merged model (`trailing_experts: merge`), "
+                "so there was nothing to calibrate toward: no weight was re-fitted, and this model is the merged model, unchanged.")
     if calibrated is None or calibrated["every_projection"]:
         sentences = ["Every linear projection of every decoder layer was re-fitted."]
     else:
@@ -290,6 +293,8 @@ def write_card(
     if taught:  # expert → its mean lead over the merge on its own records (≤ 0): the merge taught those records instead
         exact["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
     front["featcal"] |= exact
+    if (calibrated or {}).get("unchanged"):  # every expert trails the merge: the weights are the merge's
+        front["featcal"]["unchanged"] = True
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
     experts = "\n".join(
@@ -320,7 +325,8 @@ into the merged model (`{names[merged]}`). featcal-llm {__version__} then applie
 ## Settings
 {setting_lines}
 
-Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`.{
+{"" if (calibrated or {}).get("unchanged") else
+ "Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`."}{
 " The expert and token weights at full precision: `" + WEIGHTS_FILE + "`." if exact else ""}
 
 ## Usage
