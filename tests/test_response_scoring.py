@@ -21,7 +21,7 @@ from test_coverage import card_front, trained_scenario
 from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, read_weights
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.batch import Record
+from featcal_llm.io.records import Record
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.scoring import response_positions, scored_positions
 from featcal_llm.io.block import DataSpec

@@ -95,15 +95,16 @@ def test_calibration_tokens_identical_to_the_datasets_path(tmp_path, monkeypatch
         "b": DataSpec(path=str(tmp_path / "alpaca.jsonl"), format="alpaca"),
     }
     tokenizer = build_char_tokenizer()
-    arguments = (specs, ["a", "b"], tokenizer, 4, 32, shuffle, 3, tmp_path / "recipe.yaml")
+    arguments = (specs, ["a", "b"], tokenizer, 4, 512, shuffle, 3, tmp_path / "recipe.yaml")  # room for the alpaca responses
     loaded = []
     original = data.load_records
     monkeypatch.setattr(data, "load_records", lambda *a, **k: loaded.append(a[1]) or original(*a, **k))
     fast = data.calibration_sequences(*arguments)
     assert len(loaded) == (2 if shuffle else 0)  # shuffling is datasets' (its permutation), never re-implemented
     monkeypatch.setattr(data, "plain_jsonl_records", lambda path: None)
-    assert data.calibration_sequences(*arguments) == fast
-    assert [len(fast["a"]), len(fast["b"])] == [5, 4]
+    slow = data.calibration_sequences(*arguments)
+    assert slow == fast and [r.response_from for r in slow["b"]] == [r.response_from for r in fast["b"]]  # alpaca: judged from there
+    assert [len(fast["a"]), len(fast["b"])] == [5, 4] and all(0 < r.response_from < len(r) for r in fast["b"])
 
 
 # Runs `featcal-llm run RECIPE --force` in-process and reports the state at the moment the progress bar is created.

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from featcal_llm.errors import warn
-from featcal_llm.family.batch import response_from
+from featcal_llm.io.records import response_from
 
 STATE_FILE = "state.json"
 

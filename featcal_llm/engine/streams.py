@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from featcal_llm.family.batch import TokenBatch, response_from
+from featcal_llm.family.batch import TokenBatch
+from featcal_llm.io.records import response_from
 
 
 def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0) -> list[TokenBatch]:

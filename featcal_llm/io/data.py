@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.family.batch import Record
+from featcal_llm.io.records import Record
 from featcal_llm.io.block import DataSpec, beside_recipe
 from featcal_llm.startup import heavy_import
 
