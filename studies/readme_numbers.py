@@ -37,6 +37,9 @@ OTHER_SETTINGS = [
      None, None),
 ]
 
+SHORT_NAMES = {"allgap-half-embeddings.json": "the embeddings variant", "allgap-half-long.json": "the long variant",
+               "allgap.json": "weight 1"}
+
 
 def _cell(row: dict, domains: list[str]) -> list[str]:
     nll = [f"{row['nll'][d]:.3f}" for d in domains]
@@ -76,18 +79,23 @@ def render(results_dir: Path = RESULTS) -> str:
 
 
 def _ran_with(results: list[dict]) -> str:
-    """A sentence naming the `trailing_experts:` the defaults' rows ran with, where it is not today's default."""
+    """Which defaults' rows today's `trailing_experts:` default is known to give: rows run with it, or with `keep` where
+    every expert leads the merge on its calibration records (`record_leads`; the same run, bit for bit)."""
     from featcal_llm.io.block import FeatCalConfig
 
-    today = FeatCalConfig.model_fields["trailing_experts"].json_schema_extra["shown_default"]
-    ran = {r["rows"]["featcal defaults"]["featcal_effective"].get("trailing_experts", "keep") for r in results}
-    if ran == {today.split("`")[1]}:
+    today = FeatCalConfig.model_fields["trailing_experts"].json_schema_extra["shown_default"].split("`")[1]
+    rows = [r["rows"]["featcal defaults"] for r in results]
+    if all(row["featcal_effective"].get("trailing_experts", "keep") == today for row in rows):
         return ""
-    return (f" The defaults' rows ran with `trailing_experts: {'/'.join(sorted(ran))}`, the default then; today's ({today.split('`')[1]}) "
-            "lets the merge teach the records of an expert that trails it on them, and gives the same run, bit for bit, "
-            "wherever every expert leads the merge on its own calibration records: so the embeddings variant's rows hold for "
-            "it (its run logged leads of 0.043, 0.171 and 0.088 nats a token); the other runs did not log theirs, and their "
-            "experts lead on held-out text.")
+    named = ["this table's setting", *(SHORT_NAMES[file] for file, *_ in OTHER_SETTINGS)]
+    known = [f"{name} ({' / '.join(f'{lead:.3f}' for lead in row['record_leads'].values())})"
+             for name, row in zip(named, rows) if row.get("record_leads") and min(row["record_leads"].values()) > 0]
+    unknown = [name for name, row in zip(named, rows) if not row.get("record_leads")]
+    return (f" Today's `trailing_experts: {today}` lets the merge teach the records of an expert that trails it on them, and "
+            "gives the same run, bit for bit, where every expert leads the merge on its own calibration records, as in "
+            + " and in ".join(known) + " (nats a token, code / prose / c)"
+            + (f"; the rows of {' and '.join(unknown)} ran with `trailing_experts: keep`, the default then, and did not log those "
+               "leads" if unknown else "") + ".")
 
 
 def _leads(results: dict) -> str:
