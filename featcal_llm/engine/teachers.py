@@ -46,10 +46,10 @@ def taught_by_the_merge(models: Models, tasks: list[str] | dict[str, float]) -> 
     return replace(models, experts={task: models.merged if task in tasks else reader for task, reader in models.experts.items()})
 
 
-def every_expert_taught_by_the_merge(taught: dict[str, float], batches: dict[str, list[TokenBatch]]) -> bool:
+def every_expert_taught_by_the_merge(taught: dict[str, float], tasks: dict) -> bool:
     """Whether the merge teaches every calibrated expert's records: then every target is the merge's own, and the only
     pull away from its weights would be the anchor's, toward the base. The run then keeps the merge as it is."""
-    return bool(taught) and set(taught) == set(batches)
+    return bool(taught) and set(taught) == set(tasks)
 
 
 def alike(batches: list[TokenBatch]) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     runlog.stage("trailing_experts: merge: the merged model teaches the records of "
                  + ", ".join(f"{names[task]} (behind it by {-lead:.3f} nats a token)" for task, lead in behind.items())
                  + ", as those experts predict their own records worse than the merge does")
-    if len(behind) == len(mean_leads):
+    if every_expert_taught_by_the_merge(behind, mean_leads):
         warn(f"{where}: every expert predicts its own records worse than the merged model, so the output is the merged model, "
              "unchanged; check that each expert's data is its kind of text, or set trailing_experts: keep")
     return behind
