@@ -1,6 +1,6 @@
 """HumanEval+ / MBPP+ graded as EvalPlus grades them, as lm-eval task hooks.
 
-The task YAMLs in `eval/tasks/` point here (`!function featcal_llm.evaluation.evalplus.*`).
+The task YAMLs in `featcal_llm/evaluation/suites/tasks/` point here (`!function featcal_llm.evaluation.evalplus.*`).
 `*_process_docs` read each hub row as EvalPlus's grader would (oracle.py: the entry point from the
 test's own call, the tolerance, EvalPlus's special oracle, and which known-bad hub rows that
 patches); a custom filter turns each completion into a verdict (sanitize, then EvalPlus's

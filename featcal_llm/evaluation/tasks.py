@@ -1,7 +1,7 @@
 """Turn a suite task into the exact lm-eval task config that runs (inside the worker).
 
 The task's YAML (lm-eval's, found through a TaskManager whose include_path holds our
-`eval/tasks/`, or ours) is loaded with lm-eval's own loader, then the suite's settings and the
+`featcal_llm/evaluation/suites/tasks/`, or ours) is loaded with lm-eval's own loader, then the suite's settings and the
 user's local-data override are applied on top. The resulting dict is what lm-eval builds the
 Task from, and what the result file records.
 """
@@ -19,7 +19,7 @@ DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 
 
 def task_manager(suite: Suite):
-    """A TaskManager over our `eval/tasks/` only: indexing lm-eval's ~14,000 task YAMLs costs
+    """A TaskManager over our `featcal_llm/evaluation/suites/tasks/` only: indexing lm-eval's ~14,000 task YAMLs costs
     seconds per call, and lm-eval's own tasks are found by `lm_eval_task_yaml` instead."""
     from lm_eval.tasks import TaskManager
 
