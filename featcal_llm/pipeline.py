@@ -36,6 +36,7 @@ from featcal_llm.io.checkpoint import (
     check_same_layers,
     copy_side_files,
     move_into_place,
+    head_needs_untying,
     untie_head,
     write_calibrated_checkpoint,
 )
@@ -476,7 +477,8 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     checkpoint.mkdir()
     write_calibrated_checkpoint(models.merged, replacements, checkpoint)
     copy_side_files(merged_dir, checkpoint)
-    untied = LM_HEAD in replacements and LM_HEAD not in models.merged.weight_map
+    untied = head_needs_untying(LM_HEAD in replacements, bool(getattr(opened.merged_config, "tie_word_embeddings", False)),
+                                LM_HEAD in models.merged.weight_map)
     if untied:
         untie_head(checkpoint)
     tokens = {task: sum(len(s) for s in seqs) for task, seqs in data.sequences.items()}

@@ -150,6 +150,17 @@ def write_calibrated_checkpoint(
         (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def head_needs_untying(head_replaced: bool, config_ties: bool, head_stored: bool) -> bool:
+    """Whether a checkpoint whose LM head was re-fitted must be written untied.
+
+    Where the config ties the head to the input embeddings, a runtime that honours the flag (vLLM's loaders skip
+    `lm_head.*` then) serves the embedding as the head, whatever `lm_head.weight` the files hold; mergekit writes that
+    tensor whenever an input stores it and copies `tie_word_embeddings: true`. Where the files lack it, transformers
+    would tie it back. Either way the calibrated head is served only from an untied config.
+    """
+    return head_replaced and (config_ties or not head_stored)
+
+
 def untie_head(directory: Path) -> None:
     """The checkpoint now holds an LM head of its own: transformers must not tie it back to the input embeddings."""
     path = directory / "config.json"
