@@ -29,7 +29,7 @@ from featcal_llm.io.data import response_start, tokenize_texts, record_prompt, r
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.tiny import build_char_tokenizer
 
-RECORD = {"instruction": "add 2 and 3", "input": "", "prompt": "2+3=", "response": "5 ok"}
+RECORD = {"instruction": "add 2 and 3", "input": "", "prompt": "2+3=", "response": "5 ok", "completion": "5 ok"}
 
 
 @pytest.mark.parametrize("fmt, scored", [("completion", "5 ok"), ("alpaca", "5 ok"), ("chat", "5 ok</s>")])
@@ -70,14 +70,14 @@ def test_only_the_response_s_predictions_count_for_the_lead_and_plain_batches_ha
 
 
 def _as_completion(scenario, split: float = 0.5) -> dict[str, list[int]]:
-    """Each record's text split in two (prompt, response), written as completion records; the prompts' token counts."""
+    """Each record's text split in two (prompt, completion), written as completion records; the prompts' token counts."""
     tokenizer = build_char_tokenizer()
     starts = {}
     for name, path in scenario.data.items():
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for row in rows:
             cut = max(1, int(len(row["text"]) * split))
-            row.update(prompt=row["text"][:cut], response=row["text"][cut:])
+            row.update(prompt=row["text"][:cut], completion=row["text"][cut:])  # TRL's field names
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         starts[str(scenario.experts[name])] = [len(tokenizer(row["prompt"])["input_ids"]) for row in rows][:12]
     return starts
@@ -132,4 +132,50 @@ def test_completion_records_without_their_fields_are_one_line_and_write_nothing(
     lines = str(error.value).splitlines()  # one line per expert, each naming its data entry and the missing field
     assert len(lines) == 2 and all(".featcal.data." not in line and "featcal.data." in line and "has no field 'prompt' (fields: text)"
                                    in line for line in lines), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_completion_reads_trl_s_field_names_by_default():
+    spec = DataSpec(path="x.jsonl", format="completion")
+    assert (spec.prompt, spec.response) == ("prompt", "completion")
+    assert DataSpec(path="x.jsonl", format="completion", response="answer").response == "answer"  # a named field wins
+    assert DataSpec(path="x.jsonl", format="alpaca").response == DataSpec(path="x.jsonl", format="chat").response == "response"
+    tokenizer = build_char_tokenizer()
+    record = {"prompt": "2+3=", "completion": "5"}
+    assert record_to_text(record, spec, tokenizer, "d", 0) == "2+3=5" and record_prompt(record, spec, tokenizer, "d", 0) == "2+3="
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("prompt", [{"role": "user", "content": "2+3="}], "a list of messages (TRL's conversational form)"),
+    ("completion", [{"role": "assistant", "content": "5"}], "a list of messages (TRL's conversational form)"),
+    ("completion", 5, "a int"),
+])
+def test_completion_refuses_a_field_that_is_not_a_string_in_one_line(field, value, kind):
+    tokenizer = build_char_tokenizer()
+    spec = DataSpec(path="cal.jsonl", format="completion")
+    record = {"prompt": "2+3=", "completion": "5", field: value}
+    for read in (record_to_text, record_prompt) if field == "prompt" else (record_to_text,):
+        with pytest.raises(FeatCalError) as error:
+            read(record, spec, tokenizer, "r.yaml: featcal.data.e", 3)
+        assert str(error.value) == (f"r.yaml: featcal.data.e.path: cal.jsonl: record 3: field {field!r} is {kind}, not a string; "
+                                    "format: completion reads string prompt and completion fields (for messages, use format: chat "
+                                    "with messages)")
+
+
+def test_a_conversational_completion_file_is_refused_before_anything_is_written(tmp_path):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    for spec in recipe["featcal"]["data"].values():
+        spec.update(format="completion")
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}] * 4
+    for path in scenario.data.values():  # nested: read through datasets, as a hub set is
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with pytest.raises(FeatCalError) as error:
+        run_recipe(tmp_path / "r.yaml", progress=False)
+    message = str(error.value)  # run stops at the first expert's first record
+    assert "\n" not in message and ": record 0: field 'prompt' is a list of messages (TRL's conversational form)" in message
     assert not (tmp_path / "out").exists()

@@ -79,11 +79,13 @@ class DataSpec(BaseModel):
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
-    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then response, as is (TRL's prompt-completion records). With the last three, whether an expert leads the merge on its records (trailing_experts) is judged on the responses")
+    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then completion, as is (TRL's standard prompt-completion records: string fields prompt and completion; its conversational form, lists of messages, is refused). With the last three, whether an expert leads the merge on its records (trailing_experts) is judged on the responses")
     text: str = Field("text", description="field holding the text (format: text)")
     instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
     input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
-    response: str = Field("response", description="field holding the response (formats alpaca, chat and completion)")
+    response: str = Field(default_factory=lambda data: "completion" if data.get("format") == "completion" else "response",
+                          description="field holding the response (formats alpaca, chat and completion)",
+                          json_schema_extra={"shown_default": "`completion` (format completion, TRL's name), else `response`"})
     prompt: str = Field("prompt", description="field holding the user turn or prompt (formats chat without messages, and completion)")
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")

@@ -4,8 +4,9 @@ Records come from `datasets.load_dataset` (a local file, a local dataset
 directory or a hub id), are turned into text by the configured format and
 tokenised with the merged model's tokenizer. No padding here: batching and
 masks belong to the streams. Prompt/response records (`alpaca`, `chat`,
-`completion`) also say where their response starts: whether an expert leads
-the merge is judged there (family.batch.Record).
+`completion`: TRL's string `prompt` and `completion` fields) also say where
+their response starts: whether an expert leads the merge is judged there
+(io.records.Record).
 
 One shortcut: a local JSON-lines file of flat string records, read in file
 order, is parsed with `json` instead of `datasets` (whose import, with pyarrow
@@ -127,6 +128,17 @@ def _field(record: dict, key: str, where: str, index: int) -> Any:
     return record[key]
 
 
+def _completion_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -> str:
+    """A completion record's prompt or completion: a string, as TRL's standard form has it. TRL's conversational form
+    (lists of messages) would otherwise become a Python repr and be calibrated on as if it were text."""
+    value = _field(record, key, where, index)
+    if not isinstance(value, str):
+        kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else f"a {type(value).__name__}"
+        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is {kind}, not a string; format: "
+                           "completion reads string prompt and completion fields (for messages, use format: chat with messages)")
+    return value
+
+
 def _chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
     if spec.messages:
         return _field(record, spec.messages, where, index)
@@ -149,7 +161,7 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, _field(record, spec.response, where, index))
     if spec.format == "completion":
-        return str(_field(record, spec.prompt, where, index)) + str(_field(record, spec.response, where, index))
+        return _completion_field(record, spec, spec.prompt, where, index) + _completion_field(record, spec, spec.response, where, index)
     if getattr(tokenizer, "chat_template", None) is None:
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
     return tokenizer.apply_chat_template(_chat_messages(record, spec, where, index), tokenize=False, date_string=CHAT_DATE)
@@ -161,7 +173,7 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, "")
     if spec.format == "completion":
-        return str(_field(record, spec.prompt, where, index))
+        return _completion_field(record, spec, spec.prompt, where, index)
     if spec.format == "chat":
         messages = _chat_messages(record, spec, where, index)
         if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":

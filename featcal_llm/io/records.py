@@ -10,8 +10,11 @@ class Record(list):
     teaches them, engine/teachers.py) is judged on the responses of
     prompt/response records (`alpaca`, `chat`, `completion`): that is what an
     expert was trained to predict and what a user's benchmarks score, while a
-    prompt's tokens are whatever the user typed. A plain list (plain text) is
-    judged on every token. Every token is a calibration sample either way.
+    prompt's tokens are whatever the user typed. A plain list is judged on
+    every token: plain text, and the texts an expert samples itself
+    (`generate:`), whose prompts (a user's, the seed requests, a chat
+    template's turn markers) are judged with what the expert wrote. Every token
+    is a calibration sample either way.
     """
 
     def __init__(self, ids: list[int], response_from: int):
