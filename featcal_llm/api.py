@@ -179,9 +179,9 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     from featcal_llm.startup import heavy_import
 
     if push_to_hub is not None:
-        from featcal_llm.io.hub import check_repo_id
+        from featcal_llm.io.hub import check_push
 
-        check_repo_id(push_to_hub)
+        check_push(push_to_hub)  # the id and the login, before any work
     path, temporary = _recipe_file(recipe, "calibrate")
     start = time.perf_counter()
     memory = _PeakMemory()
@@ -189,13 +189,13 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     quiet = contextlib.nullcontext() if runlog.in_session() else runlog.session(None, runlog.NORMAL if progress else runlog.QUIET)
     try:
         with collected_warnings() as warnings:
-            from featcal_llm.io.recipe import block_problems
             from featcal_llm.io.validate import check_recipe
 
-            if block_problems(path):  # a key typo is refused before torch, transformers and mergekit load (seconds)
-                if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports it for every rank
+            refused = check_recipe(path, plan=False).problems  # all of validate's problems, before torch and mergekit load
+            if refused:
+                if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports them for every rank
                     raise QuietExit()
-                raise RecipeProblems(check_recipe(path, plan=False).problems)  # with the other checks that need no model
+                raise RecipeProblems(refused)
             with quiet:
                 outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device,
                                                                                   progress=progress, output=output)

@@ -81,6 +81,9 @@ class FakeHub:
         FakeHub.calls.append(("create_repo", repo_id, repo_type, private, exist_ok))
         return f"https://huggingface.co/{repo_id}"
 
+    def whoami(self, *args, **kwargs):
+        return {"name": "me"}
+
     def upload_folder(self, *, folder_path, repo_id, repo_type=None, **kwargs):
         if FakeHub.fail:
             raise RuntimeError("401 Client Error: Unauthorized\nInvalid token")
@@ -94,6 +97,7 @@ def hub(monkeypatch):
 
     FakeHub.calls, FakeHub.fail = [], False
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_stand_in")  # logged in (checked before the run)
     return FakeHub
 
 

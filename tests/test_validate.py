@@ -178,12 +178,12 @@ CASES = {
         ["featcal.reduction: only method regmean and regmean++ reads it (method is featcal)"],
         ["featcal.tune: nothing to tune"],
     ]),
-    "data for a misspelled expert": (_data_key_typo, [
-        ["featcal.data: no calibration data for expert"],
+    "data for a misspelled expert": (_data_key_typo, [  # one typo, one error (the expert it names has no other line)
         ["featcal.data.", "x: not an expert of this recipe", "did you mean"],
     ]),
     "adapter without adapter_config.json": (_bad_adapter, [["not-an-adapter: not a PEFT adapter (adapter_config.json is missing)"]]),
-    "featcal errors before mergekit's": (_mergekit_and_featcal, [  # the block's own come back without mergekit (< 1 s)
+    "featcal and mergekit errors in one round": (_mergekit_and_featcal, [  # the mergekit part needs no torch (< 1 s)
+        ["bad.yaml: merge_method: required key is missing"],
         ["featcal.alpha: every value should be less than or equal to 1, got 1.5"],
         ["featcal.device: expected auto, cpu, cuda or cuda:N, got 'gpu'"],
     ]),

@@ -1,4 +1,4 @@
-"""`--push-to-hub`: the calibrated model uploaded to a Hugging Face Hub repository, after a successful run only."""
+"""`--push-to-hub`: the login checked before the run, the calibrated model uploaded to a Hugging Face Hub repository after a successful run only."""
 
 from __future__ import annotations
 
@@ -15,6 +15,27 @@ def check_repo_id(repo_id: str) -> None:
         validate_repo_id(repo_id)
     except HFValidationError as error:
         raise FeatCalError(f"--push-to-hub {repo_id}: not a Hub repository id ({str(error).splitlines()[0]})") from None
+
+
+def check_push(repo_id: str) -> None:
+    """Before any work: the repository id is well formed and there is a Hugging Face login to upload with.
+
+    No token at all is known without the network (`huggingface_hub.get_token`: HF_TOKEN or `hf auth login`'s file).
+    A token the Hub rejects (whoami answers 401) is refused too; without a network the upload at the end will tell.
+    """
+    check_repo_id(repo_id)
+    from huggingface_hub import HfApi, get_token
+
+    if not get_token():
+        raise FeatCalError(f"--push-to-hub {repo_id}: not logged in to the Hugging Face Hub (run `hf auth login` or set HF_TOKEN); "
+                           "nothing was computed")
+    try:
+        HfApi().whoami()
+    except Exception as error:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status == 401:
+            raise FeatCalError(f"--push-to-hub {repo_id}: the Hugging Face token was rejected (401: expired or revoked); "
+                               "log in again with `hf auth login`") from None
 
 
 def push_folder(folder: Path, repo_id: str, private: bool = True) -> str:

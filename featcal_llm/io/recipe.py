@@ -1,9 +1,13 @@
 """A mergekit recipe plus its ``featcal:`` block, validated.
 
-The mergekit part is parsed by mergekit's own ``MergeConfiguration`` (so what
-``mergekit-yaml`` accepts we accept); the ``featcal:`` block is ours
+The mergekit part is checked against mergekit's schema without torch
+(``io/mergekit_config.py``, the same models as ``mergekit.config``, and the merge
+methods' parameters from ``io/mergekit_methods.py``), so ``validate`` answers in
+under a second; ``run`` then parses it with mergekit's own ``MergeConfiguration``
+(what ``mergekit-yaml`` accepts we accept). The ``featcal:`` block is ours
 (``featcal_llm.io.block``) and is strict: an unknown or misspelled key is an
-error that names it. Here: reading the file, and the checks across both parts.
+error that names it. YAML keys given twice are errors (YAML would keep the last
+silently). Here: reading the file, and the checks across both parts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from pydantic import ValidationError
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.block import FEATCAL_ONLY, REGMEAN_ONLY, FeatCalConfig, beside_recipe
 from featcal_llm.io.forms import check_forms
+from featcal_llm.io.mergekit_config import MergeConfiguration
+from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
 from featcal_llm.startup import heavy_import
 
@@ -40,16 +46,52 @@ class Recipe:
     merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
 
 
-def _read_yaml_mapping(path: Path) -> dict:
+def _yaml_reason(error: yaml.YAMLError) -> str:
+    """Where and why: `at line 3, column 9: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1)`."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context:
+        problem += f" ({context}{f' at line {context_mark.line + 1}' if context_mark and (not mark or context_mark.line != mark.line) else ''})"
+    return f"{where}: {problem}"
+
+
+def duplicate_keys(node: yaml.Node, where: str = "") -> list[tuple[str, int, int]]:
+    """(dotted key, first line, repeated line) for each key a YAML mapping gives twice, at any depth."""
+    found: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{where}.{key}" if where else str(key)
+            if key is not None and key != "<<":
+                if key in first:
+                    found.append((dotted, first[key], key_node.start_mark.line + 1))
+                else:
+                    first[key] = key_node.start_mark.line + 1
+            found += duplicate_keys(value_node, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found += duplicate_keys(item, f"{where}.{index}" if where else str(index))
+    return found
+
+
+def _read_yaml_mapping(path: Path, problems: list[Problem] | None = None) -> dict:
+    """The recipe's mapping; a key given twice is appended to `problems` (YAML keeps the last one without a word)."""
     if not path.is_file():
         raise FeatCalError(f"{path}: recipe file not found")
     text = path.read_text(encoding="utf-8")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
-        raw = yaml.safe_load(text)
+        node = loader.get_single_node()
+        raw = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise FeatCalError(f"{path}: not valid YAML{where}") from None
+        raise FeatCalError(f"{path}: not valid YAML{_yaml_reason(error)}") from None
+    finally:
+        loader.dispose()
+    for key, first, again in sorted(duplicate_keys(node), key=lambda found: found[2]) if node is not None and problems is not None else []:
+        problems.append(Problem(str(path), key, f"given twice (lines {first} and {again}); YAML would keep the second silently: keep one"))
     if raw is None:
         raise FeatCalError(f"{path}: the recipe file is empty (expected a mergekit recipe with a featcal: block)")
     if not isinstance(raw, dict):
@@ -113,28 +155,55 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
             collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))
 
 
-def _merge_checks(path: Path, featcal: FeatCalConfig, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
-    """What the block and the mergekit part say together: recipe forms, the base, experts against data entries."""
+def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
+    """What the mergekit part says on its own (recipe forms, the method's parameters) and with the block (experts against data entries)."""
     if merge_config is None:
         return ()
     before = len(problems)
     collect(problems, path, lambda: check_forms(merge_config, path))
     if len(problems) > before:  # a form FeatCal cannot calibrate: what follows would only repeat it
         return ()
+    problems.extend(parameter_problems(merge_config, str(path)))
     if merge_config.base_model is None:
         problems.append(Problem(str(path), "base_model", "FeatCal needs the base model the experts were fine-tuned from"))
     experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     if not experts:
         problems.append(Problem(str(path), "models", "no expert besides the base model"))
+    if featcal is None:
+        return experts
     names = [expert.name for expert in experts]
-    for name in names:
-        if name not in featcal.data:
-            problems.append(Problem(str(path), "featcal.data", f"no calibration data for expert {name!r}"))
+    typos = misspelt_models(experts, featcal.data)  # a model path typo: io/validate.py reports it once, as the path's
+    without = [name for name in names if name not in featcal.data and name not in typos]
+    named = set()
     for key in featcal.data:
-        if key not in names:
-            without = [name for name in names if name not in featcal.data]
-            problems.append(Problem(str(path), f"featcal.data.{key}", f"not an expert of this recipe (experts: {', '.join(names)}){suggestion(key, without)}"))
+        if key not in names and key not in typos.values():
+            hint = suggestion(key, without)
+            named.update(name for name in without if hint == f"; did you mean {name!r}?")
+            problems.append(Problem(str(path), f"featcal.data.{key}", f"not an expert of this recipe (experts: {', '.join(names)}){hint}"))
+    for name in without:
+        if name not in named:  # a data key typo names its expert above: one error for one typo
+            problems.append(Problem(str(path), "featcal.data", f"no calibration data for expert {name!r}"))
     return experts
+
+
+def misspelt_models(experts: tuple[Expert, ...], data: dict[str, Any]) -> dict[str, str]:
+    """Expert → data key, where the expert's local path does not exist and the unmatched data key is a close spelling that does.
+
+    The model path is the typo then (one error, io/validate.py names it), not the data key.
+    """
+    import difflib
+
+    names = [expert.name for expert in experts]
+    spare = [key for key in data if key not in names and Path(key).exists()]
+    found = {}
+    for expert in experts:
+        if expert.name in data or Path(expert.name).exists() or "+" in expert.name:
+            continue
+        close = difflib.get_close_matches(expert.name, spare, n=1, cutoff=0.75)
+        if close:
+            found[expert.name] = close[0]
+            spare.remove(close[0])
+    return found
 
 
 @dataclass
@@ -143,16 +212,22 @@ class Parsed:
 
     recipe: Recipe | None
     problems: list[Problem]
-    merge_config: Any = None
+    merge_config: Any = None  # io/mergekit_config.MergeConfiguration (torch-free), whatever `mergekit` says
     featcal: FeatCalConfig | None = None
     block: dict | None = None
-    merge_unchecked: bool = False  # the block had problems and the mergekit part was left for later (`block_first`)
 
 
-def _read_block(path: Path, block: Any, problems: list[Problem]) -> FeatCalConfig | None:
+def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | None = None) -> FeatCalConfig | None:
     """The `featcal:` block validated (pydantic only: no mergekit, no torch), with the checks across its keys."""
     if block is None:
-        problems.append(Problem(str(path), "featcal", "block is missing (add it after the mergekit recipe)"))
+        import difflib
+
+        close = difflib.get_close_matches("featcal", [str(key) for key in raw or {}], n=1, cutoff=0.75)
+        if close:  # `featcall:`: the block is there, misspelt
+            problems.append(Problem(str(path), close[0], "unknown key; did you mean 'featcal'?"))
+            raw.pop(close[0])  # mergekit would ignore it: no second warning
+        else:
+            problems.append(Problem(str(path), "featcal", "block is missing (add it after the mergekit recipe)"))
         return None
     if not isinstance(block, dict):
         problems.append(Problem(str(path), "featcal", "expected a mapping"))
@@ -169,47 +244,55 @@ def _read_block(path: Path, block: Any, problems: list[Problem]) -> FeatCalConfi
 def block_problems(path: str | Path) -> list[Problem]:
     """The YAML's and the `featcal:` block's own problems, without mergekit: what `run` refuses before it imports torch."""
     path, problems = Path(path), []
-    raw = collect(problems, path, lambda: _read_yaml_mapping(path))
+    raw = collect(problems, path, lambda: _read_yaml_mapping(path, problems))
     if raw is not None:
-        _read_block(path, raw.get("featcal"), problems)
+        _read_block(path, raw.pop("featcal", None), problems, raw)
     return problems
 
 
-def read_recipe(path: str | Path, block_first: bool = False) -> Parsed:
-    """The recipe and every problem its text shows (schema, recipe forms, experts against data), without touching a model.
+def _mergekit_problems(path: Path, error: ValidationError) -> list[Problem]:
+    """pydantic's errors of the mergekit part, one line each; a whole-recipe rule (exactly one of models/slices) without the recipe echoed."""
+    problems = pydantic_problems(path, error, "", MergeConfiguration)
+    for index, item in enumerate(error.errors()):
+        if isinstance(item.get("input"), (dict, list)) and item["type"] not in ("missing", "extra_forbidden"):
+            problems[index] = Problem(str(path), problems[index].key, item["msg"].removeprefix("Value error, "))
+    return problems
 
-    `block_first`: when the `featcal:` block has problems, return them without importing mergekit (which brings
-    torch and transformers, seconds): a key typo comes back at once; the mergekit part is checked once the block is clean.
+
+def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
+    """The recipe and every problem its text shows (YAML, schema, recipe forms, merge parameters, experts against data), in one round.
+
+    Everything is checked without torch; with `mergekit` (what `run` needs) a clean recipe is then parsed by
+    mergekit's own `MergeConfiguration`, which imports torch and transformers (seconds).
     """
     path = Path(path)
     problems: list[Problem] = []
-    raw = collect(problems, path, lambda: _read_yaml_mapping(path))
+    raw = collect(problems, path, lambda: _read_yaml_mapping(path, problems))
     if raw is None:
         return Parsed(None, problems)
     block = raw.pop("featcal", None)
     parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None)
     block_problems: list[Problem] = []
-    parsed.featcal = _read_block(path, block, block_problems)
-    if block_first and block_problems:
-        problems.extend(block_problems)
-        parsed.merge_unchecked = True
-        return parsed
-    MergeConfiguration = heavy_import("mergekit.config").MergeConfiguration
+    parsed.featcal = _read_block(path, block, block_problems, raw)
     _unknown_top_keys(path, raw, MergeConfiguration)
     try:
         parsed.merge_config = MergeConfiguration.model_validate(raw)
     except ValidationError as error:
-        problems.extend(pydantic_problems(path, error, "", MergeConfiguration))
-    except Exception as error:  # mergekit raises RuntimeError from its own validators
-        problems.append(Problem(str(path), "", f"not a valid mergekit recipe: {error}"))
+        problems.extend(_mergekit_problems(path, error))
     problems.extend(block_problems)
-    if parsed.featcal is None or parsed.merge_config is None:
-        return parsed
     experts = _merge_checks(path, parsed.featcal, parsed.merge_config, problems)
-    if not problems:
-        merge_config = parsed.merge_config
-        text = path.read_text(encoding="utf-8")
-        parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)
+    if problems or parsed.featcal is None or parsed.merge_config is None:
+        return parsed
+    merge_config = parsed.merge_config
+    if mergekit:
+        try:
+            merge_config = heavy_import("mergekit.config").MergeConfiguration.model_validate(raw)
+        except Exception as error:  # the schema test keeps the two alike; should they part, mergekit has the last word
+            problems.append(Problem(str(path), "", f"not a valid mergekit recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}"))
+            return parsed
+        experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
+    text = path.read_text(encoding="utf-8")
+    parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)
     return parsed
 
 

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
-from featcal_llm.io.checkpoint import CheckpointReader
-from featcal_llm.io.lora import LoraReader, adapter_identity, is_adapter_directory
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_directory(directory: Path) -> bool:
+    """A PEFT adapter rather than a model: adapter_config.json and no model config (io/lora.py's rule, here without torch:
+    `validate` resolves references without importing it)."""
+    return (directory / ADAPTER_CONFIG).is_file() and not (directory / "config.json").is_file()
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,11 @@ class ModelSource:
             return self.adapter
         return self.directory
 
-    def open(self, what: str) -> CheckpointReader | LoraReader:
+    def open(self, what: str) -> Any:
+        """A CheckpointReader, or a LoraReader over it (imported here: they need torch)."""
+        from featcal_llm.io.checkpoint import CheckpointReader
+        from featcal_llm.io.lora import LoraReader
+
         base = CheckpointReader(self.directory, what)
         return base if self.adapter is None else LoraReader(base, self.adapter, what)
 
@@ -48,6 +58,8 @@ class ModelSource:
         """
         identity: dict[str, Any] = {"reference": self.reference, "revisions": list(self.revisions)}
         if self.adapter is not None:
+            from featcal_llm.io.lora import adapter_identity
+
             identity["adapter"] = adapter_identity(self.adapter)
         return identity
 

@@ -25,7 +25,7 @@ from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
 from featcal_llm.io.block import DataSpec
-from featcal_llm.io.recipe import Recipe, _experts_of, read_recipe
+from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
@@ -40,6 +40,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     plan: Any = None  # benchmark.estimate.MemoryPlan
     unchecked: list[str] = field(default_factory=list)  # hub ids not looked up (offline)
+    offline: list[str] = field(default_factory=list)  # hub ids `--online` could not look up: no network
 
     def summary_notes(self) -> list[str]:
         """The notes, with the hub ids left unchecked gathered into one."""
@@ -54,37 +55,41 @@ def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
 
 
 def check_before_run(path: str | Path) -> Recipe:
-    """The recipe, once every local check passed; else `RecipeProblems` listing all of them."""
-    report = check_recipe(path, online=False, plan=False)
+    """The recipe parsed by mergekit, once every local check passed; else `RecipeProblems` listing all of them."""
+    report = check_recipe(path, online=False, plan=False, mergekit=True)
     if report.problems:
         raise RecipeProblems(report.problems)
     return report.recipe
 
 
-def check_recipe(path: str | Path, online: bool = False, plan: bool = True) -> Report:
-    """Every problem of the recipe: its text first, then, for the parts that parsed, what they point at."""
-    parsed = read_recipe(path, block_first=True)
+def check_recipe(path: str | Path, online: bool = False, plan: bool = True, mergekit: bool = False) -> Report:
+    """Every problem of the recipe in one round: its text, then what the parts that parsed point at.
+
+    Without torch unless `mergekit` (then a clean recipe's mergekit part is parsed by mergekit itself, for `run`).
+    """
+    parsed = read_recipe(path, mergekit=mergekit)
     path, recipe, problems = Path(path), parsed.recipe, parsed.problems
     report = Report(recipe, problems)
     if parsed.merge_config is None and parsed.block is None:
         return report
-    if parsed.merge_unchecked:  # the block's own problems came back without mergekit: the models wait for a clean block
-        report.notes.append(f"{path}: the mergekit part and the models are checked once the featcal: block is fixed")
     block = parsed.block or {}
+    data = _data_entries(parsed)
     experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
-    for name, spec in _data_entries(parsed).items():
+    for name, spec in data.items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"
-            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.unchecked))
+            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.unchecked, report.offline))
     featcal = parsed.featcal
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
     if parsed.merge_config is not None:
-        configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report)
+        configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data)
     if setting("output"):
         _check_output(path, Path(setting("output")), report)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
+    if report.offline:
+        report.notes.append(f"hub ids not checked: no network ({', '.join(dict.fromkeys(report.offline))})")
     base = configs.get("base_model")
     if plan and recipe is not None and base is None and not problems:
         report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; --online fetches it)")
@@ -130,7 +135,7 @@ def looks_like_hub_id(value: str) -> bool:
     return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
 
 
-def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str]) -> None:
+def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None) -> None:
     """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names."""
     path = data_path(spec, base_dir)
     if path.is_file():
@@ -147,7 +152,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     if not online:
         unchecked.append(f"{spec.path} (dataset)")
         return
-    _hub_lookup("dataset", spec.path, None, f"{where}.path")
+    _hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
 
 
 def record_fields(path: Path, where: str) -> list[str] | None:
@@ -234,8 +239,16 @@ def _refuse_local_typo(path: str, what: str) -> None:
                            f"did you mean {str(parent / close[0])!r}?")
 
 
-def _hub_lookup(kind: str, repo: str, revision: str | None, where: str) -> None:
-    """Whether a hub model or dataset exists at the revision (one API call, no download)."""
+NO_NETWORK = {"TransportError", "NetworkError", "ConnectError", "ConnectionError", "Timeout", "TimeoutException", "OfflineModeIsEnabled"}
+
+
+def no_network(error: BaseException) -> bool:
+    """Whether the hub could not be reached at all (httpx's or requests' transport errors, HF_HUB_OFFLINE), as opposed to an answer."""
+    return any(kind.__name__ in NO_NETWORK for kind in type(error).__mro__)
+
+
+def _hub_lookup(kind: str, repo: str, revision: str | None, where: str, offline: list[str]) -> None:
+    """Whether a hub model or dataset exists at the revision (one API call, no download); unreachable: `repo` joins `offline`."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -249,7 +262,10 @@ def _hub_lookup(kind: str, repo: str, revision: str | None, where: str) -> None:
     except RepositoryNotFoundError:
         raise FeatCalError(f"{where}: {repo}: no such {kind} on the hub (or it is private: log in with hf auth login)") from None
     except Exception as error:
-        raise FeatCalError(f"{where}: {repo}: could not reach the hub ({type(error).__name__})") from None
+        if no_network(error):
+            offline.append(repo if kind == "model" else f"{repo} ({kind})")
+            return
+        raise FeatCalError(f"{where}: {repo}: the hub did not answer ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
 
 
 def _hub_config(model_path: Any, online: bool) -> dict | None:
@@ -278,7 +294,7 @@ def _read_config(directory: Path, what: str) -> dict:
     return data
 
 
-def _model_config(reference: Any, what: str, online: bool, unchecked: list[str], base: Any = None) -> tuple[Any, dict | None]:
+def _model_config(reference: Any, what: str, online: bool, report: Report, base: Any = None) -> tuple[Any, dict | None]:
     """(ModelSource or None, config.json) of one recipe model; local paths only on disk, hub ids only when online."""
     from featcal_llm.io.references import resolve_source
 
@@ -290,16 +306,19 @@ def _model_config(reference: Any, what: str, online: bool, unchecked: list[str],
         return source, _read_config(source.directory, what)
     for model_path in hub:
         if online:
-            _hub_lookup("model", model_path.path, model_path.revision, what)
+            _hub_lookup("model", model_path.path, model_path.revision, what, report.offline)
         else:
-            unchecked.append(str(model_path))
+            report.unchecked.append(str(model_path))
     if reference.lora is None and hub == [reference.model]:
         return None, _hub_config(reference.model, online)
     return None, None
 
 
-def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, online: bool, report: Report) -> dict[str, dict]:
-    """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree."""
+def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, online: bool, report: Report,
+                  data: dict[str, DataSpec] | None = None) -> dict[str, dict]:
+    """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree, of an
+    architecture featcal-llm calibrates."""
+    from featcal_llm.family.architectures import architecture_for
     from featcal_llm.io.forms import check_slice_depth
     from featcal_llm.io.references import check_override_architecture
 
@@ -308,19 +327,26 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     base_source = base_config = None
     base_what = f"{path}: base_model"
     if base_reference is not None:
-        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report.unchecked))
+        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report))
         base_source, base_config = result or (None, None)
     if base_config is not None:
         configs["base_model"] = base_config
         collect(problems, path, lambda: check_override_architecture(base_reference, SimpleNamespace(**base_config), f"{base_what} {base_reference}"))
+        collect(problems, path, lambda: architecture_for(SimpleNamespace(**base_config), f"{base_what} {base_reference}"))  # as run says it
         slices_refused = any(problem.key.startswith("slices") for problem in problems)  # depth would only repeat it
         if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
-    for reference in _experts_of(merge_config):
+    experts = _experts_of(merge_config)
+    typos = misspelt_models(tuple(Expert(str(reference), reference) for reference in experts), data or {})
+    for reference in experts:
         what = f"{path}: models: {reference}"
+        if str(reference) in typos:  # one error: the model path, not the data key that names the right one
+            problems.append(Problem(str(path), "models", f"{reference}: model directory does not exist; did you mean "
+                                                         f"{typos[str(reference)]!r} (featcal.data names it)?"))
+            continue
         if base_source is None and _plain_adapter(reference):
             continue  # applies to a base that could not be resolved: already reported
-        result = collect(problems, path, lambda: _model_config(reference, what, online, report.unchecked, base_source))
+        result = collect(problems, path, lambda: _model_config(reference, what, online, report, base_source))
         source, config = result or (None, None)
         if config is None:
             continue
@@ -343,7 +369,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
 
 
 def _plain_adapter(reference: Any) -> bool:
-    from featcal_llm.io.lora import is_adapter_directory
+    from featcal_llm.io.references import is_adapter_directory
 
     return reference.lora is None and is_adapter_directory(Path(reference.model.path))
 

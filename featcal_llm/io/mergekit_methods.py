@@ -1,0 +1,190 @@
+"""mergekit's merge methods as data: their parameters (name, scope, type, required) and which inputs they take.
+
+mergekit ignores a parameter name its method does not read (`wieght: 0.5` merges as if no weight were given)
+and checks values and required parameters only while it merges, after minutes of work. `validate` and
+`run` check them from `mergekit_methods.json`, generated from mergekit's registry
+(`python -m featcal_llm.io.mergekit_methods > featcal_llm/io/mergekit_methods.json`), so the check needs
+neither mergekit nor torch; tests/test_mergekit_schema.py regenerates it from the installed mergekit and
+compares, so it cannot fall behind.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+from featcal_llm.io.problems import Problem, suggestion
+
+SCHEMA_FILE = Path(__file__).with_name("mergekit_methods.json")
+SCALARS = {"number": float, "boolean": bool, "integer": int, "string": str, "null": type(None)}
+WORDS = {"number": "a number", "boolean": "true or false", "integer": "an integer", "string": "a string", "null": "null"}
+
+
+def generate() -> dict[str, Any]:
+    """The schema, read from the installed mergekit's registry (imports mergekit and torch: build time only)."""
+    from importlib.metadata import version
+
+    from mergekit.merge_methods.base import MISSING
+    from mergekit.merge_methods.registry import registered_methods
+    from pydantic import TypeAdapter
+
+    methods = {}
+    for method in sorted(registered_methods(), key=lambda m: m.spec.name):
+        spec, contract = method.spec, method.spec.contract
+        methods[spec.name] = {
+            "base": contract.base.value,
+            "min_inputs": contract.min_inputs, "max_inputs": contract.max_inputs,
+            "min_non_base": contract.min_non_base, "max_non_base": contract.max_non_base,
+            "parameters": {
+                p.name: {"scope": p.scope.value, "type": TypeAdapter(p.value_type).json_schema(), "required": p.default is MISSING}
+                for p in spec.parameters
+            },
+        }
+    return {"mergekit": version("mergekit"), "methods": methods}
+
+
+@lru_cache(maxsize=1)
+def methods() -> dict[str, dict[str, Any]]:
+    """Method name → its schema entry, as shipped."""
+    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))["methods"]
+
+
+def _python_type(schema: dict) -> Any:
+    if "anyOf" in schema:
+        return Union[tuple(_python_type(member) for member in schema["anyOf"])]
+    return SCALARS[schema["type"]]
+
+
+def _type_words(schema: dict) -> str:
+    if "anyOf" in schema:
+        return " or ".join(_type_words(member) for member in schema["anyOf"])
+    return WORDS[schema["type"]]
+
+
+def _leaves(setting: Any) -> Iterator[Any]:
+    """The scalar values of a parameter setting: a value, a gradient (list), a {value, filter} or a list of them."""
+    if isinstance(setting, list):
+        for item in setting:
+            yield from _leaves(item)
+    elif hasattr(setting, "value"):  # ConditionalParameter
+        yield from _leaves(setting.value)
+    else:
+        yield setting
+
+
+def _bad_value(schema: dict, setting: Any) -> Any:
+    """The first value of `setting` mergekit's validation of this parameter's type would refuse (None when all pass)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(_python_type(schema))
+    for value in _leaves(setting):
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            return value if value is not None else "null"
+    return None
+
+
+def _inputs(config: Any) -> list[tuple[str, Any, list[dict | None]]]:
+    """Each input model of the merge: (its key in the recipe, its reference, its settings from the most specific).
+
+    As mergekit's planner reads them: a base model not listed among the inputs is added without parameters.
+    """
+    base, found = config.base_model, []
+    top = [config.parameters]
+    if config.models:
+        found = [(f"models.{i}", entry.model, [entry.parameters, *top]) for i, entry in enumerate(config.models)]
+        if base is not None and all(entry.model != base for entry in config.models):
+            found.append(("base_model", base, top))
+    for i, output_slice in enumerate(config.slices or []):
+        chain = [output_slice.parameters, *top]
+        found += [(f"slices.{i}.sources.{j}", source.model, [source.parameters, *chain]) for j, source in enumerate(output_slice.sources)]
+        if base is not None and all(source.model != base for source in output_slice.sources):
+            found.append(("base_model", base, chain))
+    return found
+
+
+def _sites(config: Any) -> list[tuple[str, dict, bool]]:
+    """Where the recipe sets parameters: (key, the settings, whether per-model parameters only)."""
+    sites = [("parameters", config.parameters, False)]
+    sites += [(f"models.{i}.parameters", entry.parameters, True) for i, entry in enumerate(config.models or [])]
+    for i, output_slice in enumerate(config.slices or []):
+        sites.append((f"slices.{i}.parameters", output_slice.parameters, False))
+        sites += [(f"slices.{i}.sources.{j}.parameters", source.parameters, True) for j, source in enumerate(output_slice.sources)]
+    return [(key, settings, per_model) for key, settings, per_model in sites if settings]
+
+
+def parameter_problems(config: Any, file: str) -> list[Problem]:
+    """The parameters of a parsed mergekit configuration against its method: names, value types, required ones, input counts.
+
+    An unknown method is left to io/forms.py (it has FeatCal's own table); so are multi-module recipes.
+    """
+    name = config.merge_method
+    method = methods().get(name)
+    if method is None or config.modules:
+        return []
+    spec = method["parameters"]
+    per_model = [p for p, entry in spec.items() if entry["scope"] != "shared"]
+    problems, hinted = [], set()
+    for key, settings, model_site in _sites(config):
+        for parameter, setting in settings.items():
+            where = f"{key}.{parameter}"
+            if parameter not in spec:
+                hint = suggestion(parameter, per_model if model_site else spec)
+                hinted.add((key, hint))
+                listed = ", ".join(per_model if model_site else spec) or "none"
+                problems.append(Problem(file, where, f"not a parameter of merge method {name}{hint} (mergekit would ignore it; "
+                                                     f"{'per-model' if model_site else 'its'} parameters: {listed})"))
+                continue
+            if model_site and spec[parameter]["scope"] == "shared":
+                problems.append(Problem(file, where, f"a global parameter of {name}: mergekit reads it only under the top-level "
+                                                     "parameters: (here it would be ignored)"))
+                continue
+            bad = _bad_value(spec[parameter]["type"], setting)
+            if bad is not None:
+                problems.append(Problem(file, where, f"expected {_type_words(spec[parameter]['type'])} (got {bad!r})"))
+    base = config.base_model if method["base"] != "ignored" else None
+    for key, reference, chain in _inputs(config):
+        for parameter, entry in spec.items():
+            needed = entry["required"] and (entry["scope"] == "input" or (entry["scope"] == "non_base" and reference != base))
+            if needed and not any(parameter in (settings or {}) for settings in chain):
+                site = f"{key}.parameters" if key != "base_model" else "parameters"
+                if (site, f"; did you mean {parameter!r}?") in hinted:
+                    continue  # the misspelt name is the problem, reported above
+                whom = "the base model" if key == "base_model" else f"model {reference}"
+                problems.append(Problem(file, site, f"merge method {name} needs {parameter} for {whom} (set it here or under the "
+                                                    "top-level parameters:)"))
+    shared = [config.parameters, *(output_slice.parameters for output_slice in config.slices or [])]
+    for parameter, entry in spec.items():
+        if entry["required"] and entry["scope"] == "shared" and not any(parameter in (settings or {}) for settings in shared):
+            problems.append(Problem(file, "parameters", f"merge method {name} needs {parameter}"))
+    problems += _count_problems(config, method, base, file)
+    return problems
+
+
+def _count_problems(config: Any, method: dict, base: Any, file: str) -> list[Problem]:
+    """How many models the method merges (mergekit's input contract: nuslerp two experts, model_stock at least two, ...)."""
+    name, problems = config.merge_method, []
+    if method["base"] == "required" and config.base_model is None:
+        return []  # io/recipe.py: FeatCal needs a base model in every case
+    if method["base"] == "forbidden" and config.base_model is not None:
+        return [Problem(file, "base_model", f"merge method {name} does not take a base model")]
+    references = {str(reference) for _, reference, _ in _inputs(config)}
+    count = len(references)
+    non_base = count - (base is not None and str(base) in references)
+    for what, value, low, high in (("models", count, method["min_inputs"], method["max_inputs"]),
+                                   ("experts besides the base model", non_base, method["min_non_base"], method["max_non_base"])):
+        if low is None and high is None:
+            continue
+        low = low or 0
+        if value < low or (high is not None and value > high):
+            wanted = f"exactly {low}" if low == high else f"at least {low}" if value < low else f"at most {high}"
+            problems.append(Problem(file, "models" if config.models else "slices", f"merge method {name} merges {wanted} {what}"
+                                    f"{' (the base model included)' if what == 'models' else ''}; this recipe has {value}"))
+    return problems
+
+
+if __name__ == "__main__":
+    print(json.dumps(generate(), indent=1, sort_keys=True))
