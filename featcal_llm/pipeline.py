@@ -50,7 +50,7 @@ from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
-from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (
@@ -280,7 +280,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
     recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path)
     if output_override is not None:
-        recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}))
+        recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
+                         text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too
     if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function
         from featcal_llm.engine.stack import run_stack
 

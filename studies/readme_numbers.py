@@ -1,9 +1,14 @@
-"""The README's results table, rendered from the studies' results files (docs/studies/results/*.json).
+"""The README's results table and docs/results.md's other settings, rendered from the studies' results files
+(docs/studies/results/*.json).
 
-The README holds this table between its `README-NUMBERS` markers; tests/test_readme_numbers.py renders it again
-from the committed results and compares, so a claim cannot lag the run it came from. After rerunning a study:
+Each page holds its block between `README-NUMBERS` markers; tests/test_readme_numbers.py renders them again from the
+committed results and compares, so a claim cannot lag the run it came from. After rerunning a study:
 
     python -m studies.readme_numbers --write
+
+The README's table shows one setting: `TABLE_FILE`. Switching it to another results file is that one constant (rows
+the file lacks are left out). A row may carry 95 % intervals, `"share_ci95": [lo, hi]` and
+`"nll_ci95": {"avg": [lo, hi], "<domain>": [lo, hi], ...}`; they are shown as `0.62 (0.55–0.69)`.
 """
 
 from __future__ import annotations
@@ -11,24 +16,38 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "studies" / "results"
 README = ROOT / "README.md"
+RESULTS_PAGE = ROOT / "docs" / "results.md"
 BEGIN, END = "<!-- README-NUMBERS", "<!-- /README-NUMBERS -->"
 
-DOMAINS = {"code": "Python code (`code`)", "prose": "Python's documentation (`prose`)", "c": "C headers (`c`)"}
+# the setting the README's table shows (a file in RESULTS)
+TABLE_FILE = "allgap-half.json"
 
-# (results file, row in it, what the README calls it)
-ROWS = [
-    ("allgap-half.json", "merged", "merged (Task Arithmetic)"),
-    ("allgap-half.json", "best single expert", "best single expert"),
-    ("allgap-half.json", "featcal paper rule", "+ FeatCal, the paper's weights (every expert and token alike)"),
-    ("allgap-half.json", "featcal defaults", "+ FeatCal, featcal-llm defaults"),
+# (row key in the results file, how the table names it); EXPERTS is no row of the file: each expert's NLL on its own
+# kind of text, the merged row's minus the setting's gap. Rows the file does not have are left out.
+EXPERTS = "each expert"
+TABLE_ROWS = [
+    ("merged", "merged model (Task Arithmetic)"),
+    (EXPERTS, "each expert, on its own kind of text only"),
+    ("best single expert", "best single expert, shipped alone"),
+    ("featcal paper rule", "+ FeatCal, the paper's weighing (every expert and token alike)"),
+    ("featcal defaults", "+ FeatCal, featcal-llm's defaults"),
+    ("distillation reference", "the merge distilled toward the experts (gradient reference)"),
+    ("featcal defaults + refine", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
 ]
-# the defaults' share in the study's other all-gap settings: (results file, how the README names the setting,
-# a second row of that file to quote beside the defaults or None, how the README names that row)
+
+# the study page that describes each setting (absolute link from the README: PyPI renders it too)
+STUDY_PAGES = {"allgap.json": "docs/studies/all-gap.md", "allgap-half.json": "docs/studies/all-gap.md",
+               "allgap-half-long.json": "docs/studies/all-gap.md", "allgap-half-embeddings.json": "docs/studies/all-gap.md"}
+DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C headers"}
+
+# docs/results.md: the defaults' share in the study's other all-gap settings: (results file, how the page names the
+# setting, a second row of that file to quote beside the defaults or None, how the page names that row)
 OTHER_SETTINGS = [
     ("allgap-half-embeddings.json", "the same at weight ½ with experts that also trained their embeddings, which SmolLM2 "
      "ties to its LM head, so that `head: auto` re-fits the head", "featcal defaults, head: false", "the head left merged"),
@@ -36,46 +55,101 @@ OTHER_SETTINGS = [
     ("allgap.json", "weight 1 per expert, where the merge interferes so badly that it is worse than the base on two domains",
      None, None),
 ]
-
-SHORT_NAMES = {"allgap-half-embeddings.json": "the embeddings variant", "allgap-half-long.json": "the long variant",
-               "allgap.json": "weight 1"}
-
-
-def _cell(row: dict, domains: list[str]) -> list[str]:
-    nll = [f"{row['nll'][d]:.3f}" for d in domains]
-    share = "" if row.get("share") is None else f"{row['share']:.2f}"
-    return [f"{row['nll_avg']:.3f}", *nll, share]
+OTHERS_BASE = "allgap-half.json"  # the setting the other settings are variants of
+SHORT_NAMES = {"allgap-half.json": "`allgap-half`", "allgap-half-embeddings.json": "the embeddings variant",
+               "allgap-half-long.json": "the long variant", "allgap.json": "weight 1"}
 
 
-def render(results_dir: Path = RESULTS) -> str:
-    """The markdown block the README carries between its markers (markers excluded)."""
-    loaded: dict[str, dict] = {}
-    lines: list[str] = []
-    for file, key, label in ROWS:
-        results = loaded.setdefault(file, json.loads((results_dir / file).read_text(encoding="utf-8")))
-        if key not in results["rows"]:
-            continue
-        domains = list(results["setting"]["experts"])
-        if not lines:
-            setting = results["setting"]
-            lines.append(f"Setting `{setting['name']}` ([{file}](docs/studies/results/{file}), [docs/studies/all-gap.md](docs/studies/all-gap.md)): "
-                         "SmolLM2-135M-Instruct; three experts fine-tuned (decoder layers and final norm; embeddings frozen) on "
-                         + ", ".join(DOMAINS.get(d, d) for d in domains) + f"; mergekit Task Arithmetic, weight {setting['ta_weight']:g} per expert; "
-                         f"{results['rows']['featcal defaults']['featcal']['samples']} unlabelled records per expert; "
-                         "held-out NLL in nats per token (lower is better); *recovered*: Σ over domains of (merge − model) / "
-                         "Σ of (merge − expert), the ratio of sums.")
-            lines.append("")
-            lines.append("| model | average NLL | " + " | ".join(f"{d} NLL" for d in domains) + " | recovered |")
-            lines.append("|---|" + "---:|" * (len(domains) + 2))
-        row = results["rows"][key]
-        name = label + (f" ({row['expert']})" if row.get("expert") else "")
-        lines.append(f"| {name} | " + " | ".join(_cell(row, domains)) + " |")
+def repository_url() -> str:
+    """The project's repository (pyproject's `Repository` URL): the README's links are absolute, for PyPI."""
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]
+    return urls["Repository"].rstrip("/")
+
+
+def absolute(path: str) -> str:
+    """A file of this repository as a link that works on GitHub and on PyPI alike."""
+    return f"{repository_url()}/blob/main/{path}"
+
+
+def _load(results_dir: Path, file: str) -> dict:
+    return json.loads((results_dir / file).read_text(encoding="utf-8"))
+
+
+def _interval(value: float, ci: list[float] | None, digits: int) -> str:
+    text = f"{value:.{digits}f}"
+    return text if ci is None else f"{text} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+
+
+def _row_cells(row: dict, domains: list[str]) -> list[str]:
+    """Average NLL, NLL per domain, share of the gap; a 95 % interval beside each value that has one."""
+    ci = row.get("nll_ci95") or {}
+    nll = [_interval(row["nll"][d], ci.get(d), 3) for d in domains]
+    share = row.get("share")
+    shown = "–" if share is None or share < 0 else _interval(share, row.get("share_ci95"), 2)  # negative: said in words
+    return [_interval(row["nll_avg"], ci.get("avg"), 3), *nll, shown]
+
+
+def _experts_cells(results: dict, domains: list[str]) -> list[str]:
+    merged, gap = results["rows"]["merged"]["nll"], results["setting"]["gap"]
+    return ["–", *(f"{merged[d] - gap[d]:.3f}" for d in domains), "1 (by definition)"]
+
+
+def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
+    """The README's block (markers excluded): the setting in one line, the table, what its numbers mean."""
+    file = file or TABLE_FILE
+    results = _load(results_dir, file)
+    setting, rows = results["setting"], results["rows"]
+    domains = list(setting["experts"])
+    shown = [(key, label) for key, label in TABLE_ROWS if key in rows or (key == EXPERTS and "gap" in setting and "merged" in rows)]
+    samples = (rows.get("featcal defaults", {}).get("featcal") or {}).get("samples")
+    page = STUDY_PAGES.get(file, "docs/results.md")
+    lines = [
+        f"Setting `{setting['name']}` ([results]({absolute(f'docs/studies/results/{file}')}), [study]({absolute(page)})): "
+        f"{setting['model'].split(' ')[0]} and three experts fine-tuned from it on "
+        + ", ".join(f"{DOMAINS.get(d, d)} (`{d}`)" for d in domains)
+        + f", merged with mergekit's Task Arithmetic at weight {setting['ta_weight']:g} each; "
+        + (f"{samples} unlabelled calibration records per expert." if samples else "unlabelled calibration records per expert."),
+        "",
+        "| model | average NLL | " + " | ".join(f"{d} NLL" for d in domains) + " | share of the gap |",
+        "|---|" + "---:|" * (len(domains) + 2),
+    ]
+    for key, label in shown:
+        if key == EXPERTS:
+            cells = _experts_cells(results, domains)
+        else:
+            row = rows[key]
+            cells = _row_cells(row, domains)
+            label += f" ({row['expert']})" if row.get("expert") else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    others = [json.loads((results_dir / file).read_text(encoding="utf-8")) for file, *_ in OTHER_SETTINGS]
-    lines.append("The experts lead this merge on their own text by " + _leads(loaded[ROWS[0][0]]) + ". The defaults in the study's other "
-                 "all-gap settings: " + "; ".join(_other(results, *named) for results, (_, *named) in zip(others, OTHER_SETTINGS)) + "."
-                 + _ran_with([loaded[ROWS[-1][0]], *others]))
+    lines.append(_meaning(results, shown))
     return "\n".join(lines)
+
+
+def _meaning(results: dict, shown: list[tuple[str, str]]) -> str:
+    """What the numbers are, in words: lower is better; what the share's 0, 1 and above 1 mean; the intervals."""
+    rows = results["rows"]
+    text = ("NLL: negative log-likelihood on held-out text of each kind, nats per token, **lower is better**. *Share of "
+            "the gap*: how much of the experts' lead over the merge on their own kinds the model wins back (summed over "
+            "the kinds): 0 is the merge, 1 is as good as each expert on its own kind, **above 1 is better than the "
+            "experts on their own kinds**.")
+    if any(key in rows and (rows[key].get("share") or 0) < 0 for key, _ in shown):
+        text += " A single expert has none (–): it is worse than the merge on the other kinds."
+    if any(key in rows and (rows[key].get("share_ci95") or rows[key].get("nll_ci95")) for key, _ in shown):
+        how = results["setting"].get("ci_method")
+        text += " In brackets: 95 % intervals" + (f" ({how})." if how else ".")
+    else:
+        text += " One run per row; no uncertainty was measured."
+    return text
+
+
+def render_others(results_dir: Path = RESULTS) -> str:
+    """docs/results.md's block (markers excluded): the defaults in the study's other all-gap settings."""
+    base = _load(results_dir, OTHERS_BASE)
+    others = [_load(results_dir, file) for file, *_ in OTHER_SETTINGS]
+    return ("The experts lead the `allgap-half` merge on their own held-out text by " + _leads(base) + ". The defaults in "
+            "the study's other all-gap settings: " + "; ".join(_other(results, *named) for results, (_, *named) in zip(others, OTHER_SETTINGS))
+            + "." + _ran_with([base, *others]))
 
 
 def _ran_with(results: list[dict]) -> str:
@@ -87,7 +161,7 @@ def _ran_with(results: list[dict]) -> str:
     rows = [r["rows"]["featcal defaults"] for r in results]
     if all(row["featcal_effective"].get("trailing_experts", "keep") == today for row in rows):
         return ""
-    named = ["this table's setting", *(SHORT_NAMES[file] for file, *_ in OTHER_SETTINGS)]
+    named = [SHORT_NAMES[OTHERS_BASE], *(SHORT_NAMES[file] for file, *_ in OTHER_SETTINGS)]
     known = [f"{name} ({' / '.join(f'{lead:.3f}' for lead in row['record_leads'].values())})"
              for name, row in zip(named, rows) if row.get("record_leads") and min(row["record_leads"].values()) > 0]
     unknown = [name for name, row in zip(named, rows) if not row.get("record_leads")]
@@ -105,29 +179,83 @@ def _leads(results: dict) -> str:
 
 def _other(results: dict, label: str, beside: str | None, beside_label: str | None) -> str:
     row = results["rows"]["featcal defaults"]
-    text = f"{label} (leads {_leads(results)}): recovered {row['share']:.2f}"
+    text = f"{label} (leads {_leads(results)}): share {row['share']:.2f}"
     return text if beside is None else text + f" ({beside_label}: {results['rows'][beside]['share']:.2f})"
 
 
-def readme_block(text: str) -> str:
-    """What the README holds between its markers (the opening marker's comment line excluded)."""
-    match = re.search(re.escape(BEGIN) + r".*?-->\n(.*?)\n" + re.escape(END), text, re.S)
+# docs/costs.md: what `featcal-llm validate` plans for the paper's shape (the fields of each model's config.json
+# the plan reads), so that the page cannot say other than validate does
+PLAN_MODELS = {
+    "SmolLM2-135M": {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "num_hidden_layers": 30, "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+    "Llama-3.2-3B": {"hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 24, "num_key_value_heads": 8,
+                     "head_dim": 128, "num_hidden_layers": 28, "vocab_size": 128256, "tie_word_embeddings": True,
+                     "torch_dtype": "bfloat16"},
+    "Llama-3.1-8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256, "tie_word_embeddings": False,
+                     "torch_dtype": "bfloat16"},
+}
+PLAN_EXPERTS, PLAN_HOST_MEMORY_GB = 3, 64  # three experts; the default RAM budget of a 128 GB host
+
+
+def plan_block(experts: int = PLAN_EXPERTS) -> dict:
+    """The `featcal:` block the plan is made for: the defaults (256 records × 2048 tokens per expert), one GPU."""
+    from featcal_llm.io.block import FeatCalConfig
+
+    data = {f"expert{i}": {"path": f"expert{i}.jsonl", "format": "text"} for i in range(experts)}
+    return FeatCalConfig.model_validate({"merged": "merged", "output": "output", "data": data, "host_memory_gb": PLAN_HOST_MEMORY_GB})
+
+
+def render_costs(_results_dir: Path = RESULTS) -> str:
+    """docs/costs.md's block (markers excluded): validate's memory plan for each model in PLAN_MODELS."""
+    from featcal_llm.benchmark.estimate import memory_plan, size_text
+
+    block = plan_block()
+    lines = ["| model | parameters | GPU memory | host RAM | disk |", "|---|---:|---:|---:|---:|"]
+    for name, config in PLAN_MODELS.items():
+        plan = memory_plan(config, block, PLAN_EXPERTS, merged_exists=False)
+        spill = f" ({size_text(plan.spilled_bytes)} spilled hidden states)" if plan.spilled_bytes else ""
+        lines.append(f"| {name} | {plan.parameters / 1e9:.2f} B | {size_text(plan.gpu_bytes)} | {size_text(plan.host_bytes)} | "
+                     f"{size_text(plan.disk_bytes)}{spill} |")
+    return "\n".join(lines)
+
+
+# page -> what renders its block
+TARGETS = {README: render_table, RESULTS_PAGE: render_others, ROOT / "docs" / "costs.md": render_costs}
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    """The README's block (kept for callers that render the table alone)."""
+    return render_table(results_dir)
+
+
+def _block_match(text: str, page: Path) -> re.Match:
+    match = re.search(re.escape(BEGIN) + r".*?-->\n(.*?)\n?" + re.escape(END), text, re.S)
     if match is None:
-        raise ValueError(f"{README}: no {BEGIN} … {END} block")
-    return match.group(1)
+        raise ValueError(f"{page}: no {BEGIN} … {END} block")
+    return match
 
 
-def write(readme: Path = README) -> None:
-    text = readme.read_text(encoding="utf-8")
-    block = readme_block(text)
-    readme.write_text(text.replace(block, render(), 1), encoding="utf-8")
+def readme_block(text: str, page: Path = README) -> str:
+    """What a page holds between its markers (the opening marker's comment line excluded)."""
+    return _block_match(text, page).group(1)
+
+
+def write(pages: dict[Path, object] | None = None, results_dir: Path = RESULTS) -> None:
+    """Rewrite each page's block in place (an empty block is filled)."""
+    for page, renderer in (pages or TARGETS).items():
+        text = page.read_text(encoding="utf-8")
+        match = _block_match(text, page)
+        start, end = match.span(1)
+        page.write_text(text[:start] + renderer(results_dir) + "\n" + text[end:].lstrip("\n"), encoding="utf-8")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the README's block in place")
+    parser.add_argument("--write", action="store_true", help="rewrite the README's and docs/results.md's blocks in place")
     args = parser.parse_args()
     if args.write:
         write()
     else:
-        print(render())
+        for page, renderer in TARGETS.items():
+            print(f"--- {page.relative_to(ROOT)}\n{renderer()}")

@@ -172,22 +172,39 @@ def anchors(page: Path) -> set[str]:
     return found
 
 
+def repository_url() -> str:
+    """pyproject's `Repository` URL: the README links to this repository's files absolutely (PyPI renders it too)."""
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]["Repository"].rstrip("/")
+
+
+def own_file(target: str) -> str | None:
+    """The checkout-relative path an absolute link to this repository's main branch names, else None."""
+    match = re.match(re.escape(repository_url()) + r"/(?:blob|tree)/main/(.*)$", target)
+    return match.group(1) if match else None
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(page):
-    """Every relative link names a file of this checkout (and, with #anchor, one of its headings)."""
+    """Every relative link, and every absolute one into this repository's main branch, names a file of this checkout
+    (and, with #anchor, one of its headings)."""
     text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
     problems = []
-    for target in LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
-            continue
+    for link in LINK.findall(text):
+        target, folder = link, page.parent
+        if re.match(r"[a-z][a-z0-9+.-]*:", link):  # https:, mailto:
+            target, folder = own_file(link), REPO
+            if target is None:  # another site
+                continue
         file_part, _, anchor = target.partition("#")
-        resolved = (page.parent / file_part).resolve() if file_part else page
+        resolved = (folder / file_part).resolve() if file_part else page
         relative = resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else str(resolved)
         if not resolved.exists():
             if relative not in WRITTEN_ELSEWHERE:
-                problems.append(f"{target}: no such file")
+                problems.append(f"{link}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
-            problems.append(f"{target}: no heading with anchor #{anchor}")
+            problems.append(f"{link}: no heading with anchor #{anchor}")
     assert not problems, f"{page.relative_to(REPO)}: " + "; ".join(problems)
 
 
@@ -202,3 +219,17 @@ def test_readme_setup_commands_match_ci():
     assert "[test]" not in demo[0]
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci.replace("pip install -q ", "pip install ") == tests[0]
+
+
+def test_readme_first_screen_is_short():
+    """Before Install a newcomer reads what it is, one table of what it gives and the two set-up commands: at most
+    45 lines, and every link absolute (PyPI renders the README as the package's description)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    first = readme[: readme.index("\n## Install\n")]
+    assert len(first.splitlines()) <= 45
+    tables = [line for line in first.splitlines() if line.startswith("|---")]
+    assert len(tables) == 1, "one table before Install"
+    assert first.count("```bash") == 2 and "-m featcal_llm demo" in first and "-m pytest" in first
+    relative = [target for target in LINK.findall(re.sub(r"```.*?```", "", readme, flags=re.S))
+                if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
+    assert relative == [], f"README.md: links PyPI cannot follow: {relative}"

@@ -1,35 +1,107 @@
-"""Every number of the README's results table comes from a committed results file."""
+"""Every number of the README's results table, of docs/results.md's other settings and of docs/costs.md's memory plan
+comes from a committed results file or from validate's own plan."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from studies.readme_numbers import OTHER_SETTINGS, README, RESULTS, ROWS, readme_block, render
+from studies import readme_numbers
+from studies.readme_numbers import (EXPERTS, OTHER_SETTINGS, README, RESULTS, TABLE_FILE, TABLE_ROWS, TARGETS, readme_block,
+                                    render_costs, render_others, render_table)
 
 
-def test_the_readme_table_is_rendered_from_the_results_files():
-    assert readme_block(README.read_text(encoding="utf-8")) == render()
+@pytest.mark.parametrize("page", list(TARGETS), ids=lambda p: p.name)
+def test_each_page_block_is_rendered_from_its_source(page):
+    assert readme_block(page.read_text(encoding="utf-8"), page) == TARGETS[page]()
 
 
-def test_each_row_names_a_row_of_its_results_file():
-    for file, key, _label in ROWS:
-        results = json.loads((RESULTS / file).read_text(encoding="utf-8"))
-        assert key in results["rows"], (file, key)
+def test_each_table_row_names_a_row_of_its_results_file():
+    results = json.loads((RESULTS / TABLE_FILE).read_text(encoding="utf-8"))
+    shown = [key for key, _ in TABLE_ROWS if key in results["rows"]]
+    assert {"merged", "featcal defaults"} <= set(shown)
+    for key in shown:
         row = results["rows"][key]
         assert set(row["nll"]) == set(results["setting"]["experts"])
         assert abs(row["nll_avg"] - sum(row["nll"].values()) / len(row["nll"])) < 1e-3
 
 
-@pytest.mark.parametrize("file, key, field", [(ROWS[-1][0], ROWS[-1][1], "nll_avg"), (OTHER_SETTINGS[0][0], "featcal defaults", "share"),
-                                             (OTHER_SETTINGS[0][0], OTHER_SETTINGS[0][2], "share")])
-def test_a_changed_result_fails_the_comparison(tmp_path, file, key, field):
-    """The check can fail: one number moved in a copy of the results gives another block (table, or other settings' line)."""
-    for name in {f for f, _, _ in ROWS} | {f for f, *_ in OTHER_SETTINGS}:
-        (tmp_path / name).write_text((RESULTS / name).read_text(encoding="utf-8"), encoding="utf-8")
-    assert render(tmp_path) == readme_block(README.read_text(encoding="utf-8"))
+def _copy(tmp_path):
+    for path in RESULTS.glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("file, key, field, renderer", [(TABLE_FILE, "featcal defaults", "nll_avg", render_table),
+                                                        (OTHER_SETTINGS[0][0], "featcal defaults", "share", render_others),
+                                                        (OTHER_SETTINGS[0][0], OTHER_SETTINGS[0][2], "share", render_others)])
+def test_a_changed_result_fails_the_comparison(tmp_path, file, key, field, renderer):
+    """The check can fail: one number moved in a copy of the results gives another block."""
+    page = next(p for p, r in TARGETS.items() if r is renderer)
+    before = readme_block(page.read_text(encoding="utf-8"), page)
+    assert renderer(_copy(tmp_path)) == before
     results = json.loads((tmp_path / file).read_text(encoding="utf-8"))
     results["rows"][key][field] += 0.01
     (tmp_path / file).write_text(json.dumps(results), encoding="utf-8")
-    assert render(tmp_path) != readme_block(README.read_text(encoding="utf-8"))
+    assert renderer(tmp_path) != before
+
+
+def test_the_table_reads_in_words():
+    """Lower is better; a share above 1 is said to beat the experts; no negative share is printed; the expert row is
+    the merge's NLL minus each expert's gap, computed here from the file."""
+    block = readme_block(README.read_text(encoding="utf-8"))
+    results = json.loads((RESULTS / TABLE_FILE).read_text(encoding="utf-8"))
+    assert "lower is better" in block
+    shares = [row["share"] for key, row in results["rows"].items() if key in dict(TABLE_ROWS) and row.get("share") is not None]
+    if max(shares) > 1:
+        assert "above 1 is better than the experts" in block
+    rows = [line for line in block.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    assert not any(cell.strip().startswith(("-", "−")) for line in rows for cell in line.split("|")[2:])
+    merged, gap = results["rows"]["merged"]["nll"], results["setting"]["gap"]
+    expert_line = next(line for line in block.splitlines() if line.startswith(f"| {dict(TABLE_ROWS)[EXPERTS]} |"))
+    assert expert_line.split("|")[3:6] == [f" {merged[d] - gap[d]:.3f} " for d in results["setting"]["experts"]]
+
+
+def test_intervals_are_shown_where_a_row_carries_them(tmp_path):
+    """The study engineer's contract: `share_ci95` and `nll_ci95` in a row render as `value (lo–hi)`."""
+    _copy(tmp_path)
+    results = json.loads((tmp_path / TABLE_FILE).read_text(encoding="utf-8"))
+    row = results["rows"]["featcal defaults"]
+    row["share_ci95"] = [1.234, 1.5678]
+    row["nll_ci95"] = {"avg": [2.2501, 2.26549], "code": [2.4, 2.6]}
+    results["setting"]["ci_method"] = "bootstrap over test records"
+    (tmp_path / TABLE_FILE).write_text(json.dumps(results), encoding="utf-8")
+    line = next(line for line in render_table(tmp_path).splitlines() if line.startswith("| + FeatCal, featcal-llm's defaults |"))
+    cells = [cell.strip() for cell in line.split("|")[2:-1]]
+    assert cells == [f"{row['nll_avg']:.3f} (2.250–2.265)", f"{row['nll']['code']:.3f} (2.400–2.600)", f"{row['nll']['prose']:.3f}",
+                     f"{row['nll']['c']:.3f}", f"{row['share']:.2f} (1.23–1.57)"]
+    assert "95 % intervals (bootstrap over test records)" in render_table(tmp_path)
+    assert "no uncertainty was measured" in render_table(RESULTS)
+
+
+def test_one_constant_switches_the_table(monkeypatch):
+    """TABLE_FILE alone chooses the README's setting: rows the file lacks are left out, the rest follow it."""
+    other = "allgap.json"
+    assert other != TABLE_FILE
+    monkeypatch.setattr(readme_numbers, "TABLE_FILE", other)
+    block = readme_numbers.render_table()
+    results = json.loads((RESULTS / other).read_text(encoding="utf-8"))
+    assert f"Setting `{results['setting']['name']}`" in block and f"docs/studies/results/{other})" in block
+    defaults = next(line for line in block.splitlines() if line.startswith("| + FeatCal, featcal-llm's defaults |"))
+    assert defaults.split("|")[-2].strip() == f"{results['rows']['featcal defaults']['share']:.2f}"
+    assert block != readme_block(README.read_text(encoding="utf-8"))  # the committed file's table
+
+
+def test_the_costs_page_is_validates_plan():
+    """docs/costs.md's estimates are what `featcal-llm validate` plans (estimate.memory_plan) for each model."""
+    from featcal_llm.benchmark.estimate import memory_plan, size_text
+
+    block = readme_numbers.plan_block()
+    assert block.samples == 256 and block.max_length == 2048 and len(block.data) == 3
+    for name, config in readme_numbers.PLAN_MODELS.items():
+        plan = memory_plan(config, block, 3, merged_exists=False)
+        line = next(line for line in render_costs().splitlines() if line.startswith(f"| {name} |"))
+        assert [cell.strip() for cell in line.split("|")[3:5]] == [size_text(plan.gpu_bytes), size_text(plan.host_bytes)]
+        assert line.split("|")[5].strip().startswith(size_text(plan.disk_bytes))
