@@ -23,7 +23,7 @@ from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, select_projections
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
-from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach
+from featcal_llm.engine.teachers import check_judged, every_expert_taught_by_the_merge, let_the_merge_teach
 from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
@@ -58,6 +58,7 @@ from featcal_llm.engine.resume import (
     StagingReader,
     checkpoint_identity,
     fingerprint,
+    library_versions,
     sequences_digest,
     source_digest,
 )
@@ -146,6 +147,7 @@ def _run_fingerprint(
         [
             __version__,
             source_digest(),
+            library_versions(),
             resolved_settings(recipe.featcal),
             recipe.merge_config.model_dump(mode="json"),
             sequences_digest(sequences),
@@ -293,7 +295,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     opened = _open_merged(comm, resolved, data)
     context = _run_context(comm, resolved, data, opened, timer)
     lead_summary, coverage, taught = _weights(context, resolved, data, opened)
-    if every_expert_taught_by_the_merge(taught, context.batches):  # nothing to calibrate toward: the output is the merge
+    if every_expert_taught_by_the_merge(taught, {task: context.plan.task_weight(task) for task in context.batches}):
+        # nothing to calibrate toward (every expert with a weight above 0 trails): the output is the merge
         runlog.stage("trailing_experts: merge: every expert trails the merged model on its own records, so no layer is "
                      "re-fitted and the output is the merged model, unchanged")
         replacements = None
@@ -373,6 +376,8 @@ def _data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         calibration, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
     else:
         calibration, probe_sequences = sequences, drift_sample(sequences)
+    if featcal.trailing == "merge":  # who teaches is decided on each expert's judged tokens: none is no evidence
+        check_judged(calibration, f"{recipe.path}: featcal", featcal.holds_out)
     # Padding is masked everywhere and never looked up; id 0 exists in every embedding (a pad id may not).
     # Each rank keeps its token-balanced shard of every expert's records (all of them in one process).
     batches = {task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in comm.shard(calibration).items()}

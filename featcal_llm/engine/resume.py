@@ -53,19 +53,43 @@ def checkpoint_identity(directory: Path) -> list:
     return weights_identity(directory)
 
 
-# The packages whose code decides the calibrated weights (not the evaluation, the CLI or the benchmarks)
+# The packages whose code decides the calibrated weights (not the evaluation, the CLI or the benchmarks), and the
+# modules beside them that do: pipeline.py decides the passes, the teachers, the skip and the plan's flags.
 WEIGHT_CODE = ("maths", "engine", "family", "generation", "io")
+WEIGHT_MODULES = ("pipeline.py",)
+# The libraries whose code computes the weights (forward passes, the merge, the files read): another release may round
+# otherwise, so progress saved under one is not resumed under another.
+WEIGHT_LIBRARIES = ("torch", "transformers", "mergekit", "safetensors", "peft")
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def weight_code_files(package: Path = PACKAGE) -> list[Path]:
+    """The source files `source_digest` reads, in a fixed order."""
+    files = [path for folder in WEIGHT_CODE for path in sorted((package / folder).rglob("*.py"))]
+    return files + [package / name for name in WEIGHT_MODULES]
 
 
 @functools.cache
-def source_digest() -> str:
+def source_digest(package: Path = PACKAGE) -> str:
     """sha256 of the code that computes the weights: progress saved by another version of it is not resumed."""
-    package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for folder in WEIGHT_CODE:
-        for path in sorted((package / folder).rglob("*.py")):
-            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    for path in weight_code_files(package):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed release of each library in WEIGHT_LIBRARIES (None: not installed; peft is optional)."""
+    return {name: _installed(name) for name in WEIGHT_LIBRARIES}
 
 
 def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:

@@ -28,9 +28,10 @@ import torch
 from featcal_llm import runlog
 from featcal_llm.engine.context import Models
 from featcal_llm.engine.streams import TokenBatch
-from featcal_llm.errors import warn
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import trails
+from featcal_llm.io.records import response_from
+from featcal_llm.maths.advantage import judged_tokens, trails
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -41,15 +42,35 @@ def trailing_experts(mean_leads: dict[str, float]) -> dict[str, float]:
     return {task: lead for task, lead in mean_leads.items() if trails(lead)}
 
 
+def check_judged(sequences: dict[str, list[list[int]]], where: str, held_out: bool) -> None:
+    """Refuse an expert whose calibration records keep no judged token: its lead over the merge would read 0.0 (no
+    evidence) and it would be declared trailing. Checked on the records that enter the statistics, before any pass."""
+    for task, records in sequences.items():
+        if sum(judged_tokens(len(record), response_from(record)) for record in records) == 0:
+            split = " after the hold-out split" if held_out else ""
+            raise FeatCalError(
+                f"{where}.data.{task}: none of its {len(records)} calibration records keeps a judged (response) token{split}, so whether "
+                f"it leads the merge (trailing_experts: merge) cannot be measured; give it more samples, a longer max_length"
+                + (" or a smaller tune.holdout" if held_out else " or shorter prompts"))
+
+
 def taught_by_the_merge(models: Models, tasks: list[str] | dict[str, float]) -> Models:
     """`models` with the merged checkpoint in place of each of `tasks`' experts (the merge, the base and the rest as they are)."""
     return replace(models, experts={task: models.merged if task in tasks else reader for task, reader in models.experts.items()})
 
 
-def every_expert_taught_by_the_merge(taught: dict[str, float], tasks: dict) -> bool:
-    """Whether the merge teaches every calibrated expert's records: then every target is the merge's own, and the only
-    pull away from its weights would be the anchor's, toward the base. The run then keeps the merge as it is."""
-    return bool(taught) and set(taught) == set(tasks)
+def pulling(weights: dict[str, float]) -> set[str]:
+    """The experts that pull the layers at all: weight above 0 in the objective (`data.<expert>.weight: 0` counts for nothing)."""
+    return {task for task, weight in weights.items() if weight > 0}
+
+
+def every_expert_taught_by_the_merge(taught: dict[str, float], weights: dict[str, float]) -> bool:
+    """Whether the merge teaches every calibrated expert's records that counts (`weights`: each expert's weight in the
+    objective): then every target with a pull is the merge's own, and the only pull away from its weights would be the
+    anchor's, toward the base. The run then keeps the merge as it is. An expert at weight 0 that leads pulls nothing, so
+    it decides nothing."""
+    counted = pulling(weights)
+    return bool(counted) and counted <= set(taught)
 
 
 def alike(batches: list[TokenBatch]) -> list[torch.Tensor]:
@@ -58,7 +79,9 @@ def alike(batches: list[TokenBatch]) -> list[torch.Tensor]:
 
 
 def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: str) -> dict[str, float]:
-    """Swap in the merge as the teacher of every trailing expert's records (ctx.models, ctx.token_roots); returns them."""
+    """Swap in the merge as the teacher of every trailing expert's records (ctx.models, ctx.token_roots); returns them.
+
+    `ctx.plan.task_weights` must be set: whether every expert that counts trails is judged on those weights."""
     behind = trailing_experts(mean_leads)
     names = short_names(list(mean_leads))
     if not behind:
@@ -70,10 +93,10 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     runlog.stage("trailing_experts: merge: the merged model teaches the records of "
                  + ", ".join(f"{names[task]} (behind it by {-lead:.3f} nats a token)" for task, lead in behind.items())
                  + ", as those experts predict their own records worse than the merge does")
-    if every_expert_taught_by_the_merge(behind, mean_leads):
+    if every_expert_taught_by_the_merge(behind, {task: ctx.plan.task_weight(task) for task in mean_leads}):
         warn(f"{where}: every expert predicts its own records worse than the merged model, so the output is the merged model, "
              "unchanged; check that each expert's data is its kind of text, or set trailing_experts: keep")
     return behind
 
 
-__all__ = ["alike", "every_expert_taught_by_the_merge", "let_the_merge_teach", "taught_by_the_merge", "trailing_experts"]
+__all__ = ["alike", "check_judged", "every_expert_taught_by_the_merge", "let_the_merge_teach", "pulling", "taught_by_the_merge", "trailing_experts"]

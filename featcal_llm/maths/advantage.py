@@ -37,6 +37,12 @@ def advantages(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, s
     return leads(expert_log_probs, merged_log_probs, scored).clamp(min=0.0)
 
 
+def judged_tokens(length: int, response_from: int) -> int:
+    """How many of a record's tokens the lead is judged on: those whose successor is a response token (every token but
+    the last of plain text, `response_from` 0). engine/scoring.response_positions marks the same positions."""
+    return max(0, length - max(response_from, 1))
+
+
 def trails(lead: float) -> bool:
     """Whether an expert is behind the merge on its own records: its lead over their scored tokens (the sum, or the mean:
     the sign is the same) is not above 0.
