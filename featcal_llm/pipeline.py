@@ -30,7 +30,7 @@ from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
 from featcal_llm.engine.head import experts_that_changed_the_head
 from featcal_llm.engine.method import head_setting, objective_for
-from featcal_llm.io.card import append_evaluation, write_card
+from featcal_llm.io.card import append_evaluation, append_refinement, write_card
 from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
@@ -305,7 +305,10 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     comm.barrier()
     if not comm.is_main:
         return RunOutcome(resolved.output, opened.models.merged.directory)
-    return _write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught)
+    refined = None
+    if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
+        replacements, refined = _refine(context, resolved, data, opened, replacements, taught)
+    return _write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
 def _resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> Resolved:
@@ -466,8 +469,22 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     return lead_summary, (weights, coverage), taught
 
 
+def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float]):
+    """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py)."""
+    if replacements is None:
+        runlog.stage("refine: skipped, as the output is the merged model and every record's teacher is the merge")
+        return None, None
+    from featcal_llm.engine.refine import RefineJob, refine
+
+    featcal = resolved.recipe.featcal
+    job = RefineJob(featcal.refine, featcal.dtype, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
+                    context.models.experts, taught, replacements, data.sequences, data.probe_sequences, resolved.plan.projections,
+                    resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code)
+    return refine(job)
+
+
 def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
-                   taught: dict[str, float]) -> RunOutcome:
+                   taught: dict[str, float], refined: dict | None = None) -> RunOutcome:
     """The checkpoint, its report, tuning table and card, written beside the output and renamed into place; then `eval:`."""
     recipe, featcal, plan, staging = resolved.recipe, resolved.recipe.featcal, context.plan, context.staging
     models, output, runner = opened.models, resolved.output, opened.runner
@@ -506,6 +523,8 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": runner.dtype, "stats_dtype": runner.stats_dtype},
                resolved.sources, calibrated, start_records(recipe), weights, covered, sampling_records(recipe),
                lead_summary)
+    if refined is not None:
+        append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None

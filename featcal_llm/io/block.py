@@ -219,6 +219,34 @@ class HeadSpec(BaseModel):
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
 
 
+class RefineSpec(BaseModel):
+    """`refine:`: after the closed form, a few gradient steps toward each record's teacher (engine/refine.py, docs/refine.md).
+
+    Label-free: KL(teacher ‖ model) on the tokens each expert is judged on; the held-out records choose the step count.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(40, ge=1, description="at most this many optimizer steps")
+    lr: float | None = Field(None, gt=0, description="peak AdamW learning rate; default 1e-4 for params full, 3e-4 for adapter",
+                             json_schema_extra={"shown_default": "1e-4 (full), 3e-4 (adapter)"})
+    batch_records: int = Field(8, ge=1, description="records per optimizer step, drawn in a seeded order across every expert")
+    eval_every: int = Field(5, ge=1, description="steps between held-out checks")
+    patience: int = Field(2, ge=1, description="held-out checks without improvement before stopping")
+    params: Literal["auto", "full", "adapter"] = Field(
+        "auto", description="full: every parameter; adapter: a LoRA of `rank` on the calibrated projections (merged back "
+        "into the weights) plus the norms, biases and LM head (with the embedding, when tied) in full; auto: full when the full AdamW state "
+        "(16 bytes a parameter) fits a quarter of the device's memory, else adapter")
+    rank: int = Field(16, ge=1, description="LoRA rank (params: adapter)")
+    top_k: int = Field(64, ge=1, description="teacher tokens kept per position; the rest is one bin, so the KL stays exact over k + 1 bins")
+    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over, then a cosine down to a tenth of the peak")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients clipped to this global norm")
+
+    def learning_rate(self, params: str) -> float:
+        """The peak learning rate for the resolved `params` (full or adapter)."""
+        return self.lr if self.lr is not None else (1e-4 if params == "full" else 3e-4)
+
+
 # keys and values renamed since they were published: refused with a one-line error that names the new one
 RENAMED_KEYS = {"balance": "expert_weights"}
 RENAMED_VALUES = {"token_weights": {"advantage": "expert_lead"}}
@@ -300,6 +328,11 @@ class FeatCalConfig(BaseModel):
         "model's, when its card is on this machine (a local base, or a hub base already downloaded)"
     )
     eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
+    refine: RefineSpec | None = Field(
+        None, description="after the closed form, a few gradient steps toward each record's teacher on the calibration records, "
+        "stopped by the held-out records (see refine:): false (default), true (its defaults) or a mapping",
+        json_schema_extra={"shown_default": "`false`"},
+    )
     # A stack's RegMean stage holds out the records its FeatCal stage holds out (set by `stage`, never by a recipe)
     _holds_out_for_stack: bool = PrivateAttr(False)
 
@@ -314,6 +347,17 @@ class FeatCalConfig(BaseModel):
         """`advantage` was the 0.1 name of expert_lead: refused with the new one, so no recipe changes meaning silently."""
         if value in RENAMED_VALUES.get("token_weights", {}):
             raise ValueError(f"{value} was renamed: use {RENAMED_VALUES['token_weights'][value]}")
+        return value
+
+    @field_validator("refine", mode="before")
+    @classmethod
+    def _refine(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"expected true, false or a mapping {{steps, lr, params, ...}}, got {value!r}")
         return value
 
     @field_validator("head", mode="before")
@@ -365,7 +409,7 @@ class FeatCalConfig(BaseModel):
         method = self.method[index]
         update: dict[str, Any] = {"method": method}
         if index == 0:
-            update.update(output=intermediate, eval=None, token_weights=None, expert_weights=None,
+            update.update(output=intermediate, eval=None, token_weights=None, expert_weights=None, refine=None,
                           **{key: FeatCalConfig.model_fields[key].get_default(call_default_factory=True) for key in FEATCAL_ONLY})
         else:
             update.update(merged=intermediate, reduction=None)
@@ -416,8 +460,8 @@ class FeatCalConfig(BaseModel):
 
     @property
     def holds_out(self) -> bool:
-        """Whether records are held out of the statistics: by a search, or by the replay of one (per_layer values with `tune:`)."""
-        return self.tuned or (self.per_layer and self.tune is not None) or self._holds_out_for_stack
+        """Whether records are held out of the statistics: by a search, by the replay of one (per_layer values with `tune:`), or for `refine:`."""
+        return self.tuned or (self.per_layer and self.tune is not None) or self._holds_out_for_stack or self.refine is not None
 
     @property
     def per_layer(self) -> bool:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import PydanticUndefined  # pydantic_core's, as pydantic re-exports it
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
-from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, MergeOptionsSpec, PerLayer, TuneSpec, Tunable
+from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, MergeOptionsSpec, PerLayer, RefineSpec, TuneSpec, Tunable
 
 # (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [
@@ -25,6 +25,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("featcal.head:", HeadSpec, "The LM head re-fitted after the last layer by the layers' rule, on the final norm's outputs. `head: auto` (the default) is `{when: auto}`, `head: true` is `{when: always}`, both with these defaults; `head: false` leaves the head merged."),
     ("featcal.merge_options:", MergeOptionsSpec, "mergekit's options for the merge the run makes when `merged` does not exist, as `mergekit-yaml` takes them. The merge is re-made when its seed differs from the recipe's."),
     ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
+    ("featcal.refine:", RefineSpec, "After the closed form, gradient steps toward each record's teacher on the calibration records, stopped by the held-out records (docs/refine.md). `refine: true` is `{}`: these defaults; `refine: false` (the default) runs no refinement."),
     ("per_layer", PerLayer, "The form `lambda`, `alpha`, `rho` and `reduction` take in a tuned run's written recipe: `{per_layer: [...]}`, replayed as given."),
     ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Relative paths are relative to the recipe."),
     ("featcal.eval.backend:", BackendSettings, "How lm-eval drives the model; every setting is part of the results' cache key."),

@@ -1,0 +1,357 @@
+"""`refine:`: a few gradient steps after the closed form, toward each record's teacher, stopped by the held-out records.
+
+The closed form re-fits each layer on its own; refinement then trains the
+whole calibrated model at once on the same calibration records, label-free:
+each record's teacher is its own expert (the merged model for an expert the
+merge teaches, `trailing_experts: merge`), the loss the token mean of
+KL(teacher ‖ model) over the tokens each expert is judged on (a response's for
+prompt/response records, every token of plain text and generated records).
+The teachers' distributions are computed once, one whole expert at a time,
+and kept top-k on the host (engine/refine_data.py, maths/topk_kl.py).
+
+The records held out of the statistics choose the step count: the held-out
+KL is measured before the first step and every `eval_every` steps; the best
+state is kept, training stops after `patience` checks without improvement,
+and if no check improves on the closed form, its output stands unchanged.
+After every check the trainable state, the optimizer, the schedule, the RNG
+and the best state are saved in the staging area: a rerun after a crash
+resumes from the last check and writes the same bytes. docs/refine.md has the
+keys and the memory model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.checkpoint import checkpoint
+
+from featcal_llm import runlog
+from featcal_llm.engine.drift import LM_HEAD
+from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
+from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
+from featcal_llm.io.names import short_names
+from featcal_llm.maths.topk_kl import topk_kl
+
+FULL_STATE_BYTES = 16  # a trained parameter: float32 master, gradient, AdamW's two moments
+REFINED_FILE = "refined.safetensors"
+
+
+def lr_factor(step: int, steps: int, warmup: float) -> float:
+    """The learning rate's share of its peak at `step`: linear warm-up, then a cosine down to 0.1 (as the study's distillation reference)."""
+    warm = max(1, round(warmup * steps))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def record_order(keys: list[Key], steps: int, per_step: int, seed: int) -> list[list[Key]]:
+    """The records of every step: seeded shuffles of every training record, one epoch after another."""
+    rng = random.Random(f"featcal-refine:{seed}")
+    order: list[Key] = []
+    batches = []
+    for _ in range(steps):
+        while len(order) < per_step:
+            epoch = list(keys)
+            rng.shuffle(epoch)
+            order += epoch
+        batches.append(order[:per_step])
+        order = order[per_step:]
+    return batches
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on the compute device (the GPU's, or the machine's RAM)."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_params(requested: str, parameters: int, memory: int) -> str:
+    """`auto`: full when every parameter's AdamW training state fits a quarter of the device's memory, else adapter."""
+    if requested != "auto":
+        return requested
+    return "full" if FULL_STATE_BYTES * parameters <= memory // 4 else "adapter"
+
+
+def refine_dtypes(requested: str, compute: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(master dtype of trained weights, autocast dtype or None). float32 masters under bf16 autocast on GPUs (float16 too:
+    its gradients would need loss scaling); on a CPU float32 unless featcal.dtype asks for less (then autocast to it)."""
+    if compute == torch.float64:
+        return torch.float64, None
+    if device.type == "cpu" and requested == "auto":
+        return torch.float32, None
+    if compute in (torch.bfloat16, torch.float16):
+        return torch.float32, torch.bfloat16
+    return torch.float32, None
+
+
+@dataclass
+class RefineJob:
+    """What the stage needs from the run: the spec, the checkpoints, the closed form's tensors, the records, the device."""
+
+    spec: Any  # io/block.RefineSpec
+    requested_dtype: str  # featcal.dtype as written
+    seed: int
+    batch_tokens: int
+    config: Any  # the merged model's config
+    merged: Any  # CheckpointReader of the merged model
+    teachers: dict[str, Any]  # expert → the reader of its records' teacher (the merge for a trailing expert)
+    taught: dict[str, float]  # the experts the merge teaches
+    replacements: dict[str, Path]  # the closed form's tensors
+    train: dict[str, list[list[int]]]
+    held_out: dict[str, list[list[int]]]
+    projections: frozenset[str]
+    device: torch.device
+    compute_dtype: torch.dtype
+    staging: Any  # engine/resume.StagingArea
+    trust_remote_code: bool = False
+
+
+class Student:
+    """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
+
+    def __init__(self, job: RefineJob, params: str, master: torch.dtype):
+        self.job, self.params = job, params
+        names, get = checkpoint_tensors(job.merged, job.replacements)
+        self.names = names
+        frozen = master if params == "full" else job.compute_dtype
+        ranks = {name: len(shape) for name, (shape, _) in job.merged.layout().items()}
+        # adapter: the frozen weights in the compute dtype, what trains in full (norms, biases, the head) in the master dtype
+        dtypes = lambda name: master if params == "full" or name == LM_HEAD or ranks.get(name, 2) == 1 else frozen  # noqa: E731
+        self.model = build_causal_lm(job.config, names, get, job.device, frozen, "the calibrated model", job.trust_remote_code,
+                                     dtypes=dtypes)
+        tied = LM_HEAD not in names
+        if hasattr(self.model, "activation_checkpointing_enable"):  # each layer's activations recomputed in the backward
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers < 5.x's name
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if params == "full":
+            self.model.requires_grad_(True)
+            self.module = self.model
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            head = self.model.get_output_embeddings().weight
+            head.data = head.data.to(master)  # trained in full (the tied embedding with it)
+            suffixes = sorted({p.rsplit(".", 1)[-1] for p in job.projections})
+            lora = LoraConfig(r=job.spec.rank, lora_alpha=job.spec.rank, lora_dropout=0.0, target_modules=suffixes, bias="none")
+            self.module = get_peft_model(self.model, lora)
+            for name, parameter in self.model.named_parameters():
+                if parameter.dim() == 1 or parameter is head:
+                    parameter.requires_grad_(True)
+        self.trainable = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+        self.tied = tied
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.trainable.items()}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, parameter in self.trainable.items():
+                parameter.copy_(state[name])
+
+    def written(self) -> dict[str, torch.Tensor]:
+        """Every tensor the refinement changed, by checkpoint name (the adapter merged back by peft: W + scale·B·A)."""
+        model = self.module.merge_and_unload() if self.params == "adapter" else self.model
+        head = model.get_output_embeddings().weight
+        projections = tuple(f"{p}.weight" for p in self.job.projections)
+        tensors = {}
+        for name, parameter in model.named_parameters():  # a tied head is listed once, as the input embedding
+            if name not in self.names:
+                continue
+            if self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
+                tensors[name] = parameter.detach().cpu()
+        return tensors
+
+
+def heldout_kl(student: Student, store: TeacherStore, keys: dict[str, list[Key]], records, job: RefineJob,
+               autocast: torch.dtype | None) -> dict[str, float]:
+    """Per expert: the token mean of KL(teacher ‖ model) over its held-out records' judged tokens."""
+    model = student.module
+    model.eval()
+    chunk = logit_chunk(job.config.vocab_size)
+    result = {}
+    with torch.no_grad():
+        for task, task_keys in keys.items():
+            total, count = 0.0, 0
+            for batch in micro_batches(task_keys, records, job.batch_tokens):
+                with torch.autocast(job.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    hidden = final_hidden(student.model, batch, job.device)
+                    logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
+                    for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
+                        total += float(topk_kl(logits_of(student.model, rows), lp, ix, None, rs))
+                count += hidden.shape[0]
+            result[task] = total / max(count, 1)
+    model.train()
+    return result
+
+
+def _chunk_kl(model: torch.nn.Module, rows, logp, ids, rest) -> torch.Tensor:
+    return topk_kl(logits_of(model, rows), logp, ids, None, rest)
+
+
+def train_step(student: Student, store: TeacherStore, keys: list[Key], records, job: RefineJob, autocast) -> float:
+    """One optimizer step's gradient (not the update): the token mean of the KL over the step's records, micro-batched."""
+    count = sum(len(judged_positions(records[task][index])) for task, index in keys)
+    if count == 0:
+        return 0.0
+    chunk = logit_chunk(job.config.vocab_size)
+    total = 0.0
+    for batch in micro_batches(keys, records, job.batch_tokens):
+        with torch.autocast(job.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            hidden = final_hidden(student.model, batch, job.device)
+            logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
+            loss = hidden.new_zeros((), dtype=torch.float32)
+            for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
+                # the (tokens × vocab) logits are recomputed in the backward pass, never kept for the whole batch
+                loss = loss + checkpoint(_chunk_kl, student.model, rows, lp, ix, rs, use_reentrant=False)
+        (loss / count).backward()
+        total += float(loss.detach())
+    return total / count
+
+
+def mean_kl(per_expert: dict[str, float]) -> float:
+    """The stopping criterion: the experts' held-out KLs averaged, each expert once."""
+    return sum(per_expert.values()) / max(len(per_expert), 1)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
+    """Each expert's records through their teacher, one whole model on the device at a time; kept in the staging area."""
+    saved = job.staging.load_pass("refine-teachers")
+    if saved is not None and saved.get("top_k") == job.spec.top_k:
+        runlog.stage("refine: the teachers' distributions reused from the saved progress")
+        return TeacherStore.from_dict(saved)
+    store = TeacherStore(job.spec.top_k, {}, {}, {})
+    started = time.perf_counter()
+    for task, task_keys in keys.items():
+        reader = job.teachers[task]
+        names, get = checkpoint_tensors(reader)
+        model = build_causal_lm(job.config, names, get, job.device, job.compute_dtype, reader.what, job.trust_remote_code)
+        teach(store, model, task_keys, records, job.batch_tokens, job.device, None)
+        del model
+        if job.device.type == "cuda":
+            torch.cuda.empty_cache()
+    job.staging.save_pass("refine-teachers", store.as_dict())
+    runlog.stage(f"refine: the teachers' top-{job.spec.top_k} next-token distributions in {time.perf_counter() - started:.0f} s "
+                 f"({store.nbytes() / 2**20:.1f} MiB on the host)")
+    return store
+
+
+def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Refine the calibrated model; returns the replacements to write (the closed form's, with the refined tensors in
+    place where a check improved on it) and what ran, for the card."""
+    spec = job.spec
+    parameters = sum(math.prod(shape) for shape, _ in job.merged.layout().values())
+    params = resolve_params(spec.params, parameters, device_memory(job.device))
+    lr = spec.learning_rate(params)
+    master, autocast = refine_dtypes(job.requested_dtype, job.compute_dtype, job.device)
+    records = {task: list(job.train[task]) + list(job.held_out.get(task, [])) for task in job.train}
+    train_keys = [(task, i) for task in job.train for i in range(len(job.train[task]))]
+    held_keys = {task: [(task, len(job.train[task]) + i) for i in range(len(job.held_out.get(task, [])))] for task in job.train}
+    teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys[task] for task in job.train}
+    names = short_names(list(job.train))
+    settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast)}
+    runlog.stage(f"refine: {params} parameters, lr {lr:g}, at most {spec.steps} steps of {spec.batch_records} records, "
+                 f"KL(teacher ‖ model) on {sum(len(v) for v in job.train.values())} records, stopped by "
+                 f"{sum(len(v) for v in held_keys.values())} held-out ones")
+    store = _teachers(job, teacher_keys, records, autocast)
+    torch.manual_seed(job.seed)
+    student = Student(job, params, master)
+    trainable = list(student.trainable.values())
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, spec.steps, spec.warmup))
+    order = record_order(train_keys, spec.steps, spec.batch_records, job.seed)
+    saved = job.staging.load_pass("refine")
+    if saved is not None and saved["settings"] == settings:
+        student.load(saved["current"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        _set_rng_state(saved["rng"])
+        progress = {key: saved[key] for key in ("step", "best", "best_step", "best_kl", "bad", "history", "done", "before")}
+        runlog.stage(f"refine: resuming after step {progress['step']} from the saved progress")
+    else:
+        before = heldout_kl(student, store, held_keys, records, job, autocast)
+        progress = {"step": 0, "best": None, "best_step": 0, "best_kl": mean_kl(before), "bad": 0, "done": False,
+                    "history": [{"step": 0, "held_out_kl": mean_kl(before), "per_expert": before}], "before": before}
+    started = time.perf_counter()
+    student.module.train()
+    while not progress["done"] and progress["step"] < spec.steps:
+        step = progress["step"]
+        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(student, store, order[step], records, job, autocast)
+        torch.nn.utils.clip_grad_norm_(trainable, spec.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        progress["step"] = step = step + 1
+        if step % spec.eval_every and step != spec.steps:
+            continue
+        per_expert = heldout_kl(student, store, held_keys, records, job, autocast)
+        value = mean_kl(per_expert)
+        progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert})
+        if value < progress["best_kl"]:
+            progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
+        else:
+            progress["bad"] += 1
+        progress["done"] = progress["bad"] >= spec.patience or step == spec.steps
+        runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
+                     + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
+        job.staging.save_pass("refine", {**progress, "settings": settings, "current": student.state(), "optimizer": optimizer.state_dict(),
+                                         "scheduler": scheduler.state_dict(), "rng": _rng_state()})
+        after_check(step)
+    report = {"params": params, "lr": lr, "steps_run": progress["step"], "chosen_step": progress["best_step"],
+              "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
+              "per_expert": {"before": progress["before"], "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
+              "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
+              "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
+              "seconds": round(time.perf_counter() - started, 1)}
+    if params == "adapter":
+        report["rank"] = spec.rank
+    if progress["best"] is None:
+        runlog.stage(f"refine: no step lowered the held-out KL ({report['held_out_kl']['before']:.4f}), so the closed form's output stands unchanged")
+        return job.replacements, report
+    student.load(progress["best"])
+    tensors = student.written()
+    folder = job.staging.root / "refine"
+    folder.mkdir(exist_ok=True)
+    path = folder / REFINED_FILE
+    stored = {name: (job.merged.get(name) if name in job.merged.weight_map else _staged(job.replacements[name], name)).dtype for name in tensors}
+    save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
+    runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4f} → {progress['best_kl']:.4f} at step "
+                 f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined")
+    return {**job.replacements, **{name: path for name in tensors}}, report
+
+
+def _staged(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+def after_check(step: int) -> None:
+    """Called after each held-out check's progress is saved (a test interrupts a run here)."""
+
+
+__all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]

@@ -1,0 +1,101 @@
+"""Whole causal LMs for the refine stage, built from the engine's checkpoint readers.
+
+The layer loop never holds a whole model; refinement does: the student (the
+merged model with the closed form's tensors in place) and, one at a time,
+each teacher. They are built from `CheckpointReader`s, so a LoRA expert
+(`LoraReader`: W + scale·B·A on read) and the merge standing in for a trailing
+expert come out as the layer loop sees them. The model is made on the meta
+device under the family's own transformers class, its buffers (rotary tables,
+Gemma's embedding scale) filled by the family's `_init_weights`, then the
+tensors are assigned: no random initialisation of billions of weights first.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from featcal_llm.engine.drift import LM_HEAD
+
+
+def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """Every tensor name of `reader` (and tensors the closed form added, a head untied from the embeddings), and a getter
+    that takes a replaced tensor from its staged file."""
+    replacements = replacements or {}
+    names = list(dict.fromkeys([*reader.names(), *replacements]))
+    handles: dict[Path, Any] = {}
+
+    def get(name: str) -> torch.Tensor:
+        source = replacements.get(name)
+        if source is None:
+            return reader.get(name)
+        if source not in handles:
+            handles[source] = safe_open(source, framework="pt")
+        return handles[source].get_tensor(name)
+
+    return names, get
+
+
+def _materialise_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Real buffers (rotary inv_freq, Gemma's embed_scale) filled by the family's `_init_weights`, before any weight is assigned."""
+    for module in model.modules():
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        if not meta:
+            continue
+        for name in meta:
+            buffer = module._buffers[name]
+            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+        model._init_weights(module)
+
+
+def build_causal_lm(config: Any, names: list[str], get: Callable[[str], torch.Tensor], device: torch.device,
+                    dtype: torch.dtype, what: str, trust_remote_code: bool = False,
+                    dtypes: Callable[[str], torch.dtype] | None = None) -> torch.nn.Module:
+    """The family's `*ForCausalLM` holding these tensors on `device` in `dtype` (`dtypes(name)`: per tensor, where given).
+
+    Tied exactly when the checkpoint has no `lm_head.weight`, as the engine's own heads read it (engine/drift.Head).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = LM_HEAD not in names
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    finally:
+        torch.set_default_dtype(previous)
+    _materialise_buffers(model, device)
+    wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    state = {name: get(name).to(device=device, dtype=dtypes(name) if dtypes else dtype) for name in names if name in wanted}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [name for name in result.missing_keys if not (config.tie_word_embeddings and name == LM_HEAD)]
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    still_meta = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if missing or still_meta:
+        raise RuntimeError(f"internal: {what}: tensors missing from the checkpoint for the whole model: {(missing or still_meta)[:3]}")
+    return model
+
+
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The `*Model` inside a `*ForCausalLM` (embedding, layers, final norm)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def logits_of(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on final-norm outputs, in float32, with the family's logit soft-capping (Gemma-2)."""
+    head = model.get_output_embeddings()
+    logits = head(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+__all__ = ["build_causal_lm", "checkpoint_tensors", "decoder", "logits_of"]
