@@ -137,3 +137,44 @@ def test_every_third_party_import_is_declared():
     distributions = importlib.metadata.packages_distributions()
     missing = sorted(m for m in third_party if not {d.lower().replace("_", "-") for d in distributions.get(m, [m])} & declared)
     assert missing == [], f"imported but not declared in pyproject.toml: {missing}"
+
+
+PROJECT_URLS = ("Homepage", "Documentation", "Repository", "Issues", "Changelog")
+
+
+def relative_links(markdown: str) -> list[str]:
+    """Link and image targets (markdown and HTML) outside code that PyPI cannot follow: no scheme (a path, `#anchor`)."""
+    import re
+
+    text = re.sub(r"```.*?```|`[^`\n]*`", "", markdown, flags=re.S)
+    targets = re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)", text)
+    targets += re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", text, flags=re.M)  # reference definitions
+    targets += re.findall(r"""\b(?:href|src)\s*=\s*["']([^"']+)""", text)
+    return [target for target in targets if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
+
+
+def test_relative_links_are_found():
+    """The check below can fail: each kind of relative link is caught, absolute ones and code are not."""
+    page = ("[a](docs/a.md) ![b](img.png) [c](#install) <img src=\"x.png\"> <a href='y.md'>y</a>\n[d]: docs/d.md\n"
+            "[ok](https://example.org/a.md) `[no](code.md)`\n```\n[no](block.md)\n```\n")
+    assert relative_links(page) == ["docs/a.md", "img.png", "#install", "docs/d.md", "x.png", "y.md"]
+
+
+def test_the_wheel_metadata_names_the_project_urls_and_links_absolutely(installed):
+    """What PyPI shows: the wheel's METADATA carries the project URLs, and its long description (the README) has no
+    link that only resolves inside a checkout."""
+    from email.parser import Parser
+
+    wheel, _, _ = installed
+    archive = zipfile.ZipFile(wheel)
+    (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    metadata = Parser().parsestr(archive.read(name).decode("utf-8"))
+    urls = dict(value.split(", ", 1) for value in metadata.get_all("Project-URL"))
+    for label in PROJECT_URLS:
+        assert urls.get(label, "").startswith("https://"), (label, urls)
+    assert metadata["Description-Content-Type"].startswith("text/markdown")
+    description = metadata.get_payload()
+    assert description.strip() == (ROOT / "README.md").read_text(encoding="utf-8").strip()
+    assert relative_links(description) == [], "README links PyPI cannot follow"
+    repository = urls["Repository"].rstrip("/")
+    assert f"{repository}/blob/main/docs/results.md" in description  # the docs link into the repository the metadata names
