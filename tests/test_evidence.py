@@ -135,3 +135,63 @@ def test_pipeline_py_is_part_of_the_weight_code_digest(tmp_path):
     (copy / "pipeline.py").write_text((copy / "pipeline.py").read_text() + "\n# a decision changed\n")
     resume.source_digest.cache_clear()
     assert resume.source_digest(copy) != before
+
+
+def test_the_random_merge_methods_are_those_that_draw_random_numbers_in_mergekit():
+    """RANDOM_METHODS against mergekit itself: task-arithmetic methods by their sparsification (whose functions draw Bernoulli
+    masks or not), every other method by whether its implementation's module draws random numbers."""
+    import inspect
+    import re
+
+    import mergekit.sparsify as sparsify
+    from mergekit.merge_methods import registry
+
+    from featcal_llm.io.merge import RANDOM_METHODS
+
+    drawing = re.compile(r"torch\.(rand\w*|bernoulli|multinomial|normal)\b|\brandom\.")
+    draws = {method: bool(drawing.search(inspect.getsource(function))) for method, function in (
+        (sparsify.SparsificationMethod.random, sparsify.bernoulli), (sparsify.SparsificationMethod.della_magprune, sparsify.della_magprune),
+        (sparsify.SparsificationMethod.magnitude, sparsify.magnitude),
+        (sparsify.SparsificationMethod.magnitude_outliers, sparsify.magnitude_outliers))}
+    assert draws == {sparsify.SparsificationMethod.random: True, sparsify.SparsificationMethod.della_magprune: True,
+                     sparsify.SparsificationMethod.magnitude: False, sparsify.SparsificationMethod.magnitude_outliers: False}
+    random = set()
+    for method in registry.registered_methods():
+        if hasattr(method, "sparsification_method"):  # the generalized task arithmetic family
+            drawn = method.sparsification_method is not None and draws[method.sparsification_method]
+        else:
+            drawn = bool(drawing.search(inspect.getsource(inspect.getmodule(method.implementation))))
+        if drawn:
+            random.add(method.spec.name)
+    assert random == RANDOM_METHODS
+
+
+def _merge_with(scenario, tmp_path, name: str, method: str, **featcal):
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    raw = yaml.safe_load(scenario.recipe.read_text())
+    raw["merge_method"] = method
+    if method != "task_arithmetic":
+        for model in raw["models"]:
+            model["parameters"] = {"weight": 0.5, "density": 0.5}
+    raw["featcal"].update(merged=str(tmp_path / f"merged-{method}"), **featcal)
+    (tmp_path / name).write_text(yaml.safe_dump(raw, sort_keys=False))
+    return ensure_merged(load_recipe(tmp_path / name), tmp_path / f"merged-{method}", "cpu")
+
+
+def _stamp(directory) -> dict:
+    return {"dir": directory.stat().st_ino, **{f.name: f.stat().st_mtime_ns for f in directory.iterdir()}}
+
+
+@pytest.mark.parametrize(("method", "merged_again"), [("task_arithmetic", False), ("ties", False), ("dare_ties", True)])
+def test_another_seed_merges_again_only_a_random_merge(scenario, tmp_path, monkeypatch, method, merged_again):
+    from featcal_llm.io import merge
+
+    first = _merge_with(scenario, tmp_path, "a.yaml", method)
+    before, weights = _stamp(first), read_weights(first)
+    monkeypatch.setattr(merge, "_settled", {})  # as in a new process
+    again = _merge_with(scenario, tmp_path, "b.yaml", method, seed=5)
+    assert (_stamp(again) != before) is merged_again
+    if merged_again:  # drawn again with the other seed: other masks
+        assert any(not torch.equal(weights[name], tensor) for name, tensor in read_weights(again).items())

@@ -177,8 +177,9 @@ class MergeOptionsSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     random_seed: int | None = Field(
-        None, description="seed of the random merge methods (dare_*, della, breadcrumbs): default the block's seed, so a "
-        "re-merge (after an edit, or from featcal_recipe.yml) gives the same weights"
+        None, description="seed of the random merge methods (dare_ties, dare_linear, della, della_linear, arcee_fusion): default "
+        "the block's seed, so a re-merge (after an edit, or from featcal_recipe.yml) gives the same weights; a deterministic merge "
+        "(task_arithmetic, ties, breadcrumbs, linear, ...) is reused under any seed"
     )
     out_shard_size: int | str = Field("5B", description="parameters per output shard, as mergekit writes it (e.g. 5B, 500M)")
     lazy_unpickle: bool = Field(False, description="mergekit's lazy unpickler, for less memory with .bin inputs")

@@ -32,6 +32,10 @@ from featcal_llm.io.recipe import Recipe
 MERGEKIT_CONFIG = "mergekit_config.yml"
 MARKER = "featcal_merge.json"  # written by featcal-llm after a merge it made succeeded
 _settled: dict[str, Any] = {}  # merged directory → the configuration and seed it was found (or made) to match, in this process
+# mergekit's merge methods that draw random numbers: dare_* (Bernoulli masks, mergekit/sparsify.py), della* (magnitude-ranked
+# Bernoulli masks) and arcee_fusion (quantiles from a random sample of a tensor over 1M elements). Every other method
+# gives the same weights under any seed. tests/test_evidence.py checks the list against mergekit's registry and sources.
+RANDOM_METHODS = frozenset({"dare_ties", "dare_linear", "della", "della_linear", "arcee_fusion"})
 
 
 def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> Any:
@@ -180,10 +184,27 @@ def _recorded_seed(merged: Path) -> int | None:
         return None
 
 
+def merge_methods(config: Any) -> set[str]:
+    """Every `merge_method` a parsed configuration names (the top level's, and any nested one's)."""
+    if isinstance(config, dict):
+        named = {config["merge_method"]} if isinstance(config.get("merge_method"), str) else set()
+        return named.union(*(merge_methods(value) for value in config.values()))
+    if isinstance(config, list):
+        return set().union(*(merge_methods(item) for item in config))
+    return set()
+
+
+def seed_that_matters(recipe: Recipe) -> int | None:
+    """The seed the merge's weights depend on: the merge seed for a random method (RANDOM_METHODS), else None."""
+    return recipe.featcal.merge_seed if merge_methods(_normal(recipe.merge_config)) & RANDOM_METHODS else None
+
+
 def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list[str] | None:
-    """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's."""
-    wanted = _normal(recipe.merge_config)
-    if _settled.get(str(merged.resolve())) == (wanted, recipe.featcal.merge_seed):
+    """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's.
+
+    The seed is compared only for a random merge method: a deterministic merge under another seed is the same merge."""
+    wanted, seed = _normal(recipe.merge_config), seed_that_matters(recipe)
+    if _settled.get(str(merged.resolve())) == (wanted, seed):
         return None
     try:
         stored = stored_configuration(merged)
@@ -195,11 +216,11 @@ def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list
         warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
     elif differing := differing_keys(_with_files(wanted, _recipe_side(sources)), _with_files(stored, _stored_side(merged))):
         return differing
-    elif _recorded_seed(merged) not in (None, recipe.featcal.merge_seed):  # a random merge drawn with another seed
+    elif seed is not None and _recorded_seed(merged) not in (None, seed):  # a random merge drawn with another seed
         return ["featcal.merge_options.random_seed"]
     else:
         _say(f"reusing {merged} (its {MERGEKIT_CONFIG} is the recipe's merge)")
-    _settled[str(merged.resolve())] = (wanted, recipe.featcal.merge_seed)
+    _settled[str(merged.resolve())] = (wanted, seed)
     return None
 
 
@@ -223,7 +244,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
             )
         _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
     _merge(recipe, merged, device, sources, trust_remote_code)
-    _settled[str(merged.resolve())] = (_normal(recipe.merge_config), recipe.featcal.merge_seed)
+    _settled[str(merged.resolve())] = (_normal(recipe.merge_config), seed_that_matters(recipe))
     return merged
 
 
