@@ -102,12 +102,13 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
     domains = list(setting["experts"])
     shown = [(key, label) for key, label in TABLE_ROWS if key in rows or (key == EXPERTS and "gap" in setting and "merged" in rows)]
     samples = (rows.get("featcal defaults", {}).get("featcal") or {}).get("samples")
-    page = STUDY_PAGES.get(file, "docs/results.md")
+    count = NUMBERS.get(len(domains), str(len(domains)))
+    merge = f" at weight {setting['ta_weight']:g} each" if setting.get("ta_weight") is not None else ""
     lines = [
-        f"Setting `{setting['name']}` ([results]({absolute(f'docs/studies/results/{file}')}), [study]({absolute(page)})): "
-        f"{setting['model'].split(' ')[0]} and three experts fine-tuned from it on "
+        f"Setting `{setting['name']}` ([results]({absolute(f'docs/studies/results/{file}')}), [study]({absolute(study_page(file))})): "
+        f"{setting['model'].split(' ')[0]} and {count} experts fine-tuned from it on "
         + ", ".join(f"{DOMAINS.get(d, d)} (`{d}`)" for d in domains)
-        + f", merged with mergekit's Task Arithmetic at weight {setting['ta_weight']:g} each; "
+        + f", merged with mergekit's Task Arithmetic{merge}; "
         + (f"{samples} unlabelled calibration records per expert." if samples else "unlabelled calibration records per expert."),
         "",
         "| model | average NLL | " + " | ".join(f"{d} NLL" for d in domains) + " | share of the gap |",
@@ -124,6 +125,19 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
     lines.append("")
     lines.append(_meaning(results, shown))
     return "\n".join(lines)
+
+
+NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
+def study_page(file: str) -> str:
+    """The study page of a results file: STUDY_PAGES, else docs/studies/<its name>.md or <its first word>.md, else
+    docs/results.md."""
+    stem = Path(file).stem
+    for page in [STUDY_PAGES.get(file), f"docs/studies/{stem}.md", f"docs/studies/{stem.split('-')[0]}.md"]:
+        if page and (ROOT / page).is_file():
+            return page
+    return "docs/results.md"
 
 
 def _meaning(results: dict, shown: list[tuple[str, str]]) -> str:

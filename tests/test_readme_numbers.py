@@ -105,3 +105,25 @@ def test_the_costs_page_is_validates_plan():
         line = next(line for line in render_costs().splitlines() if line.startswith(f"| {name} |"))
         assert [cell.strip() for cell in line.split("|")[3:5]] == [size_text(plan.gpu_bytes), size_text(plan.host_bytes)]
         assert line.split("|")[5].strip().startswith(size_text(plan.disk_bytes))
+
+
+def test_a_new_setting_renders_from_its_file_alone(tmp_path, monkeypatch):
+    """A results file of another shape of setting (other kinds of text, a refinement row, intervals, no gap recorded)
+    renders with only TABLE_FILE changed: its rows in TABLE_ROWS order, its kinds as columns, its intervals."""
+    kinds = ["news", "law", "recipes"]
+    row = lambda avg, share, ci=None: {"nll": dict(zip(kinds, [avg - 0.1, avg, avg + 0.1])), "nll_avg": avg, "share": share,  # noqa: E731
+                                       **({"share_ci95": ci} if ci else {})}
+    results = {"setting": {"name": "made-up", "model": "SmolLM2-135M-Instruct (full fine-tunes)", "experts": kinds,
+                           "ta_weight": 0.5},
+               "rows": {"featcal defaults + refine": row(2.1, 0.81, [0.7, 0.9]), "merged": row(2.5, 0.0),
+                        "featcal defaults": row(2.3, 0.56, [0.5, 0.62]), "unlisted row": row(9.9, 9.9)}}
+    (tmp_path / "made-up-setting.json").write_text(json.dumps(results), encoding="utf-8")
+    monkeypatch.setattr(readme_numbers, "TABLE_FILE", "made-up-setting.json")
+    block = readme_numbers.render_table(tmp_path)
+    table = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    labels = dict(TABLE_ROWS)
+    assert [line.split("|")[1].strip() for line in table] == [labels["merged"], labels["featcal defaults"], labels["featcal defaults + refine"]]
+    assert block.splitlines()[2] == "| model | average NLL | news NLL | law NLL | recipes NLL | share of the gap |"
+    assert table[-1].split("|")[-2].strip() == "0.81 (0.70–0.90)" and "9.9" not in block
+    assert "three experts fine-tuned from it on news (`news`), law (`law`), recipes (`recipes`)" in block
+    assert f"[study]({readme_numbers.absolute('docs/results.md')})" in block  # no study page of that name
