@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, model_serializer, model_validator
 
 ScalarParameter = Union[bool, int, float, str]
 ScalarOrGradient = Union[ScalarParameter, List[ScalarParameter]]
@@ -65,6 +65,14 @@ class ModelReference(BaseModel, frozen=True):
                 return {"model": chunks[0], "lora": chunks[1]}
             raise ValueError(f"Can't parse {value}")
         return value
+
+    @model_serializer()
+    def serialize(self):
+        """As mergekit writes it: the string form, unless override_architecture (or a quote or space) needs the mapping."""
+        if self.override_architecture is not None:
+            return {"model": self.model, "lora": self.lora, "override_architecture": self.override_architecture}
+        text = str(self)
+        return self if '"' in text or " " in text else text
 
     def __str__(self) -> str:
         return f"{self.model}+{self.lora}" if self.lora else str(self.model)

@@ -296,6 +296,22 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
     return parsed
 
 
+def with_output(text: str, output: str) -> str:
+    """The recipe text with `featcal.output` set to `output` (`run RECIPE OUTPUT`), so the saved replay recipe writes
+    where this run wrote. Only the value is replaced: comments and layout stay as the user wrote them."""
+    node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    block = next((value for key, value in node.value if key.value == "featcal"), None) if isinstance(node, yaml.MappingNode) else None
+    if not isinstance(block, yaml.MappingNode):
+        return text
+    value = yaml.safe_dump(str(output), default_flow_style=True).removesuffix("\n...\n").strip()
+    for key, current in block.value:
+        if key.value == "output" and isinstance(current, yaml.ScalarNode):
+            return text[: current.start_mark.index] + value + text[current.end_mark.index :]
+    raw = yaml.safe_load(text)  # no output key (a block in flow style, say): written out again
+    raw["featcal"]["output"] = str(output)
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Parse and validate a recipe without touching any model or dataset; every problem is reported at once."""
     parsed = read_recipe(path)

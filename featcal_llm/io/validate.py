@@ -310,7 +310,7 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
         else:
             report.unchecked.append(str(model_path))
     if reference.lora is None and hub == [reference.model]:
-        return None, _hub_config(reference.model, online)
+        return None, _hub_config(reference.model, online and reference.model.path not in report.offline)  # unreachable: the cache only
     return None, None
 
 

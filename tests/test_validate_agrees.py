@@ -1,0 +1,236 @@
+"""`validate` says what `run` will say (issue 56, item 3): the same refusals, each one line, in one round, without torch.
+
+Each bad recipe below was passed by `validate` before (or refused by `run` only after minutes of work, or not at
+all): validate's error lines, run's (CLI) and the pipeline's own check (mergekit's real parsing) must be the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from featcal_llm.cli import main
+from featcal_llm.io.problems import RecipeProblems
+
+HEAVY = ("torch", "mergekit", "transformers", "peft", "datasets", "safetensors")
+
+
+def _recipe(scenario, tmp_path: Path) -> dict:
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"))
+    return recipe
+
+
+def _expert(recipe: dict, index: int) -> str:
+    return recipe["models"][index]["model"]
+
+
+def _mixtral_base(r, t):
+    """A base model whose config says Mixtral (weights linked, never read)."""
+    base = t / "mixtral-base"
+    shutil.copytree(r["base_model"], base, copy_function=os.symlink)
+    (base / "config.json").unlink()
+    config = json.loads((Path(r["base_model"]) / "config.json").read_text())
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    (base / "config.json").write_text(json.dumps(config))
+    r["base_model"] = str(base)
+
+
+def _model_path_typo(r, _t):
+    r["models"][1]["model"] += "x"  # featcal.data still names the right directory
+
+
+def _duplicates(r, _t):
+    text = yaml.safe_dump(r, sort_keys=False)
+    return text.replace("  samples: 16\n", "  samples: 16\n  samples: 8\n").replace("dtype: float32\n", "dtype: float32\ndtype: bfloat16\n")
+
+
+def _bad_yaml(r, _t):
+    return yaml.safe_dump(r, sort_keys=False).replace("merge_method: task_arithmetic", "merge_method: [task_arithmetic")
+
+
+def _set(change):
+    def mutate(r, _t):
+        change(r)
+    return mutate
+
+
+# name → (mutation of the scenario's recipe, or a function returning the file's text; one list of fragments per error line)
+CASES = {
+    "parameter name typo": (_set(lambda r: r["models"][0].update(parameters={"wieght": 0.5})), [
+        ["models.0.parameters.wieght: not a parameter of merge method task_arithmetic; did you mean 'weight'?"]]),
+    "parameter of the wrong type": (_set(lambda r: r["models"][1]["parameters"].update(weight="heavy")), [
+        ["models.1.parameters.weight: expected a number (got 'heavy')"]]),
+    "global parameter given per model": (_set(lambda r: r["models"][2]["parameters"].update(normalize=True)), [
+        ["models.2.parameters.normalize: a global parameter of task_arithmetic"]]),
+    "required parameter missing": (_set(lambda r: r["models"][2].pop("parameters")), [
+        ["models.2.parameters: merge method task_arithmetic needs weight for model"]]),
+    "too many experts for nuslerp": (_set(lambda r: r.update(merge_method="nuslerp")), [
+        ["models: merge method nuslerp merges exactly 2 experts besides the base model; this recipe has 3"]]),
+    "a Mixtral base": (_mixtral_base, [
+        ["base_model", "mixtral-base: architecture ['MixtralForCausalLM'] is a mixture of experts"],
+        *[["differs from the base model's ['MixtralForCausalLM']"]] * 3]),
+    "duplicate keys": (_duplicates, [["bad.yaml: dtype: given twice (lines "], ["bad.yaml: featcal.samples: given twice (lines "]]),
+    "YAML syntax": (_bad_yaml, [
+        ["bad.yaml: not valid YAML at line 2, column 11: did not find expected ',' or ']' (while parsing a flow sequence at line 1)"]]),
+    "featcall block": (_set(lambda r: r.update(featcall=r.pop("featcal"))), [["bad.yaml: featcall: unknown key; did you mean 'featcal'?"]]),
+    "model path typo": (_model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
+}
+
+
+def _write(scenario, tmp_path: Path, mutate) -> Path:
+    recipe = _recipe(scenario, tmp_path)
+    text = mutate(recipe, tmp_path)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text if isinstance(text, str) else yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _errors(result) -> list[str]:
+    return [line.removeprefix("featcal-llm: error: ") for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_validate_and_run_refuse_alike(scenario, tmp_path, case):
+    mutate, expected = CASES[case]
+    recipe = _write(scenario, tmp_path, mutate)
+    validated = CliRunner().invoke(main, ["validate", str(recipe)])
+    ran = CliRunner().invoke(main, ["run", str(recipe)])
+    assert validated.exit_code == 2 and ran.exit_code == 2, (validated.output, ran.output, ran.exception)
+    errors = _errors(validated)
+    assert len(errors) == len(expected), errors
+    for fragments in expected:
+        assert any(all(fragment in line for fragment in fragments) for line in errors), (fragments, errors)
+    assert _errors(ran) == errors
+    from featcal_llm.io.validate import check_before_run  # the pipeline's own check, which parses with mergekit itself
+
+    with pytest.raises(RecipeProblems) as refused:
+        check_before_run(recipe)
+    assert [str(problem) for problem in refused.value.problems] == errors
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
+
+
+def test_duplicate_keys_name_both_lines(scenario, tmp_path):
+    recipe = _write(scenario, tmp_path, _duplicates)
+    lines = recipe.read_text().splitlines()
+    dtype, samples = lines.index("dtype: float32") + 1, lines.index("  samples: 16") + 1
+    assert _errors(CliRunner().invoke(main, ["validate", str(recipe)])) == [
+        f"{recipe}: dtype: given twice (lines {dtype} and {dtype + 1}); YAML would keep the second silently: keep one",
+        f"{recipe}: featcal.samples: given twice (lines {samples} and {samples + 1}); YAML would keep the second silently: keep one"]
+
+
+def test_a_model_path_typo_is_one_error_that_never_renames_the_data_key(scenario, tmp_path):
+    recipe = _write(scenario, tmp_path, _model_path_typo)
+    (line,) = _errors(CliRunner().invoke(main, ["validate", str(recipe)]))
+    right = _expert(_recipe(scenario, tmp_path), 1)
+    assert line == f"{recipe}: models: {right}x: model directory does not exist; did you mean {right!r} (featcal.data names it)?"
+
+
+def test_a_clean_recipe_is_parsed_by_mergekit_for_run_and_by_the_copy_for_validate(scenario, tmp_path):
+    from featcal_llm.io.validate import check_before_run, check_recipe
+
+    path = tmp_path / "clean.yaml"
+    path.write_text(yaml.safe_dump(_recipe(scenario, tmp_path), sort_keys=False))
+    checked = check_recipe(path, plan=False)
+    assert checked.problems == [] and type(checked.recipe.merge_config).__module__ == "featcal_llm.io.mergekit_config"
+    recipe = check_before_run(path)
+    assert type(recipe.merge_config).__module__ == "mergekit.config"
+    assert [str(e.reference) for e in recipe.experts] == [str(e.reference) for e in checked.recipe.experts]
+    assert recipe.merge_config.model_dump(mode="json") == checked.recipe.merge_config.model_dump(mode="json")
+
+
+def test_validate_imports_no_torch_on_a_clean_or_a_bad_recipe(scenario, tmp_path):
+    """The whole recipe, mergekit part and models included, is checked from the schema and the configs alone."""
+    clean = tmp_path / "clean.yaml"
+    clean.write_text(yaml.safe_dump(_recipe(scenario, tmp_path), sort_keys=False))
+    (tmp_path / "bad").mkdir()
+    bad = _write(scenario, tmp_path / "bad", CASES["parameter name typo"][0])
+    mixtral = tmp_path / "mixtral"
+    mixtral.mkdir()
+    arch = _write(scenario, mixtral, _mixtral_base)
+    code = ("import sys\nfrom featcal_llm.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    print('exit', exit.code)\n"
+            f"print('loaded', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    for command, recipe, status in [("validate", clean, 0), ("validate", bad, 2), ("validate", arch, 2), ("run", bad, 2), ("run", arch, 2)]:
+        result = subprocess.run([sys.executable, "-c", code, command, str(recipe)], capture_output=True, text=True, cwd=tmp_path)
+        assert result.stdout.splitlines()[-2:] == [f"exit {status}", "loaded []"], (command, recipe, result.stdout, result.stderr)
+
+
+def _transport_error() -> Exception:
+    """What huggingface_hub's HTTP client raises when the host cannot be resolved."""
+    for name in ("httpx2", "httpx"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        return module.ConnectError("[Errno -2] Name or service not known")
+    import requests
+
+    return requests.exceptions.ConnectionError("Name or service not known")
+
+
+@pytest.mark.parametrize("error", ["transport", "offline mode"])
+def test_online_without_a_network_is_a_note_not_an_error(scenario, tmp_path, monkeypatch, error):
+    import huggingface_hub
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    raised = _transport_error() if error == "transport" else OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+
+    def unreachable(self, repo_id, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["data"][_expert(recipe, 1)]["path"] = "someone/calibration-set"
+    recipe["featcal"]["data"]["someone/expert"] = recipe["featcal"]["data"].pop(_expert(recipe, 2))
+    recipe["models"][2]["model"] = "someone/expert"
+    path = tmp_path / "hub.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(main, ["validate", str(path), "--online"])
+    assert result.exit_code == 0, result.output
+    assert _errors(result) == []
+    assert ("featcal-llm: note: hub ids not checked: no network (someone/calibration-set (dataset), someone/expert)"
+            in result.stderr.splitlines()), result.stderr
+
+
+def test_push_to_hub_checks_the_login_before_any_work(scenario, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_recipe(scenario, tmp_path), sort_keys=False))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    result = CliRunner().invoke(main, ["run", str(path), "--push-to-hub", "me/model"])
+    assert result.exit_code == 2
+    assert _errors(result) == ["--push-to-hub me/model: not logged in to the Hugging Face Hub (run `hf auth login` or set HF_TOKEN); "
+                               "nothing was computed"]
+
+    class Rejected(Exception):
+        response = type("Response", (), {"status_code": 401})()
+
+    class Hub:
+        def whoami(self, *args, **kwargs):
+            raise Rejected("401 Client Error: Unauthorized")
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_expired")
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    result = CliRunner().invoke(main, ["run", str(path), "--push-to-hub", "me/model"])
+    assert result.exit_code == 2 and _errors(result) == [
+        "--push-to-hub me/model: the Hugging Face token was rejected (401: expired or revoked); log in again with `hf auth login`"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
+
+
+def test_the_output_argument_is_written_into_the_replay_recipe_with_comments_kept():
+    from featcal_llm.io.recipe import with_output
+
+    text = "merge_method: ties  # keep\nfeatcal:\n  output: old/out   # where\n  samples: 4\n"
+    assert with_output(text, "new dir/x: y") == "merge_method: ties  # keep\nfeatcal:\n  output: 'new dir/x: y'   # where\n  samples: 4\n"
+    assert yaml.safe_load(with_output("featcal: {samples: 4}\n", "o"))["featcal"] == {"samples": 4, "output": "o"}
