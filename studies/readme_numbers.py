@@ -44,7 +44,8 @@ TABLE_ROWS = [
 # the study page that describes each setting (absolute link from the README: PyPI renders it too)
 STUDY_PAGES = {"allgap.json": "docs/studies/all-gap.md", "allgap-half.json": "docs/studies/all-gap.md",
                "allgap-half-long.json": "docs/studies/all-gap.md", "allgap-half-embeddings.json": "docs/studies/all-gap.md"}
-DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C headers"}
+DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C headers",  # the all-gap settings
+           "manpage": "roff manual pages", "changelog": "Debian changelogs", "copyright": "Debian copyright files"}  # specialised
 
 # docs/results.md: the defaults' share in the study's other all-gap settings: (results file, how the page names the
 # setting, a second row of that file to quote beside the defaults or None, how the page names that row)
@@ -106,7 +107,7 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
     merge = f" at weight {setting['ta_weight']:g} each" if setting.get("ta_weight") is not None else ""
     lines = [
         f"Setting `{setting['name']}` ([results]({absolute(f'docs/studies/results/{file}')}), [study]({absolute(study_page(file))})): "
-        f"{setting['model'].split(' ')[0]} and {count} experts fine-tuned from it on "
+        f"{(setting.get('model') or 'a base model').split(' ')[0]} and {count} experts fine-tuned from it on "
         + ", ".join(f"{DOMAINS.get(d, d)} (`{d}`)" for d in domains)
         + f", merged with mergekit's Task Arithmetic{merge}; "
         + (f"{samples} unlabelled calibration records per expert." if samples else "unlabelled calibration records per expert."),
