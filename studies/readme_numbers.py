@@ -50,11 +50,10 @@ DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C hea
 # docs/results.md: the defaults' share in the study's other all-gap settings: (results file, how the page names the
 # setting, a second row of that file to quote beside the defaults or None, how the page names that row)
 OTHER_SETTINGS = [
-    ("allgap-half-embeddings.json", "the same at weight ½ with experts that also trained their embeddings, which SmolLM2 "
-     "ties to its LM head, so that `head: auto` re-fits the head", "featcal defaults, head: false", "the head left merged"),
-    ("allgap-half-long.json", "the same at weight ½ with every expert trained three times longer", None, None),
-    ("allgap.json", "weight 1 per expert, where the merge interferes so badly that it is worse than the base on two domains",
-     None, None),
+    ("allgap-half-embeddings.json", "the same, experts that also trained their embeddings (tied to the LM head, which "
+     "`head: auto` then re-fits)", "featcal defaults, head: false", "the head left merged"),
+    ("allgap-half-long.json", "the same, every expert trained three times longer", None, None),
+    ("allgap.json", "weight 1 per expert: the merge worse than the base on two kinds", "featcal paper rule", "the paper's rule"),
 ]
 OTHERS_BASE = "allgap-half.json"  # the setting the other settings are variants of
 SHORT_NAMES = {"allgap-half.json": "`allgap-half`", "allgap-half-embeddings.json": "the embeddings variant",
@@ -159,12 +158,22 @@ def _meaning(results: dict, shown: list[tuple[str, str]]) -> str:
 
 
 def render_others(results_dir: Path = RESULTS) -> str:
-    """docs/results.md's block (markers excluded): the defaults in the study's other all-gap settings."""
+    """docs/results.md's block (markers excluded): the defaults' share in each all-gap setting, and which of those rows
+    today's `trailing_experts:` default gives."""
     base = _load(results_dir, OTHERS_BASE)
     others = [_load(results_dir, file) for file, *_ in OTHER_SETTINGS]
-    return ("The experts lead the `allgap-half` merge on their own held-out text by " + _leads(base) + ". The defaults in "
-            "the study's other all-gap settings: " + "; ".join(_other(results, *named) for results, (_, *named) in zip(others, OTHER_SETTINGS))
-            + "." + _ran_with([base, *others]))
+    domains = list(base["setting"]["experts"])
+    lines = [f"| setting | experts' leads over the merge ({' / '.join(domains)}, nats a token) | share, the defaults | beside it |",
+             "|---|---|---:|---|"]
+    named = [(base, "`allgap-half`, the README's: Task Arithmetic ½, embeddings frozen", "featcal paper rule", "the paper's rule"),
+             *((results, *rest) for results, (_, *rest) in zip(others, OTHER_SETTINGS))]
+    for results, label, beside, beside_label in named:
+        row = results["rows"]["featcal defaults"]
+        gap = results["setting"]["gap"]
+        other = f"{beside_label}: {results['rows'][beside]['share']:.2f}" if beside else ""
+        lines.append(f"| {label} | {' / '.join(f'{gap[d]:.3f}' for d in domains)} | {row['share']:.2f} | {other} |")
+    ran_with = _ran_with([base, *others])
+    return "\n".join(lines) + ("\n\n" + ran_with.strip() if ran_with else "")
 
 
 def _ran_with(results: list[dict]) -> str:
@@ -185,17 +194,6 @@ def _ran_with(results: list[dict]) -> str:
             + " and in ".join(known) + " (nats a token, code / prose / c)"
             + (f"; the rows of {' and '.join(unknown)} ran with `trailing_experts: keep`, the default then, and did not log those "
                "leads" if unknown else "") + ".")
-
-
-def _leads(results: dict) -> str:
-    gap = results["setting"]["gap"]
-    return ", ".join(f"{gap[d]:.3f} ({d})" for d in results["setting"]["experts"]) + " nats a token"
-
-
-def _other(results: dict, label: str, beside: str | None, beside_label: str | None) -> str:
-    row = results["rows"]["featcal defaults"]
-    text = f"{label} (leads {_leads(results)}): share {row['share']:.2f}"
-    return text if beside is None else text + f" ({beside_label}: {results['rows'][beside]['share']:.2f})"
 
 
 # docs/costs.md: what `featcal-llm validate` plans for the paper's shape (the fields of each model's config.json
