@@ -73,6 +73,8 @@ def test_run_writes_to_the_output_argument_without_transformers_deprecations(mer
     assert (tmp_path / "here" / "model.safetensors").is_file() or (tmp_path / "here" / "model.safetensors.index.json").is_file()
     assert not Path(recipe["featcal"]["output"]).exists()
     assert "torch_dtype" not in result.stderr, result.stderr
+    saved = yaml.safe_load((tmp_path / "here" / "featcal_recipe.yml").read_text())
+    assert saved["featcal"]["output"] == str(tmp_path / "here")  # rerunning the saved recipe writes where this run did
     card = (tmp_path / "here" / "README.md").read_text()
     assert 'model_id = "here"' in card  # the usage snippet loads the output it describes
     snippet = re.search(r"## Usage\n```python\n(.*?)```", card, re.S).group(1).replace('model_id = "here"', f'model_id = "{tmp_path / "here"}"')
