@@ -520,9 +520,10 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage
-    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning, {"dtype": runner.dtype, "stats_dtype": runner.stats_dtype},
-               resolved.sources, calibrated, start_records(recipe), weights, covered, sampling_records(recipe),
-               lead_summary)
+    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning=tuning,
+               precisions={"dtype": runner.dtype, "stats_dtype": runner.stats_dtype}, sources=resolved.sources, calibrated=calibrated,
+               starts=start_records(recipe), weights=weights, coverage=covered, sampling=sampling_records(recipe),
+               advantage=lead_summary)
     if refined is not None:
         append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
@@ -533,6 +534,8 @@ def _write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: 
 
         runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
         table = run_after_calibration(featcal.eval, merged_dir, output, Path.cwd())  # relative paths: as mergekit's
-        append_evaluation(output, table)
+        from featcal_llm.io.card_meta import evaluation_summary
+
+        append_evaluation(output, table, evaluation_summary(featcal.eval.resolve(Path.cwd()).output, output))  # model-index
         print(table)
     return RunOutcome(output, merged_dir, table)

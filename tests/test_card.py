@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, metadata_load
 from safetensors.torch import save_file
 
-from featcal_llm.io.card import point_usage_at, write_card
+from featcal_llm.io.card import append_evaluation, point_usage_at, read_run_record, write_card
+from featcal_llm.io.card_meta import evaluation_summary
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.io.references import ModelSource
 
@@ -64,11 +65,12 @@ def test_the_hub_reads_the_lineage_license_datasets_and_task(tmp_path):
     assert data.datasets == ["MergeBench/math_val"]  # the local file and the generated texts are no hub datasets
     assert (data.pipeline_tag, data.library_name, data.tags) == ("text-generation", "transformers", ["merge", "mergekit", "featcal"])
     front = yaml.safe_load(text.split("---")[1])
-    assert front["featcal"]["coverage_nll"]["base"]["org/math@v2"] == 4.6072  # rounded in the front matter...
-    assert front["featcal"]["expert_weights"]["org/math@v2"] == 1.0 and front["featcal"]["expert_lead"]["org/math@v2"] == {"tokens_ahead": 0.4568, "lead": 0.2071}
-    assert "4.607189" not in text and "3.12345" not in text and "1.3333333" not in text
-    exact = json.loads((output / "featcal_weights.json").read_text())  # ...and exact beside it
-    assert exact["coverage_nll"]["base"]["org/math@v2"] == 4.607189019958311
+    assert list(front) == ["base_model", "base_model_relation", "license", "datasets", "pipeline_tag", "library_name", "tags"]
+    assert metadata_load(output / "README.md") == front  # huggingface_hub's own reader sees the same keys
+    assert "4.607189" not in text and "3.12345" not in text and "1.3333333" not in text  # the card rounds...
+    exact = json.loads((output / "featcal_weights.json").read_text())  # ...the run's record beside it does not
+    assert exact["coverage_nll"]["base"]["org/math@v2"] == 4.607189019958311 and exact["expert_weights"]["org/code+org/code-lora"] == 4 / 3
+    assert exact["hyperparameters"] == {"lambda": 1e-5, "alpha": 0.15, "rho": 0.5, "eps": 1e-8} and exact["method"] == "featcal"
 
 
 def test_a_license_key_wins_and_a_base_without_a_card_gives_none(tmp_path):
@@ -97,7 +99,91 @@ def test_the_body_is_plain_sentences_with_usage_and_citation(tmp_path):
 
 @pytest.mark.parametrize("biases", [True, False])
 def test_biases_are_named_only_for_a_model_that_has_them(tmp_path, biases):
-    _, text = _card(tmp_path, bias=biases)
+    output, text = _card(tmp_path, bias=biases)
     body = text.split("---", 2)[2]
     assert ("The projections' biases were updated with their weights." in body) is biases
-    assert ("biases" in yaml.safe_load(text.split("---")[1])["featcal"]["settings"]) is biases
+    assert ("biases" in read_run_record(output)["settings"]) is biases
+
+
+def test_the_clamped_lead_is_named_as_such_and_the_signed_one_is_the_trailing_decision(tmp_path):
+    """`expert_lead` holds the mean of max(0, lead), `taught_by_merge` the signed mean: two names, two meanings."""
+    recipe = load_recipe(_recipe(tmp_path))
+    names = [expert.name for expert in recipe.experts]
+    (tmp_path / "out").mkdir()
+    calibrated = {**CALIBRATED, "taught_by_merge": {names[1]: -0.2471}}
+    write_card(tmp_path / "out", recipe, "merged", {name: 10 for name in names}, calibrated=calibrated,
+               advantage={name: {"tokens_ahead": 0.25, "lead": 0.159} for name in names})
+    run = read_run_record(tmp_path / "out")
+    assert run["expert_lead"]["org/code+org/code-lora"] == {"tokens_ahead": 0.25, "mean_positive_lead": 0.159}
+    assert run["taught_by_merge"] == {"org/code+org/code-lora": -0.2471}
+    assert "mean_positive_lead" in run["about"]["expert_lead"] and "signed" in run["about"]["taught_by_merge"]
+    body = (tmp_path / "out" / "README.md").read_text()
+    assert "ahead of the merged model on 25% of its tokens, mean positive lead 0.159 nats a token; it predicts its own " \
+           "records worse than the merged model (by 0.247 nats a token)" in body
+    assert "*mean positive lead* is max(0, log p_expert − log p_merged)" in body
+
+
+def test_the_body_has_no_python_reprs_and_links_the_paper(tmp_path):
+    recipe = load_recipe(_recipe(tmp_path, shuffle=False))
+    names = [expert.name for expert in recipe.experts]
+    (tmp_path / "out").mkdir()
+    head = {"lambda": 1e-5, "alpha": 1.0, "rho": 0.5, "untied": True}
+    write_card(tmp_path / "out", recipe, "merged", {name: 10 for name in names}, precisions={"dtype": torch.bfloat16},
+               calibrated={**CALIBRATED, "every_projection": False, "projections": ["mlp.down_proj", "self_attn.q_proj"], "head": head})
+    body = (tmp_path / "out" / "README.md").read_text().split("---", 2)[2].split("## Usage")[0]  # the prose, not the code
+    for repr_ in ("False", "True", "None", "{'", "['", "torch."):
+        assert repr_ not in body, repr_
+    assert "- records shuffled before they are taken: no\n" in body and "- norm scales re-fitted: no\n" in body
+    assert "- projections re-fitted: `mlp.down_proj`, `self_attn.q_proj`\n" in body and "- weights' precision: bfloat16\n" in body
+    assert "- LM head: re-fitted (λ = 1e-05, α = 1, ρ = 0.5), untied from the input embeddings\n" in body
+    assert "FeatCal feature calibration ([Gu et al., 2026](https://github.com/egangu/featcal))" in body
+    assert "url    = {https://github.com/egangu/featcal}" in (tmp_path / "out" / "README.md").read_text()  # the citation
+
+
+def test_an_unchanged_run_shows_no_head_or_refit_settings(tmp_path):
+    """Every expert trailed the merge: nothing was re-fitted, so the card names no head, projection or norm setting."""
+    recipe = load_recipe(_recipe(tmp_path))
+    names = [expert.name for expert in recipe.experts]
+    (tmp_path / "out").mkdir()
+    calibrated = {**CALIBRATED, "head": {"lambda": 1e-5, "alpha": 1.0, "rho": 0.5, "untied": False}, "unchanged": True,
+                  "taught_by_merge": {name: -0.1 for name in names}}
+    write_card(tmp_path / "out", recipe, "merged", {name: 10 for name in names}, calibrated=calibrated)
+    body = (tmp_path / "out" / "README.md").read_text()
+    assert "this model is the merged model, unchanged" in body
+    assert "LM head" not in body and "re-fitted:" not in body and "## Hyper-parameters" not in body and "featcal_drift" not in body
+    run = read_run_record(tmp_path / "out")
+    assert run["unchanged"] is True and not {"head", "projections", "norms", "biases"} & set(run["settings"])
+    assert run["settings"]["trailing_experts"] == "merge"  # what decided it stays
+
+
+def _summary(model_dir: Path) -> dict:
+    return {"schema": 1, "label": model_dir.name, "model": {"path": str(model_dir), "fingerprint": "f"},
+            "suite": {"name": "mergebench", "version": "2"},
+            "tasks": {"gsm8k": {"label": "GSM8K", "metric": "exact_match,flexible-extract", "score": 61.2345, "value": 0.612345},
+                      "ifeval": {"label": "IFEval", "metric": "prompt_level_strict_acc,none", "score": 70.0, "value": 0.7}}}
+
+
+def test_eval_scores_become_the_hub_s_model_index(tmp_path):
+    output, _ = _card(tmp_path)
+    results = tmp_path / "eval"
+    results.mkdir()
+    (results / "merged.json").write_text(json.dumps(_summary(tmp_path / "merged")))  # the merge's: not this model's
+    (results / "my-merge.json").write_text(json.dumps(_summary(output)))
+    (results / "fingerprints.json").write_text("{}")
+    summary = evaluation_summary(results, output)
+    assert summary is not None and summary["model"]["path"] == str(output)
+    append_evaluation(output, "| Model | GSM8K |\n|---|---:|\n| my-merge | 61.2 |\n", summary)
+    card = ModelCard.load(output / "README.md")
+    results_read = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results_read == {("gsm8k", "exact_match"): 61.23, ("ifeval", "prompt_level_strict_acc"): 70.0}
+    assert card.data.model_name == "checkpoint" and card.data.license == "llama3.2"  # the other keys are kept
+    text = (output / "README.md").read_text()
+    assert text.index("## Evaluation") < text.index("## Recipe") and "| my-merge | 61.2 |" in text
+    assert text.count("## Usage") == 1 and text.startswith("---\n")
+
+
+def test_an_eval_without_scores_for_this_model_adds_the_table_and_no_model_index(tmp_path):
+    output, _ = _card(tmp_path)
+    assert evaluation_summary(tmp_path / "nowhere", output) is None
+    append_evaluation(output, "| Model |\n|---|\n", None)
+    assert "model-index" not in metadata_load(output / "README.md") and "## Evaluation" in (output / "README.md").read_text()

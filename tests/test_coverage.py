@@ -49,7 +49,11 @@ def full_model_nll(model, sequences: list[list[int]]) -> float:
 
 
 def card_front(output) -> dict:
-    return yaml.safe_load((output / "README.md").read_text().split("---")[1])
+    """The card's front matter, with the run's record (featcal_weights.json) under `featcal`, rounded as a card shows it."""
+    from featcal_llm.io.card import read_run_record
+    from featcal_llm.io.card_meta import rounded
+
+    return yaml.safe_load((output / "README.md").read_text().split("---")[1]) | {"featcal": rounded(read_run_record(output))}
 
 
 def exact_weights(output) -> dict:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.tiny import build_char_tokenizer, save_model
+from featcal_llm.io.card import read_run_record
 
 
 def test_batching_and_padding_do_not_change_the_result(scenario, tmp_path):
@@ -103,9 +104,11 @@ def test_model_card_has_front_matter_and_the_recipe(bf16_sharded):
     front = yaml.safe_load(text.split("---")[1])
     assert front["tags"] == ["merge", "mergekit", "featcal"]
     assert "base_model" not in front  # a local base is no hub id; the card names it by its short name
-    assert front["featcal"]["base_model"] == "base"
-    assert len(front["featcal"]["experts"]) == 3
-    assert front["featcal"]["hyperparameters"]["lambda"] == 1e-3
+    assert "featcal" not in front  # the run's record is featcal_weights.json
+    run = read_run_record(output)
+    assert run["base_model"] == "base"
+    assert len(run["experts"]) == 3
+    assert run["hyperparameters"]["lambda"] == 1e-3
     assert "featcal:" in (output / "featcal_recipe.yml").read_text()
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from featcal_llm.generation import alike, choose, run as generation_run
 from featcal_llm.generation.store import GENERATED_DIR
+from featcal_llm.io.card import read_run_record
 from studies.tiny_kinds import build_kinds, kinds_recipe
 from test_bad_input import assert_refused_in_one_line
 from test_generate import _generate_only
@@ -119,8 +120,7 @@ def test_the_card_and_saved_recipe_name_the_chosen_start(kinds, tmp_path):
     path = kinds_recipe(kinds, tmp_path)
     run_recipe(path, progress=False)
     card = (tmp_path / "featcal" / "README.md").read_text()
-    front = yaml.safe_load(card.split("---")[1])
-    starts = front["featcal"]["generation_starts"]
+    starts = read_run_record(tmp_path / "featcal")["generation_starts"]
     assert starts[Path(kinds["raw"]).name]["mode"] == "bos" and starts[Path(kinds["chat"]).name]["mode"] == "chat"  # the card names models without local paths
     raw = starts[Path(kinds["raw"]).name]
     assert raw["chosen_by"] == "measurement" and set(raw["scores"]) == {"bos", "chat", "empty"}

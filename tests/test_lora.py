@@ -24,6 +24,7 @@ from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
+from featcal_llm.io.card import read_run_record
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name → LoraConfig settings and how the expert is written in the recipe
@@ -137,8 +138,7 @@ def test_lora_expert_calibrates_like_its_merged_checkpoint(lora_scenario, tmp_pa
     drift = [json.loads((d / "featcal_drift.json").read_text())["output_divergence"] for d in (as_lora, as_full)]
     values = [[v for model in ("merged", "calibrated") for v in d[model].values()] for d in drift]  # expert order
     assert values[0] == pytest.approx(values[1], rel=1e-8)  # the LM head (lm_head copy for rslora) is the expert's
-    card = yaml.safe_load((as_lora / "README.md").read_text().split("---")[1])
-    (expert,) = [model for model in card["featcal"]["models"].values() if "lora_adapter" in model]
+    (expert,) = [model for model in read_run_record(as_lora)["models"].values() if "lora_adapter" in model]
     assert not Path(expert["lora_adapter"]).is_absolute() and str(adapter).endswith("/" + expert["lora_adapter"])  # a short name
 
 

@@ -20,6 +20,7 @@ from test_recipe_forms import refused, write_recipe
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
+from featcal_llm.io.card import read_run_record
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,7 @@ def test_hub_revision_is_downloaded_and_recorded(refs, tmp_path, fake_hub):
     assert ("org/expert1", "v2") in fake_hub
     ours, plain = read_weights(output), read_weights(refs.plain)
     assert all(torch.equal(ours[n], plain[n]) for n in plain)  # the same expert, the same calibration
-    card = yaml.safe_load((output / "README.md").read_text().split("---")[1])
-    assert card["featcal"]["models"]["org/expert1@v2"] == {"reference": "org/expert1@v2", "revision": "v2"}
+    assert read_run_record(output)["models"]["org/expert1@v2"] == {"reference": "org/expert1@v2", "revision": "v2"}
 
 
 def test_revision_changes_the_run_fingerprint(refs):

@@ -11,6 +11,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
+from featcal_llm.io.card import read_run_record
 from scenario import build_scenario
 
 TABLE = "| model | ARC-C |\n|---|---|\n| merged | 21.0 |\n| calibrated | 23.5 |\n"
@@ -42,10 +43,13 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     assert absolute == [] and str(small.root) not in card and str(tmp_path) not in card
     front = yaml.safe_load(card.split("---")[1])
     assert "base_model" not in front  # a local base is not a hub id
-    assert front["featcal"]["base_model"] == "base" and front["featcal"]["merged_model"] == "merged"
-    assert front["featcal"]["experts"] == ["expert0", "expert1"]
-    assert front["featcal"]["calibration_tokens"].keys() == {"expert0", "expert1"}
-    assert front["featcal"]["settings"]["projections"] == ["mlp.down_proj", "self_attn.q_proj"]
+    run = read_run_record(tmp_path / "out")  # the run's record, beside the card
+    assert run["base_model"] == "base" and run["merged_model"] == "merged"
+    assert run["experts"] == ["expert0", "expert1"]
+    assert run["calibration_tokens"].keys() == {"expert0", "expert1"}
+    assert run["settings"]["projections"] == ["mlp.down_proj", "self_attn.q_proj"]
+    record = (tmp_path / "out" / "featcal_weights.json").read_text()
+    assert str(small.root) not in record and str(tmp_path) not in record
     assert "In every decoder layer the projections `mlp.down_proj`, `self_attn.q_proj` were re-fitted; the other projections keep" in card
     assert "every linear projection" not in card
     evaluation = card.index("## Evaluation")

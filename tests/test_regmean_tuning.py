@@ -14,6 +14,7 @@ import featcal_llm.engine.tuned as tuned_module
 from featcal_llm.engine.tuning import Search, coordinate_search
 from featcal_llm.maths.regmean import RegMeanSetting
 from featcal_llm.pipeline import run_recipe
+from featcal_llm.io.card import read_run_record
 
 CANDIDATES = [0.2, 0.5, 0.9]
 
@@ -55,7 +56,7 @@ def test_tuned_reduction_is_recorded_and_replays_byte_for_byte(merged_scenario, 
         assert [row["reduction"] for row in layer["candidates"]] == CANDIDATES
         best = min(layer["candidates"], key=lambda row: row["criterion"])
         assert layer["chosen"] == best
-    card = yaml.safe_load((output / "README.md").read_text().split("---")[1])["featcal"]
+    card = read_run_record(output)
     written = yaml.safe_load((output / "featcal_recipe.yml").read_text())["featcal"]
     assert card["method"] == "regmean" and card["hyperparameters"]["reduction"] == report["chosen"]["reduction"]
     assert written["reduction"] == {"per_layer": report["chosen"]["reduction"]} and written["tune"]["holdout"] == 0.25

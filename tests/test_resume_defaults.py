@@ -12,6 +12,7 @@ from test_reliability import resumes_to_the_same_bytes
 
 import featcal_llm.pipeline as pipeline
 from featcal_llm.io.recipe import load_recipe
+from featcal_llm.io.card import read_run_record
 
 
 def _default_recipe(scenario, path, output):
@@ -41,7 +42,7 @@ def test_a_default_run_resumes_to_the_same_bytes_without_running_its_passes_agai
     resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)
     # the uninterrupted run and the crashed one ran both passes; the resume reused the crashed run's
     assert passes == {"experts": 2, "tokens": 2}
-    front = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---")[1])["featcal"]
+    front = read_run_record(tmp_path / "out")
     assert front["coverage_nll"] and front["expert_lead"]  # the card still reports both passes
 
 

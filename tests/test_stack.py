@@ -15,6 +15,7 @@ from test_exactness import read_weights
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
+from featcal_llm.io.card import read_run_record
 
 FEATCAL = {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
 
@@ -109,7 +110,7 @@ def test_existing_output_stops_the_stack_before_any_work(scenario, tmp_path):
 def test_card_names_the_stack(merged_scenario, tmp_path):
     stacked = run_recipe(recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean", "featcal"],
                                 output=str(tmp_path / "stack"), **FEATCAL), progress=False)
-    front = yaml.safe_load((stacked / "README.md").read_text().split("---")[1])["featcal"]
+    front = read_run_record(stacked)
     merged = yaml.safe_load(merged_scenario.recipe.read_text())["featcal"]["merged"]
     assert front["merged_model"] == f"{Path(merged).name} + regmean" and front["method"] == "featcal"
 

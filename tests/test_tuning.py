@@ -19,6 +19,7 @@ from featcal_llm.maths.solve import RidgeSolver, anchor
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.maths.stats import GroupStatistics
 from featcal_llm.engine.tuning import AUTO, Search, coordinate_search, split_holdout
+from featcal_llm.io.card import read_run_record
 
 SINGLE = {"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5}  # two candidates: a search (one would be a fixed value)
 
@@ -198,7 +199,7 @@ def test_tuned_run_records_its_choice_and_is_deterministic(merged_scenario, tmp_
         assert len(layer["candidates"]) == 4
         best = min(layer["candidates"], key=lambda row: row["criterion"])
         assert layer["chosen"]["criterion"] == best["criterion"]
-    front = yaml.safe_load((output / "README.md").read_text().split("---")[1])["featcal"]["hyperparameters"]
+    front = read_run_record(output)["hyperparameters"]
     written = yaml.safe_load((output / "featcal_recipe.yml").read_text())["featcal"]
     for key in ("lambda", "alpha", "rho"):
         assert front[key] == report["chosen"][key]

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from featcal_llm import __version__
+from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
 from featcal_llm.io.recipe import Recipe
 
 RECIPE_FILE = "featcal_recipe.yml"
@@ -194,34 +195,118 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
     return header + yaml.safe_dump(raw, sort_keys=False)
 
 
+# what the card's settings list calls each resolved setting (featcal_weights.json keeps the keys)
+SETTING_TEXT = {
+    "samples": "calibration records per expert, at most",
+    "max_length": "tokens per record, at most",
+    "shuffle": "records shuffled before they are taken",
+    "seed": "seed",
+    "merge_seed": "seed of a random merge method (dare_*, della)",
+    "expert_weights": "expert weights",
+    "token_weights": "token weights",
+    "trailing_experts": "records of an expert that trails the merge are calibrated toward",
+    "dtype": "weights' precision",
+    "stats_dtype": "statistics' precision",
+    "projections": "projections re-fitted",
+    "norms": "norm scales re-fitted",
+    "biases": "biases re-fitted",
+    "head": "LM head",
+}
+LEAD_NOTE = ("\nAn expert's *mean positive lead* is max(0, log p_expert − log p_merged) over every token of its records, "
+             "averaged, with 0 where it trails: what its tokens' weights came from (`token_weights: expert_lead`). Whether it "
+             "trails the merge (`trailing_experts`) is judged on its signed mean lead instead.\n")
+TRAILING_TEXT = {"merge": "the merged model (`merge`)", "keep": "the expert itself (`keep`)"}
+# featcal_weights.json's legend: what its less obvious keys hold
+ABOUT = {
+    "expert_lead": "per expert, over the predictions of its calibration records: tokens_ahead, the share where it predicts "
+                   "the next token better than the merged model; mean_positive_lead, the mean of max(0, log p_expert - "
+                   "log p_merged) in nats (where it trails counts as 0): what its tokens' weights (token_weights: "
+                   "expert_lead) came from",
+    "taught_by_merge": "per expert that trails the merge on its own records: its mean signed lead log p_expert - "
+                       "log p_merged in nats (below 0) over its judged tokens (the responses of prompt/response records, "
+                       "every token of plain and generated text); the merged model taught those records (trailing_experts: merge)",
+    "coverage_nll": "model (the base under base) -> expert whose records -> mean NLL in nats: what the coverage expert "
+                    "weights came from",
+    "expert_weights": "each expert's weight in the objective as the run used it",
+}
+
+
+def human(value: Any) -> str:
+    """A resolved value as a sentence reads it: no Python reprs (booleans as yes/no, lists and mappings spelled out)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        if set(value) == {"per_layer"}:
+            return "per layer: " + human(value["per_layer"])
+        return ", ".join(f"{SYMBOLS.get(key, key)} = {human(item)}" for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(human(item) for item in value)
+    return str(value)
+
+
+def _setting_text(key: str, value: Any) -> str:
+    if key == "head":
+        fitted = ", ".join(f"{SYMBOLS[name]} = {human(value[name])}" for name in ("lambda", "alpha", "rho") if name in value)
+        return f"re-fitted ({fitted})" + (", untied from the input embeddings" if value.get("untied") else "")
+    if key == "trailing_experts":
+        return TRAILING_TEXT.get(value, human(value))
+    if key == "projections" and isinstance(value, list):
+        return ", ".join(f"`{name}`" for name in value)
+    return human(value)
+
+
+def settings_lines(settings: dict[str, Any]) -> str:
+    """The card's settings list, one `- what: value` line each, in words."""
+    return "\n".join(f"- {SETTING_TEXT.get(key, key)}: {_setting_text(key, value)}" for key, value in rounded(settings).items())
+
+
+def _json_ready(value: Any) -> Any:
+    """The run record as JSON holds it: tuples as lists, anything else unknown as its text."""
+    if isinstance(value, dict):
+        return {str(key): _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
 def write_card(
-    directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], tuning: dict | None = None,
+    directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], *, tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
     starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
     sampling: dict[str, dict[str, Any]] | None = None, advantage: dict[str, dict[str, float]] | None = None,
 ) -> None:
-    """README.md with hub-style YAML front matter, plus the recipe beside it.
+    """README.md (the Hub's front matter, then the run in sentences), the recipe, and featcal_weights.json beside it.
 
+    The front matter holds what the Hub reads (lineage, licence, datasets, tags; `model-index` once `eval:` scored the
+    model, append_evaluation); everything the run resolved goes to `featcal_weights.json` at full precision (the card
+    rounds). Keyword arguments, so that a new record is one more keyword:
     `sources` (base_model / expert name → io.references.ModelSource) records every model as read:
     its reference, hub revision and LoRA adapter. `calibrated`: the projections re-fitted
-    (`projections`, `every_projection`) and whether norms and biases were (`norms`, `biases`).
-    `starts`: how each `generate:` expert began its samples (generation.run.start_records).
-    `weights`: each expert's weight in the objective as the run used it; `coverage`: the
+    (`projections`, `every_projection`), whether norms and biases were (`norms`, `biases`), the head's
+    settings, `taught_by_merge` and `unchanged`. `starts`: how each `generate:` expert began its samples
+    (generation.run.start_records). `weights`: each expert's weight in the objective as the run used it; `coverage`: the
     NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
     `advantage`: per expert, the share of its tokens where it predicts the next token better than the
-    merge and its mean lead in nats (engine.token_weights), when tokens were weighed by it (`token_weights: expert_lead`).
+    merge and its mean positive lead in nats (engine.token_weights), when tokens were weighed by it.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
     the run's resolved `dtype` and `stats_dtype`).
     """
     featcal = recipe.featcal
+    unchanged = bool((calibrated or {}).get("unchanged"))  # every expert trails the merge: the weights are the merge's
     saved = recipe.text
     if tuning is None:
         given = featcal.model_dump(mode="json", by_alias=True)
         hyper = {key: value if given.get(key) is None else given[key] for key, value in featcal.hyper_values().items()} | {"eps": featcal.eps}
-        values = ", ".join(f"{SYMBOLS[key]} = {value}" for key, value in hyper.items())
+        values = ", ".join(f"{SYMBOLS[key]} = {human(value)}" for key, value in rounded(hyper).items())
     else:
         search = tuning["search"]
         hyper = {**tuning["chosen"], "eps": featcal.eps,
@@ -230,8 +315,8 @@ def write_card(
         values = (
             f"Chosen per layer by featcal-llm on held-out calibration records ({search['criterion']} criterion, "
             f"holdout {search['holdout']:g}; every candidate's score is in `featcal_tuning.json`):\n\n"
-            + "\n".join(f"- {SYMBOLS[key]}: {chosen}" for key, chosen in tuning["chosen"].items())
-            + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps}"
+            + "\n".join(f"- {SYMBOLS[key]}: {human(rounded(chosen))}" for key, chosen in tuning["chosen"].items())
+            + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps:g}"
         )
         saved = replay_text(recipe, tuning, precisions or {})
     saved = with_sampling_pinned(saved, sampling or {})
@@ -254,19 +339,19 @@ def write_card(
     settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (dare_*, della) was drawn with
     settings["expert_weights"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
-    if calibrated is not None:
+    if calibrated is not None and not featcal.regmean:
+        settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing}
+    if calibrated is not None and not unchanged:  # what was re-fitted: nothing, in an unchanged run
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:
-            settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing, "norms": calibrated["norms"]}
+            settings["norms"] = calibrated["norms"]
             if biases:  # a model without biases has nothing this setting could change
                 settings["biases"] = calibrated["biases"]
             if calibrated.get("head") is not None:
                 settings["head"] = calibrated["head"]
-    from featcal_llm.io.card_meta import CITATION, hub_front_matter, rounded
-
     base_source = (sources or {}).get("base_model")
     front = hub_front_matter(recipe, base_source.directory if base_source is not None else None)
-    front["featcal"] = {
+    run: dict[str, Any] = {  # featcal_weights.json: what the run resolved, at full precision
         "base_model": names[base],
         "merged_model": names[merged],
         "merge_method": recipe.merge_config.merge_method,
@@ -281,53 +366,62 @@ def write_card(
     }
     if weights is None:  # the recipe's own
         weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
-    exact: dict[str, Any] = {}  # featcal_weights.json: what the card rounds, at full precision
     weighed = any(weight != 1 for weight in weights.values())
     if weighed:
-        exact["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
+        run["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
     if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
-        exact["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
+        run["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
     if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
-        exact["expert_lead"] = {names[task]: summary for task, summary in advantage.items()}
+        run["expert_lead"] = {names[task]: {"tokens_ahead": summary["tokens_ahead"], "mean_positive_lead": summary["lead"]}
+                              for task, summary in advantage.items()}
     taught = (calibrated or {}).get("taught_by_merge") or {}
-    if taught:  # expert → its mean lead over the merge on its own records (≤ 0): the merge taught those records instead
-        exact["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
-    front["featcal"] |= exact
-    if (calibrated or {}).get("unchanged"):  # every expert trails the merge: the weights are the merge's
-        front["featcal"]["unchanged"] = True
+    if taught:  # expert → its mean signed lead over the merge on its own records (≤ 0): the merge taught those records instead
+        run["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
+    if unchanged:
+        run["unchanged"] = True
+    run["about"] = {key: text for key, text in ABOUT.items() if key in run}
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
+
+    def lead_text(name: str) -> str:
+        if advantage is None or name not in advantage:
+            return ""
+        summary = advantage[name]
+        return (f"; ahead of the merged model on {summary['tokens_ahead']:.0%} of its tokens, mean positive lead "
+                f"{summary['lead']:.3g} nats a token")
+
     experts = "\n".join(
         f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
+        + lead_text(e.name)
         + (f"; it predicts its own records worse than the merged model (by {-taught[e.name]:.3g} nats a token), so its records "
            "were calibrated toward the merged model (`trailing_experts: merge`)" if e.name in taught else "")
         for e in recipe.experts
     )
-    setting_lines = "\n".join(f"- {key}: {value}" for key, value in rounded(settings).items())
     title = Path(featcal.output).name
     kind = "FeatCal" if featcal.method == "featcal" else featcal.method
     count = len(recipe.experts)
+    method = METHOD_TEXT[featcal.method].replace("(Gu et al., 2026)", f"([Gu et al., 2026]({PAPER_URL}))")
+    hyper_section = "" if unchanged else f"## Hyper-parameters\n{values}\n\n"
+    files = ([] if unchanged else ["per-layer feature drift of the merged and the calibrated model to each expert: "
+                                   "`featcal_drift.json`, `featcal_drift.png`"])
+    files.append(f"everything the run resolved (models as read, settings, calibration tokens, the expert and token weights "
+                 f"at full precision): `{WEIGHTS_FILE}`")
     body = f"""# {title}
 
 This model is a merge of {count} expert{"s" * (count != 1)} fine-tuned from `{names[base]}`, calibrated after the merge with {kind}.
 The experts were first merged by [mergekit](https://github.com/arcee-ai/mergekit)'s `{recipe.merge_config.merge_method}` method
-into the merged model (`{names[merged]}`). featcal-llm {__version__} then applied {METHOD_TEXT[featcal.method]} to the merged model.
+into the merged model (`{names[merged]}`). featcal-llm {__version__} then applied {method} to the merged model.
 {_how_text(featcal.method, biases)}
 {_calibrated_text(calibrated, featcal.regmean, biases)}
 
 ## Experts
 {experts}
+{LEAD_NOTE if advantage is not None else ""}
+{hyper_section}## Settings
+{settings_lines(settings)}
 
-## Hyper-parameters
-{values}
-
-## Settings
-{setting_lines}
-
-{"" if (calibrated or {}).get("unchanged") else
- "Per-layer feature drift of the merged and the calibrated model to each expert: `featcal_drift.json`, `featcal_drift.png`."}{
-" The expert and token weights at full precision: `" + WEIGHTS_FILE + "`." if exact else ""}
+Beside this card: {"; ".join(files)}.
 
 ## Usage
 {_usage(title)}
@@ -348,19 +442,42 @@ paths shortened to their names:
     text = "---\n" + yaml.safe_dump(rounded(front), sort_keys=False, allow_unicode=True) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
     (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")
-    if exact:
-        import json
+    import json
 
-        (directory / WEIGHTS_FILE).write_text(json.dumps(exact, indent=1) + "\n", encoding="utf-8")
+    (directory / WEIGHTS_FILE).write_text(json.dumps(_json_ready(run), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def append_evaluation(directory: Path, table: str) -> None:
-    """Add the merged-vs-calibrated evaluation table (a run's `eval:` block) to the card, before the recipe."""
+def read_run_record(directory: Path) -> dict[str, Any]:
+    """What a calibrated checkpoint's run resolved (`featcal_weights.json`, written by write_card)."""
+    import json
+
+    return json.loads((directory / WEIGHTS_FILE).read_text(encoding="utf-8"))
+
+
+def split_card(text: str) -> tuple[dict[str, Any], str]:
+    """A card's front matter (parsed) and its body."""
+    if not text.startswith("---\n"):
+        return {}, text
+    front, _, body = text[4:].partition("\n---\n")
+    return yaml.safe_load(front) or {}, body
+
+
+def append_evaluation(directory: Path, table: str, summary: dict[str, Any] | None = None) -> None:
+    """Add the merged-vs-calibrated evaluation table (a run's `eval:` block) to the card, before the recipe, and, given
+    the calibrated model's evaluation summary (evaluation.runner's `<label>.json`), its scores as the front matter's
+    `model-index`, which the Hub shows as the model's evaluation results."""
+    from featcal_llm.io.card_meta import model_index
+
     card = directory / "README.md"
-    text = card.read_text(encoding="utf-8")
+    front, body = split_card(card.read_text(encoding="utf-8"))
     section = f"{EVAL_HEADING}\nThe merged and the calibrated model scored with one pipeline (featcal-llm `eval:`):\n\n{table.rstrip()}\n\n"
-    head, marker, tail = text.partition("## Recipe")
-    card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")
+    head, marker, tail = body.partition("## Recipe")
+    body = head + section + marker + tail if marker else body.rstrip() + "\n\n" + section
+    index = model_index(Path(directory).name, summary) if summary is not None else []
+    if index:
+        front["model-index"] = index
+    text = ("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n" if front else "") + body
+    card.write_text(text, encoding="utf-8")
 
 REFINE_FILE = "featcal_refine.json"
 

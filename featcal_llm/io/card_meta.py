@@ -16,11 +16,13 @@ from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe
 
 TAGS = ["merge", "mergekit", "featcal"]
-CITATION = """@misc{gu2026featcal,
-  title  = {FeatCal: Feature Calibration for Post-Merging Models},
-  author = {Gu, Yanggan and Cai, Shuo and Wang, Zihao and Wang, Wenjun and others},
-  year   = {2026}
-}"""
+PAPER_URL = "https://github.com/egangu/featcal"  # the paper's code page, which links the paper
+CITATION = f"""@misc{{gu2026featcal,
+  title  = {{FeatCal: Feature Calibration for Post-Merging Models}},
+  author = {{Gu, Yanggan and Cai, Shuo and Wang, Zihao and Wang, Wenjun and others}},
+  year   = {{2026}},
+  url    = {{{PAPER_URL}}}
+}}"""
 
 
 def hub_id(path: str) -> str | None:
@@ -125,3 +127,35 @@ def hub_front_matter(recipe: Recipe, base_directory: Path | None) -> dict[str, A
         front["datasets"] = datasets
     front.update(pipeline_tag="text-generation", library_name="transformers", tags=list(TAGS))
     return front
+
+
+def model_index(name: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Hub's `model-index` for one model's evaluation summary (evaluation.runner's `<label>.json`): one result per
+    scored task, its score as the suite reports it (percent for MergeBench), through huggingface_hub's own writer."""
+    from huggingface_hub import EvalResult
+    from huggingface_hub.repocard_data import eval_results_to_model_index
+
+    suite = summary.get("suite", {})
+    results = [
+        EvalResult(task_type="text-generation", task_name="Text Generation", dataset_type=task, dataset_name=entry.get("label", task),
+                   metric_type=str(entry["metric"]).split(",")[0], metric_value=round(float(entry["score"]), 2),
+                   metric_name=f"{entry['metric']} (featcal-llm eval, suite {suite.get('name')} v{suite.get('version')})")
+        for task, entry in (summary.get("tasks") or {}).items() if entry.get("score") is not None
+    ]
+    return eval_results_to_model_index(name, results) if results else []
+
+
+def evaluation_summary(results_dir: Path, model_dir: Path) -> dict[str, Any] | None:
+    """The evaluation summary `eval:` wrote for `model_dir` in `results_dir` (the one whose model path is that directory)."""
+    import json
+
+    target = Path(model_dir).resolve()
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        model = data.get("model") if isinstance(data, dict) else None
+        if isinstance(model, dict) and isinstance(data.get("tasks"), dict) and Path(str(model.get("path"))).resolve() == target:
+            return data
+    return None
