@@ -90,3 +90,129 @@ def test_refine_true_takes_the_defaults_and_holds_records_out(tmp_path):
     assert on.refine.steps == 40 and on.refine.learning_rate("full") == 1e-4 and on.refine.learning_rate("adapter") == 3e-4
     assert on.holds_out  # the held-out records choose the step count
     assert FeatCalConfig(**block, refine=False).refine is None
+
+
+# ---- the stage end to end on a tiny merge -------------------------------------------------------------------------
+
+REFINE = {"steps": 6, "eval_every": 2, "patience": 2, "lr": 3e-4, "batch_records": 8, "params": "full", "top_k": 128}
+
+
+@pytest.fixture(scope="module")
+def far_scenario(tmp_path_factory):
+    """Two experts far from their merge (noise 0.6), two layers; merged once by mergekit."""
+    from scenario import build_scenario
+
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("refine"), experts=2, layers=2, samples=12, words=(4, 10), noise=0.6)
+    ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
+    return scenario
+
+
+def run(scenario, name: str, **featcal) -> Path:
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = scenario.write_recipe(scenario.root / f"{name}.yaml", output=str(scenario.root / name), **featcal)
+    return run_recipe(recipe, force=True, progress=False)
+
+
+def closed_form_only(monkeypatch, scenario, name: str, **featcal) -> Path:
+    """The same run (records held out alike) with the refine stage replaced by one that returns the closed form's tensors."""
+    import featcal_llm.engine.refine as refine_module
+
+    def stand_in(job):
+        return job.replacements, {"params": "full", "lr": 0.0, "steps_run": 0, "chosen_step": 0, "max_steps": 0, "top_k": 1,
+                                  "held_out_kl": {"before": 0.0, "after": 0.0}, "teachers": {}}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "refine", stand_in)
+        return run(scenario, name, **featcal)
+
+
+def held_out_records(scenario, recipe_path: Path) -> dict[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from featcal_llm.engine.tuning import split_holdout
+    from featcal_llm.io.data import calibration_sequences
+    from featcal_llm.io.recipe import load_recipe
+
+    featcal = load_recipe(recipe_path).featcal
+    tokenizer = AutoTokenizer.from_pretrained(scenario.base)
+    sequences = calibration_sequences(featcal.data, list(featcal.data), tokenizer, featcal.samples, featcal.max_length,
+                                      featcal.shuffle, featcal.seed, recipe_path)
+    return split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, "test")[1]
+
+
+def teacher_kl(model_dir: Path, scenario, records: dict[str, list[list[int]]]) -> float:
+    """Mean over experts of the token mean of the full-vocabulary KL(expert ‖ model) on its held-out records (transformers alone)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    values = []
+    for task, rows in records.items():
+        expert = AutoModelForCausalLM.from_pretrained(task, dtype=torch.float64).eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for row in rows:
+                ids = torch.tensor([row])
+                total += float(full_kl(model(ids).logits[0, :-1], expert(ids).logits[0, :-1]))
+                count += len(row) - 1
+        values.append(total / count)
+    return sum(values) / len(values)
+
+
+def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, monkeypatch):
+    refined = run(far_scenario, "refined", refine=REFINE)
+    closed = closed_form_only(monkeypatch, far_scenario, "closed", refine=REFINE)
+    report = json.loads((refined / "featcal_refine.json").read_text())
+    assert report["chosen_step"] > 0 and report["held_out_kl"]["after"] < report["held_out_kl"]["before"]
+    records = held_out_records(far_scenario, far_scenario.root / "refined.yaml")
+    before, after = teacher_kl(closed, far_scenario, records), teacher_kl(refined, far_scenario, records)
+    # the stage's own numbers (top-128 of a 100-token vocabulary: every token, in float16) against transformers' full KL
+    assert before == pytest.approx(report["held_out_kl"]["before"], rel=1e-2)
+    assert after == pytest.approx(report["held_out_kl"]["after"], rel=1e-2)
+    assert after < before
+    assert "## Refinement" in (refined / "README.md").read_text()
+    # the saved recipe replays to the same bytes
+    replayed = far_scenario.root / "replayed.yaml"
+    saved = yaml.safe_load((refined / "featcal_recipe.yml").read_text())
+    saved["featcal"]["output"] = str(far_scenario.root / "replayed")
+    replayed.write_text(yaml.safe_dump(saved, sort_keys=False))
+    from featcal_llm.pipeline import run_recipe
+
+    again = run_recipe(replayed, force=True, progress=False)
+    assert (again / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
+
+
+def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, monkeypatch):
+    """A learning rate far too high: every check is worse than the closed form, so its tensors are written, bit for bit."""
+    wild = {**REFINE, "lr": 1.0}
+    refined = run(far_scenario, "wild", refine=wild)
+    closed = closed_form_only(monkeypatch, far_scenario, "wild-closed", refine=wild)
+    report = json.loads((refined / "featcal_refine.json").read_text())
+    assert report["chosen_step"] == 0 and report["steps_run"] == 2 * wild["eval_every"]  # patience 2: two worse checks
+    assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
+
+
+def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, monkeypatch):
+    import featcal_llm.engine.refine as refine_module
+
+    whole = run(far_scenario, "whole", refine=REFINE)
+
+    def crash(step):
+        if step == 4:
+            raise RuntimeError("killed after step 4")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        with pytest.raises(RuntimeError, match="killed after step 4"):
+            run(far_scenario, "resumed", refine=REFINE)
+    partial = far_scenario.root / ".resumed.featcal-partial"
+    assert (partial / "pass-refine.pt").is_file() and not (far_scenario.root / "resumed").exists()
+    calls, step = [], refine_module.train_step
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "train_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+        resumed = run(far_scenario, "resumed", refine=REFINE)
+    assert len(calls) == json.loads((whole / "featcal_refine.json").read_text())["steps_run"] - 4  # only the steps after the check
+    assert (resumed / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()

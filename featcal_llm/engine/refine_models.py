@@ -72,7 +72,8 @@ def build_causal_lm(config: Any, names: list[str], get: Callable[[str], torch.Te
         torch.set_default_dtype(previous)
     _materialise_buffers(model, device)
     wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    state = {name: get(name).to(device=device, dtype=dtypes(name) if dtypes else dtype) for name in names if name in wanted}
+    # copies: a reader's tensor may be a view of its memory-mapped file, which training must never write through
+    state = {name: get(name).to(device=device, dtype=dtypes(name) if dtypes else dtype, copy=True) for name in names if name in wanted}
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [name for name in result.missing_keys if not (config.tie_word_embeddings and name == LM_HEAD)]
     if config.tie_word_embeddings:
