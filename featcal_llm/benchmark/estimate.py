@@ -14,7 +14,9 @@ host RSS was 22 GB; this model gives about 20 GB there.
                      the loop holds the same two, merged and expert), compute dtype, or the
                      coverage pass's (1 + experts) x its sample's tokens x hidden when larger (they never coexist);
                      RAM up to host_memory_gb (default half the machine), the rest spills to disk
-    disk             the merge (when not yet written) + the output checkpoint + the staged layers + spill
+    disk             what the run writes: the merge (when not yet written) + the output checkpoint + the staged layers
+                     + spill; the base and the experts it reads ((1 + experts) full checkpoints at most, fewer bytes for
+                     LoRA experts) are a separate figure, since they may already sit on this disk or in the Hub cache
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class MemoryPlan:
     disk_bytes: float
     spilled_bytes: float
     device: str
+    inputs_bytes: float = 0.0  # the base and the experts the run reads, as full checkpoints: not in disk_bytes
+    inputs: str = ""  # what inputs_bytes counts, in words ("the base and 3 experts")
+    merge_written: bool = True  # whether disk_bytes counts writing the merge
 
     def lines(self) -> list[str]:
         """The plan as printed by `featcal-llm validate`, labelled as an estimate."""
@@ -48,8 +53,11 @@ class MemoryPlan:
         if self.gpu_bytes is not None:
             lines.append(f"  GPU memory  ~{gb(self.gpu_bytes)}")
         lines.append(f"  host RAM    ~{gb(self.host_bytes)}")
-        spill = f" (of which {gb(self.spilled_bytes)} hidden states spilled beyond the RAM budget)" if self.spilled_bytes else ""
-        lines.append(f"  disk        ~{gb(self.disk_bytes)}{spill}")
+        parts = (["the merge"] if self.merge_written else []) + ["the output checkpoint", "the staged layers"]
+        if self.spilled_bytes:
+            parts.append(f"{gb(self.spilled_bytes)} of hidden states spilled beyond the RAM budget")
+        read = f"; not counted: {self.inputs} it reads, ~{gb(self.inputs_bytes)} as full checkpoints" if self.inputs else ""
+        lines.append(f"  disk        ~{gb(self.disk_bytes)} written by the run ({', '.join(parts)}){read}")
         return lines
 
 
@@ -131,4 +139,5 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     model = parameters * stored
     disk = (0 if merged_exists else model) + model + layers * shape.linear_params * stored + spilled
     device = "on the CPU" if cpu else "on one GPU (device auto: a GPU when there is one)" if featcal.device == "auto" else f"on {featcal.device}"
-    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device)
+    inputs = f"the base and {experts} expert{'s' * (experts != 1)}"
+    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists)
