@@ -235,7 +235,11 @@ def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | Non
     try:
         featcal = FeatCalConfig.model_validate(block)
     except ValidationError as error:
-        problems.extend(in_document_order(pydantic_problems(path, error, "featcal", FeatCalConfig), block, "featcal"))
+        found = pydantic_problems(path, error, "featcal", FeatCalConfig)
+        # a default computed from another key (data.X.response from its format) is not computed once that key is wrong: the
+        # wrong key is the one problem
+        found = [problem for problem, item in zip(found, error.errors()) if item["type"] != "default_factory_not_called"]
+        problems.extend(in_document_order(found, block, "featcal"))
         return None
     _block_checks(path, featcal, problems)
     return featcal
