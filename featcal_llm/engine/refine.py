@@ -184,9 +184,9 @@ def heldout_kl(student: Student, store: TeacherStore, keys: dict[str, list[Key]]
         for task, task_keys in keys.items():
             total, count = 0.0, 0
             for batch in micro_batches(task_keys, records, job.batch_tokens):
+                logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))  # outside autocast: CPU autocast refuses float16
                 with torch.autocast(job.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                     hidden = final_hidden(student.model, batch, job.device)
-                    logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
                     for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
                         total += float(topk_kl(logits_of(student.model, rows), lp, ix, None, rs))
                 count += hidden.shape[0]
@@ -207,9 +207,9 @@ def train_step(student: Student, store: TeacherStore, keys: list[Key], records, 
     chunk = logit_chunk(job.config.vocab_size)
     total = 0.0
     for batch in micro_batches(keys, records, job.batch_tokens):
+        logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
         with torch.autocast(job.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden = final_hidden(student.model, batch, job.device)
-            logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
             loss = hidden.new_zeros((), dtype=torch.float32)
             for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
                 # the (tokens × vocab) logits are recomputed in the backward pass, never kept for the whole batch
@@ -320,7 +320,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         job.staging.save_pass("refine", {**progress, "settings": settings, "current": student.state(), "optimizer": optimizer.state_dict(),
                                          "scheduler": scheduler.state_dict(), "rng": _rng_state()})
         after_check(step)
-    report = {"params": params, "lr": lr, "steps_run": progress["step"], "chosen_step": progress["best_step"],
+    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": progress["before"], "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
