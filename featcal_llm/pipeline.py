@@ -24,7 +24,8 @@ from featcal_llm.family.architectures import architecture_for, select_projection
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
 from featcal_llm.engine.teachers import check_judged, every_expert_taught_by_the_merge, let_the_merge_teach
-from featcal_llm.engine.token_weights import TokenWeights, advantage_weights
+from featcal_llm.engine.token_weights import advantage_weights
+from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator, rank_device
@@ -440,25 +441,23 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     """The passes before the layers: each expert's weight (coverage), each token's (its expert's lead), and who teaches
     each expert's records (`trailing_experts:`).
 
-    In one process their results are kept in the staging area with the layers, so a resumed run reuses them.
+    Rank 0 keeps their results in the staging area with the layers, record by record (engine/passes.py), so a resumed
+    run reuses them with any number of ranks.
     """
-    featcal, staging = resolved.recipe.featcal, context.staging
+    featcal, staging, comm = resolved.recipe.featcal, context.staging, context.comm
     where = f"{resolved.recipe.path}: featcal"
-    cached = staging.load_pass("weights") if context.comm.world == 1 else None
+    rows = record_rows(comm, data.sequences, featcal.batch_tokens)
+    cached = load_passes(comm, staging, data.sequences)
     if cached is not None:
         runlog.stage("expert and token weights: reused from the saved progress")
         weights, coverage = cached["weights"], cached["coverage"]
-        token_weights = None if cached["token_summary"] is None else TokenWeights(cached["token_roots"], cached["token_summary"], cached["mean_leads"])
+        token_weights = None if cached["tokens"] is None else saved_token_weights(cached["tokens"], context.batches, rows)
     else:
         weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
         token_weights = None
         if featcal.token_weighting == "expert_lead" or featcal.trailing == "merge":  # one pass measures both
             token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights")
-        if context.comm.world == 1:
-            staging.save_pass("weights", {"weights": weights, "coverage": coverage,
-                                          "token_roots": None if token_weights is None else token_weights.roots,
-                                          "token_summary": None if token_weights is None else token_weights.summary,
-                                          "mean_leads": None if token_weights is None else token_weights.mean_leads})
+        save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows)
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
     if featcal.token_weighting == "expert_lead":
         context.token_roots = token_weights.roots

@@ -105,6 +105,10 @@ class Single:
     def broadcast_object(self, value: Any) -> Any:
         return value
 
+    def gather_objects(self, value: Any) -> list[Any] | None:
+        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
+        return [value]
+
     def agree(self, fingerprint: str | None, error: str | None = None) -> None:
         if error is not None:
             raise FeatCalError(error)
@@ -357,6 +361,11 @@ class TorchDistributed(Single):
         box = [value]
         self._call(self.dist.broadcast_object_list, box, src=0)
         return box[0]
+
+    def gather_objects(self, value: Any) -> list[Any] | None:
+        answers: list[Any] = [None] * self.world  # all-gathered, the object path `agree` already takes on every backend
+        self._call(self.dist.all_gather_object, answers, value)
+        return answers if self.is_main else None
 
     def agree(self, fingerprint: str | None, error: str | None = None) -> None:
         """Every rank says it got this far (with its run's fingerprint, at the last step) or why not; any error or mismatch stops all alike.

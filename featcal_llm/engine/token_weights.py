@@ -44,6 +44,14 @@ class TokenWeights:
     summary: dict[str, dict[str, float]]  # task → {"tokens_ahead": share of its tokens where the expert is ahead, "lead": mean nats}
     mean_leads: dict[str, float]  # task → the expert's mean lead over the merge per scored response token (every token of
     # plain text), negative where it trails (not clamped)
+    scales: dict[str, float] | None = None  # task → mean_one_scale over every rank's tokens of the expert
+    advantages: dict[str, list[torch.Tensor]] | None = None  # task → a_t of each of this rank's batches, (batch, seq) float64
+
+
+def weight_roots(advantages: dict[str, list[torch.Tensor]], batches: dict, scales: dict[str, float]) -> dict[str, list[torch.Tensor]]:
+    """√w of every token of every batch from its advantage and its expert's scale (maths/advantage.token_weights)."""
+    return {task: [token_weights(weights, batch.keep, scales[task]).sqrt() for weights, batch in zip(advantages[task], batches[task])]
+            for task in batches}
 
 
 def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
@@ -73,13 +81,13 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
     del streams
     responses_only = any(batch.response is not None for task_batches in batches.values() for batch in task_batches)
     sums = ctx.comm.sum_floats(sums)
-    roots, summary, mean_leads = {}, {}, {}
+    scales, summary, mean_leads = {}, {}, {}
     for index, task in enumerate(batches):
         total, ahead, tokens, scored, signed_sum, answered = sums[6 * index: 6 * index + 6]
         mean_leads[task] = signed_sum / max(answered, 1.0)
-        scale = mean_one_scale(total, int(tokens))
-        roots[task] = [token_weights(weights, batch.keep, scale).sqrt() for weights, batch in zip(raw[task], batches[task])]
+        scales[task] = mean_one_scale(total, int(tokens))
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
+    roots = weight_roots(raw, batches, scales)
     names = short_names(list(batches))
     for task in batches:
         if summary[task]["tokens_ahead"] == 0:
@@ -89,7 +97,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
                              f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f})"
                              for task, s in summary.items()))
-    return TokenWeights(roots, summary, mean_leads)
+    return TokenWeights(roots, summary, mean_leads, scales, raw)
 
 
-__all__ = ["TokenWeights", "advantage_weights"]
+__all__ = ["TokenWeights", "advantage_weights", "weight_roots"]

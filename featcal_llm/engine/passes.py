@@ -1,0 +1,90 @@
+"""The passes before the layers (expert weights, token weights, leads), kept for a resume on any number of ranks.
+
+Rank 0 saves what the passes measured in a form that does not depend on the sharding: the experts' weights and
+coverage losses, each expert's token-weight summary, mean lead and scale, and every calibration record's token
+advantages under the record's index among the expert's calibration records (each rank's are gathered to rank 0).
+A resumed run, on any number of ranks, receives them from rank 0 by broadcast and each rank rebuilds its own batches'
+token weights from its records' advantages: the finished and the remaining layers use the same weights, token for
+token, and the passes' forward runs are not repeated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from featcal_llm.engine.streams import make_batches
+from featcal_llm.engine.token_weights import TokenWeights, weight_roots
+from featcal_llm.family.batch import TokenBatch
+
+if TYPE_CHECKING:
+    from featcal_llm.engine.distributed import Single
+    from featcal_llm.engine.resume import StagingArea
+
+PASS = "weights"
+LAYOUT = 2  # the saved form's version: progress saved in another form runs the passes again
+
+Rows = dict[str, list[list[int]]]  # task → for each of this rank's batches, the record index on each of its rows
+
+
+def record_rows(comm: "Single", sequences: dict[str, list[list[int]]], batch_tokens: int) -> Rows:
+    """Which calibration record sits on each row of each of this rank's batches.
+
+    Batches depend on the records' lengths and order alone (streams.make_batches, distributed.shard_indices), so
+    records tagged with their own index, sharded and batched as the run's are, name the record of every row.
+    """
+    tagged = {task: [[index] * len(sequence) for index, sequence in enumerate(records)] for task, records in sequences.items()}
+    return {task: [batch.input_ids[:, 0].tolist() for batch in make_batches(records, batch_tokens, pad_id=0)]
+            for task, records in comm.shard(tagged).items()}
+
+
+def by_record(advantages: list[torch.Tensor], batches: list[TokenBatch], rows: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Batches' (batch, seq) values, record by record (each row's kept tokens), under the record's index."""
+    return {index: advantage[row, : int(batch.keep[row].sum())].clone()
+            for advantage, batch, indices in zip(advantages, batches, rows) for row, index in enumerate(indices)}
+
+
+def by_batch(records: list[torch.Tensor], batches: list[TokenBatch], rows: list[list[int]]) -> list[torch.Tensor]:
+    """The inverse of `by_record`: each batch's (batch, seq) float64 values, 0 on padding."""
+    result = []
+    for batch, indices in zip(batches, rows):
+        values = torch.zeros(batch.keep.shape, dtype=torch.float64)
+        for row, index in enumerate(indices):
+            values[row, : len(records[index])] = records[index]
+        result.append(values)
+    return result
+
+
+def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float], coverage: Any,
+                token_weights: TokenWeights | None, batches: dict[str, list[TokenBatch]], rows: Rows) -> None:
+    """Rank 0 saves the passes' results with every rank's records' advantages (a collective: every rank calls it)."""
+    tokens = None
+    if token_weights is not None:
+        mine = {task: by_record(token_weights.advantages[task], batches[task], rows[task]) for task in batches}
+        gathered = comm.gather_objects(mine)
+        if gathered is not None:
+            records = {task: {index: values for part in gathered for index, values in part[task].items()} for task in batches}
+            tokens = {"summary": token_weights.summary, "mean_leads": token_weights.mean_leads, "scales": token_weights.scales,
+                      "records": {task: [found[index] for index in range(len(found))] for task, found in records.items()}}
+    if comm.is_main:
+        staging.save_pass(PASS, {"layout": LAYOUT, "weights": weights, "coverage": coverage, "tokens": tokens})
+
+
+def load_passes(comm: "Single", staging: "StagingArea", sequences: dict[str, list[list[int]]]) -> dict | None:
+    """What rank 0 saved under this run's fingerprint, on every rank (None: the passes run again)."""
+    saved = staging.load_pass(PASS) if comm.is_main else None
+    if saved is not None and (saved.get("layout") != LAYOUT or (saved["tokens"] is not None and any(
+            len(saved["tokens"]["records"].get(task, [])) != len(records) for task, records in sequences.items()))):
+        saved = None
+    return comm.broadcast_object(saved)
+
+
+def saved_token_weights(tokens: dict, batches: dict[str, list[TokenBatch]], rows: Rows) -> TokenWeights:
+    """This rank's token weights, rebuilt from the saved records' advantages and the experts' scales."""
+    advantages = {task: by_batch(tokens["records"][task], batches[task], rows[task]) for task in batches}
+    return TokenWeights(weight_roots(advantages, batches, tokens["scales"]), tokens["summary"], tokens["mean_leads"],
+                        tokens["scales"], advantages)
+
+
+__all__ = ["LAYOUT", "PASS", "by_batch", "by_record", "load_passes", "record_rows", "save_passes", "saved_token_weights"]
