@@ -224,12 +224,13 @@ def render_costs(_results_dir: Path = RESULTS) -> str:
     from featcal_llm.benchmark.estimate import memory_plan, size_text
 
     block = plan_block()
-    lines = ["| model | parameters | GPU memory | host RAM | disk |", "|---|---:|---:|---:|---:|"]
+    lines = ["| model | parameters | GPU memory | host RAM | disk the run writes | disk it reads (base and experts) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, config in PLAN_MODELS.items():
         plan = memory_plan(config, block, PLAN_EXPERTS, merged_exists=False)
         spill = f" ({size_text(plan.spilled_bytes)} spilled hidden states)" if plan.spilled_bytes else ""
         lines.append(f"| {name} | {plan.parameters / 1e9:.2f} B | {size_text(plan.gpu_bytes)} | {size_text(plan.host_bytes)} | "
-                     f"{size_text(plan.disk_bytes)}{spill} |")
+                     f"{size_text(plan.disk_bytes)}{spill} | {size_text(plan.inputs_bytes)} |")
     return "\n".join(lines)
 
 

@@ -105,6 +105,7 @@ def test_the_costs_page_is_validates_plan():
         line = next(line for line in render_costs().splitlines() if line.startswith(f"| {name} |"))
         assert [cell.strip() for cell in line.split("|")[3:5]] == [size_text(plan.gpu_bytes), size_text(plan.host_bytes)]
         assert line.split("|")[5].strip().startswith(size_text(plan.disk_bytes))
+        assert line.split("|")[6].strip() == size_text(plan.inputs_bytes)
 
 
 def test_a_new_setting_renders_from_its_file_alone(tmp_path, monkeypatch):
