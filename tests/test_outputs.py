@@ -32,7 +32,22 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     import featcal_llm.evaluation
 
     seen = []
-    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", lambda *args: seen.append(args) or TABLE)
+
+    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):  # what the runner leaves: one summary per model
+        import json
+
+        results = Path(section.resolve(recipe_dir).output)
+        results.mkdir(parents=True, exist_ok=True)
+        for model in (merged_dir, calibrated_dir):
+            score = 21.0 if model == merged_dir else 23.5
+            (results / f"{Path(model).name}.json").write_text(json.dumps({"model": {"path": str(model)}, "suite": {
+                "name": "mergebench", "version": "2"}, "tasks": {"arc_challenge": {"label": "ARC-C", "metric": "exact_match,remove_whitespace",
+                                                                                 "score": score}}}))
+        seen.append(section)
+        return TABLE
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", evaluated)
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), modules=["q_proj", "down_proj"],
                                 eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
     result = featcal_llm.calibrate(recipe, progress=False)
@@ -43,6 +58,8 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     assert absolute == [] and str(small.root) not in card and str(tmp_path) not in card
     front = yaml.safe_load(card.split("---")[1])
     assert "base_model" not in front  # a local base is not a hub id
+    [result_] = front["model-index"][0]["results"]  # the calibrated model's score, not the merge's
+    assert result_["dataset"]["type"] == "arc_challenge" and result_["metrics"][0]["value"] == 23.5
     run = read_run_record(tmp_path / "out")  # the run's record, beside the card
     assert run["base_model"] == "base" and run["merged_model"] == "merged"
     assert run["experts"] == ["expert0", "expert1"]
