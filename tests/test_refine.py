@@ -270,3 +270,27 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, monkeypatch):
     update = torch.cat([(a[name] - start[name]).flatten() for name in start])
     difference = torch.cat([(b[name] - a[name]).flatten() for name in start])
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
+
+
+def test_memory_model_is_an_upper_bound_of_a_measured_cpu_run(tmp_path):
+    """engine/refine_memory.py against the refine stage's measured peak anonymous memory (20 M parameters, params full):
+    never below it, and within 2.5× (measured: 1.45×)."""
+    from featcal_llm.benchmark.refine_memory import measure
+
+    result = measure(hidden=512, layers=4, vocab=8192, params="full", steps=2, workdir=tmp_path)
+    print(f"predicted {result['predicted']['peak'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB")
+    assert 1.0 <= result["ratio"] <= 2.5
+
+
+def test_memory_model_at_8b_fits_40_gb():
+    """The promise written in docs/refine.md: Llama-3.1-8B, three experts × 256 × 2048 tokens, params auto (adapter)."""
+    from featcal_llm.engine.refine import resolve_params
+    from featcal_llm.engine.refine_memory import Shape, refine_memory
+
+    shape = Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, tied=False)
+    assert round(shape.parameters() / 1e9, 2) == 8.03
+    assert resolve_params("auto", shape.parameters(), 80 * 10**9) == "adapter"
+    assert resolve_params("auto", 135 * 10**6, 16 * 2**30) == "full"
+    memory = refine_memory(shape, "adapter", 16, 8192, 2048, 64, 3 * 256 * 2048, 2, cpu=False)
+    assert memory["peak"] <= 40 * 10**9
+    assert round(memory["peak"] / 2**30, 1) == 31.9

@@ -40,6 +40,7 @@ from featcal_llm.io.names import short_names
 from featcal_llm.maths.topk_kl import topk_kl
 
 FULL_STATE_BYTES = 16  # a trained parameter: float32 master, gradient, AdamW's two moments
+MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
 REFINED_FILE = "refined.safetensors"
 
 
@@ -263,6 +264,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     """Refine the calibrated model; returns the replacements to write (the closed form's, with the refined tensors in
     place where a check improved on it) and what ran, for the card."""
     spec = job.spec
+    job.batch_tokens = min(job.batch_tokens, MICRO_BATCH_TOKENS)  # micro-batches: the step's loss and gradient are the same
     parameters = sum(math.prod(shape) for shape, _ in job.merged.layout().values())
     params = resolve_params(spec.params, parameters, device_memory(job.device))
     lr = spec.learning_rate(params)

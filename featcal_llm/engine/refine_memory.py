@@ -1,0 +1,103 @@
+"""The refine stage's memory model: what it holds at its peak, by part, from the model's shape and the stage's settings.
+
+docs/refine.md writes it out for Llama-3.1-8B; `featcal_llm.benchmark.refine_memory` checks it against a measured CPU
+run at small shapes. Every part is an upper estimate of what PyTorch allocates for it:
+
+- frozen weights: the parameters that do not train, in the compute dtype;
+- trained weights: 16 bytes a trained parameter (float32 master, gradient, AdamW's two moments);
+- saved states: the best state and the copy saved at each check, float32 (host memory; the device's own on a CPU);
+- activations: with checkpointing, each decoder layer's input for a micro-batch (`batch_tokens` padded tokens) kept in
+  the activation dtype, plus one layer recomputed in the backward (its projections' outputs and their gradients) and
+  the attention scores of one layer in float32 (the math kernel's worst case);
+- logits: one chunk of the judged tokens' logits in float32 and four buffers of its size (log-softmax, the masked copy
+  for the rest's mass, their gradients);
+- teacher: during the teachers' pass (before the student exists), one whole teacher in the compute dtype with one
+  micro-batch's activations;
+- teachers' store: the top-k log-probs (float16), ids (int32) and rest (float32) of every judged token, on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the model's memory depends on (from its config)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config: Any, tied: bool) -> "Shape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim, config.vocab_size, tied)
+
+    def layer_parameters(self) -> int:
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    def parameters(self) -> int:
+        return self.layers * self.layer_parameters() + self.embedding() * (1 if self.tied else 2) + self.hidden
+
+    def lora_parameters(self, rank: int) -> int:
+        """A rank-r LoRA on q, k, v, o, gate, up and down of every layer: r · (fan_in + fan_out) each."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        pairs = [(self.hidden, q_out), (self.hidden, kv_out), (self.hidden, kv_out), (q_out, self.hidden),
+                 (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        return self.layers * rank * sum(a + b for a, b in pairs)
+
+    def one_dimensional(self) -> int:
+        return (2 * self.layers + 1) * self.hidden
+
+
+def logit_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
+    return max(1, budget_bytes // (4 * max(vocab, 1)))
+
+
+def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, record_length: int, top_k: int, judged_tokens: int,
+                  compute_bytes: int, cpu: bool) -> dict[str, int]:
+    """Bytes by part at the stage's peak (see the module's docstring); `peak` is the device's, `host` the host's extra."""
+    total = shape.parameters()
+    if params == "full":
+        trained, frozen = total, 0
+        activation_bytes = compute_bytes
+    else:
+        head = shape.embedding()
+        trained = shape.lora_parameters(rank) + shape.one_dimensional() + head
+        frozen = total - head - shape.one_dimensional()
+        activation_bytes = compute_bytes
+    tokens = batch_tokens
+    rows = max(1, tokens // max(record_length, 1))
+    layer_outputs = tokens * (shape.hidden * 4 + shape.head_dim * (shape.heads * 2 + shape.kv_heads * 2) + shape.intermediate * 3)
+    parts = {
+        "frozen weights": frozen * compute_bytes,
+        "trained weights + gradients + AdamW": trained * 16,
+        "activations": (shape.layers * tokens * shape.hidden * activation_bytes + 2 * layer_outputs * max(activation_bytes, 4)
+                        + rows * shape.heads * record_length * record_length * 4),
+        "logits": 5 * min(logit_chunk(shape.vocab), tokens) * shape.vocab * 4,
+    }
+    saved = 2 * trained * 4
+    teacher = total * compute_bytes + 2 * tokens * shape.intermediate * 3 * compute_bytes + parts["logits"]
+    store = judged_tokens * (top_k * 6 + 4)
+    training = sum(parts.values())
+    peak = max(training + (saved if cpu else 0), teacher) + (store if cpu else 0)
+    return {**parts, "saved states": saved, "teacher (its pass)": teacher, "teachers' store (host)": store,
+            "peak": peak, "host": (0 if cpu else saved + store)}
+
+
+__all__ = ["GiB", "Shape", "refine_memory"]
