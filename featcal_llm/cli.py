@@ -88,7 +88,8 @@ Examples:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, stage lines or summary: warnings, errors and the result only.")
 @click.option("--verbose", "-v", is_flag=True, help="Also a line per layer (time, tokens/s, ETA) and full tracebacks of failures.")
 @click.option("--push-to-hub", "repo_id", default=None, metavar="REPO_ID",
-              help="Upload the calibrated model to this Hugging Face Hub repository (created private); nothing is pushed if the run fails.")
+              help="Upload the calibrated model to this Hugging Face Hub repository (created private); the login is checked "
+                   "before the run, and nothing is pushed if the run fails.")
 @click.option("--public", is_flag=True, help="With --push-to-hub: create the repository public.")
 def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
         repo_id: str | None, public: bool) -> None:
@@ -135,12 +136,13 @@ Examples:
 \b
 Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (needs the network).")
+@click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (without a network: a note, not an error).")
 def validate(recipe: Path, online: bool) -> None:
-    """Check RECIPE without loading any weights: every problem, one line each, and a memory estimate.
+    """Check RECIPE without loading any weights: every problem at once, one line each, and a memory estimate.
 
-    Problems of the featcal: block come back first, in well under a second; the mergekit part
-    and the models are checked once the block is clean.
+    The YAML, the featcal: block, the mergekit part (merge method and its parameters, as mergekit
+    reads them), the models' configs and the data files, in one round and without torch; `run`
+    refuses the same recipes with the same lines (docs/validate.md).
     """
     from featcal_llm.io.validate import check_recipe
 

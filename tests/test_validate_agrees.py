@@ -234,3 +234,24 @@ def test_the_output_argument_is_written_into_the_replay_recipe_with_comments_kep
     text = "merge_method: ties  # keep\nfeatcal:\n  output: old/out   # where\n  samples: 4\n"
     assert with_output(text, "new dir/x: y") == "merge_method: ties  # keep\nfeatcal:\n  output: 'new dir/x: y'   # where\n  samples: 4\n"
     assert yaml.safe_load(with_output("featcal: {samples: 4}\n", "o"))["featcal"] == {"samples": 4, "output": "o"}
+
+
+def test_the_refusal_table_in_the_docs_is_what_both_commands_say(tmp_path, monkeypatch):
+    """docs/validate.md's lines, from the same recipes (tests/validate_refusals.py), as the code prints them today."""
+    import huggingface_hub
+
+    import validate_refusals as refusals
+
+    doc = (Path(__file__).parents[1] / "docs" / "validate.md").read_text(encoding="utf-8")
+    paths = refusals.write_cases(tmp_path, refusals.build(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    assert f"`{paths['clean'].name}: ok` (exit 0)" in doc and CliRunner().invoke(main, ["validate", paths["clean"].name]).exit_code == 0
+    for slug, (what, _, extra) in refusals.CASES.items():
+        validated = CliRunner().invoke(main, ["validate", paths[slug].name])
+        ran = CliRunner().invoke(main, ["run", paths[slug].name, *extra])
+        errors = [line for line in validated.stderr.splitlines() if ": error: " in line]
+        assert ran.exit_code == 2 and (extra or validated.exit_code == 2), (slug, validated.output, ran.output)
+        row = f"| {what} | {'(no `--push-to-hub` option: nothing to check)' if extra else refusals._cell(errors)} | " \
+              f"{refusals._cell([line for line in ran.stderr.splitlines() if ': error: ' in line])} |"
+        assert row in doc, (slug, row)

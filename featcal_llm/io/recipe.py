@@ -159,6 +159,13 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     """What the mergekit part says on its own (recipe forms, the method's parameters) and with the block (experts against data entries)."""
     if merge_config is None:
         return ()
+    from featcal_llm.io.mergekit_methods import methods
+
+    if merge_config.merge_method not in methods():  # a typo: the nearest method, from mergekit's own registry
+        known = list(methods())
+        problems.append(Problem(str(path), "merge_method", f"{merge_config.merge_method} is not a mergekit merge method"
+                                f"{suggestion(merge_config.merge_method, known)} (mergekit has: {', '.join(known)})"))
+        return ()
     before = len(problems)
     collect(problems, path, lambda: check_forms(merge_config, path))
     if len(problems) > before:  # a form FeatCal cannot calibrate: what follows would only repeat it

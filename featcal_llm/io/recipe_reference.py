@@ -40,6 +40,9 @@ with one more block, `featcal:`. This page lists every key of that block. Check 
 featcal-llm validate recipe.yaml
 ```
 
+It reports every problem at once, one line each, and `run` refuses the same recipes with the same lines:
+[validate.md](validate.md) lists each refusal with both commands' words.
+
 Hyper-parameters marked *tunable* (`lambda`, `alpha`, `rho`, `reduction`) take a number, a list of
 candidates, `auto` (the documented candidate set), or `{per_layer: [...]}` (one value per decoder layer).
 
