@@ -284,7 +284,7 @@ def test_memory_model_is_an_upper_bound_of_a_measured_cpu_run(tmp_path):
 
 def test_memory_model_at_8b_fits_40_gb():
     """The promise written in docs/refine.md: Llama-3.1-8B, three experts × 256 × 2048 tokens, params auto (adapter)."""
-    from featcal_llm.engine.refine import resolve_params
+    from featcal_llm.engine.refine_memory import resolve_params
     from featcal_llm.engine.refine_memory import Shape, refine_memory
 
     shape = Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, tied=False)
@@ -294,3 +294,17 @@ def test_memory_model_at_8b_fits_40_gb():
     memory = refine_memory(shape, "adapter", 16, 8192, 2048, 64, 3 * 256 * 2048, 2, cpu=False)
     assert memory["peak"] <= 40 * 10**9
     assert round(memory["peak"] / 2**30, 1) == 31.9
+
+
+def test_validate_plans_the_refine_stage():
+    """`validate`'s memory plan gains a refine line: the memory model at the recipe's shapes (8B: adapter, 34.3 GB)."""
+    from featcal_llm.benchmark.estimate import memory_plan
+    from featcal_llm.io.block import FeatCalConfig
+
+    config = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    data = {f"e{i}": {"path": f"d{i}.jsonl"} for i in range(3)}
+    block = {"merged": "m", "output": "o", "data": data, "device": "cuda", "max_length": 2048}
+    lines = memory_plan(config, FeatCalConfig(**block, refine=True), 3, True).lines()
+    assert lines[-1] == "  refine      ~34.3 GB GPU peak (params adapter, rank 16; ~5.2 GB more on the host; docs/refine.md)"
+    assert not any("refine" in line for line in memory_plan(config, FeatCalConfig(**block), 3, True).lines())

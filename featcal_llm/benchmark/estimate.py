@@ -45,6 +45,7 @@ class MemoryPlan:
     inputs_bytes: float = 0.0  # the base and the experts the run reads, as full checkpoints: not in disk_bytes
     inputs: str = ""  # what inputs_bytes counts, in words ("the base and 3 experts")
     merge_written: bool = True  # whether disk_bytes counts writing the merge
+    refine: str = ""  # the `refine:` stage's line (engine/refine_memory.plan_line), when the recipe refines
 
     def lines(self) -> list[str]:
         """The plan as printed by `featcal-llm validate`, labelled as an estimate."""
@@ -58,7 +59,7 @@ class MemoryPlan:
             parts.append(f"{gb(self.spilled_bytes)} of hidden states spilled beyond the RAM budget")
         read = f"; not counted: {self.inputs} it reads, ~{gb(self.inputs_bytes)} as full checkpoints" if self.inputs else ""
         lines.append(f"  disk        ~{gb(self.disk_bytes)} written by the run ({', '.join(parts)}){read}")
-        return lines
+        return lines + ([self.refine] if self.refine else [])
 
 
 def size_text(value: float) -> str:
@@ -140,4 +141,9 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     disk = (0 if merged_exists else model) + model + layers * shape.linear_params * stored + spilled
     device = "on the CPU" if cpu else "on one GPU (device auto: a GPU when there is one)" if featcal.device == "auto" else f"on {featcal.device}"
     inputs = f"the base and {experts} expert{'s' * (experts != 1)}"
-    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists)
+    refine = ""
+    if getattr(featcal, "refine", None) is not None:  # after the layers, on the same device: its own peak
+        from featcal_llm.engine.refine_memory import ASSUMED_GPU, plan_line
+
+        refine = plan_line(config, featcal.refine, featcal.batch_tokens, featcal.max_length, tokens, cpu, machine_ram() if cpu else ASSUMED_GPU)
+    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists, refine)

@@ -35,11 +35,11 @@ from torch.utils.checkpoint import checkpoint
 from featcal_llm import runlog
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
+from featcal_llm.engine.refine_memory import resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.topk_kl import topk_kl
 
-FULL_STATE_BYTES = 16  # a trained parameter: float32 master, gradient, AdamW's two moments
 MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
 REFINED_FILE = "refined.safetensors"
 
@@ -74,13 +74,6 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def resolve_params(requested: str, parameters: int, memory: int) -> str:
-    """`auto`: full when every parameter's AdamW training state fits a quarter of the device's memory, else adapter."""
-    if requested != "auto":
-        return requested
-    return "full" if FULL_STATE_BYTES * parameters <= memory // 4 else "adapter"
 
 
 def refine_dtypes(requested: str, compute: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:

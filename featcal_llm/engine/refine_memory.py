@@ -22,6 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 GiB = 2**30
+FULL_STATE_BYTES = 16  # a trained parameter: float32 master, gradient, AdamW's two moments
+ASSUMED_GPU = 80 * 10**9  # the GPU `validate` plans for when it cannot see one (the product's promise: one 80 GB GPU)
+
+
+def resolve_params(requested: str, parameters: int, memory: int) -> str:
+    """`auto`: full when every parameter's AdamW training state fits a quarter of the device's memory, else adapter."""
+    if requested != "auto":
+        return requested
+    return "full" if FULL_STATE_BYTES * parameters <= memory // 4 else "adapter"
 
 
 @dataclass(frozen=True)
@@ -100,4 +109,18 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
             "peak": peak, "host": (0 if cpu else saved + store)}
 
 
-__all__ = ["GiB", "Shape", "refine_memory"]
+def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tokens: int, cpu: bool, memory: float) -> str:
+    """`validate`'s memory-plan line for `refine:` (config.json as a dict; `memory`: the device's bytes)."""
+    heads = config["num_attention_heads"]
+    shape = Shape(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"], heads,
+                  config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
+                  config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")))
+    params = resolve_params(refine.params, shape.parameters(), int(memory))
+    bytes_ = refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k, tokens, 4 if cpu else 2, cpu)
+    where = "RAM" if cpu else "GPU"
+    return (f"  refine      ~{bytes_['peak'] / 1e9:.1f} GB {where} peak (params {params}"
+            + (f", rank {refine.rank}" if params == "adapter" else "") + (f"; ~{bytes_['host'] / 1e9:.1f} GB more on the host" if not cpu else "")
+            + "; docs/refine.md)")
+
+
+__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "plan_line", "refine_memory", "resolve_params"]
