@@ -1,9 +1,11 @@
-"""The calibrated checkpoint's model card and saved recipe.
+"""The calibrated checkpoint's model card, its run record and saved recipe.
 
-The card is written to be published: models given by local paths appear by
-their short names (the shortest trailing part of the path that tells them
-apart), hub ids as they are; the saved recipe (`featcal_recipe.yml`) keeps the
-paths, since it is what reruns the calibration.
+The card is written to be published: its front matter holds what the Hub reads
+(card_meta.py), its body says in words what was done; models given by local
+paths appear by their short names (the shortest trailing part of the path that
+tells them apart), hub ids as they are. What the run resolved, at full
+precision, goes to `featcal_weights.json` beside it. The saved recipe
+(`featcal_recipe.yml`) keeps the paths, since it is what reruns the calibration.
 """
 
 from __future__ import annotations
