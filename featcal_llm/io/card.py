@@ -506,6 +506,11 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     """Add the `refine:` stage's section to the card (before Usage) and its full record beside it (`featcal_refine.json`)."""
     import json
 
+    names = public_names(list(refined["teachers"]))  # local paths by short name, as the rest of the card
+    rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
+    refined = {**refined, "teachers": rename(refined["teachers"]),
+               "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
+               "history": [{**check, "per_expert": rename(check["per_expert"])} for check in refined.get("history", [])]}
     card = directory / "README.md"
     text = card.read_text(encoding="utf-8")
     head, marker, tail = text.partition("## Usage")
