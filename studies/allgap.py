@@ -26,35 +26,23 @@ that happen to have a gap; per domain (merge − model) / (merge − expert).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from studies.common import load_json as _load_json
+from studies.common import log
+from studies.common import save_json as _save_json
+from studies.quality_setup import ALLGAP as SETTING
 from studies.quality_setup import MIX, expert_dir
 from studies.real_data import KINDS, read_jsonl
 
-SETTING = "allgap"
 MIN_GAP = 0.05  # nats a token: what "the expert beats the merge on its own text" must mean here
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _load_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _save_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def _evaluator(work: Path, tokenizer, test_records: int = 48):
-    from studies.quality_eval import Evaluator
+    from studies.quality_eval import workdir_evaluator
 
-    return Evaluator(work / "data", tokenizer, "cpu", test_records, 16)
+    return workdir_evaluator(work, tokenizer, test_records)
 
 
 # --- gaps: which Task Arithmetic weight gives every expert a lead ---------------------------------------------

@@ -12,7 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from studies.allgap import KINDS, _evaluator, _save_json, log, read_jsonl
+from studies.common import log
+from studies.common import save_json as _save_json
+from studies.quality_eval import workdir_evaluator as _evaluator
+from studies.real_data import KINDS, read_jsonl
 
 
 def _records(work: Path, tokenizer, kind: str, start: int, count: int) -> list[list[int]]:
@@ -88,12 +91,13 @@ def val_kl(model, tokenizer, records: dict, teachers: dict, batch: int = 8) -> d
 
 
 def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]], records: dict, teachers: dict,
-                *, lr: float, steps: int, batch: int, seed: int, bf16: bool):
+                *, lr: float, steps: int, batch: int, seed: int, bf16: bool, train_embeddings: bool = False):
     """`start` (the merge, or a calibrated merge to refine) trained on (kind, index) records toward each record's expert.
 
     Returns the model, its wall time and the per-step losses.
 
-    Full fine-tuning of the layers and final norm (tied embeddings frozen, as the experts were trained), AdamW,
+    Full fine-tuning of the layers and final norm (tied embeddings frozen, as the all-gap experts were trained, unless
+    ``train_embeddings``: every parameter, as the specialised setting's experts were), AdamW,
     warmup + cosine (``real_models._lr``), token-mean KL(expert ‖ model) per batch.
     """
     import torch
@@ -104,7 +108,7 @@ def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]]
     torch.manual_seed(seed)
     started = time.time()
     model = load(start, "cpu").train()
-    model.get_input_embeddings().weight.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(train_embeddings)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng, order, losses = random.Random(seed), [], []

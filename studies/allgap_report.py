@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from studies.allgap import SETTING, _load_json
+from studies.common import load_json as _load_json
+from studies.quality_setup import ALLGAP as SETTING
 from studies.real_data import KINDS
 
 ROUND = 4
@@ -20,34 +21,24 @@ def _r(value):
 
 
 def shares(merged: dict, experts: dict, model: dict) -> tuple[float, dict]:
-    """Ratio of sums over the domains, and the share per domain, of the merge → own-expert gap."""
-    gap = {d: merged[d] - experts[d] for d in KINDS}
-    recovered = {d: merged[d] - model[d] for d in KINDS}
-    return sum(recovered.values()) / sum(gap.values()), {d: recovered[d] / gap[d] for d in KINDS}
+    """Ratio of sums over the three kinds, and the share per kind, of the merge → own-expert gap (common.shares)."""
+    from studies.common import shares as over
+
+    return over(merged, experts, model, KINDS)
 
 
-def effective(block: dict | None) -> dict | None:
-    """What the product ran with for a recipe's featcal: block (its defaults filled in)."""
-    if block is None:
-        return None
-    from featcal_llm.io.block import FeatCalConfig
-
-    from featcal_llm.io.block import RENAMED_KEYS, RENAMED_VALUES
-
-    block = {RENAMED_KEYS.get(key, key): value for key, value in block.items()}  # runs recorded before the renames
-    for key, renamed in RENAMED_VALUES.items():
-        if block.get(key) in renamed:
-            block[key] = renamed[block[key]]
-    config = FeatCalConfig.model_validate(block)
-    return {"expert_weights": config.balancing,
-            "token_weights": config.token_weighting, "lambda": config.lambda_, "alpha": config.alpha,
-            "rho": config.rho, "samples": config.samples, "data_weights": {k: v.weight for k, v in config.data.items()},
-            "head": "false" if config.head is None else config.head.when, "trailing_experts": config.trailing}
+def recorded(record: dict) -> dict:
+    """A row's wall seconds, recipe block, and what its run resolved and logged (``featcal_effective``,
+    ``record_leads``: read from the run's own card and log when it ran, ``provenance.run_record``); a run that recorded
+    neither gets ``featcal_effective: None``, never today's defaults filled in at report time."""
+    out = {"seconds": record.get("seconds"), "featcal": record.get("featcal"),
+           "featcal_effective": record.get("featcal_effective")}
+    if record.get("record_leads"):
+        out["record_leads"] = record["record_leads"]
+    return out
 
 
 def _row(nll: dict, merged: dict, own: dict, **extra) -> dict:
-    if extra.get("featcal") is not None:
-        extra["featcal_effective"] = effective(extra["featcal"])
     total, per = shares(merged, own, nll)
     return {"nll": {d: _r(nll[d]) for d in KINDS}, "nll_avg": _r(sum(nll[d] for d in KINDS) / 3), "share": _r(total),
             "share_per_domain": {d: _r(v) for d, v in per.items()}, **extra}
@@ -115,19 +106,19 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
         key = f"{setting_name}:{name}"
         if key in nll:
             record = rows_state.get(key, {})
-            rows[label] = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
+            rows[label] = _row(nll[key], merged, own, **recorded(record))
     singles = {f"featcal defaults, {kind} only" for kind in KINDS}
     for key, record in rows_state.items():  # the levers and any other row run in this setting, in the order run
         name = key.split(":", 1)[1]
         if name not in rows and name not in singles and key in nll:
-            rows[name] = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
+            rows[name] = _row(nll[key], merged, own, **recorded(record))
     rows["best single expert"] = _row(nll[f"expert:{best}"], merged, own, expert=best, seconds=None, featcal=None)
     for kind in KINDS:
         key = f"{setting_name}:featcal defaults, {kind} only"
         if key not in nll:
             continue
         record = rows_state.get(key, {})
-        row = _row(nll[key], merged, own, seconds=record.get("seconds"), featcal=record.get("featcal"))
+        row = _row(nll[key], merged, own, **recorded(record))
         row["own_share"] = row["share_per_domain"][kind]
         out["ceiling"]["single_expert"][kind] = row
     drift_dir = work / "drift" / setting_name

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from studies import real_data as rd
+from studies.common import log
 from studies.quality_report import write_report
 from studies.quality_setup import AS_TRAINED, MIX, PHASES, SETTINGS, SWEEP, expert_dir, expert_label, recipe_text, rows
 
@@ -85,10 +86,6 @@ def _parser() -> argparse.ArgumentParser:
                           "2 short test records, one sweep point, 2 generated samples of 8 tokens")
     run.add_argument("--until", choices=("experts",), default=None, help="stop after this phase")
     return p
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def _interleave(lists: list[list], total: int | None = None) -> list:
@@ -239,7 +236,9 @@ class Study:
 
     def run_row(self, setting_name: str, row) -> bool:
         """Write the row's recipe, run it through the product, score it; a failure is recorded, not raised."""
+        from featcal_llm import runlog
         from featcal_llm.pipeline import run_recipe
+        from studies.provenance import run_record
 
         setting, args = SETTINGS[setting_name], self.args
         name = f"{setting_name}:{row.name}"
@@ -270,8 +269,11 @@ class Study:
         merging = not (self.work / merged).exists()
         log(f"{name}: running {recipe.relative_to(self.work)}" + (" (merging first)" if merging else ""))
         started = time.time()
+        logfile = self.work / "logs" / setting_name / f"{Path(output).name}.log"  # the run's own log: its experts' leads
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        logfile.unlink(missing_ok=True)
         try:
-            with contextlib.chdir(self.work):
+            with contextlib.chdir(self.work), runlog.session(logfile, runlog.NORMAL):
                 run_recipe(recipe.relative_to(self.work), force=True, device=args.device, progress=False)
         except Exception as error:  # one failed row must not stop a one-shot GPU run
             record[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
@@ -287,6 +289,8 @@ class Study:
             if row.generates and generated.exists() else 0.0
         record[name] = {"seconds": round(seconds, 1), "generation_s": round(generation, 1), "merged_first": merging,
                         "recipe": str(recipe.relative_to(self.work)), "featcal": _featcal_block(text)}
+        resolved = run_record(self.work / output, logfile)  # what the run resolved (its card) and logged, before the output goes
+        record[name].update({k: resolved[k] for k in ("featcal_effective", "record_leads") if k in resolved})
         drift = self.work / output / "featcal_drift.json"
         if drift.exists():  # the per-layer drift to each expert outlives the checkpoint (removed after the phase)
             kept = self.work / "drift" / setting_name / f"{Path(output).name}.json"

@@ -49,3 +49,8 @@ class Evaluator:
             kl, n = token_kl(ref, logp, mask)
             total, count = total + kl, count + n
         return total / count
+
+
+def workdir_evaluator(work: Path, tokenizer, test_records: int = 48) -> Evaluator:
+    """The all-gap studies' scorer: a workdir's test split on the CPU, 16 records for the KL."""
+    return Evaluator(work / "data", tokenizer, "cpu", test_records, 16)

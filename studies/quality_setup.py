@@ -28,7 +28,8 @@ class Setting:
 
 ALLGAP_WEIGHT = 1.0  # measured in docs/studies/all-gap.md: at 1/3 the merge beats the code and C experts on their text
 HALF_WEIGHT = 0.5  # the harder all-gap setting: experts trained longer, so that each leads the merge at Task Arithmetic ½
-ALLGAP_SETTINGS = ("allgap", "allgap-half")
+ALLGAP = "allgap"  # the first all-gap setting: the all-gap scripts' default
+ALLGAP_SETTINGS = (ALLGAP, "allgap-half")
 
 SETTINGS = {
     "narrow": Setting("narrow", ("code", "prose", "c"), {"code": "code", "prose": "prose", "c": "c"}),

@@ -39,9 +39,11 @@ class SplitSizes:
     test: int
     per_document: int = 4
     train_per_document: int | None = None
+    val: int = 0  # records that choose hyper-parameters, from files in neither test nor cal (0: no val split)
 
     def items(self) -> list[tuple[str, int]]:
-        return [("test", self.test), ("cal", self.cal), ("train", self.train)]  # small splits first
+        val = [("val", self.val)] if self.val else []
+        return [("test", self.test), *val, ("cal", self.cal), ("train", self.train)]  # small splits first
 
 
 def _read(path: Path) -> str:

@@ -141,6 +141,21 @@ def rows_nll(model, rows: list[Row], pad: int, batch_size: int = 16, device: str
     return total / count
 
 
+@torch.no_grad()
+def record_nlls(model, rows: list[Row], pad: int, batch_size: int = 16, device: str = "cpu") -> list[tuple[float, int]]:
+    """Per row: the summed negative log-likelihood (nats) of its scored tokens and their count, so that any mean over
+    rows (a bootstrap resample's) is a token-weighted one: Σ sums / Σ counts."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        ids, mask, labels = (t.to(device) for t in _batch(rows[start:start + batch_size], pad))
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        target = labels[:, 1:]
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, ignore_index=-100, reduction="none")
+        for row in range(ids.shape[0]):
+            out.append((float(nll[row].sum()), int((target[row] != -100).sum())))
+    return out
+
+
 def token_kl(reference_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
     """Sum over masked positions of KL(reference ‖ model) = Σ_v p_ref (log p_ref − log p), and the position count."""
     kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1)

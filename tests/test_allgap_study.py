@@ -43,14 +43,18 @@ def test_report_rows_and_keys(tmp_path):
         "allgap:featcal defaults, prose only": {"code": 2.3, "prose": 2.1, "c": 2.3},
     }
     block = {"merged": "m", "output": "o", "data": {"experts/code": {"path": "c.jsonl", "format": "text"}}, "samples": 64}
-    rows_state = {"allgap:featcal defaults": {"seconds": 10.0, "featcal": block},
+    resolved = {"token_weights": "equal", "alpha": 0.5, "trailing_experts": "keep"}  # what that run's card said
+    rows_state = {"allgap:featcal defaults": {"seconds": 10.0, "featcal": block, "featcal_effective": resolved,
+                                              "record_leads": {"code": 0.2, "prose": 0.1, "c": 0.05}},
                   "allgap:featcal defaults, prose only": {"seconds": 5.0, "featcal": block}}
     (tmp_path / "state.json").write_text(json.dumps({"nll": nll, "rows": {"allgap": rows_state}, "training": {}}))
     result = build(tmp_path)
     assert result["setting"]["gap"] == pytest.approx({"code": 0.2, "prose": 0.4, "c": 0.2})
     row = result["rows"]["featcal defaults"]
     assert row["share"] == pytest.approx(0.3 / 0.8) and row["seconds"] == 10.0 and row["featcal"] == block
-    assert row["featcal_effective"]["token_weights"] == "expert_lead" and row["featcal_effective"]["alpha"] == 0.15
+    # what the run resolved, as recorded when it ran (its card), not today's defaults (expert_lead, 0.15) filled in now
+    assert row["featcal_effective"] == resolved and row["record_leads"] == {"code": 0.2, "prose": 0.1, "c": 0.05}
+    assert result["ceiling"]["single_expert"]["prose"]["featcal_effective"] is None  # recorded nothing: said so
     assert set(row) >= {"nll", "nll_avg", "share", "share_per_domain", "seconds", "featcal"}
     assert result["rows"]["best single expert"]["expert"] == "code"  # average 2.667
     assert result["rows"]["merged"]["share"] == 0

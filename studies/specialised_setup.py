@@ -1,0 +1,71 @@
+"""The specialised setting's sizes, its rows' recipes and its per-record scorer (``studies.specialised`` runs them).
+
+Kept apart from the CLI so that the distillation and the report import these without importing each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from studies.quality_setup import paper_rule
+from studies.real_data import read_jsonl
+from studies.specialised_data import KINDS
+
+SETTING = "specialised"
+TA_WEIGHT = 0.5
+RECORD_TOKENS = 128
+SIZES = {"test": 64, "val": 32, "cal": 80, "train": 1024}
+CAL_RECORDS = 64  # records per expert FeatCal calibrates on (the first of the cal split)
+MIN_LEAD = 0.15  # nats a token, net, on each expert's calibration records: what "specialised" means here
+AS_TRAINED = "-bos"
+
+
+ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
+    "featcal defaults": {},
+    "featcal paper rule": paper_rule(),
+    "featcal defaults + refine": {"refine": True},
+    "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
+    "featcal defaults + refine, full": {"refine": {"params": "full"}},
+}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in name).strip("-")
+
+
+def _yaml(value) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip().removesuffix("...").strip()  # a scalar ends its document
+
+
+def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: str = "cpu") -> str:
+    """mergekit Task Arithmetic (½ each) with the row's featcal: block; paths relative to the workdir."""
+    lines = ["merge_method: task_arithmetic", "base_model: base", "models:"]
+    for kind in KINDS:
+        lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
+    lines += ["dtype: float32", "featcal:", "  merged: merged/ta", f"  output: {output}", "  data:"]
+    lines += [f"    experts/{kind}: {{path: data/{kind}/cal{AS_TRAINED}.jsonl, format: text}}" for kind in KINDS]
+    lines += [f"  samples: {samples}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
+    lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+def score_model(work: Path, directory: Path, threads: int | None = None) -> dict:
+    """Per split (test, val) and domain: each record's (summed NLL, token count), BOS given, every text token scored."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from studies.real_models import encode, record_nlls
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = {}
+    for split in ("test", "val"):
+        out[split] = {}
+        for kind in KINDS:
+            texts = [r["text"] for r in read_jsonl(work / "data" / kind / f"{split}.jsonl")]
+            out[split][kind] = record_nlls(model, [(ids, 1) for ids in encode(tokenizer, texts)], tokenizer.pad_token_id)
+    return out
