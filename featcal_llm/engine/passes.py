@@ -50,7 +50,11 @@ def by_batch(records: list[torch.Tensor], batches: list[TokenBatch], rows: list[
     result = []
     for batch, indices in zip(batches, rows):
         values = torch.zeros(batch.keep.shape, dtype=torch.float64)
+        if len(indices) != batch.keep.shape[0]:
+            raise RuntimeError(f"internal: a batch of {batch.keep.shape[0]} rows given {len(indices)} records")
         for row, index in enumerate(indices):
+            if len(records[index]) != int(batch.keep[row].sum()):
+                raise RuntimeError(f"internal: record {index} has {len(records[index])} saved values for {int(batch.keep[row].sum())} tokens")
             values[row, : len(records[index])] = records[index]
         result.append(values)
     return result
