@@ -252,15 +252,6 @@ def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | Non
     return featcal
 
 
-def block_problems(path: str | Path) -> list[Problem]:
-    """The YAML's and the `featcal:` block's own problems, without mergekit: what `run` refuses before it imports torch."""
-    path, problems = Path(path), []
-    raw = collect(problems, path, lambda: _read_yaml_mapping(path, problems))
-    if raw is not None:
-        _read_block(path, raw.pop("featcal", None), problems, raw)
-    return problems
-
-
 def _mergekit_problems(path: Path, error: ValidationError) -> list[Problem]:
     """pydantic's errors of the mergekit part, one line each; a whole-recipe rule (exactly one of models/slices) without the recipe echoed."""
     problems = pydantic_problems(path, error, "", MergeConfiguration)
