@@ -37,7 +37,7 @@ TABLE_ROWS = [
     ("best single expert", "best single expert, shipped alone"),
     ("featcal paper rule", "+ FeatCal, the paper's weighing (every expert and token alike)"),
     ("featcal defaults", "+ FeatCal, featcal-llm's defaults"),
-    ("distillation reference", "the merge distilled toward the experts (gradient reference)"),
+    ("distill (lr by val share)", "the merge distilled toward the experts (gradient reference)"),
     ("featcal defaults + refine", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
 ]
 
@@ -77,7 +77,18 @@ def _load(results_dir: Path, file: str) -> dict:
 
 def _interval(value: float, ci: list[float] | None, digits: int) -> str:
     text = f"{value:.{digits}f}"
-    return text if ci is None else f"{text} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+    if ci is None or f"{ci[0]:.{digits}f}" == f"{ci[1]:.{digits}f}":  # none, or nothing to say (the merge's share: 0–0)
+        return text
+    return f"{text} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+
+
+def _with_best_expert(rows: dict) -> dict:
+    """The rows, with a `best single expert` row where the file has the experts' own rows (`expert:<kind>`) only."""
+    experts = {key: row for key, row in rows.items() if key.startswith("expert:")}
+    if "best single expert" in rows or not experts:
+        return rows
+    key = min(experts, key=lambda k: experts[k]["nll_avg"])
+    return {**rows, "best single expert": {**experts[key], "expert": key.removeprefix("expert:")}}
 
 
 def _row_cells(row: dict, domains: list[str]) -> list[str]:
@@ -98,7 +109,7 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
     """The README's block (markers excluded): the setting in one line, the table, what its numbers mean."""
     file = file or TABLE_FILE
     results = _load(results_dir, file)
-    setting, rows = results["setting"], results["rows"]
+    setting, rows = results["setting"], _with_best_expert(results["rows"])
     domains = list(setting["experts"])
     shown = [(key, label) for key, label in TABLE_ROWS if key in rows or (key == EXPERTS and "gap" in setting and "merged" in rows)]
     samples = (rows.get("featcal defaults", {}).get("featcal") or {}).get("samples")
@@ -123,7 +134,7 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
             label += f" ({row['expert']})" if row.get("expert") else ""
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(_meaning(results, shown))
+    lines.append(_meaning({**results, "rows": rows}, shown))
     return "\n".join(lines)
 
 
@@ -150,7 +161,8 @@ def _meaning(results: dict, shown: list[tuple[str, str]]) -> str:
     if any(key in rows and (rows[key].get("share") or 0) < 0 for key, _ in shown):
         text += " A single expert has none (–): it is worse than the merge on the other kinds."
     if any(key in rows and (rows[key].get("share_ci95") or rows[key].get("nll_ci95")) for key, _ in shown):
-        how = results["setting"].get("ci_method")
+        over = (results["setting"].get("bootstrap") or {}).get("over")
+        how = results["setting"].get("ci_method") or (f"bootstrap over {over}" if over else None)
         text += " In brackets: 95 % intervals" + (f" ({how})." if how else ".")
     else:
         text += " One run per row; no uncertainty was measured."

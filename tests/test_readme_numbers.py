@@ -128,3 +128,32 @@ def test_a_new_setting_renders_from_its_file_alone(tmp_path, monkeypatch):
     assert table[-1].split("|")[-2].strip() == "0.81 (0.70–0.90)" and "9.9" not in block
     assert "three experts fine-tuned from it on news (`news`), law (`law`), recipes (`recipes`)" in block
     assert f"[study]({readme_numbers.absolute('docs/results.md')})" in block  # no study page of that name
+
+
+def test_the_specialised_files_shape_renders(tmp_path, monkeypatch):
+    """The shape studies/specialised_report.py writes: experts as `expert:<kind>` rows (the best by average NLL becomes
+    the single-expert row), the merge's degenerate 0–0 interval left out, the bootstrap named from `setting.bootstrap`."""
+    kinds = ["manpage", "changelog", "copyright"]
+    def row(nll, share, share_ci=None, nll_ci=None):  # noqa: E306
+        return {"nll": dict(zip(kinds, nll)), "nll_avg": sum(nll) / 3, "share": share,
+                **({"share_ci95": share_ci} if share_ci else {}), **({"nll_ci95": nll_ci} if nll_ci else {})}
+    results = {"setting": {"name": "specialised", "model": "SmolLM2-135M-Instruct (GGUF)", "experts": kinds, "ta_weight": 0.5,
+                           "gap": {"manpage": 0.3, "changelog": 0.2, "copyright": 0.1},
+                           "bootstrap": {"resamples": 1000, "level": 0.95, "over": "test records, per domain, paired across models"}},
+               "rows": {"merged": row([2.0, 3.0, 1.0], 0.0, [0.0, 0.0]),
+                        "featcal defaults": row([1.8, 2.9, 0.95], 0.58, [0.51, 0.66], {"avg": [1.85, 1.9]}),
+                        "expert:manpage": row([1.7, 3.5, 1.6], -1.5), "expert:changelog": row([2.5, 2.8, 1.5], -0.9),
+                        "expert:copyright": row([2.6, 3.6, 0.9], -2.0), "base": row([2.5, 3.5, 1.4], -2.2)}}
+    (tmp_path / "made-up-specialised.json").write_text(json.dumps(results), encoding="utf-8")
+    monkeypatch.setattr(readme_numbers, "TABLE_FILE", "made-up-specialised.json")
+    lines = readme_numbers.render_table(tmp_path).splitlines()
+    labels = dict(TABLE_ROWS)
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ") and not line.startswith("| model")] == [
+        labels["merged"], labels[EXPERTS], labels["best single expert"] + " (changelog)", labels["featcal defaults"]]
+    merged = next(line for line in lines if line.startswith(f"| {labels['merged']} |"))
+    assert merged.split("|")[-2].strip() == "0.00"  # not "0.00 (0.00–0.00)"
+    experts = next(line for line in lines if line.startswith(f"| {labels[EXPERTS]} |"))
+    assert [cell.strip() for cell in experts.split("|")[3:6]] == ["1.700", "2.800", "0.900"]  # merged − gap
+    defaults = next(line for line in lines if line.startswith(f"| {labels['featcal defaults']} |"))
+    assert defaults.split("|")[-2].strip() == "0.58 (0.51–0.66)" and defaults.split("|")[2].strip() == "1.883 (1.850–1.900)"
+    assert "95 % intervals (bootstrap over test records, per domain, paired across models)." in lines[-1]
