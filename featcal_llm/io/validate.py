@@ -1,12 +1,14 @@
-"""`featcal-llm validate`: everything about a recipe that can be checked without loading weights, all at once.
+"""`featcal-llm validate`: everything about a recipe that can be checked without loading weights, all at once, without torch.
 
-The schema and recipe forms (`recipe.read_recipe`), then what the recipe points at:
-calibration files exist, have a known format and the fields their entry names; model
-references and adapters resolve to directories with a config.json, whose shapes agree
-with the base model's; the output can be written; and an estimate of the memory the run
-needs. Local paths are checked on disk only; a hub id is looked up only with `online`,
-so a missing local model is reported at once instead of after hub retries. `run`
-performs the same checks before it resolves any model.
+The YAML, the schema (the `featcal:` block, mergekit's part and its merge parameters) and the
+recipe forms (`recipe.read_recipe`), then what the recipe points at: calibration files exist,
+have a known format and the fields their entry names; model references and adapters resolve to
+directories with a config.json, of an architecture featcal-llm calibrates, whose shapes agree
+with the base model's; the output can be written; and an estimate of the memory the run needs.
+Local paths are checked on disk only; a hub id is looked up only with `online` (a hub out of
+reach is a note), so a missing local model is reported at once instead of after hub retries.
+`run` performs the same checks, with the same lines, before it loads torch or resolves any model
+(docs/validate.md).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         report.notes.append(f"hub ids not checked: no network ({', '.join(dict.fromkeys(report.offline))})")
     base = configs.get("base_model")
     if plan and recipe is not None and base is None and not problems:
-        report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; --online fetches it)")
+        fetch = "the hub could not be reached" if report.offline else "--online fetches it"
+        report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; {fetch})")
     if plan and recipe is not None and base is not None and not problems:
         from featcal_llm.benchmark.estimate import memory_plan
 
