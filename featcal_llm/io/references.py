@@ -75,6 +75,11 @@ class ModelSource:
         return record
 
 
+def _naming(what: str, model_path: Any) -> str:
+    """`what: path`, unless `what` already ends with the path (an expert is named by its path)."""
+    return what if what.endswith((f": {model_path}", f" {model_path}")) else f"{what}: {model_path}"
+
+
 def _local_directory(model_path: Any, what: str) -> Path:
     """A local directory for a mergekit ModelPath: the path itself, or the hub snapshot at its revision."""
     path = Path(model_path.path)
@@ -86,13 +91,13 @@ def _local_directory(model_path: Any, what: str) -> Path:
         return path
     looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1
     if looks_local:
-        raise FeatCalError(f"{what}: {path}: model directory does not exist")
+        raise FeatCalError(f"{_naming(what, path)}: model directory does not exist")
     from mergekit.common import ModelReference
 
     try:  # mergekit's own download: snapshot_download(path, revision=...) of configs, tokenizer and safetensors
         return Path(ModelReference(model=model_path).local_path())
     except Exception as error:
-        raise FeatCalError(f"{what}: {model_path}: not a local directory and could not be fetched from the hub at revision {model_path.revision or 'main'} ({type(error).__name__})") from None
+        raise FeatCalError(f"{_naming(what, model_path)}: not a local directory and could not be fetched from the hub at revision {model_path.revision or 'main'} ({type(error).__name__})") from None
 
 
 def resolve_source(reference: Any, what: str, base: ModelSource | None = None) -> ModelSource:
