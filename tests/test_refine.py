@@ -311,3 +311,28 @@ def test_validate_plans_the_refine_stage():
     lines = memory_plan(config, FeatCalConfig(**block, refine=True), 3, True).lines()
     assert lines[-1] == "  refine      ~34.3 GB GPU peak (params adapter, rank 16; ~5.2 GB more on the host; docs/refine.md)"
     assert not any("refine" in line for line in memory_plan(config, FeatCalConfig(**block), 3, True).lines())
+
+
+def test_judged_tokens_are_the_responses_or_every_token():
+    """A prompt/response record is judged on its response (position p predicts p + 1); plain text and generated records
+    (plain token lists) on every token."""
+    from featcal_llm.engine.refine_data import judged_positions, pad
+    from featcal_llm.io.records import Record
+
+    assert list(judged_positions([5, 6, 7, 8])) == [0, 1, 2]
+    assert list(judged_positions(Record([5, 6, 7, 8, 9], response_from=3))) == [2, 3]
+    batch = pad([("a", 0), ("b", 0)], {"a": [[5, 6, 7]], "b": [Record([5, 6, 7, 8, 9], response_from=3)]})
+    assert batch.judged.tolist() == [[True, True, False, False, False], [False, False, True, True, False]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_refine_settings_enter_the_fingerprint_and_a_stack_refines_once():
+    from featcal_llm.io.block import FeatCalConfig
+    from featcal_llm.pipeline import resolved_settings
+
+    block = {"merged": "m", "output": "o", "data": {}}
+    settings = [resolved_settings(FeatCalConfig(**block, refine=value)) for value in (False, True, {"steps": 41}, {"params": "adapter"})]
+    assert len({json.dumps(s, sort_keys=True) for s in settings}) == 4  # each change of refine: starts over, never resumes stale state
+    stack = FeatCalConfig(**block, method=["regmean", "featcal"], refine=True)
+    assert stack.stage(0, "intermediate").refine is None and stack.stage(1, "intermediate").refine is not None
+    assert stack.stage(0, "intermediate").holds_out  # RegMean's Grams never see the records that stop the refinement
