@@ -82,6 +82,11 @@ CASES = {
     "YAML syntax": (_bad_yaml, [
         ["bad.yaml: not valid YAML at line 2, column 11: did not find expected ',' or ']' (while parsing a flow sequence at line 1)"]]),
     "featcall block": (_set(lambda r: r.update(featcall=r.pop("featcal"))), [["bad.yaml: featcall: unknown key; did you mean 'featcal'?"]]),
+    "unknown projection": (_set(lambda r: r["featcal"].update(modules=["q_prj", "up_proj"])), [
+        ["bad.yaml: featcal.modules: unknown projection 'q_prj' (expected one of q_proj, k_proj, v_proj, o_proj, gate_proj"]]),
+    "per-layer values for another depth": (_set(lambda r: r["featcal"].update({key: {"per_layer": [value] * 2} for key, value in
+                                                                              (("lambda", 1e-3), ("alpha", 0.3), ("rho", 0.5))})), [
+        ["bad.yaml: featcal.lambda.per_layer: 2 values for a model of 3 decoder layers"]]),
     "model path typo": (_model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
 }
 
@@ -125,6 +130,19 @@ def test_duplicate_keys_name_both_lines(scenario, tmp_path):
     assert _errors(CliRunner().invoke(main, ["validate", str(recipe)])) == [
         f"{recipe}: dtype: given twice (lines {dtype} and {dtype + 1}); YAML would keep the second silently: keep one",
         f"{recipe}: featcal.samples: given twice (lines {samples} and {samples + 1}); YAML would keep the second silently: keep one"]
+
+
+def test_per_layer_depth_is_refused_in_the_engines_words(scenario, tmp_path):
+    """validate checks the depth without torch; the engine's own refusal (engine/method.py) says the same line."""
+    from featcal_llm.engine.method import objective_for
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.recipe import read_recipe
+
+    recipe = _write(scenario, tmp_path, CASES["per-layer values for another depth"][0])
+    (line,) = _errors(CliRunner().invoke(main, ["validate", str(recipe)]))
+    with pytest.raises(FeatCalError) as raised:
+        objective_for(read_recipe(recipe, mergekit=False).featcal, 3, str(recipe))
+    assert str(raised.value) == line
 
 
 def test_a_model_path_typo_is_one_error_that_never_renames_the_data_key(scenario, tmp_path):

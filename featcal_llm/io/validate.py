@@ -85,7 +85,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
     if parsed.merge_config is not None:
-        configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data)
+        configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
     if setting("output"):
         _check_output(path, Path(setting("output")), report)
     if featcal is not None and featcal.eval is not None:
@@ -317,11 +317,29 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
     return None, None
 
 
+def check_per_layer(featcal: Any, num_layers: int, where: str) -> None:
+    """A tuned run's replayed `per_layer` values cover every decoder layer (engine/method.py refuses it so, with torch)."""
+    for attribute, key in (("lambda_", "lambda"), ("alpha", "alpha"), ("rho", "rho"), ("reduction", "reduction")):
+        values = getattr(getattr(featcal, attribute, None), "per_layer", None)
+        if values is not None and len(values) != num_layers:
+            raise FeatCalError(f"{where}: featcal.{key}.per_layer: {len(values)} values for a model of {num_layers} decoder layers")
+
+
+def _check_layers(path: Path, featcal: Any, base_config: dict, base_what: str, problems: list[Problem]) -> None:
+    """What `run` refuses from the base's config before its first layer: the architecture, `modules`, per-layer values."""
+    from featcal_llm.family.architectures import architecture_for, select_projections
+
+    architecture = collect(problems, path, lambda: architecture_for(SimpleNamespace(**base_config), base_what))  # run's words
+    if architecture is not None and featcal is not None:
+        collect(problems, path, lambda: select_projections(architecture, featcal.modules, str(path)))
+    if featcal is not None and isinstance(base_config.get("num_hidden_layers"), int):
+        collect(problems, path, lambda: check_per_layer(featcal, base_config["num_hidden_layers"], str(path)))
+
+
 def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, online: bool, report: Report,
-                  data: dict[str, DataSpec] | None = None) -> dict[str, dict]:
+                  data: dict[str, DataSpec] | None = None, featcal: Any = None) -> dict[str, dict]:
     """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree, of an
     architecture featcal-llm calibrates."""
-    from featcal_llm.family.architectures import architecture_for
     from featcal_llm.io.forms import check_slice_depth
     from featcal_llm.io.references import check_override_architecture
 
@@ -335,7 +353,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     if base_config is not None:
         configs["base_model"] = base_config
         collect(problems, path, lambda: check_override_architecture(base_reference, SimpleNamespace(**base_config), f"{base_what} {base_reference}"))
-        collect(problems, path, lambda: architecture_for(SimpleNamespace(**base_config), f"{base_what} {base_reference}"))  # as run says it
+        _check_layers(path, featcal, base_config, f"{base_what} {base_reference}", problems)
         slices_refused = any(problem.key.startswith("slices") for problem in problems)  # depth would only repeat it
         if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
