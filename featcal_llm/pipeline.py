@@ -476,8 +476,10 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
     from featcal_llm.engine.refine import RefineJob, refine
 
     featcal = resolved.recipe.featcal
+    calibrated = [task for task in data.sequences if context.plan.task_weight(task) > 0]  # weight 0: merged in, not calibrated toward
     job = RefineJob(featcal.refine, featcal.dtype, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
-                    context.models.experts, taught, replacements, data.sequences, data.probe_sequences, resolved.plan.projections,
+                    context.models.experts, taught, replacements, {t: data.sequences[t] for t in calibrated},
+                    {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code)
     return refine(job)
 

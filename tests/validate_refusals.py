@@ -102,6 +102,9 @@ CASES: dict[str, tuple[str, Callable, list[str]]] = {
     "global-parameter": ("a global mergekit parameter given per model", _change(lambda r: r["models"][0]["parameters"].update({"lambda": 1.0})), []),
     "nuslerp-three": ("more experts than the method merges", _change(lambda r: r.update(merge_method="nuslerp")), []),
     "mixtral": ("an unsupported architecture (Mixtral)", _mixtral, []),
+    "modules-typo": ("`featcal.modules` naming no projection", _change(lambda r: r["featcal"].update(modules=["q_prj"])), []),
+    "per-layer-depth": ("replayed `per_layer` values for another depth", _change(lambda r: r["featcal"].update(
+        {key: {"per_layer": [value] * 2} for key, value in (("lambda", 1e-3), ("alpha", 0.3), ("rho", 0.5))})), []),
     "model-typo": ("a model path misspelt", _change(lambda r: r["models"][1].update(model="models/mth")), []),
     "data-missing": ("a calibration file that is not there", _change(lambda r: r["featcal"]["data"]["models/code"].update(path="data/cod.jsonl")), []),
     "data-fields": ("records without the fields their format reads", _fields, []),
