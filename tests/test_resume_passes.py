@@ -41,8 +41,11 @@ def uneven(tmp_path_factory):
 @pytest.fixture
 def one_thread():
     """The thread count of one rank of a test world (it is part of the run fingerprint): this process as one rank."""
+    from featcal_llm.engine.resume import source_digest
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    source_digest.cache_clear()  # the code as the ranks launched next will read it
     yield
     torch.set_num_threads(threads)
 
@@ -70,7 +73,9 @@ def test_a_run_stopped_on_one_process_resumes_on_two_ranks_reusing_its_passes(un
     assert [r.returncode for r in ranks] == [0, 0], ranks
     assert REUSED in ranks[0].stderr and "resuming from" in ranks[0].stderr, ranks[0].stderr[-2000:]
     assert "weighing each expert's tokens" not in ranks[0].stderr  # the token pass did not run again
-    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+    worst = worst_delta(tmp_path / "out", single, scenario.root / "merged")
+    print(f"1 process, then 2 ranks: worst relative ΔW difference from the uninterrupted run {worst:.2e}")
+    assert worst <= EQUAL
 
 
 def test_a_run_stopped_on_two_ranks_resumes_in_one_process_reusing_its_passes(uneven, tmp_path, capsys, one_thread):
@@ -82,7 +87,9 @@ def test_a_run_stopped_on_two_ranks_resumes_in_one_process_reusing_its_passes(un
     run_recipe(recipe, progress=False)
     log = capsys.readouterr().err
     assert REUSED in log and "weighing each expert's tokens" not in log, log[-2000:]
-    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+    worst = worst_delta(tmp_path / "out", single, scenario.root / "merged")
+    print(f"2 ranks, then 1 process: worst relative ΔW difference from the uninterrupted run {worst:.2e}")
+    assert worst <= EQUAL
 
 
 class TwoRanks(Single):
