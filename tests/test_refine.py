@@ -336,3 +336,12 @@ def test_refine_settings_enter_the_fingerprint_and_a_stack_refines_once():
     stack = FeatCalConfig(**block, method=["regmean", "featcal"], refine=True)
     assert stack.stage(0, "intermediate").refine is None and stack.stage(1, "intermediate").refine is not None
     assert stack.stage(0, "intermediate").holds_out  # RegMean's Grams never see the records that stop the refinement
+
+
+def test_an_expert_at_weight_0_neither_trains_nor_stops_the_refinement(far_scenario):
+    data = yaml.safe_load(far_scenario.recipe.read_text())["featcal"]["data"]
+    silent = sorted(data)[1]
+    data[silent]["weight"] = 0
+    output = run(far_scenario, "weight0", data=data, refine={**REFINE, "steps": 2, "eval_every": 2})
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert list(report["teachers"]) == ["expert0"] and list(report["per_expert"]["before"]) == ["expert0"]
