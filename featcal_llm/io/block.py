@@ -290,7 +290,9 @@ class FeatCalConfig(BaseModel):
         "is 0 or below; on a prompt/response record only the response counts). merge (the default for FeatCal): the merged "
         "model's own features and LM head, as if the merge were that expert, so that an expert behind the merge on its own "
         "text cannot pull the merge back; keep (the paper's, and RegMean's): the expert's, as for every other expert. The "
-        "lead comes from the token-weight pass (the merged model and each expert run over its records once, before the layers)",
+        "lead comes from the token-weight pass (the merged model and each expert run over its records once, before the layers). "
+        "Where every expert with a weight above 0 trails, no layer is re-fitted and the output is the merged model; an expert "
+        "whose calibration records keep no judged (response) token is refused, its lead being unmeasured",
         json_schema_extra={"shown_default": "`merge` (RegMean: `keep`)"},
     )
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
