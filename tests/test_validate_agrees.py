@@ -73,6 +73,8 @@ CASES = {
         ["models.2.parameters.normalize: a global parameter of task_arithmetic"]]),
     "required parameter missing": (_set(lambda r: r["models"][2].pop("parameters")), [
         ["models.2.parameters: merge method task_arithmetic needs weight for model"]]),
+    "linear without a weight for the base": (_set(lambda r: r.update(merge_method="linear")), [
+        ["bad.yaml: parameters: merge method linear needs weight for the base model too"]]),
     "too many experts for nuslerp": (_set(lambda r: r.update(merge_method="nuslerp")), [
         ["models: merge method nuslerp merges exactly 2 experts besides the base model; this recipe has 3"]]),
     "a Mixtral base": (_mixtral_base, [
@@ -130,6 +132,43 @@ def test_duplicate_keys_name_both_lines(scenario, tmp_path):
     assert _errors(CliRunner().invoke(main, ["validate", str(recipe)])) == [
         f"{recipe}: dtype: given twice (lines {dtype} and {dtype + 1}); YAML would keep the second silently: keep one",
         f"{recipe}: featcal.samples: given twice (lines {samples} and {samples + 1}); YAML would keep the second silently: keep one"]
+
+
+MERGEKIT_REFUSES = {  # validate refuses these before any work; mergekit's own merge refuses them too, minutes in on a real model
+    "parameter of the wrong type": "validation error for float",
+    "required parameter missing": "Missing required parameter weight",
+    "too many experts for nuslerp": "requires exactly 2 non-base inputs",
+    "linear without a weight for the base": "Missing required parameter weight",
+}
+
+
+@pytest.mark.parametrize("case", list(MERGEKIT_REFUSES))
+def test_mergekit_itself_refuses_what_validate_refuses_of_its_parameters(scenario, tmp_path, case):
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    recipe = _recipe(scenario, tmp_path)
+    CASES[case][0](recipe, tmp_path)
+    recipe.pop("featcal")
+    with pytest.raises(Exception) as refused:
+        run_merge(MergeConfiguration.model_validate(recipe), str(tmp_path / "merge"), options=MergeOptions(quiet=True, write_model_card=False))
+    assert MERGEKIT_REFUSES[case] in str(refused.value)
+    recipe["merge_method"] = "task_arithmetic" if case != "linear without a weight for the base" else "linear"
+    recipe.setdefault("parameters", {})["weight"] = 0.5  # the fix validate names: mergekit merges it
+    for entry in recipe["models"]:
+        entry["parameters"] = {"weight": 0.5}
+    if case == "too many experts for nuslerp":
+        recipe.update(merge_method="nuslerp", models=recipe["models"][:2])
+        recipe.pop("parameters")
+    run_merge(MergeConfiguration.model_validate(recipe), str(tmp_path / "fixed"), options=MergeOptions(quiet=True, write_model_card=False))
+    assert (tmp_path / "fixed" / "config.json").is_file()
+    from featcal_llm.io.validate import check_recipe  # and validate passes what mergekit merged
+
+    featcal = _recipe(scenario, tmp_path)["featcal"]
+    featcal["data"] = {name: spec for name, spec in featcal["data"].items() if name in [entry["model"] for entry in recipe["models"]]}
+    (tmp_path / "fixed.yaml").write_text(yaml.safe_dump({**recipe, "featcal": featcal}, sort_keys=False))
+    assert check_recipe(tmp_path / "fixed.yaml", plan=False).problems == []
 
 
 def test_per_layer_depth_is_refused_in_the_engines_words(scenario, tmp_path):

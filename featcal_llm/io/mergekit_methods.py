@@ -153,9 +153,12 @@ def parameter_problems(config: Any, file: str) -> list[Problem]:
                 site = f"{key}.parameters" if key != "base_model" else "parameters"
                 if (site, f"; did you mean {parameter!r}?") in hinted:
                     continue  # the misspelt name is the problem, reported above
-                whom = "the base model" if key == "base_model" else f"model {reference}"
-                problems.append(Problem(file, site, f"merge method {name} needs {parameter} for {whom} (set it here or under the "
-                                                    "top-level parameters:)"))
+                if key == "base_model":  # mergekit merges the base as one more input
+                    problems.append(Problem(file, site, f"merge method {name} needs {parameter} for the base model too (set it "
+                                                        f"under parameters:, or list the base under models: with its {parameter})"))
+                else:
+                    problems.append(Problem(file, site, f"merge method {name} needs {parameter} for model {reference} (set it "
+                                                        "here or under the top-level parameters:)"))
     shared = [config.parameters, *(output_slice.parameters for output_slice in config.slices or [])]
     for parameter, entry in spec.items():
         if entry["required"] and entry["scope"] == "shared" and not any(parameter in (settings or {}) for settings in shared):
