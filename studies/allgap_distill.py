@@ -38,7 +38,7 @@ def _pad(rows: list[list[int]], pad: int):
     return ids, mask
 
 
-def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]], batch: int = 8) -> dict:
+def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]], batch: int = 8, bf16: bool = False) -> dict:
     """Each record's next-token log-probabilities under its own expert (float16, positions 0 .. len-2)."""
     import torch
 
@@ -52,7 +52,8 @@ def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]],
             for start in range(0, len(rows), batch):
                 chunk = rows[start:start + batch]
                 ids, mask = _pad(chunk, tokenizer.pad_token_id)
-                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(input_ids=ids, attention_mask=mask).logits.float()
                 for i, r in enumerate(chunk):
                     out[kind].append(torch.log_softmax(logits[i, :len(r) - 1], -1).half())
             del model

@@ -96,19 +96,24 @@ def run_row(args) -> None:
     output = f"runs/{slug(name)}"
     recipe = work / "recipes" / f"{slug(name)}.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
-    recipe.write_text(recipe_text(ROWS[name], output))
     logfile = work / "logs" / f"{slug(name)}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    merging = not (work / "merged" / "ta" / "config.json").exists()
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    command = [sys.executable, "-m", "featcal_llm", "run", str(recipe.relative_to(work)), "--force"]
-    log(f"{name}: {' '.join(command[2:])}" + (" (merging first)" if merging else "") + f"; log {logfile}")
-    started = time.time()
-    with open(logfile, "w") as out:
-        done = subprocess.run(command, cwd=work, stdout=out, stderr=subprocess.STDOUT, env=env)
-    seconds = time.time() - started
-    if done.returncode != 0:
-        sys.exit(f"{name}: featcal-llm run exited {done.returncode}; see {logfile}")
+    if args.adopt:  # the run finished without this wrapper (killed meanwhile): its wall time from the files' times
+        written = max(p.stat().st_mtime for p in (work / output).iterdir())
+        seconds, merging = written - recipe.stat().st_mtime, "merged in" in logfile.read_text()
+        log(f"{name}: adopting {output} ({seconds:.0f} s from its recipe's write to its last file)")
+    else:
+        recipe.write_text(recipe_text(ROWS[name], output))
+        merging = not (work / "merged" / "ta" / "config.json").exists()
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        command = [sys.executable, "-m", "featcal_llm", "run", str(recipe.relative_to(work)), "--force"]
+        log(f"{name}: {' '.join(command[2:])}" + (" (merging first)" if merging else "") + f"; log {logfile}")
+        started = time.time()
+        with open(logfile, "w") as out:
+            done = subprocess.run(command, cwd=work, stdout=out, stderr=subprocess.STDOUT, env=env)
+        seconds = time.time() - started
+        if done.returncode != 0:
+            sys.exit(f"{name}: featcal-llm run exited {done.returncode}; see {logfile}")
     from studies.provenance import run_record
 
     record = {"name": name, "seconds": round(seconds, 1), "merged_first": merging, "recipe": str(recipe.relative_to(work)),
@@ -138,7 +143,7 @@ def score(args) -> None:
         if path.exists() or not (models[name] / "config.json").exists():
             continue
         started = time.time()
-        scores = score_model(work, models[name], args.threads)
+        scores = score_model(work, models[name], args.threads, ("test", "val") if name != "base" else ("test",))
         save_json(path, {"name": name, "seconds": round(time.time() - started, 1), "scores": scores})
         log(f"{name}: " + _nll_line(scores))
 
@@ -160,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("row", help="one FeatCal row through featcal-llm run, scored")
     r.add_argument("--row", required=True, help=f"one of: {'; '.join(ROWS)}")
     r.add_argument("--keep", action="store_true", help="keep the calibrated checkpoint")
+    r.add_argument("--adopt", action="store_true",
+                   help="record and score an output its run already wrote (the wrapper was stopped, the run was not)")
     s = sub.add_parser("score", help="per-record held-out NLLs of the base, the experts and the merge")
     s.add_argument("--models", default=None, help="base, merged, expert:<kind> (comma-separated; default all)")
     d = sub.add_parser("distill", help="the gradient reference: KL(expert ‖ model) per token, every parameter")

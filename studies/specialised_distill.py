@@ -32,7 +32,7 @@ def distill(args) -> None:
         return
     records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
     started = time.time()
-    teachers = teacher_logprobs(work, tokenizer, records)
+    teachers = teacher_logprobs(work, tokenizer, records, bf16=True)  # as the students train: under bf16 autocast
     teacher_s = time.time() - started
     log(f"teachers' log-probabilities in {teacher_s:.0f} s")
     train = [(k, i) for k in KINDS for i in range(CAL_RECORDS)]
@@ -43,7 +43,7 @@ def distill(args) -> None:
         out = work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}"
         model.save_pretrained(out)
         del model
-        scores = score_model(work, out, args.threads)
+        scores = score_model(work, out, args.threads, ("test", "val"))  # val: what chooses the learning rate
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)

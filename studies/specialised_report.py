@@ -13,13 +13,18 @@ import json
 from pathlib import Path
 
 from studies.common import bootstrap_nll, bootstrap_shares, load_json, mean_nll, save_json, shares
-from studies.specialised_setup import CAL_RECORDS, KINDS, MIN_LEAD, RECORD_TOKENS, SETTING, TA_WEIGHT
+from studies.specialised_setup import CAL_RECORDS, KINDS, MIN_LEAD, RECORD_TOKENS, SCORED, SETTING, TA_WEIGHT
 
 ROUND = 4
 
 
 def _r(value):
     return None if value is None else round(value, ROUND)
+
+
+def scored(scores: dict) -> dict:
+    """A model's scores on the split's first ``SCORED`` records (a run scored before that count changed scored more)."""
+    return {split: {d: records[:SCORED[split]] for d, records in by_domain.items()} for split, by_domain in scores.items()}
 
 
 def nlls(records: dict) -> dict[str, float]:
@@ -40,8 +45,10 @@ def row(test: dict, merged: dict, own: dict, resamples: int, **extra) -> dict:
             "share_per_domain_ci95": {d: [_r(v) for v in ci["share_per_domain"][d]] for d in KINDS}, **extra}
 
 
-def val_share(scores: dict, base: dict) -> float:
+def val_share(scores: dict, base: dict) -> float | None:
     """The share on the val split (files neither calibrated on nor reported): what chooses a hyper-parameter."""
+    if "val" not in scores:
+        return None
     merged, own = base["merged"]["val"], {d: base[f"expert:{d}"]["val"][d] for d in KINDS}
     return shares(nlls(merged), nlls(own), nlls(scores["val"]), KINDS)[0]
 
@@ -50,7 +57,7 @@ def build(work: Path, resamples: int = 1000) -> tuple[dict, dict]:
     """The results file and the per-record file."""
     base = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in sorted((work / "scores").glob("*.json"))}
     seconds = {name: record["seconds"] for name, record in base.items()}
-    base = {name: record["scores"] for name, record in base.items()}
+    base = {name: scored(record["scores"]) for name, record in base.items()}
     merged = base["merged"]["test"]
     own = {d: base[f"expert:{d}"]["test"][d] for d in KINDS}
     per_record = {"split": "test", "format": "per model and domain: [summed NLL (nats), tokens] per test record, in the "
@@ -58,8 +65,11 @@ def build(work: Path, resamples: int = 1000) -> tuple[dict, dict]:
     rows_out: dict[str, dict] = {}
 
     def add(name: str, scores: dict, **extra) -> None:
+        scores = scored(scores)
         per_record["models"][name] = scores["test"]
-        rows_out[name] = row(scores["test"], merged, own, resamples, val_share=_r(val_share(scores, base)), **extra)
+        rows_out[name] = row(scores["test"], merged, own, resamples, **extra)
+        if "val" in scores:
+            rows_out[name]["val_share"] = _r(val_share(scores, base))
 
     add("merged", base["merged"], seconds=None, featcal=None)
     defaults_leads = None
@@ -69,6 +79,8 @@ def build(work: Path, resamples: int = 1000) -> tuple[dict, dict]:
         defaults_leads = record.get("record_leads") if record["name"] == "featcal defaults" else defaults_leads
         add(record["name"], record["scores"], seconds=record["seconds"], merged_first=record.get("merged_first"), **extra)
     runs = [json.loads(p.read_text()) for p in sorted((work / "distill").glob("*.json"))]
+    for run in runs:
+        run["scores"] = scored(run["scores"])
     distill = {}
     for run in runs:
         distill[run["name"]] = {"lr": run["lr"], "steps": run["steps"], "start": run["start"],
@@ -105,6 +117,10 @@ def build(work: Path, resamples: int = 1000) -> tuple[dict, dict]:
     return {"setting": setting, "rows": rows_out, "distill_runs": distill}, per_record
 
 
+def _cell(value) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
 def markdown(result: dict) -> str:
     lines = ["| row | NLL " + " | NLL ".join(KINDS) + " | NLL avg | share (95 % CI) | " + " | ".join(KINDS) + " | val share | s |",
              "|---" + "|---:" * (2 * len(KINDS) + 5) + "|"]
@@ -114,7 +130,7 @@ def markdown(result: dict) -> str:
                          for d in KINDS)
         sec = "–" if r.get("seconds") is None else f"{r['seconds']:.0f}"
         lines.append(f"| {name} | " + " | ".join(f"{r['nll'][d]:.3f}" for d in KINDS) + f" | {r['nll_avg']:.3f} | "
-                     f"{r['share']:.2f} ({lo:.2f}–{hi:.2f}) | {per} | {r['val_share']:.2f} | {sec} |")
+                     f"{r['share']:.2f} ({lo:.2f}–{hi:.2f}) | {per} | {_cell(r.get('val_share'))} | {sec} |")
     return "\n".join(lines) + "\n"
 
 

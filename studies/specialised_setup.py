@@ -18,6 +18,7 @@ SIZES = {"test": 64, "val": 32, "cal": 80, "train": 1024}
 CAL_RECORDS = 64  # records per expert FeatCal calibrates on (the first of the cal split)
 MIN_LEAD = 0.15  # nats a token, net, on each expert's calibration records: what "specialised" means here
 AS_TRAINED = "-bos"
+SCORED = {"test": 48, "val": 32}  # records scored per domain (two loaded cores: 48 test records, not the 64 split off)
 
 
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
@@ -51,8 +52,13 @@ def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: 
     return "\n".join(lines) + "\n"
 
 
-def score_model(work: Path, directory: Path, threads: int | None = None) -> dict:
-    """Per split (test, val) and domain: each record's (summed NLL, token count), BOS given, every text token scored."""
+SCORE_BF16 = True  # forward passes under bfloat16 autocast (the CPU's bf16 units): ~10× faster than float32 on two
+# loaded cores; the weights, logits' softmax and sums stay float32, and every model is scored the same way
+
+
+def score_model(work: Path, directory: Path, threads: int | None = None, splits: tuple[str, ...] = ("test",)) -> dict:
+    """Per split (test; val where a model's val score chooses something) and domain: each record's (summed NLL,
+    token count) on the split's first ``SCORED[split]`` records, BOS given, every text token scored."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,9 +69,10 @@ def score_model(work: Path, directory: Path, threads: int | None = None) -> dict
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     out = {}
-    for split in ("test", "val"):
-        out[split] = {}
-        for kind in KINDS:
-            texts = [r["text"] for r in read_jsonl(work / "data" / kind / f"{split}.jsonl")]
-            out[split][kind] = record_nlls(model, [(ids, 1) for ids in encode(tokenizer, texts)], tokenizer.pad_token_id)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=SCORE_BF16):
+        for split in splits:
+            out[split] = {}
+            for kind in KINDS:
+                texts = [r["text"] for r in read_jsonl(work / "data" / kind / f"{split}.jsonl")][:SCORED[split]]
+                out[split][kind] = record_nlls(model, [(ids, 1) for ids in encode(tokenizer, texts)], tokenizer.pad_token_id)
     return out

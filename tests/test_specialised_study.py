@@ -76,13 +76,13 @@ def _records(nll_per_token: list[float], tokens: int = 10) -> list[list[float]]:
 
 def test_the_share_is_a_ratio_of_sums_of_token_weighted_means():
     merged = {"a": _records([3.0, 3.0]), "b": _records([2.0, 2.0])}
-    expert = {"a": _records([2.0, 2.0]), "b": [[19.0, 10], [0.0, 0]] and _records([1.9, 1.9])}
-    model = {"a": [[25.0, 10], [5.0, 2]], "b": _records([1.95, 1.95])}  # a: 30 / 12 nats over 12 tokens
+    expert = {"a": _records([2.0, 2.0]), "b": _records([1.9, 1.9])}
+    model = {"a": [[25.0, 10], [5.0, 2]], "b": _records([1.99, 1.99])}  # a: 30 nats over 12 tokens, not (2.5 + 2.5) / 2
     nll = {d: mean_nll(v) for d, v in model.items()}
     assert nll["a"] == pytest.approx(30 / 12)
     total, per = shares({d: mean_nll(v) for d, v in merged.items()}, {d: mean_nll(v) for d, v in expert.items()}, nll)
-    assert total == pytest.approx(((3 - 2.5) + (2 - 1.95)) / (1.0 + 0.1))  # not the mean of 0.5 and 0.5
-    assert per == pytest.approx({"a": 0.5, "b": 0.5})
+    assert per == pytest.approx({"a": 0.5, "b": 0.1})
+    assert total == pytest.approx((0.5 + 0.01) / (1.0 + 0.1))  # 0.464, not the mean of the domains' shares (0.3)
 
 
 def test_bootstrap_intervals_are_paired_over_records():
