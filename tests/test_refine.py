@@ -379,3 +379,18 @@ def test_data_free_records_refine_the_same_way(far_scenario):
     output = run(far_scenario, "generated", data=data, refine={**REFINE, "steps": 2, "eval_every": 2})
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"]) == {"expert0", "expert1"} and report["per_expert"]["before"]["expert1"] > 0
+
+
+def test_refine_runs_after_regmean_with_the_experts_as_teachers(far_scenario):
+    """RegMean (trailing_experts: keep, every expert teaches its records) followed by refine: allowed, and it refines."""
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = yaml.safe_load(far_scenario.recipe.read_text())
+    for key in ("lambda", "alpha", "rho", "token_weights", "expert_weights", "trailing_experts", "head"):  # FeatCal's keys
+        recipe["featcal"].pop(key)
+    recipe["featcal"].update(method="regmean", output=str(far_scenario.root / "regmean"), refine=REFINE)
+    path = far_scenario.root / "regmean.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    output = run_recipe(path, force=True, progress=False)
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert set(report["teachers"].values()) == {"own expert"} and report["chosen_step"] > 0
