@@ -123,7 +123,7 @@ def _cell(value) -> str:
 
 def markdown(result: dict) -> str:
     lines = ["| row | NLL " + " | NLL ".join(KINDS) + " | NLL avg | share (95 % CI) | " + " | ".join(KINDS) + " | val share | s |",
-             "|---" + "|---:" * (2 * len(KINDS) + 5) + "|"]
+             "|---" + "|---:" * (2 * len(KINDS) + 4) + "|"]
     for name, r in result["rows"].items():
         lo, hi = r["share_ci95"]
         per = " | ".join(f"{r['share_per_domain'][d]:.2f} ({r['share_per_domain_ci95'][d][0]:.2f}–{r['share_per_domain_ci95'][d][1]:.2f})"
