@@ -8,7 +8,8 @@ committed results and compares, so a claim cannot lag the run it came from. Afte
 
 The README's table shows one setting: `TABLE_FILE`. Switching it to another results file is that one constant (rows
 the file lacks are left out). A row may carry 95 % intervals, `"share_ci95": [lo, hi]` and
-`"nll_ci95": {"avg": [lo, hi], "<domain>": [lo, hi], ...}`; they are shown as `0.62 (0.55–0.69)`.
+`"nll_ci95": {"avg": [lo, hi], "<domain>": [lo, hi], ...}`; the share's and the average's are shown as
+`0.62 (0.55–0.69)`.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def _with_best_expert(rows: dict) -> dict:
 
 
 def _row_cells(row: dict, domains: list[str]) -> list[str]:
-    """Average NLL, NLL per domain, share of the gap; a 95 % interval beside each value that has one."""
+    """Average NLL, NLL per domain, share of the gap; a 95 % interval beside the average and the share where the row
+    has one (the per-domain intervals stay in the results file: a table of intervals in every cell reads slowly)."""
     ci = row.get("nll_ci95") or {}
-    nll = [_interval(row["nll"][d], ci.get(d), 3) for d in domains]
+    nll = [f"{row['nll'][d]:.3f}" for d in domains]
     share = row.get("share")
     shown = "–" if share is None or share < 0 else _interval(share, row.get("share_ci95"), 2)  # negative: said in words
     return [_interval(row["nll_avg"], ci.get("avg"), 3), *nll, shown]
@@ -163,7 +165,7 @@ def _meaning(results: dict, shown: list[tuple[str, str]]) -> str:
     if any(key in rows and (rows[key].get("share_ci95") or rows[key].get("nll_ci95")) for key, _ in shown):
         over = (results["setting"].get("bootstrap") or {}).get("over")
         how = results["setting"].get("ci_method") or (f"bootstrap over {over}" if over else None)
-        text += " In brackets: 95 % intervals" + (f" ({how})." if how else ".")
+        text += " In brackets: 95 % intervals of the average and of the share" + (f" ({how})." if how else ".")
     else:
         text += " One run per row; no uncertainty was measured."
     return text

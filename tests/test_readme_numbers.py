@@ -67,18 +67,19 @@ def test_the_table_reads_in_words():
 def test_intervals_are_shown_where_a_row_carries_them(tmp_path):
     """The study engineer's contract: `share_ci95` and `nll_ci95` in a row render as `value (lo–hi)`."""
     _copy(tmp_path)
-    results = json.loads((tmp_path / TABLE_FILE).read_text(encoding="utf-8"))
+    file = "allgap-half.json"  # a file without intervals of its own
+    results = json.loads((tmp_path / file).read_text(encoding="utf-8"))
     row = results["rows"]["featcal defaults"]
     row["share_ci95"] = [1.234, 1.5678]
     row["nll_ci95"] = {"avg": [2.2501, 2.26549], "code": [2.4, 2.6]}
     results["setting"]["ci_method"] = "bootstrap over test records"
-    (tmp_path / TABLE_FILE).write_text(json.dumps(results), encoding="utf-8")
-    line = next(line for line in render_table(tmp_path).splitlines() if line.startswith("| + FeatCal, featcal-llm's defaults |"))
+    (tmp_path / file).write_text(json.dumps(results), encoding="utf-8")
+    line = next(line for line in render_table(tmp_path, file).splitlines() if line.startswith("| + FeatCal, featcal-llm's defaults |"))
     cells = [cell.strip() for cell in line.split("|")[2:-1]]
-    assert cells == [f"{row['nll_avg']:.3f} (2.250–2.265)", f"{row['nll']['code']:.3f} (2.400–2.600)", f"{row['nll']['prose']:.3f}",
-                     f"{row['nll']['c']:.3f}", f"{row['share']:.2f} (1.23–1.57)"]
-    assert "95 % intervals (bootstrap over test records)" in render_table(tmp_path)
-    assert "no uncertainty was measured" in render_table(RESULTS)
+    assert cells == [f"{row['nll_avg']:.3f} (2.250–2.265)", f"{row['nll']['code']:.3f}", f"{row['nll']['prose']:.3f}",
+                     f"{row['nll']['c']:.3f}", f"{row['share']:.2f} (1.23–1.57)"]  # per-domain intervals stay in the file
+    assert "95 % intervals of the average and of the share (bootstrap over test records)" in render_table(tmp_path, file)
+    assert "no uncertainty was measured" in render_table(RESULTS, file)
 
 
 def test_one_constant_switches_the_table(monkeypatch):
@@ -156,4 +157,4 @@ def test_the_specialised_files_shape_renders(tmp_path, monkeypatch):
     assert [cell.strip() for cell in experts.split("|")[3:6]] == ["1.700", "2.800", "0.900"]  # merged − gap
     defaults = next(line for line in lines if line.startswith(f"| {labels['featcal defaults']} |"))
     assert defaults.split("|")[-2].strip() == "0.58 (0.51–0.66)" and defaults.split("|")[2].strip() == "1.883 (1.850–1.900)"
-    assert "95 % intervals (bootstrap over test records, per domain, paired across models)." in lines[-1]
+    assert "95 % intervals of the average and of the share (bootstrap over test records, per domain, paired across models)." in lines[-1]
