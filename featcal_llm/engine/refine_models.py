@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from featcal_llm.engine.drift import LM_HEAD
+from featcal_llm.family.front import materialise_buffers
 
 
 def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None) -> tuple[list[str], Callable[[str], torch.Tensor]]:
@@ -40,18 +41,6 @@ def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None)
     return names, get
 
 
-def _materialise_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Real buffers (rotary inv_freq, Gemma's embed_scale) filled by the family's `_init_weights`, before any weight is assigned."""
-    for module in model.modules():
-        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
-        if not meta:
-            continue
-        for name in meta:
-            buffer = module._buffers[name]
-            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-        model._init_weights(module)
-
-
 def build_causal_lm(config: Any, names: list[str], get: Callable[[str], torch.Tensor], device: torch.device,
                     dtype: torch.dtype, what: str, trust_remote_code: bool = False,
                     dtypes: Callable[[str], torch.dtype] | None = None) -> torch.nn.Module:
@@ -70,7 +59,7 @@ def build_causal_lm(config: Any, names: list[str], get: Callable[[str], torch.Te
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     finally:
         torch.set_default_dtype(previous)
-    _materialise_buffers(model, device)
+    materialise_buffers(model, device)
     wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     # copies: a reader's tensor may be a view of its memory-mapped file, which training must never write through
     state = {name: get(name).to(device=device, dtype=dtypes(name) if dtypes else dtype, copy=True) for name in names if name in wanted}

@@ -18,6 +18,20 @@ import torch
 
 from featcal_llm.errors import FeatCalError
 
+
+def materialise_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Real buffers (rotary inv_freq, Gemma's embed_scale) of a model built on the meta device, filled by the family's
+    own `_init_weights`; meta parameters are left alone (the weights are assigned from the checkpoints)."""
+    for module in model.modules():
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        if not meta:
+            continue
+        for name in meta:
+            buffer = module._buffers[name]
+            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+        model._init_weights(module)
+
+
 FULL = "full_attention"  # the layer kind of families without `config.layer_types`
 
 
@@ -60,21 +74,10 @@ class ModelFront:
         self.model.eval().requires_grad_(False)
         self.kinds = layer_kinds(config)
         self.model.layers = torch.nn.ModuleList(_Catcher(i, kind, self) for i, kind in enumerate(self.kinds))
-        self._materialise_buffers(device)
+        materialise_buffers(self.model, device)
         self.device = device
         self._wanted: set[str] = set()
         self._record: dict[str, Any] = {}
-
-    def _materialise_buffers(self, device: torch.device) -> None:
-        """Real buffers (rotary inv_freq, Gemma's embed_scale), filled by the family's own `_init_weights`."""
-        for module in self.model.modules():
-            meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
-            if not meta:
-                continue
-            for name in meta:
-                buffer = module._buffers[name]
-                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-            self.model._init_weights(module)  # meta parameters are left alone; buffers get their true values
 
     def _caught(self, catcher: _Catcher, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         if catcher.index == 0:
