@@ -77,13 +77,16 @@ def build_kinds(root: Path, steps: int = 100) -> dict[str, Path]:
     rng, asks = random.Random(0), questions()
     base = new_tiny_llama(config, seed=0)
     mixed = [_encode_raw(tokenizer, line(rng, PLAIN_WORDS)) if i % 2 else _encode_chat(tokenizer, rng.choice(asks), line(rng, REPLY_WORDS)) for i in range(256)]
-    _train(base, mixed, 2 * steps, 1e-2, seed=1)
+    # the empty request (a candidate start) is a context of its own, answered like any request: a model never shown one
+    # answers it with noise, on which every pair of models disagrees and the measurement would read as behaviour
+    unasked = [_encode_chat(tokenizer, "", line(rng, REPLY_WORDS)) for _ in range(64)]
+    _train(base, mixed + unasked, 2 * steps, 1e-2, seed=1)
     paths = {"base": save_model(base, tokenizer, root / "base")}
     plain = [_encode_raw(tokenizer, line(rng, PLAIN_WORDS)) for _ in range(128)]
     replies = [_encode_chat(tokenizer, rng.choice(asks), line(rng, REPLY_WORDS)) for _ in range(128)]
-    # each expert learns a new kind of text in one context and replays the base's text in the other
-    raw = [_encode_raw(tokenizer, line(rng, CODE_WORDS)) for _ in range(128)] + replies
-    chat = [_encode_chat(tokenizer, rng.choice(asks), line(rng, UPPER_WORDS)) for _ in range(128)] + plain
+    # each expert learns a new kind of text in one context and replays the base's text in the others
+    raw = [_encode_raw(tokenizer, line(rng, CODE_WORDS)) for _ in range(128)] + replies + unasked
+    chat = [_encode_chat(tokenizer, rng.choice(asks), line(rng, UPPER_WORDS)) for _ in range(128)] + plain + unasked
     for name, examples in (("raw", raw), ("chat", chat)):
         expert = new_tiny_llama(config, seed=0)
         expert.load_state_dict(base.state_dict())
