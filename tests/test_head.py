@@ -10,6 +10,7 @@ from reference import brute_force_featcal, brute_force_head
 from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, read_weights
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.card import read_run_record
 from featcal_llm.pipeline import run_recipe
 
 HEAD = {"lambda": 1e-3, "alpha": 0.7, "rho": 0.4}
@@ -45,7 +46,10 @@ def test_the_head_update_matches_the_brute_force_and_the_layers_are_unchanged(fa
     assert torch.equal(model.get_output_embeddings().weight, ours["lm_head.weight"])
     assert torch.equal(model.get_input_embeddings().weight, merged.get_input_embeddings().weight)
     card = (output / "README.md").read_text()
-    assert "the LM head was re-fitted" in card and "head: {'lambda': 0.001, 'alpha': 0.7, 'rho': 0.4, 'untied': " in card
+    assert "the LM head was re-fitted" in card
+    head = read_run_record(output)["settings"]["head"]  # what the run resolved, beside the card
+    assert {key: head[key] for key in ("lambda", "alpha", "rho")} == {"lambda": 0.001, "alpha": 0.7, "rho": 0.4}
+    assert head["untied"] is (family == "gemma2")  # tied in gemma2's merge, untied in the output
     if family == "gemma2":  # tied in the merge: untied in the output, or transformers would tie the embeddings back
         assert "lm_head.weight" not in read_weights(scenario.root / "merged")
         assert config["tie_word_embeddings"] is False and "now a tensor of its own" in card
