@@ -308,7 +308,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         return RunOutcome(resolved.output, opened.models.merged.directory)
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
-        replacements, refined = _refine(context, resolved, data, opened, replacements, taught)
+        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, progress)
     return _write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
@@ -468,7 +468,8 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     return lead_summary, (weights, coverage), taught
 
 
-def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float]):
+def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float],
+            progress: bool):
     """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py)."""
     if replacements is None:
         runlog.stage("refine: skipped, as the output is the merged model and every record's teacher is the merge")
@@ -480,7 +481,7 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
     job = RefineJob(featcal.refine, featcal.dtype, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
                     context.models.experts, taught, replacements, {t: data.sequences[t] for t in calibrated},
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
-                    resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code)
+                    resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress)
     return refine(job)
 
 

@@ -237,6 +237,9 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
             run(far_scenario, "resumed", refine=settings)
     partial = far_scenario.root / ".resumed.featcal-partial"
     assert (partial / "pass-refine.pt").is_file() and not (far_scenario.root / "resumed").exists()
+    saved = torch.load(partial / "pass-refine.pt", weights_only=True)  # the best state lives in its own file, written once
+    assert saved["best"] is None and saved["best_step"] == 2
+    assert [p.name for p in partial.glob("pass-refine-best-*")] == ["pass-refine-best-2.pt"]
     calls, step = [], refine_module.train_step
     with monkeypatch.context() as patch:
         patch.setattr(refine_module, "train_step", lambda *a, **k: calls.append(1) or step(*a, **k))
@@ -394,3 +397,20 @@ def test_refine_runs_after_regmean_with_the_experts_as_teachers(far_scenario):
     output = run_recipe(path, force=True, progress=False)
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"].values()) == {"own expert"} and report["chosen_step"] > 0
+
+
+def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
+    """A check that finds a new best writes it once, in its own file; older ones go after the progress names the new one."""
+    from featcal_llm.engine.refine import _best_pass, _drop_older_bests, _load_best
+    from featcal_llm.engine.resume import StagingArea
+    from featcal_llm.errors import RunFailure
+
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    for step in (2, 4):
+        staging.save_pass(_best_pass(step), {"step": step, "state": {"w": torch.full((2,), float(step))}})
+    staging.save_pass("refine", {"step": 4})
+    _drop_older_bests(staging, 4)
+    assert sorted(p.name for p in staging.root.glob("pass-*")) == ["pass-refine-best-4.pt", "pass-refine.pt"]
+    assert _load_best(staging, 4)["w"].tolist() == [4.0, 4.0] and _load_best(staging, 0) is None
+    with pytest.raises(RunFailure, match="names step 2 as best, but its state is missing"):
+        _load_best(staging, 2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,7 @@ class RefineJob:
     compute_dtype: torch.dtype
     staging: Any  # engine/resume.StagingArea
     trust_remote_code: bool = False
+    progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
 
 
 class Student:
@@ -281,6 +283,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     saved = job.staging.load_pass("refine")
     if saved is not None and saved["settings"] == settings:
         student.load(saved["current"])
+        saved["best"] = _load_best(job.staging, saved["best_step"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         _set_rng_state(saved["rng"])
@@ -292,6 +295,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                     "history": [{"step": 0, "held_out_kl": mean_kl(before), "per_expert": before}], "before": before}
     started = time.perf_counter()
     student.module.train()
+    bar = _step_bar(spec.steps, progress["step"], job.progress)
     while not progress["done"] and progress["step"] < spec.steps:
         step = progress["step"]
         optimizer.zero_grad(set_to_none=True)
@@ -300,6 +304,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         optimizer.step()
         scheduler.step()
         progress["step"] = step = step + 1
+        bar.update(1)
+        bar.set_postfix_str(f"train KL {loss:.4f}, best held-out {progress['best_kl']:.4f}", refresh=False)
         if step % spec.eval_every and step != spec.steps:
             continue
         per_expert = heldout_kl(student, store, held_keys, records, job, autocast)
@@ -307,14 +313,17 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert})
         if value < progress["best_kl"]:
             progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
+            job.staging.save_pass(_best_pass(step), {"step": step, "state": progress["best"]})  # written once, when it changes
         else:
             progress["bad"] += 1
         progress["done"] = progress["bad"] >= spec.patience or step == spec.steps
         runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
                      + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
-        job.staging.save_pass("refine", {**progress, "settings": settings, "current": student.state(), "optimizer": optimizer.state_dict(),
-                                         "scheduler": scheduler.state_dict(), "rng": _rng_state()})
+        job.staging.save_pass("refine", {**progress, "best": None, "settings": settings, "current": student.state(),
+                                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()})
+        _drop_older_bests(job.staging, progress["best_step"])
         after_check(step)
+    bar.close()
     report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": progress["before"], "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
@@ -336,6 +345,38 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4f} → {progress['best_kl']:.4f} at step "
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined")
     return {**job.replacements, **{name: path for name in tensors}}, report
+
+
+def _best_pass(step: int) -> str:
+    return f"refine-best-{step}"
+
+
+def _load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
+    """The best state a resumed run had saved (its own file, written at the check that found it), or None before any."""
+    if step == 0:
+        return None
+    saved = staging.load_pass(_best_pass(step))
+    if saved is None or saved.get("step") != step:
+        from featcal_llm.errors import RunFailure
+
+        raise RunFailure(f"refine: the saved progress names step {step} as best, but its state is missing from "
+                         f"{staging.root}; rerun with --force")
+    return saved["state"]
+
+
+def _drop_older_bests(staging, keep: int) -> None:
+    """Only the best state the progress file names is kept: the progress is saved before the older one is removed, so a
+    crash between the two leaves a best state for whichever progress file survives."""
+    kept = staging.pass_file(_best_pass(keep))
+    for path in staging.pass_file(_best_pass(0)).parent.glob(staging.pass_file(_best_pass(0)).name.replace("-0.", "-*.")):
+        if path != kept:
+            path.unlink()
+
+
+def _step_bar(steps: int, done: int, show: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, initial=done, desc="refine", unit="step", file=sys.stderr, disable=not show, dynamic_ncols=True)
 
 
 def _staged(path: Path, name: str) -> torch.Tensor:
