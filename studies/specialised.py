@@ -103,7 +103,7 @@ def run_row(args) -> None:
         seconds, merging = written - recipe.stat().st_mtime, "merged in" in logfile.read_text()
         log(f"{name}: adopting {output} ({seconds:.0f} s from its recipe's write to its last file)")
     else:
-        recipe.write_text(recipe_text(ROWS[name], output))
+        recipe.write_text(recipe_text(ROWS[name], output, experts=tuple(args.experts.split(","))))
         merging = not (work / "merged" / "ta" / "config.json").exists()
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
         command = [sys.executable, "-m", "featcal_llm", "run", str(recipe.relative_to(work)), "--force"]
@@ -137,7 +137,8 @@ def _nll_line(scores: dict) -> str:
 def score(args) -> None:
     """The base, the experts and the merge: per-record NLLs in W/scores/<name>.json."""
     work = args.workdir.resolve()
-    models = {"base": work / "base", "merged": work / "merged" / "ta", **{f"expert:{k}": work / "experts" / k for k in KINDS}}
+    models = {"base": work / "base", "merged": work / "merged" / "ta",
+              **{f"expert:{k}": work / "experts" / k for k in args.experts.split(",")}}
     for name in (args.models.split(",") if args.models else models):
         path = work / "scores" / f"{slug(name)}.json"
         if path.exists() or not (models[name] / "config.json").exists():
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--resamples", type=int, default=1000)
     for q in (r, s, d):
         q.add_argument("--threads", type=int, default=None)
+    for q in (r, s):
+        q.add_argument("--experts", default=",".join(KINDS), help="the merged experts (experts/<name>, data/<name>); "
+                       "the broad setting: broad,manpage,changelog")
     for q in (prep, t, r, s, d, rep):
         q.add_argument("--workdir", type=Path, required=True)
     args = p.parse_args(argv)

@@ -27,6 +27,10 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults + refine": {"refine": True},
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
     "featcal defaults + refine, full": {"refine": {"params": "full"}},
+    # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
+    "featcal defaults, rho 1": {"rho": 1.0},
+    "featcal defaults, no head": {"head": False},
+    "featcal defaults, equal weights": {"expert_weights": "equal", "token_weights": "equal"},
 }
 
 
@@ -40,13 +44,15 @@ def _yaml(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip().removesuffix("...").strip()  # a scalar ends its document
 
 
-def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: str = "cpu") -> str:
-    """mergekit Task Arithmetic (½ each) with the row's featcal: block; paths relative to the workdir."""
+def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: str = "cpu",
+                experts: tuple[str, ...] = KINDS) -> str:
+    """mergekit Task Arithmetic (½ each) of `experts` (experts/<name>, calibrated on data/<name>) with the row's
+    featcal: block; paths relative to the workdir."""
     lines = ["merge_method: task_arithmetic", "base_model: base", "models:"]
-    for kind in KINDS:
-        lines += [f"  - model: experts/{kind}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
+    for name in experts:
+        lines += [f"  - model: experts/{name}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged/ta", f"  output: {output}", "  data:"]
-    lines += [f"    experts/{kind}: {{path: data/{kind}/cal{AS_TRAINED}.jsonl, format: text}}" for kind in KINDS]
+    lines += [f"    experts/{name}: {{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}" for name in experts]
     lines += [f"  samples: {samples}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
     lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items()]
     return "\n".join(lines) + "\n"

@@ -131,3 +131,20 @@ def test_a_results_row_records_what_its_run_resolved_and_logged(tmp_path):
     for name, lead in taught.items():  # the card's signed lead of a trailing expert: the same number as logged
         assert leads[Path(name).name] == pytest.approx(lead, abs=5e-4)
     assert all((lead <= 0) == any(Path(n).name == name for n in taught) for name, lead in leads.items())
+
+
+def test_the_broad_setting_merges_its_own_experts_and_mixes_the_kinds_evenly(tmp_path, monkeypatch):
+    from studies.specialised_broad import EXPERTS, _interleave
+
+    monkeypatch.chdir(tmp_path)
+    for name in EXPERTS:
+        (tmp_path / "data" / name).mkdir(parents=True)
+        (tmp_path / "data" / name / f"cal{AS_TRAINED}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe_text(ROWS["featcal defaults, rho 1"], "runs/out", experts=EXPERTS))
+    recipe = load_recipe(path)
+    assert [e.name for e in recipe.experts] == [f"experts/{name}" for name in EXPERTS]
+    assert sorted(recipe.featcal.data) == sorted(f"experts/{name}" for name in EXPERTS) and recipe.featcal.rho == 1.0
+    kinds = [[{"kind": k, "i": i} for i in range(n)] for k, n in (("a", 3), ("b", 2), ("c", 3))]
+    mixed = _interleave(kinds)
+    assert [r["kind"] for r in mixed[:6]] == ["a", "b", "c"] * 2 and len(mixed) == 8  # any prefix holds every kind
