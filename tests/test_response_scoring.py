@@ -176,6 +176,33 @@ def test_a_conversational_completion_file_is_refused_before_anything_is_written(
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     with pytest.raises(FeatCalError) as error:
         run_recipe(tmp_path / "r.yaml", progress=False)
-    message = str(error.value)  # run stops at the first expert's first record
-    assert "\n" not in message and ": record 0: field 'prompt' is a list of messages (TRL's conversational form)" in message
+    lines = str(error.value).splitlines()  # the recipe's check refuses each expert's file, one line each, before any model loads
+    assert len(lines) == len(scenario.data)
+    assert all(": record 0: field 'prompt' is a list of messages (TRL's conversational form)" in line for line in lines)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spec, record, field, kind", [
+    (DataSpec(path="cal.jsonl"), {"text": None}, "text", "null"),
+    (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": ["a", "b"], "response": "c"}, "instruction", "a list"),
+    (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": "a", "input": 3, "response": "c"}, "input", "a int"),
+    (DataSpec(path="cal.jsonl", format="chat"), {"prompt": "hi", "response": {"text": "yo"}}, "response", "a dict"),
+])
+def test_every_format_refuses_a_text_field_that_is_not_text(spec, record, field, kind):
+    """Not only completion: a null text or a list instruction was calibrated on as its Python repr ('None', "['a', 'b']")."""
+    with pytest.raises(FeatCalError) as error:
+        record_to_text(record, spec, build_char_tokenizer(), "r.yaml: featcal.data.e", 2)
+    assert str(error.value).startswith(f"r.yaml: featcal.data.e.path: cal.jsonl: record 2: field {field!r} is {kind}, not a string; "
+                                       f"format: {spec.format} reads it as text")
+
+
+def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):
+    """validate checks the text fields of the first `samples` records (the ones run converts), not the ones after."""
+    from featcal_llm.io.validate import check_data
+
+    rows = [{"text": "fine"}] * 3 + [{"text": ["not", "text"]}]
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec = DataSpec(path="cal.jsonl")
+    check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [], taken=3)
+    with pytest.raises(FeatCalError, match=r"record 3: field 'text' is a list, not a string"):
+        check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [], taken=4)

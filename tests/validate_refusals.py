@@ -74,6 +74,12 @@ def _fields(recipe: dict, root: Path) -> None:
     recipe["featcal"]["data"]["models/math"].update(path="data/qa.jsonl", format="alpaca")
 
 
+def _conversational(recipe: dict, root: Path) -> None:
+    row = {"prompt": [{"role": "user", "content": "1+1"}], "completion": [{"role": "assistant", "content": "2"}]}
+    (root / "data" / "trl.jsonl").write_text(json.dumps(row) + "\n")
+    recipe["featcal"]["data"]["models/math"].update(path="data/trl.jsonl", format="completion")
+
+
 def _text(edit: Callable[[str], str]) -> Callable[[dict, Path], str]:
     return lambda recipe, _root: edit(yaml.safe_dump(recipe, sort_keys=False))
 
@@ -108,6 +114,7 @@ CASES: dict[str, tuple[str, Callable, list[str]]] = {
     "model-typo": ("a model path misspelt", _change(lambda r: r["models"][1].update(model="models/mth")), []),
     "data-missing": ("a calibration file that is not there", _change(lambda r: r["featcal"]["data"]["models/code"].update(path="data/cod.jsonl")), []),
     "data-fields": ("records without the fields their format reads", _fields, []),
+    "data-not-text": ("records whose text fields are not text (TRL's conversational prompt/completion)", _conversational, []),
     "other-shape": ("an expert of another shape", _wider, []),
     "push-no-login": ("`--push-to-hub` without a Hugging Face login", _change(lambda r: None), ["--push-to-hub", "me/merged-featcal"]),
 }

@@ -128,40 +128,54 @@ def _field(record: dict, key: str, where: str, index: int) -> Any:
     return record[key]
 
 
-def _completion_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -> str:
-    """A completion record's prompt or completion: a string, as TRL's standard form has it. TRL's conversational form
-    (lists of messages) would otherwise become a Python repr and be calibrated on as if it were text."""
+def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -> str:
+    """A field the record's format reads as text: a string, or refused (a list, a number or null would otherwise be
+    calibrated on as its Python repr). `validate` applies the same check to the records it reads."""
     value = _field(record, key, where, index)
-    if not isinstance(value, str):
-        kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else f"a {type(value).__name__}"
-        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is {kind}, not a string; format: "
-                           "completion reads string prompt and completion fields (for messages, use format: chat with messages)")
-    return value
+    if isinstance(value, str):
+        return value
+    kind = "null" if value is None else f"a {type(value).__name__}"
+    hint = f"format: {spec.format} reads it as text" + ("; for a list of messages, use format: chat with messages" if isinstance(value, list) else "")
+    if spec.format == "completion":
+        kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else kind
+        hint = "format: completion reads string prompt and completion fields (for messages, use format: chat with messages)"
+    raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is {kind}, not a string; {hint}")
+
+
+def text_fields(spec: DataSpec) -> list[str]:
+    """The fields the entry's format reads as text (a chat's `messages` is a list; alpaca's `input` may be absent)."""
+    if spec.format == "text":
+        return [spec.text]
+    if spec.format == "alpaca":
+        return [spec.instruction, spec.response]
+    return [] if spec.messages else [spec.prompt, spec.response]
 
 
 def _chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
     if spec.messages:
         return _field(record, spec.messages, where, index)
     return [
-        {"role": "user", "content": str(_field(record, spec.prompt, where, index))},
-        {"role": "assistant", "content": str(_field(record, spec.response, where, index))},
+        {"role": "user", "content": text_field(record, spec, spec.prompt, where, index)},
+        {"role": "assistant", "content": text_field(record, spec, spec.response, where, index)},
     ]
 
 
 def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
-    instruction = _field(record, spec.instruction, where, index)
+    instruction = text_field(record, spec, spec.instruction, where, index)
     extra = record.get(spec.input) if spec.input else None
+    if extra is not None and not isinstance(extra, str):
+        text_field(record, spec, spec.input, where, index)  # refused: an input that is neither absent, null nor text
     template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
     return template.format(instruction=instruction, input=extra, response=response)
 
 
 def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str:
     if spec.format == "text":
-        return str(_field(record, spec.text, where, index))
+        return text_field(record, spec, spec.text, where, index)
     if spec.format == "alpaca":
-        return _alpaca(record, spec, where, index, _field(record, spec.response, where, index))
+        return _alpaca(record, spec, where, index, text_field(record, spec, spec.response, where, index))
     if spec.format == "completion":
-        return _completion_field(record, spec, spec.prompt, where, index) + _completion_field(record, spec, spec.response, where, index)
+        return text_field(record, spec, spec.prompt, where, index) + text_field(record, spec, spec.response, where, index)
     if getattr(tokenizer, "chat_template", None) is None:
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
     return tokenizer.apply_chat_template(_chat_messages(record, spec, where, index), tokenize=False, date_string=CHAT_DATE)
@@ -173,7 +187,7 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, "")
     if spec.format == "completion":
-        return _completion_field(record, spec, spec.prompt, where, index)
+        return text_field(record, spec, spec.prompt, where, index)
     if spec.format == "chat":
         messages = _chat_messages(record, spec, where, index)
         if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":

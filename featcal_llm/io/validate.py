@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder
+from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, text_field, text_fields
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
@@ -77,11 +77,15 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     block = parsed.block or {}
     data = _data_entries(parsed)
     experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
+    featcal = parsed.featcal
+    # the records the run converts: the first `samples` of the file (any of them when it shuffles)
+    read = None if featcal is None or featcal.shuffle else featcal.samples
     for name, spec in data.items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"
-            collect(problems, path, lambda spec=spec, where=where: check_data(spec, where, path.parent, online, report.unchecked, report.offline))
-    featcal = parsed.featcal
+            taken = spec.samples or read if read is not None else None
+            collect(problems, path, lambda spec=spec, where=where, taken=taken: check_data(spec, where, path.parent, online, report.unchecked,
+                                                                                      report.offline, taken))
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
     if parsed.merge_config is not None:
@@ -138,15 +142,21 @@ def looks_like_hub_id(value: str) -> bool:
     return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
 
 
-def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None) -> None:
-    """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names."""
+def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
+               taken: int | None = None) -> None:
+    """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names, as text
+    where the format reads text (in the first `taken` records, the ones the run converts; every record read if None)."""
     path = data_path(spec, base_dir)
     if path.is_file():
         file_builder(path, where)
-        fields = record_fields(path, f"{where}.path: {spec.path}")
+        fields, records = file_head(path, f"{where}.path: {spec.path}")
         for name in needed_fields(spec) if fields is not None else []:
             if name not in fields:
                 raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+        for index, record in enumerate(records[:taken]):
+            for name in text_fields(spec):
+                if name in record:
+                    text_field(record, spec, name, where, index)
         return
     if path.is_dir():
         return  # a local dataset directory: datasets decides its layout when the run loads it
@@ -160,6 +170,12 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
 
 def record_fields(path: Path, where: str) -> list[str] | None:
     """The field names of a calibration file (None where only `datasets` can tell), read without `datasets`."""
+    return file_head(path, where)[0]
+
+
+def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
+    """(field names or None, the JSON records read: every one of a small file, the first lines of a large one; none
+    of a CSV or parquet file, whose cells the run reads through `datasets`)."""
     suffix = path.suffix.lower()
     unreadable = f"{where}: cannot load calibration data"
     if suffix == ".csv":
@@ -167,14 +183,14 @@ def record_fields(path: Path, where: str) -> list[str] | None:
             header = next(csv.reader(handle), None)
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
-        return header
+        return header, []
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet
 
-            return list(parquet.read_schema(path).names)
+            return list(parquet.read_schema(path).names), []
         except ImportError:
-            return None
+            return None, []
         except Exception as error:
             raise FeatCalError(f"{unreadable} ({str(error).splitlines()[0]})") from None
     whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
@@ -184,9 +200,9 @@ def record_fields(path: Path, where: str) -> list[str] | None:
         except (ValueError, UnicodeDecodeError):
             data = None  # JSON lines in a .json file: read below
         if isinstance(data, list):
-            return _union(data) if data and all(isinstance(r, dict) for r in data) else None
+            return (_union(data), data) if data and all(isinstance(r, dict) for r in data) else (None, [])
         if isinstance(data, dict):
-            return list(data) if all(isinstance(v, list) for v in data.values()) else None
+            return (list(data), []) if all(isinstance(v, list) for v in data.values()) else (None, [])
     records = []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
@@ -198,11 +214,11 @@ def record_fields(path: Path, where: str) -> list[str] | None:
                 records.append(json.loads(line))
             except ValueError:
                 if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
-                    return None  # a whole JSON document in a .jsonl file: datasets reads it
+                    return None, []  # a whole JSON document in a .jsonl file: datasets reads it
                 raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
     if not records or not all(isinstance(record, dict) for record in records):
         raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
-    return _union(records)
+    return _union(records), records
 
 
 def _is_json(path: Path) -> bool:
