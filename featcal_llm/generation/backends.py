@@ -128,11 +128,12 @@ class TransformersSampler:
             max_new_tokens=settings["max_new_tokens"],
             eos_token_id=self.eos_ids or None,
             pad_token_id=self.pad_id,
+            use_cache=True,  # in the config: transformers 5 warns about generation kwargs given beside a generation_config
         )
         ids, mask = left_padded(prompts, self.pad_id, self.device)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, use_cache=True,
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                       logits_processor=sampling_processors(settings, generator))
         width = ids.shape[1]
         return [_cut(row[width:].tolist(), set(self.eos_ids)) for row in out]
