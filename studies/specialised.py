@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="the results file")
     rep.add_argument("--json", type=Path, default=Path("docs/studies/results/specialised.json"))
     rep.add_argument("--conditions", default=None)
+    rep.add_argument("--name", default="specialised", help="the setting's name in the results file (specialised-long: the longer-trained experts)")
     rep.add_argument("--resamples", type=int, default=1000)
     for q in (r, s, d):
         q.add_argument("--threads", type=int, default=None)
