@@ -456,7 +456,8 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
         weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
         token_weights = None
         if featcal.token_weighting == "expert_lead" or featcal.trailing == "merge":  # one pass measures both
-            token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights")
+            token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights",
+                                              featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop")
         save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows)
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
     if featcal.token_weighting == "expert_lead":

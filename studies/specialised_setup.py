@@ -31,6 +31,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults, rho 1": {"rho": 1.0},
     "featcal defaults, no head": {"head": False},
     "featcal defaults, equal weights": {"expert_weights": "equal", "token_weights": "equal"},
+    "featcal defaults, trailing records kept": {"trailing_records": "keep"},  # the defaults before trailing_records: drop
     "featcal defaults, lambda 1e-3": {"lambda": 1e-3},
     "featcal defaults, trailing keep": {"trailing_experts": "keep"},
 }

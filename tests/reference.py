@@ -159,17 +159,24 @@ def _starts(sequences: dict[str, list[list[int]]], starts: dict[str, list[int]] 
 
 
 def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[list[int]]],
-                            starts: dict[str, list[int]] | None = None) -> dict[str, list[torch.Tensor]]:
+                            starts: dict[str, list[int]] | None = None, drop_trailing_records: bool = True,
+                            judged_starts: dict[str, list[int]] | None = None) -> dict[str, list[torch.Tensor]]:
     """Each token's weight, from the whole models' own forward: ½ + ½ a / mean(a) with a = max(0, log p_expert −
-    log p_merged) of the next token (0 for a record's last token, and before `starts`), the mean over the expert's tokens."""
+    log p_merged) of the next token (0 for a record's last token, and before `starts`), the mean over the expert's tokens;
+    every token of a record whose leads sum below 0 weighs 0 (`trailing_records: drop`) where the expert's leads sum above 0
+    (both sums over the judged tokens: from `judged_starts` on where given, a response's, else as the weights count)."""
     merged = copy.deepcopy(merged).double().eval()
     weights = {}
     for task, expert in experts.items():
         expert = copy.deepcopy(expert).double().eval()
-        rows = [_token_leads(merged, expert, sequence, start).clamp(min=0)
-                for sequence, start in zip(sequences[task], _starts(sequences, starts, task))]
+        signed = [_token_leads(merged, expert, sequence, start) for sequence, start in zip(sequences[task], _starts(sequences, starts, task))]
+        rows = [lead.clamp(min=0) for lead in signed]
         total, count = float(torch.cat(rows).sum()), sum(len(s) for s in sequences[task])
         weights[task] = [0.5 + 0.5 * row * (count / total) if total > 0 else torch.ones_like(row) for row in rows]
+        if judged_starts is not None:
+            signed = [_token_leads(merged, expert, sequence, start) for sequence, start in zip(sequences[task], judged_starts[task])]
+        if drop_trailing_records and float(torch.cat(signed).sum()) > 0:
+            weights[task] = [w * 0 if float(lead.sum()) < 0 else w for w, lead in zip(weights[task], signed)]
     return weights
 
 

@@ -101,7 +101,8 @@ def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
     every_token = mean_leads(merged, experts, sequences)
     first, second = experts
     assert leads[first] > 0 and leads[second] < 0 and abs(leads[second] - every_token[second]) > 0.01, (leads, every_token)
-    weights = advantage_token_weights(merged, experts, sequences)  # the weights count every token
+    # the weights count every token; a record of a leading expert that trails on its response weighs 0
+    weights = advantage_token_weights(merged, experts, sequences, judged_starts=starts)
     teachers = {first: experts[first], second: merged}  # expert1 trails on its responses: the merge teaches them
     alike = {first: weights[first], second: [torch.ones(len(s), dtype=torch.float64) for s in sequences[second]]}
     reference = brute_force_featcal(merged, base, teachers, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=alike).state_dict()
@@ -112,7 +113,8 @@ def test_leads_weights_and_teachers_count_the_response_alone(tmp_path):
     front = card_front(output)["featcal"]
     assert front["taught_by_merge"] == {"expert1": pytest.approx(leads[second], abs=1e-4)}
     scored = sum(len(s) - 1 for s in sequences[first])
-    assert front["expert_lead"]["expert0"]["tokens_ahead"] == round(float((torch.cat(weights[first]) > 0.5).sum()) / scored, 4)
+    every = advantage_token_weights(merged, experts, sequences, drop_trailing_records=False)
+    assert front["expert_lead"]["expert0"]["tokens_ahead"] == round(float((torch.cat(every[first]) > 0.5).sum()) / scored, 4)
 
 
 def test_completion_records_without_their_fields_are_one_line_and_write_nothing(tmp_path):

@@ -36,14 +36,16 @@ def test_a_token_weighs_the_expert_lead_on_its_successor_and_nothing_where_the_m
     assert scaled.dtype == torch.float32 and float(scaled) == 1.5 * (1 + 2**-8)
 
 
-def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 64) -> dict[str, float]:
+def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 64, drop: bool = True) -> dict[str, float]:
     def load64(path):
         return load(path, torch.float64)
 
     merged_model = load64(scenario.root / "merged")
     experts = {str(p): load64(p) for p in scenario.experts.values()}
     sequences = {str(scenario.experts[n]): s for n, s in calibration_sequences(scenario, samples, max_length).items()}
-    weights = advantage_token_weights(merged_model, experts, sequences)
+    weights = advantage_token_weights(merged_model, experts, sequences, drop_trailing_records=drop)
+    dropped = sum(float(w.sum()) == 0 for rows in weights.values() for w in rows)
+    assert dropped > 0 or not drop, "the scenario must hold a record its expert trails on, or the rule is untested"
     reference = brute_force_featcal(merged_model, load64(scenario.base), experts, sequences, 1e-3, 0.3, 0.5, 1e-8, norms=norms,
                                     token_weights=weights).state_dict()
     unweighted = brute_force_featcal(merged_model, load64(scenario.base), experts, sequences, 1e-3, 0.3, 0.5, 1e-8,
@@ -57,7 +59,7 @@ def _check(scenario, output, norms: bool, samples: int = 12, max_length: int = 6
     assert errors[worst] <= TOLERANCE, (worst, errors[worst])
     # the weights matter: the unweighted brute force is far from the product's updates
     assert max(delta_error(ours[n], unweighted[n], merged[n]) for n in changed) > 1e-2
-    return weights
+    return advantage_token_weights(merged_model, experts, sequences, drop_trailing_records=False)  # every token's, for its summary
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # several padded batches and norms; q/k/v biases (the weighted means)
@@ -152,3 +154,25 @@ def test_bad_token_weights_are_one_line(tmp_path, featcal, message):
     with pytest.raises(FeatCalError, match=message) as error:
         run_recipe(tmp_path / "r.yaml", progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_a_record_its_expert_trails_on_weighs_nothing_and_one_without_judged_tokens_stays():
+    from featcal_llm.maths.advantage import TRAILING_RECORD, mark_trailing_records
+
+    lead = torch.tensor([[0.4, -0.1, 0.0], [-0.5, 0.2, 0.0], [0.3, -0.3, 0.0], [-2.0, 0.0, 0.0]], dtype=torch.float64)
+    judged = torch.tensor([[True, True, False], [True, True, False], [True, True, False], [False, False, False]])
+    marked = mark_trailing_records(lead.clamp(min=0), lead, judged)
+    assert marked.tolist() == [[0.4, 0.0, 0.0], [TRAILING_RECORD] * 3, [0.3, 0.0, 0.0], [0.0, 0.0, 0.0]]  # sums 0 and no judged: kept
+    keep = torch.ones(4, 3, dtype=torch.bool)
+    assert token_weights(marked, keep, 1.0).tolist() == [[0.7, 0.5, 0.5], [0.0] * 3, [0.65, 0.5, 0.5], [0.5, 0.5, 0.5]]
+
+
+def test_trailing_records_keep_restores_every_record_and_the_card_names_the_rule(tmp_path):
+    """In the trained scenario some records trail their expert: drop (the default) matches the brute force that weighs
+    them 0 (the exactness tests above), keep the brute force that weighs them as any other."""
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "keep"), batch_tokens=150, dtype="float64",
+                                   token_weights="expert_lead", trailing_records="keep")
+    output = run_recipe(recipe, progress=False)
+    assert card_front(output)["featcal"]["settings"]["trailing_records"] == "keep"
+    _check(scenario, output, norms=False, drop=False)

@@ -30,7 +30,7 @@ from featcal_llm.engine.scoring import final_hidden, response_positions, scored_
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import advantages, leads, mean_one_scale, token_weights
+from featcal_llm.maths.advantage import advantages, leads, mark_trailing_records, mean_one_scale, token_weights, trails
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -54,8 +54,9 @@ def weight_roots(advantages: dict[str, list[torch.Tensor]], batches: dict, scale
             for task in batches}
 
 
-def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWeights:
-    """Every calibration token's weight: the expert's advantage over the merge there, mean 1 per expert."""
+def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trailing_records: bool = True) -> TokenWeights:
+    """Every calibration token's weight: the expert's advantage over the merge there, mean 1 per expert; 0 on a record
+    the expert trails the merge on (`trailing_records: drop`, maths/advantage.mark_trailing_records)."""
     models, runner, batches = ctx.models, ctx.runner, ctx.batches
     runs = {MERGED: (models.merged, batches), **{("expert", task): (models.experts[task], {task: task_batches})
                                                   for task, task_batches in batches.items()}}
@@ -64,18 +65,21 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
     streams = final_hidden(ctx, runs, num_layers)
     merged_head = Head(runner, models.merged)
     raw: dict[str, list[torch.Tensor]] = {}
+    record_leads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # task → each batch's (lead, judged positions)
     sums: list[float] = []
     for task, task_batches in batches.items():
         expert_head = Head(runner, models.experts[task])
         raw[task] = []
         total = ahead = tokens = scored = signed = answered = 0.0
+        record_leads[task] = []
         for batch, (merged_hidden, expert_hidden) in zip(task_batches, on_device(runner.device, streams[MERGED][task], streams[("expert", task)][task])):
             positions, responses = scored_positions(batch), response_positions(batch)
             expert_lp, merged_lp = token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch)
             lead, weights = leads(expert_lp, merged_lp, responses), advantages(expert_lp, merged_lp, positions)
-            raw[task].append(weights)
             total, ahead, signed = total + float(weights.sum()), ahead + float((weights > 0).sum()), signed + float(lead.sum())
             tokens, scored, answered = tokens + batch.tokens, scored + float(positions.sum()), answered + float(responses.sum())
+            raw[task].append(weights)
+            record_leads[task].append((lead, responses))
         sums += [total, ahead, tokens, scored, signed, answered]
         del expert_head
     del streams
@@ -87,6 +91,14 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
         mean_leads[task] = signed_sum / max(answered, 1.0)
         scales[task] = mean_one_scale(total, int(tokens))
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
+    if drop_trailing_records:  # an expert that leads as a whole (one that trails is the merge's to teach, or kept whole)
+        leading = [task for task in batches if not trails(mean_leads[task])]
+        for task in leading:
+            raw[task] = [mark_trailing_records(weights, lead, judged) for weights, (lead, judged) in zip(raw[task], record_leads[task])]
+        counts = ctx.comm.sum_floats([value for task in leading for value in (
+            sum(float((weights[:, 0] < 0).sum()) for weights in raw[task]), sum(float(batch.keep.shape[0]) for batch in batches[task]))])
+        for index, task in enumerate(leading):
+            summary[task].update(records_dropped=int(counts[2 * index]), records=int(counts[2 * index + 1]))
     roots = weight_roots(raw, batches, scales)
     names = short_names(list(batches))
     for task in batches:
@@ -96,6 +108,8 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str) -> TokenWe
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
                              f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f})"
+                             + (f", behind on {s['records_dropped']} of its {s['records']} records, which weigh 0"
+                                if s.get("records_dropped") else "")
                              for task, s in summary.items()))
     return TokenWeights(roots, summary, mean_leads, scales, raw)
 

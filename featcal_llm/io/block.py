@@ -127,7 +127,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
 METHODS = ("featcal", "regmean", "regmean++")
 STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
-FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head", "trailing_experts")
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head", "trailing_experts", "trailing_records")
 REGMEAN_ONLY = ("reduction",)
 
 
@@ -295,6 +295,12 @@ class FeatCalConfig(BaseModel):
         "whose calibration records keep no judged (response) token is refused, its lead being unmeasured",
         json_schema_extra={"shown_default": "`merge` (RegMean: `keep`)"},
     )
+    trailing_records: Literal["drop", "keep"] = Field(
+        "drop", description="with token_weights: expert_lead, what a record weighs whose own expert predicts it worse than "
+        "the merged model (its lead over the merge, summed over the record's judged tokens, is below 0) while the expert "
+        "leads on its records as a whole: drop (the default): 0, as the expert knows nothing there that the merge lacks and "
+        "pulling toward it could only pull the merge back on that text (a broad expert on the kind a narrow expert beside it "
+        "knows better); keep: its tokens weigh as any other's (w = ½ + ½·a/mean(a))")
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")

@@ -343,6 +343,8 @@ def write_card(
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     if calibrated is not None and not featcal.regmean:
         settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing}
+        if featcal.token_weighting == "expert_lead":
+            settings["trailing_records"] = featcal.trailing_records
     if calibrated is not None and not unchanged:  # what was re-fitted: nothing, in an unchanged run
         settings["projections"] = "all" if calibrated["every_projection"] else list(calibrated["projections"])
         if not featcal.regmean:

@@ -55,6 +55,19 @@ def trails(lead: float) -> bool:
 
 
 ADVANTAGE_SHARE = 0.5  # of each token's weight; the rest is 1 for every token
+TRAILING_RECORD = -1.0  # an advantage below 0 marks the tokens of a record its expert trails the merge on: they weigh 0
+
+
+def mark_trailing_records(advantage: torch.Tensor, lead: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+    """`advantage` (batch, seq) with every token of a record whose summed lead over its judged tokens is below 0 set to
+    TRAILING_RECORD (`lead` from `leads`, `judged` the positions it is judged on).
+
+    An expert that leads the merge on its records as a whole may still trail it on some of them: a broad expert on
+    the kind of text a narrow expert beside it knows better. Pulled toward the expert there, the merge could only be
+    pulled back on that kind; weighing those records 0 leaves them to the others (a record with no judged token stays).
+    """
+    trailing = (lead * judged).sum(dim=1) < 0
+    return torch.where(trailing[:, None], torch.full_like(advantage, TRAILING_RECORD), advantage)
 
 
 def mean_one_scale(weight_sum: float, tokens: int) -> float:
@@ -65,11 +78,13 @@ def mean_one_scale(weight_sum: float, tokens: int) -> float:
 def token_weights(advantage: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     """w = (1 − share) + share · a · scale on the kept tokens (`scale`: mean_one_scale over the expert's tokens), 0 on padding.
 
-    Mean 1 over the expert's tokens; 1 on every token of an expert that is nowhere ahead (scale 0).
+    Mean 1 over the expert's tokens; 1 on every token of an expert that is nowhere ahead (scale 0); 0 on the tokens of a
+    record marked by `mark_trailing_records`.
     """
+    counted = keep.to(advantage.dtype) * (advantage >= 0)  # a trailing record's tokens (TRAILING_RECORD) weigh 0
     if scale == 0:
-        return keep.to(advantage.dtype)
-    return keep.to(advantage.dtype) * (1 - ADVANTAGE_SHARE) + ADVANTAGE_SHARE * scale * advantage
+        return counted
+    return counted * ((1 - ADVANTAGE_SHARE) + ADVANTAGE_SHARE * scale * advantage)
 
 
 def weighted_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
