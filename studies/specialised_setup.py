@@ -33,6 +33,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults, equal weights": {"expert_weights": "equal", "token_weights": "equal"},
     "featcal defaults, trailing records kept": {"trailing_records": "keep"},  # the defaults before trailing_records: drop
     "featcal defaults, lambda 1e-3": {"lambda": 1e-3},
+    "featcal defaults, expert weights equal": {"expert_weights": "equal"},
     "featcal defaults, trailing keep": {"trailing_experts": "keep"},
 }
 
