@@ -84,8 +84,11 @@ def test_token_weights_are_applied_in_the_statistics_precision(family, trained, 
     """Same weights in both runs: a bf16 run weighted by them is no further from float64 than an unweighted one.
 
     Scaled by √w in bf16 (the defect), each weighted row was rounded again before its float64 product: 1.36 × the
-    unweighted error on Llama, 1.18 × on Qwen2."""
-    errors = _runs(trained(family), tmp_path, WeightSpy(monkeypatch), **{"lambda": 1e-5, "alpha": 0.15, "rho": 0.5})
+    unweighted error on Llama, 1.18 × on Qwen2. Every record weighs (`trailing_records: keep`): records weighed 0 leave
+    fewer rows to fit, a worse-conditioned problem (weighted 1.33 × the unweighted error on Llama, with the rows scaled
+    right), which is not the precision this test isolates."""
+    errors = _runs(trained(family), tmp_path, WeightSpy(monkeypatch),
+                   **{"lambda": 1e-5, "alpha": 0.15, "rho": 0.5, "trailing_records": "keep"})
     print(f"{family}: bf16 vs float64 ΔW, weighted {errors['weighted']:.4f}, unweighted {errors['equal']:.4f}")
     assert errors["equal"] <= EQUAL_BF16_BOUND
     assert errors["weighted"] <= WEIGHTING_FACTOR * errors["equal"]
