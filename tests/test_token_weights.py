@@ -161,7 +161,7 @@ def test_a_record_its_expert_trails_on_weighs_nothing_and_one_without_judged_tok
 
     lead = torch.tensor([[0.4, -0.1, 0.0], [-0.5, 0.2, 0.0], [0.3, -0.3, 0.0], [-2.0, 0.0, 0.0]], dtype=torch.float64)
     judged = torch.tensor([[True, True, False], [True, True, False], [True, True, False], [False, False, False]])
-    marked = mark_trailing_records(lead.clamp(min=0), lead, judged)
+    marked = mark_trailing_records(lead.clamp(min=0), (lead * judged).sum(dim=1))
     assert marked.tolist() == [[0.4, 0.0, 0.0], [TRAILING_RECORD] * 3, [0.3, 0.0, 0.0], [0.0, 0.0, 0.0]]  # sums 0 and no judged: kept
     keep = torch.ones(4, 3, dtype=torch.bool)
     assert token_weights(marked, keep, 1.0).tolist() == [[0.7, 0.5, 0.5], [0.0] * 3, [0.65, 0.5, 0.5], [0.5, 0.5, 0.5]]

@@ -347,7 +347,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     return {**job.replacements, **{name: path for name in tensors}}, report
 
 
-def _best_pass(step: int) -> str:
+def _best_pass(step: int | str) -> str:
     return f"refine-best-{step}"
 
 
@@ -368,7 +368,7 @@ def _drop_older_bests(staging, keep: int) -> None:
     """Only the best state the progress file names is kept: the progress is saved before the older one is removed, so a
     crash between the two leaves a best state for whichever progress file survives."""
     kept = staging.pass_file(_best_pass(keep))
-    for path in staging.pass_file(_best_pass(0)).parent.glob(staging.pass_file(_best_pass(0)).name.replace("-0.", "-*.")):
+    for path in staging.root.glob(staging.pass_file(_best_pass("*")).name):
         if path != kept:
             path.unlink()
 

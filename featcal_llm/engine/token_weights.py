@@ -65,7 +65,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
     streams = final_hidden(ctx, runs, num_layers)
     merged_head = Head(runner, models.merged)
     raw: dict[str, list[torch.Tensor]] = {}
-    record_leads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # task → each batch's (lead, judged positions)
+    record_leads: dict[str, list[torch.Tensor]] = {}  # task → each batch's records' summed leads, (batch,)
     sums: list[float] = []
     for task, task_batches in batches.items():
         expert_head = Head(runner, models.experts[task])
@@ -79,7 +79,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
             total, ahead, signed = total + float(weights.sum()), ahead + float((weights > 0).sum()), signed + float(lead.sum())
             tokens, scored, answered = tokens + batch.tokens, scored + float(positions.sum()), answered + float(responses.sum())
             raw[task].append(weights)
-            record_leads[task].append((lead, responses))
+            record_leads[task].append(lead.sum(dim=1))  # `leads` is 0 off the judged positions
         sums += [total, ahead, tokens, scored, signed, answered]
         del expert_head
     del streams
@@ -94,7 +94,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
     if drop_trailing_records:  # an expert that leads as a whole (one that trails is the merge's to teach, or kept whole)
         leading = [task for task in batches if not trails(mean_leads[task])]
         for task in leading:
-            raw[task] = [mark_trailing_records(weights, lead, judged) for weights, (lead, judged) in zip(raw[task], record_leads[task])]
+            raw[task] = [mark_trailing_records(weights, sums) for weights, sums in zip(raw[task], record_leads[task])]
         counts = ctx.comm.sum_floats([value for task in leading for value in (
             sum(float((weights[:, 0] < 0).sum()) for weights in raw[task]), sum(float(batch.keep.shape[0]) for batch in batches[task]))])
         for index, task in enumerate(leading):

@@ -83,7 +83,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     for name, spec in data.items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"
-            taken = spec.samples or read if read is not None else None
+            taken = (spec.samples or read) if read is not None else None
             collect(problems, path, lambda spec=spec, where=where, taken=taken: check_data(spec, where, path.parent, online, report.unchecked,
                                                                                       report.offline, taken))
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
@@ -168,14 +168,10 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     _hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
 
 
-def record_fields(path: Path, where: str) -> list[str] | None:
-    """The field names of a calibration file (None where only `datasets` can tell), read without `datasets`."""
-    return file_head(path, where)[0]
-
-
 def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
-    """(field names or None, the JSON records read: every one of a small file, the first lines of a large one; none
-    of a CSV or parquet file, whose cells the run reads through `datasets`)."""
+    """(field names, None where only `datasets` can tell; the JSON records read): read without `datasets`, every record
+    of a small file, the first lines of a large one, none of a CSV or parquet file (the run reads their cells through
+    `datasets`)."""
     suffix = path.suffix.lower()
     unreadable = f"{where}: cannot load calibration data"
     if suffix == ".csv":

@@ -58,16 +58,15 @@ ADVANTAGE_SHARE = 0.5  # of each token's weight; the rest is 1 for every token
 TRAILING_RECORD = -1.0  # an advantage below 0 marks the tokens of a record its expert trails the merge on: they weigh 0
 
 
-def mark_trailing_records(advantage: torch.Tensor, lead: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
-    """`advantage` (batch, seq) with every token of a record whose summed lead over its judged tokens is below 0 set to
-    TRAILING_RECORD (`lead` from `leads`, `judged` the positions it is judged on).
+def mark_trailing_records(advantage: torch.Tensor, record_leads: torch.Tensor) -> torch.Tensor:
+    """`advantage` (batch, seq) with every token of a record whose lead summed over its judged tokens (`record_leads`,
+    (batch,): `leads(...).sum(dim=1)`) is below 0 set to TRAILING_RECORD.
 
     An expert that leads the merge on its records as a whole may still trail it on some of them: a broad expert on
     the kind of text a narrow expert beside it knows better. Pulled toward the expert there, the merge could only be
     pulled back on that kind; weighing those records 0 leaves them to the others (a record with no judged token stays).
     """
-    trailing = (lead * judged).sum(dim=1) < 0
-    return torch.where(trailing[:, None], torch.full_like(advantage, TRAILING_RECORD), advantage)
+    return torch.where((record_leads < 0)[:, None], torch.full_like(advantage, TRAILING_RECORD), advantage)
 
 
 def mean_one_scale(weight_sum: float, tokens: int) -> float:
