@@ -464,7 +464,7 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
         context.token_roots = token_weights.roots
     taught = {}
     if featcal.trailing == "merge":
-        taught = let_the_merge_teach(context, token_weights.mean_leads, f"{where}.trailing_experts")
+        taught = let_the_merge_teach(context, token_weights.mean_leads, f"{where}.trailing_experts", token_weights.lead_margins)
     lead_summary = token_weights.summary if featcal.token_weighting == "expert_lead" else None
     return lead_summary, (weights, coverage), taught
 

@@ -160,10 +160,11 @@ def _starts(sequences: dict[str, list[list[int]]], starts: dict[str, list[int]] 
 
 def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[list[int]]],
                             starts: dict[str, list[int]] | None = None, drop_trailing_records: bool = True,
-                            judged_starts: dict[str, list[int]] | None = None) -> dict[str, list[torch.Tensor]]:
+                            judged_starts: dict[str, list[int]] | None = None, standard_errors: float = 2.0) -> dict[str, list[torch.Tensor]]:
     """Each token's weight, from the whole models' own forward: ½ + ½ a / mean(a) with a = max(0, log p_expert −
     log p_merged) of the next token (0 for a record's last token, and before `starts`), the mean over the expert's tokens;
-    every token of a record whose leads sum below 0 weighs 0 (`trailing_records: drop`) where the expert's leads sum above 0
+    every token of a record whose leads sum below 0 weighs 0 (`trailing_records: drop`) where the expert is not behind the
+    merge beyond doubt (behind_beyond_doubt)
     (both sums over the judged tokens: from `judged_starts` on where given, a response's, else as the weights count)."""
     merged = copy.deepcopy(merged).double().eval()
     weights = {}
@@ -175,9 +176,24 @@ def advantage_token_weights(merged, experts: dict, sequences: dict[str, list[lis
         weights[task] = [0.5 + 0.5 * row * (count / total) if total > 0 else torch.ones_like(row) for row in rows]
         if judged_starts is not None:
             signed = [_token_leads(merged, expert, sequence, start) for sequence, start in zip(sequences[task], judged_starts[task])]
-        if drop_trailing_records and float(torch.cat(signed).sum()) > 0:
+        judged = [len(s) - max(start, 1) for s, start in zip(sequences[task], (judged_starts or starts or {}).get(task, [0] * len(signed)))]
+        if drop_trailing_records and not behind_beyond_doubt(signed, judged, standard_errors):
             weights[task] = [w * 0 if float(lead.sum()) < 0 else w for w, lead in zip(weights[task], signed)]
     return weights
+
+
+def behind_beyond_doubt(signed: list[torch.Tensor], judged: list[int], standard_errors: float = 2.0) -> bool:
+    """Whether an expert's mean lead, raised by two standard errors, is still not above 0: the records (each one's
+    summed lead L over its n judged tokens) are the unit, m = Σ L / Σ n, SE² = Σ (L − m n)² / ((R − 1) R n̄²), computed
+    here from the residuals themselves; with fewer than two judged records the mean's sign alone decides."""
+    pairs = [(float(lead.sum()), n) for lead, n in zip(signed, judged) if n > 0]
+    total = sum(n for _, n in pairs)
+    mean = sum(lead for lead, _ in pairs) / max(total, 1)
+    if len(pairs) < 2:
+        return mean <= 0
+    residuals = [lead - mean * n for lead, n in pairs]
+    spread = sum(r * r for r in residuals) / ((len(pairs) - 1) * len(pairs))
+    return mean + standard_errors * spread ** 0.5 / (total / len(pairs)) <= 0
 
 
 def mean_leads(merged, experts: dict, sequences: dict[str, list[list[int]]], starts: dict[str, list[int]] | None = None) -> dict[str, float]:

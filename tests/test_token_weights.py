@@ -129,7 +129,8 @@ def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert any("featcal.token_weights: expert" in line and "predicts none of its records' tokens better than the merge" in line
                for line in warning), warning
-    assert card_front(output)["featcal"]["expert_lead"]["expert0"] == {"tokens_ahead": 0.0, "mean_positive_lead": 0.0}
+    assert card_front(output)["featcal"]["expert_lead"]["expert0"] == {"tokens_ahead": 0.0, "mean_positive_lead": 0.0,
+                                                                       "net_lead": 0.0, "net_lead_margin": 0.0}
     recipe["featcal"].update(output=str(tmp_path / "equal"), token_weights="equal")
     (tmp_path / "e.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     equal, ours = read_weights(run_recipe(tmp_path / "e.yaml", progress=False)), read_weights(output)

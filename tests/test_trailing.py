@@ -8,6 +8,8 @@ to 1e-8, and be far from the brute force that keeps expert1 as its teacher.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -17,6 +19,8 @@ from test_exactness import TOLERANCE, delta_error, read_weights
 from test_head import HEAD, reference_models
 
 from featcal_llm.engine.teachers import trailing_experts
+from featcal_llm.maths import advantage
+from featcal_llm.maths.advantage import lead_margin, lead_moments, trails
 from featcal_llm.errors import FeatCalError
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.io.validate import validate_recipe
@@ -46,6 +50,45 @@ def test_the_scenario_has_one_expert_ahead_of_the_merge_and_one_behind(lead_and_
     assert first > 0.05 and second < -0.05, leads
     assert list(trailing_experts(leads)) == [list(leads)[1]]
     assert trailing_experts({"a": 0.0, "b": 1e-12}) == {"a": 0.0}  # no lead at all is no reason to pull toward it
+
+
+def test_the_lead_s_margin_is_two_standard_errors_over_records():
+    """lead_margin's running moments against the spread of the records' leads computed directly."""
+    leads, judged = torch.tensor([3.0, -1.0, 2.0, 0.5, -4.0], dtype=torch.float64), torch.tensor([10, 4, 8, 6, 12])
+    mean = float(leads.sum() / judged.sum())
+    residuals = leads.double() - mean * judged.double()
+    direct = 2 * math.sqrt(float((residuals ** 2).sum()) / (4 * 5)) / float(judged.double().mean())
+    moments = lead_moments(leads, judged)
+    assert lead_margin(moments) == pytest.approx(direct, rel=1e-12)
+    # equal lengths: the familiar standard error of a mean, sd / √R (records of one token each)
+    same = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    assert lead_margin(lead_moments(same, torch.ones(4))) == pytest.approx(2 * float(same.std()) / 2, rel=1e-12)
+    # a record with no judged token is no evidence; one record has no spread: the sign alone decides
+    assert lead_moments(torch.tensor([1.0, 0.0]), torch.tensor([2, 0]))[0] == 1
+    assert lead_margin(lead_moments(torch.tensor([-1.0]), torch.tensor([3]))) == 0.0
+    assert trails(-0.5, 0.4) and not trails(-0.018, 0.025) and trails(0.0, 0.0) and not trails(1e-12)
+    assert list(trailing_experts({"a": -0.5, "b": -0.018}, {"a": 0.4, "b": 0.025})) == ["a"]
+
+
+def test_an_expert_too_close_to_the_merge_to_tell_teaches_its_own_records(lead_and_trail, tmp_path, monkeypatch, capsys):
+    """With the margin at ten standard errors expert1's lead (−0.25) no longer tells its sign: it teaches its own records,
+    those it trails on weigh 0, like any leading expert's (the reference decides with its own spread), and the card says so."""
+    scenario, merged, base, experts, sequences, leads = lead_and_trail
+    monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              token_weights="expert_lead", trailing_experts="merge"), progress=False)
+    weights = advantage_token_weights(merged, experts, sequences, standard_errors=10.0)
+    second = list(experts)[1]
+    assert any(float(w.sum()) == 0 for w in weights[second]) and any(float(w.sum()) > 0 for w in weights[second])
+    reference = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
+    assert _updates_error(output, reference, scenario.root / "merged") <= TOLERANCE
+    front = card_front(output)["featcal"]
+    assert "taught_by_merge" not in front
+    lead = front["expert_lead"]["expert1"]
+    assert lead["net_lead"] == pytest.approx(leads[second], abs=1e-4) and lead["net_lead"] + lead["net_lead_margin"] > 0
+    assert lead["records_dropped"] == sum(float(w.sum()) == 0 for w in weights[second])
+    assert "expert1 (behind the merge by 0.2" in capsys.readouterr().err
+    assert "net lead -0.2" in (output / "README.md").read_text()
 
 
 def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_trail, tmp_path):

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from featcal_llm.engine.resume import StagingArea
 
 PASS = "weights"
-LAYOUT = 2  # the saved form's version: progress saved in another form runs the passes again
+LAYOUT = 3  # the saved form's version: progress saved in another form runs the passes again
 
 Rows = dict[str, list[list[int]]]  # task → for each of this rank's batches, the record index on each of its rows
 
@@ -70,6 +70,7 @@ def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float
         if gathered is not None:
             records = {task: {index: values for part in gathered for index, values in part[task].items()} for task in batches}
             tokens = {"summary": token_weights.summary, "mean_leads": token_weights.mean_leads, "scales": token_weights.scales,
+                      "lead_margins": token_weights.lead_margins,
                       "records": {task: [found[index] for index in range(len(found))] for task, found in records.items()}}
     if comm.is_main:
         staging.save_pass(PASS, {"layout": LAYOUT, "weights": weights, "coverage": coverage, "tokens": tokens})
@@ -88,7 +89,7 @@ def saved_token_weights(tokens: dict, batches: dict[str, list[TokenBatch]], rows
     """This rank's token weights, rebuilt from the saved records' advantages and the experts' scales."""
     advantages = {task: by_batch(tokens["records"][task], batches[task], rows[task]) for task in batches}
     return TokenWeights(weight_roots(advantages, batches, tokens["scales"]), tokens["summary"], tokens["mean_leads"],
-                        tokens["scales"], advantages)
+                        tokens["scales"], advantages, tokens["lead_margins"])
 
 
 __all__ = ["LAYOUT", "PASS", "by_batch", "by_record", "load_passes", "record_rows", "save_passes", "saved_token_weights"]

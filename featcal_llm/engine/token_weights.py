@@ -30,7 +30,8 @@ from featcal_llm.engine.scoring import final_hidden, response_positions, scored_
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import advantages, leads, mark_trailing_records, mean_one_scale, token_weights, trails
+from featcal_llm.maths.advantage import (advantages, lead_margin, lead_moments, leads, mark_trailing_records, mean_one_scale,
+                                         token_weights, trails)
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -46,6 +47,7 @@ class TokenWeights:
     # plain text), negative where it trails (not clamped)
     scales: dict[str, float] | None = None  # task → mean_one_scale over every rank's tokens of the expert
     advantages: dict[str, list[torch.Tensor]] | None = None  # task → a_t of each of this rank's batches, (batch, seq) float64
+    lead_margins: dict[str, float] | None = None  # task → two standard errors of its mean lead, over its records
 
 
 def weight_roots(advantages: dict[str, list[torch.Tensor]], batches: dict, scales: dict[str, float]) -> dict[str, list[torch.Tensor]]:
@@ -67,11 +69,13 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
     raw: dict[str, list[torch.Tensor]] = {}
     record_leads: dict[str, list[torch.Tensor]] = {}  # task → each batch's records' summed leads, (batch,)
     sums: list[float] = []
+    moments: list[float] = []  # per task, lead_moments over this rank's records
     for task, task_batches in batches.items():
         expert_head = Head(runner, models.experts[task])
         raw[task] = []
         total = ahead = tokens = scored = signed = answered = 0.0
         record_leads[task] = []
+        judged: list[torch.Tensor] = []
         for batch, (merged_hidden, expert_hidden) in zip(task_batches, on_device(runner.device, streams[MERGED][task], streams[("expert", task)][task])):
             positions, responses = scored_positions(batch), response_positions(batch)
             expert_lp, merged_lp = token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch)
@@ -80,19 +84,23 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
             tokens, scored, answered = tokens + batch.tokens, scored + float(positions.sum()), answered + float(responses.sum())
             raw[task].append(weights)
             record_leads[task].append(lead.sum(dim=1))  # `leads` is 0 off the judged positions
+            judged.append(responses.sum(dim=1))
         sums += [total, ahead, tokens, scored, signed, answered]
+        moments += lead_moments(torch.cat(record_leads[task]), torch.cat(judged)) if judged else [0.0] * 6  # a rank may hold none
         del expert_head
     del streams
     responses_only = any(batch.response is not None for task_batches in batches.values() for batch in task_batches)
-    sums = ctx.comm.sum_floats(sums)
-    scales, summary, mean_leads = {}, {}, {}
+    sums, moments = ctx.comm.sum_floats(sums), ctx.comm.sum_floats(moments)
+    scales, summary, mean_leads, margins = {}, {}, {}, {}
     for index, task in enumerate(batches):
         total, ahead, tokens, scored, signed_sum, answered = sums[6 * index: 6 * index + 6]
         mean_leads[task] = signed_sum / max(answered, 1.0)
+        margins[task] = lead_margin(moments[6 * index: 6 * index + 6])
         scales[task] = mean_one_scale(total, int(tokens))
-        summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4)}
-    if drop_trailing_records:  # an expert that leads as a whole (one that trails is the merge's to teach, or kept whole)
-        leading = [task for task in batches if not trails(mean_leads[task])]
+        summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4),
+                         "net_lead": round(mean_leads[task], 4), "net_lead_margin": round(margins[task], 4)}
+    if drop_trailing_records:  # an expert not behind beyond doubt (one that is is the merge's to teach, or kept whole)
+        leading = [task for task in batches if not trails(mean_leads[task], margins[task])]
         for task in leading:
             raw[task] = [mark_trailing_records(weights, sums) for weights, sums in zip(raw[task], record_leads[task])]
         counts = ctx.comm.sum_floats([value for task in leading for value in (
@@ -107,11 +115,12 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
                  "alike; check that its data is its kind of text")
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
-                             f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f})"
+                             f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f} "
+                             f"± {margins[task]:.3f})"
                              + (f", behind on {s['records_dropped']} of its {s['records']} records, which weigh 0"
                                 if s.get("records_dropped") else "")
                              for task, s in summary.items()))
-    return TokenWeights(roots, summary, mean_leads, scales, raw)
+    return TokenWeights(roots, summary, mean_leads, scales, raw, margins)
 
 
 __all__ = ["TokenWeights", "advantage_weights", "weight_roots"]

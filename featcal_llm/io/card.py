@@ -216,15 +216,20 @@ SETTING_TEXT = {
 }
 LEAD_NOTE = ("\nAn expert's *mean positive lead* is max(0, log p_expert − log p_merged) over every token of its records, "
              "averaged, with 0 where it trails: what its tokens' weights came from (`token_weights: expert_lead`). Whether it "
-             "trails the merge (`trailing_experts`) is judged on its signed mean lead instead.\n")
+             "trails the merge (`trailing_experts`) is judged on its signed mean lead over its judged tokens instead, "
+             "its *net lead*: behind only where it stays at or below 0 when raised by two standard errors counted over its "
+             "records (the ± margin).\n")
 TRAILING_TEXT = {"merge": "the merged model (`merge`)", "keep": "the expert itself (`keep`)"}
 # featcal_weights.json's legend: what its less obvious keys hold
 ABOUT = {
     "expert_lead": "per expert, over the predictions of its calibration records: tokens_ahead, the share where it predicts "
                    "the next token better than the merged model; mean_positive_lead, the mean of max(0, log p_expert - "
                    "log p_merged) in nats (where it trails counts as 0): what its tokens' weights (token_weights: "
-                   "expert_lead) came from",
-    "taught_by_merge": "per expert that trails the merge on its own records: its mean signed lead log p_expert - "
+                   "expert_lead) came from; net_lead, the signed mean lead over its judged tokens, and net_lead_margin, "
+                   "two standard errors of it counted over its records: the merge teaches its records (trailing_experts: "
+                   "merge) only where net_lead + net_lead_margin <= 0; records_dropped of its records (trailing_records: "
+                   "drop) weighed 0",
+    "taught_by_merge": "per expert that trails the merge on its own records beyond two standard errors: its mean signed lead log p_expert - "
                        "log p_merged in nats (below 0) over its judged tokens (the responses of prompt/response records, "
                        "every token of plain and generated text); the merged model taught those records (trailing_experts: merge)",
     "coverage_nll": "model (the base under base) -> expert whose records -> mean NLL in nats: what the coverage expert "
@@ -376,7 +381,9 @@ def write_card(
     if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
         run["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
     if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
-        run["expert_lead"] = {names[task]: {"tokens_ahead": summary["tokens_ahead"], "mean_positive_lead": summary["lead"]}
+        run["expert_lead"] = {names[task]: {"tokens_ahead": summary["tokens_ahead"], "mean_positive_lead": summary["lead"],
+                                            **{key: summary[key] for key in ("net_lead", "net_lead_margin", "records_dropped")
+                                               if key in summary}}
                               for task, summary in advantage.items()}
     taught = (calibrated or {}).get("taught_by_merge") or {}
     if taught:  # expert → its mean signed lead over the merge on its own records (≤ 0): the merge taught those records instead
@@ -392,7 +399,10 @@ def write_card(
             return ""
         summary = advantage[name]
         return (f"; ahead of the merged model on {summary['tokens_ahead']:.0%} of its tokens, mean positive lead "
-                f"{summary['lead']:.3g} nats a token")
+                f"{summary['lead']:.3g} nats a token"
+                + (f", net lead {summary['net_lead']:+.3g} ± {summary['net_lead_margin']:.2g}" if "net_lead" in summary else "")
+                + (f", {summary['records_dropped']} of its {summary['records']} records weighed 0 (`trailing_records: drop`)"
+                   if summary.get("records_dropped") else ""))
 
     experts = "\n".join(
         f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
