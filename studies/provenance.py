@@ -19,9 +19,9 @@ WEIGHTS_FILE = "featcal_weights.json"
 RECIPE_FILE = "featcal_recipe.yml"
 REFINE_FILE = "featcal_refine.json"
 # the token-weight pass's log line: "<name> ahead on 71% of its tokens, by 0.412 nats a token on average (net of where
-# it trails: +0.301)"; names have no ';'
+# it trails: +0.301 ± 0.052)", without the margin before it was logged; names have no ';'
 _LEAD = re.compile(r"(?:^|[:;] )([^;:]+?) ahead on \d+% of its tokens, by [-+0-9.e]+ nats a token on average "
-                   r"\(net of where it trails(?:, on its responses)?: ([-+0-9.e]+)\)")
+                   r"\(net of where it trails(?:, on its responses)?: ([-+0-9.e]+)(?: ± [0-9.e]+)?\)")
 
 _MERGED = re.compile(r"merged in (\d+) s")
 

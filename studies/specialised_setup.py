@@ -21,6 +21,8 @@ AS_TRAINED = "-bos"
 SCORED = {"test": 48, "val": 32}  # records scored per domain (two loaded cores: 48 test records, not the 64 split off)
 
 
+DATA, GENERATE = "data", "generate"  # a row's data: key: the experts' own samples instead of the cal split
+
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
     "featcal defaults": {},
     "featcal paper rule": paper_rule(),
@@ -35,6 +37,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults, lambda 1e-3": {"lambda": 1e-3},
     "featcal defaults, expert weights equal": {"expert_weights": "equal"},
     "featcal defaults, trailing keep": {"trailing_experts": "keep"},
+    # data-free: each expert writes its own calibration records (`generate: {}`, its defaults), the same count
+    "featcal data-free": {DATA: GENERATE},
+    "featcal data-free + refine, adapter": {DATA: GENERATE, "refine": {"params": "adapter"}},
 }
 
 
@@ -50,15 +55,17 @@ def _yaml(value) -> str:
 
 def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: str = "cpu",
                 experts: tuple[str, ...] = KINDS) -> str:
-    """mergekit Task Arithmetic (½ each) of `experts` (experts/<name>, calibrated on data/<name>) with the row's
-    featcal: block; paths relative to the workdir."""
+    """mergekit Task Arithmetic (½ each) of `experts` (experts/<name>, calibrated on data/<name>, or on what each writes
+    itself where the row's `data` is `generate`) with the row's featcal: block; paths relative to the workdir."""
     lines = ["merge_method: task_arithmetic", "base_model: base", "models:"]
     for name in experts:
         lines += [f"  - model: experts/{name}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged/ta", f"  output: {output}", "  data:"]
-    lines += [f"    experts/{name}: {{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}" for name in experts]
+    generated = keys.get(DATA) == GENERATE
+    lines += [f"    experts/{name}: " + ("{generate: {}}" if generated else f"{{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}")
+              for name in experts]
     lines += [f"  samples: {samples}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
-    lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items()]
+    lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items() if key != DATA]
     return "\n".join(lines) + "\n"
 
 

@@ -99,7 +99,8 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     if doubtful:
         runlog.stage("trailing_experts: merge: " + ", ".join(
             f"{names[task]} (behind the merge by {abs(mean_leads[task]):.3f} ± {(margins or {}).get(task, 0.0):.3f} nats a token)"
-            for task in doubtful) + " teach their own records, as their records cannot tell the sign of that lead")
+            for task in doubtful) + (" teaches its" if len(doubtful) == 1 else " teach their") + " own records, as "
+            + ("its" if len(doubtful) == 1 else "their") + " records cannot tell the sign of that lead")
     if not behind:
         if not doubtful:
             runlog.stage("trailing_experts: merge: every expert leads the merge on its own records, so each teaches its own")

@@ -287,7 +287,9 @@ class FeatCalConfig(BaseModel):
     trailing_experts: Literal["keep", "merge"] | None = Field(
         None, description="what the records of an expert that trails the merged model on them are calibrated toward (its "
         "mean lead over the merge at predicting the next token of its own calibration records, log p_expert − log p_merged, "
-        "is 0 or below; on a prompt/response record only the response counts). merge (the default for FeatCal): the merged "
+        "is 0 or below even when raised by two standard errors counted over its records, so that a lead too close to 0 for "
+        "its records to tell the sign leaves the expert its records; on a prompt/response record only the response counts). "
+        "merge (the default for FeatCal): the merged "
         "model's own features and LM head, as if the merge were that expert, so that an expert behind the merge on its own "
         "text cannot pull the merge back; keep (the paper's, and RegMean's): the expert's, as for every other expert. The "
         "lead comes from the token-weight pass (the merged model and each expert run over its records once, before the layers). "
@@ -298,7 +300,7 @@ class FeatCalConfig(BaseModel):
     trailing_records: Literal["drop", "keep"] = Field(
         "drop", description="with token_weights: expert_lead, what a record weighs whose own expert predicts it worse than "
         "the merged model (its lead over the merge, summed over the record's judged tokens, is below 0) while the expert "
-        "leads on its records as a whole: drop (the default): 0, as the expert knows nothing there that the merge lacks and "
+        "teaches its own records (it is not behind the merge beyond doubt, as trailing_experts judges): drop (the default): 0, as the expert knows nothing there that the merge lacks and "
         "pulling toward it could only pull the merge back on that text (a broad expert on the kind a narrow expert beside it "
         "knows better); keep: its tokens weigh as any other's (w = ½ + ½·a/mean(a))")
     max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
