@@ -21,7 +21,7 @@ REFINE_FILE = "featcal_refine.json"
 # the token-weight pass's log line: "<name> ahead on 71% of its tokens, by 0.412 nats a token on average (net of where
 # it trails: +0.301 ± 0.052)", without the margin before it was logged; names have no ';'
 _LEAD = re.compile(r"(?:^|[:;] )([^;:]+?) ahead on \d+% of its tokens, by [-+0-9.e]+ nats a token on average "
-                   r"\(net of where it trails(?:, on its responses)?: ([-+0-9.e]+)(?: ± [0-9.e]+)?\)")
+                   r"\(net of where it trails(?:, on its responses)?: ([-+0-9.e]+)(?: ± ([0-9.e]+))?\)")
 
 _MERGED = re.compile(r"merged in (\d+) s")
 
@@ -31,7 +31,14 @@ def record_leads(log_text: str) -> dict[str, float] | None:
     lines = [line for line in log_text.splitlines() if "net of where it trails" in line]
     if not lines:
         return None
-    return {name.strip(): float(value) for name, value in _LEAD.findall(lines[-1])}
+    return {name.strip(): float(value) for name, value, _ in _LEAD.findall(lines[-1])}
+
+
+def record_lead_margins(log_text: str) -> dict[str, float] | None:
+    """Two standard errors of each expert's lead (trailing_experts' margin), where the run's log gives them."""
+    lines = [line for line in log_text.splitlines() if "net of where it trails" in line]
+    margins = {name.strip(): float(margin) for name, _, margin in _LEAD.findall(lines[-1]) if margin} if lines else {}
+    return margins or None
 
 
 def effective(weights: dict, refine: dict | None = None) -> dict:
@@ -67,6 +74,9 @@ def run_record(output: Path, logfile: Path | None = None) -> dict:
     leads = record_leads(text)
     if leads:
         out["record_leads"] = leads
+    margins = record_lead_margins(text)
+    if margins:
+        out["record_lead_margins"] = margins
     merged = _MERGED.search(text)
     if merged:  # this run merged first: the merge's own seconds, part of its wall time
         out["merge_seconds"] = float(merged.group(1))

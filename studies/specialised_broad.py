@@ -87,7 +87,7 @@ def report(args) -> None:
     for path in sorted((work / "rows").glob("*.json")):
         record = load_json(path)
         models[record["name"]] = {k: v[: SCORED["test"]] for k, v in record["scores"]["test"].items()}
-        rows_meta[record["name"]] = {k: record.get(k) for k in ("seconds", "featcal_effective", "record_leads")}
+        rows_meta[record["name"]] = {k: record.get(k) for k in ("seconds", "featcal_effective", "record_leads", "record_lead_margins")}
     merged, broad = models["merged"], models[f"expert:{BROAD}"]
     table = []
     for name, test in models.items():
