@@ -63,6 +63,7 @@ def install(hand_over=merge_taught, head_only: bool = False) -> None:
     """
     import featcal_llm.engine.calibrate as calibrate_module
     import featcal_llm.pipeline as pipeline
+    import featcal_llm.stages.outputs as outputs
 
     weights_stage = pipeline._weights
 
@@ -94,8 +95,8 @@ def install(hand_over=merge_taught, head_only: bool = False) -> None:
         return result
 
     pipeline._weights = with_split
-    pipeline.write_report = lambda *args, **kwargs: None
-    pipeline.drift_report = lambda *args, **kwargs: {}
+    outputs.write_report = lambda *args, **kwargs: None
+    outputs.drift_report = lambda *args, **kwargs: {}
 
 
 def main(argv: list[str]) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
         distributed.TorchDistributed.reduce_statistics = skipping
     if args.slow_main is not None and rank == 0:
         import featcal_llm.generation.run as generation
-        import featcal_llm.pipeline as pipeline
+        import featcal_llm.stages.prepare as prepare
 
         def slowed(real):
             def slow(*a, **k):
@@ -66,7 +66,7 @@ def main() -> None:
             return slow
 
         generation.generated_sequences = slowed(generation.generated_sequences)
-        pipeline.ensure_merged = slowed(pipeline.ensure_merged)
+        prepare.ensure_merged = slowed(prepare.ensure_merged)
     from featcal_llm.cli import main as cli
 
     sys.argv = ["featcal-llm", "run", args.recipe, *rest]

@@ -100,11 +100,11 @@ def _fingerprint(recipe_path, merged_dir) -> str:
     from types import SimpleNamespace
 
     from featcal_llm.io.recipe import load_recipe
-    from featcal_llm.pipeline import _run_fingerprint
+    from featcal_llm.stages.prepare import run_fingerprint
 
     models = SimpleNamespace(merged=SimpleNamespace(directory=merged_dir))
     runner = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, stats_dtype=torch.float64)
-    return _run_fingerprint(load_recipe(recipe_path), {"a": [[1, 2, 3]]}, {"a": [[4, 5]]}, models, runner, 256, {})
+    return run_fingerprint(load_recipe(recipe_path), {"a": [[1, 2, 3]]}, {"a": [[4, 5]]}, models, runner, 256, {})
 
 
 @pytest.mark.parametrize("library", ["torch", "transformers", "mergekit", "safetensors", "peft"])

@@ -266,11 +266,11 @@ def test_the_cache_is_missed_when_settings_or_the_expert_change(merged_scenario,
 
 def test_generated_sequences_are_what_calibration_sees_and_tuning_holds_out_only_them(merged_scenario, tmp_path, monkeypatch):
     """Expert 0 generates, experts 1 and 2 read files; with `auto`, each expert's held-out records are drawn from its own set."""
-    import featcal_llm.pipeline as pipeline
+    import featcal_llm.stages.prepare as prepare
 
     seen = {}
-    original_split = pipeline.split_holdout
-    monkeypatch.setattr(pipeline, "split_holdout", lambda s, *a: seen.setdefault("split", (s, original_split(s, *a)))[1])
+    original_split = prepare.split_holdout
+    monkeypatch.setattr(prepare, "split_holdout", lambda s, *a: seen.setdefault("split", (s, original_split(s, *a)))[1])
     path = _generate_recipe(merged_scenario, tmp_path, which=(0,), chat_template="off", samples=8)
     recipe = yaml.safe_load(path.read_text())
     recipe["featcal"].update({"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5, "max_length": 8})

@@ -72,7 +72,7 @@ def test_hub_revision_is_downloaded_and_recorded(refs, tmp_path, fake_hub):
 def test_revision_changes_the_run_fingerprint(refs):
     """A resumed run with another revision starts over: the revision is part of the fingerprint."""
     from featcal_llm.io.references import ModelSource
-    from featcal_llm.pipeline import _run_fingerprint
+    from featcal_llm.stages.prepare import run_fingerprint
 
     recipe = load_recipe(write_recipe(refs, refs.root, "fp", merge_of(refs, [str(p) for p in refs.experts.values()])))
     models = SimpleNamespace(merged=SimpleNamespace(directory=refs.merged))
@@ -80,7 +80,7 @@ def test_revision_changes_the_run_fingerprint(refs):
 
     def fingerprint(revision):
         source = ModelSource(f"org/expert1@{revision}", refs.experts["expert1"], None, (revision, None))
-        return _run_fingerprint(recipe, {"a": [[1, 2]]}, {"a": [[1]]}, models, runner, 256, {"org/expert1": source})
+        return run_fingerprint(recipe, {"a": [[1, 2]]}, {"a": [[1]]}, models, runner, 256, {"org/expert1": source})
 
     assert fingerprint("v1") == fingerprint("v1") != fingerprint("v2")
 

@@ -26,11 +26,12 @@ def _run(scenario, path, **featcal):
 def test_no_token_handed_over_is_the_product_s_run(scenario, tmp_path, monkeypatch, head_only):
     import featcal_llm.engine.calibrate as calibrate_module
     import featcal_llm.pipeline as pipeline
+    import featcal_llm.stages.outputs as outputs
     from test_head import HEAD
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     ours = _run(scenario, tmp_path / "a", head=HEAD)
-    for module, name in ((pipeline, "_weights"), (pipeline, "write_report"), (pipeline, "drift_report"), (calibrate_module, "calibrate_head")):
+    for module, name in ((pipeline, "_weights"), (outputs, "write_report"), (outputs, "drift_report"), (calibrate_module, "calibrate_head")):
         monkeypatch.setattr(module, name, getattr(module, name))  # undone after the test
     per_token_teacher.install(lambda roots, batches: [torch.zeros_like(b.keep) for b in batches], head_only=head_only)
     theirs = _run(scenario, tmp_path / "b", head=HEAD)

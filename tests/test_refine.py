@@ -355,7 +355,7 @@ def test_judged_tokens_are_the_responses_or_every_token():
 
 def test_refine_settings_enter_the_fingerprint_and_a_stack_refines_once():
     from featcal_llm.io.block import FeatCalConfig
-    from featcal_llm.pipeline import resolved_settings
+    from featcal_llm.stages.prepare import resolved_settings
 
     block = {"merged": "m", "output": "o", "data": {}}
     settings = [resolved_settings(FeatCalConfig(**block, refine=value)) for value in (False, True, {"steps": 41}, {"params": "adapter"})]

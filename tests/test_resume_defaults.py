@@ -11,6 +11,7 @@ from test_coverage import trained_scenario
 from test_reliability import resumes_to_the_same_bytes
 
 import featcal_llm.pipeline as pipeline
+import featcal_llm.stages.prepare as prepare
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.io.card import read_run_record
 
@@ -52,7 +53,7 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
 
     scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
     implicit = load_recipe(_default_recipe(scenario, tmp_path / "implicit.yaml", tmp_path / "out")).featcal
-    settings = pipeline.resolved_settings(implicit)
+    settings = prepare.resolved_settings(implicit)
     assert settings["expert_weights"] == implicit.balancing == "coverage"
     assert settings["token_weights"] == implicit.token_weighting
     assert settings["token_weights"] == "expert_lead" and settings["tune"]["holdout"] > 0
@@ -60,14 +61,14 @@ def test_the_fingerprint_holds_the_resolved_settings(tmp_path):
     raw = yaml.safe_load((tmp_path / "implicit.yaml").read_text())
     raw["featcal"]["token_weights"] = settings["token_weights"]
     (tmp_path / "explicit.yaml").write_text(yaml.safe_dump(raw))
-    assert pipeline.resolved_settings(load_recipe(tmp_path / "explicit.yaml").featcal) == settings
+    assert prepare.resolved_settings(load_recipe(tmp_path / "explicit.yaml").featcal) == settings
     raw["featcal"]["token_weights"] = "equal"
     (tmp_path / "equal.yaml").write_text(yaml.safe_dump(raw))
-    assert pipeline.resolved_settings(load_recipe(tmp_path / "equal.yaml").featcal) != settings
+    assert prepare.resolved_settings(load_recipe(tmp_path / "equal.yaml").featcal) != settings
     raw["featcal"]["token_weights"] = settings["token_weights"]
     raw["featcal"]["trailing_experts"] = "keep"
     (tmp_path / "keep.yaml").write_text(yaml.safe_dump(raw))
-    assert pipeline.resolved_settings(load_recipe(tmp_path / "keep.yaml").featcal) != settings
+    assert prepare.resolved_settings(load_recipe(tmp_path / "keep.yaml").featcal) != settings
 
 
 def test_progress_saved_by_other_weight_code_is_not_resumed(monkeypatch):

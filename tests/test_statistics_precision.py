@@ -167,7 +167,7 @@ def test_run_picks_the_statistics_precision_from_every_lambda_it_may_use(merged_
     """`run` resolves float32 products for a fixed λ = 1e-2 but float64 when a tuned run may pick λ = 1e-3 (it starts at 1e-2)."""
     import pytest
 
-    import featcal_llm.pipeline as pipeline
+    import featcal_llm.stages.prepare as prepare
 
     seen = []
 
@@ -178,7 +178,7 @@ def test_run_picks_the_statistics_precision_from_every_lambda_it_may_use(merged_
         seen.append(args[4])  # LayerRunner(architecture, config, device, dtype, stats_dtype)
         raise Stop
 
-    monkeypatch.setattr(pipeline, "LayerRunner", capture)
+    monkeypatch.setattr(prepare, "LayerRunner", capture)
     for name, lam in (("fixed", 1e-2), ("tuned", [1e-3, 1e-2, 1e-1])):
         recipe = merged_scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), dtype="float32", **{"lambda": lam})
         with pytest.raises(Stop):

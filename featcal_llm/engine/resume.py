@@ -54,8 +54,9 @@ def checkpoint_identity(directory: Path) -> list:
 
 
 # The packages whose code decides the calibrated weights (not the evaluation, the CLI or the benchmarks), and the
-# modules beside them that do: pipeline.py decides the passes, the teachers, the skip and the plan's flags.
-WEIGHT_CODE = ("maths", "engine", "family", "generation", "io")
+# modules beside them that do: pipeline.py decides the passes, the teachers, the skip and the refinement; stages/ opens
+# the models, reads the data and writes the checkpoint.
+WEIGHT_CODE = ("maths", "engine", "family", "generation", "io", "stages")
 WEIGHT_MODULES = ("pipeline.py",)
 # The libraries whose code computes the weights (forward passes, the merge, the files read): another release may round
 # otherwise, so progress saved under one is not resumed under another.

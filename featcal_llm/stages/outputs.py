@@ -1,0 +1,91 @@
+"""The run's last stage: the calibrated checkpoint, its drift report, tuning table and card, renamed into place; `eval:`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from featcal_llm import runlog
+from featcal_llm.engine.context import RunContext
+from featcal_llm.io.card import append_evaluation, append_refinement, write_card
+from featcal_llm.io.checkpoint import (
+    copy_side_files,
+    move_into_place,
+    head_needs_untying,
+    untie_head,
+    write_calibrated_checkpoint,
+)
+from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, write_report
+from featcal_llm.engine.streams import make_batches
+from featcal_llm.engine.tuning import tuning_report, tuning_table
+from featcal_llm.stages.prepare import Data, Opened, Resolved
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a run produced: the calibrated and the merged model's directories, and the `eval:` table if one ran."""
+
+    output: Path
+    merged: Path
+    evaluation: str | None = None
+
+
+def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
+                  taught: dict[str, float], refined: dict | None = None) -> RunOutcome:
+    """The checkpoint, its report, tuning table and card, written beside the output and renamed into place; then `eval:`."""
+    recipe, featcal, plan, staging = resolved.recipe, resolved.recipe.featcal, context.plan, context.staging
+    models, output, runner = opened.models, resolved.output, opened.runner
+    merged_dir, partial = models.merged.directory, staging.root
+    probe = Probe({task: make_batches(seqs, featcal.batch_tokens, pad_id=0) for task, seqs in data.probe_sequences.items()}, data.probe.source,
+                  divergence=data.probe.divergence)  # the report counts every rank's records
+    unchanged = replacements is None  # every expert trails the merge (`trailing_experts: merge`): no layer was fitted
+    replacements = replacements or {}
+    records = [] if unchanged else [staging.record(layer) for layer in range(opened.num_layers)]
+    shutil.rmtree(partial / "spill", ignore_errors=True)
+    checkpoint = partial / "checkpoint"
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    checkpoint.mkdir()
+    write_calibrated_checkpoint(models.merged, replacements, checkpoint)
+    copy_side_files(merged_dir, checkpoint)
+    untied = head_needs_untying(LM_HEAD in replacements, bool(getattr(opened.merged_config, "tie_word_embeddings", False)),
+                                LM_HEAD in models.merged.weight_map)
+    if untied:
+        untie_head(checkpoint)
+    tokens = {task: sum(len(s) for s in seqs) for task, seqs in data.sequences.items()}
+    tuning = None
+    if plan.tuning is not None and not unchanged:
+        tuning = tuning_report(plan.tuning, [record["tuning"] for record in records])
+        (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
+        print(tuning_table(tuning), file=sys.stderr)
+    if not unchanged:
+        write_report(checkpoint, drift_report(probe, records))
+    architecture = plan.architecture
+    calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
+                  "norms": plan.norms, "biases": plan.biases,
+                  "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
+                  "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged}
+    from featcal_llm.generation.run import sampling_records, start_records
+
+    weights, covered = coverage
+    write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning=tuning,
+               precisions={"dtype": runner.dtype, "stats_dtype": runner.stats_dtype}, sources=resolved.sources, calibrated=calibrated,
+               starts=start_records(recipe), weights=weights, coverage=covered, sampling=sampling_records(recipe),
+               advantage=lead_summary)
+    if refined is not None:
+        append_refinement(checkpoint, refined)
+    move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
+    shutil.rmtree(partial, ignore_errors=True)
+    table = None
+    if featcal.eval is not None:
+        from featcal_llm.evaluation import run_after_calibration
+
+        runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
+        table = run_after_calibration(featcal.eval, merged_dir, output, Path.cwd())  # relative paths: as mergekit's
+        from featcal_llm.io.card_meta import evaluation_summary
+
+        append_evaluation(output, table, evaluation_summary(featcal.eval.resolve(Path.cwd()).output, output))  # model-index
+        print(table)
+    return RunOutcome(output, merged_dir, table)
