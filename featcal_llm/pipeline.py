@@ -152,7 +152,7 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
 
     featcal = resolved.recipe.featcal
     calibrated = [task for task in data.sequences if context.plan.task_weight(task) > 0]  # weight 0: merged in, not calibrated toward
-    job = RefineJob(featcal.refine, featcal.dtype, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
+    job = RefineJob(featcal.refine, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
                     context.models.experts, taught, replacements, {t: data.sequences[t] for t in calibrated},
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress)

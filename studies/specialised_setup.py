@@ -28,6 +28,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal paper rule": paper_rule(),
     "featcal defaults + refine": {"refine": True},
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
+    "featcal defaults + refine, adapter, float32": {"refine": {"params": "adapter", "precision": "float32"}},
     "featcal defaults + refine, full": {"refine": {"params": "full"}},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
     "featcal defaults, rho 1": {"rho": 1.0},

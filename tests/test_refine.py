@@ -65,6 +65,7 @@ def test_topk_kl_gradient_is_finite_when_k_is_the_vocabulary():
     ({"lr": -1}, "featcal.refine.lr: Input should be greater than 0"),
     ({"top_k": 0}, "featcal.refine.top_k: Input should be greater than or equal to 1"),
     ({"params": "lora"}, "featcal.refine.params:"),
+    ({"precision": "float16"}, "featcal.refine.precision:"),
     ("yes", "featcal.refine: expected true, false or a mapping"),
 ])
 def test_bad_refine_keys_are_one_line(tmp_path, value, message):
@@ -94,7 +95,8 @@ def test_refine_true_takes_the_defaults_and_holds_records_out(tmp_path):
 
 # ---- the stage end to end on a tiny merge -------------------------------------------------------------------------
 
-REFINE = {"steps": 6, "eval_every": 2, "patience": 2, "lr": 3e-4, "batch_records": 8, "params": "full", "top_k": 128}
+REFINE = {"steps": 6, "eval_every": 2, "patience": 2, "lr": 3e-4, "batch_records": 8, "params": "full", "top_k": 128,
+          "precision": "float32"}  # the same numbers on every CPU (auto picks bf16 where the CPU has AVX512-BF16 or AMX)
 
 
 def kind_texts(kind: int, count: int) -> list[str]:
@@ -281,16 +283,16 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     import featcal_llm.engine.refine as refine_module
 
     settings = {**REFINE, "steps": 4, "eval_every": 4}
-    fp32 = run(far_scenario, "fp32", refine=settings)
+    fp32 = run(far_scenario, "fp32", refine={**settings, "precision": "float32"})
     refine = refine_module.refine
 
     def in_bf16(job):
-        job.requested_dtype, job.compute_dtype = "bfloat16", torch.bfloat16
+        job.compute_dtype = torch.bfloat16  # the GPU path's compute dtype: the teachers (and an adapter's frozen weights) in bf16
         return refine(job)
 
     with monkeypatch.context() as patch:
         patch.setattr(refine_module, "refine", in_bf16)
-        bf16 = run(far_scenario, "bf16", refine=settings)
+        bf16 = run(far_scenario, "bf16", refine={**settings, "precision": "bfloat16"})
     closed = closed_form
     reports = [json.loads((path / "featcal_refine.json").read_text()) for path in (fp32, bf16)]
     assert reports[0]["autocast"] == "None" and reports[1]["autocast"] == "torch.bfloat16"
@@ -300,6 +302,20 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     update = torch.cat([(a[name] - start[name]).flatten() for name in start])
     difference = torch.cat([(b[name] - a[name]).flatten() for name in start])
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
+
+
+def test_precision_auto_is_bf16_autocast_where_the_device_computes_it_natively(monkeypatch):
+    """refine.precision: float32 masters always (float64 in a float64 run); bf16 autocast when asked, or under auto where
+    the device has native bf16 (probed: a CPU's oneDNN bf16 support, a GPU's), never float16."""
+    import featcal_llm.engine.refine as refine_module
+
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(refine_module, "native_bf16", lambda device, native=native: native)
+        assert refine_module.refine_dtypes("auto", torch.float32, cpu) == (torch.float32, torch.bfloat16 if native else None)
+        assert refine_module.refine_dtypes("bfloat16", torch.float16, cpu) == (torch.float32, torch.bfloat16)
+        assert refine_module.refine_dtypes("float32", torch.bfloat16, cpu) == (torch.float32, None)
+        assert refine_module.refine_dtypes("bfloat16", torch.float64, cpu) == (torch.float64, None)
 
 
 def test_memory_model_is_an_upper_bound_of_a_measured_cpu_run(tmp_path):
@@ -323,11 +339,11 @@ def test_memory_model_at_8b_fits_40_gb():
     assert resolve_params("auto", 135 * 10**6, 16 * 2**30) == "full"
     memory = refine_memory(shape, "adapter", 16, 8192, 2048, 64, 3 * 256 * 2048, 2, cpu=False)
     assert memory["peak"] <= 40 * 10**9
-    assert round(memory["peak"] / 2**30, 1) == 31.9
+    assert round(memory["peak"] / 2**30, 1) == 33.0
 
 
 def test_validate_plans_the_refine_stage():
-    """`validate`'s memory plan gains a refine line: the memory model at the recipe's shapes (8B: adapter, 34.3 GB)."""
+    """`validate`'s memory plan gains a refine line: the memory model at the recipe's shapes (8B: adapter, 35.4 GB)."""
     from featcal_llm.benchmark.estimate import memory_plan
     from featcal_llm.io.block import FeatCalConfig
 
@@ -336,7 +352,7 @@ def test_validate_plans_the_refine_stage():
     data = {f"e{i}": {"path": f"d{i}.jsonl"} for i in range(3)}
     block = {"merged": "m", "output": "o", "data": data, "device": "cuda", "max_length": 2048}
     lines = memory_plan(config, FeatCalConfig(**block, refine=True), 3, True).lines()
-    assert lines[-1] == "  refine      ~34.3 GB GPU peak (params adapter, rank 16; ~5.2 GB more on the host; docs/refine.md)"
+    assert lines[-1] == "  refine      ~35.4 GB GPU peak (params adapter, rank 16; ~5.2 GB more on the host; docs/refine.md)"
     assert not any("refine" in line for line in memory_plan(config, FeatCalConfig(**block), 3, True).lines())
 
 

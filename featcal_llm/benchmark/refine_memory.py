@@ -167,13 +167,15 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
                               batch_records=4 if cpu else 8, lr=1e-4)
             projections = frozenset(f"{part}.{p}" for part, ps in (("self_attn", "q_proj k_proj v_proj o_proj"),
                                                                    ("mlp", "gate_proj up_proj down_proj")) for p in ps.split())
-            job = RefineJob(spec, "float32" if cpu else "bfloat16", 0, batch_tokens, config,
+            job = RefineJob(spec, 0, batch_tokens, config,
                             CheckpointReader(root / "merged", "merged model"), readers, {}, {}, train, held, projections,
                             where, dtype, StagingArea(root / "staging", "memory"))
             judged = sum(len(row) - 1 for rows in sequences.values() for row in rows)
             shape = Shape.of(config, tied=False)
             resolved = stage.resolve_params(params, shape.parameters(), stage.device_memory(where))
-            predicted = refine_memory(shape, resolved, rank, min(batch_tokens, 8192), length, top_k, judged, 4 if cpu else 2, cpu=cpu)
+            autocast = stage.refine_dtypes(spec.precision, dtype, where)[1] is not None
+            predicted = refine_memory(shape, resolved, rank, min(batch_tokens, 8192), length, top_k, judged, 4 if cpu else 2, cpu=cpu,
+                                      autocast=autocast)
             if not cpu:
                 torch.cuda.reset_peak_memory_stats()
             with PeakResident() as resident:

@@ -77,14 +77,26 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def refine_dtypes(requested: str, compute: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(master dtype of trained weights, autocast dtype or None). float32 masters under bf16 autocast on GPUs (float16 too:
-    its gradients would need loss scaling); on a CPU float32 unless featcal.dtype asks for less (then autocast to it)."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively: a GPU that supports it, or a CPU with AVX512-BF16 or AMX (oneDNN's
+    bf16 kernels); elsewhere bf16 autocast is emulated and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def refine_dtypes(precision: str, compute: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(master dtype of trained weights, autocast dtype or None) for `refine.precision`: float32 masters under bf16
+    autocast (never float16: its gradients would need loss scaling), or float32 throughout; a float64 run stays float64
+    (the exactness tests)."""
     if compute == torch.float64:
         return torch.float64, None
-    if device.type == "cpu" and requested == "auto":
-        return torch.float32, None
-    if compute in (torch.bfloat16, torch.float16):
+    if precision == "bfloat16" or (precision == "auto" and native_bf16(device)):
         return torch.float32, torch.bfloat16
     return torch.float32, None
 
@@ -94,7 +106,6 @@ class RefineJob:
     """What the stage needs from the run: the spec, the checkpoints, the closed form's tensors, the records, the device."""
 
     spec: Any  # io/block.RefineSpec
-    requested_dtype: str  # featcal.dtype as written
     seed: int
     batch_tokens: int
     config: Any  # the merged model's config
@@ -263,7 +274,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     parameters = sum(math.prod(shape) for shape, _ in job.merged.layout().values())
     params = resolve_params(spec.params, parameters, device_memory(job.device))
     lr = spec.learning_rate(params)
-    master, autocast = refine_dtypes(job.requested_dtype, job.compute_dtype, job.device)
+    master, autocast = refine_dtypes(spec.precision, job.compute_dtype, job.device)
     records = {task: list(job.train[task]) + list(job.held_out.get(task, [])) for task in job.train}
     train_keys = [(task, i) for task in job.train for i in range(len(job.train[task]))]
     held_keys = {task: [(task, len(job.train[task]) + i) for i in range(len(job.held_out.get(task, [])))] for task in job.train}

@@ -5,9 +5,10 @@ run at small shapes. Every part is an upper estimate of what PyTorch allocates f
 
 - frozen weights: the parameters that do not train, in the compute dtype;
 - trained weights: 16 bytes a trained parameter (float32 master, gradient, AdamW's two moments);
+- autocast copies: under bf16 autocast, 2 bytes a trained parameter (its bf16 cast, cached through the forward);
 - saved states: the best state and the copy saved at each check, float32 (host memory; the device's own on a CPU);
 - activations: with checkpointing, each decoder layer's input for a micro-batch (`batch_tokens` padded tokens) kept in
-  the activation dtype, plus one layer recomputed in the backward (its projections' outputs and their gradients) and
+  the activation dtype (bf16 under autocast, else the compute dtype), plus one layer recomputed in the backward (its projections' outputs and their gradients) and
   the attention scores of one layer in float32 (the math kernel's worst case);
 - logits: one chunk of the judged tokens' logits in float32 and four buffers of its size (log-softmax, the masked copy
   for the rest's mass, their gradients);
@@ -79,23 +80,24 @@ def logit_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
 
 
 def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, record_length: int, top_k: int, judged_tokens: int,
-                  compute_bytes: int, cpu: bool) -> dict[str, int]:
-    """Bytes by part at the stage's peak (see the module's docstring); `peak` is the device's, `host` the host's extra."""
+                  compute_bytes: int, cpu: bool, autocast: bool = True) -> dict[str, int]:
+    """Bytes by part at the stage's peak (see the module's docstring); `peak` is the device's, `host` the host's extra.
+    `autocast`: the student computes under bf16 autocast (refine.precision; engine/refine.refine_dtypes)."""
     total = shape.parameters()
     if params == "full":
         trained, frozen = total, 0
-        activation_bytes = compute_bytes
     else:
         head = shape.embedding()
         trained = shape.lora_parameters(rank) + shape.one_dimensional() + head
         frozen = total - head - shape.one_dimensional()
-        activation_bytes = compute_bytes
+    activation_bytes = 2 if autocast else compute_bytes
     tokens = batch_tokens
     rows = max(1, tokens // max(record_length, 1))
     layer_outputs = tokens * (shape.hidden * 4 + shape.head_dim * (shape.heads * 2 + shape.kv_heads * 2) + shape.intermediate * 3)
     parts = {
         "frozen weights": frozen * compute_bytes,
         "trained weights + gradients + AdamW": trained * 16,
+        "autocast copies": trained * 2 if autocast else 0,
         "activations": (shape.layers * tokens * shape.hidden * activation_bytes + 2 * layer_outputs * max(activation_bytes, 4)
                         + rows * shape.heads * record_length * record_length * 4),
         "logits": 5 * min(logit_chunk(shape.vocab), tokens) * shape.vocab * 4,
@@ -109,6 +111,15 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
             "peak": peak, "host": (0 if cpu else saved + store)}
 
 
+def cpu_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 natively (engine/refine.native_bf16 on the CPU)."""
+    import torch
+
+    from featcal_llm.engine.refine import native_bf16
+
+    return native_bf16(torch.device("cpu"))
+
+
 def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tokens: int, cpu: bool, memory: float) -> str:
     """`validate`'s memory-plan line for `refine:` (config.json as a dict; `memory`: the device's bytes)."""
     heads = config["num_attention_heads"]
@@ -116,7 +127,9 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
                   config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
                   config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")))
     params = resolve_params(refine.params, shape.parameters(), int(memory))
-    bytes_ = refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k, tokens, 4 if cpu else 2, cpu)
+    autocast = refine.precision == "bfloat16" or (refine.precision == "auto" and (not cpu or cpu_bf16()))
+    bytes_ = refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k, tokens, 4 if cpu else 2, cpu,
+                           autocast)
     where = "RAM" if cpu else "GPU"
     return (f"  refine      ~{bytes_['peak'] / 1e9:.1f} GB {where} peak (params {params}"
             + (f", rank {refine.rank}" if params == "adapter" else "") + (f"; ~{bytes_['host'] / 1e9:.1f} GB more on the host" if not cpu else "")

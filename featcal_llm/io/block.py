@@ -242,6 +242,10 @@ class RefineSpec(BaseModel):
     top_k: int = Field(64, ge=1, description="teacher tokens kept per position; the rest is one bin, so the KL stays exact over k + 1 bins")
     warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over, then a cosine down to a tenth of the peak")
     max_grad_norm: float = Field(1.0, gt=0, description="gradients clipped to this global norm")
+    precision: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="what the student computes in (master weights and AdamW's state stay float32; a float64 run "
+        "refines in float64): bfloat16 autocast, or float32 throughout; auto: bfloat16 where the device computes it natively "
+        "(a GPU with bf16, a CPU with AVX512-BF16 or AMX: 2-3x faster than float32 there), else float32")
 
     def learning_rate(self, params: str) -> float:
         """The peak learning rate for the resolved `params` (full or adapter)."""
