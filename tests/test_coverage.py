@@ -50,7 +50,7 @@ def full_model_nll(model, sequences: list[list[int]]) -> float:
 
 def card_front(output) -> dict:
     """The card's front matter, with the run's record (featcal_weights.json) under `featcal`, rounded as a card shows it."""
-    from featcal_llm.io.card import read_run_record
+    from featcal_llm.io.run_record import read_run_record
     from featcal_llm.io.card_meta import rounded
 
     return yaml.safe_load((output / "README.md").read_text().split("---")[1]) | {"featcal": rounded(read_run_record(output))}

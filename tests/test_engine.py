@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.tiny import build_char_tokenizer, save_model
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 
 def test_batching_and_padding_do_not_change_the_result(scenario, tmp_path):

@@ -433,7 +433,7 @@ def test_unquoted_yaml_switches_and_per_expert_streams(merged_scenario, tmp_path
 def test_the_saved_recipe_spells_out_the_sampling_and_replays_the_same_samples(merged_scenario, tmp_path, count_samplers, monkeypatch):
     """featcal_recipe.yml writes out each `generate:` expert's sampling settings, so its replay reuses the very samples
     (and gives the same weights) even under a later version whose sampling defaults differ; file-backed experts stay as written."""
-    from featcal_llm.io.card import PINNED_SAMPLING
+    from featcal_llm.io.saved_recipe import PINNED_SAMPLING
     from featcal_llm.io.recipe import load_recipe
 
     path = _generate_recipe(merged_scenario, tmp_path, which=(0, 1), chat_template="off")
@@ -465,7 +465,7 @@ def test_the_saved_recipe_spells_out_the_sampling_and_replays_the_same_samples(m
 
 def test_writing_out_the_sampling_keeps_what_the_recipe_says_and_a_replay_header():
     """Given keys win over resolved ones; a bare `generate:` gets a mapping; a tuned run's replay header survives."""
-    from featcal_llm.io.card import PINNED_SAMPLING, REPLAY_HEADER, SAMPLING_HEADER, with_sampling_pinned
+    from featcal_llm.io.saved_recipe import PINNED_SAMPLING, REPLAY_HEADER, SAMPLING_HEADER, with_sampling_pinned
 
     text = "models: []\nfeatcal:\n  data:\n    a: {generate: {temperature: 0.2}}\n    b: {generate: null}\n    c: {path: c.jsonl}\n"
     resolved = dict(zip(PINNED_SAMPLING, (16, 0.7, 1.0, 0.0, 3, 32), strict=True))

@@ -14,7 +14,7 @@ import yaml
 
 from featcal_llm.generation import alike, choose, run as generation_run
 from featcal_llm.generation.store import GENERATED_DIR
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 from studies.tiny_kinds import build_kinds, kinds_recipe
 from test_bad_input import assert_refused_in_one_line
 from test_generate import _generate_only

@@ -10,7 +10,7 @@ from reference import brute_force_featcal, brute_force_head
 from test_exactness import TOLERANCE, calibration_sequences, delta_error, load, read_weights
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 from featcal_llm.pipeline import run_recipe
 
 HEAD = {"lambda": 1e-3, "alpha": 0.7, "rho": 0.4}

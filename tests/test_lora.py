@@ -24,7 +24,7 @@ from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name → LoraConfig settings and how the expert is written in the recipe

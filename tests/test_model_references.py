@@ -13,14 +13,13 @@ from types import SimpleNamespace
 import huggingface_hub
 import pytest
 import torch
-import yaml
 from test_exactness import read_weights
 from test_recipe_forms import refused, write_recipe
 
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 from scenario import build_scenario
 
 TABLE = "| model | ARC-C |\n|---|---|\n| merged | 21.0 |\n| calibrated | 23.5 |\n"

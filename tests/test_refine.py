@@ -7,7 +7,6 @@ a gap for the gradient steps to close); each run is a few seconds of CPU.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

@@ -14,7 +14,7 @@ import featcal_llm.engine.tuned as tuned_module
 from featcal_llm.engine.tuning import Search, coordinate_search
 from featcal_llm.maths.regmean import RegMeanSetting
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 CANDIDATES = [0.2, 0.5, 0.9]
 

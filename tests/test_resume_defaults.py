@@ -3,9 +3,7 @@ holds the settings the run used, not the keys as written."""
 
 from __future__ import annotations
 
-import json
 
-import pytest
 import yaml
 from test_coverage import trained_scenario
 from test_reliability import resumes_to_the_same_bytes
@@ -13,7 +11,7 @@ from test_reliability import resumes_to_the_same_bytes
 import featcal_llm.pipeline as pipeline
 import featcal_llm.stages.prepare as prepare
 from featcal_llm.io.recipe import load_recipe
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 
 def _default_recipe(scenario, path, output):

@@ -15,7 +15,7 @@ from test_exactness import read_weights
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.pipeline import run_recipe
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 FEATCAL = {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0}
 

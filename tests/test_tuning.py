@@ -19,7 +19,7 @@ from featcal_llm.maths.solve import RidgeSolver, anchor
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.maths.stats import GroupStatistics
 from featcal_llm.engine.tuning import AUTO, Search, coordinate_search, split_holdout
-from featcal_llm.io.card import read_run_record
+from featcal_llm.io.run_record import read_run_record
 
 SINGLE = {"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5}  # two candidates: a search (one would be a fixed value)
 

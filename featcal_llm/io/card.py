@@ -1,4 +1,4 @@
-"""The calibrated checkpoint's model card, its run record and saved recipe.
+"""The calibrated checkpoint's model card (its run record: run_record.py; its saved recipe: saved_recipe.py).
 
 The card is written to be published: its front matter holds what the Hub reads
 (card_meta.py), its body says in words what was done; models given by local
@@ -20,8 +20,9 @@ import yaml
 from featcal_llm import __version__
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
 from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
+from featcal_llm.io.saved_recipe import RECIPE_FILE, saved_recipe
 
-RECIPE_FILE = "featcal_recipe.yml"
 SYMBOLS = {"lambda": "λ", "alpha": "α", "rho": "ρ", "reduction": "r", "eps": "eps"}
 METHOD_TEXT = {
     "featcal": "FeatCal feature calibration (Gu et al., 2026)",
@@ -35,7 +36,6 @@ HOW_TEXT = {
                "Grams G_i of their calibration inputs; {rest} are the merged model's.",
 }
 USAGE_ID = 'model_id = "'  # the usage snippet's line that --push-to-hub points at the Hub repository
-WEIGHTS_FILE = "featcal_weights.json"  # the expert and token weights at full precision (the card rounds them)
 
 
 EVAL_HEADING = "## Evaluation"
@@ -152,51 +152,6 @@ def point_usage_at(directory: Path, repo_id: str) -> None:
     card.write_text("".join(f'{USAGE_ID}{repo_id}"\n' if line.startswith(USAGE_ID) else line for line in lines), encoding="utf-8")
 
 
-REPLAY_HEADER = (
-    "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
-    "# (featcal_tuning.json) and the precisions it resolved. Running it again replays them, without a search.\n"
-)
-
-
-def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]) -> str:
-    """The recipe with lambda/alpha/rho as {per_layer: winners}, the held-out share explicit and `auto` precisions pinned."""
-    raw = yaml.safe_load(recipe.text)
-    block = raw["featcal"]
-    for key in tuning["chosen"]:
-        block[key] = {"per_layer": list(tuning["chosen"][key])}
-    block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
-    for key, dtype in precisions.items():
-        if block.get(key, "auto") == "auto":
-            block[key] = str(dtype).removeprefix("torch.")
-    return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
-
-
-PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "min_p", "seed", "batch_size")  # what a default change could move
-SAMPLING_HEADER = (
-    "# Written by featcal-llm: the recipe as run, with the sampling settings each `generate:` expert used written out,\n"
-    "# so that running it again draws the same samples (and reuses them) whatever a later version's defaults are.\n"
-)
-
-
-def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
-    """The recipe text with each `generate:` expert's resolved sampling settings (`sampling`: name → settings) explicit."""
-    if not sampling:
-        return text
-    raw = yaml.safe_load(text)
-    for name, settings in sampling.items():
-        spec = raw["featcal"]["data"][name]
-        if not isinstance(spec.get("generate"), dict):  # `generate:` written bare
-            spec["generate"] = {}
-        generate = spec["generate"]
-        for key in PINNED_SAMPLING:
-            generate.setdefault(key, settings[key])
-    if text.startswith(REPLAY_HEADER):  # a tuned run's replay: its header stays (loading the YAML drops comments)
-        header = REPLAY_HEADER + "# The sampling settings of each `generate:` expert are written out as well.\n"
-    else:
-        header = SAMPLING_HEADER
-    return header + yaml.safe_dump(raw, sort_keys=False)
-
-
 # what the card's settings list calls each resolved setting (featcal_weights.json keeps the keys)
 SETTING_TEXT = {
     "samples": "calibration records per expert, at most",
@@ -220,24 +175,6 @@ LEAD_NOTE = ("\nAn expert's *mean positive lead* is max(0, log p_expert − log 
              "its *net lead*: behind only where it stays at or below 0 when raised by two standard errors counted over its "
              "records (the ± margin).\n")
 TRAILING_TEXT = {"merge": "the merged model (`merge`)", "keep": "the expert itself (`keep`)"}
-# featcal_weights.json's legend: what its less obvious keys hold
-ABOUT = {
-    "expert_lead": "per expert, over the predictions of its calibration records: tokens_ahead, the share where it predicts "
-                   "the next token better than the merged model; mean_positive_lead, the mean of max(0, log p_expert - "
-                   "log p_merged) in nats (where it trails counts as 0): what its tokens' weights (token_weights: "
-                   "expert_lead) came from; net_lead, the signed mean lead over its judged tokens, and net_lead_margin, "
-                   "two standard errors of it counted over its records: the merge teaches its records (trailing_experts: "
-                   "merge) only where net_lead + net_lead_margin <= 0; records_dropped of its records (trailing_records: "
-                   "drop) weighed 0",
-    "taught_by_merge": "per expert that trails the merge on its own records beyond two standard errors: its mean signed lead log p_expert - "
-                       "log p_merged in nats (below 0) over its judged tokens (the responses of prompt/response records, "
-                       "every token of plain and generated text); the merged model taught those records (trailing_experts: merge)",
-    "coverage_nll": "model (the base under base) -> expert whose records -> mean NLL in nats: what the coverage expert "
-                    "weights came from",
-    "expert_weights": "each expert's weight in the objective as the run used it",
-}
-
-
 def human(value: Any) -> str:
     """A resolved value as a sentence reads it: no Python reprs (booleans as yes/no, lists and mappings spelled out)."""
     if isinstance(value, bool):
@@ -271,17 +208,6 @@ def settings_lines(settings: dict[str, Any]) -> str:
     return "\n".join(f"- {SETTING_TEXT.get(key, key)}: {_setting_text(key, value)}" for key, value in rounded(settings).items())
 
 
-def _json_ready(value: Any) -> Any:
-    """The run record as JSON holds it: tuples as lists, anything else unknown as its text."""
-    if isinstance(value, dict):
-        return {str(key): _json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def write_card(
     directory: Path, recipe: Recipe, merged: str, tokens: dict[str, int], *, tuning: dict | None = None,
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
@@ -309,7 +235,6 @@ def write_card(
     """
     featcal = recipe.featcal
     unchanged = bool((calibrated or {}).get("unchanged"))  # every expert trails the merge: the weights are the merge's
-    saved = recipe.text
     if tuning is None:
         given = featcal.model_dump(mode="json", by_alias=True)
         hyper = {key: value if given.get(key) is None else given[key] for key, value in featcal.hyper_values().items()} | {"eps": featcal.eps}
@@ -325,13 +250,7 @@ def write_card(
             + "\n".join(f"- {SYMBOLS[key]}: {human(rounded(chosen))}" for key, chosen in tuning["chosen"].items())
             + "\n\nMost common: " + ", ".join(f"{SYMBOLS[key]} = {value:g}" for key, value in common.items()) + f"; eps = {featcal.eps:g}"
         )
-        saved = replay_text(recipe, tuning, precisions or {})
-    saved = with_sampling_pinned(saved, sampling or {})
     starts = starts or {}
-    if starts:
-        saved = saved.rstrip("\n") + "\n" + "".join(
-            f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
-        )
     base = str(recipe.base)
     names = public_names([base, merged, *(expert.name for expert in recipe.experts)])
     models = {}
@@ -360,37 +279,11 @@ def write_card(
                 settings["head"] = calibrated["head"]
     base_source = (sources or {}).get("base_model")
     front = hub_front_matter(recipe, base_source.directory if base_source is not None else None)
-    run: dict[str, Any] = {  # featcal_weights.json: what the run resolved, at full precision
-        "base_model": names[base],
-        "merged_model": names[merged],
-        "merge_method": recipe.merge_config.merge_method,
-        "method": featcal.method,
-        "experts": [names[expert.name] for expert in recipe.experts],
-        "hyperparameters": hyper,
-        "settings": settings,
-        "calibration_tokens": {names[name]: count for name, count in tokens.items()},
-        **({"generation_starts": {names.get(name, name): start for name, start in starts.items()}} if starts else {}),
-        **({"models": models} if models else {}),
-        "featcal_llm_version": __version__,
-    }
-    if weights is None:  # the recipe's own
-        weights = {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
+    weights = weights if weights is not None else {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
     weighed = any(weight != 1 for weight in weights.values())
-    if weighed:
-        run["expert_weights"] = {names[name]: weight for name, weight in weights.items()}
-    if coverage is not None:  # model (the base under "base") → whose records → NLL: what the coverage weights came from
-        run["coverage_nll"] = {names.get(model, model): {names[task]: nll for task, nll in row.items()} for model, row in coverage.items()}
-    if advantage is not None:  # expert → where it is ahead of the merge: what its tokens' weights came from
-        run["expert_lead"] = {names[task]: {"tokens_ahead": summary["tokens_ahead"], "mean_positive_lead": summary["lead"],
-                                            **{key: summary[key] for key in ("net_lead", "net_lead_margin", "records_dropped")
-                                               if key in summary}}
-                              for task, summary in advantage.items()}
     taught = (calibrated or {}).get("taught_by_merge") or {}
-    if taught:  # expert → its mean signed lead over the merge on its own records (≤ 0): the merge taught those records instead
-        run["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
-    if unchanged:
-        run["unchanged"] = True
-    run["about"] = {key: text for key, text in ABOUT.items() if key in run}
+    run = run_record(recipe, merged, names, hyper, settings, tokens, starts=starts, models=models, weights=weights if weighed else None,
+                     coverage=coverage, advantage=advantage, taught=taught, unchanged=unchanged)
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
 
@@ -455,17 +348,8 @@ paths shortened to their names:
 """
     text = "---\n" + yaml.safe_dump(rounded(front), sort_keys=False, allow_unicode=True) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
-    (directory / RECIPE_FILE).write_text(saved, encoding="utf-8")
-    import json
-
-    (directory / WEIGHTS_FILE).write_text(json.dumps(_json_ready(run), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def read_run_record(directory: Path) -> dict[str, Any]:
-    """What a calibrated checkpoint's run resolved (`featcal_weights.json`, written by write_card)."""
-    import json
-
-    return json.loads((directory / WEIGHTS_FILE).read_text(encoding="utf-8"))
+    (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts), encoding="utf-8")
+    write_run_record(directory, run)
 
 
 def split_card(text: str) -> tuple[dict[str, Any], str]:

@@ -1,0 +1,68 @@
+"""`featcal_recipe.yml`: the recipe as it reruns the calibration (tuned values, resolved precisions and sampling pinned)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import yaml
+
+from featcal_llm.io.recipe import Recipe
+
+RECIPE_FILE = "featcal_recipe.yml"
+REPLAY_HEADER = (
+    "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
+    "# (featcal_tuning.json) and the precisions it resolved. Running it again replays them, without a search.\n"
+)
+
+
+def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]) -> str:
+    """The recipe with lambda/alpha/rho as {per_layer: winners}, the held-out share explicit and `auto` precisions pinned."""
+    raw = yaml.safe_load(recipe.text)
+    block = raw["featcal"]
+    for key in tuning["chosen"]:
+        block[key] = {"per_layer": list(tuning["chosen"][key])}
+    block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
+    for key, dtype in precisions.items():
+        if block.get(key, "auto") == "auto":
+            block[key] = str(dtype).removeprefix("torch.")
+    return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
+
+
+PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "min_p", "seed", "batch_size")  # what a default change could move
+SAMPLING_HEADER = (
+    "# Written by featcal-llm: the recipe as run, with the sampling settings each `generate:` expert used written out,\n"
+    "# so that running it again draws the same samples (and reuses them) whatever a later version's defaults are.\n"
+)
+
+
+def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
+    """The recipe text with each `generate:` expert's resolved sampling settings (`sampling`: name → settings) explicit."""
+    if not sampling:
+        return text
+    raw = yaml.safe_load(text)
+    for name, settings in sampling.items():
+        spec = raw["featcal"]["data"][name]
+        if not isinstance(spec.get("generate"), dict):  # `generate:` written bare
+            spec["generate"] = {}
+        generate = spec["generate"]
+        for key in PINNED_SAMPLING:
+            generate.setdefault(key, settings[key])
+    if text.startswith(REPLAY_HEADER):  # a tuned run's replay: its header stays (loading the YAML drops comments)
+        header = REPLAY_HEADER + "# The sampling settings of each `generate:` expert are written out as well.\n"
+    else:
+        header = SAMPLING_HEADER
+    return header + yaml.safe_dump(raw, sort_keys=False)
+
+
+def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torch.dtype], sampling: dict[str, dict[str, Any]],
+                 starts: dict[str, dict]) -> str:
+    """The recipe as run: a tuned run's choices replayed (replay_text), each `generate:` expert's sampling pinned, and
+    a comment naming where each began its samples."""
+    saved = recipe.text if tuning is None else replay_text(recipe, tuning, precisions)
+    saved = with_sampling_pinned(saved, sampling)
+    if starts:
+        saved = saved.rstrip("\n") + "\n" + "".join(
+            f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
+        )
+    return saved
