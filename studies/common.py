@@ -73,6 +73,22 @@ def bootstrap_shares(merged: Mapping[str, list], experts: Mapping[str, list], mo
             "share_per_domain": {d: percentile_interval(v, level) for d, v in per.items()}}
 
 
+def bootstrap_share_ratio(merged: Mapping[str, list], experts: Mapping[str, list], model: Mapping[str, list],
+                          reference: Mapping[str, list], resamples: int = 1000, seed: int = 0, level: float = 0.95) -> list[float]:
+    """Percentile interval of share(model) / share(reference) over test records, both shares from the same resample
+    (paired), so that what the two rows have in common (the gap, the records) cancels."""
+    rng = random.Random(seed)
+    domains = tuple(merged)
+    ratios = []
+    for _ in range(resamples):
+        picks = {d: [rng.randrange(len(merged[d])) for _ in merged[d]] for d in domains}
+        m = {d: mean_nll(merged[d], picks[d]) for d in domains}
+        e = {d: mean_nll(experts[d], picks[d]) for d in domains}
+        ours, theirs = ({d: mean_nll(rows[d], picks[d]) for d in domains} for rows in (model, reference))
+        ratios.append(shares(m, e, ours, domains)[0] / shares(m, e, theirs, domains)[0])
+    return percentile_interval(ratios, level)
+
+
 def bootstrap_nll(model: Mapping[str, list], resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
     """Percentile intervals of each domain's NLL and of their average, over test records."""
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from studies.common import bootstrap_nll, bootstrap_shares, load_json, mean_nll, save_json, shares
+from studies.common import bootstrap_nll, bootstrap_share_ratio, bootstrap_shares, load_json, mean_nll, save_json, shares
 from studies.specialised_setup import CAL_RECORDS, KINDS, MIN_LEAD, RECORD_TOKENS, SCORED, SETTING, TA_WEIGHT
 
 ROUND = 4
@@ -20,6 +20,11 @@ ROUND = 4
 
 def _r(value):
     return None if value is None else round(value, ROUND)
+
+
+# (row, the row its share is divided by): what the calibration records' source costs (data-free against real records)
+SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
+                ("featcal data-free + refine, adapter", "featcal defaults + refine, adapter, float32")]
 
 
 def scored(scores: dict) -> dict:
@@ -96,6 +101,13 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
     for name in ("base", *(f"expert:{k}" for k in KINDS)):
         if name in base:
             add(name, base[name], seconds=None, featcal=None)
+    ratios = {}
+    for name, reference in SHARE_RATIOS:  # data-free against real records: the issue's 0.9× target
+        if name in per_record["models"] and reference in per_record["models"]:
+            records = per_record["models"]
+            ratios[f"{name} / {reference}"] = {
+                "ratio": _r(rows_out[name]["share"] / rows_out[reference]["share"]),
+                "ci95": [_r(v) for v in bootstrap_share_ratio(merged, own, records[name], records[reference], resamples)]}
     training = {p.stem.removeprefix("training-"): json.loads(p.read_text()) for p in sorted(work.glob("training-*.json"))}
     gap = {d: mean_nll(merged[d]) - mean_nll(own[d]) for d in KINDS}
     meta = load_json(work / "data" / "meta.json")
@@ -114,7 +126,7 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
         if "base" in base else None,
         "scoring_seconds": seconds, "bootstrap": {"resamples": resamples, "level": 0.95, "over": "test records, per domain, paired across models"},
     }
-    return {"setting": setting, "rows": rows_out, "distill_runs": distill}, per_record
+    return {"setting": setting, "rows": rows_out, "distill_runs": distill, **({"share_ratios": ratios} if ratios else {})}, per_record
 
 
 def _cell(value) -> str:
@@ -131,6 +143,8 @@ def markdown(result: dict) -> str:
         sec = "–" if r.get("seconds") is None else f"{r['seconds']:.0f}"
         lines.append(f"| {name} | " + " | ".join(f"{r['nll'][d]:.3f}" for d in KINDS) + f" | {r['nll_avg']:.3f} | "
                      f"{r['share']:.2f} ({lo:.2f}–{hi:.2f}) | {per} | {_cell(r.get('val_share'))} | {sec} |")
+    for name, ratio in result.get("share_ratios", {}).items():
+        lines.append(f"\nshare of {name}: {ratio['ratio']:.2f} ({ratio['ci95'][0]:.2f}–{ratio['ci95'][1]:.2f})")
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.tiny import build_char_tokenizer
-from studies.common import bootstrap_nll, bootstrap_shares, mean_nll, percentile_interval, shares
+from studies.common import bootstrap_nll, bootstrap_share_ratio, bootstrap_shares, mean_nll, percentile_interval, shares
 from studies.specialised_data import split_documents
 from studies.specialised_setup import AS_TRAINED, KINDS, ROWS, recipe_text
 
@@ -98,6 +98,11 @@ def test_bootstrap_intervals_are_paired_over_records():
     assert ci["share"] == pytest.approx([0.5, 0.5]) and ci["share_per_domain"]["a"] == pytest.approx([0.5, 0.5])
     nll = bootstrap_nll(merged, 500)
     assert nll["nll"]["a"][0] < mean_nll(merged["a"]) < nll["nll"]["a"][1]
+    # the ratio of two rows' shares, both from each resample: half-way over all the way is 0.5 on every resample
+    assert bootstrap_share_ratio(merged, expert, half, expert, 200) == pytest.approx([0.5, 0.5])
+    noisy = {d: [[h[0] + rng.gauss(0, 2), h[1]] for h in half[d]] for d in half}
+    lo, hi = bootstrap_share_ratio(merged, expert, noisy, half, 500)
+    assert lo < shares(*({d: mean_nll(v) for d, v in rows.items()} for rows in (merged, expert, noisy)))[0] / 0.5 < hi
 
 
 def test_a_results_row_records_what_its_run_resolved_and_logged(tmp_path):
