@@ -118,7 +118,7 @@ def run_row(args) -> None:
 
     record = {"name": name, "seconds": round(seconds, 1), "merged_first": merging, "recipe": str(recipe.relative_to(work)),
               **run_record(work / output, logfile)}
-    record["scores"] = score_model(work, work / output, args.threads)
+    record["scores"] = score_model(work, work / output, args.threads, ("test", "val"))  # val: what chooses a default
     save_json(path, record)
     if not args.keep:
         import shutil

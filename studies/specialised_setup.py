@@ -30,6 +30,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
     "featcal defaults + refine, adapter, float32": {"refine": {"params": "adapter", "precision": "float32"}},
     "featcal defaults + refine, full": {"refine": {"params": "full"}},
+    # the step budget (the held-out records still stop it early; the schedule spans the budget), chosen on the val split
+    "featcal defaults + refine, 80 steps": {"refine": {"steps": 80}},
+    "featcal defaults + refine, 120 steps": {"refine": {"steps": 120}},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
     "featcal defaults, rho 1": {"rho": 1.0},
     "featcal defaults, no head": {"head": False},
