@@ -53,7 +53,7 @@ def effective(weights: dict, refine: dict | None = None) -> dict:
         out["data_weights"] = weights["expert_weights"]
     if refine is not None:
         out["refine"] = {key: refine.get(key) for key in ("params", "lr", "max_steps", "steps_run", "chosen_step", "rank",
-                                                          "top_k") if key in refine}
+                                                          "top_k", "autocast") if key in refine}
     return out
 
 

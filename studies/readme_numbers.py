@@ -40,7 +40,6 @@ TABLE_ROWS = [
     ("featcal defaults", "+ FeatCal, featcal-llm's defaults"),
     ("distill (lr by val share)", "the merge distilled toward the experts (gradient reference)"),
     ("featcal defaults + refine", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
-    ("featcal defaults, trailing records kept, + refine, full", "+ FeatCal (`trailing_records: keep`), then `refine: true`"),
 ]
 
 # the study page that describes each setting (absolute link from the README: PyPI renders it too)
