@@ -38,7 +38,7 @@ TABLE_ROWS = [
     ("best single expert", "best single expert, shipped alone"),
     ("featcal paper rule", "+ FeatCal, the paper's weighing (every expert and token alike)"),
     ("featcal defaults", "+ FeatCal, featcal-llm's defaults"),
-    ("distill (lr by val share)", "the merge distilled toward the experts (gradient reference)"),
+    ("distill (lr by val share)", "the merge distilled toward the experts (gradient reference, its budget chosen on val files)"),
     ("featcal defaults + refine", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
 ]
 
