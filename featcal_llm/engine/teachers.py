@@ -17,7 +17,7 @@ to tell its sign leaves the expert its records: in the broad study an expert
 text of its kind, and with the merge as its teacher the calibrated model ended
 worse than the merge on that text.
 
-Such an expert's records are calibrated toward the merged model instead, as if
+The records of an expert behind beyond doubt are calibrated toward the merged model instead, as if
 the merged checkpoint were that expert: its streams, layers, final norm and LM
 head are the merge's, and its tokens weigh alike (the merge has no lead over
 itself). The records still count, with the expert's weight, so the layers
