@@ -39,7 +39,8 @@ def distill(args) -> None:
     for lr in todo:
         log(f"distill from {label}, lr {lr:g}: {args.steps} steps × {args.batch} records")
         model, seconds, losses = distill_one(work, tokenizer, start, train, records, teachers, lr=lr, steps=args.steps,
-                                             batch=args.batch, seed=args.seed, bf16=True, train_embeddings=True)
+                                             batch=args.batch, seed=args.seed, bf16=True, train_embeddings=True,
+                                             fused=True)  # as refine: steps timed alike
         out = work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}"
         model.save_pretrained(out)
         del model
@@ -50,6 +51,6 @@ def distill(args) -> None:
         run = {"name": f"distill from {label}, lr {lr:g}, {args.steps} steps", "start": label, "lr": lr,
                "steps": args.steps, "batch": args.batch, "records_per_expert": CAL_RECORDS, "every_parameter": True,
                "train_s": round(seconds, 1), "teacher_s": round(teacher_s, 1), "first_kl": losses[0],
-               "last_kl": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads(), "scores": scores}
+               "last_kl": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads(), "fused_adamw": True, "scores": scores}
         save_json(out.parent / f"{out.name}.json", run)
         log(f"  lr {lr:g}: {seconds:.0f} s, KL {losses[0]:.4f} → {run['last_kl']:.4f}")
