@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from featcal_llm import runlog
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
-from featcal_llm.engine.refine_memory import resolve_params
+from featcal_llm.engine.refine_memory import autocasts, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.topk_kl import topk_kl
@@ -96,7 +96,7 @@ def refine_dtypes(precision: str, compute: torch.dtype, device: torch.device) ->
     (the exactness tests)."""
     if compute == torch.float64:
         return torch.float64, None
-    if precision == "bfloat16" or (precision == "auto" and native_bf16(device)):
+    if autocasts(precision, native_bf16(device)):
         return torch.float32, torch.bfloat16
     return torch.float32, None
 

@@ -111,13 +111,10 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
             "peak": peak, "host": (0 if cpu else saved + store)}
 
 
-def cpu_bf16() -> bool:
-    """Whether this machine's CPU computes bf16 natively (engine/refine.native_bf16 on the CPU)."""
-    import torch
-
-    from featcal_llm.engine.refine import native_bf16
-
-    return native_bf16(torch.device("cpu"))
+def autocasts(precision: str, native_bf16: bool) -> bool:
+    """Whether `refine.precision` trains under bf16 autocast on a device that does (`native_bf16`) or does not compute
+    bf16 natively: the one rule engine/refine.refine_dtypes and the memory plan share."""
+    return precision == "bfloat16" or (precision == "auto" and native_bf16)
 
 
 def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tokens: int, cpu: bool, memory: float) -> str:
@@ -127,7 +124,15 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
                   config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
                   config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")))
     params = resolve_params(refine.params, shape.parameters(), int(memory))
-    autocast = refine.precision == "bfloat16" or (refine.precision == "auto" and (not cpu or cpu_bf16()))
+    if cpu:
+        import torch
+
+        from featcal_llm.engine.refine import native_bf16
+
+        native = native_bf16(torch.device("cpu"))
+    else:  # the GPU it will run on may not be this machine's: planned as one with bf16, as every GPU that fits 8B has
+        native = True
+    autocast = autocasts(refine.precision, native)
     bytes_ = refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k, tokens, 4 if cpu else 2, cpu,
                            autocast)
     where = "RAM" if cpu else "GPU"
@@ -136,4 +141,4 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
             + "; docs/refine.md)")
 
 
-__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "plan_line", "refine_memory", "resolve_params"]
+__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "autocasts", "plan_line", "refine_memory", "resolve_params"]

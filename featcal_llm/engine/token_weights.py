@@ -30,8 +30,8 @@ from featcal_llm.engine.scoring import final_hidden, response_positions, scored_
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import (advantages, lead_margin, lead_moments, leads, mark_trailing_records, mean_one_scale,
-                                         token_weights, trails)
+from featcal_llm.engine.teachers import trailing_experts
+from featcal_llm.maths.advantage import advantages, lead_margin, lead_moments, leads, mark_trailing_records, mean_one_scale, token_weights
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -100,7 +100,8 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4),
                          "net_lead": round(mean_leads[task], 4), "net_lead_margin": round(margins[task], 4)}
     if drop_trailing_records:  # an expert not behind beyond doubt (one that is is the merge's to teach, or kept whole)
-        leading = [task for task in batches if not trails(mean_leads[task], margins[task])]
+        behind = trailing_experts(mean_leads, margins)
+        leading = [task for task in batches if task not in behind]
         for task in leading:
             raw[task] = [mark_trailing_records(weights, sums) for weights, sums in zip(raw[task], record_leads[task])]
         counts = ctx.comm.sum_floats([value for task in leading for value in (
