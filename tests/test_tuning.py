@@ -276,7 +276,8 @@ def test_output_criterion_is_the_geometric_mean_of_each_experts_kl_from_full_mod
 
     After the last layer the winner's held-out stream is the calibrated model's, so its criterion is the next-token
     KL(expert i ‖ calibrated) per expert over its held-out tokens, combined by the geometric mean (float32 models:
-    5e-9 apart); the arithmetic mean of the same KLs lies further off than the tolerance, so the test tells them apart.
+    5e-9 apart). The experts' KLs differ by a few per cent, so their arithmetic mean lies about 1e-4 away: ten times
+    the tolerance is the bar that tells the two means apart on every CPU (at 100 times one CI machine fell just short).
     """
     from test_exactness import calibration_sequences, load
 
@@ -299,7 +300,7 @@ def test_output_criterion_is_the_geometric_mean_of_each_experts_kl_from_full_mod
         kls.append(total / tokens)
     geometric, arithmetic = math.exp(sum(map(math.log, kls)) / len(kls)), sum(kls) / len(kls)
     assert abs(chosen - geometric) <= 1e-6 * geometric, (chosen, geometric, kls)
-    assert abs(arithmetic - geometric) > 1e-4 * geometric, kls  # 100 × the tolerance above
+    assert abs(arithmetic - geometric) > 1e-5 * geometric, kls  # 10 × the tolerance above
 
 
 def test_geometric_mean_keeps_an_exact_match_finite_and_a_nan_a_nan():
