@@ -33,6 +33,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # the step budget (the held-out records still stop it early; the schedule spans the budget), chosen on the val split
     "featcal defaults + refine, 80 steps": {"refine": {"steps": 80}},
     "featcal defaults + refine, 120 steps": {"refine": {"steps": 120}},
+    # the peak learning rate at the default 40 steps, chosen on the val split too
+    "featcal defaults + refine, lr 2e-4": {"refine": {"lr": 2e-4}},
+    "featcal defaults + refine, lr 3e-4": {"refine": {"lr": 3e-4}},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
     "featcal defaults, rho 1": {"rho": 1.0},
     "featcal defaults, no head": {"head": False},
