@@ -121,7 +121,6 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
         row = _row(nll[key], merged, own, **recorded(record))
         row["own_share"] = row["share_per_domain"][kind]
         out["ceiling"]["single_expert"][kind] = row
-    drift_dir = work / "drift" / setting_name
     for name in ("featcal defaults", "featcal paper rule", *(f"featcal defaults, {k} only" for k in KINDS)):
         record = rows_state.get(f"{setting_name}:{name}", {})
         if record.get("drift") and (work / record["drift"]).exists():
@@ -154,7 +153,7 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
 
 def markdown(result: dict) -> str:
     s = result["setting"]
-    lines = [f"Gap (merge − own expert): " + ", ".join(f"{d} {s['gap'][d]:.3f}" for d in KINDS)
+    lines = ["Gap (merge − own expert): " + ", ".join(f"{d} {s['gap'][d]:.3f}" for d in KINDS)
              + f"; sum {s['gap_sum']:.3f}", "",
              "| row | NLL code | NLL prose | NLL c | NLL avg | share (ratio of sums) | code | prose | c | s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -17,7 +17,6 @@ be recomputed) and on the val split, which alone chooses hyper-parameters (the d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -228,8 +228,9 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
     # the step written comes after the crash: the resumed steps (optimizer, schedule, order restored) decide the bytes
     assert json.loads((whole / "featcal_refine.json").read_text())["chosen_step"] > 2
 
-    def crash(step):
+    def crash(step, saved):
         if step == 2:
+            assert saved  # the first check always saves
             raise RuntimeError("killed after step 2")
 
     with monkeypatch.context() as patch:
@@ -247,6 +248,65 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
         resumed = run(far_scenario, "resumed", refine=settings)
     assert len(calls) == json.loads((whole / "featcal_refine.json").read_text())["steps_run"] - 2  # only the steps after the check
     assert (resumed / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_a_crash_after_an_unsaved_check_resumes_from_the_last_save(far_scenario, refined, monkeypatch):
+    """Saves only at the first check (as when saving is slow against the steps): killed after the check at step 4, which
+    found a new best but saved nothing, the rerun resumes after step 2 and still writes the unbroken run's bytes."""
+    import featcal_llm.engine.refine as refine_module
+    import featcal_llm.engine.refine_progress as progress_module
+
+    whole = json.loads((refined / "featcal_refine.json").read_text())
+    assert [h["step"] for h in whole["history"]] == [0, 2, 4, 6] and whole["chosen_step"] >= 4
+    seen = []
+
+    def crash(step, saved):
+        seen.append((step, saved))
+        if step == 4:
+            raise RuntimeError("killed after step 4")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        patch.setattr(progress_module, "save_due", lambda since, cost, share=0.1: since is None)
+        with pytest.raises(RuntimeError, match="killed after step 4"):
+            run(far_scenario, "unsaved", refine=REFINE)
+    assert seen == [(2, True), (4, False)]
+    partial = far_scenario.root / ".unsaved.featcal-partial"
+    assert torch.load(partial / "pass-refine.pt", weights_only=True)["step"] == 2
+    calls, step = [], refine_module.train_step
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "train_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+        resumed = run(far_scenario, "unsaved", refine=REFINE)
+    assert len(calls) == whole["steps_run"] - 2
+    assert (resumed / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
+
+
+def test_saves_take_a_tenth_of_the_time_and_write_each_best_once(tmp_path, monkeypatch):
+    """The rule (the first check saves; then one once 9× the last save's time has passed) and the saver: a best found at
+    a check that did not save is written by the next save, and only the best the progress names stays on disk."""
+    import featcal_llm.engine.refine_progress as progress_module
+    from featcal_llm.engine.refine_progress import ProgressSaver, save_due
+    from featcal_llm.engine.resume import StagingArea
+
+    assert save_due(None, None) and save_due(45.0, 5.0) and not save_due(44.0, 5.0) and save_due(5.0, 5.0, share=0.5)
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    saver = ProgressSaver(staging)
+    due = iter([True, False, True, True])
+    monkeypatch.setattr(progress_module, "save_due", lambda since, cost, share=0.1: next(due))
+    state = lambda step: {"w": torch.full((2,), float(step))}  # noqa: E731
+    files = lambda: sorted(p.name for p in staging.root.glob("pass-*"))  # noqa: E731
+    checks = [(2, 2), (4, 4), (6, 4), (8, 8)]  # (step, best step after its check)
+    results = []
+    for step, best in checks:
+        progress = {"step": step, "best_step": best, "best": state(best)}
+        results.append(saver.after_check(progress, lambda: {"current": state(step)}))
+        if step == 4:
+            assert files() == ["pass-refine-best-2.pt", "pass-refine.pt"]  # step 4's best waits for the next save
+        if step == 6:
+            assert files() == ["pass-refine-best-4.pt", "pass-refine.pt"]
+            assert staging.load_pass("refine-best-4")["state"]["w"].tolist() == [4.0, 4.0]
+    assert results == [True, False, True, True] and saver.saves == 3
+    assert files() == ["pass-refine-best-8.pt", "pass-refine.pt"] and staging.load_pass("refine")["best"] is None
 
 
 def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypatch):
@@ -416,7 +476,9 @@ def test_refine_runs_after_regmean_with_the_experts_as_teachers(far_scenario):
 
 def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
     """A check that finds a new best writes it once, in its own file; older ones go after the progress names the new one."""
-    from featcal_llm.engine.refine import _best_pass, _drop_older_bests, _load_best
+    from featcal_llm.engine.refine_progress import best_pass as _best_pass
+    from featcal_llm.engine.refine_progress import drop_older_bests as _drop_older_bests
+    from featcal_llm.engine.refine_progress import load_best as _load_best
     from featcal_llm.engine.resume import StagingArea
     from featcal_llm.errors import RunFailure
 

@@ -13,9 +13,10 @@ The records held out of the statistics choose the step count: the held-out
 KL is measured before the first step and every `eval_every` steps; the best
 state is kept, training stops after `patience` checks without improvement,
 and if no check improves on the closed form, its output stands unchanged.
-After every check the trainable state, the optimizer, the schedule, the RNG
-and the best state are saved in the staging area: a rerun after a crash
-resumes from the last check and writes the same bytes. docs/refine.md has the
+After a check the trainable state, the optimizer, the schedule, the RNG and
+the best state are saved in the staging area, as often as keeps saving near
+a tenth of the stage's time (engine/refine_progress.py): a rerun after a
+crash resumes from the last save and writes the same bytes. docs/refine.md has the
 keys and the memory model.
 """
 
@@ -38,6 +39,7 @@ from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
 from featcal_llm.engine.refine_memory import autocasts, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
+from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, set_rng_state
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.topk_kl import topk_kl
 
@@ -231,19 +233,6 @@ def mean_kl(per_expert: dict[str, float]) -> float:
     return sum(per_expert.values()) / max(len(per_expert), 1)
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
     """Each expert's records through their teacher, one whole model on the device at a time; kept in the staging area."""
     saved = job.staging.load_pass("refine-teachers")
@@ -297,16 +286,18 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     saved = job.staging.load_pass("refine")
     if saved is not None and saved["settings"] == settings:
         student.load(saved["current"])
-        saved["best"] = _load_best(job.staging, saved["best_step"])
+        saved["best"] = load_best(job.staging, saved["best_step"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        _set_rng_state(saved["rng"])
+        set_rng_state(saved["rng"])
         progress = {key: saved[key] for key in ("step", "best", "best_step", "best_kl", "bad", "history", "done", "before")}
         runlog.stage(f"refine: resuming after step {progress['step']} from the saved progress")
     else:
         before = heldout_kl(student, store, held_keys, records, job, autocast)
         progress = {"step": 0, "best": None, "best_step": 0, "best_kl": mean_kl(before), "bad": 0, "done": False,
                     "history": [{"step": 0, "held_out_kl": mean_kl(before), "per_expert": before}], "before": before}
+    saver = ProgressSaver(job.staging, best_on_disk=progress["best_step"])
+    checks = 0
     started = time.perf_counter()
     student.module.train()
     bar = _step_bar(spec.steps, progress["step"], job.progress)
@@ -325,18 +316,17 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         per_expert = heldout_kl(student, store, held_keys, records, job, autocast)
         value = mean_kl(per_expert)
         progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert})
+        checks += 1
         if value < progress["best_kl"]:
             progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
-            job.staging.save_pass(_best_pass(step), {"step": step, "state": progress["best"]})  # written once, when it changes
         else:
             progress["bad"] += 1
         progress["done"] = progress["bad"] >= spec.patience or step == spec.steps
         runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
                      + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
-        job.staging.save_pass("refine", {**progress, "best": None, "settings": settings, "current": student.state(),
-                                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()})
-        _drop_older_bests(job.staging, progress["best_step"])
-        after_check(step)
+        kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(),
+                                                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+        after_check(step, kept)
     bar.close()
     report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
@@ -357,34 +347,9 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     stored = {name: (job.merged.get(name) if name in job.merged.weight_map else _staged(job.replacements[name], name)).dtype for name in tensors}
     save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4f} → {progress['best_kl']:.4f} at step "
-                 f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined")
+                 f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; progress saved at "
+                 f"{saver.saves} of {checks} checks")
     return {**job.replacements, **{name: path for name in tensors}}, report
-
-
-def _best_pass(step: int | str) -> str:
-    return f"refine-best-{step}"
-
-
-def _load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
-    """The best state a resumed run had saved (its own file, written at the check that found it), or None before any."""
-    if step == 0:
-        return None
-    saved = staging.load_pass(_best_pass(step))
-    if saved is None or saved.get("step") != step:
-        from featcal_llm.errors import RunFailure
-
-        raise RunFailure(f"refine: the saved progress names step {step} as best, but its state is missing from "
-                         f"{staging.root}; rerun with --force")
-    return saved["state"]
-
-
-def _drop_older_bests(staging, keep: int) -> None:
-    """Only the best state the progress file names is kept: the progress is saved before the older one is removed, so a
-    crash between the two leaves a best state for whichever progress file survives."""
-    kept = staging.pass_file(_best_pass(keep))
-    for path in staging.root.glob(staging.pass_file(_best_pass("*")).name):
-        if path != kept:
-            path.unlink()
 
 
 def _step_bar(steps: int, done: int, show: bool):
@@ -400,8 +365,8 @@ def _staged(path: Path, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
-def after_check(step: int) -> None:
-    """Called after each held-out check's progress is saved (a test interrupts a run here)."""
+def after_check(step: int, saved: bool) -> None:
+    """Called after each held-out check, `saved` when its progress was saved (a test interrupts a run here)."""
 
 
 __all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]
