@@ -342,7 +342,10 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     import featcal_llm.engine.refine as refine_module
 
     settings = {**REFINE, "steps": 4, "eval_every": 4}
+    teaching, teach = [], refine_module.teach  # the teachers' forwards run in the student's precision
+    monkeypatch.setattr(refine_module, "teach", lambda *a: teaching.append(a[-1]) or teach(*a))
     fp32 = run(far_scenario, "fp32", refine={**settings, "precision": "float32"})
+    assert teaching and set(teaching) == {None}
     refine = refine_module.refine
 
     def in_bf16(job):
@@ -355,6 +358,7 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     closed = closed_form
     reports = [json.loads((path / "featcal_refine.json").read_text()) for path in (fp32, bf16)]
     assert reports[0]["autocast"] == "None" and reports[1]["autocast"] == "torch.bfloat16"
+    assert set(teaching[len(teaching) // 2:]) == {torch.bfloat16}
     assert reports[0]["chosen_step"] == reports[1]["chosen_step"] == 4
     assert reports[1]["held_out_kl"]["after"] == pytest.approx(reports[0]["held_out_kl"]["after"], rel=0.02)
     start, a, b = (load_file(path / "model.safetensors") for path in (closed, fp32, bf16))

@@ -234,9 +234,11 @@ def mean_kl(per_expert: dict[str, float]) -> float:
 
 
 def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
-    """Each expert's records through their teacher, one whole model on the device at a time; kept in the staging area."""
+    """Each expert's records through their teacher, one whole model on the device at a time, in the precision the student
+    computes in (bf16 autocast where it trains under it: a CPU's teachers as a GPU's, whose weights are bf16); kept in
+    the staging area."""
     saved = job.staging.load_pass("refine-teachers")
-    if saved is not None and saved.get("top_k") == job.spec.top_k:
+    if saved is not None and saved.get("top_k") == job.spec.top_k and saved.get("autocast") == str(autocast):
         runlog.stage("refine: the teachers' distributions reused from the saved progress")
         return TeacherStore.from_dict(saved)
     store = TeacherStore(job.spec.top_k, {}, {}, {})
@@ -245,11 +247,11 @@ def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> 
         reader = job.teachers[task]
         names, get = checkpoint_tensors(reader)
         model = build_causal_lm(job.config, names, get, job.device, job.compute_dtype, reader.what, job.trust_remote_code)
-        teach(store, model, task_keys, records, job.batch_tokens, job.device, None)
+        teach(store, model, task_keys, records, job.batch_tokens, job.device, autocast)
         del model
         if job.device.type == "cuda":
             torch.cuda.empty_cache()
-    job.staging.save_pass("refine-teachers", store.as_dict())
+    job.staging.save_pass("refine-teachers", {**store.as_dict(), "autocast": str(autocast)})
     runlog.stage(f"refine: the teachers' top-{job.spec.top_k} next-token distributions in {time.perf_counter() - started:.0f} s "
                  f"({store.nbytes() / 2**20:.1f} MiB on the host)")
     return store
