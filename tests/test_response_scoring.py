@@ -24,7 +24,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.records import Record
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.scoring import response_positions, scored_positions
-from featcal_llm.io.block import DataSpec
+from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import response_start, tokenize_texts, record_prompt, record_to_text
 from featcal_llm.pipeline import run_recipe
 from featcal_llm.tiny import build_char_tokenizer

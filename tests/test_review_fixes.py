@@ -134,7 +134,7 @@ def test_a_merged_embedding_without_a_row_for_a_token_is_one_line(merged_scenari
 def test_chat_format_passes_a_fixed_date():
     """Bug 6: Llama-3.x templates print today's date unless given one; the tokens must not change at midnight."""
     from featcal_llm.io.data import CHAT_DATE, record_to_text
-    from featcal_llm.io.block import DataSpec
+    from featcal_llm.io.block_sections import DataSpec
     from featcal_llm.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from featcal_llm.io import data
-from featcal_llm.io.block import DataSpec
+from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.tiny import build_char_tokenizer
 
 # Read by the plain-JSONL path: flat string records, same keys in the same order on every line.

@@ -133,7 +133,7 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
     from featcal_llm.engine.refine import RefineJob, refine
     from featcal_llm.engine.refine_memory import Shape, refine_memory
     from featcal_llm.engine.resume import StagingArea
-    from featcal_llm.io.block import RefineSpec
+    from featcal_llm.io.block_sections import RefineSpec
     from featcal_llm.io.checkpoint import CheckpointReader
 
     where = torch.device(device)

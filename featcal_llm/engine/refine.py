@@ -107,7 +107,7 @@ def refine_dtypes(precision: str, compute: torch.dtype, device: torch.device) ->
 class RefineJob:
     """What the stage needs from the run: the spec, the checkpoints, the closed form's tensors, the records, the device."""
 
-    spec: Any  # io/block.RefineSpec
+    spec: Any  # io/block_sections.RefineSpec
     seed: int
     batch_tokens: int
     config: Any  # the merged model's config

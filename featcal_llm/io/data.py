@@ -25,7 +25,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.records import Record
-from featcal_llm.io.block import DataSpec, beside_recipe
+from featcal_llm.io.block import beside_recipe
+from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from pydantic.fields import PydanticUndefined  # pydantic_core's, as pydantic re-exports it
 
 from featcal_llm.evaluation.config import BackendSettings, EvalSection
-from featcal_llm.io.block import DataSpec, FeatCalConfig, GenerateSpec, HeadSpec, MergeOptionsSpec, PerLayer, RefineSpec, TuneSpec, Tunable
+from featcal_llm.io.block import FeatCalConfig, PerLayer, Tunable
+from featcal_llm.io.block_sections import DataSpec, GenerateSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
 
 # (heading, the model, what the block is) in page order; every model reachable from FeatCalConfig is here
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [

@@ -26,7 +26,7 @@ from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, 
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
-from featcal_llm.io.block import DataSpec
+from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
