@@ -200,7 +200,7 @@ def test_every_format_refuses_a_text_field_that_is_not_text(spec, record, field,
 
 def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):
     """validate checks the text fields of the first `samples` records (the ones run converts), not the ones after."""
-    from featcal_llm.io.validate import check_data
+    from featcal_llm.io.validate_data import check_data
 
     rows = [{"text": "fine"}] * 3 + [{"text": ["not", "text"]}]
     (tmp_path / "cal.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -208,3 +208,17 @@ def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):
     check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [], taken=3)
     with pytest.raises(FeatCalError, match=r"record 3: field 'text' is a list, not a string"):
         check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [], taken=4)
+
+
+@pytest.mark.parametrize("path", ["~/nowhere", "./nowhere/x", "/abs/nowhere"])
+def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, path):
+    """One rule for what reads as a hub dataset id: a missing `~/…`, `./…` or absolute path is a missing local file to
+    both `validate` and the loader `run` calls (the loader used to send `~/nowhere` to the hub)."""
+    from featcal_llm.io.data import load_records
+    from featcal_llm.io.validate_data import check_data
+
+    spec = DataSpec(path=path)
+    for check in (lambda: check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, []),
+                  lambda: load_records(spec, "r.yaml: featcal.data.e", tmp_path)):
+        with pytest.raises(FeatCalError, match=r"^r\.yaml: featcal\.data\.e\.path: .*nowhere.*: calibration file not found$"):
+            check()

@@ -49,6 +49,12 @@ PLAIN_JSONL_MAX_BYTES = 64 * 2**20  # larger files go through datasets (memory-m
 DATE_LIKE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
+def looks_like_hub_id(value: str) -> bool:
+    """`org/name`: two parts, not absolute, not starting with a dot or ~, no file suffix (as the loaders decide)."""
+    path = Path(value)
+    return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
+
+
 def data_path(spec: DataSpec, base_dir: Path | None) -> Path:
     """The spec's path, or the same path under the recipe's directory where only that one exists."""
     return beside_recipe(spec.path, base_dir)
@@ -112,8 +118,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
             return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
-        looks_like_hub_id = not path.is_absolute() and len(path.parts) == 2 and not spec.path.startswith(".") and path.suffix == ""
-        if not looks_like_hub_id:
+        if not looks_like_hub_id(spec.path):
             raise FeatCalError(f"{where}.path: {path}: calibration file not found")
         return datasets.load_dataset(spec.path, spec.name, split=spec.split)
     except FeatCalError:

@@ -13,7 +13,6 @@ reach is a note), so a missing local model is reported at once instead of after 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,15 +21,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, text_field, text_fields
+from featcal_llm.io.data import looks_like_hub_id
+from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 from pydantic import ValidationError
 
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
+from featcal_llm.io.validate_data import check_data
 
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
 
 
 @dataclass
@@ -127,108 +127,6 @@ def _data_entries(parsed: Any) -> dict[str, DataSpec]:
 # --- calibration data --------------------------------------------------------------------------------------------
 
 
-def needed_fields(spec: DataSpec) -> list[str]:
-    """The record fields the entry's format reads (alpaca's input is optional)."""
-    if spec.format == "text":
-        return [spec.text]
-    if spec.format == "alpaca":
-        return [spec.instruction, spec.response]
-    return [spec.messages] if spec.messages else [spec.prompt, spec.response]
-
-
-def looks_like_hub_id(value: str) -> bool:
-    """`org/name`: two parts, not absolute, not starting with a dot or ~, no file suffix (as the loaders decide)."""
-    path = Path(value)
-    return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
-
-
-def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
-               taken: int | None = None) -> None:
-    """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names, as text
-    where the format reads text (in the first `taken` records, the ones the run converts; every record read if None)."""
-    path = data_path(spec, base_dir)
-    if path.is_file():
-        file_builder(path, where)
-        fields, records = file_head(path, f"{where}.path: {spec.path}")
-        for name in needed_fields(spec) if fields is not None else []:
-            if name not in fields:
-                raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
-        for index, record in enumerate(records[:taken]):
-            for name in text_fields(spec):
-                if name in record:
-                    text_field(record, spec, name, where, index)
-        return
-    if path.is_dir():
-        return  # a local dataset directory: datasets decides its layout when the run loads it
-    if not looks_like_hub_id(spec.path):
-        raise FeatCalError(f"{where}.path: {path}: calibration file not found")
-    if not online:
-        unchecked.append(f"{spec.path} (dataset)")
-        return
-    _hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
-
-
-def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
-    """(field names, None where only `datasets` can tell; the JSON records read): read without `datasets`, every record
-    of a small file, the first lines of a large one, none of a CSV or parquet file (the run reads their cells through
-    `datasets`)."""
-    suffix = path.suffix.lower()
-    unreadable = f"{where}: cannot load calibration data"
-    if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
-            header = next(csv.reader(handle), None)
-        if not header:
-            raise FeatCalError(f"{unreadable} (no header row)")
-        return header, []
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as parquet
-
-            return list(parquet.read_schema(path).names), []
-        except ImportError:
-            return None, []
-        except Exception as error:
-            raise FeatCalError(f"{unreadable} ({str(error).splitlines()[0]})") from None
-    whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
-    if suffix == ".json" and whole:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            data = None  # JSON lines in a .json file: read below
-        if isinstance(data, list):
-            return (_union(data), data) if data and all(isinstance(r, dict) for r in data) else (None, [])
-        if isinstance(data, dict):
-            return (list(data), []) if all(isinstance(v, list) for v in data.values()) else (None, [])
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not whole and number > FIELD_SCAN_LINES:
-                break
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
-                    return None, []  # a whole JSON document in a .jsonl file: datasets reads it
-                raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
-    if not records or not all(isinstance(record, dict) for record in records):
-        raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
-    return _union(records), records
-
-
-def _is_json(path: Path) -> bool:
-    try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return True
-
-
-def _union(records: list[dict]) -> list[str]:
-    return list(dict.fromkeys(key for record in records for key in record))
-
-
 # --- models ------------------------------------------------------------------------------------------------------
 
 
@@ -252,48 +150,6 @@ def _refuse_local_typo(path: str, what: str) -> None:
     if close:
         raise FeatCalError(f"{what}: model directory does not exist ({parent}/ is a local directory, so it is no hub id); "
                            f"did you mean {str(parent / close[0])!r}?")
-
-
-NO_NETWORK = {"TransportError", "NetworkError", "ConnectError", "ConnectionError", "Timeout", "TimeoutException", "OfflineModeIsEnabled"}
-
-
-def no_network(error: BaseException) -> bool:
-    """Whether the hub could not be reached at all (httpx's or requests' transport errors, HF_HUB_OFFLINE), as opposed to an answer."""
-    return any(kind.__name__ in NO_NETWORK for kind in type(error).__mro__)
-
-
-def _hub_lookup(kind: str, repo: str, revision: str | None, where: str, offline: list[str]) -> None:
-    """Whether a hub model or dataset exists at the revision (one API call, no download); unreachable: `repo` joins `offline`."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    info = HfApi().model_info if kind == "model" else HfApi().dataset_info
-    try:
-        info(repo, revision=revision)
-    except GatedRepoError:
-        raise FeatCalError(f"{where}: {repo}: a gated {kind}: accept its licence on the hub and log in (hf auth login)") from None
-    except RevisionNotFoundError:
-        raise FeatCalError(f"{where}: {repo}: no revision {revision} on the hub") from None
-    except RepositoryNotFoundError:
-        raise FeatCalError(f"{where}: {repo}: no such {kind} on the hub (or it is private: log in with hf auth login)") from None
-    except Exception as error:
-        if no_network(error):
-            offline.append(repo if kind == "model" else f"{repo} ({kind})")
-            return
-        raise FeatCalError(f"{where}: {repo}: the hub did not answer ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
-
-
-def _hub_config(model_path: Any, online: bool) -> dict | None:
-    """config.json of a hub model: from the local cache, else (online) downloaded; None when unknown."""
-    try:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model_path.path, "config.json", revision=model_path.revision)
-        if not isinstance(cached, str) and online:
-            cached = hf_hub_download(model_path.path, "config.json", revision=model_path.revision)
-        return json.loads(Path(cached).read_text(encoding="utf-8")) if isinstance(cached, str) else None
-    except Exception:
-        return None
 
 
 def _read_config(directory: Path, what: str) -> dict:
@@ -321,11 +177,11 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
         return source, _read_config(source.directory, what)
     for model_path in hub:
         if online:
-            _hub_lookup("model", model_path.path, model_path.revision, what, report.offline)
+            hub_lookup("model", model_path.path, model_path.revision, what, report.offline)
         else:
             report.unchecked.append(str(model_path))
     if reference.lora is None and hub == [reference.model]:
-        return None, _hub_config(reference.model, online and reference.model.path not in report.offline)  # unreachable: the cache only
+        return None, hub_config(reference.model, online and reference.model.path not in report.offline)  # unreachable: the cache only
     return None, None
 
 

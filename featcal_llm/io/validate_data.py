@@ -1,0 +1,115 @@
+"""`validate`'s checks of one calibration data entry, without `datasets` or torch: the file exists, has a known
+format and the fields the entry's format reads, as text where it reads text (the first records the run converts).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.block_sections import DataSpec
+from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, looks_like_hub_id, text_field, text_fields
+from featcal_llm.io.hub_lookup import hub_lookup
+
+FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
+
+
+def needed_fields(spec: DataSpec) -> list[str]:
+    """The record fields the entry's format reads (alpaca's input is optional)."""
+    if spec.format == "text":
+        return [spec.text]
+    if spec.format == "alpaca":
+        return [spec.instruction, spec.response]
+    return [spec.messages] if spec.messages else [spec.prompt, spec.response]
+
+
+def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
+               taken: int | None = None) -> None:
+    """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names, as text
+    where the format reads text (in the first `taken` records, the ones the run converts; every record read if None)."""
+    path = data_path(spec, base_dir)
+    if path.is_file():
+        file_builder(path, where)
+        fields, records = file_head(path, f"{where}.path: {spec.path}")
+        for name in needed_fields(spec) if fields is not None else []:
+            if name not in fields:
+                raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+        for index, record in enumerate(records[:taken]):
+            for name in text_fields(spec):
+                if name in record:
+                    text_field(record, spec, name, where, index)
+        return
+    if path.is_dir():
+        return  # a local dataset directory: datasets decides its layout when the run loads it
+    if not looks_like_hub_id(spec.path):
+        raise FeatCalError(f"{where}.path: {path}: calibration file not found")
+    if not online:
+        unchecked.append(f"{spec.path} (dataset)")
+        return
+    hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
+
+
+def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
+    """(field names, None where only `datasets` can tell; the JSON records read): read without `datasets`, every record
+    of a small file, the first lines of a large one, none of a CSV or parquet file (the run reads their cells through
+    `datasets`)."""
+    suffix = path.suffix.lower()
+    unreadable = f"{where}: cannot load calibration data"
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+            header = next(csv.reader(handle), None)
+        if not header:
+            raise FeatCalError(f"{unreadable} (no header row)")
+        return header, []
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as parquet
+
+            return list(parquet.read_schema(path).names), []
+        except ImportError:
+            return None, []
+        except Exception as error:
+            raise FeatCalError(f"{unreadable} ({str(error).splitlines()[0]})") from None
+    whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
+    if suffix == ".json" and whole:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            data = None  # JSON lines in a .json file: read below
+        if isinstance(data, list):
+            return (_union(data), data) if data and all(isinstance(r, dict) for r in data) else (None, [])
+        if isinstance(data, dict):
+            return (list(data), []) if all(isinstance(v, list) for v in data.values()) else (None, [])
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not whole and number > FIELD_SCAN_LINES:
+                break
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
+                    return None, []  # a whole JSON document in a .jsonl file: datasets reads it
+                raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
+    if not records or not all(isinstance(record, dict) for record in records):
+        raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
+    return _union(records), records
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _union(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(key for record in records for key in record))
+
+
+__all__ = ["FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields"]
