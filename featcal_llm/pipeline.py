@@ -19,7 +19,7 @@ from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
 from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach
 from featcal_llm.engine.token_weights import advantage_weights
-from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights
+from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
 from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, FeatCalError
@@ -93,7 +93,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     data = read_data(comm, resolved, progress)
     opened = open_merged(comm, resolved, data)
     context = run_context(comm, resolved, data, opened, timer)
-    lead_summary, coverage, taught = _weights(context, resolved, data, opened)
+    lead_summary, coverage, taught, dropped = _weights(context, resolved, data, opened)
     if every_expert_taught_by_the_merge(taught, {task: context.plan.task_weight(task) for task in context.batches}):
         # nothing to calibrate toward (every expert with a weight above 0 trails): the output is the merge
         runlog.stage("trailing_experts: merge: every expert trails the merged model on its own records, so no layer is "
@@ -106,13 +106,13 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         return RunOutcome(resolved.output, opened.models.merged.directory)
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
-        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, progress)
+        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
     return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
 def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):
-    """The passes before the layers: each expert's weight (coverage), each token's (its expert's lead), and who teaches
-    each expert's records (`trailing_experts:`).
+    """The passes before the layers: each expert's weight (coverage), each token's (its expert's lead), who teaches
+    each expert's records (`trailing_experts:`), and, for `refine:`, the records that weigh 0 (`trailing_records: drop`).
 
     Rank 0 keeps their results in the staging area with the layers, record by record (engine/passes.py), so a resumed
     run reuses them with any number of ranks.
@@ -139,12 +139,17 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     if featcal.trailing == "merge":
         taught = let_the_merge_teach(context, token_weights.mean_leads, f"{where}.trailing_experts", token_weights.lead_margins)
     lead_summary = token_weights.summary if featcal.token_weighting == "expert_lead" else None
-    return lead_summary, (weights, coverage), taught
+    dropped = {}
+    if featcal.refine is not None and featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop":
+        counts = {task: len(records) for task, records in data.sequences.items()}  # every rank: the gather is collective
+        dropped = trailing_record_indices(comm, token_weights.advantages, context.batches, rows, counts)
+    return lead_summary, (weights, coverage), taught, dropped
 
 
 def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float],
-            progress: bool):
-    """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py)."""
+            dropped: dict[str, frozenset[int]], progress: bool):
+    """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py), on the
+    records the closed form weighs: not those an expert trails the merge on (`trailing_records: drop`)."""
     if replacements is None:
         runlog.stage("refine: skipped, as the output is the merged model and every record's teacher is the merge")
         return None, None
@@ -153,7 +158,9 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
     featcal = resolved.recipe.featcal
     calibrated = [task for task in data.sequences if context.plan.task_weight(task) > 0]  # weight 0: merged in, not calibrated toward
     job = RefineJob(featcal.refine, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
-                    context.models.experts, taught, replacements, {t: data.sequences[t] for t in calibrated},
+                    context.models.experts, taught, replacements,
+                    {t: [s for i, s in enumerate(data.sequences[t]) if i not in dropped.get(t, ())] for t in calibrated},
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
-                    resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress)
+                    resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
+                    {t: len(dropped.get(t, ())) for t in calibrated})
     return refine(job)

@@ -346,3 +346,19 @@ def test_two_ranks_weigh_the_tokens_by_expert_lead_as_one_process_does(uneven, t
     """`token_weights: expert_lead`: each rank weighs its shard's tokens, scaled by the sums over both ranks."""
     front = _two_ranks_and_one(uneven, tmp_path, token_weights="expert_lead")
     assert front[0]["expert_lead"] == front[1]["expert_lead"] and len(front[0]["expert_lead"]) == 3
+
+
+def test_two_ranks_leave_out_the_records_one_process_leaves_out_of_refine(uneven, tmp_path):
+    """`refine:` runs on rank 0 with every record, less those weighing 0 (`trailing_records: drop`): the ranks gather
+    which those are from their shards, so refine trains on the records one process trains on."""
+    scenario, _ = uneven
+    data = yaml.safe_load(scenario.recipe.read_text())["featcal"]["data"]
+    data[str(scenario.experts["expert2"])]["samples"] = 7  # a held-out split needs 2 records on each side
+    keys = {"data": data, "token_weights": "expert_lead", "trailing_experts": "keep",
+            "refine": {"steps": 2, "eval_every": 2, "params": "full", "precision": "float32"}}
+    single = run_recipe(scenario.write_recipe(tmp_path / "s.yaml", output=str(tmp_path / "single"), **keys), progress=False)
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **keys), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    ours, theirs = (json.loads((d / "featcal_refine.json").read_text()) for d in (tmp_path / "out", single))
+    assert ours["records_left_out"] == theirs["records_left_out"] and ours["records"] == theirs["records"]
+    assert sum(theirs["records_left_out"].values()) > 0, theirs["records_left_out"]

@@ -495,3 +495,15 @@ def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
     assert _load_best(staging, 4)["w"].tolist() == [4.0, 4.0] and _load_best(staging, 0) is None
     with pytest.raises(RunFailure, match="names step 2 as best, but its state is missing"):
         _load_best(staging, 2)
+
+
+def test_no_record_left_to_train_on_keeps_the_closed_form(capsys):
+    """Every record left out (its expert trails the merge on each): refine writes nothing of its own and says why."""
+    from types import SimpleNamespace
+
+    from featcal_llm.engine.refine import refine
+
+    closed = {"model.layers.0.mlp.up_proj.weight": Path("closed.safetensors")}
+    job = SimpleNamespace(train={"a": [], "b": []}, replacements=closed)
+    assert refine(job) == (closed, None)
+    assert "refine: skipped, as no calibration record is left to train on" in capsys.readouterr().err

@@ -221,3 +221,31 @@ def test_a_run_the_merge_teaches_in_resumes_to_the_same_bytes(lead_and_trail, tm
     assert log.count("reused from the saved progress") == 1
     assert log.count("the merged model teaches the records of expert1") == 3  # the run, the crashed run, the resumed run
     assert list(card_front(tmp_path / "out")["featcal"]["taught_by_merge"]) == ["expert1"]
+
+
+def test_refine_trains_on_the_records_the_closed_form_weighs(lead_and_trail, tmp_path, monkeypatch):
+    """`refine:` leaves out the records that weigh 0 (`trailing_records: drop`): with the margin at ten standard errors
+    expert1 keeps its records, and the ones it trails the merge on (summed lead below 0, from the whole models' forward,
+    on the statistics records the run kept after holding some out) are exactly the ones refine does not train on; the
+    card names how many."""
+    import featcal_llm.engine.refine as refine_module
+    import featcal_llm.pipeline as pipeline
+
+    scenario, merged, base, experts, sequences, leads = lead_and_trail
+    monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)
+    seen = {}
+    staged, stage = pipeline._refine, refine_module.refine
+    monkeypatch.setattr(pipeline, "_refine", lambda context, resolved, data, *rest: seen.update(kept=data.sequences) or staged(context, resolved, data, *rest))
+    monkeypatch.setattr(refine_module, "refine", lambda job: seen.update(job=job) or stage(job))
+    refine = {"steps": 2, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32"}
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              token_weights="expert_lead", trailing_experts="merge", refine=refine), progress=False)
+    kept, job = seen["kept"], seen["job"]
+    weights = advantage_token_weights(merged, experts, kept, standard_errors=10.0)
+    dropped = {task: [i for i, w in enumerate(weights[task]) if float(w.sum()) == 0] for task in kept}
+    second = list(experts)[1]
+    assert dropped[second] and len(dropped[second]) < len(kept[second])
+    for task in kept:
+        assert job.train[task] == [s for i, s in enumerate(kept[task]) if i not in dropped[task]], task
+        assert job.left_out[task] == len(dropped[task])
+    assert f"{len(dropped[second])} of `expert1`'s records" in (output / "README.md").read_text()

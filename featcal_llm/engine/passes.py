@@ -92,4 +92,23 @@ def saved_token_weights(tokens: dict, batches: dict[str, list[TokenBatch]], rows
                         tokens["scales"], advantages, tokens["lead_margins"])
 
 
-__all__ = ["LAYOUT", "PASS", "by_batch", "by_record", "load_passes", "record_rows", "save_passes", "saved_token_weights"]
+def trailing_record_indices(comm: "Single", advantages: dict[str, list[torch.Tensor]], batches: dict[str, list[TokenBatch]],
+                            rows: Rows, counts: dict[str, int]) -> dict[str, frozenset[int]]:
+    """Per expert, the indices of the records whose tokens weigh 0 because the expert trails the merge on them
+    (`trailing_records: drop`, marked by maths/advantage.mark_trailing_records), gathered from every rank."""
+    flags: list[float] = []
+    for task, count in counts.items():
+        marked = [0.0] * count
+        for index, values in by_record(advantages.get(task, []), batches.get(task, []), rows.get(task, [])).items():
+            marked[index] = float(values.numel() > 0 and bool(values[0] < 0))
+        flags += marked
+    flags = comm.sum_floats(flags)
+    result, start = {}, 0
+    for task, count in counts.items():
+        result[task] = frozenset(index for index in range(count) if flags[start + index] > 0)
+        start += count
+    return result
+
+
+__all__ = ["LAYOUT", "PASS", "by_batch", "by_record", "load_passes", "record_rows", "save_passes", "saved_token_weights",
+           "trailing_record_indices"]

@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,7 @@ class RefineJob:
     staging: Any  # engine/resume.StagingArea
     trust_remote_code: bool = False
     progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
+    left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
 
 
 class Student:
@@ -260,6 +261,9 @@ def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> 
 def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     """Refine the calibrated model; returns the replacements to write (the closed form's, with the refined tensors in
     place where a check improved on it) and what ran, for the card."""
+    if not any(job.train.values()):  # every record left out: its expert trails the merge on it
+        runlog.stage("refine: skipped, as no calibration record is left to train on; the closed form's output stands")
+        return job.replacements, None
     spec = job.spec
     job.batch_tokens = min(job.batch_tokens, MICRO_BATCH_TOKENS)  # micro-batches: the step's loss and gradient are the same
     parameters = sum(math.prod(shape) for shape, _ in job.merged.layout().values())
@@ -272,9 +276,11 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys[task] for task in job.train}
     names = short_names(list(job.train))
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast)}
+    left_out = sum(job.left_out.values())
     runlog.stage(f"refine: {params} parameters, lr {lr:g}, at most {spec.steps} steps of {spec.batch_records} records, "
-                 f"KL(teacher ‖ model) on {sum(len(v) for v in job.train.values())} records, stopped by "
-                 f"{sum(len(v) for v in held_keys.values())} held-out ones")
+                 f"KL(teacher ‖ model) on {len(train_keys)} records"
+                 + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
+                 + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
     store = _teachers(job, teacher_keys, records, autocast)
     torch.manual_seed(job.seed)
     student = Student(job, params, master)
@@ -335,6 +341,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "per_expert": {"before": progress["before"], "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
               "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
+              "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
               "seconds": round(time.perf_counter() - started, 1)}
     if params == "adapter":
         report["rank"] = spec.rank

@@ -386,6 +386,10 @@ def refine_text(refined: dict[str, Any]) -> str:
     params = "every parameter" if refined["params"] == "full" else (
         f"a rank-{refined['rank']} LoRA on the calibrated projections, merged back into the weights, with the norms, biases and LM head in full")
     teachers = ", ".join(f"`{task}`: {teacher}" for task, teacher in refined["teachers"].items())
+    left_out = {task: count for task, count in refined.get("records_left_out", {}).items() if count}
+    if left_out:
+        teachers += (". Left out, as the closed form weighs them 0 (the expert trails the merge on them): "
+                     + ", ".join(f"{count} of `{task}`'s records" for task, count in left_out.items()))
     if refined["chosen_step"] == 0:
         outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}), so the weights are "
                    "the closed form's, unchanged.")
@@ -404,7 +408,8 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
 
     names = public_names(list(refined["teachers"]))  # local paths by short name, as the rest of the card
     rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
-    refined = {**refined, "teachers": rename(refined["teachers"]),
+    refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
+               "records_left_out": rename(refined.get("records_left_out", {})),
                "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
                "history": [{**check, "per_expert": rename(check["per_expert"])} for check in refined.get("history", [])]}
     card = directory / "README.md"
