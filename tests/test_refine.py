@@ -221,6 +221,46 @@ def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_fo
     assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
 
 
+def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_form, monkeypatch, capsys):
+    """The held-out KLs scripted: every check lowers the mean, but expert1's KL ends above its closed-form value at the
+    later checks, so only the first check (every expert lower) is kept and written."""
+    import featcal_llm.engine.refine as refine_module
+
+    measured = refine_module.heldout_kl
+    checks = []
+
+    def scripted(*args):
+        real = measured(*args)
+        first, second = sorted(real)
+        if not checks:
+            checks.append(real)
+            return real  # before the first step: the closed form's
+        start = checks[0]
+        index = len(checks)
+        checks.append(real)
+        if index == 1:  # every expert a little lower
+            return {first: start[first] * 0.9, second: start[second] * 0.9}
+        # a far lower mean, bought with expert1's loss
+        return {first: start[first] * 0.1, second: start[second] * (1.05 + 0.01 * index)}
+
+    monkeypatch.setattr(refine_module, "heldout_kl", scripted)
+    refined = run(far_scenario, "guarded", refine=REFINE)
+    report = json.loads((refined / "featcal_refine.json").read_text())
+    assert report["chosen_step"] == 2 and report["steps_run"] == 6  # two checks without a kept improvement: stop
+    assert [h["above_closed_form"] for h in report["history"][1:]] == [[], [sorted(checks[0])[1]], [sorted(checks[0])[1]]]
+    assert "above the closed form's for expert1, so not kept" in capsys.readouterr().err
+    assert (refined / "model.safetensors").read_bytes() != (closed_form / "model.safetensors").read_bytes()
+
+
+def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
+    from featcal_llm.engine.refine import improves, raised
+
+    before = {"a": 0.2, "b": 0.1}
+    assert improves({"a": 0.1, "b": 0.1}, before, 0.15) and raised({"a": 0.1, "b": 0.1}, before) == []
+    assert not improves({"a": 0.01, "b": 0.11}, before, 0.15) and raised({"a": 0.01, "b": 0.11}, before) == ["b"]
+    assert not improves({"a": 0.19, "b": 0.1}, before, 0.14)  # every expert at or below, the mean not below the best
+
+
 def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monkeypatch):
     import featcal_llm.engine.refine as refine_module
 

@@ -11,8 +11,10 @@ and kept top-k on the host (engine/refine_data.py, maths/topk_kl.py).
 
 The records held out of the statistics choose the step count: the held-out
 KL is measured before the first step and every `eval_every` steps; the best
-state is kept, training stops after `patience` checks without improvement,
-and if no check improves on the closed form, its output stands unchanged.
+state is kept (the lowest mean over experts among the checks where no
+expert's KL is above the closed form's), training stops after `patience`
+checks without improvement, and if no check improves on the closed form, its
+output stands unchanged.
 After a check the trainable state, the optimizer, the schedule, the RNG and
 the best state are saved in the staging area, as often as keeps saving near
 a tenth of the stage's time (engine/refine_progress.py): a rerun after a
@@ -234,6 +236,19 @@ def mean_kl(per_expert: dict[str, float]) -> float:
     return sum(per_expert.values()) / max(len(per_expert), 1)
 
 
+def raised(per_expert: dict[str, float], before: dict[str, float]) -> list[str]:
+    """The experts whose held-out KL a check finds above its value before the first step (the closed form's)."""
+    return [task for task, value in per_expert.items() if value > before[task]]
+
+
+def improves(per_expert: dict[str, float], before: dict[str, float], best_kl: float) -> bool:
+    """Whether a check's state becomes the best: its mean held-out KL below the best so far, and no expert's above the
+    closed form's. A step that buys the average with one expert's loss is never written (measured on the broad study
+    setting: a step that lowered the mean by 5 % had raised the broad expert's KL by 68 %, and the manpage text's NLL
+    by 0.28 nats a token)."""
+    return mean_kl(per_expert) < best_kl and not raised(per_expert, before)
+
+
 def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
     """Each expert's records through their teacher, one whole model on the device at a time, in the precision the student
     computes in (bf16 autocast where it trains under it: a CPU's teachers as a GPU's, whose weights are bf16); kept in
@@ -323,14 +338,17 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
             continue
         per_expert = heldout_kl(student, store, held_keys, records, job, autocast)
         value = mean_kl(per_expert)
-        progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert})
+        above = raised(per_expert, progress["before"])
+        progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert,
+                                    "above_closed_form": above})
         checks += 1
-        if value < progress["best_kl"]:
+        if improves(per_expert, progress["before"], progress["best_kl"]):
             progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
         else:
             progress["bad"] += 1
         progress["done"] = progress["bad"] >= spec.patience or step == spec.steps
         runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
+                     + (f"; above the closed form's for {', '.join(names[t] for t in above)}, so not kept" if above else "")
                      + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
         kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(),
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
@@ -378,4 +396,4 @@ def after_check(step: int, saved: bool) -> None:
     """Called after each held-out check, `saved` when its progress was saved (a test interrupts a run here)."""
 
 
-__all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]
+__all__ = ["RefineJob", "after_check", "improves", "lr_factor", "raised", "record_order", "refine", "resolve_params"]

@@ -391,8 +391,8 @@ def refine_text(refined: dict[str, Any]) -> str:
         teachers += (". Left out, as the closed form weighs them 0 (the expert trails the merge on them): "
                      + ", ".join(f"{count} of `{task}`'s records" for task, count in left_out.items()))
     if refined["chosen_step"] == 0:
-        outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}), so the weights are "
-                   "the closed form's, unchanged.")
+        outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}) without raising "
+                   "an expert's held-out KL above the closed form's, so the weights are the closed form's, unchanged.")
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written.")
