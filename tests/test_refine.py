@@ -211,13 +211,14 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert (again / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
 
 
-def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_form):
+def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_form, capsys):
     """A learning rate far too high: every check is worse than the closed form, so its tensors are written, bit for bit."""
     wild = {**REFINE, "lr": 1.0}
     refined = run(far_scenario, "wild", refine=wild)
     closed = closed_form
     report = json.loads((refined / "featcal_refine.json").read_text())
     assert report["chosen_step"] == 0 and report["steps_run"] == 2 * wild["eval_every"]  # patience 2: two worse checks
+    assert "so the closed form's output stands unchanged" in capsys.readouterr().err
     assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
 
 

@@ -364,7 +364,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     if params == "adapter":
         report["rank"] = spec.rank
     if progress["best"] is None:
-        runlog.stage(f"refine: no step lowered the held-out KL ({report['held_out_kl']['before']:.4f}), so the closed form's output stands unchanged")
+        runlog.stage(f"refine: no check lowered the held-out KL ({report['held_out_kl']['before']:.4f}) without raising an expert's "
+                     "above the closed form's, so the closed form's output stands unchanged")
         return job.replacements, report
     student.load(progress["best"])
     tensors = student.written()
