@@ -153,3 +153,19 @@ def test_the_broad_setting_merges_its_own_experts_and_mixes_the_kinds_evenly(tmp
     kinds = [[{"kind": k, "i": i} for i in range(n)] for k, n in (("a", 3), ("b", 2), ("c", 3))]
     mixed = _interleave(kinds)
     assert [r["kind"] for r in mixed[:6]] == ["a", "b", "c"] * 2 and len(mixed) == 8  # any prefix holds every kind
+
+
+def test_the_demo_refine_recipe_is_the_demos_with_refine_on():
+    """studies/demo_refine.py: the demo's recipe, its own output, `refine: true`; nothing else changed."""
+    import yaml
+
+    from featcal_llm.demo.config import FULL
+    from featcal_llm.demo.run import OUTPUT_DIR, recipe_text
+    from featcal_llm.io.block import FeatCalConfig
+    from studies.demo_refine import REFINED_DIR, refine_recipe
+
+    demo, refined = (yaml.safe_load(text) for text in (recipe_text(FULL), refine_recipe(recipe_text(FULL))))
+    assert demo["featcal"]["output"] == OUTPUT_DIR and refined["featcal"].pop("output") == REFINED_DIR
+    assert refined["featcal"].pop("refine") is True
+    demo["featcal"].pop("output")
+    assert refined == demo and FeatCalConfig(**{**refined["featcal"], "output": REFINED_DIR, "refine": True}).refine.steps == 40
