@@ -410,7 +410,7 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
 
 def test_precision_auto_is_bf16_autocast_where_the_device_computes_it_natively(monkeypatch):
     """refine.precision: float32 masters always (float64 in a float64 run); bf16 autocast when asked, or under auto where
-    the device has native bf16 (probed: a CPU's oneDNN bf16 support, a GPU's), never float16."""
+    the device has native bf16 (a CPU's AVX512-BF16 or AMX flags, a GPU's support), never float16."""
     import featcal_llm.engine.refine as refine_module
 
     cpu = torch.device("cpu")
@@ -420,6 +420,18 @@ def test_precision_auto_is_bf16_autocast_where_the_device_computes_it_natively(m
         assert refine_module.refine_dtypes("bfloat16", torch.float16, cpu) == (torch.float32, torch.bfloat16)
         assert refine_module.refine_dtypes("float32", torch.bfloat16, cpu) == (torch.float32, None)
         assert refine_module.refine_dtypes("bfloat16", torch.float64, cpu) == (torch.float64, None)
+
+
+def test_one_rule_says_whether_a_cpu_computes_bf16_natively(monkeypatch):
+    """The layers' `dtype: auto` and refine's `precision: auto` ask the same question of a CPU, and get one answer."""
+    from featcal_llm.engine import devices
+
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(devices, "native_bf16_matmul", lambda native=native: native)
+        assert devices.native_bf16(cpu) is native
+        assert (devices.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16) is native
+    assert not devices.native_bf16(torch.device("meta"))
 
 
 def test_memory_model_is_an_upper_bound_of_a_measured_cpu_run(tmp_path):

@@ -33,6 +33,15 @@ def native_bf16_matmul() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively: a GPU that supports it, or a CPU with AVX512-BF16 or AMX
+    (`native_bf16_matmul`, the one CPU rule the layers' dtype and refine's autocast share); elsewhere bf16 is emulated
+    and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and native_bf16_matmul()
+
+
 def resolve_dtype(requested: str, device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
     """Compute dtype: bfloat16 on GPUs; on CPUs the checkpoint's bfloat16 where the CPU has bf16 units, else float32."""
     if requested != "auto":

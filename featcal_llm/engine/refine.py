@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
 from featcal_llm import runlog
+from featcal_llm.engine.devices import native_bf16
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
 from featcal_llm.engine.refine_memory import autocasts, resolve_params
@@ -79,19 +80,6 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes bfloat16 natively: a GPU that supports it, or a CPU with AVX512-BF16 or AMX (oneDNN's
-    bf16 kernels); elsewhere bf16 autocast is emulated and slower than float32."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return False
-    return False
 
 
 def refine_dtypes(precision: str, compute: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:

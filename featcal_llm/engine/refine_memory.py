@@ -127,7 +127,7 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
     if cpu:
         import torch
 
-        from featcal_llm.engine.refine import native_bf16
+        from featcal_llm.engine.devices import native_bf16
 
         native = native_bf16(torch.device("cpu"))
     else:  # the GPU it will run on may not be this machine's: planned as one with bf16, as every GPU that fits 8B has
