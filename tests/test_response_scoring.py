@@ -222,3 +222,13 @@ def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, pa
                   lambda: load_records(spec, "r.yaml: featcal.data.e", tmp_path)):
         with pytest.raises(FeatCalError, match=r"^r\.yaml: featcal\.data\.e\.path: .*nowhere.*: calibration file not found$"):
             check()
+
+
+def test_a_dotted_hub_id_is_an_id_and_a_file_type_is_a_file():
+    """The one hub-id rule: dots inside a repository name (a version) do not make it a file; a file type does."""
+    from featcal_llm.io.data import looks_like_hub_id
+
+    for value in ("teknium/OpenHermes-2.5", "meta-llama/Llama-3.1-8B-Instruct", "someone/calibration-set"):
+        assert looks_like_hub_id(value), value
+    for value in ("data/cal.jsonl", "data/cal.txt", "data/cal.CSV", "./a/b", "~/a", "/abs/x", "a/b/c", "cal.jsonl"):
+        assert not looks_like_hub_id(value), value

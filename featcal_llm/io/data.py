@@ -49,10 +49,15 @@ PLAIN_JSONL_MAX_BYTES = 64 * 2**20  # larger files go through datasets (memory-m
 DATE_LIKE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
+FILE_SUFFIX = re.compile(r"\.[A-Za-z]{1,8}")  # `.jsonl`, `.txt`: a file type; `.5`, `.1-8B-Instruct`: part of an id
+
+
 def looks_like_hub_id(value: str) -> bool:
-    """`org/name`: two parts, not absolute, not starting with a dot or ~, no file suffix (as the loaders decide)."""
+    """`org/name`: two parts, not absolute, not starting with a dot or ~, not ending in a file type (`data/cal.jsonl` is
+    a local file; `teknium/OpenHermes-2.5` and `meta-llama/Llama-3.1-8B-Instruct` are ids, their dots part of the name)."""
     path = Path(value)
-    return not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~")) and path.suffix == ""
+    return (not path.is_absolute() and len(path.parts) == 2 and not value.startswith((".", "~"))
+            and not FILE_SUFFIX.fullmatch(path.suffix))
 
 
 def data_path(spec: DataSpec, base_dir: Path | None) -> Path:
