@@ -17,6 +17,7 @@ import torch
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.token_weights import TokenWeights, weight_roots
 from featcal_llm.family.batch import TokenBatch
+from featcal_llm.maths.advantage import marked_trailing
 
 if TYPE_CHECKING:
     from featcal_llm.engine.distributed import Single
@@ -100,7 +101,7 @@ def trailing_record_indices(comm: "Single", advantages: dict[str, list[torch.Ten
     for task, count in counts.items():
         marked = [0.0] * count
         for index, values in by_record(advantages.get(task, []), batches.get(task, []), rows.get(task, [])).items():
-            marked[index] = float(values.numel() > 0 and bool(values[0] < 0))
+            marked[index] = float(values.numel() > 0 and bool(marked_trailing(values)))
         flags += marked
     flags = comm.sum_floats(flags)
     result, start = {}, 0

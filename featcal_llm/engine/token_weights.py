@@ -31,7 +31,8 @@ from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.teachers import trailing_experts
-from featcal_llm.maths.advantage import advantages, lead_margin, lead_moments, leads, mark_trailing_records, mean_one_scale, token_weights
+from featcal_llm.maths.advantage import (advantages, lead_margin, lead_moments, leads, mark_trailing_records, marked_trailing,
+                                         mean_one_scale, token_weights)
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -105,7 +106,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
         for task in leading:
             raw[task] = [mark_trailing_records(weights, sums) for weights, sums in zip(raw[task], record_leads[task])]
         counts = ctx.comm.sum_floats([value for task in leading for value in (
-            sum(float((weights[:, 0] < 0).sum()) for weights in raw[task]), sum(float(batch.keep.shape[0]) for batch in batches[task]))])
+            sum(float(marked_trailing(weights).sum()) for weights in raw[task]), sum(float(batch.keep.shape[0]) for batch in batches[task]))])
         for index, task in enumerate(leading):
             summary[task].update(records_dropped=int(counts[2 * index]), records=int(counts[2 * index + 1]))
     roots = weight_roots(raw, batches, scales)

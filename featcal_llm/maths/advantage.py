@@ -103,6 +103,12 @@ def mark_trailing_records(advantage: torch.Tensor, record_leads: torch.Tensor) -
     return torch.where((record_leads < 0)[:, None], torch.full_like(advantage, TRAILING_RECORD), advantage)
 
 
+def marked_trailing(advantage: torch.Tensor) -> torch.Tensor:
+    """Whether each row's record (the last dimension its tokens) was marked by `mark_trailing_records`: (batch,) for a
+    batch, a 0-d tensor for one record's tokens."""
+    return advantage[..., 0] < 0
+
+
 def mean_one_scale(weight_sum: float, tokens: int) -> float:
     """The factor that gives weights summing to `weight_sum` over `tokens` tokens a mean of 1 (0 when they are all 0)."""
     return tokens / weight_sum if weight_sum > 0 else 0.0
