@@ -1,4 +1,5 @@
-"""`refine:`: the top-k KL against the full one, the block's errors, and the stage end to end on a tiny merge.
+"""`refine:`: the block's errors and the stage end to end on a tiny merge (the top-k KL: test_topk_kl.py; the
+precision and memory rules: test_refine_memory.py).
 
 The end-to-end runs share one scenario (two experts, two layers, experts far from the merge so that the closed form leaves
 a gap for the gradient steps to close); each run is a few seconds of CPU.
@@ -13,50 +14,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_topk_kl import full_kl
 
-from featcal_llm.maths.topk_kl import topk_kl, topk_teacher
-
-
-def full_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Σ over rows of KL(teacher ‖ student) over the whole vocabulary, the textbook way."""
-    p_log = torch.log_softmax(teacher_logits.double(), -1)
-    q_log = torch.log_softmax(student_logits.double(), -1)
-    return (p_log.exp() * (p_log - q_log)).sum()
-
-
-def test_topk_kl_is_the_full_kl_at_k_vocab_and_below_it_otherwise():
-    generator = torch.Generator().manual_seed(0)
-    student, teacher = torch.randn(7, 50, generator=generator, dtype=torch.float64) * 3, torch.randn(7, 50, generator=generator, dtype=torch.float64) * 3
-    exact = full_kl(student, teacher)
-    top, index, rest = topk_teacher(teacher, 50)
-    assert float(topk_kl(student, top.double(), index, None, rest.double())) == pytest.approx(float(exact), rel=1e-10)
-    previous = float(exact)
-    for k in (40, 20, 5, 1):  # fewer bins: a lower bound (log-sum inequality), never above the full KL, falling with k
-        top, index, rest = topk_teacher(teacher, k)
-        value = float(topk_kl(student, top.double(), index, None, rest.double()))
-        assert 0 <= value <= previous + 1e-12
-        previous = value
-    # the k + 1 bins by hand, for k = 5: the teacher's five tokens and "the rest"
-    top, index, rest = topk_teacher(teacher, 5)
-    q = torch.log_softmax(student, -1)
-    q_top = q.gather(-1, index)
-    q_rest = torch.log1p(-q_top.exp().sum(-1))
-    by_hand = (top.double().exp() * (top.double() - q_top)).sum() + (rest.double().exp() * (rest.double() - q_rest)).sum()
-    assert float(topk_kl(student, top.double(), index, None, rest.double())) == pytest.approx(float(by_hand), rel=1e-9)
-    # the mask selects rows; the rest's mass from the k values alone when it is not given
-    mask = torch.tensor([True, False, True, False, False, True, True])
-    assert float(topk_kl(student, top.double(), index, mask, rest.double())) == pytest.approx(
-        float(sum(topk_kl(student[i:i + 1], top[i:i + 1].double(), index[i:i + 1], None, rest[i:i + 1].double()) for i in (0, 2, 5, 6))))
-    assert float(topk_kl(student, top.double(), index)) == pytest.approx(float(by_hand), rel=1e-6)
-
-
-def test_topk_kl_gradient_is_finite_when_k_is_the_vocabulary():
-    student = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
-    teacher = torch.randn(3, 8, dtype=torch.float64)
-    top, index, rest = topk_teacher(teacher, 8)
-    topk_kl(student, top.double(), index, None, rest.double()).backward()
-    expected = torch.softmax(student.detach(), -1) - torch.softmax(teacher, -1)  # ∂KL/∂logits = q − p
-    assert torch.allclose(student.grad, expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -406,70 +365,6 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     update = torch.cat([(a[name] - start[name]).flatten() for name in start])
     difference = torch.cat([(b[name] - a[name]).flatten() for name in start])
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
-
-
-def test_precision_auto_is_bf16_autocast_where_the_device_computes_it_natively(monkeypatch):
-    """refine.precision: float32 masters always (float64 in a float64 run); bf16 autocast when asked, or under auto where
-    the device has native bf16 (a CPU's AVX512-BF16 or AMX flags, a GPU's support), never float16."""
-    import featcal_llm.engine.refine as refine_module
-
-    cpu = torch.device("cpu")
-    for native in (True, False):
-        monkeypatch.setattr(refine_module, "native_bf16", lambda device, native=native: native)
-        assert refine_module.refine_dtypes("auto", torch.float32, cpu) == (torch.float32, torch.bfloat16 if native else None)
-        assert refine_module.refine_dtypes("bfloat16", torch.float16, cpu) == (torch.float32, torch.bfloat16)
-        assert refine_module.refine_dtypes("float32", torch.bfloat16, cpu) == (torch.float32, None)
-        assert refine_module.refine_dtypes("bfloat16", torch.float64, cpu) == (torch.float64, None)
-
-
-def test_one_rule_says_whether_a_cpu_computes_bf16_natively(monkeypatch):
-    """The layers' `dtype: auto` and refine's `precision: auto` ask the same question of a CPU, and get one answer."""
-    from featcal_llm.engine import devices
-
-    cpu = torch.device("cpu")
-    for native in (True, False):
-        monkeypatch.setattr(devices, "native_bf16_matmul", lambda native=native: native)
-        assert devices.native_bf16(cpu) is native
-        assert (devices.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16) is native
-    assert not devices.native_bf16(torch.device("meta"))
-
-
-def test_memory_model_is_an_upper_bound_of_a_measured_cpu_run(tmp_path):
-    """engine/refine_memory.py against the refine stage's measured peak anonymous memory (20 M parameters, params full):
-    never below it, and within 2.5× (measured: 1.45×)."""
-    from featcal_llm.benchmark.refine_memory import measure
-
-    result = measure(hidden=512, layers=4, vocab=8192, params="full", steps=2, workdir=tmp_path)
-    print(f"predicted {result['predicted']['peak'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB")
-    assert 1.0 <= result["ratio"] <= 2.5
-
-
-def test_memory_model_at_8b_fits_40_gb():
-    """The promise written in docs/refine.md: Llama-3.1-8B, three experts × 256 × 2048 tokens, params auto (adapter)."""
-    from featcal_llm.engine.refine_memory import resolve_params
-    from featcal_llm.engine.refine_memory import Shape, refine_memory
-
-    shape = Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, tied=False)
-    assert round(shape.parameters() / 1e9, 2) == 8.03
-    assert resolve_params("auto", shape.parameters(), 80 * 10**9) == "adapter"
-    assert resolve_params("auto", 135 * 10**6, 16 * 2**30) == "full"
-    memory = refine_memory(shape, "adapter", 16, 8192, 2048, 64, 3 * 256 * 2048, 2, cpu=False)
-    assert memory["peak"] <= 40 * 10**9
-    assert round(memory["peak"] / 2**30, 1) == 33.0
-
-
-def test_validate_plans_the_refine_stage():
-    """`validate`'s memory plan gains a refine line: the memory model at the recipe's shapes (8B: adapter, 35.4 GB)."""
-    from featcal_llm.benchmark.estimate import memory_plan
-    from featcal_llm.io.block import FeatCalConfig
-
-    config = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    data = {f"e{i}": {"path": f"d{i}.jsonl"} for i in range(3)}
-    block = {"merged": "m", "output": "o", "data": data, "device": "cuda", "max_length": 2048}
-    lines = memory_plan(config, FeatCalConfig(**block, refine=True), 3, True).lines()
-    assert lines[-1] == "  refine      ~35.4 GB GPU peak (params adapter, rank 16; ~5.2 GB more on the host; docs/refine.md)"
-    assert not any("refine" in line for line in memory_plan(config, FeatCalConfig(**block), 3, True).lines())
 
 
 def test_judged_tokens_are_the_responses_or_every_token():

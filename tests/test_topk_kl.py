@@ -1,0 +1,50 @@
+"""maths/topk_kl.py: refine's KL over a teacher's top-k tokens and the rest, against the full-vocabulary KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from featcal_llm.maths.topk_kl import topk_kl, topk_teacher
+
+
+def full_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Σ over rows of KL(teacher ‖ student) over the whole vocabulary, the textbook way."""
+    p_log = torch.log_softmax(teacher_logits.double(), -1)
+    q_log = torch.log_softmax(student_logits.double(), -1)
+    return (p_log.exp() * (p_log - q_log)).sum()
+
+
+def test_topk_kl_is_the_full_kl_at_k_vocab_and_below_it_otherwise():
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(7, 50, generator=generator, dtype=torch.float64) * 3, torch.randn(7, 50, generator=generator, dtype=torch.float64) * 3
+    exact = full_kl(student, teacher)
+    top, index, rest = topk_teacher(teacher, 50)
+    assert float(topk_kl(student, top.double(), index, None, rest.double())) == pytest.approx(float(exact), rel=1e-10)
+    previous = float(exact)
+    for k in (40, 20, 5, 1):  # fewer bins: a lower bound (log-sum inequality), never above the full KL, falling with k
+        top, index, rest = topk_teacher(teacher, k)
+        value = float(topk_kl(student, top.double(), index, None, rest.double()))
+        assert 0 <= value <= previous + 1e-12
+        previous = value
+    # the k + 1 bins by hand, for k = 5: the teacher's five tokens and "the rest"
+    top, index, rest = topk_teacher(teacher, 5)
+    q = torch.log_softmax(student, -1)
+    q_top = q.gather(-1, index)
+    q_rest = torch.log1p(-q_top.exp().sum(-1))
+    by_hand = (top.double().exp() * (top.double() - q_top)).sum() + (rest.double().exp() * (rest.double() - q_rest)).sum()
+    assert float(topk_kl(student, top.double(), index, None, rest.double())) == pytest.approx(float(by_hand), rel=1e-9)
+    # the mask selects rows; the rest's mass from the k values alone when it is not given
+    mask = torch.tensor([True, False, True, False, False, True, True])
+    assert float(topk_kl(student, top.double(), index, mask, rest.double())) == pytest.approx(
+        float(sum(topk_kl(student[i:i + 1], top[i:i + 1].double(), index[i:i + 1], None, rest[i:i + 1].double()) for i in (0, 2, 5, 6))))
+    assert float(topk_kl(student, top.double(), index)) == pytest.approx(float(by_hand), rel=1e-6)
+
+
+def test_topk_kl_gradient_is_finite_when_k_is_the_vocabulary():
+    student = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 8, dtype=torch.float64)
+    top, index, rest = topk_teacher(teacher, 8)
+    topk_kl(student, top.double(), index, None, rest.double()).backward()
+    expected = torch.softmax(student.detach(), -1) - torch.softmax(teacher, -1)  # ∂KL/∂logits = q − p
+    assert torch.allclose(student.grad, expected, atol=1e-12)
