@@ -10,7 +10,8 @@ from pathlib import Path
 
 from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext
-from featcal_llm.io.card import append_evaluation, append_refinement, write_card
+from featcal_llm.io.card import append_evaluation, write_card
+from featcal_llm.io.refine_card import append_refinement
 from featcal_llm.io.checkpoint import (
     copy_side_files,
     move_into_place,

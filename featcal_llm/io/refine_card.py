@@ -1,0 +1,53 @@
+"""The model card's `## Refinement` section and `featcal_refine.json` beside it: what the `refine:` stage ran, what
+the held-out records chose, and every check (engine/refine.py's report)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.io.card import public_names
+
+REFINE_FILE = "featcal_refine.json"
+
+
+def refine_text(refined: dict[str, Any]) -> str:
+    """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose."""
+    kl = refined["held_out_kl"]
+    params = "every parameter" if refined["params"] == "full" else (
+        f"a rank-{refined['rank']} LoRA on the calibrated projections, merged back into the weights, with the norms, biases and LM head in full")
+    teachers = ", ".join(f"`{task}`: {teacher}" for task, teacher in refined["teachers"].items())
+    left_out = {task: count for task, count in refined.get("records_left_out", {}).items() if count}
+    if left_out:
+        teachers += (". Left out, as the closed form weighs them 0 (the expert trails the merge on them): "
+                     + ", ".join(f"{count} of `{task}`'s records" for task, count in left_out.items()))
+    if refined["chosen_step"] == 0:
+        outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}) without raising "
+                   "an expert's held-out KL above the closed form's, so the weights are the closed form's, unchanged.")
+    else:
+        outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
+                   f"step {refined['chosen_step']}, the weights written.")
+    return (f"## Refinement\nAfter the closed form, `refine:` trained {params} (AdamW, peak learning rate {refined['lr']:g}, warm-up "
+            f"then cosine) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
+            f"kept as their top-{refined['top_k']} tokens. Teachers: {teachers}. It ran {refined['steps_run']} of at most "
+            f"{refined['max_steps']} steps. {outcome} Every held-out check: `{REFINE_FILE}`.\n\n")
+
+
+def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
+    """Add the `refine:` stage's section to the card (before Usage) and its full record beside it (`featcal_refine.json`)."""
+    names = public_names(list(refined["teachers"]))  # local paths by short name, as the rest of the card
+    rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
+    refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
+               "records_left_out": rename(refined.get("records_left_out", {})),
+               "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
+               "history": [{**check, "per_expert": rename(check["per_expert"])} for check in refined.get("history", [])]}
+    card = directory / "README.md"
+    text = card.read_text(encoding="utf-8")
+    head, marker, tail = text.partition("## Usage")
+    section = refine_text(refined)
+    card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")
+    (directory / REFINE_FILE).write_text(json.dumps(refined, indent=1) + "\n", encoding="utf-8")
+
+
+__all__ = ["REFINE_FILE", "append_refinement", "refine_text"]
