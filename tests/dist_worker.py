@@ -41,7 +41,7 @@ def main() -> None:
 
         calibrate.calibrate_layer = dying
     if args.skip_rank is not None:
-        from featcal_llm.engine import distributed
+        from featcal_llm.engine import torch_world as distributed
 
         real_reduce = distributed.TorchDistributed.reduce_statistics
 

@@ -76,7 +76,7 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_and_a_failed_one_by_its_error(
 
     import torch.distributed as dist
 
-    from featcal_llm.engine import distributed
+    from featcal_llm.engine import torch_world as distributed
 
 
     master = _local_store(monkeypatch, 3)
@@ -235,7 +235,7 @@ def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
 
     import torch.distributed as dist
 
-    from featcal_llm.engine import distributed
+    from featcal_llm.engine import torch_world as distributed
 
     master = _local_store(monkeypatch, 2)
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
@@ -264,7 +264,7 @@ def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops
 
     import torch.distributed as dist
 
-    from featcal_llm.engine import distributed
+    from featcal_llm.engine import torch_world as distributed
 
     master = _local_store(monkeypatch, 2)
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
