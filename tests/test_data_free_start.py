@@ -1,10 +1,11 @@
-"""studies/data_free_start.py: the recipes it writes and the report it makes (no model is loaded)."""
+"""studies/data_free_start.py: the recipes it writes and the report it makes (data_free_start_report.py; no model is loaded)."""
 
 from __future__ import annotations
 
 import yaml
 
 from studies import data_free_start as dfs
+from studies.data_free_start_report import report
 
 
 def _args(*extra: str):
@@ -62,7 +63,7 @@ def test_report_has_a_row_per_setting_even_without_a_gap():
     nll = {"merged": {"code": 1.0, "prose": 1.0, "c": 1.0}, **{f"expert:{k}": {k: 2.0} for k in ("code", "prose", "c")},
            **{f"featcal:{s}": {"code": 1.5, "prose": 1.5, "c": 1.5} for s in dfs.SETTINGS}}
     runs = {"raw_bos": {"same_as": "raw_auto", "seconds": 0.0, "generated": {}, "warnings": [], "choices": []}}
-    text = dfs.report({"nll": {"raw": nll}, "runs": runs, "failed": {}, "skipped": ["chat_auto_x4"], "timings": {"x": 1.0}})
+    text = report({"nll": {"raw": nll}, "runs": runs, "failed": {}, "skipped": ["chat_auto_x4"], "timings": {"x": 1.0}}, dfs.SETTINGS)
     for setting in dfs.SETTINGS:
         assert any(line.startswith(f"| {setting}") and "–" in line for line in text.splitlines())
     assert "| bos (= auto) |" in text and "chat_auto_x4" in text
@@ -71,5 +72,5 @@ def test_report_has_a_row_per_setting_even_without_a_gap():
 def test_report_shares():
     nll = {"merged": {k: 3.0 for k in ("code", "prose", "c")}, **{f"expert:{k}": {k: 2.0} for k in ("code", "prose", "c")},
            "featcal:real": {k: 2.5 for k in ("code", "prose", "c")}}
-    text = dfs.report({"nll": {"chat": nll}, "runs": {}})
+    text = report({"nll": {"chat": nll}, "runs": {}}, dfs.SETTINGS)
     assert "| real | 0.50 | 0.50 | 0.50 | 0.50 |" in text
