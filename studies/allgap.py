@@ -34,7 +34,7 @@ from studies.common import log
 from studies.common import save_json as _save_json
 from studies.quality_setup import ALLGAP as SETTING
 from studies.quality_setup import MIX, expert_dir
-from studies.real_data import KINDS, read_jsonl
+from studies.real_data import KINDS, interleave, read_jsonl
 
 MIN_GAP = 0.05  # nats a token: what "the expert beats the merge on its own text" must mean here
 
@@ -134,7 +134,6 @@ def train(args) -> None:
     """
     from transformers import AutoTokenizer
 
-    from studies.quality import _interleave
     from studies.real_models import finetune
 
     source, work = args.source.resolve(), args.workdir.resolve()
@@ -152,7 +151,7 @@ def train(args) -> None:
             log(f"{out} exists: kept")
             continue
         if kind == MIX:  # the broad expert: every kind's train records interleaved, as studies.quality trains it
-            texts = _interleave([[r["text"] for r in read_jsonl(source / "data" / k / "train.jsonl")] for k in KINDS])
+            texts = interleave([[r["text"] for r in read_jsonl(source / "data" / k / "train.jsonl")] for k in KINDS])
         else:
             texts = [r["text"] for r in read_jsonl(source / "data" / kind / "train.jsonl")]
         started = time.time()

@@ -29,10 +29,9 @@ from pathlib import Path
 
 from studies import real_data as rd
 from studies.common import log
+from studies.quality_data import prepare, records_as_trained
 from studies.quality_report import write_report
-from studies.quality_setup import AS_TRAINED, MIX, PHASES, SETTINGS, SWEEP, expert_dir, expert_label, recipe_text, rows
-
-DEBIAN_DOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"
+from studies.quality_setup import MIX, PHASES, SETTINGS, SWEEP, expert_dir, expert_label, recipe_text, rows
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         source.add_argument("--base", type=Path, help="a float32 Hugging Face checkpoint instead")
         q.add_argument("--data", type=Path, required=True, help="the prepared data folder")
         q.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--prose-dir", type=Path, default=Path(DEBIAN_DOC_SOURCES))
+    prep.add_argument("--prose-dir", type=Path, default=Path(rd.DEBIAN_DOC_SOURCES))
     prep.add_argument("--record-tokens", type=int, default=160)
     prep.add_argument("--prompt-tokens", type=int, default=32)
     prep.add_argument("--train-records", type=int, default=768)
@@ -86,46 +85,6 @@ def _parser() -> argparse.ArgumentParser:
                           "2 short test records, one sweep point, 2 generated samples of 8 tokens")
     run.add_argument("--until", choices=("experts",), default=None, help="stop after this phase")
     return p
-
-
-def _interleave(lists: list[list], total: int | None = None) -> list:
-    out = []
-    for group in zip(*lists):
-        out.extend(group)
-    return out[:total]
-
-
-def prepare(args, tokenizer) -> None:
-    """Split every kind's documents into train/cal/test records and write them (and the broad mix) under --data."""
-    sizes = rd.SplitSizes(train=args.train_records, cal=args.cal_records, test=args.test_records,
-                          train_per_document=args.train_per_document or None)
-    splits = {}
-    for kind in rd.KINDS:
-        docs = rd.documents(kind, prose_dir=args.prose_dir if kind == "prose" else None)
-        splits[kind] = rd.split_records(docs, tokenizer, sizes, args.record_tokens, args.seed)
-        splits[kind]["prompts"] = rd.prompt_records(splits[kind]["cal"], tokenizer, args.prompt_tokens)
-        for split, records in splits[kind].items():
-            rd.write_jsonl(records, args.data / kind / f"{split}.jsonl")
-        log(f"{args.data / kind}: " + ", ".join(f"{s} {len(r)}" for s, r in splits[kind].items()))
-    for split, total in (("train", args.train_records), ("cal", args.cal_records), ("prompts", args.cal_records)):
-        rd.write_jsonl(_interleave([splits[k][split] for k in rd.KINDS], total), args.data / MIX / f"{split}.jsonl")
-    meta = {k: v for k, v in vars(args).items() if k not in ("command",)}
-    (args.data / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
-
-
-def records_as_trained(data: Path, tokenizer) -> None:
-    """Beside each kind's cal and prompt records, the same records beginning with the BOS token (``-bos``).
-
-    The experts are fine-tuned and scored on BOS + text (``real_models.encode``), but this tokenizer adds no BOS of
-    its own, so the product would calibrate on text the experts never saw without it (no attention sink at position
-    0). Its text form tokenises to exactly BOS + the record's tokens.
-    """
-    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id] else ""
-    for kind in (*rd.KINDS, MIX):
-        for split, key in (("cal", "text"), ("prompts", "prompt")):
-            source = data / kind / f"{split}.jsonl"
-            if source.exists():
-                rd.write_jsonl([{**r, key: bos + r[key]} for r in rd.read_jsonl(source)], data / kind / f"{split}{AS_TRAINED}.jsonl")
 
 
 class State:
@@ -184,7 +143,7 @@ class Study:
             if out.exists():
                 continue
             if kind == MIX:  # every kind's train records interleaved: three times a narrow expert's text, one pass
-                texts = _interleave([[r["text"] for r in rd.read_jsonl(self.work / "data" / k / "train.jsonl")] for k in rd.KINDS])
+                texts = rd.interleave([[r["text"] for r in rd.read_jsonl(self.work / "data" / k / "train.jsonl")] for k in rd.KINDS])
             else:
                 texts = [r["text"] for r in rd.read_jsonl(self.work / "data" / kind / "train.jsonl")]
             steps = args.broad_steps if kind == MIX else args.steps

@@ -21,6 +21,7 @@ from typing import Iterable, Protocol
 from featcal_llm.errors import FeatCalError
 
 KINDS = ("code", "prose", "c")
+DEBIAN_DOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"  # the prose kind's documents (apt-get install python3.11-doc)
 _LICENCE = re.compile(r"\A\s*/\*.*?\*/", re.S)  # a header's leading comment, dropped when it is a licence
 
 
@@ -124,6 +125,15 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def interleave(lists: list[list], total: int | None = None) -> list:
+    """One item of each list in turn (a shorter list drops out when it ends), so that any prefix mixes the lists
+    evenly: a broad expert's training or calibration records over several kinds. At most `total` items."""
+    out = []
+    for index in range(max((len(items) for items in lists), default=0)):
+        out += [items[index] for items in lists if index < len(items)]
+    return out[:total]
 
 
 def gap_recovered(nll_expert: float, nll_merged: float, nll_calibrated: float) -> float | None:

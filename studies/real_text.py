@@ -30,7 +30,6 @@ from studies.real_report import report
 from featcal_llm.errors import FeatCalError
 
 SETTINGS = ("real", "bos", "prompts")
-DEBIAN_DOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"
 LABELS = {"real": "(a) real calibration text", "bos": "(b) generate from BOS",
           "prompts": "(c) generate from the cal records' beginnings"}
 
@@ -43,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--gguf", type=Path, help="a GGUF file, dequantised into WORKDIR/base")
     p.add_argument("--prose-dir", type=Path, default=None,
                    help="prose from the reStructuredText sources under this folder (e.g. Debian's python3.11-doc: "
-                        f"{DEBIAN_DOC_SOURCES}) instead of pydoc_data.topics")
+                        f"{rd.DEBIAN_DOC_SOURCES}) instead of pydoc_data.topics")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-tokens", type=int, default=160)
@@ -133,7 +132,7 @@ def _data(work: Path, tokenizer, args, log) -> None:
             splits = rd.split_records(docs, tokenizer, sizes, args.record_tokens, args.seed)
         except FeatCalError as error:
             hint = (" (pydoc_data.topics has 79 short documents: pass --prose-dir, e.g. "
-                    f"{DEBIAN_DOC_SOURCES} after apt-get install python3.11-doc, or fewer --train-records)")
+                    f"{rd.DEBIAN_DOC_SOURCES} after apt-get install python3.11-doc, or fewer --train-records)")
             raise FeatCalError(f"data/{kind}: {error}" + (hint if kind == "prose" and args.prose_dir is None else ""))
         for split, records in splits.items():
             rd.write_jsonl(records, folder / f"{split}.jsonl")

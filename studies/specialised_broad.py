@@ -20,20 +20,12 @@ import os
 from pathlib import Path
 
 from studies.common import bootstrap_nll, load_json, log, mean_nll, percentile_interval, save_json
-from studies.real_data import read_jsonl, write_jsonl
+from studies.real_data import interleave, read_jsonl, write_jsonl
 from studies.specialised_data import KINDS
 from studies.specialised_setup import AS_TRAINED, CAL_RECORDS, SCORED, TA_WEIGHT, slug
 
 EXPERTS = ("broad", "manpage", "changelog")
 BROAD = "broad"
-
-
-def _interleave(lists: list[list[dict]]) -> list[dict]:
-    """One record of each kind in turn, so that any prefix (the first `samples` records) mixes the kinds evenly."""
-    out = []
-    for index in range(max(len(rows) for rows in lists)):
-        out += [rows[index] for rows in lists if index < len(rows)]
-    return out
 
 
 def prepare(args) -> None:
@@ -43,7 +35,7 @@ def prepare(args) -> None:
         if not (work / name).exists():
             os.symlink(source / name, work / name)
     for split in ("train", "cal", f"cal{AS_TRAINED}"):
-        mixed = _interleave([read_jsonl(source / "data" / kind / f"{split}.jsonl") for kind in KINDS])
+        mixed = interleave([read_jsonl(source / "data" / kind / f"{split}.jsonl") for kind in KINDS])
         write_jsonl(mixed, work / "data" / BROAD / f"{split}.jsonl")
     log(f"{work / 'data' / BROAD}: {len(read_jsonl(work / 'data' / BROAD / 'train.jsonl'))} train records, the kinds in turn")
 

@@ -13,7 +13,9 @@ import yaml
 
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.tiny import build_char_tokenizer
-from studies.quality import _interleave, _parser, records_as_trained
+from studies.quality import _parser
+from studies.quality_data import records_as_trained
+from studies.real_data import interleave
 from studies.quality_report import setting_summary
 from studies.quality_setup import PHASES, SETTINGS, Row, expert_dir, recipe_text, rows
 
@@ -142,7 +144,7 @@ def test_no_gap_is_no_share():
 
 
 def test_mix_interleaves_kinds_and_cli_needs_a_source():
-    assert _interleave([[1, 2, 3], ["a", "b", "c"], ["x", "y", "z"]], 7) == [1, "a", "x", 2, "b", "y", 3]
+    assert interleave([[1, 2, 3], ["a", "b", "c"], ["x", "y", "z"]], 7) == [1, "a", "x", 2, "b", "y", 3]
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", "--data", "d", "--workdir", "w"])
 

@@ -139,7 +139,8 @@ def test_a_results_row_records_what_its_run_resolved_and_logged(tmp_path):
 
 
 def test_the_broad_setting_merges_its_own_experts_and_mixes_the_kinds_evenly(tmp_path, monkeypatch):
-    from studies.specialised_broad import EXPERTS, _interleave
+    from studies.real_data import interleave
+    from studies.specialised_broad import EXPERTS
 
     monkeypatch.chdir(tmp_path)
     for name in EXPERTS:
@@ -151,7 +152,7 @@ def test_the_broad_setting_merges_its_own_experts_and_mixes_the_kinds_evenly(tmp
     assert [e.name for e in recipe.experts] == [f"experts/{name}" for name in EXPERTS]
     assert sorted(recipe.featcal.data) == sorted(f"experts/{name}" for name in EXPERTS) and recipe.featcal.rho == 1.0
     kinds = [[{"kind": k, "i": i} for i in range(n)] for k, n in (("a", 3), ("b", 2), ("c", 3))]
-    mixed = _interleave(kinds)
+    mixed = interleave(kinds)
     assert [r["kind"] for r in mixed[:6]] == ["a", "b", "c"] * 2 and len(mixed) == 8  # any prefix holds every kind
 
 
