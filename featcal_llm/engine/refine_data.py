@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from featcal_llm.engine.refine_memory import logit_chunk
 from featcal_llm.engine.refine_models import decoder, logits_of
 from featcal_llm.io.records import response_from
 from featcal_llm.maths.topk_kl import topk_teacher
@@ -28,11 +29,6 @@ Key = tuple[str, int]  # (expert, index of the record in that expert's list)
 def judged_positions(sequence: list[int]) -> range:
     """The positions whose next token the record is judged on."""
     return range(max(response_from(sequence) - 1, 0), len(sequence) - 1)
-
-
-def logit_chunk(vocab_size: int, budget_bytes: int = 2**28) -> int:
-    """Tokens per logits chunk: a float32 (tokens × vocab) block of at most `budget_bytes` (512 tokens at a 128k vocabulary)."""
-    return max(1, budget_bytes // (4 * max(vocab_size, 1)))
 
 
 @dataclass(frozen=True)

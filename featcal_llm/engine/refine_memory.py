@@ -76,6 +76,8 @@ class Shape:
 
 
 def logit_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
+    """Tokens per logits chunk: a float32 (tokens × vocab) block of at most `budget_bytes` (523 tokens at a 128k vocabulary);
+    the stage computes its logits in such chunks, and the memory model counts one."""
     return max(1, budget_bytes // (4 * max(vocab, 1)))
 
 
