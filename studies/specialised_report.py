@@ -25,6 +25,7 @@ def _r(value):
 # (row, the row its share is divided by): what the calibration records' source costs (data-free against real records),
 # and the closed form with refinement against the distillation reference (the issue's 1.1× target)
 SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
+                ("featcal data-free + refine", "featcal defaults + refine"),
                 ("featcal data-free + refine, adapter", "featcal defaults + refine, adapter, float32"),
                 ("featcal defaults + refine", "distill (lr by val share)"),
                 ("featcal defaults + refine, 80 steps", "distill (lr by val share)")]

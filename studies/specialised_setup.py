@@ -48,6 +48,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults, trailing keep": {"trailing_experts": "keep"},
     # data-free: each expert writes its own calibration records (`generate: {}`, its defaults), the same count
     "featcal data-free": {DATA: GENERATE},
+    "featcal data-free + refine": {DATA: GENERATE, "refine": True},
     "featcal data-free + refine, adapter": {DATA: GENERATE, "refine": {"params": "adapter"}},
 }
 
