@@ -321,7 +321,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         scheduler.step()
         progress["step"] = step = step + 1
         bar.update(1)
-        bar.set_postfix_str(f"train KL {loss:.4f}, best held-out {progress['best_kl']:.4f}", refresh=False)
+        _note(bar, loss, progress["best_kl"])
         if step % spec.eval_every and step != spec.steps:
             continue
         per_expert = heldout_kl(student, store, held_keys, records, job, autocast)
@@ -338,6 +338,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
                      + (f"; above the closed form's for {', '.join(names[t] for t in above)}, so not kept" if above else "")
                      + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
+        _note(bar, loss, progress["best_kl"])  # the best as this check left it
         kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(),
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         after_check(step, kept)
@@ -366,6 +367,10 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; progress saved at "
                  f"{saver.saves} of {checks} checks")
     return {**job.replacements, **{name: path for name in tensors}}, report
+
+
+def _note(bar, loss: float, best_kl: float) -> None:
+    bar.set_postfix_str(f"train KL {loss:.4f}, best held-out {best_kl:.4f}")
 
 
 def _step_bar(steps: int, done: int, show: bool):
