@@ -189,6 +189,9 @@ def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_for
     measured = refine_module.heldout_kl
     checks = []
 
+    def scaled(kl, factor):
+        return {"sums": [value * factor for value in kl["sums"]], "counts": kl["counts"]}
+
     def scripted(*args):
         real = measured(*args)
         first, second = sorted(real)
@@ -199,26 +202,63 @@ def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_for
         index = len(checks)
         checks.append(real)
         if index == 1:  # every expert a little lower
-            return {first: start[first] * 0.9, second: start[second] * 0.9}
-        # a far lower mean, bought with expert1's loss
-        return {first: start[first] * 0.1, second: start[second] * (1.05 + 0.01 * index)}
+            return {first: scaled(start[first], 0.9), second: scaled(start[second], 0.9)}
+        # a far lower mean, bought with expert1's loss: its KL on every held-out record twice and more what it was
+        return {first: scaled(start[first], 0.1), second: scaled(start[second], 2.0 + 0.1 * index)}
 
     monkeypatch.setattr(refine_module, "heldout_kl", scripted)
     refined = run(far_scenario, "guarded", refine=REFINE)
     report = json.loads((refined / "featcal_refine.json").read_text())
     assert report["chosen_step"] == 2 and report["steps_run"] == 6  # two checks without a kept improvement: stop
     assert [h["above_closed_form"] for h in report["history"][1:]] == [[], [sorted(checks[0])[1]], [sorted(checks[0])[1]]]
-    assert "above the closed form's for expert1, so not kept" in capsys.readouterr().err
+    assert "above the closed form's beyond two standard errors for expert1, so not kept" in capsys.readouterr().err
     assert (refined / "model.safetensors").read_bytes() != (closed_form / "model.safetensors").read_bytes()
 
 
-def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
-    from featcal_llm.engine.refine import improves, raised
+def _one_record(kl: float, tokens: int = 10) -> dict:
+    return {"sums": [kl * tokens], "counts": [tokens]}
 
-    before = {"a": 0.2, "b": 0.1}
-    assert improves({"a": 0.1, "b": 0.1}, before, 0.15) and raised({"a": 0.1, "b": 0.1}, before) == []
-    assert not improves({"a": 0.01, "b": 0.11}, before, 0.15) and raised({"a": 0.01, "b": 0.11}, before) == ["b"]
-    assert not improves({"a": 0.19, "b": 0.1}, before, 0.14)  # every expert at or below, the mean not below the best
+
+def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
+    from featcal_llm.engine.refine import improves, mean_kl, raised
+
+    before = {"a": _one_record(0.2), "b": _one_record(0.1)}
+    assert mean_kl(before) == pytest.approx(0.15)
+    lower = {"a": _one_record(0.1), "b": _one_record(0.1)}
+    assert improves(lower, before, 0.15) and raised(lower, before) == []
+    bought = {"a": _one_record(0.01), "b": _one_record(0.11)}  # one record: any rise counts
+    assert not improves(bought, before, 0.15) and raised(bought, before) == ["b"]
+    assert not improves({"a": _one_record(0.19), "b": _one_record(0.1)}, before, 0.14)  # none above, the mean not below the best
+
+
+def test_a_rise_counts_only_beyond_two_standard_errors_over_the_records():
+    """The rise of an expert's held-out KL is judged with its records as the unit: the token-weighted mean of the
+    per-record differences against two standard errors of that ratio estimate (computed here with numpy)."""
+    import numpy as np
+
+    from featcal_llm.engine.refine import raised
+
+    counts = np.array([100, 80, 120, 60, 90, 110, 70, 100])
+    before_kl = np.array([0.10, 0.30, 0.15, 0.25, 0.12, 0.20, 0.18, 0.22])  # per token, per record
+    noise = np.array([0.02, -0.03, 0.025, -0.02, 0.03, -0.025, 0.015, -0.01])
+    before = {"a": {"sums": list(before_kl * counts), "counts": list(counts)}}
+
+    def bar(rise_per_token):
+        after = before_kl + noise + rise_per_token
+        diff = (after - before_kl) * counts
+        mean = diff.sum() / counts.sum()
+        residual = ((diff - mean * counts) ** 2).sum()
+        r = len(counts)
+        se = np.sqrt(residual / ((r - 1) * r)) / counts.mean()
+        return {"a": {"sums": list(after * counts), "counts": list(counts)}}, mean, se
+
+    for rise in (0.0, 0.005, 0.01, 0.02, 0.03, 0.05):
+        check, mean, se = bar(rise)
+        assert raised(check, before) == (["a"] if mean > 2 * se else []), (rise, mean, se)
+    check, mean, se = bar(0.01)
+    assert 0 < mean < 2 * se and raised(check, before) == []  # a rise within the noise: not raised
+    check, mean, se = bar(0.05)
+    assert mean > 2 * se and raised(check, before) == ["a"]
 
 
 def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monkeypatch):

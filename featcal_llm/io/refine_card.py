@@ -24,7 +24,8 @@ def refine_text(refined: dict[str, Any]) -> str:
                      + ", ".join(f"{count} of `{task}`'s records" for task, count in left_out.items()))
     if refined["chosen_step"] == 0:
         outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}) without raising "
-                   "an expert's held-out KL above the closed form's, so the weights are the closed form's, unchanged.")
+                   "an expert's held-out KL above the closed form's beyond two standard errors over its held-out records, so the "
+                   "weights are the closed form's, unchanged.")
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written.")

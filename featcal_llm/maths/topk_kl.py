@@ -40,6 +40,19 @@ def topk_kl(
     teacher_rest_logp (n,): the teacher's log-mass outside its k tokens (None: 1 − Σ exp(top-k), from the k values).
     Returns a scalar in float32 (float64 for float64 logits), differentiable in the student's logits.
     """
+    per_row = topk_kl_rows(student_logits, teacher_topk_logp, teacher_topk_idx, teacher_rest_logp)
+    if mask is not None:
+        per_row = per_row[mask.to(per_row.device)]
+    return per_row.sum()
+
+
+def topk_kl_rows(
+    student_logits: torch.Tensor,
+    teacher_topk_logp: torch.Tensor,
+    teacher_topk_idx: torch.Tensor,
+    teacher_rest_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row's KL(teacher ‖ student) over the k + 1 bins, (n,): `topk_kl` before the sum (a record's share of it)."""
     dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     logits = student_logits.to(dtype)
     index = teacher_topk_idx.long()
@@ -54,10 +67,7 @@ def topk_kl(
     per_row = (p_top * (teacher_top - student_top)).sum(-1)
     # the rest's bin: 0 where the teacher puts no mass there (k = vocab), without 0 · ∞ in the value or the gradient
     rest_term = torch.where(p_rest > 0, p_rest * (teacher_rest.clamp(min=MASKED) - student_rest), torch.zeros_like(p_rest))
-    per_row = per_row + rest_term
-    if mask is not None:
-        per_row = per_row[mask.to(per_row.device)]
-    return per_row.sum()
+    return per_row + rest_term
 
 
-__all__ = ["topk_kl", "topk_teacher"]
+__all__ = ["topk_kl", "topk_kl_rows", "topk_teacher"]
