@@ -1,5 +1,5 @@
 """`refine:`: the block's errors and the stage end to end on a tiny merge (the top-k KL: test_topk_kl.py; the
-precision and memory rules: test_refine_memory.py).
+precision and memory rules: test_refine_memory.py; which check is kept and when progress is saved: test_refine_rules.py).
 
 The end-to-end runs share one scenario (two experts, two layers, experts far from the merge so that the closed form leaves
 a gap for the gradient steps to close); each run is a few seconds of CPU.
@@ -215,52 +215,6 @@ def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_for
     assert (refined / "model.safetensors").read_bytes() != (closed_form / "model.safetensors").read_bytes()
 
 
-def _one_record(kl: float, tokens: int = 10) -> dict:
-    return {"sums": [kl * tokens], "counts": [tokens]}
-
-
-def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
-    from featcal_llm.engine.refine import improves, mean_kl, raised
-
-    before = {"a": _one_record(0.2), "b": _one_record(0.1)}
-    assert mean_kl(before) == pytest.approx(0.15)
-    lower = {"a": _one_record(0.1), "b": _one_record(0.1)}
-    assert improves(lower, before, 0.15) and raised(lower, before) == []
-    bought = {"a": _one_record(0.01), "b": _one_record(0.11)}  # one record: any rise counts
-    assert not improves(bought, before, 0.15) and raised(bought, before) == ["b"]
-    assert not improves({"a": _one_record(0.19), "b": _one_record(0.1)}, before, 0.14)  # none above, the mean not below the best
-
-
-def test_a_rise_counts_only_beyond_two_standard_errors_over_the_records():
-    """The rise of an expert's held-out KL is judged with its records as the unit: the token-weighted mean of the
-    per-record differences against two standard errors of that ratio estimate (computed here with numpy)."""
-    import numpy as np
-
-    from featcal_llm.engine.refine import raised
-
-    counts = np.array([100, 80, 120, 60, 90, 110, 70, 100])
-    before_kl = np.array([0.10, 0.30, 0.15, 0.25, 0.12, 0.20, 0.18, 0.22])  # per token, per record
-    noise = np.array([0.02, -0.03, 0.025, -0.02, 0.03, -0.025, 0.015, -0.01])
-    before = {"a": {"sums": list(before_kl * counts), "counts": list(counts)}}
-
-    def bar(rise_per_token):
-        after = before_kl + noise + rise_per_token
-        diff = (after - before_kl) * counts
-        mean = diff.sum() / counts.sum()
-        residual = ((diff - mean * counts) ** 2).sum()
-        r = len(counts)
-        se = np.sqrt(residual / ((r - 1) * r)) / counts.mean()
-        return {"a": {"sums": list(after * counts), "counts": list(counts)}}, mean, se
-
-    for rise in (0.0, 0.005, 0.01, 0.02, 0.03, 0.05):
-        check, mean, se = bar(rise)
-        assert raised(check, before) == (["a"] if mean > 2 * se else []), (rise, mean, se)
-    check, mean, se = bar(0.01)
-    assert 0 < mean < 2 * se and raised(check, before) == []  # a rise within the noise: not raised
-    check, mean, se = bar(0.05)
-    assert mean > 2 * se and raised(check, before) == ["a"]
-
-
 def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monkeypatch):
     import featcal_llm.engine.refine as refine_module
 
@@ -321,34 +275,6 @@ def test_a_crash_after_an_unsaved_check_resumes_from_the_last_save(far_scenario,
     assert (resumed / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
 
 
-def test_saves_take_a_tenth_of_the_time_and_write_each_best_once(tmp_path, monkeypatch):
-    """The rule (the first check saves; then one once 9× the last save's time has passed) and the saver: a best found at
-    a check that did not save is written by the next save, and only the best the progress names stays on disk."""
-    import featcal_llm.engine.refine_progress as progress_module
-    from featcal_llm.engine.refine_progress import ProgressSaver, save_due
-    from featcal_llm.engine.resume import StagingArea
-
-    assert save_due(None, None) and save_due(45.0, 5.0) and not save_due(44.0, 5.0) and save_due(5.0, 5.0, share=0.5)
-    staging = StagingArea(tmp_path / "partial", "fingerprint")
-    saver = ProgressSaver(staging)
-    due = iter([True, False, True, True])
-    monkeypatch.setattr(progress_module, "save_due", lambda since, cost, share=0.1: next(due))
-    state = lambda step: {"w": torch.full((2,), float(step))}  # noqa: E731
-    files = lambda: sorted(p.name for p in staging.root.glob("pass-*"))  # noqa: E731
-    checks = [(2, 2), (4, 4), (6, 4), (8, 8)]  # (step, best step after its check)
-    results = []
-    for step, best in checks:
-        progress = {"step": step, "best_step": best, "best": state(best)}
-        results.append(saver.after_check(progress, lambda: {"current": state(step)}))
-        if step == 4:
-            assert files() == ["pass-refine-best-2.pt", "pass-refine.pt"]  # step 4's best waits for the next save
-        if step == 6:
-            assert files() == ["pass-refine-best-4.pt", "pass-refine.pt"]
-            assert staging.load_pass("refine-best-4")["state"]["w"].tolist() == [4.0, 4.0]
-    assert results == [True, False, True, True] and saver.saves == 3
-    assert files() == ["pass-refine-best-8.pt", "pass-refine.pt"] and staging.load_pass("refine")["best"] is None
-
-
 def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypatch):
     """params: adapter: the written checkpoint, loaded by transformers, predicts as the in-memory peft model did."""
     import featcal_llm.engine.refine as refine_module
@@ -407,19 +333,6 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
 
 
-def test_judged_tokens_are_the_responses_or_every_token():
-    """A prompt/response record is judged on its response (position p predicts p + 1); plain text and generated records
-    (plain token lists) on every token."""
-    from featcal_llm.engine.refine_data import judged_positions, pad
-    from featcal_llm.io.records import Record
-
-    assert list(judged_positions([5, 6, 7, 8])) == [0, 1, 2]
-    assert list(judged_positions(Record([5, 6, 7, 8, 9], response_from=3))) == [2, 3]
-    batch = pad([("a", 0), ("b", 0)], {"a": [[5, 6, 7]], "b": [Record([5, 6, 7, 8, 9], response_from=3)]})
-    assert batch.judged.tolist() == [[True, True, False, False, False], [False, False, True, True, False]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
-
-
 def test_refine_settings_enter_the_fingerprint_and_a_stack_refines_once():
     from featcal_llm.io.block import FeatCalConfig
     from featcal_llm.stages.prepare import resolved_settings
@@ -464,25 +377,6 @@ def test_refine_runs_after_regmean_with_the_experts_as_teachers(far_scenario):
     output = run_recipe(path, force=True, progress=False)
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"].values()) == {"own expert"} and report["chosen_step"] > 0
-
-
-def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
-    """A check that finds a new best writes it once, in its own file; older ones go after the progress names the new one."""
-    from featcal_llm.engine.refine_progress import best_pass as _best_pass
-    from featcal_llm.engine.refine_progress import drop_older_bests as _drop_older_bests
-    from featcal_llm.engine.refine_progress import load_best as _load_best
-    from featcal_llm.engine.resume import StagingArea
-    from featcal_llm.errors import RunFailure
-
-    staging = StagingArea(tmp_path / "partial", "fingerprint")
-    for step in (2, 4):
-        staging.save_pass(_best_pass(step), {"step": step, "state": {"w": torch.full((2,), float(step))}})
-    staging.save_pass("refine", {"step": 4})
-    _drop_older_bests(staging, 4)
-    assert sorted(p.name for p in staging.root.glob("pass-*")) == ["pass-refine-best-4.pt", "pass-refine.pt"]
-    assert _load_best(staging, 4)["w"].tolist() == [4.0, 4.0] and _load_best(staging, 0) is None
-    with pytest.raises(RunFailure, match="names step 2 as best, but its state is missing"):
-        _load_best(staging, 2)
 
 
 def test_no_record_left_to_train_on_keeps_the_closed_form(capsys):
