@@ -84,7 +84,7 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
     defaults_leads = None
     for path in sorted((work / "rows").glob("*.json")):
         record = json.loads(path.read_text())
-        extra = {key: record[key] for key in ("featcal", "featcal_effective", "record_leads", "record_lead_margins", "merge_seconds") if key in record}
+        extra = {key: record[key] for key in ("featcal", "featcal_effective", "record_leads", "record_lead_margins", "merge_seconds", "note") if key in record}
         defaults_leads = record.get("record_leads") if record["name"] == "featcal defaults" else defaults_leads
         add(record["name"], record["scores"], seconds=record["seconds"], merged_first=record.get("merged_first"), **extra)
     runs = [json.loads(p.read_text()) for p in sorted((work / "distill").glob("*.json"))]
