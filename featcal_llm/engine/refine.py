@@ -45,7 +45,7 @@ from featcal_llm.engine.refine_memory import autocasts, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
 from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, set_rng_state
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.advantage import lead_margin, lead_moments
+from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
 
 MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
@@ -178,7 +178,7 @@ class Student:
 def heldout_kl(student: Student, store: TeacherStore, keys: dict[str, list[Key]], records, job: RefineJob,
                autocast: torch.dtype | None) -> dict[str, dict[str, list]]:
     """Per expert, per held-out record (in order): KL(teacher ‖ model) summed over its judged tokens, and how many there
-    are (`{"sums": [...], "counts": [...]}`): the record is the unit a rise is judged by (`raised`)."""
+    are (`{"sums": [...], "counts": [...]}`): the record is the unit a rise is judged by (refine_rules.raised)."""
     model = student.module
     model.eval()
     chunk = logit_chunk(job.config.vocab_size)
@@ -222,43 +222,6 @@ def train_step(student: Student, store: TeacherStore, keys: list[Key], records, 
         (loss / count).backward()
         total += float(loss.detach())
     return total / count
-
-
-KEPT_RULE = "lowest mean held-out KL, no expert raised beyond two standard errors over its records"
-
-
-def expert_kls(records: dict[str, dict[str, list]]) -> dict[str, float]:
-    """Per expert: the token mean of the held-out KL over its records' judged tokens."""
-    return {task: sum(kl["sums"]) / max(sum(kl["counts"]), 1) for task, kl in records.items()}
-
-
-def mean_kl(records: dict[str, dict[str, list]]) -> float:
-    """The stopping criterion: the experts' held-out KLs averaged, each expert once."""
-    per_expert = expert_kls(records)
-    return sum(per_expert.values()) / max(len(per_expert), 1)
-
-
-def raised(records: dict[str, dict[str, list]], before: dict[str, dict[str, list]]) -> list[str]:
-    """The experts whose held-out KL a check finds above the closed form's (before the first step) beyond doubt: the
-    rise, Σ (record's KL sum − its sum before) / Σ judged tokens, above two standard errors counted over the held-out
-    records, as an expert's lead over the merge is judged (maths/advantage.lead_margin); with one record, any rise.
-    A rise within the records' noise (4 % on one expert of the data-free study setting, while the mean fell 6 %) does not
-    stop a refinement that lowers the others."""
-    found = []
-    for task, kl in records.items():
-        rise = torch.tensor(kl["sums"], dtype=torch.float64) - torch.tensor(before[task]["sums"], dtype=torch.float64)
-        moments = lead_moments(rise, torch.tensor(kl["counts"], dtype=torch.float64))
-        if moments[2] > 0 and moments[1] / moments[2] > lead_margin(moments):
-            found.append(task)
-    return found
-
-
-def improves(records: dict[str, dict[str, list]], before: dict[str, dict[str, list]], best_kl: float) -> bool:
-    """Whether a check's state becomes the best: its mean held-out KL below the best so far, and no expert's above the
-    closed form's beyond doubt (`raised`). A step that buys the average with one expert's loss is never written
-    (measured on the broad study setting: a step that lowered the mean by 5 % had raised the broad expert's KL by 68 %,
-    and the manpage text's NLL by 0.28 nats a token)."""
-    return mean_kl(records) < best_kl and not raised(records, before)
 
 
 def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
@@ -355,7 +318,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert,
                                     "above_closed_form": above})
         checks += 1
-        if improves(check, progress["before"], progress["best_kl"]):
+        if improves(value, above, progress["best_kl"]):
             progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
         else:
             progress["bad"] += 1
@@ -415,4 +378,4 @@ def after_check(step: int, saved: bool) -> None:
     """Called after each held-out check, `saved` when its progress was saved (a test interrupts a run here)."""
 
 
-__all__ = ["RefineJob", "after_check", "improves", "lr_factor", "raised", "record_order", "refine", "resolve_params"]
+__all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]
