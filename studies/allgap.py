@@ -74,23 +74,30 @@ def merge_ta(work: Path, weight: float, out: Path) -> float:
 def gaps(args) -> None:
     from transformers import AutoTokenizer
 
-    from studies.quality_eval import load
+    from studies.quality_eval import load, nlls
 
     work = args.workdir.resolve()
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     evaluator = _evaluator(work, tokenizer)
     path = work / "allgap_gaps.json"
     result = _load_json(path)
-    nll = result.setdefault("nll", {})
-    scored = _load_json(work / "state.json").get("nll", {})  # the study's own scores of the same models, same test text
+    nll, records = result.setdefault("nll", {}), result.setdefault("records", {})
+
+    def score(name: str, directory: Path) -> None:
+        records[name] = evaluator.records(load(directory, "cpu"))  # per test record: the report's intervals
+        nll[name] = nlls(records[name])
+        _save_json(path, result)
+
+    state = _load_json(work / "state.json")  # the study's own scores of the same models, same test text
     for name in ("base", *(f"expert:{k}" for k in KINDS)):
-        if name not in nll and name in scored:
-            nll[name] = scored[name]
+        if name not in nll and name in state.get("nll", {}):
+            nll[name] = state["nll"][name]
+            if name in state.get("records", {}):
+                records[name] = state["records"][name]
     for name, directory in [("base", work / "base"), *((f"expert:{k}", work / "experts" / k) for k in KINDS)]:
         if name not in nll and directory.exists():
-            nll[name] = evaluator.nll(load(directory, "cpu"))
+            score(name, directory)
             log(f"{name}: {nll[name]}")
-            _save_json(path, result)
     if not all(f"expert:{k}" in nll for k in KINDS):
         log("not every expert exists yet: scored the ones that do")
         return
@@ -102,16 +109,17 @@ def gaps(args) -> None:
         from studies.quality_setup import SETTINGS
 
         reuse = weight == SETTINGS[args.setting].merge_weight and (study / "config.json").exists()
-        scored = _load_json(work / "state.json").get("nll", {}).get(f"{args.setting}:merged")
-        if reuse and scored:
-            nll[name] = scored
+        scored = f"{args.setting}:merged"
+        if reuse and scored in state.get("nll", {}):
+            nll[name] = state["nll"][scored]
+            if scored in state.get("records", {}):
+                records[name] = state["records"][scored]
             continue
         out = study if reuse else work / "merged" / f"gaps-ta-{weight:g}"
         if not out.exists():
             seconds = merge_ta(work, weight, out)
             log(f"merged TA {weight:g} in {seconds:.0f} s")
-        nll[name] = evaluator.nll(load(out, "cpu"))
-        _save_json(path, result)
+        score(name, out)
     table = result["table"] = {}
     for name, scores in nll.items():
         if name.startswith("ta "):

@@ -160,7 +160,7 @@ def distill(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from studies.quality_eval import load
+    from studies.quality_eval import load, nlls
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,7 +200,8 @@ def distill(args) -> None:
                    "batch": args.batch, "records": n,
                    "bf16": args.bf16, "threads": torch.get_num_threads(), "train_s": round(seconds, 1),
                    "first_kl": losses[0], "last_kl": sum(losses[-10:]) / len(losses[-10:]),
-                   "val_kl": val_kl(model, tokenizer, val, val_teachers), "nll": evaluator.nll(model)}
+                   "val_kl": val_kl(model, tokenizer, val, val_teachers), "test_records": evaluator.records(model)}
+            run["nll"] = nlls(run["test_records"])
             log(f"  {name}: {seconds:.0f} s; val KL " + " ".join(f"{k} {v:.4f}" for k, v in run["val_kl"].items())
                 + "; NLL " + " ".join(f"{k} {v:.4f}" for k, v in run["nll"].items()))
             del model

@@ -60,10 +60,13 @@ def drift_summary(path: Path) -> dict:
 def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING) -> dict:
     """The study's JSON from the workdir (and from workdirs that ran other rows beside it on the same experts)."""
     state = _load_json(work / "state.json")
+    state.setdefault("records", {})
     for other in extra:  # rows run side by side in a second workdir (its experts and merge linked to the first's)
         more = _load_json(other / "state.json")
         for name, scores in more.get("nll", {}).items():
             state["nll"].setdefault(name, scores)
+        for name, records in more.get("records", {}).items():
+            state["records"].setdefault(name, records)
         for name, record in more.get("rows", {}).get(setting_name, {}).items():
             if record.get("drift"):
                 record = {**record, "drift": str((other / record["drift"]).resolve())}
@@ -78,6 +81,8 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
     for name, scores in gaps.get("nll", {}).items():  # the base and experts, scored by `gaps` on the same test text
         if not name.startswith("ta "):
             nll.setdefault(name, scores)
+            if name in gaps.get("records", {}):
+                state["records"].setdefault(name, gaps["records"][name])
     own = {d: nll[f"expert:{d}"][d] for d in KINDS}
     from studies.quality_setup import SETTINGS
 
@@ -148,7 +153,44 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
             if alone:
                 chosen = min(alone, key=lambda n: alone[n]["val_kl"][kind])
                 out["ceiling"]["distill"][f"{kind}_chosen"] = chosen
+    with_intervals(out, state["records"], gaps.get("records", {}).get(f"ta {setting.merge_weight:g}"), setting_name,
+                   {run["name"]: run.get("test_records") for run in distilled["runs"].values()})
     return out
+
+
+# (row, the row its share is divided by): refinement against the gradient reference and against the closed form alone
+SHARE_RATIOS = [("featcal defaults + refine", "distill joint (lr by val KL)"),
+                ("featcal defaults + refine", "featcal defaults")]
+
+
+def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_name: str, distilled: dict,
+                   resamples: int = 1000) -> None:
+    """Each row with per-test-record scores gets 95 % intervals of its share (bootstrap over the test records, paired
+    across models, ``common.bootstrap_shares``), and the pairs in ``SHARE_RATIOS`` their ratio's interval; a workdir
+    scored before per-record scores were kept gets none."""
+    from studies.common import bootstrap_share_ratio, bootstrap_shares
+
+    merged = records.get(f"{setting_name}:merged") or gaps_merge
+    if merged is None or any(f"expert:{d}" not in records for d in KINDS):
+        return
+    own = {d: records[f"expert:{d}"][d] for d in KINDS}
+    of = {name: records.get(f"{setting_name}:{name}") for name in out["rows"]}
+    of["best single expert"] = records.get(f"expert:{out['rows']['best single expert']['expert']}")
+    for label in ("distill joint (lr by val KL)", "featcal defaults → distill (lr by val KL)"):
+        key = out["ceiling"]["distill"].get("joint_chosen" if "→" not in label else "refined_chosen")
+        if label in out["rows"] and key:
+            of[label] = distilled.get(key)
+    for name, row in out["rows"].items():
+        if of.get(name) and name != "merged":
+            ci = bootstrap_shares(merged, own, of[name], resamples)
+            row["share_ci95"] = [_r(v) for v in ci["share"]]
+            row["share_per_domain_ci95"] = {d: [_r(v) for v in ci["share_per_domain"][d]] for d in KINDS}
+    ratios = {f"{a} / {b}": {"ratio": _r(out["rows"][a]["share"] / out["rows"][b]["share"]),
+                             "ci95": [_r(v) for v in bootstrap_share_ratio(merged, own, of[a], of[b], resamples)]}
+              for a, b in SHARE_RATIOS if of.get(a) and of.get(b)}
+    if ratios:
+        out["share_ratios"] = ratios
+    out["setting"]["bootstrap"] = {"resamples": resamples, "level": 0.95, "over": "test records, per domain, paired across models"}
 
 
 def markdown(result: dict) -> str:
@@ -161,11 +203,14 @@ def markdown(result: dict) -> str:
     def line(name, row):
         p = row["share_per_domain"]
         sec = "–" if row.get("seconds") is None else f"{row['seconds']:.0f}"
+        ci = f" ({row['share_ci95'][0]:.2f}–{row['share_ci95'][1]:.2f})" if row.get("share_ci95") else ""
         return (f"| {name} | {row['nll']['code']:.3f} | {row['nll']['prose']:.3f} | {row['nll']['c']:.3f} | "
-                f"{row['nll_avg']:.3f} | {row['share']:.2f} | {p['code']:.2f} | {p['prose']:.2f} | {p['c']:.2f} | {sec} |")
+                f"{row['nll_avg']:.3f} | {row['share']:.2f}{ci} | {p['code']:.2f} | {p['prose']:.2f} | {p['c']:.2f} | {sec} |")
 
     for name, row in result["rows"].items():
         lines.append(line(name + (f" ({row['expert']})" if row.get("expert") else ""), row))
+    for name, ratio in result.get("share_ratios", {}).items():
+        lines.append(f"\nShare ratio {name}: {ratio['ratio']:.2f} ({ratio['ci95'][0]:.2f}–{ratio['ci95'][1]:.2f})")
     if result["ceiling"]["single_expert"]:
         lines += ["", "One expert at a time (the others `weight: 0`):", "",
                   "| toward | own share | NLL code | NLL prose | NLL c | NLL avg | share (sums) | code | prose | c | s |",

@@ -162,13 +162,15 @@ class Study:
     # --- scoring -------------------------------------------------------------------------------------------
     def score(self, name: str, path: Path, settings: list[str]) -> None:
         """NLL on every domain, and KL to each domain's expert of every setting listed."""
-        from studies.quality_eval import load
+        from studies.quality_eval import load, nlls
 
         started = time.time()
         model = None
         if name not in self.state.data["nll"]:
             model = load(path, self.args.device)
-            self.state.data["nll"][name] = self.evaluator.nll(model)
+            records = self.evaluator.records(model)  # kept: the report's intervals resample them
+            self.state.data["nll"][name] = nlls(records)
+            self.state.data.setdefault("records", {})[name] = records
         for setting_name in settings if self.args.kl_records > 0 else ():  # --kl-records 0: NLL only
             setting = SETTINGS[setting_name]
             kl = self.state.data["kl"].setdefault(setting_name, {}).setdefault(name, {})

@@ -7,13 +7,18 @@ from pathlib import Path
 import torch
 
 from studies.real_data import KINDS, read_jsonl
-from studies.real_models import log_probs, mean_nll, token_kl
+from studies.common import mean_nll
+from studies.real_models import encode, log_probs, record_nlls, token_kl
 
 
 def load(path: Path, device: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def nlls(records: dict[str, list]) -> dict[str, float]:
+    return {k: mean_nll(r) for k, r in records.items()}
 
 
 class Evaluator:
@@ -27,9 +32,15 @@ class Evaluator:
         self.kl_texts = {k: texts[:kl_records] for k, texts in self.tests.items()}
         self._references: dict[tuple[str, str], list] = {}
 
+    @torch.no_grad()
+    def records(self, model) -> dict[str, list[tuple[float, int]]]:
+        """Per domain, each test record's (summed NLL, tokens): what a bootstrap over the records resamples."""
+        return {k: record_nlls(model, [(ids, 1) for ids in encode(self.tokenizer, texts)], self.tokenizer.pad_token_id,
+                               device=self.device) for k, texts in self.tests.items()}
+
     def nll(self, model) -> dict[str, float]:
-        return {k: mean_nll(Path("."), self.tokenizer, texts, model=model, device=self.device)
-                for k, texts in self.tests.items()}
+        """Per domain, the token-weighted mean NLL of the test records."""
+        return nlls(self.records(model))
 
     @torch.no_grad()
     def reference(self, owner: str, owner_dir: Path, domain: str) -> list:

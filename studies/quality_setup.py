@@ -99,8 +99,9 @@ def paper_rule() -> dict:
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:
     """The rows of one phase, most important first."""
     allgap = ALLGAP_SETTINGS
-    if phase == "allgap":  # today's defaults (nothing set) and the paper's rule
-        return [Row("featcal defaults", settings=allgap), Row("featcal paper rule", keys=paper_rule(), settings=(*allgap, "broad"))]
+    if phase == "allgap":  # today's defaults (nothing set), the paper's rule, and the defaults with `refine: true`
+        return [Row("featcal defaults", settings=allgap), Row("featcal paper rule", keys=paper_rule(), settings=(*allgap, "broad")),
+                Row("featcal defaults + refine", keys={"refine": True}, settings=allgap)]
     if phase == "single":  # the ceiling: calibrate toward one expert at a time (the others weigh 0)
         kinds = SETTINGS["allgap"].experts
         return [Row(f"featcal defaults, {kind} only", weights=tuple((k, 0.0) for k in kinds if k != kind), settings=allgap)

@@ -8,6 +8,7 @@ import pytest
 
 from studies.allgap_report import build, markdown, shares
 from studies.quality_setup import SETTINGS, paper_rule, rows
+from studies.real_data import KINDS
 
 
 EXPERTS = {  # each expert best on its own domain; the C expert's average is the worst
@@ -29,9 +30,9 @@ def test_share_is_a_ratio_of_sums_over_every_domain():
 def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
     assert SETTINGS["allgap"].merge_weight is not None and SETTINGS["allgap"].experts == ("code", "prose", "c")
     main, single = rows("allgap"), rows("single")
-    assert [r.keys for r in main] == [{}, paper_rule()] and set(paper_rule().values()) == {"equal", "keep", False}
+    assert [r.keys for r in main] == [{}, paper_rule(), {"refine": True}] and set(paper_rule().values()) == {"equal", "keep", False}
     assert [dict(r.weights) for r in single] == [{"prose": 0.0, "c": 0.0}, {"code": 0.0, "c": 0.0}, {"code": 0.0, "prose": 0.0}]
-    assert all(r.settings == ("allgap", "allgap-half") for r in [main[0], *single])
+    assert all(r.settings == ("allgap", "allgap-half") for r in [main[0], main[2], *single])
     assert main[1].settings == ("allgap", "allgap-half", "broad")  # the paper's rule is also the broad setting's ablation
 
 
@@ -78,3 +79,48 @@ def test_report_of_the_half_setting_keeps_every_row_it_ran(tmp_path):
     assert result["rows"]["featcal, a lever"]["share"] == pytest.approx(1.0)
     assert result["rows"]["featcal defaults"]["share"] == pytest.approx(0.3 / 0.8)
     assert list(result["rows"]) == ["merged", "featcal defaults", "featcal, a lever", "best single expert"]
+
+
+def _records(nll: float, tokens: list[int], spread: float) -> list[list[float]]:
+    """Per-record (summed NLL, tokens) whose token-weighted mean is ``nll``, the records apart by ``spread``."""
+    means = [nll + spread * (i - (len(tokens) - 1) / 2) for i in range(len(tokens))]
+    shift = nll - sum(m * t for m, t in zip(means, tokens)) / sum(tokens)
+    return [[(m + shift) * t, t] for m, t in zip(means, tokens)]
+
+
+def test_report_intervals_resample_each_rows_own_test_records(tmp_path):
+    """Shares' intervals come from the per-record scores of the row, the merge and each domain's own expert (paired),
+    and the refinement's ratio to the distillation from both rows' records in the same resamples."""
+    import random
+
+    from studies.common import bootstrap_share_ratio, bootstrap_shares, mean_nll
+
+    tokens = [100, 80, 120, 90]
+    nll = {**EXPERTS, "allgap:merged": {"code": 2.2, "prose": 2.4, "c": 2.2},
+           "allgap:featcal defaults": {"code": 2.1, "prose": 2.2, "c": 2.2},
+           "allgap:featcal defaults + refine": {"code": 2.05, "prose": 2.1, "c": 2.1}}
+    rng = random.Random(0)
+    records = {name: {d: _records(v, tokens, rng.uniform(0.05, 0.3)) for d, v in scores.items()} for name, scores in nll.items()}
+    assert mean_nll(records["allgap:merged"]["prose"]) == pytest.approx(2.4)
+    rows_state = {f"allgap:{n}": {"seconds": 1.0} for n in ("featcal defaults", "featcal defaults + refine")}
+    run = {"name": "joint lr 0.0001", "serve": "joint", "lr": 1e-4, "steps": 8, "batch": 4, "records": 4, "train_s": 3.0,
+           "val_kl": {d: 0.1 for d in KINDS}, "nll": {"code": 2.15, "prose": 2.15, "c": 2.15},
+           "test_records": {d: _records(2.15, tokens, 0.2) for d in KINDS}}
+    (tmp_path / "distill").mkdir()
+    (tmp_path / "distill" / "merged.json").write_text(json.dumps({"val_kl": {d: 0.2 for d in KINDS}}))
+    (tmp_path / "distill" / "joint-lr0.0001.json").write_text(json.dumps(run))
+    (tmp_path / "state.json").write_text(json.dumps({"nll": nll, "records": records, "rows": {"allgap": rows_state}}))
+    result = build(tmp_path)
+    merged, own = records["allgap:merged"], {d: records[f"expert:{d}"][d] for d in KINDS}
+    refine = result["rows"]["featcal defaults + refine"]
+    expected = bootstrap_shares(merged, own, records["allgap:featcal defaults + refine"])
+    assert refine["share"] == pytest.approx((0.15 + 0.3 + 0.1) / 0.8)
+    assert refine["share_ci95"] == pytest.approx(expected["share"], abs=1e-4)
+    assert refine["share_per_domain_ci95"]["c"] == pytest.approx(expected["share_per_domain"]["c"], abs=1e-4)
+    assert refine["share_ci95"][0] < refine["share"] < refine["share_ci95"][1]
+    ratio = result["share_ratios"]["featcal defaults + refine / distill joint (lr by val KL)"]
+    assert ratio["ratio"] == pytest.approx(refine["share"] / result["rows"]["distill joint (lr by val KL)"]["share"], abs=1e-4)
+    assert ratio["ci95"] == pytest.approx(bootstrap_share_ratio(merged, own, records["allgap:featcal defaults + refine"],
+                                                                run["test_records"]), abs=1e-4)
+    assert "share_ci95" not in result["rows"]["merged"]
+    assert "(" in markdown(result).split("| featcal defaults + refine |")[1].split("\n")[0]  # the interval is printed
