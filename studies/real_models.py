@@ -150,7 +150,10 @@ def record_nlls(model, rows: list[Row], pad: int, batch_size: int = 16, device: 
         ids, mask, labels = (t.to(device) for t in _batch(rows[start:start + batch_size], pad))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         target = labels[:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, ignore_index=-100, reduction="none")
+        # over the flattened positions, as rows_nll: over (batch, vocab, time) the softmax's float32 sum drifts
+        # (1.5e-4 nats a token too low on SmolLM2's 49k vocabulary)
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100,
+                              reduction="none").view_as(target)
         for row in range(ids.shape[0]):
             out.append((float(nll[row].sum()), int((target[row] != -100).sum())))
     return out
