@@ -44,7 +44,8 @@ TABLE_ROWS = [
 
 # the study page that describes each setting (absolute link from the README: PyPI renders it too)
 STUDY_PAGES = {"allgap.json": "docs/studies/all-gap.md", "allgap-half.json": "docs/studies/all-gap.md",
-               "allgap-half-long.json": "docs/studies/all-gap.md", "allgap-half-embeddings.json": "docs/studies/all-gap.md"}
+               "allgap-half-long.json": "docs/studies/all-gap.md", "allgap-half-embeddings.json": "docs/studies/all-gap.md",
+               "allgap-half-embeddings-refine.json": "docs/studies/all-gap.md"}
 DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C headers",  # the all-gap settings
            "manpage": "roff manual pages", "changelog": "Debian changelogs", "copyright": "Debian copyright files"}  # specialised
 
@@ -53,11 +54,14 @@ DOMAINS = {"code": "Python code", "prose": "Python's documentation", "c": "C hea
 OTHER_SETTINGS = [
     ("allgap-half-embeddings.json", "the same, experts that also trained their embeddings (tied to the LM head, which "
      "`head: auto` then re-fits)", "featcal defaults, head: false", "the head left merged"),
+    ("allgap-half-embeddings-refine.json", "the embeddings variant built again (its text prepared and its experts trained "
+     "again), `refine: true` beside the defaults", "featcal defaults + refine", "`refine: true`"),
     ("allgap-half-long.json", "the same, every expert trained three times longer", None, None),
     ("allgap.json", "weight 1 per expert: the merge worse than the base on two kinds", "featcal paper rule", "the paper's rule"),
 ]
 OTHERS_BASE = "allgap-half.json"  # the setting the other settings are variants of
 SHORT_NAMES = {"allgap-half.json": "`allgap-half`", "allgap-half-embeddings.json": "the embeddings variant",
+               "allgap-half-embeddings-refine.json": "its second build",
                "allgap-half-long.json": "the long variant", "allgap.json": "weight 1"}
 
 

@@ -72,8 +72,11 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                     assert featcal.norms is value
                 elif key == "trailing_experts":
                     assert featcal.trailing == value
+                elif key == "refine":  # `true`: the stage with its defaults
+                    assert value is True and featcal.refine is not None and featcal.refine.steps == 40
                 elif key != "tune":
                     assert featcal.hyper_values()[key] == value, (row.name, key)
+            assert (featcal.refine is not None) == ("refine" in row.keys)
             if "head" not in row.keys:
                 assert featcal.head_when_changed  # the default: re-fitted only where an expert changed its head
             for kind, weight in row.weights:
