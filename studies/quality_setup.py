@@ -124,7 +124,8 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
         return [Row(f"featcal defaults, generate {{}} 64{label}", data="self", samples=64, sampling=sampling)
                 for label, sampling in (("", ()), (", temperature 1", (("temperature", 1.0),)),
                                         (", temperature 1, top_p 0.9", (("temperature", 1.0), ("top_p", 0.9))),
-                                        (", temperature 1, min_p 0.1", (("temperature", 1.0), ("min_p", 0.1))))]
+                                        (", temperature 1, min_p 0.1", (("temperature", 1.0), ("min_p", 0.1))))] \
+            + [Row("featcal defaults, generate {} 64 + refine", keys={"refine": True}, data="self", samples=64)]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
         broad = ("broad",)
         return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),), settings=broad),
