@@ -158,9 +158,12 @@ def build(work: Path, extra: tuple[Path, ...] = (), setting_name: str = SETTING)
     return out
 
 
-# (row, the row its share is divided by): refinement against the gradient reference and against the closed form alone
+# (row, the row its share is divided by): refinement against the gradient reference and the closed form alone; data-free
+# against real records, with and without refinement
 SHARE_RATIOS = [("featcal defaults + refine", "distill joint (lr by val KL)"),
-                ("featcal defaults + refine", "featcal defaults")]
+                ("featcal defaults + refine", "featcal defaults"),
+                ("featcal defaults, generate {} 64", "featcal defaults"),  # data-free against real records
+                ("featcal defaults, generate {} 64 + refine", "featcal defaults + refine")]
 
 
 def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_name: str, distilled: dict,

@@ -58,7 +58,7 @@ class Row:
     data: str = "cal"  # cal: the cal split; generate: the experts continue the cal records' beginnings; self: the
     # experts write from the start the product chooses (`generate:` with no prompts), with `sampling`'s keys
     samples: int | None = None  # generate, self: samples per expert
-    sampling: tuple[tuple[str, float], ...] = ()  # self: more `generate:` keys (temperature, top_p; default the product's)
+    sampling: tuple[tuple[str, float | str], ...] = ()  # self: more `generate:` keys (temperature, top_p, chat_template)
     records: int | None = None  # cal: records per expert (default: the run's --cal-records)
     weights: tuple[tuple[str, float], ...] = ()  # (data kind, data.<expert>.weight) for the experts that do not weigh 1
     settings: tuple[str, ...] = ()  # the settings the row is run in (empty: every setting)
@@ -125,7 +125,10 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                 for label, sampling in (("", ()), (", temperature 1", (("temperature", 1.0),)),
                                         (", temperature 1, top_p 0.9", (("temperature", 1.0), ("top_p", 0.9))),
                                         (", temperature 1, min_p 0.1", (("temperature", 1.0), ("min_p", 0.1))))] \
-            + [Row("featcal defaults, generate {} 64 + refine", keys={"refine": True}, data="self", samples=64)]
+            + [Row("featcal defaults, generate {} 64 + refine", keys={"refine": True}, data="self", samples=64),
+               # every expert writes from its BOS token (raw text, as these experts were trained), not the start measured
+               Row("featcal defaults, generate {} 64, chat_template off", data="self", samples=64,
+                   sampling=(("chat_template", "off"),))]
     if phase == "weights":  # the broad expert covers three kinds: weigh it as three experts, or calibrate toward it alone
         broad = ("broad",)
         return [Row("featcal defaults, broad weight 3", weights=((MIX, 3.0),), settings=broad),

@@ -88,7 +88,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
             elif row.data == "self":  # data-free: no prompts, no forced start; the row's sampling keys, the rest the product's
                 for spec in featcal.data.values():
                     assert spec.path is None and spec.generate.samples == row.samples and spec.generate.prompts is None
-                    assert spec.generate.chat_template == "auto" and spec.generate.start is None
+                    assert spec.generate.chat_template == dict(row.sampling).get("chat_template", "auto") and spec.generate.start is None
                     sampling = {"top_p": 1.0, "temperature": 0.7, "min_p": 0.0, **dict(row.sampling)}  # the product's defaults unless set
                     assert (spec.generate.top_p, spec.generate.temperature, spec.generate.min_p) == (sampling["top_p"], sampling["temperature"], sampling["min_p"])
             else:
