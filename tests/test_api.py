@@ -109,6 +109,24 @@ def test_validate_takes_a_dict_and_returns_problems_notes_and_warnings(small, tm
         featcal_llm.validate(3)
 
 
+def test_refine_on_generated_records_is_warned_of_and_on_real_ones_not(small, tmp_path, monkeypatch):
+    """Refinement's held-out records are generated where its data is: validate says so, naming the experts; an expert at
+    weight 0 (not calibrated toward) and real records are not named."""
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["featcal"]["refine"] = True
+    assert not [w for w in featcal_llm.validate(recipe).warnings if "featcal.refine" in w]
+    first, second = sorted(recipe["featcal"]["data"])[:2]
+    recipe["featcal"]["data"][first] = {"generate": {"samples": 4}}
+    recipe["featcal"]["data"][second] = {"generate": {"samples": 4}, "weight": 0}
+    warned = [w for w in featcal_llm.validate(recipe).warnings if "featcal.refine" in w]
+    assert len(warned) == 1 and f"featcal.refine: {first} calibrate on generated records" in warned[0], warned
+    del recipe["featcal"]["refine"]
+    assert not [w for w in featcal_llm.validate(recipe).warnings if "featcal.refine" in w]
+
+
 def test_calibrate_refuses_what_is_not_a_recipe():
     import featcal_llm
     from featcal_llm.errors import FeatCalError

@@ -354,12 +354,14 @@ def test_an_expert_at_weight_0_neither_trains_nor_stops_the_refinement(far_scena
     assert list(report["teachers"]) == ["expert0"] and list(report["per_expert"]["before"]) == ["expert0"]
 
 
-def test_data_free_records_refine_the_same_way(far_scenario):
-    """`generate:`: an expert's own samples are its records, split, taught and judged on every token like plain text."""
+def test_data_free_records_refine_the_same_way(far_scenario, capsys):
+    """`generate:`: an expert's own samples are its records, split, taught and judged on every token like plain text;
+    the run warns once that the held-out records are generated (what validate says too)."""
     data = yaml.safe_load(far_scenario.recipe.read_text())["featcal"]["data"]
     writer = sorted(data)[1]
     data[writer] = {"generate": {"samples": 8, "max_new_tokens": 24, "chat_template": "off", "temperature": 1.0}}
     output = run(far_scenario, "generated", data=data, refine={**REFINE, "steps": 2, "eval_every": 2})
+    assert capsys.readouterr().err.count(f"featcal.refine: {writer} calibrate on generated records") == 1
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"]) == {"expert0", "expert1"} and report["per_expert"]["before"]["expert1"] > 0
 
