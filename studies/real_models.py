@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from featcal_llm.demo.models import save_atomically
 from featcal_llm.errors import FeatCalError
+from studies.common import mean_nll as token_mean
 
 
 def build_base_from_gguf(gguf: Path, out: Path) -> None:
@@ -127,18 +128,9 @@ def mean_nll(model_dir: Path, tokenizer, texts: list[str], batch_size: int = 16,
     return rows_nll(model, [(ids, 1) for ids in encode(tokenizer, texts)], tokenizer.pad_token_id, batch_size, device)
 
 
-@torch.no_grad()
 def rows_nll(model, rows: list[Row], pad: int, batch_size: int = 16, device: str = "cpu") -> float:
     """Token-weighted mean negative log-likelihood (nats) of each row's scored tokens."""
-    total, count = 0.0, 0
-    for start in range(0, len(rows), batch_size):
-        ids, mask, labels = (t.to(device) for t in _batch(rows[start:start + batch_size], pad))
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        target = labels[:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-        total += nll.item()
-        count += int((target != -100).sum())
-    return total / count
+    return token_mean(record_nlls(model, rows, pad, batch_size, device))
 
 
 @torch.no_grad()
@@ -150,8 +142,8 @@ def record_nlls(model, rows: list[Row], pad: int, batch_size: int = 16, device: 
         ids, mask, labels = (t.to(device) for t in _batch(rows[start:start + batch_size], pad))
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         target = labels[:, 1:]
-        # over the flattened positions, as rows_nll: over (batch, vocab, time) the softmax's float32 sum drifts
-        # (1.5e-4 nats a token too low on SmolLM2's 49k vocabulary)
+        # over the flattened positions: over (batch, vocab, time) the softmax's float32 sum drifts (1.5e-4 nats a
+        # token too low on SmolLM2's 49k vocabulary)
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100,
                               reduction="none").view_as(target)
         for row in range(ids.shape[0]):
