@@ -171,7 +171,7 @@ def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_na
     """Each row with per-test-record scores gets 95 % intervals of its share (bootstrap over the test records, paired
     across models, ``common.bootstrap_shares``), and the pairs in ``SHARE_RATIOS`` their ratio's interval; a workdir
     scored before per-record scores were kept gets none."""
-    from studies.common import bootstrap_share_ratio, bootstrap_shares
+    from studies.common import bootstrap_shares, share_ratio_table
 
     merged = records.get(f"{setting_name}:merged") or gaps_merge
     if merged is None or any(f"expert:{d}" not in records for d in KINDS):
@@ -179,8 +179,8 @@ def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_na
     own = {d: records[f"expert:{d}"][d] for d in KINDS}
     of = {name: records.get(f"{setting_name}:{name}") for name in out["rows"]}
     of["best single expert"] = records.get(f"expert:{out['rows']['best single expert']['expert']}")
-    for label in ("distill joint (lr by val KL)", "featcal defaults → distill (lr by val KL)"):
-        key = out["ceiling"]["distill"].get("joint_chosen" if "→" not in label else "refined_chosen")
+    for label, chosen in (("distill joint (lr by val KL)", "joint_chosen"), ("featcal defaults → distill (lr by val KL)", "refined_chosen")):
+        key = out["ceiling"]["distill"].get(chosen)
         if label in out["rows"] and key:
             of[label] = distilled.get(key)
     for name, row in out["rows"].items():
@@ -188,9 +188,8 @@ def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_na
             ci = bootstrap_shares(merged, own, of[name], resamples)
             row["share_ci95"] = [_r(v) for v in ci["share"]]
             row["share_per_domain_ci95"] = {d: [_r(v) for v in ci["share_per_domain"][d]] for d in KINDS}
-    ratios = {f"{a} / {b}": {"ratio": _r(out["rows"][a]["share"] / out["rows"][b]["share"]),
-                             "ci95": [_r(v) for v in bootstrap_share_ratio(merged, own, of[a], of[b], resamples)]}
-              for a, b in SHARE_RATIOS if of.get(a) and of.get(b)}
+    ratios = share_ratio_table(SHARE_RATIOS, {name: row["share"] for name, row in out["rows"].items()}, of, merged, own,
+                               resamples, ROUND)
     if ratios:
         out["share_ratios"] = ratios
     out["setting"]["bootstrap"] = {"resamples": resamples, "level": 0.95, "over": "test records, per domain, paired across models"}

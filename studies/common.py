@@ -89,6 +89,15 @@ def bootstrap_share_ratio(merged: Mapping[str, list], experts: Mapping[str, list
     return percentile_interval(ratios, level)
 
 
+def share_ratio_table(pairs: Sequence[tuple[str, str]], shares_of: Mapping[str, float], records: Mapping[str, Mapping[str, list] | None],
+                      merged: Mapping[str, list], experts: Mapping[str, list], resamples: int = 1000, digits: int = 4) -> dict:
+    """Per (row, reference) pair whose two rows both have per-record scores: ``"row / reference"`` → the ratio of their
+    shares and its paired-bootstrap 95 % interval (``bootstrap_share_ratio``)."""
+    return {f"{a} / {b}": {"ratio": round(shares_of[a] / shares_of[b], digits),
+                           "ci95": [round(v, digits) for v in bootstrap_share_ratio(merged, experts, records[a], records[b], resamples)]}
+            for a, b in pairs if records.get(a) and records.get(b)}
+
+
 def bootstrap_nll(model: Mapping[str, list], resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
     """Percentile intervals of each domain's NLL and of their average, over test records."""
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from studies.common import bootstrap_nll, bootstrap_share_ratio, bootstrap_shares, load_json, mean_nll, save_json, shares
+from studies.common import bootstrap_nll, bootstrap_shares, load_json, mean_nll, save_json, share_ratio_table, shares
 from studies.specialised_setup import CAL_RECORDS, KINDS, MIN_LEAD, RECORD_TOKENS, SCORED, SETTING, TA_WEIGHT
 
 ROUND = 4
@@ -105,13 +105,8 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
     for name in ("base", *(f"expert:{k}" for k in KINDS)):
         if name in base:
             add(name, base[name], seconds=None, featcal=None)
-    ratios = {}
-    for name, reference in SHARE_RATIOS:
-        if name in per_record["models"] and reference in per_record["models"]:
-            records = per_record["models"]
-            ratios[f"{name} / {reference}"] = {
-                "ratio": _r(rows_out[name]["share"] / rows_out[reference]["share"]),
-                "ci95": [_r(v) for v in bootstrap_share_ratio(merged, own, records[name], records[reference], resamples)]}
+    ratios = share_ratio_table(SHARE_RATIOS, {name: r["share"] for name, r in rows_out.items()}, per_record["models"],
+                               merged, own, resamples, ROUND)
     training = {p.stem.removeprefix("training-"): json.loads(p.read_text()) for p in sorted(work.glob("training-*.json"))}
     gap = {d: mean_nll(merged[d]) - mean_nll(own[d]) for d in KINDS}
     meta = load_json(work / "data" / "meta.json")
