@@ -22,6 +22,7 @@ SCORED = {"test": 48, "val": 32}  # records scored per domain (two loaded cores:
 
 
 DATA, GENERATE = "data", "generate"  # a row's data: key: the experts' own samples instead of the cal split
+SAMPLES = "samples"  # a row's own featcal.samples (default CAL_RECORDS)
 
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
     "featcal defaults": {},
@@ -50,6 +51,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal data-free": {DATA: GENERATE},
     "featcal data-free + refine": {DATA: GENERATE, "refine": True},
     "featcal data-free + refine, adapter": {DATA: GENERATE, "refine": {"params": "adapter"}},
+    # data-free users have no records to run out of: each expert writes twice as many
+    "featcal data-free, 128 records": {DATA: GENERATE, SAMPLES: 128},
+    "featcal data-free, 128 records + refine": {DATA: GENERATE, SAMPLES: 128, "refine": True},
 }
 
 
@@ -74,8 +78,8 @@ def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: 
     generated = keys.get(DATA) == GENERATE
     lines += [f"    experts/{name}: " + ("{generate: {}}" if generated else f"{{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}")
               for name in experts]
-    lines += [f"  samples: {samples}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
-    lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items() if key != DATA]
+    lines += [f"  samples: {keys.get(SAMPLES, samples)}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
+    lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items() if key not in (DATA, SAMPLES)]
     return "\n".join(lines) + "\n"
 
 

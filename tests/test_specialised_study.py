@@ -59,7 +59,7 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, ro
     recipe = load_recipe(path)
     assert recipe.merge_config.merge_method == "task_arithmetic"
     assert [e.name for e in recipe.experts] == [f"experts/{k}" for k in KINDS]
-    assert recipe.featcal.samples == 64 and recipe.featcal.max_length == 129
+    assert recipe.featcal.samples == ROWS[row].get("samples", 64) and recipe.featcal.max_length == 129
     assert (recipe.featcal.refine is not None) == ("refine" in ROWS[row])
     if row == "featcal paper rule":
         assert (recipe.featcal.balancing, recipe.featcal.token_weighting, recipe.featcal.trailing) == ("equal", "equal", "keep")
