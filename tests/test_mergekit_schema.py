@@ -44,3 +44,38 @@ def test_parameter_values_are_judged_as_mergekit_judges_them():
                 except ValidationError:
                     refused = True
                 assert (mergekit_methods._bad_value(schema, value) is not None) == refused, (method, parameter.name, value)
+
+
+RECIPES_TO_DUMP = [
+    {"merge_method": "task_arithmetic", "base_model": "base", "models": [{"model": "e0", "parameters": {"weight": 0.5}}], "dtype": "float32"},
+    {"merge_method": "linear", "tokenizer_source": "base",
+     "slices": [{"sources": [{"model": "a+lora", "layer_range": [0, 2], "parameters": {"weight": 0.5}}, {"model": "x@main", "layer_range": [0, 2]}]}]},
+    {"merge_method": "ties", "base_model": {"model": {"path": "b", "revision": "r"}, "override_architecture": "LlamaForCausalLM"},
+     "models": [{"model": "e", "parameters": {"weight": [0.1, 0.2], "density": {"value": 0.5, "filter": "mlp"}}}],
+     "parameters": {"normalize": True}, "tokenizer": {"source": "base"}},
+]
+
+
+def _with_spaces(raw: dict) -> dict:
+    """The same recipe with every model path under a folder whose name holds a space."""
+    def move(node):
+        if isinstance(node, dict):
+            return {k: ("/my models/" + v if k in ("model", "base_model", "path") and isinstance(v, str) else move(v)) for k, v in node.items()}
+        return [move(item) for item in node] if isinstance(node, list) else node
+    return move(raw)
+
+
+def test_merge_config_dict_is_mergekits_dump_and_also_takes_paths_with_spaces():
+    """Where mergekit's own dump works, merge_config_dict is that dump; under a folder with a space in its name, where
+    mergekit's ModelReference refuses to serialise itself, it still gives a dict that parses back to the same recipe."""
+    from mergekit.config import MergeConfiguration
+
+    for raw in RECIPES_TO_DUMP:
+        for schema in (MergeConfiguration, mergekit_config.MergeConfiguration):
+            config = schema.model_validate(raw)
+            assert mergekit_config.merge_config_dict(config) == config.model_dump(mode="json", exclude_none=True)
+            spaced = schema.model_validate(_with_spaces(raw))
+            dumped = mergekit_config.merge_config_dict(spaced)
+            assert json.loads(json.dumps(dumped)) == dumped  # plain JSON: fingerprints take it
+            assert schema.model_validate(dumped) == spaced
+            assert "/my models/" in json.dumps(dumped)

@@ -113,6 +113,34 @@ def test_holdout_split_is_seeded_disjoint_and_complete():
     assert split_holdout(sequences, 0.25, 1, "r.yaml")[1] != held
 
 
+def test_moving_the_experts_folders_keeps_a_tuned_runs_split_and_weights(tmp_path):
+    """The held-out split is drawn by the seed and each expert's position in the recipe, not by its path: the same
+    scenario copied to another folder, its recipe naming the new paths, calibrates to the same bytes and choices."""
+    import shutil
+
+    from scenario import build_scenario
+
+    first = build_scenario(tmp_path / "here", experts=2, layers=1, samples=16)
+    shutil.copytree(tmp_path / "here", tmp_path / "moved elsewhere")
+    moved = tmp_path / "moved elsewhere" / "recipe.yaml"
+    moved.write_text(first.recipe.read_text().replace(str(tmp_path / "here"), str(tmp_path / "moved elsewhere" / "x" / "..")))
+    settings = {**SINGLE, "lambda": [1e-4, 1e-3, 1e-2], "alpha": [0.1, 0.5]}
+    outputs = []
+    for recipe in (first.recipe, moved):
+        path = recipe.parent / "tuned.yaml"
+        path.write_text(recipe.read_text())
+        (recipe.parent / "x").mkdir(exist_ok=True)
+        written = yaml.safe_load(path.read_text())
+        written["featcal"].update(settings, output=str(recipe.parent / "out"))
+        path.write_text(yaml.safe_dump(written, sort_keys=False))
+        outputs.append(run_recipe(path, progress=False))
+    chosen = [[layer["chosen"] for layer in json.loads((o / "featcal_tuning.json").read_text())["layers"]] for o in outputs]
+    assert chosen[0] == chosen[1]
+    weights = [read_weights(o) for o in outputs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def _tuned(scenario, tmp_path, name: str, **overrides):
     settings = {**SINGLE, "dtype": "float64", **overrides}
     return scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), **settings)

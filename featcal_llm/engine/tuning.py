@@ -93,10 +93,13 @@ def split_holdout(
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
     """(calibration, held-out) records per expert: a seeded, per-expert draw of round(share · n) records.
 
-    Both parts keep file order. Held-out records never enter the statistics.
+    `sequences` comes in the recipe's order, and each expert's draw is keyed by the seed and its position there (as
+    its generation stream is), never by its name: the name is the expert's path, and moving the experts' folders or
+    writing their paths another way must not change the split. Both parts keep file order. Held-out records never
+    enter the statistics.
     """
     calibration, held_out = {}, {}
-    for task, task_sequences in sequences.items():
+    for position, (task, task_sequences) in enumerate(sequences.items()):
         count = len(task_sequences)
         kept = round(share * count)
         if kept < 2 or count - kept < 2:
@@ -104,7 +107,7 @@ def split_holdout(
                 f"{where}: featcal.tune.holdout: {share:g} of expert {task}'s {count} records leaves {kept} held out and "
                 f"{count - kept} for calibration (need at least 2 on each side)"
             )
-        chosen = set(random.Random(f"featcal-holdout:{seed}:{task}").sample(range(count), kept))
+        chosen = set(random.Random(f"featcal-holdout:{seed}:{position}").sample(range(count), kept))
         calibration[task] = [s for i, s in enumerate(task_sequences) if i not in chosen]
         held_out[task] = [s for i, s in enumerate(task_sequences) if i in chosen]
     return calibration, held_out

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.resume import checkpoint_identity, fingerprint
 from featcal_llm.io.identity import sampling_identity
+from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
 from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
@@ -143,7 +144,7 @@ def _choice_key(recipe: Recipe, name: str, sources: dict[str, Any], base: Any, s
     models |= {n: [s.identity(), checkpoint_identity(s.directory)] for n, s in sources.items()}
     probe = {k: settings[k] for k in ("stream", "seed", "temperature", "top_p", "min_p", "max_new_tokens")}
     runs = {"dtype": str(dtype), "device": device_label(device), "backend": PROBE_BACKEND, "trust_remote_code": recipe.featcal.trust_remote_code}
-    return fingerprint([FORMAT, "start choice", name, models, recipe.merge_config.model_dump(mode="json"), probe,
+    return fingerprint([FORMAT, "start choice", name, models, merge_config_dict(recipe.merge_config), probe,
                         [PROBE_SAMPLES, PROBE_TOKENS, PROBE_STREAM], {m: [list(i) for i in c.ids] for m, c in candidates.items()}, runs])
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from featcal_llm.io.checkpoint import move_into_place
+from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.errors import QUIET, FeatCalError, warn
 from featcal_llm.io.names import parse_parameter_count
 from featcal_llm.io.recipe import Recipe
@@ -61,7 +62,7 @@ def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> An
             return [rewrite(item) for item in node]
         return node
 
-    return MergeConfiguration.model_validate(rewrite(merge_config.model_dump(mode="json", exclude_none=True)))
+    return MergeConfiguration.model_validate(rewrite(merge_config_dict(merge_config)))
 
 
 def _say(message: str) -> None:
@@ -90,7 +91,7 @@ def stored_configuration(merged: Path) -> dict | None:
 
 
 def _normal(config: Any) -> dict:
-    return config.model_dump(mode="json", exclude_none=True)
+    return merge_config_dict(config)
 
 
 def differing_keys(ours: Any, theirs: Any, where: str = "") -> list[str]:

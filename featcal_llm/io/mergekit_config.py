@@ -163,3 +163,24 @@ class MergeConfiguration(BaseModel):
         if self.tokenizer_source and self.tokenizer:
             raise ValueError("Cannot specify both tokenizer_source and tokenizer")
         return self
+
+
+def merge_config_dict(config: BaseModel) -> dict:
+    """``config.model_dump(mode="json", exclude_none=True)``, also where a model's path holds a space or a quote.
+
+    mergekit's ``ModelReference`` serialises itself as itself there (its YAML writer's way of quoting), which pydantic
+    refuses as a circular reference, so a recipe under a folder with a space in its name could not be compared or
+    fingerprinted. Dumped in python mode, such a reference is left as the object; its string form is what it parses
+    back from. Works for mergekit's own models and for this module's copy of them.
+    """
+    return _json_ready(config.model_dump(mode="python", exclude_none=True))
+
+
+def _json_ready(node):
+    if isinstance(node, BaseModel):  # only a model reference that declined to serialise itself is left as an object
+        return str(node)
+    if isinstance(node, dict):
+        return {key: _json_ready(value) for key, value in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_json_ready(item) for item in node]
+    return node

@@ -33,6 +33,7 @@ from featcal_llm.engine.drift import Probe, drift_sample
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
+from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -134,7 +135,7 @@ def run_fingerprint(
             source_digest(),
             library_versions(),
             resolved_settings(recipe.featcal),
-            recipe.merge_config.model_dump(mode="json"),
+            merge_config_dict(recipe.merge_config),
             sequences_digest(sequences),
             sequences_digest(probe_sequences),
             checkpoint_identity(models.merged.directory),
