@@ -27,6 +27,9 @@ def _r(value):
 SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal data-free + refine", "featcal defaults + refine"),
                 ("featcal data-free + refine, adapter", "featcal defaults + refine, adapter, float32"),
+                # each expert writes twice as many records as the real-record rows read (generation is what it costs)
+                ("featcal data-free, 128 records", "featcal defaults"),
+                ("featcal data-free, 128 records + refine", "featcal defaults + refine"),
                 ("featcal defaults + refine", "distill (lr by val share)"),
                 ("featcal defaults + refine, 80 steps", "distill (lr by val share)")]
 
