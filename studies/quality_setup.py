@@ -127,6 +127,7 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                                         (", temperature 1, min_p 0.1", (("temperature", 1.0), ("min_p", 0.1))))] \
             + [Row("featcal defaults, generate {} 64 + refine", keys={"refine": True}, data="self", samples=64),
                # twice the real rows' count: a data-free user can have the experts write as many as the time allows
+               Row("featcal defaults, generate {} 128", data="self", samples=128),
                Row("featcal defaults, generate {} 128 + refine", keys={"refine": True}, data="self", samples=128),
                # every expert writes from its BOS token (raw text, as these experts were trained), not the start measured
                Row("featcal defaults, generate {} 64, chat_template off", data="self", samples=64,
