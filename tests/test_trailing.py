@@ -244,8 +244,8 @@ def test_refine_trains_on_the_records_the_closed_form_weighs(lead_and_trail, tmp
         weights = advantage_token_weights(merged, experts, kept, standard_errors=10.0)
         return {task: [i for i, w in enumerate(weights[task]) if float(w.sum()) == 0] for task in kept}
 
-    # the held-out split is seeded by the expert's name as the recipe gives it (here a temporary path): the first
-    # featcal.seed whose kept records of expert1 hold some it trails the merge on and some it does not
+    # the held-out split is seeded by featcal.seed and the expert's position in the recipe: the first seed whose kept
+    # records of expert1 hold some it trails the merge on and some it does not
     seed = next(seed for seed in range(64)
                 if 0 < len(dropped_of(split_holdout(sequences, 0.25, seed, "x")[0])[second]) < len(sequences[second]) * 3 // 4)
     refine = {"steps": 2, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32"}

@@ -123,14 +123,13 @@ def test_moving_the_experts_folders_keeps_a_tuned_runs_split_and_weights(tmp_pat
     first = build_scenario(tmp_path / "here", experts=2, layers=1, samples=16)
     shutil.copytree(tmp_path / "here", tmp_path / "moved elsewhere")
     moved = tmp_path / "moved elsewhere" / "recipe.yaml"
+    (moved.parent / "x").mkdir()  # the moved recipe spells its paths through x/..
     moved.write_text(first.recipe.read_text().replace(str(tmp_path / "here"), str(tmp_path / "moved elsewhere" / "x" / "..")))
     settings = {**SINGLE, "lambda": [1e-4, 1e-3, 1e-2], "alpha": [0.1, 0.5]}
     outputs = []
     for recipe in (first.recipe, moved):
         path = recipe.parent / "tuned.yaml"
-        path.write_text(recipe.read_text())
-        (recipe.parent / "x").mkdir(exist_ok=True)
-        written = yaml.safe_load(path.read_text())
+        written = yaml.safe_load(recipe.read_text())
         written["featcal"].update(settings, output=str(recipe.parent / "out"))
         path.write_text(yaml.safe_dump(written, sort_keys=False))
         outputs.append(run_recipe(path, progress=False))

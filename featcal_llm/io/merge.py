@@ -85,13 +85,9 @@ def stored_configuration(merged: Path) -> dict | None:
         if not isinstance(raw, dict):
             raise ValueError("not a mapping")
         raw.pop("featcal", None)  # featcal-llm stores the whole recipe
-        return _normal(MergeConfiguration.model_validate(raw))
+        return merge_config_dict(MergeConfiguration.model_validate(raw))
     except Exception as error:
         raise FeatCalError(f"{path}: not a mergekit configuration ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
-
-
-def _normal(config: Any) -> dict:
-    return merge_config_dict(config)
 
 
 def differing_keys(ours: Any, theirs: Any, where: str = "") -> list[str]:
@@ -197,14 +193,14 @@ def merge_methods(config: Any) -> set[str]:
 
 def seed_that_matters(recipe: Recipe) -> int | None:
     """The seed the merge's weights depend on: the merge seed for a random method (RANDOM_METHODS), else None."""
-    return recipe.featcal.merge_seed if merge_methods(_normal(recipe.merge_config)) & RANDOM_METHODS else None
+    return recipe.featcal.merge_seed if merge_methods(merge_config_dict(recipe.merge_config)) & RANDOM_METHODS else None
 
 
 def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list[str] | None:
     """None when `merged` may be used as it is; else the keys in which its configuration differs from the recipe's.
 
     The seed is compared only for a random merge method: a deterministic merge under another seed is the same merge."""
-    wanted, seed = _normal(recipe.merge_config), seed_that_matters(recipe)
+    wanted, seed = merge_config_dict(recipe.merge_config), seed_that_matters(recipe)
     if _settled.get(str(merged.resolve())) == (wanted, seed):
         return None
     try:
@@ -245,7 +241,7 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
             )
         _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
     _merge(recipe, merged, device, sources, trust_remote_code)
-    _settled[str(merged.resolve())] = (_normal(recipe.merge_config), seed_that_matters(recipe))
+    _settled[str(merged.resolve())] = (merge_config_dict(recipe.merge_config), seed_that_matters(recipe))
     return merged
 
 
