@@ -165,7 +165,9 @@ SHARE_RATIOS = [("featcal defaults + refine", "distill joint (lr by val KL)"),
                 ("featcal defaults, generate {} 64", "featcal defaults"),  # data-free against real records
                 ("featcal defaults, generate {} 64 + refine", "featcal defaults + refine"),
                 ("featcal defaults, generate {} 128", "featcal defaults"),  # twice the real rows' count
-                ("featcal defaults, generate {} 128 + refine", "featcal defaults + refine")]
+                ("featcal defaults, generate {} 128 + refine", "featcal defaults + refine"),
+                ("featcal defaults, generate {} 256", "featcal defaults"),  # the product's count when none is named
+                ("featcal defaults, generate {} 256 + refine", "featcal defaults + refine")]
 
 
 def with_intervals(out: dict, records: dict, gaps_merge: dict | None, setting_name: str, distilled: dict,

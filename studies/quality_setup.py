@@ -129,6 +129,9 @@ def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256))
                # twice the real rows' count: a data-free user can have the experts write as many as the time allows
                Row("featcal defaults, generate {} 128", data="self", samples=128),
                Row("featcal defaults, generate {} 128 + refine", keys={"refine": True}, data="self", samples=128),
+               # the product's own count when `generate:` names none (featcal.samples, 256)
+               Row("featcal defaults, generate {} 256", data="self", samples=256),
+               Row("featcal defaults, generate {} 256 + refine", keys={"refine": True}, data="self", samples=256),
                # every expert writes from its BOS token (raw text, as these experts were trained), not the start measured
                Row("featcal defaults, generate {} 64, chat_template off", data="self", samples=64,
                    sampling=(("chat_template", "off"),))]
