@@ -19,8 +19,8 @@ from featcal_llm.errors import EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}  # sub-commands inherit it
 EXIT_CODES = """\b
 Exit codes: 0 done; 1 the run started and failed (non-finite values, an upload,
-out of memory, a library error); 2 bad command line or input (recipe, data,
-models): nothing was computed; 130 interrupted."""
+out of memory, a library error, a full disk); 2 bad command line or input
+(recipe, data, models); 130 interrupted."""
 
 # command name → "module:attribute" of its click command
 LAZY_COMMANDS = {
@@ -100,7 +100,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
     import os
 
     from featcal_llm import runlog
-    from featcal_llm.errors import QuietExit
+    from featcal_llm.errors import QuietExit, out_of_memory
     from featcal_llm.io.block import check_device
     from featcal_llm.startup import freezing_imports, heavy_import
 
@@ -122,6 +122,12 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
         except FeatCalError as error:
             runlog.failure(error)
             sys.exit(error.exit_code)
+        except (MemoryError, RuntimeError) as error:
+            failure = out_of_memory(error)
+            if failure is None:
+                raise
+            runlog.failure(failure)
+            sys.exit(failure.exit_code)
         if main_rank:
             if level > runlog.QUIET and result.experts:
                 click.echo(result.table(), err=True)

@@ -7,8 +7,8 @@ from typing import Iterator
 
 
 # The CLI's exit codes (README, "Exit codes"): a script can tell "fix the input" from "the run failed".
-EXIT_FAILED = 1  # the run started and failed: non-finite values, an upload, a library error, out of memory
-EXIT_USAGE = 2  # the command line or the input (recipe, data, models) is wrong: nothing was computed
+EXIT_FAILED = 1  # the run started and failed: non-finite values, an upload, a library error, out of memory, a full disk
+EXIT_USAGE = 2  # the command line or the input (recipe, data, models) is wrong
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 
@@ -22,6 +22,16 @@ class RunFailure(FeatCalError):
     """The run began and could not finish (not the input's fault as far as the checks can tell): EXIT_FAILED."""
 
     exit_code = EXIT_FAILED
+
+
+def out_of_memory(error: BaseException) -> RunFailure | None:
+    """torch's OutOfMemoryError (a RuntimeError; named, so that the CLI need not import torch) or the host's MemoryError
+    as one line that says what to change; None for any other error."""
+    if not isinstance(error, MemoryError) and type(error).__name__ != "OutOfMemoryError":
+        return None
+    where = (str(error).strip().splitlines() or ["the host's RAM"])[0]
+    return RunFailure(f"out of memory ({where[:200]}); `featcal-llm validate RECIPE` prints what the run needs: lower "
+                      "featcal.batch_tokens, or run on a larger device, then rerun the same command to resume")
 
 
 class QuietExit(Exception):

@@ -22,7 +22,7 @@ from featcal_llm.engine.token_weights import advantage_weights
 from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
 from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator
-from featcal_llm.errors import QUIET, FeatCalError
+from featcal_llm.errors import QUIET, FeatCalError, RunFailure
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.stages.outputs import RunOutcome, write_outputs
@@ -32,11 +32,11 @@ from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, ope
 WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)
 
 
-def _unwritable(comm: Single, error: OSError) -> FeatCalError:
+def _unwritable(comm: Single, error: OSError) -> RunFailure:
     where = f" {error.filename}" if error.filename else ""
     message = f"cannot write{where} ({error.strerror or os.strerror(error.errno)}); free space or make the directory writable, then rerun the same command to resume"
     comm.report_failure(message)
-    return FeatCalError(f"rank {comm.rank}: {message}" if comm.world > 1 else message)
+    return RunFailure(f"rank {comm.rank}: {message}" if comm.world > 1 else message)
 
 
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
@@ -69,7 +69,7 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
         comm.report_failure(str(error))  # in the loop: this rank's own error, which the others will name
         if comm.world == 1:
             raise  # with its cause (mergekit's full error, for one), which the CLI shows
-        raise FeatCalError(f"rank {comm.rank}: {error}") from None
+        raise (RunFailure if isinstance(error, RunFailure) else FeatCalError)(f"rank {comm.rank}: {error}") from None
     finally:
         comm.close()
         QUIET["warnings"] = False

@@ -14,6 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
+from featcal_llm.errors import EXIT_FAILED
 from scenario import build_scenario
 
 
@@ -231,7 +232,7 @@ def test_a_failed_merge_shows_mergekit_s_full_error(small, tmp_path, monkeypatch
     recipe = small.write_recipe(tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
     log = tmp_path / "run.log"
     result = CliRunner().invoke(main, ["run", str(recipe), "--log", str(log)])
-    assert result.exit_code == 2
+    assert result.exit_code == EXIT_FAILED  # a library error: the run started and failed (README's exit codes)
     lines = result.stderr.splitlines()
     start = lines.index(f"featcal-llm: error: {recipe}: mergekit failed to merge the recipe: "
                         "tensor model.layers.0.mlp.up_proj.weight: shapes differ")
@@ -241,7 +242,7 @@ def test_a_failed_merge_shows_mergekit_s_full_error(small, tmp_path, monkeypatch
     text = log.read_text()
     assert "expert1: (48, 32)" in text and "Traceback (most recent call last)" in text and "in failing" in text
     verbose = CliRunner().invoke(main, ["run", str(recipe), "--verbose"])
-    assert verbose.exit_code == 2 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.exit_code == EXIT_FAILED and "Traceback (most recent call last)" in verbose.stderr
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -53,6 +54,26 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, rais
     assert result.exit_code == code, (result.output, result.exception)
     if str(raised):
         assert result.stderr.strip().splitlines()[0] == f"featcal-llm: error: {raised}"
+
+
+def test_out_of_memory_is_one_line_and_exit_1_and_other_errors_are_not_hidden(tmp_path, monkeypatch):
+    import featcal_llm.api
+
+    raised = {"error": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB")}
+
+    def calibrate(*args, **kwargs):
+        raise raised["error"]
+
+    monkeypatch.setattr(featcal_llm.api, "calibrate", calibrate)
+    (tmp_path / "r.yaml").write_text("x: 1\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
+    assert result.exit_code == EXIT_FAILED, (result.output, result.exception)
+    assert result.stderr.splitlines() == [
+        "featcal-llm: error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "79.19 GiB); `featcal-llm validate RECIPE` prints what the run needs: lower featcal.batch_tokens, or run on a larger "
+        "device, then rerun the same command to resume"]
+    raised["error"] = RuntimeError("an internal bug")  # not turned into a tidy line: its traceback is what a report needs
+    assert isinstance(CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")]).exception, RuntimeError)
 
 
 def test_a_bad_recipe_and_a_bad_option_exit_2(tmp_path):

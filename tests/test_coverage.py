@@ -173,10 +173,10 @@ def test_regmean_takes_coverage_weights_when_asked(tmp_path):
 
 def test_a_non_finite_nll_is_one_line_naming_the_model_not_a_silent_weight(tmp_path, monkeypatch):
     import featcal_llm.engine.coverage as coverage_module
-    from featcal_llm.errors import FeatCalError
+    from featcal_llm.errors import RunFailure
 
     scenario = trained_scenario(tmp_path / "scenario", "llama", (4, 2))
     monkeypatch.setattr(coverage_module, "token_log_probs", lambda head, hidden, batch: torch.full(batch.keep.shape, float("nan")))
-    with pytest.raises(FeatCalError, match=r"expert_weights: coverage: .*NLL on expert .* is not finite") as error:
+    with pytest.raises(RunFailure, match=r"expert_weights: coverage: .*NLL on expert .* is not finite") as error:
         run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage"), progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()

@@ -44,6 +44,17 @@ def _mixtral_base(r, t):
     r["base_model"] = str(base)
 
 
+def _expert_with_another_norm_epsilon(r, t):
+    """An expert whose layers compute another function than the base's (its norm epsilon), shapes alike."""
+    expert = t / "other-eps"
+    shutil.copytree(r["models"][1]["model"], expert, copy_function=os.symlink)
+    config = json.loads((expert / "config.json").read_text())
+    (expert / "config.json").unlink()
+    (expert / "config.json").write_text(json.dumps({**config, "rms_norm_eps": config["rms_norm_eps"] * 10}))
+    r["featcal"]["data"][str(expert)] = r["featcal"]["data"].pop(r["models"][1]["model"])
+    r["models"][1]["model"] = str(expert)
+
+
 def _model_path_typo(r, _t):
     r["models"][1]["model"] += "x"  # featcal.data still names the right directory
 
@@ -89,6 +100,8 @@ CASES = {
     "per-layer values for another depth": (_set(lambda r: r["featcal"].update({key: {"per_layer": [value] * 2} for key, value in
                                                                               (("lambda", 1e-3), ("alpha", 0.3), ("rho", 0.5))})), [
         ["bad.yaml: featcal.lambda.per_layer: 2 values for a model of 3 decoder layers"]]),
+    "an expert with another norm epsilon": (_expert_with_another_norm_epsilon, [
+        ["other-eps/config.json: config rms_norm_eps = 0.0001 differs from the base model's 1e-05"]]),
     "model path typo": (_model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
 }
 

@@ -20,7 +20,7 @@ from featcal_llm.engine.drift import Head, spaced_sample
 from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log_probs
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.transfer import on_device
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import RunFailure
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, coverage_shares, coverage_weights
 
@@ -60,7 +60,7 @@ def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_l
     for (model,), reader in readers.items():
         for task, loss in losses[model].items():
             if not math.isfinite(loss):
-                raise FeatCalError(f"expert_weights: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
+                raise RunFailure(f"expert_weights: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
                                    "check that model's weights, or set expert_weights: equal")
     base = losses.pop(BASE)
     return losses, base

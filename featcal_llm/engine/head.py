@@ -15,7 +15,7 @@ import torch
 from featcal_llm import runlog
 from featcal_llm.engine.drift import LM_HEAD, final_norm
 from featcal_llm.engine.transfer import on_device
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import RunFailure
 from featcal_llm.io.checkpoint import CheckpointReader
 from featcal_llm.io.names import short_names
 from featcal_llm.maths.advantage import weighted_rows
@@ -88,5 +88,5 @@ def calibrate_head(ctx: "RunContext", hyper: Hyperparameters) -> dict[str, torch
         shares = [ctx.plan.task_weight(task) for task in models.experts]
         solved = solve_head(statistics, heads, merged, models.base.get(head_tensor(models.base, embed)), hyper, shares, dtype=merged.dtype)
     if not bool(torch.isfinite(solved).all()):
-        raise FeatCalError("LM head: the solution has NaN/Inf")
+        raise RunFailure("LM head: the solution has NaN/Inf")
     return {LM_HEAD: solved.cpu()}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, RunFailure
 from featcal_llm.maths.objective import ExpertGroup, GroupSystem, Hyperparameters, MixedTargets, SplitTargets, fold, solve_bias, solve_norm
 from featcal_llm.maths.regmean import GRAM, GramRecording, RegMeanSetting, RegMeanSystem
 from featcal_llm.maths.solve import SOLVE_DTYPE, RidgeSolver, anchor
@@ -110,7 +110,7 @@ class FeatCal(LayerSettings):
                 solved[f"{group.norm}.weight"] = solve_norm(system, anchored(f"{group.norm}.weight"), hyper.lam)
         for name, tensor in solved.items():
             if not bool(torch.isfinite(tensor).all()):
-                raise FeatCalError(f"layer {layer}: solution for {name} has NaN/Inf")
+                raise RunFailure(f"layer {layer}: solution for {name} has NaN/Inf")
             solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
         return solved
 
@@ -174,6 +174,6 @@ class RegMean(LayerSettings):
                 solved[f"{projection}.weight"] = weight
         for name, tensor in solved.items():
             if not bool(torch.isfinite(tensor).all()):
-                raise FeatCalError(f"layer {layer}: solution for {name} has NaN/Inf")
+                raise RunFailure(f"layer {layer}: solution for {name} has NaN/Inf")
             solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
         return solved

@@ -17,7 +17,7 @@ import torch
 from featcal_llm.engine.drift import Heads, Probe, next_token_kl, outputs, reduced_drifts, relative_drift
 from featcal_llm.engine.prefetch import LayerTensors
 from featcal_llm.engine.tuning import as_values, coordinate_search, criterion_value
-from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.errors import FeatCalError, RunFailure, warn
 from featcal_llm.maths.objective import GroupSystem, Hyperparameters
 from featcal_llm.maths.solve import RidgeSolver
 
@@ -97,7 +97,7 @@ def select_layer(
     for failure in failures:
         warn(f"layer {layer}: candidate {failure}: scored +inf")
     if not kept:
-        raise FeatCalError(f"layer {layer}: no candidate setting gave finite weights, hidden states and criterion ({len(table)} tried)")
+        raise RunFailure(f"layer {layer}: no candidate setting gave finite weights, hidden states and criterion ({len(table)} tried)")
     if kept["hyper"] != winner:  # an exact tie resolved differently: recompute the winner (deterministic)
         solved, out, value = evaluate(winner)
         kept.update(hyper=winner, solved=solved, out=out, value=value)

@@ -12,6 +12,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 
+# Config keys of the shapes the layer loop depends on
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 # Config keys that change what a decoder layer computes, beyond its shapes (absent keys compare as None).
 FAMILY_KEYS = (
     "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rms_norm_eps", "layer_norm_eps",

@@ -26,7 +26,7 @@ import yaml
 
 from featcal_llm.io.checkpoint import move_into_place
 from featcal_llm.io.mergekit_config import merge_config_dict
-from featcal_llm.errors import QUIET, FeatCalError, warn
+from featcal_llm.errors import QUIET, FeatCalError, RunFailure, warn
 from featcal_llm.io.names import parse_parameter_count
 from featcal_llm.io.recipe import Recipe
 
@@ -278,10 +278,10 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         raise
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise FeatCalError(f"{recipe.path}: featcal.merged: {merged}: cannot write the merge ({error.strerror or error})") from None
+        raise RunFailure(f"{recipe.path}: featcal.merged: {merged}: cannot write the merge ({error.strerror or error})") from None
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise FeatCalError(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
+        raise RunFailure(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
     move_into_place(partial, merged, "stale")  # a stale merge featcal-llm made is swapped out, then removed

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -30,7 +31,6 @@ from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
 from featcal_llm.io.validate_data import check_data
 
-SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 
 @dataclass
@@ -264,10 +264,12 @@ def _plain_adapter(reference: Any) -> bool:
 
 
 def check_same_shapes(base: dict, other: dict, what: str) -> None:
-    """Architecture and the shapes the layer loop depends on, from config.json (keys missing on either side are not compared)."""
+    """Architecture, the shapes the layer loop depends on and the settings that change what a layer computes (rope, norm
+    epsilon, windows: run's `check_family_settings`), from config.json; keys missing on either side are not compared."""
+
     if base.get("architectures") and other.get("architectures") and base["architectures"] != other["architectures"]:
         raise FeatCalError(f"{what}: architecture {other['architectures']} differs from the base model's {base['architectures']}")
-    for key in SHAPE_KEYS:
+    for key in (*SHAPE_KEYS, *FAMILY_KEYS):
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")

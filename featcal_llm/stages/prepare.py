@@ -26,7 +26,7 @@ from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
 )
-from featcal_llm.family.compat import check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
+from featcal_llm.family.compat import SHAPE_KEYS, check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
@@ -51,7 +51,6 @@ from featcal_llm.engine.resume import (
 from featcal_llm.engine.streams import HostStore, make_batches
 from featcal_llm.engine.tuning import split_holdout
 
-SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 
 def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
