@@ -325,3 +325,19 @@ def test_the_refusal_table_in_the_docs_is_what_both_commands_say(tmp_path, monke
         row = f"| {what} | {'(no `--push-to-hub` option: nothing to check)' if extra else refusals._cell(errors)} | " \
               f"{refusals._cell([line for line in ran.stderr.splitlines() if ': error: ' in line])} |"
         assert row in doc, (slug, row)
+
+
+def test_the_output_argument_is_checked_in_place_of_featcal_output(scenario, tmp_path):
+    """`run RECIPE OUTPUT` never writes featcal.output: that key may name anything, OUTPUT must be writable."""
+    from featcal_llm.io.validate import check_before_run, check_recipe
+
+    (tmp_path / "a-file").write_text("x")
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["output"] = str(tmp_path / "a-file" / "out")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert [p.key for p in check_recipe(path, plan=False).problems] == ["featcal.output"]
+    assert check_recipe(path, plan=False, output=tmp_path / "elsewhere").problems == []
+    check_before_run(path, tmp_path / "elsewhere")
+    ran = CliRunner().invoke(main, ["run", str(path), str(tmp_path / "a-file" / "there")])
+    assert ran.exit_code == 2 and _errors(ran) == [f"{path}: OUTPUT: {tmp_path / 'a-file' / 'there'}: {tmp_path / 'a-file'} is not a directory"]

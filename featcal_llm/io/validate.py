@@ -56,18 +56,20 @@ def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
     return check_recipe(path, online).problems
 
 
-def check_before_run(path: str | Path) -> Recipe:
+def check_before_run(path: str | Path, output: str | Path | None = None) -> Recipe:
     """The recipe parsed by mergekit, once every local check passed; else `RecipeProblems` listing all of them."""
-    report = check_recipe(path, online=False, plan=False, mergekit=True)
+    report = check_recipe(path, online=False, plan=False, mergekit=True, output=output)
     if report.problems:
         raise RecipeProblems(report.problems)
     return report.recipe
 
 
-def check_recipe(path: str | Path, online: bool = False, plan: bool = True, mergekit: bool = False) -> Report:
+def check_recipe(path: str | Path, online: bool = False, plan: bool = True, mergekit: bool = False,
+                 output: str | Path | None = None) -> Report:
     """Every problem of the recipe in one round: its text, then what the parts that parsed point at.
 
     Without torch unless `mergekit` (then a clean recipe's mergekit part is parsed by mergekit itself, for `run`).
+    `output` (`run RECIPE OUTPUT`) is checked in place of featcal.output, which that run never writes.
     """
     parsed = read_recipe(path, mergekit=mergekit)
     path, recipe, problems = Path(path), parsed.recipe, parsed.problems
@@ -90,7 +92,9 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     configs = {}
     if parsed.merge_config is not None:
         configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
-    if setting("output"):
+    if output is not None:
+        _check_output(path, Path(output), report, "OUTPUT")
+    elif setting("output"):
         _check_output(path, Path(setting("output")), report)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
@@ -284,17 +288,17 @@ def _shape(config: dict, key: str) -> Any:
 # --- outputs -----------------------------------------------------------------------------------------------------
 
 
-def _check_output(path: Path, output: Path, report: Report) -> None:
+def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.output") -> None:
     """The output can be written (an existing one is a note: `run --force` replaces it)."""
     if output.exists():
-        report.notes.append(f"{path}: featcal.output: {output} already exists (run needs --force to replace it)")
+        report.notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
     ancestor = output.parent.resolve()
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        report.problems.append(Problem(str(path), "featcal.output", f"{output}: {ancestor} is not a directory"))
+        report.problems.append(Problem(str(path), key, f"{output}: {ancestor} is not a directory"))
     elif not os.access(ancestor, os.W_OK):
-        report.problems.append(Problem(str(path), "featcal.output", f"{output}: directory is not writable"))
+        report.problems.append(Problem(str(path), key, f"{output}: directory is not writable"))
 
 
 def _check_eval(path: Path, section: Any, report: Report) -> None:
