@@ -245,6 +245,10 @@ BAD = {
     "rho list with text": ({"rho": [1.0, "x"]}, ["featcal.rho:", "expected a number, auto or a list"]),
     "empty list": ({"alpha": []}, ["featcal.alpha:", "non-empty list"]),
     "tune without candidates": ({"tune": {"holdout": 0.25}}, ["featcal.tune: nothing to tune"]),
+    "a search key beside refine and fixed values": ({"refine": True, "tune": {"holdout": 0.5, "budget": 5}},
+                                                    ["featcal.tune.budget: nothing to tune", "with refine only tune.holdout applies"]),
+    "refine holding out one record": ({"refine": True, "samples": 4}, ["featcal.tune.holdout: 0.25 of expert", "4 records leaves 1 "
+                                                                        "held out and 3 for calibration (need at least 2 on each side)"]),
     "unknown tune key": ({"lambda": "auto", "tune": {"holdot": 0.2}}, ["featcal.tune.holdot: unknown key"]),
     "holdout leaving one record": ({"lambda": "auto", "tune": {"holdout": 0.95}}, ["featcal.tune.holdout:", "need at least 2 on each side"]),
     "budget too small": ({"lambda": "auto", "tune": {"budget": 4}}, ["featcal.tune.budget:", "evaluates 7 settings"]),
@@ -263,6 +267,28 @@ def test_bad_tuning_input_is_one_line_naming_the_key(merged_scenario, tmp_path, 
     for fragment in expected:
         assert fragment in lines[0], lines[0]
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.featcal-partial").exists()
+    validated = CliRunner().invoke(main, ["validate", str(recipe)])  # validate refuses it in the same words, before any work
+    assert validated.exit_code == 2 and lines[0] in validated.stderr.splitlines(), validated.output
+
+
+def test_refine_with_fixed_values_takes_its_held_out_share_from_tune_holdout(merged_scenario, tmp_path, monkeypatch):
+    """docs/refine.md: refine holds records out by tune.holdout, so that key is accepted beside fixed values."""
+    import featcal_llm.stages.prepare as prepare
+
+    from featcal_llm.io.validate import check_recipe
+
+    recipe = merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), refine=True, tune={"holdout": 0.5})
+    assert check_recipe(recipe, plan=False).problems == []
+    shares = []
+
+    def stop(sequences, share, seed, where):
+        shares.append(share)
+        raise KeyboardInterrupt  # the split is all this test needs to see
+
+    monkeypatch.setattr(prepare, "split_holdout", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe(recipe, progress=False)
+    assert shares == [0.5]
 
 
 def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_path):

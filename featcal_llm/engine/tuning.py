@@ -17,11 +17,13 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.maths.objective import Hyperparameters
-from featcal_llm.maths.regmean import RegMeanSetting
+
+if TYPE_CHECKING:
+    from featcal_llm.maths.objective import Hyperparameters
+    from featcal_llm.maths.regmean import RegMeanSetting
 
 # `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
 # extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.
@@ -52,6 +54,9 @@ class Search:
 
     def hyper(self, values: dict[str, float]) -> Hyperparameters | RegMeanSetting:
         """The objective's setting for these values of the searched keys."""
+        from featcal_llm.maths.objective import Hyperparameters  # torch: the module stays light for validate's checks
+        from featcal_llm.maths.regmean import RegMeanSetting
+
         if "reduction" in values:
             return RegMeanSetting(reduction=values["reduction"], eps=self.eps)
         return Hyperparameters(lam=values["lambda"], alpha=values["alpha"], rho=values["rho"], eps=self.eps)
@@ -88,6 +93,16 @@ def build_search(featcal, where: str) -> Search:
     return search
 
 
+def holdout_problem(share: float, count: int, task: str) -> str | None:
+    """Why `tune.holdout` cannot split an expert's `count` records (None when it can): the held-out records score
+    a search or stop refinement, the rest fit the statistics, and each side needs two."""
+    kept = round(share * count)
+    if kept >= 2 and count - kept >= 2:
+        return None
+    return (f"featcal.tune.holdout: {share:g} of expert {task}'s {count} records leaves {kept} held out and {count - kept} "
+            "for calibration (need at least 2 on each side)")
+
+
 def split_holdout(
     sequences: dict[str, list[list[int]]], share: float, seed: int, where: str
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
@@ -101,19 +116,17 @@ def split_holdout(
     calibration, held_out = {}, {}
     for position, (task, task_sequences) in enumerate(sequences.items()):
         count = len(task_sequences)
+        problem = holdout_problem(share, count, task)
+        if problem is not None:
+            raise FeatCalError(f"{where}: {problem}")
         kept = round(share * count)
-        if kept < 2 or count - kept < 2:
-            raise FeatCalError(
-                f"{where}: featcal.tune.holdout: {share:g} of expert {task}'s {count} records leaves {kept} held out and "
-                f"{count - kept} for calibration (need at least 2 on each side)"
-            )
         chosen = set(random.Random(f"featcal-holdout:{seed}:{position}").sample(range(count), kept))
         calibration[task] = [s for i, s in enumerate(task_sequences) if i not in chosen]
         held_out[task] = [s for i, s in enumerate(task_sequences) if i in chosen]
     return calibration, held_out
 
 
-Evaluated = list[tuple[Hyperparameters, float]]
+Evaluated = list[tuple["Hyperparameters", float]]
 
 
 def coordinate_search(search: Search, score: Callable[[Hyperparameters], float]) -> tuple[Hyperparameters, Evaluated]:

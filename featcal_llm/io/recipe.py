@@ -144,7 +144,23 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
     if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
-        problems.append(Problem(str(path), "featcal.tune", f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} to auto or a list of candidates)"))
+        search_keys = sorted(featcal.tune.model_fields_set - {"holdout"})  # refine holds its records out by tune.holdout too
+        if featcal.refine is None or search_keys:
+            key = f"featcal.tune.{search_keys[0]}" if featcal.refine is not None else "featcal.tune"
+            problems.append(Problem(str(path), key, f"nothing to tune (set {'reduction' if featcal.regmean else 'lambda, alpha or rho'} "
+                                    "to auto or a list of candidates)" + ("; with refine only tune.holdout applies" if featcal.refine is not None else "")))
+    from featcal_llm.engine.tuning import build_search, holdout_problem  # light: no torch
+
+    if featcal.tuned:
+        collect(problems, path, lambda: build_search(featcal, str(path)))
+    if featcal.holds_out:  # the records the recipe asks for (a shorter file is caught when it is read)
+        share = featcal.tune_settings().holdout
+        for name, spec in featcal.data.items():
+            problem = holdout_problem(share, spec.records(featcal.samples), name)
+            if problem is not None:
+                key, _, message = problem.partition(": ")
+                problems.append(Problem(str(path), key, message))
+                break
     if featcal.data and all(spec.weight == 0 for spec in featcal.data.values()):
         problems.append(Problem(str(path), "featcal.data", "every expert has weight 0: nothing to calibrate toward (give at least one a weight above 0)"))
     generated = [name for name, spec in featcal.data.items() if spec.generate is not None and spec.weight > 0]
