@@ -77,13 +77,24 @@ def test_eval_section_requires_opt_in_for_code_tasks():
         EvalSection.model_validate({"allow_code_execution": True, "backend": {"tp": 2}})
 
 
-def test_section_resolves_paths_against_the_recipe(tmp_path):
+def test_section_reads_inputs_as_featcal_data_paths_are_read_and_writes_from_the_current_directory(tmp_path, monkeypatch):
+    """Inputs from the current directory, or beside the recipe where only that one exists (validate accepts both);
+    the results directory from the current directory, as featcal.output."""
+    recipe_dir, here = tmp_path / "recipes", tmp_path / "here"
+    for folder in (recipe_dir / "data", recipe_dir / "suites", here / "suites"):
+        folder.mkdir(parents=True)
+    (recipe_dir / "data" / "gsm8k.jsonl").write_text("{}\n")
+    (recipe_dir / "suites" / "my.yaml").write_text("tasks: []\n")
+    (here / "suites" / "my.yaml").write_text("tasks: []\n")  # both exist: the current directory's, as mergekit reads paths
+    monkeypatch.chdir(here)
     section = EvalSection.model_validate(
         {"tasks": ["gsm8k"], "output": "results", "data": {"gsm8k": "data/gsm8k.jsonl"}, "suite": "suites/my.yaml"}
-    ).resolve(tmp_path)
-    assert section.output == str(tmp_path / "results")
-    assert section.data == {"gsm8k": str(tmp_path / "data/gsm8k.jsonl")}
-    assert section.suite == str(tmp_path / "suites/my.yaml")
+    ).resolve(recipe_dir)
+    assert section.output == str(here / "results")
+    assert section.data == {"gsm8k": str(recipe_dir / "data/gsm8k.jsonl")}
+    assert section.suite == str(here / "suites/my.yaml")
+    assert EvalSection.model_validate({"tasks": ["gsm8k"], "data": {"gsm8k": "data/gsm8k.jsonl"}}).resolve().data == {
+        "gsm8k": str(here / "data/gsm8k.jsonl")}  # `featcal-llm eval`: no recipe, the current directory
 
 
 @pytest.mark.parametrize(
@@ -97,7 +108,7 @@ def test_section_resolves_paths_against_the_recipe(tmp_path):
 )
 def test_cli_options_errors(options, message):
     with pytest.raises(FeatCalError) as error:
-        section_from_options(options, Path.cwd())
+        section_from_options(options)
     assert str(error.value).startswith(message)
 
 

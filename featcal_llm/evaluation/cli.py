@@ -130,7 +130,6 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
             "nltk_data": nltk_data,
             "code_workers": code_workers,
         },
-        base=Path.cwd(),
     )
     echo = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     summaries = []

@@ -60,7 +60,9 @@ class BackendSettings(BaseModel):
 class EvalSection(BaseModel):
     """The `featcal.eval:` block of a recipe: score the merged and calibrated models after `run`.
 
-    Relative paths (suite file, output, data overrides, nltk_data) are relative to the recipe.
+    Relative paths of what it reads (suite file, data overrides, nltk_data) are read as `featcal.data` paths are: from
+    the current directory, or beside the recipe where only that one exists; `output` is from the current directory, as
+    featcal.output is.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -111,22 +113,23 @@ class EvalSection(BaseModel):
             raise ValueError(problem)
         return self
 
-    def resolve(self, base: Path) -> "EvalSection":
-        """A copy whose relative paths are made absolute against `base` (the recipe's folder)."""
+    def resolve(self, recipe_dir: Path | None = None) -> "EvalSection":
+        """A copy whose relative paths are absolute: inputs from the current directory or beside the recipe
+        (`recipe_dir`, as `beside_recipe` finds them), the output from the current directory."""
+        from featcal_llm.io.block import beside_recipe
 
-        def absolute(value: str) -> str:
-            path = Path(value).expanduser()
-            return str(path if path.is_absolute() else (base / path))
+        def read(value: str) -> str:
+            return str(beside_recipe(str(Path(value).expanduser()), recipe_dir).absolute())
 
         suite = self.suite
         if suite.endswith((".yaml", ".yml")) or "/" in suite:
-            suite = absolute(suite)
+            suite = read(suite)
         return self.model_copy(
             update={
                 "suite": suite,
-                "output": absolute(self.output),
-                "data": {task: absolute(path) for task, path in self.data.items()},
-                "nltk_data": absolute(self.nltk_data) if self.nltk_data else None,
+                "output": str(Path(self.output).expanduser().absolute()),
+                "data": {task: read(path) for task, path in self.data.items()},
+                "nltk_data": read(self.nltk_data) if self.nltk_data else None,
             }
         )
 
@@ -134,7 +137,7 @@ class EvalSection(BaseModel):
 _OPTION_NAMES = {"backend.name": "--backend", "allow_code_execution": "--allow-code-execution"}
 
 
-def section_from_options(options: dict, base: Path) -> EvalSection:
+def section_from_options(options: dict) -> EvalSection:
     """Validate CLI options with the recipe's model; errors name the option, on one line."""
     from pydantic import ValidationError
 
@@ -150,4 +153,4 @@ def section_from_options(options: dict, base: Path) -> EvalSection:
             raise FeatCalError(f"eval: {message}") from None
         option = _OPTION_NAMES.get(where) or "--" + where.split(".")[-1].replace("_", "-")
         raise FeatCalError(f"eval {option}: {message}") from None
-    return section.resolve(base)
+    return section.resolve()

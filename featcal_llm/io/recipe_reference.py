@@ -28,7 +28,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
     ("featcal.refine:", RefineSpec, "After the closed form, gradient steps toward each record's teacher on the calibration records, stopped by the held-out records (docs/refine.md). `refine: true` is `{}`: these defaults; `refine: false` (the default) runs no refinement."),
     ("per_layer", PerLayer, "The form `lambda`, `alpha`, `rho` and `reduction` take in a tuned run's written recipe: `{per_layer: [...]}`, replayed as given."),
-    ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Relative paths are relative to the recipe."),
+    ("featcal.eval:", EvalSection, "Score the merged and the calibrated model after the run. Files it reads (suite, data, nltk_data) are found as featcal.data paths are: from the current directory, or beside the recipe where only that one exists; `output` is from the current directory."),
     ("featcal.eval.backend:", BackendSettings, "How lm-eval drives the model; every setting is part of the results' cache key."),
 ]
 

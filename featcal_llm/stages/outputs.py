@@ -84,9 +84,9 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         from featcal_llm.evaluation import run_after_calibration
 
         runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
-        table = run_after_calibration(featcal.eval, merged_dir, output, Path.cwd())  # relative paths: as mergekit's
+        table = run_after_calibration(featcal.eval, merged_dir, output, recipe.path.parent)  # as featcal.data paths are read
         from featcal_llm.io.card_meta import evaluation_summary
 
-        append_evaluation(output, table, evaluation_summary(featcal.eval.resolve(Path.cwd()).output, output))  # model-index
+        append_evaluation(output, table, evaluation_summary(featcal.eval.resolve(recipe.path.parent).output, output))  # model-index
         print(table)
     return RunOutcome(output, merged_dir, table)
