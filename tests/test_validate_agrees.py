@@ -221,6 +221,10 @@ def test_validate_imports_no_torch_on_a_clean_or_a_bad_recipe(scenario, tmp_path
     """The whole recipe, mergekit part and models included, is checked from the schema and the configs alone."""
     clean = tmp_path / "clean.yaml"
     clean.write_text(yaml.safe_dump(_recipe(scenario, tmp_path), sort_keys=False))
+    refined = tmp_path / "refine-on-cpu.yaml"  # its memory plan asks whether the CPU computes bf16 natively
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"].update(refine=True, device="cpu")
+    refined.write_text(yaml.safe_dump(recipe, sort_keys=False))
     (tmp_path / "bad").mkdir()
     bad = _write(scenario, tmp_path / "bad", CASES["parameter name typo"][0])
     mixtral = tmp_path / "mixtral"
@@ -229,7 +233,7 @@ def test_validate_imports_no_torch_on_a_clean_or_a_bad_recipe(scenario, tmp_path
     code = ("import sys\nfrom featcal_llm.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    print('exit', exit.code)\n"
             f"print('loaded', sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    for command, recipe, status in [("validate", clean, 0), ("validate", bad, 2), ("validate", arch, 2), ("run", bad, 2), ("run", arch, 2)]:
+    for command, recipe, status in [("validate", clean, 0), ("validate", refined, 0), ("validate", bad, 2), ("validate", arch, 2), ("run", bad, 2), ("run", arch, 2)]:
         result = subprocess.run([sys.executable, "-c", code, command, str(recipe)], capture_output=True, text=True, cwd=tmp_path)
         assert result.stdout.splitlines()[-2:] == [f"exit {status}", "loaded []"], (command, recipe, result.stdout, result.stderr)
 

@@ -6,12 +6,12 @@ statistics move the update; a recipe's explicit value always wins.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.hardware import native_bf16_matmul
 from featcal_llm.io.block import check_device
 
 
@@ -22,15 +22,6 @@ def resolve_device(requested: str) -> torch.device:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise FeatCalError(f"featcal.device: {requested} requested but CUDA is not available")
     return torch.device(requested)
-
-
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): there bf16 layers run 3-4× faster than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def native_bf16(device: torch.device) -> bool:

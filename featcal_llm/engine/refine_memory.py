@@ -127,11 +127,9 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
                   config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")))
     params = resolve_params(refine.params, shape.parameters(), int(memory))
     if cpu:
-        import torch
+        from featcal_llm.hardware import native_bf16_matmul
 
-        from featcal_llm.engine.devices import native_bf16
-
-        native = native_bf16(torch.device("cpu"))
+        native = native_bf16_matmul()  # the rule engine/devices.native_bf16 applies to a CPU, without torch
     else:  # the GPU it will run on may not be this machine's: planned as one with bf16, as every GPU that fits 8B has
         native = True
     autocast = autocasts(refine.precision, native)

@@ -157,7 +157,7 @@ class FeatCalConfig(BaseModel):
     seed: int = Field(0, description="seed of the shuffle, the held-out split and generation")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: cuda when available)")
     dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs, on CPUs bfloat16 where the CPU has bf16 units, else float32"
+        "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs; on CPUs bfloat16 where the checkpoint is stored in bfloat16 and the CPU has bf16 units, else float32"
     )
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
         "auto", description="precision of the statistics products (summed in float64); auto: float32 when every lambda the run uses is >= 1e-2, else float64 (float32 with a warning on GPUs without fast float64)"

@@ -22,7 +22,7 @@ from featcal_llm.io.block_sections import DataSpec, GenerateSpec, HeadSpec, Merg
 SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("featcal:", FeatCalConfig, "The block FeatCal adds after a mergekit recipe. Keys not listed here are errors."),
     ("featcal.data.EXPERT:", DataSpec, "One entry per expert, keyed by the expert's name exactly as written under `models:`. Give `path` (a dataset) or `generate` (the expert writes its own texts), not both."),
-    ("featcal.data.EXPERT.generate:", GenerateSpec, "The expert samples its own calibration texts. With `generate`, only `samples` may be set beside it."),
+    ("featcal.data.EXPERT.generate:", GenerateSpec, "The expert samples its own calibration texts. With `generate`, only `samples` and `weight` may be set beside it."),
     ("featcal.head:", HeadSpec, "The LM head re-fitted after the last layer by the layers' rule, on the final norm's outputs. `head: auto` (the default) is `{when: auto}`, `head: true` is `{when: always}`, both with these defaults; `head: false` leaves the head merged."),
     ("featcal.merge_options:", MergeOptionsSpec, "mergekit's options for the merge the run makes when `merged` does not exist, as `mergekit-yaml` takes them. The merge is re-made when its seed differs from the recipe's."),
     ("featcal.tune:", TuneSpec, "How hyper-parameters given as `auto` or as a list of candidates are chosen, per layer, on held-out records."),
