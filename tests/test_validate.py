@@ -139,6 +139,21 @@ def _output_under_file(r, t):
     r["featcal"]["eval"] = {"data": {"gsm8k": str(t / "no-gsm8k.jsonl")}, "tasks": ["gsm8k"]}
 
 
+def _suite_file_checks(r, t):
+    """A suite given by a relative file path (read beside the recipe): its code tasks need the opt-in, data names its tasks."""
+    import shutil
+
+    from featcal_llm.evaluation.suite import SHIPPED
+
+    shutil.copytree(SHIPPED, t / "suites")
+    r["featcal"]["eval"] = {"suite": "suites/mergebench.yaml"}
+
+
+def _suite_data_key(r, t):
+    (t / "gsm8k.jsonl").write_text("{}\n")
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "data": {"gsm9k": str(t / "gsm8k.jsonl")}}
+
+
 def _renamed(r, _t):
     r["featcal"]["balance"] = "equal"
     r["featcal"]["token_weights"] = "advantage"
@@ -192,6 +207,9 @@ CASES = {
         ["bad.yaml: featcal.balance: was renamed: use featcal.expert_weights"],
         ["bad.yaml: featcal.token_weights: advantage was renamed: use expert_lead"],
     ]),
+    "a suite file's code tasks without the opt-in": (_suite_file_checks, [
+        ["featcal.eval: humaneval_plus, mbpp_plus execute model-written code"]]),
+    "eval data for a task the suite lacks": (_suite_data_key, [["featcal.eval.data.gsm9k: not a task of suite mergebench"]]),
     "output under a file, eval data missing": (_output_under_file, [
         ["featcal.output:", "a-file is not a directory"],
         ["featcal.eval.data.gsm8k:", "no-gsm8k.jsonl: not found"],

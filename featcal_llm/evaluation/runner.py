@@ -27,7 +27,7 @@ from featcal_llm.evaluation.modelinfo import (
     max_positions,
     model_fingerprint,
 )
-from featcal_llm.evaluation.suite import Suite, code_opt_in_problem, load_suite
+from featcal_llm.evaluation.suite import Suite, checked_suite
 from featcal_llm.evaluation.worker import USER_ERROR_EXIT
 
 SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # lm-eval's defaults
@@ -90,14 +90,6 @@ def _task_plans(suite: Suite, task_ids: list[str], section: EvalSection, fingerp
     return plans
 
 
-def _check_data_keys(section: EvalSection, suite: Suite, task_ids: list[str]) -> None:
-    for task_id, path in section.data.items():
-        if task_id not in suite.tasks:
-            raise FeatCalError(f"data.{task_id}: not a task of suite {suite.name} ({', '.join(suite.tasks)})")
-        if not Path(path).exists():
-            raise FeatCalError(f"data.{task_id}: {path} does not exist")
-
-
 def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]) -> None:
     logs = output / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -138,12 +130,7 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
     """Score one model on the section's suite, reusing cached tasks; returns its summary."""
     model_dir = check_model_dir(Path(model_dir))
     label = safe_label(label)
-    suite = load_suite(section.suite)
-    task_ids = suite.select(section.tasks, "tasks")
-    problem = code_opt_in_problem(suite, task_ids, section.allow_code_execution)
-    if problem:
-        raise FeatCalError(f"eval: {problem}")
-    _check_data_keys(section, suite, task_ids)
+    suite, task_ids = checked_suite(section)
     output = Path(section.output)
     backend_name = resolve_backend_name(section.backend)
     chat = chat or decide_chat_template(model_dir, section.chat_template)

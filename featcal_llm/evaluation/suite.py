@@ -141,6 +141,23 @@ def code_opt_in_problem(suite: Suite, task_ids: list[str], allowed: bool) -> str
     )
 
 
+def checked_suite(section: Any, where: str = "eval") -> tuple[Suite, list[str]]:
+    """The suite an `eval` section (paths resolved) names and the task ids it runs, once its tasks, code opt-in and
+    data overrides fit that suite; `where` prefixes each error's key (`featcal.eval` in a recipe)."""
+    suite = load_suite(section.suite)
+    task_ids = suite.select(section.tasks, f"{where}.tasks" if where != "eval" else "tasks")
+    problem = code_opt_in_problem(suite, task_ids, section.allow_code_execution)
+    if problem:
+        raise FeatCalError(f"{where}: {problem}")
+    prefix = "" if where == "eval" else f"{where}."
+    for task_id, path in section.data.items():
+        if task_id not in suite.tasks:
+            raise FeatCalError(f"{prefix}data.{task_id}: not a task of suite {suite.name} ({', '.join(suite.tasks)})")
+        if not Path(path).exists():
+            raise FeatCalError(f"{prefix}data.{task_id}: {path} does not exist")
+    return suite, task_ids
+
+
 def resolve_suite_path(name_or_path: str) -> Path:
     """A suite name (`mergebench`) means `<name>.yaml` in $FEATCAL_EVAL_DIR or among the shipped suites; anything else is a path."""
     candidate = Path(name_or_path).expanduser()

@@ -304,6 +304,7 @@ def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.
 def _check_eval(path: Path, section: Any, report: Report) -> None:
     """Files the eval: block names exist (beside the recipe, or from the current directory)."""
     found = lambda value: any((where / value).expanduser().exists() for where in (path.parent, Path.cwd()))  # noqa: E731
+    before = len(report.problems)
     if section.suite.endswith((".yaml", ".yml")) and not found(section.suite):
         report.problems.append(Problem(str(path), "featcal.eval.suite", f"{section.suite}: suite file not found"))
     for task, location in section.data.items():
@@ -311,3 +312,7 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: not found"))
     if section.nltk_data and not found(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
+    if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
+        from featcal_llm.evaluation.suite import checked_suite
+
+        collect(report.problems, path, lambda: checked_suite(section.resolve(path.parent), "featcal.eval"))
