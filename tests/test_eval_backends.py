@@ -73,6 +73,17 @@ def test_vllm_data_parallel_engine_args_and_chat_args():
         plan_backend("hf", BackendSettings(data_parallel_size=2, device="cpu"), Path("/m"), 4096, None)
 
 
+def test_every_model_arg_a_backend_sets_itself_is_one_engine_args_may_not_repeat(monkeypatch):
+    """`check_settings` (what validate asks before the calibration) knows every key plan_backend writes."""
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    for name, settings in (("vllm", BackendSettings(data_parallel_size=2)), ("hf", BackendSettings())):
+        args = plan_backend(name, settings, Path("/m"), 4096, 1024, {"date_string": "26 Jul 2024"}).model_args
+        assert set(args) <= set(backends.OWN_ARGS[name]), (name, args)
+        for key in args:
+            with pytest.raises(FeatCalError, match=f"backend.engine_args.{key}: set by its own option"):
+                backends.check_settings(name, BackendSettings(engine_args={key: 1}))
+
+
 def test_engine_arg_option_parses_yaml_scalars():
     from featcal_llm.evaluation.cli import _engine_args
 

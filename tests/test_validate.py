@@ -151,7 +151,13 @@ def _suite_file_checks(r, t):
 
 def _suite_data_key(r, t):
     (t / "gsm8k.jsonl").write_text("{}\n")
-    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "data": {"gsm9k": str(t / "gsm8k.jsonl")}}
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "data": {"gsm9k": str(t / "gsm8k.jsonl")}, "reference": "Llama-9B"}
+
+
+def _eval_settings_refused_after_the_run(r, _t):
+    """Settings the evaluation after the calibration refuses: found before it, each on its line."""
+    r["featcal"]["eval"] = {"suite": "mergebench-protocol", "chat_template": "on", "allow_code_execution": True,
+                            "backend": {"name": "hf", "tensor_parallel_size": 2}}
 
 
 def _renamed(r, _t):
@@ -209,7 +215,11 @@ CASES = {
     ]),
     "a suite file's code tasks without the opt-in": (_suite_file_checks, [
         ["featcal.eval: humaneval_plus, mbpp_plus execute model-written code"]]),
-    "eval data for a task the suite lacks": (_suite_data_key, [["featcal.eval.data.gsm9k: not a task of suite mergebench"]]),
+    "eval settings refused after the run": (_eval_settings_refused_after_the_run, [
+        ["featcal.eval.chat_template: on, but suite mergebench-protocol scores every model without its chat template"],
+        ["featcal.eval.backend.tensor_parallel_size: only the vllm backend shards a model"]]),
+    "eval data for a task the suite lacks, a reference the paper lacks": (_suite_data_key, [
+        ["featcal.eval.data.gsm9k: not a task of suite mergebench"], ["featcal.eval.reference: unknown model Llama-9B; the paper has"]]),
     "output under a file, eval data missing": (_output_under_file, [
         ["featcal.output:", "a-file is not a directory"],
         ["featcal.eval.data.gsm8k:", "no-gsm8k.jsonl: not found"],

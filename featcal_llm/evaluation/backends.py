@@ -63,6 +63,25 @@ class BackendPlan:
         return {"name": self.name, "model_args": args, "batch_size": self.batch_size}
 
 
+# lm-eval model_args each backend sets from an option of its own: engine_args may not repeat them
+OWN_ARGS = {"vllm": ("pretrained", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "seed",
+                     "data_parallel_size", "chat_template_args"),
+            "hf": ("pretrained", "dtype", "device", "max_length", "chat_template_args")}
+
+
+def check_settings(name: str, settings: BackendSettings) -> None:
+    """What a backend refuses of its settings alone: asked by `validate` and again before a model is scored."""
+    if name == "vllm" and settings.device:
+        raise FeatCalError("backend.device: not used by vllm; select GPUs with CUDA_VISIBLE_DEVICES")
+    if name == "hf" and settings.tensor_parallel_size != 1:
+        raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")
+    if name == "hf" and settings.data_parallel_size != 1:
+        raise FeatCalError("backend.data_parallel_size: only the vllm backend runs replicas")
+    clash = sorted(set(settings.engine_args) & set(OWN_ARGS[name]))
+    if clash:
+        raise FeatCalError(f"backend.engine_args.{clash[0]}: set by its own option, not through engine_args")
+
+
 def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,
                  model_max_positions: int | None, chat_template_args: dict | None = None) -> BackendPlan:
     """Build lm-eval `model_args` for one model.
@@ -73,12 +92,11 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
     (the suite's, e.g. a fixed `date_string` for Llama-3.x templates that print today's date) go to
     lm-eval's chat templating; `engine_args` are passed through unchanged.
     """
+    check_settings(name, settings)
     length = settings.max_model_len or context_length
     if settings.max_model_len is None and model_max_positions:
         length = min(length, model_max_positions)
     if name == "vllm":
-        if settings.device:
-            raise FeatCalError("backend.device: not used by vllm; select GPUs with CUDA_VISIBLE_DEVICES")
         args = {
             "pretrained": str(model_dir),
             "dtype": settings.dtype,
@@ -90,10 +108,6 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
         if settings.data_parallel_size != 1:
             args["data_parallel_size"] = settings.data_parallel_size
         return BackendPlan("vllm", _extend(args, settings, chat_template_args), settings.batch_size or "auto")
-    if settings.tensor_parallel_size != 1:
-        raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")
-    if settings.data_parallel_size != 1:
-        raise FeatCalError("backend.data_parallel_size: only the vllm backend runs replicas")
     device = settings.device or ("cuda" if cuda_available() else "cpu")
     args = {"pretrained": str(model_dir), "dtype": settings.dtype, "device": device, "max_length": length}
     batch = settings.batch_size or ("auto" if device.startswith("cuda") else 1)
@@ -101,9 +115,6 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
 
 
 def _extend(args: dict, settings: BackendSettings, chat_template_args: dict | None) -> dict:
-    clash = sorted(set(settings.engine_args) & (set(args) | {"chat_template_args"}))
-    if clash:
-        raise FeatCalError(f"backend.engine_args.{clash[0]}: set by its own option, not through engine_args")
     if chat_template_args:
         args = {**args, "chat_template_args": dict(chat_template_args)}
     return {**args, **settings.engine_args}

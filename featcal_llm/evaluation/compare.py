@@ -46,6 +46,8 @@ def _labels(merged_dir: Path, calibrated_dir: Path) -> tuple[str, str]:
 def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path,
                               echo=lambda line: print(line, file=sys.stderr)) -> str:
     section = section.resolve(recipe_dir)
+    suite = load_suite(section.suite)
+    references = reference_rows([section.reference], suite, "eval.reference") if section.reference else []  # before any scoring
     merged_dir, calibrated_dir = check_model_dir(merged_dir), check_model_dir(calibrated_dir)
     merged_chat = decide_chat_template(merged_dir, section.chat_template)
     calibrated_chat = _same_decision(merged_chat, calibrated_dir)
@@ -53,12 +55,10 @@ def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated
     merged = evaluate_model(merged_dir, merged_label, section, chat=merged_chat, echo=echo)
     calibrated = evaluate_model(calibrated_dir, calibrated_label, section, chat=calibrated_chat, echo=echo)
 
-    suite = load_suite(section.suite)
     ours = summary_rows([merged, calibrated], suite)
     for summary in (merged, calibrated):
         summary["_dir"] = section.output
     delta = comparison_row(merged, calibrated, suite, "Δ calibrated − merged")
-    references = reference_rows([section.reference], suite) if section.reference else []
     rows = references + ours + [delta]
     markdown = render_markdown(rows, suite)
     output = Path(section.output)

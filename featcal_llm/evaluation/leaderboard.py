@@ -124,8 +124,8 @@ def comparison_row(base: dict, other: dict, suite: Suite, name: str | None = Non
     return Row(name or f"Δ {other['label']} − {base['label']}", scores, average, "", signed=True, intervals=intervals)
 
 
-def reference_rows(models: list[str], suite: Suite) -> list[Row]:
-    """Paper rows for the named base models (`all` for every one)."""
+def reference_rows(models: list[str], suite: Suite, key: str = "--reference") -> list[Row]:
+    """Paper rows for the named base models (`all` for every one); an unknown one is an error naming `key`."""
     path = SHIPPED / REFERENCE_FILE  # the paper's rows ship with the package
     data = yaml.safe_load(path.read_text())
     if data["suite"] != suite.name:
@@ -134,7 +134,7 @@ def reference_rows(models: list[str], suite: Suite) -> list[Row]:
     wanted = available if "all" in models else models
     unknown = [m for m in wanted if m not in data["models"]]
     if unknown:
-        raise FeatCalError(f"--reference: unknown model {', '.join(unknown)}; the paper has {', '.join(available)}, or all")
+        raise FeatCalError(f"{key}: unknown model {', '.join(unknown)}; the paper has {', '.join(available)}, or all")
     rows = []
     for model in wanted:
         for entry in data["models"][model]:

@@ -134,9 +134,7 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
     output = Path(section.output)
     backend_name = resolve_backend_name(section.backend)
     chat = chat or decide_chat_template(model_dir, section.chat_template)
-    if suite.apply_chat_template == "never":
-        if chat.applied and section.chat_template == "on":
-            raise FeatCalError(f"--chat-template on: suite {suite.name} scores every model without its chat template")
+    if suite.apply_chat_template == "never":  # `on` was refused with the suite (checked_suite)
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
     backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
                            suite.chat_template_args if chat.applied else None)

@@ -142,13 +142,16 @@ def code_opt_in_problem(suite: Suite, task_ids: list[str], allowed: bool) -> str
 
 
 def checked_suite(section: Any, where: str = "eval") -> tuple[Suite, list[str]]:
-    """The suite an `eval` section (paths resolved) names and the task ids it runs, once its tasks, code opt-in and
-    data overrides fit that suite; `where` prefixes each error's key (`featcal.eval` in a recipe)."""
+    """The suite an `eval` section (paths resolved) names and the task ids it runs, once its tasks, code opt-in, chat
+    template and data overrides fit that suite; `where` prefixes each error's key (`featcal.eval` in a recipe)."""
     suite = load_suite(section.suite)
     task_ids = suite.select(section.tasks, f"{where}.tasks" if where != "eval" else "tasks")
     problem = code_opt_in_problem(suite, task_ids, section.allow_code_execution)
     if problem:
         raise FeatCalError(f"{where}: {problem}")
+    if suite.apply_chat_template == "never" and section.chat_template == "on":
+        key = "--chat-template on:" if where == "eval" else f"{where}.chat_template: on, but"
+        raise FeatCalError(f"{key} suite {suite.name} scores every model without its chat template")
     prefix = "" if where == "eval" else f"{where}."
     for task_id, path in section.data.items():
         if task_id not in suite.tasks:

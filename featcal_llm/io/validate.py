@@ -313,6 +313,24 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
     if section.nltk_data and not found(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
-        from featcal_llm.evaluation.suite import checked_suite
+        _check_eval_settings(path, section.resolve(path.parent), report)
 
-        collect(report.problems, path, lambda: checked_suite(section.resolve(path.parent), "featcal.eval"))
+
+def _check_eval_settings(path: Path, section: Any, report: Report) -> None:
+    """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
+    from featcal_llm.evaluation.backends import check_settings
+    from featcal_llm.evaluation.leaderboard import reference_rows
+    from featcal_llm.evaluation.suite import checked_suite, load_suite
+
+    collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
+
+    def backend() -> None:
+        try:
+            check_settings(section.backend.name, section.backend)
+        except FeatCalError as error:
+            raise FeatCalError(f"featcal.eval.{error}") from None
+
+    if section.backend.name in ("vllm", "hf"):  # auto: whichever the machine that scores has
+        collect(report.problems, path, backend)
+    if section.reference:
+        collect(report.problems, path, lambda: reference_rows([section.reference], load_suite(section.suite), "featcal.eval.reference"))
