@@ -110,6 +110,18 @@ def _other_shape(r, t):
     r["models"][2]["model"] = str(odd)
 
 
+def _pickled_and_weightless(r, t):
+    """One expert with pickled .bin weights only, another with no weight file: run's reader refuses both."""
+    for index, name in ((1, "pickled-expert"), (2, "weightless-expert")):
+        folder = t / name
+        folder.mkdir()
+        shutil.copy(Path(_expert(r, index)) / "config.json", folder / "config.json")
+        if index == 1:
+            (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
+        r["featcal"]["data"][str(folder)] = r["featcal"]["data"].pop(_expert(r, index))
+        r["models"][index]["model"] = str(folder)
+
+
 def _method_keys(r, _t):
     r["featcal"]["reduction"] = 0.5
     r["featcal"]["tune"] = {"budget": 4}
@@ -215,6 +227,9 @@ CASES = {
     ]),
     "a suite file's code tasks without the opt-in": (_suite_file_checks, [
         ["featcal.eval: humaneval_plus, mbpp_plus execute model-written code"]]),
+    "experts without safetensors weights": (_pickled_and_weightless, [
+        ["pickled-expert: only pickled .bin weights found; featcal-llm reads safetensors only"],
+        ["weightless-expert: no model.safetensors or model.safetensors.index.json found"]]),
     "eval settings refused after the run": (_eval_settings_refused_after_the_run, [
         ["featcal.eval.chat_template: on, but suite mergebench-protocol scores every model without its chat template"],
         ["featcal.eval.backend.tensor_parallel_size: only the vllm backend shards a model"]]),

@@ -50,9 +50,11 @@ def _mixtral(recipe: dict, root: Path) -> None:
     config = json.loads((root / "models" / "base" / "config.json").read_text())
     config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
     (base / "config.json").write_text(json.dumps(config))
+    (base / "model.safetensors").touch()  # never read: both commands refuse the recipe first
     for name in EXPERTS:
         (root / "models" / f"{name}-mixtral").mkdir(exist_ok=True)
         (root / "models" / f"{name}-mixtral" / "config.json").write_text(json.dumps(config))
+        (root / "models" / f"{name}-mixtral" / "model.safetensors").touch()
     recipe["base_model"] = "models/mixtral"
     for entry in recipe["models"]:
         entry["model"] += "-mixtral"
@@ -65,6 +67,7 @@ def _wider(recipe: dict, root: Path) -> None:
     config = json.loads((root / "models" / "math" / "config.json").read_text())
     config["hidden_size"] += 8
     (wide / "config.json").write_text(json.dumps(config))
+    (wide / "model.safetensors").touch()  # never read: both commands refuse the recipe first
     recipe["models"][1]["model"] = "models/math-wide"
     recipe["featcal"]["data"]["models/math-wide"] = recipe["featcal"]["data"].pop("models/math")
 

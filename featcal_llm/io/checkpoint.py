@@ -18,8 +18,7 @@ from safetensors.torch import save_file
 
 from featcal_llm.errors import FeatCalError
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from featcal_llm.io.weight_files import INDEX_FILE, SINGLE_FILE, missing_weights
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -41,10 +40,8 @@ class CheckpointReader:
         elif (self.directory / SINGLE_FILE).is_file():
             with safe_open(self.directory / SINGLE_FILE, framework="pt") as handle:
                 self.weight_map = {name: SINGLE_FILE for name in handle.keys()}
-        elif any(self.directory.glob("*.bin")):
-            raise FeatCalError(f"{what}: {self.directory}: only pickled .bin weights found; featcal-llm reads safetensors only (convert with transformers' save_pretrained)")
         else:
-            raise FeatCalError(f"{what}: {self.directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
+            raise FeatCalError(f"{what}: {self.directory}: {missing_weights(self.directory)}")
         for shard in sorted(set(self.weight_map.values())):
             if not (self.directory / shard).is_file():
                 raise FeatCalError(f"{what}: {index_path}: points at missing shard file {shard}")

@@ -22,6 +22,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
+from featcal_llm.io.weight_files import missing_weights
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -178,7 +179,11 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
         _refuse_local_typo(model_path.path, f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}")
     if not hub:
         source = resolve_source(reference, what, base)  # every path is local: no hub call
-        return source, _read_config(source.directory, what)
+        config = _read_config(source.directory, what)
+        problem = missing_weights(source.directory)  # what run's checkpoint reader refuses, from the listing
+        if problem is not None:
+            raise FeatCalError(f"{what}: {source.directory}: {problem}")
+        return source, config
     for model_path in hub:
         if online:
             hub_lookup("model", model_path.path, model_path.revision, what, report.offline)
