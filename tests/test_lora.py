@@ -188,6 +188,8 @@ def test_unsupported_adapters_are_refused_by_name(lora_scenario, tmp_path, case)
     assert result.exit_code == 2, (result.exit_code, error, result.exception)
     assert len(error) == 1 and error[0].startswith("featcal-llm: error: ") and expected in error[0], error
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    validated = CliRunner().invoke(main, ["validate", str(recipe)])  # said before any work, in the same words
+    assert validated.exit_code == 2 and error[0] in validated.stderr.splitlines(), validated.output
 
 
 def test_adapter_for_another_base_shape_is_refused(lora_scenario, tmp_path):

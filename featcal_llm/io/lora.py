@@ -13,7 +13,6 @@ refused by name.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,8 @@ from safetensors import safe_open
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.references import ADAPTER_CONFIG, NAMED_REFUSALS, adapter_config_problem
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # LoraConfig fields that either are honoured below or do not change the merged weights.
@@ -36,24 +35,6 @@ HARMLESS_FIELDS = {
     "peft_type", "auto_mapping", "peft_version", "runtime_config", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
 }
-# Initialisations that leave the base weights as they are (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA rewrite them).
-SAFE_INITS = (True, False, "gaussian", "orthogonal", "eva")
-NAMED_REFUSALS = {  # field → what it is, for the one-line refusal
-    "use_dora": "DoRA (weight-decomposed LoRA)",
-    "use_qalora": "QALoRA",
-    "trainable_token_indices": "trainable token indices",
-    "layer_replication": "layer replication",
-    "target_parameters": "LoRA on nn.Parameter targets",
-    "megatron_config": "Megatron-parallel LoRA",
-    "alora_invocation_tokens": "activated LoRA (aLoRA)",
-}
-
-
-def is_adapter_directory(directory: Path) -> bool:
-    """A PEFT adapter rather than a model: adapter_config.json and no model config."""
-    return (directory / ADAPTER_CONFIG).is_file() and not (directory / "config.json").is_file()
-
-
 def adapter_identity(directory: Path) -> list:
     """An adapter's identity for run fingerprints: its config and weight files by content (a touch or a move keeps it)."""
     from featcal_llm.io.identity import content_digest
@@ -64,15 +45,9 @@ def adapter_identity(directory: Path) -> list:
 def load_lora_config(directory: Path, what: str) -> Any:
     """peft's LoraConfig for the adapter, refusing other adapter types and settings that change the merge."""
     path = directory / ADAPTER_CONFIG
-    if not path.is_file():
-        raise FeatCalError(f"{what}: {directory}: not a PEFT adapter ({ADAPTER_CONFIG} is missing)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        raise FeatCalError(f"{what}: {path}: not valid JSON") from None
-    peft_type = str(raw.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise FeatCalError(f"{what}: {path}: peft_type {raw.get('peft_type')} adapters are not supported (LoRA only; merge it into a full checkpoint with peft's merge_and_unload and name that instead)")
+    problem = adapter_config_problem(directory)  # the adapter type and the named refusals, as validate reads them
+    if problem is not None:
+        raise FeatCalError(f"{what}: {problem}")
     from peft import LoraConfig
 
     try:
@@ -80,12 +55,6 @@ def load_lora_config(directory: Path, what: str) -> Any:
     except Exception as error:
         raise FeatCalError(f"{what}: {path}: not a LoRA config peft can read ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
     defaults = LoraConfig()
-    for field, label in NAMED_REFUSALS.items():
-        if getattr(config, field, None) not in (None, False, [], {}):
-            raise FeatCalError(f"{what}: {path}: {field}: {label} adapters are not supported (merge it with peft's merge_and_unload and name the merged checkpoint instead)")
-    init = config.init_lora_weights
-    if not any(init is safe or init == safe for safe in SAFE_INITS):
-        raise FeatCalError(f"{what}: {path}: init_lora_weights: {init!r} rewrites the base weights; convert the adapter (save_pretrained with path_initial_model_for_weight_conversion) or merge it first")
     for field in sorted(vars(config)):
         if field in HARMLESS_FIELDS or field in NAMED_REFUSALS or field.startswith("_"):
             continue

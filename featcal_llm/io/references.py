@@ -21,6 +21,45 @@ from featcal_llm.errors import FeatCalError, warn
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+# Initialisations that leave the base weights as they are (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA rewrite them).
+SAFE_INITS = (True, False, "gaussian", "orthogonal", "eva")
+NAMED_REFUSALS = {  # field → what it is, for the one-line refusal
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "use_qalora": "QALoRA",
+    "trainable_token_indices": "trainable token indices",
+    "layer_replication": "layer replication",
+    "target_parameters": "LoRA on nn.Parameter targets",
+    "megatron_config": "Megatron-parallel LoRA",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+}
+
+
+def adapter_config_problem(directory: Path) -> str | None:
+    """What io/lora.py refuses of an adapter's adapter_config.json as written (None: a LoRA it reads further with peft):
+    read without torch or peft, so that `validate` says it too."""
+    path = directory / ADAPTER_CONFIG
+    if not path.is_file():
+        return f"{directory}: not a PEFT adapter ({ADAPTER_CONFIG} is missing)"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return f"{path}: not valid JSON"
+    if not isinstance(raw, dict):
+        return f"{path}: not valid JSON (not an object)"
+    if str(raw.get("peft_type", "")).upper() != "LORA":
+        return (f"{path}: peft_type {raw.get('peft_type')} adapters are not supported (LoRA only; merge it into a full "
+                "checkpoint with peft's merge_and_unload and name that instead)")
+    for field, label in NAMED_REFUSALS.items():
+        if raw.get(field) not in (None, False, [], {}):
+            return (f"{path}: {field}: {label} adapters are not supported (merge it with peft's merge_and_unload and name "
+                    "the merged checkpoint instead)")
+    init = raw.get("init_lora_weights", True)
+    if not any(init is safe or init == safe for safe in SAFE_INITS):
+        return (f"{path}: init_lora_weights: {init!r} rewrites the base weights; convert the adapter (save_pretrained with "
+                "path_initial_model_for_weight_conversion) or merge it first")
+    return None
+
+
 def is_adapter_directory(directory: Path) -> bool:
     """A PEFT adapter rather than a model: adapter_config.json and no model config (io/lora.py's rule, here without torch:
     `validate` resolves references without importing it)."""

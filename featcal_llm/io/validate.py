@@ -183,6 +183,12 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
         problem = missing_weights(source.directory)  # what run's checkpoint reader refuses, from the listing
         if problem is not None:
             raise FeatCalError(f"{what}: {source.directory}: {problem}")
+        if source.adapter is not None:
+            from featcal_llm.io.references import adapter_config_problem
+
+            problem = adapter_config_problem(source.adapter)  # what run's LoRA reader refuses of its config
+            if problem is not None:
+                raise FeatCalError(f"{what}: {problem}")
         return source, config
     for model_path in hub:
         if online:
