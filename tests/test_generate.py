@@ -108,6 +108,29 @@ def test_bad_generate_settings_are_one_line_and_write_nothing(merged_scenario, t
     assert not (tmp_path / GENERATED_DIR).exists()
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_vllm_asked_for_where_it_cannot_run_is_refused_by_validate_and_run_alike(merged_scenario, tmp_path, monkeypatch, installed):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" and installed else
+                        None if name == "vllm" else real(name, *a))
+    recipe = yaml.safe_load(merged_scenario.recipe.read_text())
+    recipe["featcal"].update(output=str(tmp_path / "out"), device="cpu")
+    _set_generate({"generate": {"backend": "vllm"}})(recipe, tmp_path)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    why = "the device is not a GPU" if installed else "it is not installed (pip install 'featcal-llm[vllm]')"
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(main, [command, str(tmp_path / "r.yaml")])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
+        assert result.exit_code == 2 and len(errors) == 1 and errors[0].endswith(f"generate.backend: vllm requested but {why}"), result.output
+    assert not (tmp_path / "out").exists()
+
+
 # --- generation, cache and calibration --------------------------------------------------------------------------
 
 

@@ -10,7 +10,6 @@ reproduces its samples for a given `batch_size` on one machine.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -19,21 +18,17 @@ from typing import Any
 import torch
 
 from featcal_llm.errors import FeatCalError
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+from featcal_llm.hardware import vllm_refusal
 
 
 def choose_backend(requested: str, device: torch.device, where: str) -> str:
     """auto → vLLM where it can run (installed, CUDA device), else transformers; an impossible request is an error."""
     if requested == "transformers":
         return requested
-    usable = device.type == "cuda" and vllm_installed()
-    if requested == "vllm" and not usable:
-        why = "it is not installed (pip install 'featcal-llm[vllm]')" if not vllm_installed() else "the device is not a GPU"
-        raise FeatCalError(f"{where}.backend: vllm requested but {why}")
-    return "vllm" if usable else "transformers"
+    refusal = vllm_refusal(device.type == "cuda")
+    if requested == "vllm" and refusal is not None:
+        raise FeatCalError(f"{where}.backend: {refusal}")
+    return "vllm" if refusal is None else "transformers"
 
 
 def batch_seed(seed: int, round_index: int, batch_index: int) -> int:
