@@ -131,6 +131,30 @@ def test_vllm_asked_for_where_it_cannot_run_is_refused_by_validate_and_run_alike
     assert not (tmp_path / "out").exists()
 
 
+def test_an_expert_without_a_tokenizer_cannot_write_and_validate_says_so(merged_scenario, tmp_path):
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+    from featcal_llm.io.model_files import TOKENIZER_FILES
+
+    recipe = yaml.safe_load(merged_scenario.recipe.read_text())
+    first = recipe["models"][0]["model"]
+    bare = tmp_path / "bare-expert"
+    shutil.copytree(first, bare, symlinks=True, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "special_tokens_map.json"))
+    recipe["models"][0]["model"] = str(bare)
+    recipe["featcal"]["data"].pop(first)
+    recipe["featcal"]["data"][str(bare)] = {"generate": {}}
+    recipe["featcal"]["output"] = str(tmp_path / "out")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    lines = []
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(main, [command, str(tmp_path / "r.yaml")])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
+        assert result.exit_code == 2 and len(errors) == 1 and "bare-expert has no tokenizer files" in errors[0], result.output
+        lines.append(errors[0])
+    assert lines[0] == lines[1] and f"featcal.data.{bare}.generate: expert {bare}: " in lines[0]
+
+
 # --- generation, cache and calibration --------------------------------------------------------------------------
 
 

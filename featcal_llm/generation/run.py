@@ -209,12 +209,11 @@ def _expert_tokenizer(source: Any, name: str, where: str, trust_remote_code: boo
     """The expert's own tokenizer (its EOS ids stop its samples); a missing or unreadable one is a one-line error."""
     from transformers import AutoTokenizer
 
+    from featcal_llm.io.model_files import generating_expert_without_tokenizer, has_tokenizer_files
+
     directory = source.tokenizer_directory
-    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        raise FeatCalError(
-            f"{where}: expert {name}: {directory} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
-            "an expert that writes its own data needs its tokenizer: copy it into that directory, or give this expert a data file"
-        )
+    if not has_tokenizer_files(directory):
+        raise FeatCalError(f"{where}: {generating_expert_without_tokenizer(directory, name)}")
     try:
         return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception as error:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from featcal_llm.errors import FeatCalError
 
-from featcal_llm.io.weight_files import INDEX_FILE, SINGLE_FILE, missing_weights
+from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, missing_weights
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
-from featcal_llm.io.weight_files import missing_weights
+from featcal_llm.io.model_files import generating_expert_without_tokenizer, has_tokenizer_files, missing_weights
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -256,6 +256,10 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             continue
         configs[str(reference)] = config
         collect(problems, path, lambda: check_override_architecture(reference, SimpleNamespace(**config), what))
+        spec = (data or {}).get(str(reference))
+        if source is not None and spec is not None and spec.generate is not None and not has_tokenizer_files(source.tokenizer_directory):
+            problems.append(Problem(str(path), f"featcal.data.{reference}.generate",
+                                    generating_expert_without_tokenizer(source.tokenizer_directory, str(reference))))
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
