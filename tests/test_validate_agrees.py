@@ -55,6 +55,15 @@ def _expert_with_another_norm_epsilon(r, t):
     r["models"][1]["model"] = str(expert)
 
 
+def _base_without_tokenizer(r, t):
+    """A base directory with weights and config but no tokenizer: the records cannot be tokenised."""
+    from featcal_llm.io.model_files import TOKENIZER_FILES
+
+    bare = t / "bare-base"
+    shutil.copytree(r["base_model"], bare, symlinks=True, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "special_tokens_map.json"))
+    r["base_model"] = str(bare)
+
+
 def _model_path_typo(r, _t):
     r["models"][1]["model"] += "x"  # featcal.data still names the right directory
 
@@ -102,6 +111,8 @@ CASES = {
         ["bad.yaml: featcal.lambda.per_layer: 2 values for a model of 3 decoder layers"]]),
     "an expert with another norm epsilon": (_expert_with_another_norm_epsilon, [
         ["other-eps/config.json: config rms_norm_eps = 0.0001 differs from the base model's 1e-05"]]),
+    "a base without tokenizer files": (_base_without_tokenizer, [
+        ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
     "model path typo": (_model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
 }
 

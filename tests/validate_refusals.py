@@ -44,17 +44,25 @@ def build(root: Path) -> dict:
     return recipe
 
 
+def _files_beside(folder: Path, root: Path) -> None:
+    """Weights and tokenizer files, so that the config is the one problem (never read: both commands refuse first)."""
+    (folder / "model.safetensors").touch()
+    for item in (root / "models" / "base").iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            os.symlink(item.resolve(), folder / item.name)
+
+
 def _mixtral(recipe: dict, root: Path) -> None:
     base = root / "models" / "mixtral"
     base.mkdir(exist_ok=True)
     config = json.loads((root / "models" / "base" / "config.json").read_text())
     config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
     (base / "config.json").write_text(json.dumps(config))
-    (base / "model.safetensors").touch()  # never read: both commands refuse the recipe first
+    _files_beside(base, root)
     for name in EXPERTS:
         (root / "models" / f"{name}-mixtral").mkdir(exist_ok=True)
         (root / "models" / f"{name}-mixtral" / "config.json").write_text(json.dumps(config))
-        (root / "models" / f"{name}-mixtral" / "model.safetensors").touch()
+        _files_beside(root / "models" / f"{name}-mixtral", root)
     recipe["base_model"] = "models/mixtral"
     for entry in recipe["models"]:
         entry["model"] += "-mixtral"
@@ -67,7 +75,7 @@ def _wider(recipe: dict, root: Path) -> None:
     config = json.loads((root / "models" / "math" / "config.json").read_text())
     config["hidden_size"] += 8
     (wide / "config.json").write_text(json.dumps(config))
-    (wide / "model.safetensors").touch()  # never read: both commands refuse the recipe first
+    _files_beside(wide, root)
     recipe["models"][1]["model"] = "models/math-wide"
     recipe["featcal"]["data"]["models/math-wide"] = recipe["featcal"]["data"].pop("models/math")
 

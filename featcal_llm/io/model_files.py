@@ -21,6 +21,9 @@ def missing_weights(directory: Path) -> str | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+NO_TOKENIZER = "no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json); name one with featcal.tokenizer"
+
+
 def has_tokenizer_files(directory: Path) -> bool:
     return any((directory / name).is_file() for name in TOKENIZER_FILES)
 

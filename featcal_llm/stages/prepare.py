@@ -77,6 +77,10 @@ def check_compatible(reference: Any, other: Any, what: str) -> None:
 def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
+    from featcal_llm.io.model_files import NO_TOKENIZER, has_tokenizer_files
+
+    if source.is_dir() and not has_tokenizer_files(source):  # validate says the same from the listing
+        raise FeatCalError(f"{what}: {source}: {NO_TOKENIZER}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as error:
