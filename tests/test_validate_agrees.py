@@ -64,6 +64,23 @@ def _base_without_tokenizer(r, t):
     r["base_model"] = str(bare)
 
 
+def _without_chat_template(source: str, folder: Path) -> str:
+    shutil.copytree(source, folder, symlinks=True, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    return str(folder)
+
+
+def _chat_records_without_a_template(r, t):
+    """Chat records tokenised with a base whose tokenizer has no chat template; an expert asked to answer the empty
+    request with none either."""
+    r["base_model"] = _without_chat_template(r["base_model"], t / "plain-base")
+    (t / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    r["featcal"]["data"][_expert(r, 0)] = {"path": str(t / "chat.jsonl"), "format": "chat", "messages": "messages"}
+    plain = _without_chat_template(_expert(r, 1), t / "plain-expert")
+    r["featcal"]["data"].pop(_expert(r, 1))
+    r["featcal"]["data"][plain] = {"generate": {"chat_template": "empty"}}
+    r["models"][1]["model"] = plain
+
+
 def _model_path_typo(r, _t):
     r["models"][1]["model"] += "x"  # featcal.data still names the right directory
 
@@ -113,6 +130,9 @@ CASES = {
         ["other-eps/config.json: config rms_norm_eps = 0.0001 differs from the base model's 1e-05"]]),
     "a base without tokenizer files": (_base_without_tokenizer, [
         ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
+    "chat without a chat template": (_chat_records_without_a_template, [
+        ["format: chat needs a tokenizer with a chat template"],
+        ["plain-expert.generate.chat_template: empty, but the expert's tokenizer has no chat template"]]),
     "model path typo": (_model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
 }
 

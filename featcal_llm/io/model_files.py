@@ -32,3 +32,16 @@ def generating_expert_without_tokenizer(directory: Path, name: str) -> str:
     """The refusal for an expert that is to write its samples but has no tokenizer to write them with."""
     return (f"expert {name}: {directory} has no tokenizer files (tokenizer.json or tokenizer_config.json); an expert that "
             "writes its own data needs its tokenizer: copy it into that directory, or give this expert a data file")
+
+
+def has_chat_template(directory: Path) -> bool:
+    """Whether the tokenizer saved in `directory` carries a chat template (its own file, or the tokenizer config's key)."""
+    import json
+
+    if any((directory / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

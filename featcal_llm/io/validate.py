@@ -22,7 +22,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
-from featcal_llm.io.model_files import NO_TOKENIZER, generating_expert_without_tokenizer, has_tokenizer_files, missing_weights
+from featcal_llm.io.model_files import (NO_TOKENIZER, generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
+                                        missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -260,6 +261,10 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if source is not None and spec is not None and spec.generate is not None and not has_tokenizer_files(source.tokenizer_directory):
             problems.append(Problem(str(path), f"featcal.data.{reference}.generate",
                                     generating_expert_without_tokenizer(source.tokenizer_directory, str(reference))))
+        elif source is not None and spec is not None and spec.generate is not None and spec.generate.chat_template in ("on", "empty") \
+                and not has_chat_template(source.tokenizer_directory):  # generation/prompts.py's refusal
+            problems.append(Problem(str(path), f"featcal.data.{reference}.generate.chat_template",
+                                    f"{spec.generate.chat_template}, but the expert's tokenizer has no chat template"))
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
@@ -280,6 +285,10 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         base_source.directory if base_source is not None and not changes_tokenizer(merge_config) else None
     if calibrating is not None and calibrating.is_dir() and not has_tokenizer_files(calibrating):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{calibrating}: {NO_TOKENIZER}"))
+    elif calibrating is not None and calibrating.is_dir() and not has_chat_template(calibrating):
+        for name, spec in (data or {}).items():  # io/data.py's refusal, from the saved tokenizer's files
+            if spec.path is not None and spec.format == "chat":
+                problems.append(Problem(str(path), f"featcal.data.{name}.format", "chat needs a tokenizer with a chat template"))
     return configs
 
 
