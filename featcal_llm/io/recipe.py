@@ -167,7 +167,7 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
     if featcal.refine is not None and generated:  # measured both ways: docs/data-free.md
         warn(f"{path}: featcal.refine: {', '.join(generated)} calibrate on generated records, and refinement's held-out "
              "records are generated too, so it cannot see a loss on real text; it helped where the experts led the merge "
-             "by 0.3-0.6 nats a token and cost a kind where they led by 0.05-0.18 (docs/data-free.md)")
+             "by 0.3-0.6 nats a token and cost a kind where they led by 0.05-0.18 with 64-128 records each (docs/data-free.md)")
     for name, spec in featcal.data.items():  # vLLM asked for where it cannot run: known before the merge and the passes
         if spec.generate is not None and spec.generate.backend == "vllm":
             from featcal_llm.hardware import vllm_refusal
