@@ -30,6 +30,7 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 # each expert writes twice as many records as the real-record rows read (generation is what it costs)
                 ("featcal data-free, 128 records", "featcal defaults"),
                 ("featcal data-free, 128 records + refine", "featcal defaults + refine"),
+                ("featcal data-free, 256 records + refine", "featcal defaults + refine"),
                 ("featcal defaults + refine", "distill (lr by val share)"),
                 ("featcal defaults + refine, 80 steps", "distill (lr by val share)")]
 

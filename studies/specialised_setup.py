@@ -54,6 +54,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # data-free users have no records to run out of: each expert writes twice as many
     "featcal data-free, 128 records": {DATA: GENERATE, SAMPLES: 128},
     "featcal data-free, 128 records + refine": {DATA: GENERATE, SAMPLES: 128, "refine": True},
+    "featcal data-free, 256 records + refine": {DATA: GENERATE, SAMPLES: 256, "refine": True},  # generate's default count
 }
 
 
