@@ -34,7 +34,6 @@ from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, 
 from featcal_llm.io.validate_data import check_data
 
 
-
 @dataclass
 class Report:
     """What `validate` found: the problems (each one line), notes on what was not checked, and the memory estimate."""
@@ -258,13 +257,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         configs[str(reference)] = config
         collect(problems, path, lambda: check_override_architecture(reference, SimpleNamespace(**config), what))
         spec = (data or {}).get(str(reference))
-        if source is not None and spec is not None and spec.generate is not None and not has_tokenizer_files(source.tokenizer_directory):
-            problems.append(Problem(str(path), f"featcal.data.{reference}.generate",
-                                    generating_expert_without_tokenizer(source.tokenizer_directory, str(reference))))
-        elif source is not None and spec is not None and spec.generate is not None and spec.generate.chat_template in ("on", "empty") \
-                and not has_chat_template(source.tokenizer_directory):  # generation/prompts.py's refusal
-            problems.append(Problem(str(path), f"featcal.data.{reference}.generate.chat_template",
-                                    f"{spec.generate.chat_template}, but the expert's tokenizer has no chat template"))
+        if source is not None and spec is not None and spec.generate is not None:
+            problems.extend(_writer_problems(path, str(reference), spec.generate, source.tokenizer_directory))
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
@@ -292,6 +286,16 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     return configs
 
 
+def _writer_problems(path: Path, name: str, generate: Any, tokenizer_directory: Path) -> list[Problem]:
+    """What generation refuses of an expert that writes its own samples, from its tokenizer's files."""
+    if not has_tokenizer_files(tokenizer_directory):
+        return [Problem(str(path), f"featcal.data.{name}.generate", generating_expert_without_tokenizer(tokenizer_directory, name))]
+    if generate.chat_template in ("on", "empty") and not has_chat_template(tokenizer_directory):  # generation/prompts.py's refusal
+        return [Problem(str(path), f"featcal.data.{name}.generate.chat_template",
+                        f"{generate.chat_template}, but the expert's tokenizer has no chat template")]
+    return []
+
+
 def _plain_adapter(reference: Any) -> bool:
     from featcal_llm.io.references import is_adapter_directory
 
@@ -301,7 +305,6 @@ def _plain_adapter(reference: Any) -> bool:
 def check_same_shapes(base: dict, other: dict, what: str) -> None:
     """Architecture, the shapes the layer loop depends on and the settings that change what a layer computes (rope, norm
     epsilon, windows: run's `check_family_settings`), from config.json; keys missing on either side are not compared."""
-
     if base.get("architectures") and other.get("architectures") and base["architectures"] != other["architectures"]:
         raise FeatCalError(f"{what}: architecture {other['architectures']} differs from the base model's {base['architectures']}")
     for key in (*SHAPE_KEYS, *FAMILY_KEYS):
