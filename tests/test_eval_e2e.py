@@ -126,9 +126,11 @@ def test_ifeval_without_punkt_fails_before_the_model_loads(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_run_after_calibration_compares_merged_and_calibrated(tmp_path):
-    recipe_dir = tmp_path / "recipe"
+def test_run_after_calibration_compares_merged_and_calibrated(tmp_path, monkeypatch):
+    recipe_dir, here = tmp_path / "recipe", tmp_path / "here"
     recipe_dir.mkdir()
+    here.mkdir()
+    monkeypatch.chdir(here)  # the results directory is from the current directory, as featcal.output is
     merged = _tiny(tmp_path / "merged", seed=1)
     # same weights under another directory: scored once, the second is a cache hit by fingerprint
     calibrated = shutil.copytree(merged, tmp_path / "calibrated")
@@ -138,14 +140,14 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path):
         "reference": "Llama-3.1-8B-Instruct",
     })
     table = run_after_calibration(section, merged, calibrated, recipe_dir)
-    assert (recipe_dir / "eval" / "logs" / "merged.log").is_file()
-    assert not (recipe_dir / "eval" / "logs" / "calibrated.log").exists()
+    assert (here / "eval" / "logs" / "merged.log").is_file()
+    assert not (here / "eval" / "logs" / "calibrated.log").exists()
     lines = table.splitlines()
     assert "| merged | – | – | – | – | – | 0.0 ±0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
     assert "| calibrated | – | – | – | – | – | 0.0 ±0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
     assert "| Δ calibrated − merged | – | – | – | – | – | +0.0 [+0.0, +0.0] | – |  |" in lines
     assert any(line.startswith("Δ calibrated − merged: mean paired difference [95% paired-bootstrap") for line in lines)
     assert any(line.startswith("| Llama-3.1-8B-Instruct · Task Arithmetic (paper) |") for line in lines)
-    assert (recipe_dir / "eval" / "after-calibration.md").read_text() == table
-    assert json.loads((recipe_dir / "eval" / "calibrated.json").read_text())["chat_template"]["reason"].startswith(
+    assert (here / "eval" / "after-calibration.md").read_text() == table
+    assert json.loads((here / "eval" / "calibrated.json").read_text())["chat_template"]["reason"].startswith(
         "as the merged model")
