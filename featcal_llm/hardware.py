@@ -1,4 +1,5 @@
-"""What this machine's CPU can do, read without torch (so that `validate` can plan with it)."""
+"""What this machine can do (its CPU's bf16 units, which optional packages are installed), read without importing
+torch or those packages (so that `validate` can ask)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ def native_bf16_matmul() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def vllm_installed() -> bool:
+def installed(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def vllm_refusal(on_gpu: bool) -> str | None:
     """Why vLLM cannot sample here (None: it can): it needs its package and a CUDA device."""
-    if not vllm_installed():
+    if not installed("vllm"):
         return "vllm requested but it is not installed (pip install 'featcal-llm[vllm]')"
     return None if on_gpu else "vllm requested but the device is not a GPU"

@@ -6,16 +6,14 @@ per-model worker, so importing this module never imports torch, vLLM or lm-eval.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation.config import BackendSettings
+from featcal_llm.hardware import installed as _installed  # one name, so that tests can stand in for the machine
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def cuda_available() -> bool:

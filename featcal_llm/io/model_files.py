@@ -19,9 +19,12 @@ def missing_weights(directory: Path) -> str | None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+NO_TOKENIZER = f"no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}); name one with featcal.tokenizer"
 
 
-NO_TOKENIZER = "no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json); name one with featcal.tokenizer"
+def calibration_tokenizer_directory(tokenizer: str | None, merged: Path | None, base: Path) -> Path:
+    """The directory the records are tokenised with: featcal.tokenizer, else the merge once it exists, else the base."""
+    return Path(tokenizer) if tokenizer else merged if merged is not None and merged.exists() else base
 
 
 def has_tokenizer_files(directory: Path) -> bool:

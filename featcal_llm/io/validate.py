@@ -22,8 +22,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
-from featcal_llm.io.model_files import (NO_TOKENIZER, generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
-                                        missing_weights)
+from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
+                                        has_chat_template, has_tokenizer_files, missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -274,9 +274,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
     from featcal_llm.io.forms import changes_tokenizer
 
-    # the directory run tokenises the records with (prepare.read_data): featcal.tokenizer, an existing merge, or the base
-    calibrating = Path(tokenizer) if tokenizer else Path(merged) if merged and Path(merged).is_dir() else \
-        base_source.directory if base_source is not None and not changes_tokenizer(merge_config) else None
+    # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
+    calibrating = Path(tokenizer) if tokenizer else None if base_source is None or changes_tokenizer(merge_config) else \
+        calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
     if calibrating is not None and calibrating.is_dir() and not has_tokenizer_files(calibrating):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{calibrating}: {NO_TOKENIZER}"))
     elif calibrating is not None and calibrating.is_dir() and not has_chat_template(calibrating):

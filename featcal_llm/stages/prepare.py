@@ -34,6 +34,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
+from featcal_llm.io.model_files import calibration_tokenizer_directory
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -255,7 +256,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     trust, merged_path = featcal.trust_remote_code, resolved.merged_path
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
         comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.experts, trust))
-    tokenizer_source = Path(featcal.tokenizer) if featcal.tokenizer else (merged_path if merged_path.exists() else resolved.base.directory)
+    tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
