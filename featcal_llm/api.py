@@ -191,7 +191,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         with collected_warnings() as warnings:
             from featcal_llm.io.validate import check_recipe
 
-            refused = check_recipe(path, plan=False, output=output).problems  # validate's problems, before torch and mergekit load
+            refused = check_recipe(path, plan=False, output=output, device=device).problems  # validate's problems, before torch and mergekit load
             if refused:
                 if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports them for every rank
                     raise QuietExit()

@@ -79,7 +79,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
          output_override: str | Path | None = None) -> RunOutcome:
     """resolve → data → merge → run context → weights → layers → outputs (a stack: two runs of this function)."""
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
-    recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override)
+    recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override, device)
     if output_override is not None:
         recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
                          text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too

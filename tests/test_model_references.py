@@ -68,6 +68,26 @@ def test_hub_revision_is_downloaded_and_recorded(refs, tmp_path, fake_hub):
     assert read_run_record(output)["models"]["org/expert1@v2"] == {"reference": "org/expert1@v2", "revision": "v2"}
 
 
+def test_a_supplied_merge_of_a_hub_expert_is_used(refs, tmp_path, fake_hub, capsys):
+    """A merge mergekit-yaml made of a hub expert is judged by the snapshot's files, as run resolves it: the same."""
+    import shutil
+
+    import yaml
+
+    from featcal_llm.io import merge
+
+    experts = [str(refs.experts["expert0"]), "org/expert1"]
+    supplied = tmp_path / "supplied"
+    shutil.copytree(refs.merged, supplied, ignore=shutil.ignore_patterns(merge.MARKER, merge.MERGEKIT_CONFIG))
+    (supplied / merge.MERGEKIT_CONFIG).write_text(yaml.safe_dump({**merge_of(refs, experts), "dtype": "float64"}))
+    recipe = write_recipe(refs, tmp_path, "hub", merge_of(refs, experts), experts, merged=str(supplied))
+    merge._settled.clear()
+    output = run_recipe(recipe, progress=False)
+    assert f"reusing {supplied}" in capsys.readouterr().err
+    ours, plain = read_weights(output), read_weights(refs.plain)
+    assert all(torch.equal(ours[n], plain[n]) for n in plain)
+
+
 def test_revision_changes_the_run_fingerprint(refs):
     """A resumed run with another revision starts over: the revision is part of the fingerprint."""
     from featcal_llm.io.references import ModelSource

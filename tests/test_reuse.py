@@ -358,3 +358,36 @@ def test_a_full_disk_while_storing_samples_leaves_no_set_and_no_temporary_file(s
     monkeypatch.setattr(Path, "replace", real)
     assert list((tmp_path / "g").iterdir()) == []
     assert store.cached_samples(samples, record, "k") is None
+
+
+def test_a_merge_of_hub_models_is_judged_by_their_snapshots_files(tmp_path, capsys):
+    """Hub references are identified by the snapshot each resolves to (the base's too): the same snapshot reuses a
+    merge (one featcal-llm made or one supplied), a new snapshot of an expert merges featcal-llm's own again."""
+    from types import SimpleNamespace
+
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG, _stale, input_identities
+
+    def snapshot(name: str, content: bytes) -> SimpleNamespace:
+        folder = tmp_path / "hub" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(content)
+        return SimpleNamespace(directory=folder, adapter=None)
+
+    text = "merge_method: task_arithmetic\nbase_model: org/base\nmodels:\n  - model: org/expert\n    parameters: {weight: 0.5}\n"
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    recipe = SimpleNamespace(merge_config=config, featcal=SimpleNamespace(merge_seed=0), path="r.yaml", base=config.base_model,
+                             experts=[SimpleNamespace(reference=config.models[0].model)])
+    sources = {"org/base": snapshot("base", b"base"), "org/expert": snapshot("expert", b"expert")}
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / MERGEKIT_CONFIG).write_text(text)
+    assert _stale(recipe, merged, sources) is None  # supplied: the snapshots the recipe resolves to
+    (merged / MARKER).write_text(json.dumps({"made_by": "featcal-llm", "inputs": input_identities(recipe, sources)}))
+    assert set(json.loads((merged / MARKER).read_text())["inputs"]) == {"org/base", "org/expert"}
+    merge_module._settled.clear()
+    assert _stale(recipe, merged, sources) is None and "reusing" in capsys.readouterr().err
+    merge_module._settled.clear()
+    assert _stale(recipe, merged, {**sources, "org/expert": snapshot("expert-v2", b"expert, trained on")}) == ["models[0].model"]

@@ -161,7 +161,7 @@ def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: A
     if not changes_tokenizer(recipe.merge_config):
         def merged():
             began = time.perf_counter()
-            directory = ensure_merged(recipe, Path(recipe.featcal.merged), str(device), sources, trust)
+            directory = ensure_merged(recipe, Path(recipe.featcal.merged), str(device), {str(recipe.base): base, **sources}, trust)
             timing["merge"] = time.perf_counter() - began
             return TransformersSampler(ModelSource(str(directory), directory), tokenizer, device, dtype, trust)
         loaders["merged"] = merged

@@ -24,7 +24,6 @@ from typing import Any
 
 import yaml
 
-from featcal_llm.io.checkpoint import move_into_place
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.errors import QUIET, FeatCalError, RunFailure, warn
 from featcal_llm.io.names import parse_parameter_count
@@ -70,12 +69,14 @@ def _say(message: str) -> None:
         print(f"featcal-llm: merge: {message}", file=sys.stderr)
 
 
-def stored_configuration(merged: Path) -> dict | None:
+def stored_configuration(merged: Path, schema: Any = None) -> dict | None:
     """The merge configuration a merged directory was made from (parsed and normalised); None when it does not say.
 
+    `schema`: the class to parse it with (mergekit's MergeConfiguration, or the torch-free copy `validate` uses).
     Raises FeatCalError when `mergekit_config.yml` is there but is not a mergekit configuration.
     """
-    from mergekit.config import MergeConfiguration
+    if schema is None:
+        from mergekit.config import MergeConfiguration as schema
 
     path = merged / MERGEKIT_CONFIG
     if not path.is_file():
@@ -85,7 +86,7 @@ def stored_configuration(merged: Path) -> dict | None:
         if not isinstance(raw, dict):
             raise ValueError("not a mapping")
         raw.pop("featcal", None)  # featcal-llm stores the whole recipe
-        return merge_config_dict(MergeConfiguration.model_validate(raw))
+        return merge_config_dict(schema.model_validate(raw))
     except Exception as error:
         raise FeatCalError(f"{path}: not a mergekit configuration ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
 
@@ -121,10 +122,20 @@ def _local_files(reference: str) -> list | None:
     return [_files(part) for part in parts] if all(Path(part).is_dir() for part in parts) else None
 
 
-def input_identities(recipe: Recipe) -> dict[str, Any]:
-    """Each local model (or adapter) directory the merge reads → its files by content; hub references are left out."""
-    references = [recipe.base, *(e.reference for e in recipe.experts)]
-    return {part: _files(part) for reference in references if reference for part in str(reference).split("+") if Path(part).is_dir()}
+def input_identities(recipe: Recipe, sources: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each model (or adapter) the merge reads → its files by content: a local directory's, and a hub reference's
+    snapshot as `sources` resolved it (reference → ModelSource); a hub reference not among them is left out."""
+    identities = {}
+    for reference in [recipe.base, *(e.reference for e in recipe.experts)]:
+        parts = str(reference).split("+") if reference else []
+        source = (sources or {}).get(str(reference))
+        resolved = [source.directory, source.adapter] if source is not None else []
+        for index, part in enumerate(parts):
+            if Path(part).is_dir():
+                identities[part] = _files(part)
+            elif index < len(resolved) and resolved[index] is not None:
+                identities[part] = _files(str(resolved[index]))
+    return identities
 
 
 def _with_files(config: dict, identify) -> dict:
@@ -157,7 +168,9 @@ def _recipe_side(sources: dict[str, Any] | None):
     return identify
 
 
-def _stored_side(merged: Path):
+def _stored_side(merged: Path, current):
+    """What each model reference of `merged`'s configuration was: the files featcal-llm recorded when it merged,
+    else what `current` (the recipe side) says of it now (the files of a local directory, or of a hub snapshot)."""
     try:
         recorded = json.loads((merged / MARKER).read_text(encoding="utf-8")).get("inputs", {})
     except (OSError, ValueError, AttributeError):
@@ -167,8 +180,7 @@ def _stored_side(merged: Path):
         parts = reference.split("+")
         if all(part in recorded for part in parts):  # the files the merge was made from, as recorded then
             return {"files": [recorded[part] for part in parts]}
-        local = _local_files(reference)
-        return {"files": local} if local is not None else None
+        return current(reference)
 
     return identify
 
@@ -211,7 +223,7 @@ def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list
         return [MERGEKIT_CONFIG]
     if stored is None:
         warn(f"featcal.merged: {merged} has no {MERGEKIT_CONFIG}, so whether it was merged from this recipe cannot be checked; using it as it is")
-    elif differing := differing_keys(_with_files(wanted, _recipe_side(sources)), _with_files(stored, _stored_side(merged))):
+    elif differing := _differing_models(wanted, stored, merged, sources):
         return differing
     elif seed is not None and _recorded_seed(merged) not in (None, seed):  # a random merge drawn with another seed
         return ["featcal.merge_options.random_seed"]
@@ -221,25 +233,70 @@ def _stale(recipe: Recipe, merged: Path, sources: dict[str, Any] | None) -> list
     return None
 
 
+def _differing_models(wanted: dict, stored: dict, merged: Path, sources: dict[str, Any] | None) -> list[str]:
+    """The keys in which `merged`'s stored configuration differs from the recipe's, each model reference standing for
+    its files by content."""
+    current = _recipe_side(sources)
+    return differing_keys(_with_files(wanted, current), _with_files(stored, _stored_side(merged, current)))
+
+
+def _model_references(config: Any) -> list[str]:
+    """Every model reference a parsed configuration names (the keys `_with_files` identifies)."""
+    if isinstance(config, list):
+        return [reference for item in config for reference in _model_references(item)]
+    if not isinstance(config, dict):
+        return []
+    found = []
+    for key, value in config.items():
+        found.extend([value] if key in ("model", "base_model") and isinstance(value, str) else _model_references(value))
+    return found
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def _supplied_refusal(recipe_path: Any, merged: Path, differing: list[str]) -> FeatCalError:
+    return FeatCalError(f"{recipe_path}: featcal.merged: {merged} was merged from another configuration (its {MERGEKIT_CONFIG} differs "
+                        f"in {_listed(differing)}); remove it to merge again, or point featcal.merged elsewhere")
+
+
+def check_supplied_merge(recipe_path: Any, merge_config: Any, merged: Path) -> None:
+    """Refuse, in run's words, a merged directory featcal-llm did not make whose configuration is not the recipe's
+    merge (run would stop there before any layer). Without torch, for `validate`: the recipe's own schema parses the
+    stored file, and a configuration naming a model that is not a local directory is left to run, which resolves it."""
+    if (merged / MARKER).is_file() or not (merged / MERGEKIT_CONFIG).is_file():
+        return  # featcal-llm merges its own again; a merge without the file is used with a warning
+    try:
+        stored = stored_configuration(merged, type(merge_config))
+    except FeatCalError as error:
+        raise FeatCalError(f"{recipe_path}: featcal.merged: {error}") from None
+    wanted = merge_config_dict(merge_config)
+    if not differing_keys(wanted, stored):
+        return  # the same references, so the same files: nothing to read
+    if any(_local_files(reference) is None for reference in _model_references(wanted) + _model_references(stored)):
+        return
+    differing = _differing_models(wanted, stored, merged, None)
+    if differing:
+        raise _supplied_refusal(recipe_path, merged, differing)
+
+
 def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None = None, trust_remote_code: bool = False) -> Path:
     """The merged model directory, made by mergekit (into a temporary sibling, then renamed) unless it is there already.
 
     An existing directory is checked against the recipe (see the module's docstring).
-    `sources` (expert name → ModelSource) lets plain adapter directories be merged
-    as `base+adapter`; mergekit merges LoRA experts into a scratch cache beside the
-    output, removed afterwards.
+    `sources` (each model's reference → ModelSource: the experts', and the base's) lets
+    plain adapter directories be merged as `base+adapter`, and identifies a hub model
+    by the files of its snapshot; mergekit merges LoRA experts into a scratch cache
+    beside the output, removed afterwards.
     """
     if merged.exists():
         differing = _stale(recipe, merged, sources)
         if differing is None:
             return merged
-        keys = ", ".join(differing[:8]) + (f" and {len(differing) - 8} more" if len(differing) > 8 else "")
         if not (merged / MARKER).is_file():
-            raise FeatCalError(
-                f"{recipe.path}: featcal.merged: {merged} was merged from another configuration (its {MERGEKIT_CONFIG} differs in {keys}); "
-                "remove it to merge again, or point featcal.merged elsewhere"
-            )
-        _say(f"{merged} was made from other inputs than the recipe's (differs in {keys}); merging again")
+            raise _supplied_refusal(recipe.path, merged, differing)
+        _say(f"{merged} was made from other inputs than the recipe's (differs in {_listed(differing)}); merging again")
     _merge(recipe, merged, device, sources, trust_remote_code)
     _settled[str(merged.resolve())] = (merge_config_dict(recipe.merge_config), seed_that_matters(recipe))
     return merged
@@ -270,7 +327,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
-        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe),
+        marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe, sources),
                   "random_seed": recipe.featcal.merge_seed}
         (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     except FeatCalError:
@@ -284,4 +341,6 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         raise RunFailure(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
+    from featcal_llm.io.checkpoint import move_into_place  # torch: `validate` imports this module without it
+
     move_into_place(partial, merged, "stale")  # a stale merge featcal-llm made is swapped out, then removed

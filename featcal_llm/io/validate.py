@@ -14,7 +14,6 @@ reach is a note), so a missing local model is reported at once instead of after 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
+from featcal_llm.io.output_dir import unwritable
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
                                         has_chat_template, has_tokenizer_files, missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
@@ -57,20 +57,21 @@ def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
     return check_recipe(path, online).problems
 
 
-def check_before_run(path: str | Path, output: str | Path | None = None) -> Recipe:
+def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None) -> Recipe:
     """The recipe parsed by mergekit, once every local check passed; else `RecipeProblems` listing all of them."""
-    report = check_recipe(path, online=False, plan=False, mergekit=True, output=output)
+    report = check_recipe(path, online=False, plan=False, mergekit=True, output=output, device=device)
     if report.problems:
         raise RecipeProblems(report.problems)
     return report.recipe
 
 
 def check_recipe(path: str | Path, online: bool = False, plan: bool = True, mergekit: bool = False,
-                 output: str | Path | None = None) -> Report:
+                 output: str | Path | None = None, device: str | None = None) -> Report:
     """Every problem of the recipe in one round: its text, then what the parts that parsed point at.
 
     Without torch unless `mergekit` (then a clean recipe's mergekit part is parsed by mergekit itself, for `run`).
-    `output` (`run RECIPE OUTPUT`) is checked in place of featcal.output, which that run never writes.
+    `output` (`run RECIPE OUTPUT`) is checked in place of featcal.output, which that run never writes; `device`
+    (`run --device`) in place of featcal.device.
     """
     parsed = read_recipe(path, mergekit=mergekit)
     path, recipe, problems = Path(path), parsed.recipe, parsed.problems
@@ -83,12 +84,15 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     featcal = parsed.featcal
     # the records the run converts: the first `samples` of the file (any of them when it shuffles)
     read = None if featcal is None or featcal.shuffle else featcal.samples
+    counts = {}  # expert → the records its file holds, where validate read it whole
     for name, spec in data.items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"
             taken = (spec.samples or read) if read is not None else None
-            collect(problems, path, lambda spec=spec, where=where, taken=taken: check_data(spec, where, path.parent, online, report.unchecked,
-                                                                                      report.offline, taken))
+            counts[name] = collect(problems, path, lambda spec=spec, where=where, taken=taken: check_data(
+                spec, where, path.parent, online, report.unchecked, report.offline, taken))
+    if featcal is not None:
+        _check_record_counts(path, featcal, {name: count for name, count in counts.items() if count is not None}, report)
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
     if parsed.merge_config is not None:
@@ -99,6 +103,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         _check_output(path, Path(setting("output")), report)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
+    _check_device(path, device, featcal.device if featcal is not None else None, report)
     if report.offline:
         report.notes.append(f"hub ids not checked: no network ({', '.join(dict.fromkeys(report.offline))})")
     base = configs.get("base_model")
@@ -130,6 +135,24 @@ def _data_entries(parsed: Any) -> dict[str, DataSpec]:
 
 
 # --- calibration data --------------------------------------------------------------------------------------------
+
+
+def _check_record_counts(path: Path, featcal: Any, counts: dict[str, int], report: Report) -> None:
+    """A file holding fewer records than its entry asks for: run takes all of them (a note), and its held-out split
+    (`tune.holdout`, for a search or `refine:`) is drawn from those, so it is refused for the count run will have."""
+    from featcal_llm.engine.tuning import holdout_problem  # light: no torch
+
+    share = featcal.tune_settings().holdout if featcal.holds_out else None
+    for name, count in counts.items():
+        wanted = featcal.data[name].records(featcal.samples)
+        if count >= wanted:
+            continue
+        report.notes.append(f"{path}: featcal.data.{name}: {count} records, fewer than the {wanted} requested; using all of them")
+        asked = [problem for problem in report.problems if problem.key == "featcal.tune.holdout"]
+        problem = holdout_problem(share, count, name) if share is not None and not asked else None
+        if problem is not None:  # run stops at its first expert that cannot be split: one line, as there
+            key, _, message = problem.partition(": ")
+            report.problems.append(Problem(str(path), key, message))
 
 
 # --- models ------------------------------------------------------------------------------------------------------
@@ -270,6 +293,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             config = collect(problems, path, lambda: _read_config(merged, what))
             if config is not None and base_config is not None:
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
+            from featcal_llm.io.merge import check_supplied_merge
+
+            collect(problems, path, lambda: check_supplied_merge(path, merge_config, merged))
     if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
     from featcal_llm.io.forms import changes_tokenizer
@@ -326,13 +352,21 @@ def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.
     """The output can be written (an existing one is a note: `run --force` replaces it)."""
     if output.exists():
         report.notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
-    ancestor = output.parent.resolve()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        report.problems.append(Problem(str(path), key, f"{output}: {ancestor} is not a directory"))
-    elif not os.access(ancestor, os.W_OK):
-        report.problems.append(Problem(str(path), key, f"{output}: directory is not writable"))
+    problem = unwritable(output)
+    if problem is not None:
+        report.problems.append(Problem(str(path), key, problem))
+
+
+def _check_device(path: Path, override: str | None, recipe_device: str | None, report: Report) -> None:
+    """A CUDA device named where there is certainly none (run's `resolve_device` refuses it so, asking torch)."""
+    device = override or recipe_device
+    if device is None or not device.startswith("cuda"):
+        return
+    from featcal_llm.hardware import cuda_refusal
+
+    refusal = cuda_refusal()
+    if refusal is not None:
+        report.problems.append(Problem(str(path), "--device" if override else "featcal.device", f"{device} requested but {refusal}"))
 
 
 def _check_eval(path: Path, section: Any, report: Report) -> None:

@@ -26,13 +26,15 @@ def needed_fields(spec: DataSpec) -> list[str]:
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
-               taken: int | None = None) -> None:
+               taken: int | None = None) -> int | None:
     """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names, as text
-    where the format reads text (in the first `taken` records, the ones the run converts; every record read if None)."""
+    where the format reads text (in the first `taken` records, the ones the run converts; every record read if None).
+
+    Returns how many records the file holds where it was read whole (a small JSON or JSON-lines file), else None."""
     path = data_path(spec, base_dir)
     if path.is_file():
         file_builder(path, where)
-        fields, records = file_head(path, f"{where}.path: {spec.path}")
+        fields, records, complete = file_head(path, f"{where}.path: {spec.path}")
         for name in needed_fields(spec) if fields is not None else []:
             if name not in fields:
                 raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
@@ -40,21 +42,22 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
             for name in text_fields(spec):
                 if name in record:
                     text_field(record, spec, name, where, index)
-        return
+        return len(records) if complete else None
     if path.is_dir():
-        return  # a local dataset directory: datasets decides its layout when the run loads it
+        return None  # a local dataset directory: datasets decides its layout when the run loads it
     if not looks_like_hub_id(spec.path):
         raise FeatCalError(f"{where}.path: {path}: calibration file not found")
     if not online:
         unchecked.append(f"{spec.path} (dataset)")
-        return
+        return None
     hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
+    return None
 
 
-def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
-    """(field names, None where only `datasets` can tell; the JSON records read): read without `datasets`, every record
-    of a small file, the first lines of a large one, none of a CSV or parquet file (the run reads their cells through
-    `datasets`)."""
+def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], bool]:
+    """(field names, None where only `datasets` can tell; the JSON records read; whether they are all the file's):
+    read without `datasets`, every record of a small file, the first lines of a large one, none of a CSV or parquet
+    file (the run reads their cells through `datasets`)."""
     suffix = path.suffix.lower()
     unreadable = f"{where}: cannot load calibration data"
     if suffix == ".csv":
@@ -62,14 +65,14 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
             header = next(csv.reader(handle), None)
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
-        return header, []
+        return header, [], False
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet
 
-            return list(parquet.read_schema(path).names), []
+            return list(parquet.read_schema(path).names), [], False
         except ImportError:
-            return None, []
+            return None, [], False
         except Exception as error:
             raise FeatCalError(f"{unreadable} ({str(error).splitlines()[0]})") from None
     whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
@@ -79,9 +82,9 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
         except (ValueError, UnicodeDecodeError):
             data = None  # JSON lines in a .json file: read below
         if isinstance(data, list):
-            return (_union(data), data) if data and all(isinstance(r, dict) for r in data) else (None, [])
+            return (_union(data), data, True) if data and all(isinstance(r, dict) for r in data) else (None, [], False)
         if isinstance(data, dict):
-            return (list(data), []) if all(isinstance(v, list) for v in data.values()) else (None, [])
+            return (list(data), [], False) if all(isinstance(v, list) for v in data.values()) else (None, [], False)
     records = []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
@@ -93,11 +96,11 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict]]:
                 records.append(json.loads(line))
             except ValueError:
                 if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
-                    return None, []  # a whole JSON document in a .jsonl file: datasets reads it
+                    return None, [], False  # a whole JSON document in a .jsonl file: datasets reads it
                 raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
     if not records or not all(isinstance(record, dict) for record in records):
         raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
-    return _union(records), records
+    return _union(records), records, whole
 
 
 def _is_json(path: Path) -> bool:

@@ -35,6 +35,7 @@ from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory
+from featcal_llm.io.output_dir import unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -93,13 +94,9 @@ def check_output(recipe: Recipe, output: Path, force: bool) -> None:
     where = f"{recipe.path}: featcal.output"
     if output.exists() and not force:
         raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
-    ancestor = output.parent.resolve()  # the nearest existing ancestor decides writability
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise FeatCalError(f"{where}: {output}: {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK):
-        raise FeatCalError(f"{where}: {output}: directory is not writable")
+    problem = unwritable(output)
+    if problem is not None:
+        raise FeatCalError(f"{where}: {problem}")
 
 
 def stream_budget(host_memory_gb: float | None) -> int:
@@ -157,13 +154,13 @@ def _staging(comm: Single, partial: Path, run_fingerprint: str) -> StagingArea:
     return staging if staging is not None else StagingReader(partial, run_fingerprint, completed)
 
 
-def _merge(recipe: Recipe, merged_path: Path, device: str, experts: dict[str, ModelSource], trust: bool) -> Path:
+def _merge(recipe: Recipe, merged_path: Path, device: str, inputs: dict[str, ModelSource], trust: bool) -> Path:
     """`ensure_merged`, announced: mergekit's merge is a stage of its own, minutes long on large models."""
     if merged_path.exists():  # checked against the recipe: re-merged if featcal-llm made it from other inputs, else refused
-        return ensure_merged(recipe, merged_path, device, experts, trust)
+        return ensure_merged(recipe, merged_path, device, inputs, trust)
     runlog.stage(f"merging with mergekit ({recipe.merge_config.merge_method}) into {merged_path}")
     start = time.perf_counter()
-    merged = ensure_merged(recipe, merged_path, device, experts, trust)
+    merged = ensure_merged(recipe, merged_path, device, inputs, trust)
     runlog.stage(f"merged in {time.perf_counter() - start:.0f} s")
     return merged
 
@@ -185,6 +182,11 @@ class Resolved:
     @property
     def sources(self) -> dict[str, ModelSource]:
         return {"base_model": self.base, **self.experts}
+
+    @property
+    def merge_inputs(self) -> dict[str, ModelSource]:
+        """Every model the merge reads, by its reference as the recipe writes it (how `ensure_merged` looks them up)."""
+        return {str(self.recipe.base): self.base, **self.experts}
 
 
 @dataclass
@@ -255,7 +257,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     recipe, featcal, base_config = resolved.recipe, resolved.recipe.featcal, resolved.base_config
     trust, merged_path = featcal.trust_remote_code, resolved.merged_path
     if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
-        comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.experts, trust))
+        comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.merge_inputs, trust))
     tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
@@ -296,7 +298,7 @@ def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
     """Merge with mergekit (rank 0) or check an existing merge, open every checkpoint, check the vocabularies."""
     recipe, featcal, trust = resolved.recipe, resolved.recipe.featcal, resolved.recipe.featcal.trust_remote_code
     merged_dir = resolved.merged_path
-    comm.run_on_main("merge", lambda: _merge(recipe, merged_dir, str(resolved.device), resolved.experts, trust))
+    comm.run_on_main("merge", lambda: _merge(recipe, merged_dir, str(resolved.device), resolved.merge_inputs, trust))
     merged_config = _load_config(merged_dir, f"{recipe.path}: featcal.merged", trust)
     check_compatible(resolved.base_config, merged_config, f"merged model {merged_dir / 'config.json'}")
     architecture = resolved.plan.architecture
