@@ -129,6 +129,12 @@ def test_vllm_asked_for_where_it_cannot_run_is_refused_by_validate_and_run_alike
         errors = [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
         assert result.exit_code == 2 and len(errors) == 1 and errors[0].endswith(f"generate.backend: vllm requested but {why}"), result.output
     assert not (tmp_path / "out").exists()
+    if installed:  # `run --device cuda` overrides the recipe's cpu: then vLLM can sample
+        import featcal_llm.hardware as hardware
+        from featcal_llm.io.validate import check_recipe
+
+        monkeypatch.setattr(hardware, "cuda_refusal", lambda: None)
+        assert check_recipe(tmp_path / "r.yaml", plan=False, device="cuda").problems == []
 
 
 def test_an_expert_without_a_tokenizer_cannot_write_and_validate_says_so(merged_scenario, tmp_path):

@@ -168,13 +168,6 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
         warn(f"{path}: featcal.refine: {', '.join(generated)} calibrate on generated records, and refinement's held-out "
              "records are generated too, so it cannot see a loss on real text; it helped where the experts led the merge "
              "by 0.3-0.6 nats a token and cost a kind where they led by 0.05-0.18 with 64-128 records each (docs/data-free.md)")
-    for name, spec in featcal.data.items():  # vLLM asked for where it cannot run: known before the merge and the passes
-        if spec.generate is not None and spec.generate.backend == "vllm":
-            from featcal_llm.hardware import vllm_refusal
-
-            refusal = vllm_refusal(on_gpu=featcal.device != "cpu")  # auto: a GPU when there is one, which run finds out
-            if refusal is not None:
-                problems.append(Problem(str(path), f"featcal.data.{name}.generate.backend", refusal))
     for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
         if spec.generate is not None and spec.generate.prompts is not None:
             from featcal_llm.io.prompts import read_prompts

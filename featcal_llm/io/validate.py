@@ -103,7 +103,8 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         _check_output(path, Path(setting("output")), report)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
-    _check_device(path, device, featcal.device if featcal is not None else None, report)
+    if featcal is not None:
+        _check_device(path, device, featcal, report)
     if report.offline:
         report.notes.append(f"hub ids not checked: no network ({', '.join(dict.fromkeys(report.offline))})")
     base = configs.get("base_model")
@@ -357,16 +358,19 @@ def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.
         report.problems.append(Problem(str(path), key, problem))
 
 
-def _check_device(path: Path, override: str | None, recipe_device: str | None, report: Report) -> None:
-    """A CUDA device named where there is certainly none (run's `resolve_device` refuses it so, asking torch)."""
-    device = override or recipe_device
-    if device is None or not device.startswith("cuda"):
-        return
-    from featcal_llm.hardware import cuda_refusal
+def _check_device(path: Path, override: str | None, featcal: Any, report: Report) -> None:
+    """What the device (`run --device`, else featcal.device) cannot do, where that is certain before run starts torch:
+    CUDA named where there is none (run's `resolve_device` refuses it so), vLLM sampling on the CPU or uninstalled."""
+    from featcal_llm.hardware import cuda_refusal, vllm_refusal
 
-    refusal = cuda_refusal()
-    if refusal is not None:
+    device = override or featcal.device
+    if device.startswith("cuda") and (refusal := cuda_refusal()) is not None:
         report.problems.append(Problem(str(path), "--device" if override else "featcal.device", f"{device} requested but {refusal}"))
+    for name, spec in featcal.data.items():  # known before the merge and the passes
+        if spec.generate is not None and spec.generate.backend == "vllm":
+            refusal = vllm_refusal(on_gpu=device != "cpu")  # auto: a GPU when there is one, which run finds out
+            if refusal is not None:
+                report.problems.append(Problem(str(path), f"featcal.data.{name}.generate.backend", refusal))
 
 
 def _check_eval(path: Path, section: Any, report: Report) -> None:
