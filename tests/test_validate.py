@@ -345,42 +345,6 @@ def test_run_device_option_is_checked_like_the_recipe_key(scenario, tmp_path, de
     assert result.stderr.strip().splitlines() == [f"featcal-llm: error: --device: expected auto, cpu, cuda or cuda:N, got {device!r}"]
 
 
-def test_the_memory_plan_reads_the_layer_shape_that_transformers_builds():
-    """The estimate's projection shapes, from config.json alone, are those of transformers' own decoder layer."""
-    import torch
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from featcal_llm.benchmark.estimate import layer_shape_from_config
-
-    config = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_hidden_layers=2, vocab_size=50)
-    with torch.device("meta"):
-        layer = LlamaDecoderLayer(LlamaConfig(**config), 0)
-    linears = {name.split(".")[-1]: module for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
-    shape = layer_shape_from_config(config, None)
-    assert shape.linear_params == sum(module.weight.numel() for module in linears.values())
-    for group in shape.groups:
-        for projection, outputs in group.outputs.items():
-            assert (linears[projection].in_features, linears[projection].out_features) == (group.input_dim, outputs), projection
-    restricted = layer_shape_from_config(config, ["q_proj", "down_proj"])
-    assert [(g.name, list(g.outputs)) for g in restricted.groups] == [("attention", ["q_proj"]), ("down_proj", ["down_proj"])]
-
-
-def test_the_memory_plan_is_near_the_measured_cpu_peak():
-    """8B shapes, 3 experts x 512 tokens on a CPU, float64 statistics: 22.0 GB peak host RSS measured (docs/benchmark.md)."""
-    from featcal_llm.benchmark.estimate import GB, memory_plan
-    from featcal_llm.io.block import FeatCalConfig
-
-    config = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256, torch_dtype="bfloat16")
-    featcal = FeatCalConfig.model_validate(dict(
-        merged="m", output="o", data={f"e{i}": {"path": "x.jsonl"} for i in range(3)}, samples=2, max_length=256,
-        device="cpu", dtype="float32", stats_dtype="float64", batch_tokens=512, host_memory_gb=12.64,
-    ))
-    plan = memory_plan(config, featcal, experts=3, merged_exists=True)
-    assert plan.gpu_bytes is None and 8.0e9 < plan.parameters < 8.1e9
-    assert 0.85 * 22.03 < plan.host_bytes / GB < 1.15 * 22.03
-
-
 def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
     from featcal_llm.errors import FeatCalError
     from featcal_llm.pipeline import run_recipe
@@ -389,21 +353,3 @@ def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
     with pytest.raises(FeatCalError, match=r"^device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
         run_recipe(recipe, device="gpu")
     assert not (tmp_path / "out").exists()
-
-
-def test_the_memory_plan_counts_the_samples_an_expert_generates():
-    """Hidden-state streams scale with every calibration record, the generated ones included (generate.samples)."""
-    from featcal_llm.benchmark.estimate import memory_plan
-    from featcal_llm.io.block import FeatCalConfig
-
-    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}
-
-    def plan(data):
-        featcal = FeatCalConfig(merged="m", output="o", data=data, samples=64, max_length=1024, device="cpu", host_memory_gb=1000)
-        return memory_plan(config, featcal, experts=2, merged_exists=True)
-
-    files = plan({"a": {"path": "a.jsonl"}, "b": {"path": "b.jsonl"}})
-    generated = plan({"a": {"path": "a.jsonl"}, "b": {"generate": {"samples": 4096}}})
-    streams = lambda records: records * 1024 * 64 * 2 * 4  # noqa: E731  tokens × hidden × (cal and expert) × float32
-    assert generated.host_bytes - files.host_bytes == streams(64 + 4096) - streams(64 + 64)
