@@ -183,7 +183,7 @@ def render_others(results_dir: Path = RESULTS) -> str:
     domains = list(base["setting"]["experts"])
     lines = [f"| setting | experts' leads over the merge ({' / '.join(domains)}, nats a token) | share, the defaults | beside it |",
              "|---|---|---:|---|"]
-    named = [(base, "`allgap-half`, the README's: Task Arithmetic ½, embeddings frozen", "featcal paper rule", "the paper's rule"),
+    named = [(base, "`allgap-half`, the earlier setting: Task Arithmetic ½, embeddings frozen", "featcal paper rule", "the paper's rule"),
              *((results, *rest) for results, (_, *rest) in zip(others, OTHER_SETTINGS))]
     for results, label, beside, beside_label in named:
         row = results["rows"]["featcal defaults"]

@@ -146,6 +146,17 @@ def test_recipes_lists_and_prints_the_shipped_ones():
     assert (paper["expert_weights"], paper["token_weights"], paper["head"]) == ("equal", "equal", False)
     text = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcal"]).output
     assert yaml.safe_load(text)["merge_method"] == "task_arithmetic"
+    from featcal_llm.io.block import FeatCalConfig
+
+    for size in ("3.2-3b", "3.1-8b"):  # the -featcal recipes write featcal-llm's defaults out: they must be today's
+        block = yaml.safe_load(CliRunner().invoke(main, ["recipes", f"mergebench-llama-{size}-ta-featcal"]).output)["featcal"]
+        block.pop("eval")
+        written = FeatCalConfig.model_validate(block)
+        defaults = FeatCalConfig.model_validate({k: v for k, v in block.items() if k not in (
+            "expert_weights", "token_weights", "trailing_experts", "trailing_records", "head")})
+        said = lambda c: (c.balancing, c.token_weighting, c.trailing, c.trailing_records, c.head)  # noqa: E731
+        assert {"expert_weights", "token_weights", "trailing_experts", "trailing_records", "head"} <= set(block)
+        assert said(written) == said(defaults), size
     wrong = CliRunner().invoke(main, ["recipes", "mergebench-llama-3.2-3b-ta-featcl"])
     assert wrong.exit_code == EXIT_USAGE and "did you mean 'mergebench-llama-3.2-3b-ta-featcal'?" in wrong.stderr
 

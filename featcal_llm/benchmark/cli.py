@@ -9,6 +9,20 @@ from __future__ import annotations
 import click
 
 POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
+# what only the layer loop reads, and what only a whole run reads: given to the other, an option would be ignored
+LAYER_LOOP_ONLY = ("distinct_layers", "tokens", "batch_tokens", "device", "rebuild", "clean", "warm_cache", "no_finalize",
+                   "peak_size", "probe_mb", "shard_mb", "extrapolate_to", "threads", "generation", "host_memory_gb", "progress")
+WHOLE_RUN_ONLY = ("baseline", "method", "tied_embeddings")
+
+
+def _refuse_ignored(context: click.Context, whole_run: bool) -> None:
+    """A usage error naming the options given on the command line that this mode would ignore."""
+    ignored = [name for name in (LAYER_LOOP_ONLY if whole_run else WHOLE_RUN_ONLY)
+               if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        mode = "a whole run (--whole-run)" if whole_run else "the layer loop (without --whole-run)"
+        raise click.UsageError(f"{flags}: not read by {mode}")
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
@@ -47,7 +61,7 @@ Examples:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON on stdout instead of the table.")
-@click.option("--preset", type=click.Choice(["smollm2-135m"]), default=None, help="Real-depth shapes: smollm2-135m = 30 layers, hidden 576, intermediate 1536, heads 9/3, vocab 49152, tied embeddings, 3 experts × 64 × 128 tokens, λ 1e-5 (options given explicitly win).")
+@click.option("--preset", type=click.Choice(["smollm2-135m"]), default=None, help="Real-depth shapes: smollm2-135m = 30 layers, hidden 576, intermediate 1536, heads 9/3, vocab 49152, tied embeddings (a whole run's), 3 experts × 64 × 128 tokens, λ 1e-5 (options given explicitly win).")
 @click.option("--whole-run", is_flag=True, help="Time a whole `featcal-llm run` (subprocess, start-up included) on a random model of these shapes, against featcal_llm/benchmark/baseline.py.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="With --whole-run: also run the baseline and compare.")
 @click.option("--method", type=click.Choice(["featcal", "regmean", "regmean++"]), default="featcal", show_default=True, help="With --whole-run: the method the run uses (the baseline is FeatCal's only).")
@@ -64,6 +78,7 @@ def bench(**kwargs) -> None:
     preset, whole_run, baseline, tied = kwargs.pop("preset"), kwargs.pop("whole_run"), kwargs.pop("baseline"), kwargs.pop("tied_embeddings")
     method = kwargs.pop("method")
     context = click.get_current_context()
+    _refuse_ignored(context, whole_run)
     for key, value in PRESETS.get(preset, {}).items():
         if key == "tied":
             tied = value if tied is None else tied
