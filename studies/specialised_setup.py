@@ -39,6 +39,8 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults + refine, lr 3e-4": {"refine": {"lr": 3e-4}},
     # each token's KL weighed as the closed form weighs the token (its expert's lead over the merge), chosen on the val split
     "featcal defaults + refine, lead-weighted tokens": {"refine": {"token_weights": "expert_lead"}},
+    # `refine: true` again, its held-out quarter drawn as the product draws it now (by the expert's position), beside the row above
+    "featcal defaults + refine, held-out drawn by position": {"refine": True},
     # another draw of the held-out records and of the training order (featcal.seed): the refinement's own spread
     "featcal defaults + refine, seed 1": {"seed": 1, "refine": True},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
