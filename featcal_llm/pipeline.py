@@ -13,15 +13,13 @@ import errno
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from featcal_llm import runlog
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
 from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach
 from featcal_llm.engine.token_weights import advantage_weights
-from featcal_llm.engine.passes import (load_passes, record_rows, record_token_weights, save_passes, saved_token_weights,
-                                      trailing_record_indices)
+from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
 from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, FeatCalError, RunFailure
@@ -29,9 +27,6 @@ from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.stages.outputs import RunOutcome, write_outputs
 from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, open_merged, read_data, resolve, run_context
-
-if TYPE_CHECKING:
-    import torch
 
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)
@@ -98,7 +93,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     data = read_data(comm, resolved, progress)
     opened = open_merged(comm, resolved, data)
     context = run_context(comm, resolved, data, opened, timer)
-    lead_summary, coverage, taught, dropped, refine_weights = _weights(context, resolved, data, opened)
+    lead_summary, coverage, taught, dropped = _weights(context, resolved, data, opened)
     if every_expert_taught_by_the_merge(taught, {task: context.plan.task_weight(task) for task in context.batches}):
         # nothing to calibrate toward (every expert with a weight above 0 trails): the output is the merge
         runlog.stage("trailing_experts: merge: every expert trails the merged model on its own records, so no layer is "
@@ -111,7 +106,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         return RunOutcome(resolved.output, opened.models.merged.directory)
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
-        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, refine_weights, progress)
+        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
     return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
@@ -130,14 +125,13 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
         runlog.stage("expert and token weights: reused from the saved progress")
         weights, coverage = cached["weights"], cached["coverage"]
         token_weights = None if cached["tokens"] is None else saved_token_weights(cached["tokens"], context.batches, rows)
-        saved_tokens = cached["tokens"]
     else:
         weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
         token_weights = None
         if featcal.token_weighting == "expert_lead" or featcal.trailing == "merge":  # one pass measures both
             token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights",
                                               featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop")
-        saved_tokens = save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows)
+        save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows)
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
     if featcal.token_weighting == "expert_lead":
         context.token_roots = token_weights.roots
@@ -149,15 +143,11 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     if featcal.refine is not None and featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop":
         counts = {task: len(records) for task, records in data.sequences.items()}  # every rank: the gather is collective
         dropped = trailing_record_indices(comm, token_weights.advantages, context.batches, rows, counts)
-    refine_weights = None  # rank 0's: each record's token weights, where refinement weighs its loss as the closed form
-    if featcal.refine is not None and featcal.refine.token_weights == "expert_lead" and comm.is_main:
-        keep = {task: frozenset(range(len(records))) - dropped.get(task, frozenset()) for task, records in data.sequences.items()}
-        refine_weights = record_token_weights(saved_tokens, keep)
-    return lead_summary, (weights, coverage), taught, dropped, refine_weights
+    return lead_summary, (weights, coverage), taught, dropped
 
 
 def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float],
-            dropped: dict[str, frozenset[int]], token_weights: dict[str, list[torch.Tensor]] | None, progress: bool):
+            dropped: dict[str, frozenset[int]], progress: bool):
     """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py), on the
     records the closed form weighs: not those an expert trails the merge on (`trailing_records: drop`)."""
     if replacements is None:
@@ -172,6 +162,5 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
                     {t: [s for i, s in enumerate(data.sequences[t]) if i not in dropped.get(t, ())] for t in calibrated},
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
-                    {t: len(dropped.get(t, ())) for t in calibrated},
-                    None if token_weights is None else {t: token_weights[t] for t in calibrated})
+                    {t: len(dropped.get(t, ())) for t in calibrated})
     return refine(job)

@@ -37,9 +37,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # the peak learning rate at the default 40 steps, chosen on the val split too
     "featcal defaults + refine, lr 2e-4": {"refine": {"lr": 2e-4}},
     "featcal defaults + refine, lr 3e-4": {"refine": {"lr": 3e-4}},
-    # each token's KL weighed as the closed form weighs the token (its expert's lead over the merge), chosen on the val split
-    "featcal defaults + refine, lead-weighted tokens": {"refine": {"token_weights": "expert_lead"}},
-    # `refine: true` again, its held-out quarter drawn as the product draws it now (by the expert's position), beside the row above
+    # `refine: true` again, its held-out quarter drawn as the product draws it now (by the expert's position); beside it, the
+    # results keep a row run at commit a3bab8a whose refinement weighed each token's KL as the closed form weighs the token
+    # (`refine.token_weights: expert_lead`, removed after that row: 0.99x this one)
     "featcal defaults + refine, held-out drawn by position": {"refine": True},
     # another draw of the held-out records and of the training order (featcal.seed): the refinement's own spread
     "featcal defaults + refine, seed 1": {"seed": 1, "refine": True},

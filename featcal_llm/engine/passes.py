@@ -17,7 +17,7 @@ import torch
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.token_weights import TokenWeights, weight_roots
 from featcal_llm.family.batch import TokenBatch
-from featcal_llm.maths.advantage import marked_trailing, token_weights
+from featcal_llm.maths.advantage import marked_trailing
 
 if TYPE_CHECKING:
     from featcal_llm.engine.distributed import Single
@@ -62,9 +62,8 @@ def by_batch(records: list[torch.Tensor], batches: list[TokenBatch], rows: list[
 
 
 def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float], coverage: Any,
-                token_weights: TokenWeights | None, batches: dict[str, list[TokenBatch]], rows: Rows) -> dict | None:
-    """Rank 0 saves the passes' results with every rank's records' advantages (a collective: every rank calls it);
-    returns, on rank 0, what it saved of the tokens (every record's advantages and the experts' scales)."""
+                token_weights: TokenWeights | None, batches: dict[str, list[TokenBatch]], rows: Rows) -> None:
+    """Rank 0 saves the passes' results with every rank's records' advantages (a collective: every rank calls it)."""
     tokens = None
     if token_weights is not None:
         mine = {task: by_record(token_weights.advantages[task], batches[task], rows[task]) for task in batches}
@@ -76,14 +75,6 @@ def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float
                       "records": {task: [found[index] for index in range(len(found))] for task, found in records.items()}}
     if comm.is_main:
         staging.save_pass(PASS, {"layout": LAYOUT, "weights": weights, "coverage": coverage, "tokens": tokens})
-    return tokens
-
-
-def record_token_weights(tokens: dict, keep: dict[str, frozenset[int]]) -> dict[str, list[torch.Tensor]]:
-    """Each kept record's token weights (maths/advantage.token_weights), expert by expert in record order, from what
-    `save_passes` saved: what the closed form weighs each of its tokens, for refinement's loss."""
-    return {task: [token_weights(values, torch.ones_like(values, dtype=torch.bool), tokens["scales"][task])
-                   for index, values in enumerate(tokens["records"][task]) if index in keep[task]] for task in keep}
 
 
 def load_passes(comm: "Single", staging: "StagingArea", sequences: dict[str, list[list[int]]]) -> dict | None:

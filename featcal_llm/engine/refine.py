@@ -116,7 +116,6 @@ class RefineJob:
     trust_remote_code: bool = False
     progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
     left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
-    token_weights: dict[str, list[torch.Tensor]] | None = None  # per `train` record, each token's weight (refine.token_weights)
 
 
 class Student:
@@ -201,39 +200,25 @@ def heldout_kl(student: Student, store: TeacherStore, keys: dict[str, list[Key]]
     return result
 
 
-def _chunk_kl(model: torch.nn.Module, rows, logp, ids, rest, weights) -> torch.Tensor:
-    if weights is None:
-        return topk_kl(logits_of(model, rows), logp, ids, None, rest)
-    return (topk_kl_rows(logits_of(model, rows), logp, ids, rest) * weights).sum()
-
-
-def judged_weights(job: RefineJob, keys: list[Key], records) -> torch.Tensor | None:
-    """Each judged token's weight in the loss, the keys' records in order (None: every token 1, the token mean)."""
-    if job.token_weights is None:
-        return None
-    return torch.cat([job.token_weights[task][index][judged_positions(records[task][index])] for task, index in keys])
+def _chunk_kl(model: torch.nn.Module, rows, logp, ids, rest) -> torch.Tensor:
+    return topk_kl(logits_of(model, rows), logp, ids, None, rest)
 
 
 def train_step(student: Student, store: TeacherStore, keys: list[Key], records, job: RefineJob, autocast) -> float:
-    """One optimizer step's gradient (not the update): the (weighted) token mean of the KL over the step's records,
-    micro-batched."""
-    weights = judged_weights(job, keys, records)
-    count = float(weights.sum()) if weights is not None else sum(len(judged_positions(records[task][index])) for task, index in keys)
+    """One optimizer step's gradient (not the update): the token mean of the KL over the step's records, micro-batched."""
+    count = sum(len(judged_positions(records[task][index])) for task, index in keys)
     if count == 0:
         return 0.0
     chunk = logit_chunk(job.config.vocab_size)
-    total, start = 0.0, 0
+    total = 0.0
     for batch in micro_batches(keys, records, job.batch_tokens):
         logp, ids, rest = (t.to(job.device) for t in store.batch(batch.keys))
-        mine = None if weights is None else weights[start: start + len(logp)].to(job.device, torch.float32)
-        start += len(logp)
         with torch.autocast(job.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden = final_hidden(student.model, batch, job.device)
             loss = hidden.new_zeros((), dtype=torch.float32)
-            parts = [None] * len(logp.split(chunk)) if mine is None else mine.split(chunk)
-            for rows, lp, ix, rs, w in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk), parts):
+            for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
                 # the (tokens × vocab) logits are recomputed in the backward pass, never kept for the whole batch
-                loss = loss + checkpoint(_chunk_kl, student.model, rows, lp, ix, rs, w, use_reentrant=False)
+                loss = loss + checkpoint(_chunk_kl, student.model, rows, lp, ix, rs, use_reentrant=False)
         (loss / count).backward()
         total += float(loss.detach())
     return total / count
@@ -350,7 +335,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
-              "top_k": spec.top_k, "max_steps": spec.steps, "token_weights": spec.token_weights, "history": progress["history"],
+              "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
               "seconds": round(time.perf_counter() - started, 1)}
     if params == "adapter":

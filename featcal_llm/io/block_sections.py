@@ -162,10 +162,6 @@ class RefineSpec(BaseModel):
     top_k: int = Field(64, ge=1, description="teacher tokens kept per position; the rest is one bin, so the KL stays exact over k + 1 bins")
     warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over, then a cosine down to a tenth of the peak")
     max_grad_norm: float = Field(1.0, gt=0, description="gradients clipped to this global norm")
-    token_weights: Literal["equal", "expert_lead"] = Field(
-        "equal", description="what each judged token's KL weighs: equal (the token mean); expert_lead: the closed form's "
-        "token weight there, w = ½ + ½·a/mean(a) with a the expert's lead over the merge (needs featcal.token_weights: "
-        "expert_lead, whose pass measures it)")
     precision: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="what the student computes in (master weights and AdamW's state stay float32; a float64 run "
         "refines in float64): bfloat16 autocast, or float32 throughout; auto: bfloat16 where the device computes it natively "

@@ -164,9 +164,6 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
     if featcal.data and all(spec.weight == 0 for spec in featcal.data.values()):
         problems.append(Problem(str(path), "featcal.data", "every expert has weight 0: nothing to calibrate toward (give at least one a weight above 0)"))
     generated = [name for name, spec in featcal.data.items() if spec.generate is not None and spec.weight > 0]
-    if featcal.refine is not None and featcal.refine.token_weights == "expert_lead" and featcal.token_weighting != "expert_lead":
-        problems.append(Problem(str(path), "featcal.refine.token_weights", "expert_lead weighs each token as the closed form "
-                                f"does, by the lead its pass measures; featcal.token_weights is {featcal.token_weighting}"))
     if featcal.refine is not None and generated:  # measured both ways: docs/data-free.md
         warn(f"{path}: featcal.refine: {', '.join(generated)} calibrate on generated records, and refinement's held-out "
              "records are generated too, so it cannot see a loss on real text; it helped where the experts led the merge "

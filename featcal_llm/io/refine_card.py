@@ -29,9 +29,8 @@ def refine_text(refined: dict[str, Any]) -> str:
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written.")
-    weighed = ", each weighed as the closed form weighs it (by its expert's lead over the merge)" if refined.get("token_weights") == "expert_lead" else ""
     return (f"## Refinement\nAfter the closed form, `refine:` trained {params} (AdamW, peak learning rate {refined['lr']:g}, warm-up "
-            f"then cosine) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on{weighed}, the teachers "
+            f"then cosine) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
             f"kept as their top-{refined['top_k']} tokens. Teachers: {teachers}. It ran {refined['steps_run']} of at most "
             f"{refined['max_steps']} steps. {outcome} Every held-out check: `{REFINE_FILE}`.\n\n")
 
