@@ -35,7 +35,10 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal defaults + refine, 80 steps", "distill (lr by val share)"),
                 # the refinement's KL weighed per token as the closed form weighs it, against the same held-out draw
                 ("featcal defaults + refine, lead-weighted tokens", "featcal defaults + refine, held-out drawn by position"),
-                ("featcal defaults + refine, held-out drawn by position", "distill (lr by val share)")]
+                ("featcal defaults + refine, held-out drawn by position", "distill (lr by val share)"),
+                # the closed form and the refinement on 56 records per expert (the distillation's count) instead of 48
+                ("featcal defaults + refine, an eighth held out", "featcal defaults + refine, held-out drawn by position"),
+                ("featcal defaults + refine, an eighth held out", "distill (lr by val share)")]
 
 
 def scored(scores: dict) -> dict:
