@@ -3,12 +3,13 @@
 mergekit writes the configuration it merged into its output (`mergekit_config.yml`);
 an existing merged directory is reused only when that configuration, parsed, equals
 the recipe's, with each model reference standing for the model's files by content
-(so a moved expert, or a hub reference to the same files, is the same model; a merge
-featcal-llm made records its models' files in `featcal_merge.json`, so an expert whose
-files changed since is a different model). When they differ, a merge featcal-llm made
+(so a moved expert, or a hub reference to the same files, is the same model; a hub
+reference stands for the files of the snapshot it resolves to; a merge featcal-llm made
+records its models' files in `featcal_merge.json`, so an expert whose files changed
+since, or a newer snapshot, is a different model). When they differ, a merge featcal-llm made
 is merged again, and a directory the user supplied is refused with the differing keys
-named. A directory without `mergekit_config.yml` cannot be checked: it is used, with a
-warning.
+named (`validate` says the same for local models: `check_supplied_merge`). A directory
+without `mergekit_config.yml` cannot be checked: it is used, with a warning.
 """
 
 from __future__ import annotations
