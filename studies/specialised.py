@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--start", default=None, help="a row's kept output (runs/<slug>) to refine instead of the merge")
+    mix = sub.add_parser("mix", help="per expert, its real calibration records followed by those it wrote (data-free rows)")
     rep = sub.add_parser("report", help="the results file")
     rep.add_argument("--json", type=Path, default=Path("docs/studies/results/specialised.json"))
     rep.add_argument("--conditions", default=None)
@@ -185,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     for q in (r, s):
         q.add_argument("--experts", default=",".join(KINDS), help="the merged experts (experts/<name>, data/<name>); "
                        "the broad setting: broad,manpage,changelog")
-    for q in (prep, t, r, s, d, rep):
+    for q in (prep, t, r, s, d, rep, mix):
         q.add_argument("--workdir", type=Path, required=True)
     args = p.parse_args(argv)
     if args.command == "distill":
         from studies.specialised_distill import distill
 
         distill(args)
+    elif args.command == "mix":
+        from studies.specialised_setup import write_mixed
+
+        log(f"real and generated records per expert: {write_mixed(args.workdir)}")
     elif args.command == "report":
         from studies.specialised_report import report
 

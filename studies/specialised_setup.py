@@ -22,6 +22,7 @@ SCORED = {"test": 48, "val": 32}  # records scored per domain (two loaded cores:
 
 
 DATA, GENERATE = "data", "generate"  # a row's data: key: the experts' own samples instead of the cal split
+MIXED = "mixed"  # ...or the cal split's records followed by the 256 each expert wrote for the data-free rows (`mix`)
 SAMPLES = "samples"  # a row's own featcal.samples (default CAL_RECORDS)
 
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
@@ -62,11 +63,37 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal data-free, 128 records": {DATA: GENERATE, SAMPLES: 128},
     "featcal data-free, 128 records + refine": {DATA: GENERATE, SAMPLES: 128, "refine": True},
     "featcal data-free, 256 records + refine": {DATA: GENERATE, SAMPLES: 256, "refine": True},  # generate's default count
+    # the 64 real records and the 256 each expert wrote, in one file per expert (`python -m studies.specialised mix`)
+    "featcal real + generated records + refine": {DATA: MIXED, SAMPLES: CAL_RECORDS + 256, "refine": True},
 }
 
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "-" for c in name).strip("-")
+
+
+MIXED_FILE = "cal-and-generated.jsonl"
+
+
+def write_mixed(work: Path, experts: tuple[str, ...] = KINDS, generated: str = "runs/featcal_generated") -> dict[str, int]:
+    """Per expert, data/<name>/cal-and-generated.jsonl: its first CAL_RECORDS real calibration records (as trained, with
+    the BOS text), then every record it wrote for the data-free rows, as prompt/completion pairs (a generated record's
+    prompt is what it answered, judged as generate: judges it; a real record's prompt is empty). Returns the counts."""
+    import json
+
+    counts = {}
+    for name in experts:
+        real = read_jsonl(work / "data" / name / f"cal{AS_TRAINED}.jsonl")[:CAL_RECORDS]
+        written = read_jsonl(work / generated / f"{name}.jsonl")
+        rows = [{"prompt": "", "completion": record["text"]} for record in real]
+        for record in written:
+            prompt = record.get("prompt") or ""
+            if not record["text"].startswith(prompt):
+                raise ValueError(f"{name}: a generated record's text does not start with its prompt")
+            rows.append({"prompt": prompt, "completion": record["text"][len(prompt):]})
+        (work / "data" / name / MIXED_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        counts[name] = len(rows)
+    return counts
 
 
 def _yaml(value) -> str:
@@ -83,9 +110,10 @@ def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: 
     for name in experts:
         lines += [f"  - model: experts/{name}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged/ta", f"  output: {output}", "  data:"]
-    generated = keys.get(DATA) == GENERATE
-    lines += [f"    experts/{name}: " + ("{generate: {}}" if generated else f"{{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}")
-              for name in experts]
+    sources = {GENERATE: lambda name: "{generate: {}}",
+               MIXED: lambda name: f"{{path: data/{name}/{MIXED_FILE}, format: completion}}"}
+    source = sources.get(keys.get(DATA), lambda name: f"{{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}")
+    lines += [f"    experts/{name}: " + source(name) for name in experts]
     lines += [f"  samples: {keys.get(SAMPLES, samples)}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
     lines += [f"  {key}: {_yaml(value)}" for key, value in keys.items() if key not in (DATA, SAMPLES)]
     return "\n".join(lines) + "\n"
