@@ -38,7 +38,10 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal defaults + refine, held-out drawn by position", "distill (lr by val share)"),
                 # the closed form and the refinement on 56 records per expert (the distillation's count) instead of 48
                 ("featcal defaults + refine, an eighth held out", "featcal defaults + refine, held-out drawn by position"),
-                ("featcal defaults + refine, an eighth held out", "distill (lr by val share)")]
+                ("featcal defaults + refine, an eighth held out", "distill (lr by val share)"),
+                # each expert's 64 real records and the 256 it wrote, calibrated and refined on together
+                ("featcal real + generated records + refine", "featcal defaults + refine, held-out drawn by position"),
+                ("featcal real + generated records + refine", "distill (lr by val share)")]
 
 
 def scored(scores: dict) -> dict:
