@@ -91,6 +91,12 @@ def _conversational(recipe: dict, root: Path) -> None:
     recipe["featcal"]["data"]["models/math"].update(path="data/trl.jsonl", format="completion")
 
 
+def _short_for_refine(recipe: dict, root: Path) -> None:
+    (root / "data" / "short.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)))
+    recipe["featcal"]["data"]["models/math"].update(path="data/short.jsonl")
+    recipe["featcal"]["refine"] = True
+
+
 def _text(edit: Callable[[str], str]) -> Callable[[dict, Path], str]:
     return lambda recipe, _root: edit(yaml.safe_dump(recipe, sort_keys=False))
 
@@ -127,6 +133,7 @@ CASES: dict[str, tuple[str, Callable, list[str]]] = {
     "data-fields": ("records without the fields their format reads", _fields, []),
     "data-not-text": ("records whose text fields are not text (TRL's conversational prompt/completion)", _conversational, []),
     "other-shape": ("an expert of another shape", _wider, []),
+    "data-short": ("a data file too short for `refine:`'s held-out split", _short_for_refine, []),
     "push-no-login": ("`--push-to-hub` without a Hugging Face login", _change(lambda r: None), ["--push-to-hub", "me/merged-featcal"]),
 }
 # slug → (the situation, the mutation, extra arguments of validate): validate exits 0 with a note
