@@ -117,7 +117,7 @@ def test_a_data_file_too_short_for_the_held_out_split(scenario, tmp_path, monkey
     errors = _both_refuse(path)
     assert errors == [f"{path}: featcal.tune.holdout: 0.25 of expert {first}'s 3 records leaves 1 held out and 2 for calibration "
                       "(need at least 2 on each side)"]
-    monkeypatch.setattr(validate_module, "_check_record_counts", lambda *args: None)  # run's own split, after tokenising
+    monkeypatch.setattr(validate_module, "short_file_findings", lambda *args: None)  # run's own split, after tokenising
     ran = CliRunner().invoke(main, ["run", str(path)])
     assert ran.exit_code == 2 and _errors(ran) == errors, ran.output
     short.write_text(short.read_text() * 2)  # 6 records: 2 held out, 4 fitted
@@ -155,3 +155,11 @@ def test_what_torch_was_built_for_decides_the_cuda_refusal(version_file, driver,
 
     said = cuda_refusal_for(version_file, driver)
     assert said == (None if refusal is None else f"CUDA is not available ({refusal})")
+
+
+def test_a_supplied_merge_naming_a_hub_model_is_left_to_run(merged_scenario, tmp_path):
+    """run resolves hub references to their snapshots before comparing; validate, offline, cannot, so it refuses nothing."""
+    other = _merge_part(merged_scenario)
+    other["models"][0]["model"] = "someone/expert0"
+    _supplied_merge(merged_scenario, tmp_path, yaml.safe_dump(other))
+    assert check_recipe(_write(merged_scenario, tmp_path), plan=False).problems == []

@@ -14,8 +14,6 @@ from featcal_llm.evaluation.config import BackendSettings
 from featcal_llm.hardware import installed as _installed  # one name, so that tests can stand in for the machine
 
 
-
-
 def cuda_available() -> bool:
     if not _installed("torch"):
         return False

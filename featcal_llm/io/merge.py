@@ -241,15 +241,10 @@ def _differing_models(wanted: dict, stored: dict, merged: Path, sources: dict[st
     return differing_keys(_with_files(wanted, current), _with_files(stored, _stored_side(merged, current)))
 
 
-def _model_references(config: Any) -> list[str]:
-    """Every model reference a parsed configuration names (the keys `_with_files` identifies)."""
-    if isinstance(config, list):
-        return [reference for item in config for reference in _model_references(item)]
-    if not isinstance(config, dict):
-        return []
-    found = []
-    for key, value in config.items():
-        found.extend([value] if key in ("model", "base_model") and isinstance(value, str) else _model_references(value))
+def _model_references(config: dict) -> list[str]:
+    """Every model reference a parsed configuration names: those `_with_files` identifies, by its own walk."""
+    found: list[str] = []
+    _with_files(config, found.append)  # identifies nothing (None): only the references it meets are kept
     return found
 
 

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
-from featcal_llm.io.validate_data import check_data
+from featcal_llm.io.validate_data import check_data, short_file_findings
 
 
 @dataclass
@@ -92,7 +92,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
             counts[name] = collect(problems, path, lambda spec=spec, where=where, taken=taken: check_data(
                 spec, where, path.parent, online, report.unchecked, report.offline, taken))
     if featcal is not None:
-        _check_record_counts(path, featcal, {name: count for name, count in counts.items() if count is not None}, report)
+        short_file_findings(path, featcal, {name: count for name, count in counts.items() if count is not None}, report.notes, problems)
     setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
     configs = {}
     if parsed.merge_config is not None:
@@ -136,24 +136,6 @@ def _data_entries(parsed: Any) -> dict[str, DataSpec]:
 
 
 # --- calibration data --------------------------------------------------------------------------------------------
-
-
-def _check_record_counts(path: Path, featcal: Any, counts: dict[str, int], report: Report) -> None:
-    """A file holding fewer records than its entry asks for: run takes all of them (a note), and its held-out split
-    (`tune.holdout`, for a search or `refine:`) is drawn from those, so it is refused for the count run will have."""
-    from featcal_llm.engine.tuning import holdout_problem  # light: no torch
-
-    share = featcal.tune_settings().holdout if featcal.holds_out else None
-    for name, count in counts.items():
-        wanted = featcal.data[name].records(featcal.samples)
-        if count >= wanted:
-            continue
-        report.notes.append(f"{path}: featcal.data.{name}: {count} records, fewer than the {wanted} requested; using all of them")
-        asked = [problem for problem in report.problems if problem.key == "featcal.tune.holdout"]
-        problem = holdout_problem(share, count, name) if share is not None and not asked else None
-        if problem is not None:  # run stops at its first expert that cannot be split: one line, as there
-            key, _, message = problem.partition(": ")
-            report.problems.append(Problem(str(path), key, message))
 
 
 # --- models ------------------------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, looks_like_hub_id, text_field, text_fields
 from featcal_llm.io.hub_lookup import hub_lookup
+from featcal_llm.io.problems import Problem
 
 FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
 
@@ -52,6 +54,26 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         return None
     hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
     return None
+
+
+def short_file_findings(path: Path, featcal: Any, counts: dict[str, int], notes: list[str], problems: list[Problem]) -> None:
+    """Files holding fewer records than their entries ask for (`counts`: expert → records, where `check_data` read the
+    file whole): run takes all of them (a note), and draws its held-out split (`tune.holdout`, for a search or
+    `refine:`) from those, so a split that count cannot make is refused, at the first such expert as run refuses it."""
+    from featcal_llm.engine.tuning import holdout_problem  # light: no torch
+
+    share = featcal.tune_settings().holdout if featcal.holds_out else None
+    refused = any(problem.key == "featcal.tune.holdout" for problem in problems)  # for the count asked: one line already
+    for name, count in counts.items():
+        wanted = featcal.data[name].records(featcal.samples)
+        if count >= wanted:
+            continue
+        notes.append(f"{path}: featcal.data.{name}: {count} records, fewer than the {wanted} requested; using all of them")
+        problem = holdout_problem(share, count, name) if share is not None and not refused else None
+        if problem is not None:
+            key, _, message = problem.partition(": ")
+            problems.append(Problem(str(path), key, message))
+            refused = True
 
 
 def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], bool]:
@@ -115,4 +137,4 @@ def _union(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(key for record in records for key in record))
 
 
-__all__ = ["FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields"]
+__all__ = ["FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields", "short_file_findings"]
