@@ -45,6 +45,8 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # an eighth of the records held out (the distillation's 8 of 64) instead of a quarter: the closed form and the
     # refinement fit 56 records per expert instead of 48, the stopping rule judges 8
     "featcal defaults + refine, an eighth held out": {"refine": True, "tune": {"holdout": 0.125}},
+    # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
+    "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
     # another draw of the held-out records and of the training order (featcal.seed): the refinement's own spread
     "featcal defaults + refine, seed 1": {"seed": 1, "refine": True},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)

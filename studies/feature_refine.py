@@ -1,0 +1,207 @@
+"""Probe on the specialised setting: does matching each expert's hidden states, beside its next-token distribution,
+carry refinement further than the KL alone?
+
+Refinement and a distillation given the same care tie (docs/studies/specialised.md): both stop at what 64 records of
+next-token distributions teach. An expert's hidden states say more about each record (d numbers per token at every
+layer, where the closed form's features come from), so this starts from a kept FeatCal output and trains every
+parameter toward each record's own expert, as ``specialised distill --start`` does, on
+
+    KL(expert ‖ model) per token  +  β · mean over layers l of  ‖h_l − h_l^expert‖² / mean ‖h_l^expert‖²
+
+(h_l: the residual stream after decoder layer l, the last one after the final norm; every text token after BOS, whose
+state is an outlier in every layer). β = 0 is the control: the same start, records, budget and order. Each model is
+scored on test and val like every row of the setting; the report line gives the share of the summed gap with its
+paired-bootstrap interval and the ratio to the control.
+
+    python -m studies.feature_refine --workdir W --start runs/cf-keep --betas 0,1 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from studies.common import bootstrap_share_ratio, bootstrap_shares, log, mean_nll, save_json, shares
+from studies.specialised_setup import CAL_RECORDS, KINDS, score_model
+
+if TYPE_CHECKING:
+    import torch
+
+
+def teacher_states(work: Path, tokenizer, records: dict, batch: int = 8) -> dict:
+    """Each record's hidden states under its own expert, (layers, tokens, d) float16, the embeddings' output left out."""
+    import torch
+
+    from studies.allgap_distill import _pad
+    from studies.quality_eval import load
+
+    out = {}
+    with torch.no_grad():
+        for kind, rows in records.items():
+            model = load(work / "experts" / kind, "cpu")
+            out[kind] = []
+            for start in range(0, len(rows), batch):
+                chunk = rows[start:start + batch]
+                ids, mask = _pad(chunk, tokenizer.pad_token_id)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[1:]
+                stacked = torch.stack([s.float() for s in states], 1)  # (batch, layers, width, d)
+                out[kind] += [stacked[i, :, :len(r)].half() for i, r in enumerate(chunk)]
+            del model
+    return out
+
+
+def layer_scales(states: dict) -> "torch.Tensor":
+    """Per layer, the experts' mean squared state norm over the text tokens (BOS left out): each layer's term is relative."""
+    total, count = None, 0
+    for rows in states.values():
+        for s in rows:
+            sq = s[:, 1:].float().pow(2).sum(-1).sum(-1)
+            total = sq if total is None else total + sq
+            count += s.shape[1] - 1
+    return total / count
+
+
+def feature_loss(student_states, teacher, lengths, scales) -> "torch.Tensor":
+    """Mean over layers and text tokens of the relative squared distance to each record's expert."""
+    import torch
+
+    stacked = torch.stack(student_states, 1)  # (batch, layers, width, d)
+    total, count = 0.0, 0
+    for i, (t, n) in enumerate(zip(teacher, lengths)):
+        diff = stacked[i, :, 1:n].float() - t[:, 1:n].float()
+        total = total + (diff.pow(2).sum(-1) / scales[:, None]).mean(0).sum()
+        count += n - 1
+    return total / count
+
+
+def refine_one(start: Path, tokenizer, records, teachers, states, scales, *, beta: float, lr: float, steps: int,
+               batch: int, seed: int):
+    import torch
+
+    from studies.allgap_distill import _kl, _pad
+    from studies.quality_eval import load
+    from studies.real_models import _lr
+
+    torch.manual_seed(seed)
+    started = time.time()
+    model = load(start, "cpu").train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    train = [(k, i) for k in KINDS for i in range(len(records[k]))]
+    rng, order, trace = random.Random(seed), [], []
+    for step in range(steps):
+        if len(order) < batch:
+            epoch = list(train)
+            rng.shuffle(epoch)
+            order += epoch
+        picked, order = order[:batch], order[batch:]
+        rows = [records[k][i] for k, i in picked]
+        ids, mask = _pad(rows, tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        kl, count = _kl(out.logits, [teachers[k][i] for k, i in picked], [len(r) for r in rows])
+        feat = feature_loss(out.hidden_states[1:], [states[k][i] for k, i in picked], [len(r) for r in rows], scales)
+        loss = kl / count + beta * feat
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        trace.append((float(kl / count), float(feat)))
+        if (step + 1) % 10 == 0:
+            recent = trace[-10:]
+            log(f"    β {beta:g} step {step + 1}/{steps}: KL {sum(k for k, _ in recent) / 10:.4f}, "
+                f"features {sum(f for _, f in recent) / 10:.4f}")
+    return model.eval(), time.time() - started, trace
+
+
+def share_of(work: Path, scores: dict, split: str) -> float:
+    import json
+
+    merged = json.loads((work / "scores" / "merged.json").read_text())["scores"][split]
+    own = {k: json.loads((work / "scores" / f"expert-{k}.json").read_text())["scores"][split][k] for k in KINDS}
+    return shares({k: mean_nll(merged[k]) for k in KINDS}, {k: mean_nll(own[k]) for k in KINDS},
+                  {k: mean_nll(scores[split][k]) for k in KINDS}, KINDS)
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from studies.allgap_distill import _records, teacher_logprobs
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--start", required=True, help="a kept FeatCal output, relative to the workdir")
+    p.add_argument("--betas", default="0,1")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = args.workdir.resolve()
+    folder = work / "feature-refine"
+    folder.mkdir(exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
+    started = time.time()
+    teachers = teacher_logprobs(work, tokenizer, records, bf16=True)
+    states = teacher_states(work, tokenizer, records)
+    scales = layer_scales(states)
+    log(f"teachers in {time.time() - started:.0f} s; layer scales {scales[0]:.1f} … {scales[-1]:.1f}")
+    for beta in (float(b) for b in args.betas.split(",")):
+        path = folder / f"{args.start.replace('/', '-')}-beta{beta:g}-lr{args.lr:g}-s{args.steps}.json"
+        if path.exists():
+            continue
+        model, seconds, trace = refine_one(work / args.start, tokenizer, records, teachers, states, scales, beta=beta,
+                                           lr=args.lr, steps=args.steps, batch=args.batch, seed=args.seed)
+        out = folder / path.stem
+        model.save_pretrained(out)
+        del model
+        scores = score_model(work, out, args.threads, ("test", "val"))
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        run = {"start": args.start, "beta": beta, "lr": args.lr, "steps": args.steps, "batch": args.batch,
+               "records_per_expert": CAL_RECORDS, "train_s": round(seconds, 1), "trace": trace,
+               "share_test": share_of(work, scores, "test")[0], "share_val": share_of(work, scores, "val")[0],
+               "scores": scores}
+        save_json(path, run)
+        log(f"  β {beta:g}: {seconds:.0f} s; share test {run['share_test']:.3f}, val {run['share_val']:.3f}")
+    report(work, folder)
+
+
+def report(work: Path, folder: Path) -> None:
+    """Every run's test share with its interval, and its ratio to the same start's β = 0 run."""
+    import json
+
+    merged = json.loads((work / "scores" / "merged.json").read_text())["scores"]["test"]
+    own = {k: json.loads((work / "scores" / f"expert-{k}.json").read_text())["scores"]["test"][k] for k in KINDS}
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    control = {(r["start"], r["lr"], r["steps"]): r for r in runs if r["beta"] == 0}
+    distilled = work / "distill" / "merge-lr0.0001-s80.json"  # the setting's distillation reference, chosen on val
+    reference = json.loads(distilled.read_text())["scores"]["test"] if distilled.exists() else None
+    for r in runs:
+        ci = bootstrap_shares(merged, own, r["scores"]["test"])["share"]
+        line = (f"{r['start']} β {r['beta']:g} lr {r['lr']:g} {r['steps']} steps: share {r['share_test']:.3f} "
+                f"({ci[0]:.2f}–{ci[1]:.2f}), val {r['share_val']:.3f}, {r['train_s']:.0f} s")
+        ref = control.get((r["start"], r["lr"], r["steps"]))
+        if ref is not None and ref is not r:
+            lo, hi = bootstrap_share_ratio(merged, own, r["scores"]["test"], ref["scores"]["test"])[:2]
+            line += f"; against β 0: ({lo:.3f}–{hi:.3f})"
+        if reference is not None:
+            lo, hi = bootstrap_share_ratio(merged, own, r["scores"]["test"], reference)[:2]
+            line += f"; against the distillation: ({lo:.3f}–{hi:.3f})"
+        log(line)
+
+
+if __name__ == "__main__":
+    main()
