@@ -144,23 +144,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the runs' summary here (a results file)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.workdir.resolve()
     folder = work / "feature-refine"
     folder.mkdir(exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(work / "base")
-    records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
-    started = time.time()
-    teachers = teacher_logprobs(work, tokenizer, records, bf16=True)
-    states = teacher_states(work, tokenizer, records)
-    scales = layer_scales(states)
-    log(f"teachers in {time.time() - started:.0f} s; layer scales {scales[0]:.1f} … {scales[-1]:.1f}")
-    for beta in (float(b) for b in args.betas.split(",")):
-        path = folder / f"{args.start.replace('/', '-')}-beta{beta:g}-lr{args.lr:g}-s{args.steps}.json"
-        if path.exists():
-            continue
+    name = args.start.replace("/", "-")
+    todo = [b for b in (float(x) for x in args.betas.split(","))
+            if not (folder / f"{name}-beta{b:g}-lr{args.lr:g}-s{args.steps}.json").exists()]
+    if todo:
+        tokenizer = AutoTokenizer.from_pretrained(work / "base")
+        records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
+        started = time.time()
+        teachers = teacher_logprobs(work, tokenizer, records, bf16=True)
+        states = teacher_states(work, tokenizer, records)
+        scales = layer_scales(states)
+        log(f"teachers in {time.time() - started:.0f} s; layer scales {scales[0]:.1f} … {scales[-1]:.1f}")
+    for beta in todo:
+        path = folder / f"{name}-beta{beta:g}-lr{args.lr:g}-s{args.steps}.json"
         model, seconds, trace = refine_one(work / args.start, tokenizer, records, teachers, states, scales, beta=beta,
                                            lr=args.lr, steps=args.steps, batch=args.batch, seed=args.seed)
         out = folder / path.stem
@@ -176,11 +179,12 @@ def main() -> None:
                "scores": scores}
         save_json(path, run)
         log(f"  β {beta:g}: {seconds:.0f} s; share test {run['share_test']:.3f}, val {run['share_val']:.3f}")
-    report(work, folder)
+    report(work, folder, args.json)
 
 
-def report(work: Path, folder: Path) -> None:
-    """Every run's test share with its interval, and its ratio to the same start's β = 0 run."""
+def report(work: Path, folder: Path, json_path: Path | None = None) -> None:
+    """Every run's test share with its interval, and its ratio to the same start's β = 0 run and to the distillation;
+    ``json_path``: the same, with each run's per-record test scores, as a results file."""
     import json
 
     merged = json.loads((work / "scores" / "merged.json").read_text())["scores"]["test"]
@@ -189,18 +193,21 @@ def report(work: Path, folder: Path) -> None:
     control = {(r["start"], r["lr"], r["steps"]): r for r in runs if r["beta"] == 0}
     distilled = work / "distill" / "merge-lr0.0001-s80.json"  # the setting's distillation reference, chosen on val
     reference = json.loads(distilled.read_text())["scores"]["test"] if distilled.exists() else None
+    summary = []
     for r in runs:
-        ci = bootstrap_shares(merged, own, r["scores"]["test"])["share"]
-        line = (f"{r['start']} β {r['beta']:g} lr {r['lr']:g} {r['steps']} steps: share {r['share_test']:.3f} "
-                f"({ci[0]:.2f}–{ci[1]:.2f}), val {r['share_val']:.3f}, {r['train_s']:.0f} s")
+        entry = {k: r[k] for k in ("start", "beta", "lr", "steps", "batch", "records_per_expert", "train_s")}
+        entry.update(share=round(r["share_test"], 4), share_ci95=[round(v, 4) for v in bootstrap_shares(merged, own, r["scores"]["test"])["share"]],
+                     val_share=round(r["share_val"], 4), kl_first_last=[round(r["trace"][0][0], 4), round(r["trace"][-1][0], 4)],
+                     features_first_last=[round(r["trace"][0][1], 4), round(r["trace"][-1][1], 4)])
         ref = control.get((r["start"], r["lr"], r["steps"]))
         if ref is not None and ref is not r:
-            lo, hi = bootstrap_share_ratio(merged, own, r["scores"]["test"], ref["scores"]["test"])[:2]
-            line += f"; against β 0: ({lo:.3f}–{hi:.3f})"
+            entry["ratio_to_beta0_ci95"] = [round(v, 4) for v in bootstrap_share_ratio(merged, own, r["scores"]["test"], ref["scores"]["test"])]
         if reference is not None:
-            lo, hi = bootstrap_share_ratio(merged, own, r["scores"]["test"], reference)[:2]
-            line += f"; against the distillation: ({lo:.3f}–{hi:.3f})"
-        log(line)
+            entry["ratio_to_distillation_ci95"] = [round(v, 4) for v in bootstrap_share_ratio(merged, own, r["scores"]["test"], reference)]
+        log(json.dumps({k: v for k, v in entry.items() if k not in ("start", "lr", "batch", "records_per_expert")}))
+        summary.append({**entry, "test_records": r["scores"]["test"]})
+    if json_path is not None:
+        save_json(json_path, {"setting": "specialised-long", "probe": "studies/feature_refine.py", "runs": summary})
 
 
 if __name__ == "__main__":

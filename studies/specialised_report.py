@@ -41,7 +41,10 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal defaults + refine, an eighth held out", "distill (lr by val share)"),
                 # each expert's 64 real records and the 256 it wrote, calibrated and refined on together
                 ("featcal real + generated records + refine", "featcal defaults + refine, held-out drawn by position"),
-                ("featcal real + generated records + refine", "distill (lr by val share)")]
+                ("featcal real + generated records + refine", "distill (lr by val share)"),
+                # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
+                ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
+                ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)")]
 
 
 def scored(scores: dict) -> dict:
