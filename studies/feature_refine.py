@@ -13,7 +13,9 @@ state is an outlier in every layer). β = 0 is the control: the same start, reco
 scored on test and val like every row of the setting; the report line gives the share of the summed gap with its
 paired-bootstrap interval and the ratio to the control.
 
-    python -m studies.feature_refine --workdir W --start runs/cf-keep --betas 0,1 --steps 40
+    featcal-llm run W/recipes/cf-keep.yaml   # the defaults row's recipe with `output: runs/cf-keep`
+    python -m studies.feature_refine --workdir W --start runs/cf-keep --betas 0,1,10,50 \
+        --json docs/studies/results/specialised-long-feature-refine.json
 """
 
 from __future__ import annotations
