@@ -19,6 +19,7 @@ from click.testing import CliRunner
 import featcal_llm.io.merge as merge_module
 import featcal_llm.io.validate as validate_module
 from featcal_llm.cli import main
+from featcal_llm.errors import FeatCalError
 from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG
 from featcal_llm.io.validate import check_recipe
 
@@ -123,6 +124,56 @@ def test_a_data_file_too_short_for_the_held_out_split(scenario, tmp_path, monkey
     short.write_text(short.read_text() * 2)  # 6 records: 2 held out, 4 fitted
     monkeypatch.undo()
     assert check_recipe(path, plan=False).problems == []
+
+
+def _short_file(tmp_path: Path, suffix: str, count: int) -> Path:
+    rows = [{"text": f"record number {i}"} for i in range(count)]
+    path = tmp_path / f"short{suffix}"
+    if suffix == ".csv":
+        path.write_text("text\n\n" + "".join(f"{row['text']}\n" for row in rows))  # a blank line, skipped as pandas skips it
+    elif suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("text", pa.string())])), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".jsonl"])
+def test_the_records_of_csv_parquet_and_large_json_lines_files_are_counted(scenario, tmp_path, monkeypatch, suffix):
+    """validate reads only the head of these; the count comes from a pass over the lines or the parquet footer, and is
+    the one run gets from `datasets` (the same refusal, the same words)."""
+    import featcal_llm.io.validate_data as validate_data
+
+    monkeypatch.setattr(validate_data, "PLAIN_JSONL_MAX_BYTES", 16)  # the JSON-lines file counts as large: its head is read
+    short = _short_file(tmp_path, suffix, 3)
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    first = recipe["models"][0]["model"]
+    data = {**recipe["featcal"]["data"], first: {"path": str(short), "format": "text", "text": "text"}}
+    path = _write(scenario, tmp_path, data=data, refine=True)
+    assert f"{path}: featcal.data.{first}: 3 records, fewer than the 16 requested; using all of them" in check_recipe(path, plan=False).notes
+    assert _both_refuse(path) == [f"{path}: featcal.tune.holdout: 0.25 of expert {first}'s 3 records leaves 1 held out and 2 "
+                                  "for calibration (need at least 2 on each side)"]
+    _short_file(tmp_path, suffix, 0)  # a header, a footer, or nothing at all
+    assert _both_refuse(path) == [f"{path}: featcal.data.{first}.path: {short}: " + ("file is empty" if suffix == ".jsonl" else "no records")]
+    monkeypatch.setattr(validate_data, "COUNT_MAX_BYTES", 8)  # too large to count: run counts it
+    assert validate_data.record_count(_short_file(tmp_path, suffix, 3)) == (3 if suffix == ".parquet" else None)
+
+
+def test_a_large_json_document_is_left_to_datasets(tmp_path, monkeypatch):
+    """A JSON array of records too large to parse whole is datasets' to read (run reads it); its head is not JSON lines."""
+    import featcal_llm.io.validate_data as validate_data
+
+    monkeypatch.setattr(validate_data, "PLAIN_JSONL_MAX_BYTES", 16)
+    document = tmp_path / "records.json"
+    document.write_text(json.dumps([{"text": f"record number {i}"} for i in range(3)], indent=1))
+    assert validate_data.file_head(document, "where") == (None, [], False)
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("not json\n" * 3)
+    with pytest.raises(FeatCalError, match=r"^where: cannot load calibration data \(line 1 is not JSON\)$"):
+        validate_data.file_head(garbage, "where")
 
 
 def test_a_cuda_device_on_a_machine_without_one(scenario, tmp_path, monkeypatch):

@@ -112,6 +112,7 @@ def file_builder(path: Path, where: str) -> str:
         raise FeatCalError(f"{where}.path: {path}: file is empty")
     return builder
 
+
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
     datasets = heavy_import("datasets")

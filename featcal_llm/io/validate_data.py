@@ -16,6 +16,7 @@ from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
 FIELD_SCAN_LINES = 1000  # records read for their field names from a JSON-lines file too large to read whole
+COUNT_MAX_BYTES = 2**30  # CSV and JSON-lines files up to this size have their records counted (a pass over the lines)
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
@@ -32,7 +33,8 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     """One entry's calibration file: exists, a known non-empty format, holding the fields the entry names, as text
     where the format reads text (in the first `taken` records, the ones the run converts; every record read if None).
 
-    Returns how many records the file holds where it was read whole (a small JSON or JSON-lines file), else None."""
+    Returns how many records the file holds, as `datasets` will count them, where that is cheap to know (`record_count`),
+    else None; a file holding none is refused as run refuses it."""
     path = data_path(spec, base_dir)
     if path.is_file():
         file_builder(path, where)
@@ -44,7 +46,10 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
             for name in text_fields(spec):
                 if name in record:
                     text_field(record, spec, name, where, index)
-        return len(records) if complete else None
+        count = len(records) if complete else record_count(path) if fields is not None else None
+        if count == 0:
+            raise FeatCalError(f"{where}.path: {spec.path}: no records")
+        return count
     if path.is_dir():
         return None  # a local dataset directory: datasets decides its layout when the run loads it
     if not looks_like_hub_id(spec.path):
@@ -54,6 +59,24 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         return None
     hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
     return None
+
+
+def record_count(path: Path) -> int | None:
+    """The rows of a parquet file (its footer says), or the records of a CSV or JSON-lines file of at most
+    `COUNT_MAX_BYTES` (one pass: CSV rows after the header, blank lines skipped as pandas skips them; non-blank
+    JSON lines); None for anything else, which run counts once `datasets` has loaded it."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as parquet
+
+        return parquet.read_metadata(path).num_rows
+    if path.stat().st_size > COUNT_MAX_BYTES:
+        return None
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+            return sum(1 for row in csv.reader(handle) if row) - 1
+    with open(path, "rb") as handle:
+        return sum(1 for line in handle if line.strip())
 
 
 def short_file_findings(path: Path, featcal: Any, counts: dict[str, int], notes: list[str], problems: list[Problem]) -> None:
@@ -119,6 +142,8 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
             except ValueError:
                 if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
                     return None, [], False  # a whole JSON document in a .jsonl file: datasets reads it
+                if not whole and not records and line.lstrip()[:1] in ("[", "{"):
+                    return None, [], False  # a JSON document too large to parse here (an array of records): datasets reads it
                 raise FeatCalError(f"{unreadable} (line {number} is not JSON)") from None
     if not records or not all(isinstance(record, dict) for record in records):
         raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
@@ -137,4 +162,4 @@ def _union(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(key for record in records for key in record))
 
 
-__all__ = ["FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields", "short_file_findings"]
+__all__ = ["COUNT_MAX_BYTES", "FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields", "record_count", "short_file_findings"]
