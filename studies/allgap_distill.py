@@ -92,7 +92,8 @@ def val_kl(model, tokenizer, records: dict, teachers: dict, batch: int = 8) -> d
 
 
 def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]], records: dict, teachers: dict,
-                *, lr: float, steps: int, batch: int, seed: int, bf16: bool, train_embeddings: bool = False, fused: bool = False):
+                *, lr: float, steps: int, batch: int, seed: int, bf16: bool, train_embeddings: bool = False, fused: bool = False,
+                extra=None):
     """`start` (the merge, or a calibrated merge to refine) trained on (kind, index) records toward each record's expert.
 
     Returns the model, its wall time and the per-step losses.
@@ -101,6 +102,8 @@ def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]]
     ``train_embeddings``: every parameter, as the specialised setting's experts were), AdamW,
     warmup + cosine (``real_models._lr``), token-mean KL(expert ‖ model) per batch. ``fused``: PyTorch's one-kernel
     AdamW, as `refine:` uses (the same update; on a CPU several times faster per step than the per-tensor loop).
+    ``extra(outputs, picked)``: a term added to each step's loss (the model's outputs with their hidden states; the
+    batch's (kind, index) records), as ``studies.feature_refine`` adds the distance to the experts' hidden states.
     """
     import torch
 
@@ -125,9 +128,9 @@ def distill_one(work: Path, tokenizer, start: Path, train: list[tuple[str, int]]
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        kl, count = _kl(logits, [teachers[k][i] for k, i in picked], [len(r) for r in rows])
-        loss = kl / count
+            outputs = model(input_ids=ids, attention_mask=mask, output_hidden_states=extra is not None)
+        kl, count = _kl(outputs.logits, [teachers[k][i] for k, i in picked], [len(r) for r in rows])
+        loss = kl / count if extra is None else kl / count + extra(outputs, picked)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -21,7 +21,6 @@ paired-bootstrap interval and the ratio to the control.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,46 +79,24 @@ def feature_loss(student_states, teacher, lengths, scales) -> "torch.Tensor":
     return total / count
 
 
-def refine_one(start: Path, tokenizer, records, teachers, states, scales, *, beta: float, lr: float, steps: int,
-               batch: int, seed: int):
-    import torch
+def refine_one(work: Path, start: Path, tokenizer, records, teachers, states, scales, *, beta: float, lr: float,
+               steps: int, batch: int, seed: int):
+    """``allgap_distill.distill_one`` on every parameter with the feature term added; the trace keeps (KL, feature
+    term) per step."""
+    from studies.allgap_distill import distill_one
 
-    from studies.allgap_distill import _kl, _pad
-    from studies.quality_eval import load
-    from studies.real_models import _lr
+    features = []
 
-    torch.manual_seed(seed)
-    started = time.time()
-    model = load(start, "cpu").train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    def feature_term(outputs, picked):
+        value = feature_loss(outputs.hidden_states[1:], [states[k][i] for k, i in picked],
+                             [len(records[k][i]) for k, i in picked], scales)
+        features.append(float(value.detach()))
+        return beta * value
+
     train = [(k, i) for k in KINDS for i in range(len(records[k]))]
-    rng, order, trace = random.Random(seed), [], []
-    for step in range(steps):
-        if len(order) < batch:
-            epoch = list(train)
-            rng.shuffle(epoch)
-            order += epoch
-        picked, order = order[:batch], order[batch:]
-        rows = [records[k][i] for k, i in picked]
-        ids, mask = _pad(rows, tokenizer.pad_token_id)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, steps, lr, max(1, steps // 10))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        kl, count = _kl(out.logits, [teachers[k][i] for k, i in picked], [len(r) for r in rows])
-        feat = feature_loss(out.hidden_states[1:], [states[k][i] for k, i in picked], [len(r) for r in rows], scales)
-        loss = kl / count + beta * feat
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        trace.append((float(kl / count), float(feat)))
-        if (step + 1) % 10 == 0:
-            recent = trace[-10:]
-            log(f"    β {beta:g} step {step + 1}/{steps}: KL {sum(k for k, _ in recent) / 10:.4f}, "
-                f"features {sum(f for _, f in recent) / 10:.4f}")
-    return model.eval(), time.time() - started, trace
+    model, seconds, losses = distill_one(work, tokenizer, start, train, records, teachers, lr=lr, steps=steps, batch=batch,
+                                         seed=seed, bf16=True, train_embeddings=True, fused=True, extra=feature_term)
+    return model, seconds, [(loss - beta * feat, feat) for loss, feat in zip(losses, features)]
 
 
 def share_of(work: Path, scores: dict, split: str) -> float:
@@ -166,7 +143,7 @@ def main() -> None:
         log(f"teachers in {time.time() - started:.0f} s; layer scales {scales[0]:.1f} … {scales[-1]:.1f}")
     for beta in todo:
         path = folder / f"{name}-beta{beta:g}-lr{args.lr:g}-s{args.steps}.json"
-        model, seconds, trace = refine_one(work / args.start, tokenizer, records, teachers, states, scales, beta=beta,
+        model, seconds, trace = refine_one(work, work / args.start, tokenizer, records, teachers, states, scales, beta=beta,
                                            lr=args.lr, steps=args.steps, batch=args.batch, seed=args.seed)
         out = folder / path.stem
         model.save_pretrained(out)
