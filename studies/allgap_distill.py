@@ -38,8 +38,9 @@ def _pad(rows: list[list[int]], pad: int):
     return ids, mask
 
 
-def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]], batch: int = 8, bf16: bool = False) -> dict:
-    """Each record's next-token log-probabilities under its own expert (float16, positions 0 .. len-2)."""
+def per_record_outputs(work: Path, tokenizer, records: dict[str, list[list[int]]], keep, *, batch: int = 8,
+                       bf16: bool = False, hidden_states: bool = False) -> dict:
+    """Each record's ``keep(outputs, row, record)`` under its own expert (one expert loaded at a time)."""
     import torch
 
     from studies.quality_eval import load
@@ -53,11 +54,18 @@ def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]],
                 chunk = rows[start:start + batch]
                 ids, mask = _pad(chunk, tokenizer.pad_token_id)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-                for i, r in enumerate(chunk):
-                    out[kind].append(torch.log_softmax(logits[i, :len(r) - 1], -1).half())
+                    outputs = model(input_ids=ids, attention_mask=mask, output_hidden_states=hidden_states)
+                out[kind] += [keep(outputs, i, r) for i, r in enumerate(chunk)]
             del model
     return out
+
+
+def teacher_logprobs(work: Path, tokenizer, records: dict[str, list[list[int]]], batch: int = 8, bf16: bool = False) -> dict:
+    """Each record's next-token log-probabilities under its own expert (float16, positions 0 .. len-2)."""
+    import torch
+
+    return per_record_outputs(work, tokenizer, records, batch=batch, bf16=bf16, keep=lambda outputs, i, r: torch.log_softmax(
+        outputs.logits[i, :len(r) - 1].float(), -1).half())
 
 
 def _kl(student_logits, teacher_logp, lengths) -> tuple:

@@ -36,23 +36,10 @@ def teacher_states(work: Path, tokenizer, records: dict, batch: int = 8) -> dict
     """Each record's hidden states under its own expert, (layers, tokens, d) float16, the embeddings' output left out."""
     import torch
 
-    from studies.allgap_distill import _pad
-    from studies.quality_eval import load
+    from studies.allgap_distill import per_record_outputs
 
-    out = {}
-    with torch.no_grad():
-        for kind, rows in records.items():
-            model = load(work / "experts" / kind, "cpu")
-            out[kind] = []
-            for start in range(0, len(rows), batch):
-                chunk = rows[start:start + batch]
-                ids, mask = _pad(chunk, tokenizer.pad_token_id)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[1:]
-                stacked = torch.stack([s.float() for s in states], 1)  # (batch, layers, width, d)
-                out[kind] += [stacked[i, :, :len(r)].half() for i, r in enumerate(chunk)]
-            del model
-    return out
+    return per_record_outputs(work, tokenizer, records, batch=batch, bf16=True, hidden_states=True, keep=lambda outputs, i, r: torch.stack(
+        [s[i, :len(r)].float() for s in outputs.hidden_states[1:]]).half())
 
 
 def layer_scales(states: dict) -> "torch.Tensor":
