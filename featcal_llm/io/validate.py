@@ -84,7 +84,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     featcal = parsed.featcal
     # the records the run converts: the first `samples` of the file (any of them when it shuffles)
     read = None if featcal is None or featcal.shuffle else featcal.samples
-    counts = {}  # expert → the records its file holds, where validate read it whole
+    counts = {}  # expert → the records its file holds, where validate could count them
     for name, spec in data.items():
         if spec.path is not None and (experts is None or name in experts):
             where = f"{path}: featcal.data.{name}"

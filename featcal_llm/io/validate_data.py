@@ -80,8 +80,8 @@ def record_count(path: Path) -> int | None:
 
 
 def short_file_findings(path: Path, featcal: Any, counts: dict[str, int], notes: list[str], problems: list[Problem]) -> None:
-    """Files holding fewer records than their entries ask for (`counts`: expert → records, where `check_data` read the
-    file whole): run takes all of them (a note), and draws its held-out split (`tune.holdout`, for a search or
+    """Files holding fewer records than their entries ask for (`counts`: expert → records, where `check_data` counted
+    them): run takes all of them (a note), and draws its held-out split (`tune.holdout`, for a search or
     `refine:`) from those, so a split that count cannot make is refused, at the first such expert as run refuses it."""
     from featcal_llm.engine.tuning import holdout_problem  # light: no torch
 
