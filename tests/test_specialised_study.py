@@ -170,3 +170,23 @@ def test_the_demo_refine_recipe_is_the_demos_with_refine_on():
     assert refined["featcal"].pop("refine") is True
     demo["featcal"].pop("output")
     assert refined == demo and FeatCalConfig(**{**refined["featcal"], "output": REFINED_DIR, "refine": True}).refine.steps == 40
+
+
+def test_the_feature_probes_term_against_a_loop_over_tokens():
+    """studies/feature_refine.py: per layer, the squared distance to the record's expert over that layer's mean squared
+    expert norm; averaged over layers and the text tokens after BOS, whatever the padding."""
+    import torch
+
+    from studies.feature_refine import feature_loss, layer_scales
+
+    gen = torch.Generator().manual_seed(0)
+    layers, width, d, lengths = 3, 6, 4, [6, 4]
+    teachers = [torch.randn(layers, n, d, generator=gen) * (1 + torch.arange(layers))[:, None, None] for n in lengths]
+    student = [torch.randn(len(lengths), width, d, generator=gen) for _ in range(layers)]
+    scales = layer_scales({"kind": teachers})
+    expected_scales = [sum(float(t[l, j] @ t[l, j]) for t in teachers for j in range(1, t.shape[1])) / sum(n - 1 for n in lengths)
+                       for l in range(layers)]
+    assert scales.tolist() == pytest.approx(expected_scales, rel=1e-6)
+    terms = [sum(float((student[l][b, j] - teachers[b][l, j]).pow(2).sum()) / expected_scales[l] for l in range(layers)) / layers
+             for b, n in enumerate(lengths) for j in range(1, n)]
+    assert float(feature_loss(student, teachers, lengths, scales)) == pytest.approx(sum(terms) / len(terms), rel=1e-6)
