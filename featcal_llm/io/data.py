@@ -113,6 +113,11 @@ def file_builder(path: Path, where: str) -> str:
     return builder
 
 
+def no_records(spec: DataSpec, where: str) -> FeatCalError:
+    """The one line for a data source that holds no records: run's after loading it, validate's after counting it."""
+    return FeatCalError(f"{where}.path: {spec.path}: no records")
+
+
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
     datasets = heavy_import("datasets")
@@ -269,7 +274,7 @@ def calibration_sequences(
         if records is None:
             records = load_records(spec, where, recipe_path.parent)
         if len(records) == 0:
-            raise FeatCalError(f"{where}.path: {spec.path}: no records")
+            raise no_records(spec, where)
         if shuffle:
             records = records.shuffle(seed=seed)
         wanted = spec.samples or samples

@@ -11,7 +11,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import PLAIN_JSONL_MAX_BYTES, data_path, file_builder, looks_like_hub_id, text_field, text_fields
+from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, data_path, file_builder, looks_like_hub_id, no_records, text_field,
+                                 text_fields)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -48,7 +49,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
                     text_field(record, spec, name, where, index)
         count = len(records) if complete else record_count(path) if fields is not None else None
         if count == 0:
-            raise FeatCalError(f"{where}.path: {spec.path}: no records")
+            raise no_records(spec, where)
         return count
     if path.is_dir():
         return None  # a local dataset directory: datasets decides its layout when the run loads it
