@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from studies.common import bootstrap_share_ratio, bootstrap_shares, log, mean_nll, save_json, shares
+from studies.common import bootstrap_share_ratio, bootstrap_shares, log, save_json
+from studies.specialised_report import gap_ends, reference_scores, split_share
 from studies.specialised_setup import CAL_RECORDS, KINDS, score_model
 
 if TYPE_CHECKING:
@@ -86,15 +87,6 @@ def refine_one(work: Path, start: Path, tokenizer, records, teachers, states, sc
     return model, seconds, [(loss - beta * feat, feat) for loss, feat in zip(losses, features)]
 
 
-def share_of(work: Path, scores: dict, split: str) -> float:
-    import json
-
-    merged = json.loads((work / "scores" / "merged.json").read_text())["scores"][split]
-    own = {k: json.loads((work / "scores" / f"expert-{k}.json").read_text())["scores"][split][k] for k in KINDS}
-    return shares({k: mean_nll(merged[k]) for k in KINDS}, {k: mean_nll(own[k]) for k in KINDS},
-                  {k: mean_nll(scores[split][k]) for k in KINDS}, KINDS)
-
-
 def main() -> None:
     import torch
     from transformers import AutoTokenizer
@@ -117,6 +109,7 @@ def main() -> None:
     work = args.workdir.resolve()
     folder = work / "feature-refine"
     folder.mkdir(exist_ok=True)
+    base = reference_scores(work)[0]
     name = args.start.replace("/", "-")
     todo = [b for b in (float(x) for x in args.betas.split(","))
             if not (folder / f"{name}-beta{b:g}-lr{args.lr:g}-s{args.steps}.json").exists()]
@@ -141,7 +134,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         run = {"start": args.start, "beta": beta, "lr": args.lr, "steps": args.steps, "batch": args.batch,
                "records_per_expert": CAL_RECORDS, "train_s": round(seconds, 1), "trace": trace,
-               "share_test": share_of(work, scores, "test")[0], "share_val": share_of(work, scores, "val")[0],
+               "share_test": split_share(scores, base, "test"), "share_val": split_share(scores, base, "val"),
                "scores": scores}
         save_json(path, run)
         log(f"  β {beta:g}: {seconds:.0f} s; share test {run['share_test']:.3f}, val {run['share_val']:.3f}")
@@ -153,8 +146,7 @@ def report(work: Path, folder: Path, json_path: Path | None = None) -> None:
     ``json_path``: the same, with each run's per-record test scores, as a results file."""
     import json
 
-    merged = json.loads((work / "scores" / "merged.json").read_text())["scores"]["test"]
-    own = {k: json.loads((work / "scores" / f"expert-{k}.json").read_text())["scores"]["test"][k] for k in KINDS}
+    merged, own = gap_ends(reference_scores(work)[0])
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     control = {(r["start"], r["lr"], r["steps"]): r for r in runs if r["beta"] == 0}
     distilled = work / "distill" / "merge-lr0.0001-s80.json"  # the setting's distillation reference, chosen on val

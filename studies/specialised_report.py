@@ -70,21 +70,30 @@ def row(test: dict, merged: dict, own: dict, resamples: int, **extra) -> dict:
             "share_per_domain_ci95": {d: [_r(v) for v in ci["share_per_domain"][d]] for d in KINDS}, **extra}
 
 
-def val_share(scores: dict, base: dict) -> float | None:
-    """The share on the val split (files neither calibrated on nor reported): what chooses a hyper-parameter."""
-    if "val" not in scores:
+def split_share(scores: dict, base: dict, split: str = "val") -> float | None:
+    """The share on one split; on val (files neither calibrated on nor reported) it is what chooses a hyper-parameter."""
+    if split not in scores:
         return None
-    merged, own = base["merged"]["val"], {d: base[f"expert:{d}"]["val"][d] for d in KINDS}
-    return shares(nlls(merged), nlls(own), nlls(scores["val"]), KINDS)[0]
+    merged, own = gap_ends(base, split)
+    return shares(nlls(merged), nlls(own), nlls(scores[split]), KINDS)[0]
+
+
+def gap_ends(base: dict, split: str = "test") -> tuple[dict, dict]:
+    """The merge's per-record scores on the split, and each domain's expert's on its own domain."""
+    return base["merged"][split], {d: base[f"expert:{d}"][split][d] for d in KINDS}
+
+
+def reference_scores(work: Path) -> tuple[dict, dict]:
+    """W/scores: per model (merged, base, expert:<kind>) its scores on each split's first ``SCORED`` records, and its
+    scoring seconds."""
+    raw = {record["name"]: record for record in (json.loads(p.read_text()) for p in sorted((work / "scores").glob("*.json")))}
+    return {name: scored(record["scores"]) for name, record in raw.items()}, {name: record["seconds"] for name, record in raw.items()}
 
 
 def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tuple[dict, dict]:
     """The results file and the per-record file."""
-    base = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in sorted((work / "scores").glob("*.json"))}
-    seconds = {name: record["seconds"] for name, record in base.items()}
-    base = {name: scored(record["scores"]) for name, record in base.items()}
-    merged = base["merged"]["test"]
-    own = {d: base[f"expert:{d}"]["test"][d] for d in KINDS}
+    base, seconds = reference_scores(work)
+    merged, own = gap_ends(base)
     per_record = {"split": "test", "format": "per model and domain: [summed NLL (nats), tokens] per test record, in the "
                   "order of data/<domain>/test.jsonl", "models": {}}
     rows_out: dict[str, dict] = {}
@@ -94,7 +103,7 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
         per_record["models"][name] = scores["test"]
         rows_out[name] = row(scores["test"], merged, own, resamples, **extra)
         if "val" in scores:
-            rows_out[name]["val_share"] = _r(val_share(scores, base))
+            rows_out[name]["val_share"] = _r(split_share(scores, base))
 
     add("merged", base["merged"], seconds=None, featcal=None)
     defaults_leads = None
@@ -109,11 +118,11 @@ def build(work: Path, resamples: int = 1000, setting_name: str = SETTING) -> tup
     distill = {}
     for run in runs:
         distill[run["name"]] = {"lr": run["lr"], "steps": run["steps"], "start": run["start"],
-                                "val_share": _r(val_share(run["scores"], base)),
+                                "val_share": _r(split_share(run["scores"], base)),
                                 "seconds": round(run["train_s"] + run["teacher_s"], 1)}
     for start in sorted({run["start"] for run in runs}):
         mine = [run for run in runs if run["start"] == start]
-        chosen = max(mine, key=lambda run: val_share(run["scores"], base))
+        chosen = max(mine, key=lambda run: split_share(run["scores"], base))
         label = "distill (lr by val share)" if start == "merge" else f"{start} → distill (lr by val share)"
         add(label, chosen["scores"], seconds=round(chosen["train_s"] + chosen["teacher_s"], 1), featcal=None,
             lr=chosen["lr"], steps=chosen["steps"], batch=chosen["batch"], records_per_expert=chosen["records_per_expert"],
