@@ -24,6 +24,7 @@ from test_topk_kl import full_kl
     ({"top_k": 0}, "featcal.refine.top_k: Input should be greater than or equal to 1"),
     ({"params": "lora"}, "featcal.refine.params:"),
     ({"precision": "float16"}, "featcal.refine.precision:"),
+    ({"gradient_checkpointing": "sometimes"}, "featcal.refine.gradient_checkpointing: Input should be 'auto', True or False"),
     ("yes", "featcal.refine: expected true, false or a mapping"),
 ])
 def test_bad_refine_keys_are_one_line(tmp_path, value, message):
@@ -213,6 +214,21 @@ def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_for
     assert [h["above_closed_form"] for h in report["history"][1:]] == [[], [sorted(checks[0])[1]], [sorted(checks[0])[1]]]
     assert "above the closed form's beyond two standard errors for expert1, so not kept" in capsys.readouterr().err
     assert (refined / "model.safetensors").read_bytes() != (closed_form / "model.safetensors").read_bytes()
+
+
+def test_gradient_checkpointing_changes_the_time_not_the_update(far_scenario, refined):
+    """Recomputing each layer and logits chunk in the backward (on where the memory model says a run needs it) computes the
+    same gradients as keeping the activations (auto's choice for this tiny merge): the same refined tensors."""
+    whole = json.loads((refined / "featcal_refine.json").read_text())
+    assert whole["gradient_checkpointing"] is False  # auto: the stage fits half the machine's memory without it
+    recomputed = run(far_scenario, "checkpointed", refine={**REFINE, "gradient_checkpointing": True})
+    report = json.loads((recomputed / "featcal_refine.json").read_text())
+    assert report["gradient_checkpointing"] is True and report["chosen_step"] == whole["chosen_step"] > 0
+    merged = load_file(far_scenario.root / "merged" / "model.safetensors")
+    kept, again = load_file(refined / "model.safetensors"), load_file(recomputed / "model.safetensors")
+    for name, tensor in kept.items():  # the updates W* − W_mer, not the whole weights
+        update, other = tensor.double() - merged[name].double(), again[name].double() - merged[name].double()
+        assert torch.allclose(other, update, rtol=1e-5, atol=1e-7 * float(update.abs().max()) + 1e-12), name
 
 
 def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monkeypatch):

@@ -4,8 +4,8 @@ at a real model's shapes (Llama-3.1-8B's by default there).
 A random Llama of the given shape is saved as the merged model and as a teacher (seeded noise on every weight; on a
 GPU it is built there in the compute dtype, as a CPU could not hold an 8B model in float32 quickly), and the refine
 stage runs on random records (every token judged) with nothing else in the process. On the CPU a thread samples the
-process's anonymous resident memory every millisecond; on a GPU PyTorch's allocator counts its peak, for the
-teachers' pass and for the training apart. Printed: the model's parts and peak, the measured peaks and their ratio
+process's anonymous resident memory every millisecond (glibc set to return freed memory at once: `live_heap`); on a
+GPU PyTorch's allocator counts its peak, for the teachers' pass and for the training apart. Printed: the model's parts and peak, the measured peaks and their ratio
 (the model is meant as an upper estimate: ratio >= 1), and the time of each part, with the time of the default run
 (3 experts x 256 records x 2048 tokens, 40 steps, a quarter of the records held out) extrapolated from them.
 
@@ -93,6 +93,21 @@ def _random_checkpoints(config, root: Path, teachers: int, device: torch.device,
         torch.cuda.empty_cache()
 
 
+def live_heap() -> None:
+    """Have glibc map each allocation of 64 KiB or more on its own and return freed memory at once, so that the resident
+    memory tracks what is allocated (as the GPU allocator's count does) and not what an earlier phase left in the heap:
+    without it, the same run measured 280-480 MiB from one process to the next."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: measured as it comes
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_trim_threshold, 0)
+
+
 class _Clock:
     """Seconds and calls of the stage's parts (a GPU synchronised at both ends), and the GPU's peak in each."""
 
@@ -124,7 +139,7 @@ class _Clock:
 def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate: int | None = None, params: str = "full",
             rank: int = 16, records: int = 8, length: int = 128, steps: int = 2, top_k: int = 64, batch_tokens: int = 512,
             workdir: Path | None = None, device: str = "cpu", heads: int = 8, kv_heads: int = 4, experts: int = 2,
-            eval_every: int = 1, teacher_checkpoints: int | None = None) -> dict:
+            eval_every: int = 1, teacher_checkpoints: int | None = None, gradient_checkpointing: str | bool = "auto") -> dict:
     """Predicted and measured bytes and seconds of one refine stage (float32 on a CPU, bf16 compute on a GPU)."""
     import peft  # noqa: F401  (imported before the baseline: its import is not the stage's memory)
     from transformers import LlamaConfig
@@ -138,6 +153,8 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
 
     where = torch.device(device)
     cpu = where.type == "cpu"
+    if cpu:
+        live_heap()
     dtype = torch.float32 if cpu else torch.bfloat16
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 11 // 4,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -164,7 +181,7 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
             train = {name: rows[: records * 3 // 4] for name, rows in sequences.items()}
             held = {name: rows[records * 3 // 4:] for name, rows in sequences.items()}
             spec = RefineSpec(steps=steps, eval_every=eval_every, patience=steps + 1, params=params, rank=rank, top_k=top_k,
-                              batch_records=4 if cpu else 8, lr=1e-4)
+                              batch_records=4 if cpu else 8, lr=1e-4, gradient_checkpointing=gradient_checkpointing)
             projections = frozenset(f"{part}.{p}" for part, ps in (("self_attn", "q_proj k_proj v_proj o_proj"),
                                                                    ("mlp", "gate_proj up_proj down_proj")) for p in ps.split())
             job = RefineJob(spec, 0, batch_tokens, config,
@@ -174,8 +191,9 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
             shape = Shape.of(config, tied=False)
             resolved = stage.resolve_params(params, shape.parameters(), stage.device_memory(where))
             autocast = stage.refine_dtypes(spec.precision, dtype, where)[1] is not None
+            checkpointing = stage.checkpointing_for(job, resolved, autocast, sequences)
             predicted = refine_memory(shape, resolved, rank, min(batch_tokens, 8192), length, top_k, judged, 4 if cpu else 2, cpu=cpu,
-                                      autocast=autocast)
+                                      autocast=autocast, checkpointing=checkpointing, step_records=spec.batch_records)
             if not cpu:
                 torch.cuda.reset_peak_memory_stats()
             with PeakResident() as resident:
@@ -186,7 +204,7 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
         for name, original in originals.items():
             setattr(StagingArea if name == "save_pass" else stage, name, original)
     result = {"predicted": predicted, "seconds": seconds, "build_seconds": built, "parameters": shape.parameters(),
-              "params": resolved, "device": torch.cuda.get_device_name(where) if not cpu else "cpu",
+              "params": resolved, "gradient_checkpointing": checkpointing, "device": torch.cuda.get_device_name(where) if not cpu else "cpu",
               "parts": {name: {"seconds": round(clock.seconds.get(name, 0.0), 2), "calls": clock.calls.get(name, 0)} for name in originals},
               "sizes": {"experts": experts, "records": records, "length": length, "steps": steps, "eval_every": eval_every,
                         "batch_records": spec.batch_records, "held_out_records": sum(len(v) for v in held.values()),
@@ -230,6 +248,11 @@ def extrapolate(result: dict, run: dict = DEFAULT_RUN) -> dict:
 @click.option("--layers", default=4, show_default=True)
 @click.option("--vocab", default=8192, show_default=True)
 @click.option("--params", type=click.Choice(["auto", "full", "adapter"]), default="full", show_default=True)
+@click.option("--gradient-checkpointing", type=click.Choice(["auto", "true", "false"]), default="auto", show_default=True,
+              help="refine.gradient_checkpointing")
+@click.option("--intermediate", type=int, default=None, help="MLP width (default: hidden x 11/4)")
+@click.option("--heads", default=8, show_default=True)
+@click.option("--kv-heads", default=4, show_default=True)
 @click.option("--experts", default=2, show_default=True)
 @click.option("--records", default=8, show_default=True, help="records per expert (a quarter held out)")
 @click.option("--length", default=128, show_default=True, help="tokens per record")
@@ -239,19 +262,22 @@ def extrapolate(result: dict, run: dict = DEFAULT_RUN) -> dict:
 @click.option("--workdir", type=click.Path(path_type=Path), default=None, help="where the random checkpoints go (a temporary folder)")
 @click.option("--teacher-checkpoints", type=int, default=None, help="teacher checkpoints written (default: one per expert on a CPU, one on a GPU; 0: the merged model teaches)")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="write the result here too")
-def main(device: str, llama_8b: bool, hidden: int, layers: int, vocab: int, params: str, experts: int, records: int, length: int,
+def main(device: str, llama_8b: bool, hidden: int, layers: int, vocab: int, params: str, gradient_checkpointing: str,
+         intermediate: int | None, heads: int, kv_heads: int, experts: int, records: int, length: int,
          steps: int, eval_every: int, batch_tokens: int, workdir: Path | None, teacher_checkpoints: int | None, json_path: Path | None) -> None:
     import json
 
-    shape = {"hidden": hidden, "layers": layers, "vocab": vocab}
+    shape = {"hidden": hidden, "layers": layers, "vocab": vocab, "intermediate": intermediate, "heads": heads, "kv_heads": kv_heads}
     if llama_8b:
         shape = dict(LLAMA_8B)
     result = measure(**shape, params=params, records=records, length=length, batch_tokens=batch_tokens, device=device, experts=experts,
-                     steps=steps, eval_every=eval_every, workdir=workdir, teacher_checkpoints=teacher_checkpoints)
+                     steps=steps, eval_every=eval_every, workdir=workdir, teacher_checkpoints=teacher_checkpoints,
+                     gradient_checkpointing=gradient_checkpointing if gradient_checkpointing == "auto" else gradient_checkpointing == "true")
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     mib = 2**20
-    print(f"{result['parameters'] / 1e6:.1f} M parameters on {result['device']}, params {result['params']}, {result['seconds']:.1f} s "
+    print(f"{result['parameters'] / 1e6:.1f} M parameters on {result['device']}, params {result['params']}, gradient checkpointing "
+          f"{'on' if result['gradient_checkpointing'] else 'off'}, {result['seconds']:.1f} s "
           f"(checkpoints built in {result['build_seconds']:.1f} s)")
     for part, value in result["predicted"].items():
         print(f"  predicted {part:<40} {value / mib:9.1f} MiB")

@@ -41,7 +41,7 @@ from featcal_llm import runlog
 from featcal_llm.engine.devices import native_bf16
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
-from featcal_llm.engine.refine_memory import autocasts, resolve_params
+from featcal_llm.engine.refine_memory import Shape, autocasts, refine_memory, resolve_checkpointing, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
 from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, set_rng_state
 from featcal_llm.io.names import short_names
@@ -121,8 +121,8 @@ class RefineJob:
 class Student:
     """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
 
-    def __init__(self, job: RefineJob, params: str, master: torch.dtype):
-        self.job, self.params = job, params
+    def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool):
+        self.job, self.params, self.checkpointing = job, params, checkpointing
         names, get = checkpoint_tensors(job.merged, job.replacements)
         self.names = names
         frozen = master if params == "full" else job.compute_dtype
@@ -132,10 +132,12 @@ class Student:
         self.model = build_causal_lm(job.config, names, get, job.device, frozen, "the calibrated model", job.trust_remote_code,
                                      dtypes=dtypes)
         tied = LM_HEAD not in names
-        if hasattr(self.model, "activation_checkpointing_enable"):  # each layer's activations recomputed in the backward
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:  # transformers < 5.x's name
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:  # each layer's activations recomputed in the backward
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # transformers < 5.x's name
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if params == "full":
             self.model.requires_grad_(True)
             self.module = self.model
@@ -173,6 +175,18 @@ class Student:
             if self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
                 tensors[name] = parameter.detach().cpu()
         return tensors
+
+
+def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
+    """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory)."""
+    names = job.merged.layout()
+    shape = Shape.of(job.config, tied=LM_HEAD not in names)
+    length = max((len(row) for rows in records.values() for row in rows), default=1)
+    judged = sum(len(judged_positions(row)) for rows in records.values() for row in rows)
+    compute_bytes = torch.tensor([], dtype=job.compute_dtype).element_size()
+    without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, compute_bytes,
+                            job.device.type == "cpu", autocast, checkpointing=False, step_records=job.spec.batch_records)
+    return resolve_checkpointing(job.spec.gradient_checkpointing, without["peak"], device_memory(job.device))
 
 
 def heldout_kl(student: Student, store: TeacherStore, keys: dict[str, list[Key]], records, job: RefineJob,
@@ -217,8 +231,9 @@ def train_step(student: Student, store: TeacherStore, keys: list[Key], records, 
             hidden = final_hidden(student.model, batch, job.device)
             loss = hidden.new_zeros((), dtype=torch.float32)
             for rows, lp, ix, rs in zip(hidden.split(chunk), logp.split(chunk), ids.split(chunk), rest.split(chunk)):
-                # the (tokens × vocab) logits are recomputed in the backward pass, never kept for the whole batch
-                loss = loss + checkpoint(_chunk_kl, student.model, rows, lp, ix, rs, use_reentrant=False)
+                # checkpointed, the (tokens × vocab) logits are recomputed in the backward pass, never kept for the whole batch
+                loss = loss + (checkpoint(_chunk_kl, student.model, rows, lp, ix, rs, use_reentrant=False) if student.checkpointing
+                               else _chunk_kl(student.model, rows, lp, ix, rs))
         (loss / count).backward()
         total += float(loss.detach())
     return total / count
@@ -261,20 +276,21 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     lr = spec.learning_rate(params)
     master, autocast = refine_dtypes(spec.precision, job.compute_dtype, job.device)
     records = {task: list(job.train[task]) + list(job.held_out.get(task, [])) for task in job.train}
+    checkpointing = checkpointing_for(job, params, autocast is not None, records)
     train_keys = [(task, i) for task in job.train for i in range(len(job.train[task]))]
     held_keys = {task: [(task, len(job.train[task]) + i) for i in range(len(job.held_out.get(task, [])))] for task in job.train}
     teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys[task] for task in job.train}
     names = short_names(list(job.train))
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
-                "kept": KEPT_RULE}  # progress saved under another rule starts over
+                "gradient_checkpointing": checkpointing, "kept": KEPT_RULE}  # progress saved under another rule starts over
     left_out = sum(job.left_out.values())
-    runlog.stage(f"refine: {params} parameters, lr {lr:g}, at most {spec.steps} steps of {spec.batch_records} records, "
+    runlog.stage(f"refine: {params} parameters, lr {lr:g}, gradient checkpointing {'on' if checkpointing else 'off'}, at most {spec.steps} steps of {spec.batch_records} records, "
                  f"KL(teacher ‖ model) on {len(train_keys)} records"
                  + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
                  + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
     store = _teachers(job, teacher_keys, records, autocast)
     torch.manual_seed(job.seed)
-    student = Student(job, params, master)
+    student = Student(job, params, master, checkpointing)
     trainable = list(student.trainable.values())
     # fused: one kernel over every parameter (a 135M model's step 0.3 s on two CPU cores, against 2.4 s for the default
     # per-tensor loop); CPUs and CUDA have it
@@ -331,7 +347,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         after_check(step, kept)
     bar.close()
-    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "steps_run": progress["step"], "chosen_step": progress["best_step"],
+    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
+              "gradient_checkpointing": checkpointing, "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},

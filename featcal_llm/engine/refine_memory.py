@@ -5,13 +5,16 @@ run at small shapes. Every part is an upper estimate of what PyTorch allocates f
 
 - frozen weights: the parameters that do not train, in the compute dtype;
 - trained weights: 16 bytes a trained parameter (float32 master, gradient, AdamW's two moments);
-- autocast copies: under bf16 autocast, 2 bytes a trained parameter (its bf16 cast, cached through the forward);
+- autocast copies: under bf16 autocast, 2 bytes a trained parameter (its bf16 cast, cached through the forward), and
+  2 bytes a frozen one not already bf16 (`params: adapter` on a CPU, whose frozen weights are float32);
 - saved states: the best state and the copy saved at each check, float32 (host memory; the device's own on a CPU);
-- activations: with checkpointing, each decoder layer's input for a micro-batch (`batch_tokens` padded tokens) kept in
-  the activation dtype (bf16 under autocast, else the compute dtype), plus one layer recomputed in the backward (its projections' outputs and their gradients) and
-  the attention scores of one layer in float32 (the math kernel's worst case);
+- activations: with gradient checkpointing, each decoder layer's input for a micro-batch (`batch_tokens` padded tokens)
+  kept in the residual stream's dtype, plus one layer recomputed in the backward (what it saves for its backward,
+  `Shape.saved_for_backward`, in the activation dtype: bf16 under autocast, else the compute dtype) with its gradients,
+  and the attention scores of one layer in float32 (the math kernel's worst case); without it, what every layer saves
+  and its attention scores, and one layer's gradients;
 - logits: one chunk of the judged tokens' logits in float32 and four buffers of its size (log-softmax, the masked copy
-  for the rest's mass, their gradients);
+  for the rest's mass, their gradients); without checkpointing, every chunk of the micro-batch's judged tokens;
 - teacher: during the teachers' pass (before the student exists), one whole teacher in the compute dtype with one
   micro-batch's activations;
 - teachers' store: the top-k log-probs (float16), ids (int32) and rest (float32) of every judged token, on the host.
@@ -71,8 +74,27 @@ class Shape:
                  (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
         return self.layers * rank * sum(a + b for a, b in pairs)
 
+    def saved_for_backward(self, activation_bytes: int, residual_bytes: int, lora: bool) -> int:
+        """Bytes a token that one decoder layer keeps for its backward pass: each RMSNorm's input and output (the residual
+        stream's dtype), each projection's input (cast apart for each under autocast; a LoRA's A keeps its own), q and k
+        before and after the rotary embedding, v and the attention's output, and the MLP's gate, up and activation outputs."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        norms = 2 * 2 * self.hidden * residual_bytes
+        inputs = (5 * self.hidden + q_out + self.intermediate) * activation_bytes * (2 if lora else 1)
+        attention = (3 * q_out + 3 * kv_out) * activation_bytes
+        return norms + inputs + attention + 3 * self.intermediate * activation_bytes
+
     def one_dimensional(self) -> int:
         return (2 * self.layers + 1) * self.hidden
+
+
+def resolve_checkpointing(requested: str | bool, peak_without: int, memory: int) -> bool:
+    """`gradient_checkpointing: auto`: off when the stage's peak without it (refine_memory(..., checkpointing=False))
+    fits half the device's memory, else on. Recomputing every layer in the backward costs about a fifth of a step:
+    a small model on a CPU need not pay it; an 8B model on an 80 GB GPU must (141 GiB of activations without it)."""
+    if requested != "auto":
+        return bool(requested)
+    return peak_without > memory // 2
 
 
 def logit_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
@@ -82,9 +104,12 @@ def logit_chunk(vocab: int, budget_bytes: int = 2**28) -> int:
 
 
 def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, record_length: int, top_k: int, judged_tokens: int,
-                  compute_bytes: int, cpu: bool, autocast: bool = True) -> dict[str, int]:
+                  compute_bytes: int, cpu: bool, autocast: bool = True, checkpointing: bool = True,
+                  step_records: int | None = None) -> dict[str, int]:
     """Bytes by part at the stage's peak (see the module's docstring); `peak` is the device's, `host` the host's extra.
-    `autocast`: the student computes under bf16 autocast (refine.precision; engine/refine.refine_dtypes)."""
+    `autocast`: the student computes under bf16 autocast (refine.precision; engine/refine.refine_dtypes);
+    `checkpointing`: each decoder layer and logits chunk recomputed in the backward (refine.gradient_checkpointing);
+    `step_records`: records a step (refine.batch_records): a training micro-batch holds no more than their tokens."""
     total = shape.parameters()
     if params == "full":
         trained, frozen = total, 0
@@ -93,19 +118,27 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
         trained = shape.lora_parameters(rank) + shape.one_dimensional() + head
         frozen = total - head - shape.one_dimensional()
     activation_bytes = 2 if autocast else compute_bytes
-    tokens = batch_tokens
+    # the residual stream is in the embedding's dtype: the float32 master where it trains, else the compute dtype
+    residual_bytes = compute_bytes if params == "adapter" and not shape.tied else max(compute_bytes, 4)
+    tokens = batch_tokens if step_records is None else min(batch_tokens, step_records * record_length)
     rows = max(1, tokens // max(record_length, 1))
-    layer_outputs = tokens * (shape.hidden * 4 + shape.head_dim * (shape.heads * 2 + shape.kv_heads * 2) + shape.intermediate * 3)
+    layer = tokens * shape.saved_for_backward(activation_bytes, residual_bytes, lora=params == "adapter")
+    scores = rows * shape.heads * record_length * record_length * 4
+    kept_layers = 1 if checkpointing else shape.layers  # layers whose saved tensors and scores the backward holds at once
+    inputs = shape.layers * tokens * shape.hidden * residual_bytes if checkpointing else 0  # each layer's input, kept
+    logits = lambda count: 5 * count * shape.vocab * 4  # noqa: E731
+    chunk = logit_chunk(shape.vocab)
     parts = {
         "frozen weights": frozen * compute_bytes,
         "trained weights + gradients + AdamW": trained * 16,
-        "autocast copies": trained * 2 if autocast else 0,
-        "activations": (shape.layers * tokens * shape.hidden * activation_bytes + 2 * layer_outputs * max(activation_bytes, 4)
-                        + rows * shape.heads * record_length * record_length * 4),
-        "logits": 5 * min(logit_chunk(shape.vocab), tokens) * shape.vocab * 4,
+        # a bf16 cast of each trained weight, and of each frozen one not already in bf16 (a CPU's float32 frozen weights)
+        "autocast copies": (trained + (frozen if compute_bytes != 2 else 0)) * 2 if autocast else 0,
+        "activations": inputs + (kept_layers + 1) * layer + kept_layers * scores,  # + 1: the gradients of one layer's
+        "logits": logits(min(chunk, tokens) if checkpointing else tokens),
     }
     saved = 2 * trained * 4
-    teacher = total * compute_bytes + 2 * tokens * shape.intermediate * 3 * compute_bytes + parts["logits"]
+    # the teachers' pass computes no gradient: its micro-batches hold `batch_tokens`, its logits one chunk
+    teacher = total * compute_bytes + 2 * batch_tokens * shape.intermediate * 3 * compute_bytes + logits(min(chunk, batch_tokens))
     store = judged_tokens * (top_k * 6 + 4)
     training = sum(parts.values())
     peak = max(training + (saved if cpu else 0), teacher) + (store if cpu else 0)
@@ -133,12 +166,17 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
     else:  # the GPU it will run on may not be this machine's: planned as one with bf16, as every GPU that fits 8B has
         native = True
     autocast = autocasts(refine.precision, native)
-    bytes_ = refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k, tokens, 4 if cpu else 2, cpu,
-                           autocast)
+    plan = lambda checkpointing: refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k,  # noqa: E731
+                                               tokens, 4 if cpu else 2, cpu, autocast, checkpointing, refine.batch_records)
+    checkpointing = resolve_checkpointing(refine.gradient_checkpointing, plan(False)["peak"], int(memory))
+    bytes_ = plan(checkpointing)
     where = "RAM" if cpu else "GPU"
     return (f"  refine      ~{bytes_['peak'] / 1e9:.1f} GB {where} peak (params {params}"
-            + (f", rank {refine.rank}" if params == "adapter" else "") + (f"; ~{bytes_['host'] / 1e9:.1f} GB more on the host" if not cpu else "")
+            + (f", rank {refine.rank}" if params == "adapter" else "")
+            + f", gradient checkpointing {'on' if checkpointing else 'off'}"
+            + (f"; ~{bytes_['host'] / 1e9:.1f} GB more on the host" if not cpu else "")
             + "; docs/refine.md)")
 
 
-__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "autocasts", "plan_line", "refine_memory", "resolve_params"]
+__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "autocasts", "plan_line", "refine_memory", "resolve_checkpointing",
+           "resolve_params"]

@@ -166,6 +166,10 @@ class RefineSpec(BaseModel):
         "auto", description="what the student computes in (master weights and AdamW's state stay float32; a float64 run "
         "refines in float64): bfloat16 autocast, or float32 throughout; auto: bfloat16 where the device computes it natively "
         "(a GPU with bf16, a CPU with AVX512-BF16 or AMX: 2-3x faster than float32 there), else float32")
+    gradient_checkpointing: Literal["auto", True, False] = Field(
+        "auto", description="recompute each decoder layer (and each chunk of logits) in the backward pass instead of "
+        "keeping its activations; auto: off when the stage's peak without it fits half the device's memory (a small model "
+        "on a CPU: about a fifth less time a step), else on (8B on one GPU)")
 
     def learning_rate(self, params: str) -> float:
         """The peak learning rate for the resolved `params` (full or adapter)."""

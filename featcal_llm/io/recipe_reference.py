@@ -64,7 +64,7 @@ def type_text(annotation: Any) -> str:
         return f"mapping (`{heading}`)" if heading else "mapping"
     origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
-        return " \\| ".join(f"`{value}`" for value in arguments)
+        return " \\| ".join(f"`{str(value).lower() if isinstance(value, bool) else value}`" for value in arguments)  # YAML's true
     if origin is typing.Annotated:
         return type_text(arguments[0]) + _bounds(annotation.__metadata__)
     if origin is dict:
