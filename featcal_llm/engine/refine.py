@@ -284,8 +284,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
                 "gradient_checkpointing": checkpointing, "kept": KEPT_RULE}  # progress saved under another rule starts over
     left_out = sum(job.left_out.values())
-    runlog.stage(f"refine: {params} parameters, lr {lr:g}, gradient checkpointing {'on' if checkpointing else 'off'}, at most {spec.steps} steps of {spec.batch_records} records, "
-                 f"KL(teacher ‖ model) on {len(train_keys)} records"
+    runlog.stage(f"refine: {params} parameters, lr {lr:g}, gradient checkpointing {'on' if checkpointing else 'off'}, "
+                 f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) on {len(train_keys)} records"
                  + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
                  + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
     store = _teachers(job, teacher_keys, records, autocast)
