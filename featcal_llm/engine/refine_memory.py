@@ -74,13 +74,14 @@ class Shape:
                  (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
         return self.layers * rank * sum(a + b for a, b in pairs)
 
-    def saved_for_backward(self, activation_bytes: int, residual_bytes: int, lora: bool) -> int:
+    def saved_for_backward(self, activation_bytes: int, residual_bytes: int) -> int:
         """Bytes a token that one decoder layer keeps for its backward pass: each RMSNorm's input and output (the residual
-        stream's dtype), each projection's input (cast apart for each under autocast; a LoRA's A keeps its own), q and k
-        before and after the rotary embedding, v and the attention's output, and the MLP's gate, up and activation outputs."""
+        stream's dtype), each projection's input (cast apart for each under autocast; under a LoRA, its A keeps it and
+        the frozen projection does not), q and k before and after the rotary embedding, v and the attention's output, and
+        the MLP's gate, up and activation outputs (tests/test_refine_memory.py counts a real layer's)."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
         norms = 2 * 2 * self.hidden * residual_bytes
-        inputs = (5 * self.hidden + q_out + self.intermediate) * activation_bytes * (2 if lora else 1)
+        inputs = (5 * self.hidden + q_out + self.intermediate) * activation_bytes
         attention = (3 * q_out + 3 * kv_out) * activation_bytes
         return norms + inputs + attention + 3 * self.intermediate * activation_bytes
 
@@ -91,7 +92,7 @@ class Shape:
 def resolve_checkpointing(requested: str | bool, peak_without: int, memory: int) -> bool:
     """`gradient_checkpointing: auto`: off when the stage's peak without it (refine_memory(..., checkpointing=False))
     fits half the device's memory, else on. Recomputing every layer in the backward costs about a fifth of a step:
-    a small model on a CPU need not pay it; an 8B model on an 80 GB GPU must (141 GiB of activations without it)."""
+    a small model on a CPU need not pay it; an 8B model on an 80 GB GPU must (121 GiB of activations without it)."""
     if requested != "auto":
         return bool(requested)
     return peak_without > memory // 2
@@ -122,7 +123,7 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
     residual_bytes = compute_bytes if params == "adapter" and not shape.tied else max(compute_bytes, 4)
     tokens = batch_tokens if step_records is None else min(batch_tokens, step_records * record_length)
     rows = max(1, tokens // max(record_length, 1))
-    layer = tokens * shape.saved_for_backward(activation_bytes, residual_bytes, lora=params == "adapter")
+    layer = tokens * shape.saved_for_backward(activation_bytes, residual_bytes)
     scores = rows * shape.heads * record_length * record_length * 4
     kept_layers = 1 if checkpointing else shape.layers  # layers whose saved tensors and scores the backward holds at once
     inputs = shape.layers * tokens * shape.hidden * residual_bytes if checkpointing else 0  # each layer's input, kept
