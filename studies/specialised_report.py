@@ -44,7 +44,8 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal real + generated records + refine", "distill (lr by val share)"),
                 # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
                 ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
-                ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)")]
+                ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)"),
+                ("featcal defaults + refine, gradient checkpointing", "featcal defaults + refine, held-out drawn by position")]
 
 
 def scored(scores: dict) -> dict:

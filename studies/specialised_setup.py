@@ -47,6 +47,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults + refine, an eighth held out": {"refine": True, "tune": {"holdout": 0.125}},
     # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
     "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
+    # every layer recomputed in the backward, as every refinement was before `gradient_checkpointing: auto` (off on a CPU
+    # for this model): the same update, the time it costs
+    "featcal defaults + refine, gradient checkpointing": {"refine": {"gradient_checkpointing": True}},
     # another draw of the held-out records and of the training order (featcal.seed): the refinement's own spread
     "featcal defaults + refine, seed 1": {"seed": 1, "refine": True},
     # the broad setting's probes of where a domain's harm comes from (studies/specialised_broad.py)
