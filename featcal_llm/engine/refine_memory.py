@@ -91,7 +91,7 @@ class Shape:
 
 def resolve_checkpointing(requested: str | bool, peak_without: int, memory: int) -> bool:
     """`gradient_checkpointing: auto`: off when the stage's peak without it (refine_memory(..., checkpointing=False))
-    fits half the device's memory, else on. Recomputing every layer in the backward costs about a fifth of a step:
+    fits half the device's memory, else on. Recomputing every layer in the backward costs 5-20 % of a step:
     a small model on a CPU need not pay it; an 8B model on an 80 GB GPU must (121 GiB of activations without it)."""
     if requested != "auto":
         return bool(requested)

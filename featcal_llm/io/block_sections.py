@@ -169,7 +169,7 @@ class RefineSpec(BaseModel):
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="recompute each decoder layer (and each chunk of logits) in the backward pass instead of "
         "keeping its activations; auto: off when the stage's peak without it fits half the device's memory (a small model "
-        "on a CPU: about a fifth less time a step), else on (8B on one GPU)")
+        "on a CPU: 5-20% less time a step), else on (8B on one GPU)")
 
     def learning_rate(self, params: str) -> float:
         """The peak learning rate for the resolved `params` (full or adapter)."""
