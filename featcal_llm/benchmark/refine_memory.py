@@ -5,9 +5,10 @@ A random Llama of the given shape is saved as the merged model and as a teacher 
 GPU it is built there in the compute dtype, as a CPU could not hold an 8B model in float32 quickly), and the refine
 stage runs on random records (every token judged) with nothing else in the process. On the CPU a thread samples the
 process's anonymous resident memory every millisecond (glibc set to return freed memory at once: `live_heap`); on a
-GPU PyTorch's allocator counts its peak, for the teachers' pass and for the training apart. Printed: the model's parts and peak, the measured peaks and their ratio
-(the model is meant as an upper estimate: ratio >= 1), and the time of each part, with the time of the default run
-(3 experts x 256 records x 2048 tokens, 40 steps, a quarter of the records held out) extrapolated from them.
+GPU PyTorch's allocator counts its peak, for the teachers' pass and for the training apart. Printed: the model's
+parts and peak, the measured peaks and their ratio (the model is meant as an upper estimate: ratio >= 1), and the
+time of each part, with the time of the default run (3 experts x 256 records x 2048 tokens, 40 steps, a quarter of
+the records held out) extrapolated from them.
 
     python -m featcal_llm.benchmark.refine_memory [--hidden 512 --layers 4 --vocab 8192 --params full]
     python -m featcal_llm.benchmark.refine_memory --device cuda --llama-8b --records 16 --length 2048 --steps 4 --json out.json
