@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--start", default=None, help="a row's kept output (runs/<slug>) to refine instead of the merge")
+    d.add_argument("--continuations", type=int, default=0,
+                   help="per calibration record, this many continuations its expert samples from the record's first "
+                        "--prefix tokens, added to the records (a probe: does more text like the records lift the ceiling?)")
+    d.add_argument("--prefix", type=int, default=32)
     mix = sub.add_parser("mix", help="per expert, its real calibration records followed by those it wrote (data-free rows)")
     rep = sub.add_parser("report", help="the results file")
     rep.add_argument("--json", type=Path, default=Path("docs/studies/results/specialised.json"))

@@ -14,6 +14,33 @@ from studies.common import log, save_json
 from studies.specialised_setup import CAL_RECORDS, KINDS, score_model, slug
 
 
+def expert_continuations(work, tokenizer, records: dict[str, list[list[int]]], prefix: int, samples: int, seed: int,
+                         batch: int = 16) -> dict[str, list[list[int]]]:
+    """Per kind, `samples` continuations of each record's first `prefix` tokens, sampled from the record's own expert
+    (temperature 1, the whole vocabulary) to the record's length: text of the kind that no file holds."""
+    import torch
+
+    from studies.quality_eval import load
+
+    out = {}
+    for kind, rows in records.items():
+        model = load(work / "experts" / kind, "cpu")
+        torch.manual_seed(seed)
+        out[kind] = []
+        for _ in range(samples):
+            for start in range(0, len(rows), batch):
+                chunk = rows[start:start + batch]
+                length = min(len(r) for r in chunk)
+                ids = torch.tensor([r[:prefix] for r in chunk])
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    made = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                          top_k=0, top_p=1.0, max_new_tokens=length - prefix, min_new_tokens=length - prefix,
+                                          pad_token_id=tokenizer.pad_token_id)
+                out[kind] += made.tolist()
+        del model
+    return out
+
+
 def distill(args) -> None:
     import torch
     from transformers import AutoTokenizer
@@ -26,29 +53,36 @@ def distill(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     start = work / (args.start or "merged/ta")
     label = "merge" if args.start is None else args.start
+    extra = getattr(args, "continuations", 0)
+    suffix = f"-cont{extra}x{args.prefix}" if extra else ""
     lrs = [float(x) for x in args.lrs.split(",")]
-    todo = [lr for lr in lrs if not (work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}.json").exists()]
+    todo = [lr for lr in lrs if not (work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}{suffix}.json").exists()]
     if not todo:
         return
     records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
     started = time.time()
+    if extra:
+        made = expert_continuations(work, tokenizer, records, args.prefix, extra, args.seed)
+        records = {k: records[k] + made[k] for k in KINDS}
+        log(f"{extra} continuation(s) of each record's first {args.prefix} tokens in {time.time() - started:.0f} s")
     teachers = teacher_logprobs(work, tokenizer, records, bf16=True)  # as the students train: under bf16 autocast
     teacher_s = time.time() - started
     log(f"teachers' log-probabilities in {teacher_s:.0f} s")
-    train = [(k, i) for k in KINDS for i in range(CAL_RECORDS)]
+    train = [(k, i) for k in KINDS for i in range(len(records[k]))]
     for lr in todo:
         log(f"distill from {label}, lr {lr:g}: {args.steps} steps × {args.batch} records")
         model, seconds, losses = distill_one(work, tokenizer, start, train, records, teachers, lr=lr, steps=args.steps,
                                              batch=args.batch, seed=args.seed, bf16=True, train_embeddings=True,
                                              fused=True)  # as refine: steps timed alike
-        out = work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}"
+        out = work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}{suffix}"
         model.save_pretrained(out)
         del model
         scores = score_model(work, out, args.threads, ("test", "val"))  # val: what chooses the learning rate
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
-        run = {"name": f"distill from {label}, lr {lr:g}, {args.steps} steps", "start": label, "lr": lr,
+        run = {"name": f"distill from {label}, lr {lr:g}, {args.steps} steps" + (f", {extra} continuations a record" if extra else ""),
+               "start": label + suffix, "lr": lr, "continuations": extra, "prefix": args.prefix if extra else None,
                "steps": args.steps, "batch": args.batch, "records_per_expert": CAL_RECORDS, "every_parameter": True,
                "train_s": round(seconds, 1), "teacher_s": round(teacher_s, 1), "first_kl": losses[0],
                "last_kl": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads(), "fused_adamw": True, "scores": scores}

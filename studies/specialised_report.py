@@ -45,7 +45,9 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
                 ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)"),
-                ("featcal defaults + refine, gradient checkpointing", "featcal defaults + refine, held-out drawn by position")]
+                ("featcal defaults + refine, gradient checkpointing", "featcal defaults + refine, held-out drawn by position"),
+                # the same distillation on each record and two continuations of its first 32 tokens sampled by its expert
+                ("merge-cont2x32 → distill (lr by val share)", "distill (lr by val share)")]
 
 
 def scored(scores: dict) -> dict:
