@@ -66,8 +66,8 @@ def distill(args) -> None:
         records = {k: records[k] + made[k] for k in KINDS}
         log(f"{extra} continuation(s) of each record's first {args.prefix} tokens in {time.time() - started:.0f} s")
     teachers = teacher_logprobs(work, tokenizer, records, bf16=True)  # as the students train: under bf16 autocast
-    teacher_s = time.time() - started
-    log(f"teachers' log-probabilities in {teacher_s:.0f} s")
+    teacher_s = time.time() - started  # the continuations' sampling included: what the records cost before training
+    log(f"teachers' log-probabilities in {teacher_s:.0f} s" + (" (the sampling included)" if extra else ""))
     train = [(k, i) for k in KINDS for i in range(len(records[k]))]
     for lr in todo:
         log(f"distill from {label}, lr {lr:g}: {args.steps} steps × {args.batch} records")
