@@ -53,7 +53,7 @@ def distill(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     start = work / (args.start or "merged/ta")
     label = "merge" if args.start is None else args.start
-    extra = getattr(args, "continuations", 0)
+    extra = args.continuations
     suffix = f"-cont{extra}x{args.prefix}" if extra else ""
     lrs = [float(x) for x in args.lrs.split(",")]
     todo = [lr for lr in lrs if not (work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}{suffix}.json").exists()]

@@ -183,8 +183,7 @@ def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict
     shape = Shape.of(job.config, tied=LM_HEAD not in names)
     length = max((len(row) for rows in records.values() for row in rows), default=1)
     judged = sum(len(judged_positions(row)) for rows in records.values() for row in rows)
-    compute_bytes = torch.tensor([], dtype=job.compute_dtype).element_size()
-    without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, compute_bytes,
+    without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, job.compute_dtype.itemsize,
                             job.device.type == "cpu", autocast, checkpointing=False, step_records=job.spec.batch_records)
     return resolve_checkpointing(job.spec.gradient_checkpointing, without["peak"], device_memory(job.device))
 

@@ -169,8 +169,9 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
     autocast = autocasts(refine.precision, native)
     plan = lambda checkpointing: refine_memory(shape, params, refine.rank, min(batch_tokens, 8192), max_length, refine.top_k,  # noqa: E731
                                                tokens, 4 if cpu else 2, cpu, autocast, checkpointing, refine.batch_records)
-    checkpointing = resolve_checkpointing(refine.gradient_checkpointing, plan(False)["peak"], int(memory))
-    bytes_ = plan(checkpointing)
+    without = plan(False)
+    checkpointing = resolve_checkpointing(refine.gradient_checkpointing, without["peak"], int(memory))
+    bytes_ = plan(True) if checkpointing else without
     where = "RAM" if cpu else "GPU"
     return (f"  refine      ~{bytes_['peak'] / 1e9:.1f} GB {where} peak (params {params}"
             + (f", rank {refine.rank}" if params == "adapter" else "")
