@@ -18,11 +18,11 @@ from studies.quality_eval import workdir_evaluator as _evaluator
 from studies.real_data import KINDS, read_jsonl
 
 
-def _records(work: Path, tokenizer, kind: str, start: int, count: int) -> list[list[int]]:
-    """BOS + tokens of the kind's cal records [start, start + count) (the product's `samples` takes the first ones)."""
+def _records(work: Path, tokenizer, kind: str, start: int, count: int, split: str = "cal") -> list[list[int]]:
+    """BOS + tokens of the kind's `split` records [start, start + count) (the product's `samples` takes the first cal ones)."""
     from studies.real_models import encode
 
-    texts = [r["text"] for r in read_jsonl(work / "data" / kind / "cal.jsonl")][start:start + count]
+    texts = [r["text"] for r in read_jsonl(work / "data" / kind / f"{split}.jsonl")][start:start + count]
     return encode(tokenizer, texts)
 
 

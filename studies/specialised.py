@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="per calibration record, this many continuations its expert samples from the record's first "
                         "--prefix tokens, added to the records (a probe: does more text like the records lift the ceiling?)")
     d.add_argument("--prefix", type=int, default=32)
+    d.add_argument("--train-records", type=int, default=0,
+                   help="per kind, this many records of its expert's training file added to the records (a probe of "
+                        "the ceiling: how near one model comes to the three experts with real text of each kind to spare)")
     mix = sub.add_parser("mix", help="per expert, its real calibration records followed by those it wrote (data-free rows)")
     rep = sub.add_parser("report", help="the results file")
     rep.add_argument("--json", type=Path, default=Path("docs/studies/results/specialised.json"))

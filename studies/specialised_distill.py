@@ -54,12 +54,14 @@ def distill(args) -> None:
     start = work / (args.start or "merged/ta")
     label = "merge" if args.start is None else args.start
     extra = args.continuations
-    suffix = f"-cont{extra}x{args.prefix}" if extra else ""
+    suffix = (f"-cont{extra}x{args.prefix}" if extra else "") + (f"-train{args.train_records}" if args.train_records else "")
     lrs = [float(x) for x in args.lrs.split(",")]
     todo = [lr for lr in lrs if not (work / "distill" / f"{slug(label)}-lr{lr:g}-s{args.steps}{suffix}.json").exists()]
     if not todo:
         return
     records = {k: _records(work, tokenizer, k, 0, CAL_RECORDS) for k in KINDS}
+    if args.train_records:  # the experts saw about half of their training file (512 draws of 1,024 records)
+        records = {k: records[k] + _records(work, tokenizer, k, 0, args.train_records, split="train") for k in KINDS}
     started = time.time()
     if extra:
         made = expert_continuations(work, tokenizer, records, args.prefix, extra, args.seed)
@@ -81,9 +83,11 @@ def distill(args) -> None:
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
-        run = {"name": f"distill from {label}, lr {lr:g}, {args.steps} steps" + (f", {extra} continuations a record" if extra else ""),
+        run = {"name": f"distill from {label}, lr {lr:g}, {args.steps} steps" + (f", {extra} continuations a record" if extra else "")
+               + (f", {args.train_records} training records a kind added" if args.train_records else ""),
                "start": label + suffix, "lr": lr, "continuations": extra, "prefix": args.prefix if extra else None,
-               "steps": args.steps, "batch": args.batch, "records_per_expert": CAL_RECORDS, "every_parameter": True,
+               "train_records": args.train_records,
+               "steps": args.steps, "batch": args.batch, "records_per_expert": len(records[KINDS[0]]), "every_parameter": True,
                "train_s": round(seconds, 1), "teacher_s": round(teacher_s, 1), "first_kl": losses[0],
                "last_kl": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads(), "fused_adamw": True, "scores": scores}
         save_json(out.parent / f"{out.name}.json", run)
