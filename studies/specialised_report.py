@@ -33,6 +33,9 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal data-free, 256 records + refine", "featcal defaults + refine"),
                 ("featcal defaults + refine", "distill (lr by val share)"),
                 ("featcal defaults + refine, 80 steps", "distill (lr by val share)"),
+                ("featcal defaults + refine, 160 steps", "distill (lr by val share)"),
+                # the distillation from the closed form's output instead of the merge, against the merge's
+                ("runs/featcal-defaults → distill (lr by val share)", "distill (lr by val share)"),
                 # the refinement's KL weighed per token as the closed form weighs it, against the same held-out draw
                 ("featcal defaults + refine, lead-weighted tokens", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal defaults + refine, held-out drawn by position", "distill (lr by val share)"),

@@ -37,6 +37,7 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # the step budget (the held-out records still stop it early; the schedule spans the budget), chosen on the val split
     "featcal defaults + refine, 80 steps": {"refine": {"steps": 80}},
     "featcal defaults + refine, 120 steps": {"refine": {"steps": 120}},
+    "featcal defaults + refine, 160 steps": {"refine": {"steps": 160}},  # the budget the distillation's val split chose
     # the peak learning rate at the default 40 steps, chosen on the val split too
     "featcal defaults + refine, lr 2e-4": {"refine": {"lr": 2e-4}},
     "featcal defaults + refine, lr 3e-4": {"refine": {"lr": 3e-4}},
