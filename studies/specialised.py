@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="per kind, this many records of its expert's training file added to the records (a probe of "
                         "the ceiling: how near one model comes to the three experts with real text of each kind to spare)")
     mix = sub.add_parser("mix", help="per expert, its real calibration records followed by those it wrote (data-free rows)")
-    more = sub.add_parser("more", help="per expert, its real calibration records followed by 128 of its training file")
     rep = sub.add_parser("report", help="the results file")
     rep.add_argument("--json", type=Path, default=Path("docs/studies/results/specialised.json"))
     rep.add_argument("--conditions", default=None)
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for q in (r, s):
         q.add_argument("--experts", default=",".join(KINDS), help="the merged experts (experts/<name>, data/<name>); "
                        "the broad setting: broad,manpage,changelog")
-    for q in (prep, t, r, s, d, rep, mix, more):
+    for q in (prep, t, r, s, d, rep, mix):
         q.add_argument("--workdir", type=Path, required=True)
     args = p.parse_args(argv)
     if args.command == "distill":
@@ -205,13 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         from studies.specialised_setup import write_mixed
 
         log(f"real and generated records per expert: {write_mixed(args.workdir)}")
-    elif args.command == "more":
-        from transformers import AutoTokenizer
-
-        from studies.specialised_setup import write_more
-
-        bos = AutoTokenizer.from_pretrained(args.workdir / "base").bos_token
-        log(f"real records per expert, the training file's added: {write_more(args.workdir, bos)}")
     elif args.command == "report":
         from studies.specialised_report import report
 

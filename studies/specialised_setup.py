@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from studies.quality_setup import paper_rule
-from studies.real_data import read_jsonl, write_jsonl
+from studies.real_data import read_jsonl
 from studies.specialised_data import KINDS
 
 SETTING = "specialised"
@@ -24,8 +24,6 @@ SCORED = {"test": 48, "val": 32}  # records scored per domain (two loaded cores:
 DATA, GENERATE = "data", "generate"  # a row's data: key: the experts' own samples instead of the cal split
 MIXED = "mixed"  # ...or the cal split's records followed by the 256 each expert wrote for the data-free rows (`mix`)
 SAMPLES = "samples"  # a row's own featcal.samples (default CAL_RECORDS)
-MORE = "more"  # ...or the cal split's records followed by TRAIN_ADDED of the kind's training file (`more`)
-TRAIN_ADDED = 128
 
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
     "featcal defaults": {},
@@ -73,10 +71,6 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal data-free, 256 records + refine": {DATA: GENERATE, SAMPLES: 256, "refine": True},  # generate's default count
     # the 64 real records and the 256 each expert wrote, in one file per expert (`python -m studies.specialised mix`)
     "featcal real + generated records + refine": {DATA: MIXED, SAMPLES: CAL_RECORDS + 256, "refine": True},
-    # a probe of what binds: 128 more real records per expert, from its own training file (about half of which it
-    # trained on), calibrated and refined on with the 64 (`python -m studies.specialised more`)
-    "featcal defaults, 128 training records added": {DATA: MORE, SAMPLES: CAL_RECORDS + TRAIN_ADDED},
-    "featcal defaults + refine, 128 training records added": {DATA: MORE, SAMPLES: CAL_RECORDS + TRAIN_ADDED, "refine": True},
 }
 
 
@@ -85,7 +79,6 @@ def slug(name: str) -> str:
 
 
 MIXED_FILE = "cal-and-generated.jsonl"
-MORE_FILE = "cal-and-train.jsonl"
 
 
 def write_mixed(work: Path, experts: tuple[str, ...] = KINDS, generated: str = "runs/featcal_generated") -> dict[str, int]:
@@ -109,18 +102,6 @@ def write_mixed(work: Path, experts: tuple[str, ...] = KINDS, generated: str = "
     return counts
 
 
-def write_more(work: Path, bos: str, experts: tuple[str, ...] = KINDS) -> dict[str, int]:
-    """Per expert, data/<name>/cal-and-train.jsonl: its first CAL_RECORDS calibration records, then the first
-    TRAIN_ADDED of its kind's training file, BOS first as the experts were trained. Returns the counts."""
-    counts = {}
-    for name in experts:
-        rows = read_jsonl(work / "data" / name / f"cal{AS_TRAINED}.jsonl")[:CAL_RECORDS]
-        rows += [{**r, "text": bos + r["text"]} for r in read_jsonl(work / "data" / name / "train.jsonl")[:TRAIN_ADDED]]
-        write_jsonl(rows, work / "data" / name / MORE_FILE)
-        counts[name] = len(rows)
-    return counts
-
-
 def _yaml(value) -> str:
     import yaml
 
@@ -136,8 +117,7 @@ def recipe_text(keys: dict, output: str, *, samples: int = CAL_RECORDS, device: 
         lines += [f"  - model: experts/{name}", f"    parameters: {{weight: {TA_WEIGHT}}}"]
     lines += ["dtype: float32", "featcal:", "  merged: merged/ta", f"  output: {output}", "  data:"]
     sources = {GENERATE: lambda name: "{generate: {}}",
-               MIXED: lambda name: f"{{path: data/{name}/{MIXED_FILE}, format: completion}}",
-               MORE: lambda name: f"{{path: data/{name}/{MORE_FILE}, format: text}}"}
+               MIXED: lambda name: f"{{path: data/{name}/{MIXED_FILE}, format: completion}}"}
     source = sources.get(keys.get(DATA), lambda name: f"{{path: data/{name}/cal{AS_TRAINED}.jsonl, format: text}}")
     lines += [f"    experts/{name}: " + source(name) for name in experts]
     lines += [f"  samples: {keys.get(SAMPLES, samples)}", f"  max_length: {RECORD_TOKENS + 1}", f"  device: {device}", "  dtype: float32"]
