@@ -51,11 +51,7 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal defaults + refine, gradient checkpointing", "featcal defaults + refine, held-out drawn by position"),
                 # the same distillation on each record and two continuations of its first 32 tokens sampled by its expert
                 ("merge-cont2x32 → distill (lr by val share)", "distill (lr by val share)"),
-                # 128 records of each kind's training file added to the 64: the closed form, refinement and distillation
-                # on the same 192 records per expert
-                ("featcal defaults, 128 training records added", "featcal defaults"),
-                ("featcal defaults + refine, 128 training records added", "featcal defaults + refine, held-out drawn by position"),
-                ("featcal defaults + refine, 128 training records added", "merge-train128 → distill (lr by val share)"),
+                # 128 records of each kind's training file added to the 64 (real text of each kind to spare)
                 ("merge-train128 → distill (lr by val share)", "distill (lr by val share)")]
 
 
