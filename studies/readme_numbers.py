@@ -40,6 +40,9 @@ TABLE_ROWS = [
     ("featcal defaults", "+ FeatCal, featcal-llm's defaults"),
     ("distill (lr by val share)", "the merge distilled toward the experts (gradient reference, its budget chosen on val files)"),
     ("featcal defaults + refine", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
+    # the same recipe under the name the rebuilt setting ran it (a file with both shows the first)
+    ("featcal defaults + refine, held-out drawn by position", "+ FeatCal, featcal-llm's defaults, then `refine: true`"),
+    ("featcal defaults + refine, 160 steps", "+ FeatCal, featcal-llm's defaults, then `refine: {steps: 160}`"),
 ]
 
 # the study page that describes each setting (absolute link from the README: PyPI renders it too)
@@ -117,7 +120,8 @@ def render_table(results_dir: Path = RESULTS, file: str | None = None) -> str:
     results = _load(results_dir, file)
     setting, rows = results["setting"], _with_best_expert(results["rows"])
     domains = list(setting["experts"])
-    shown = [(key, label) for key, label in TABLE_ROWS if key in rows or (key == EXPERTS and "gap" in setting and "merged" in rows)]
+    present = [(key, label) for key, label in TABLE_ROWS if key in rows or (key == EXPERTS and "gap" in setting and "merged" in rows)]
+    shown = [(key, label) for i, (key, label) in enumerate(present) if label not in {other for _, other in present[:i]}]
     samples = (rows.get("featcal defaults", {}).get("featcal") or {}).get("samples")
     count = NUMBERS.get(len(domains), str(len(domains)))
     merge = f" at weight {setting['ta_weight']:g} each" if setting.get("ta_weight") is not None else ""

@@ -158,3 +158,21 @@ def test_the_specialised_files_shape_renders(tmp_path, monkeypatch):
     defaults = next(line for line in lines if line.startswith(f"| {labels['featcal defaults']} |"))
     assert defaults.split("|")[-2].strip() == "0.58 (0.51–0.66)" and defaults.split("|")[2].strip() == "1.883 (1.850–1.900)"
     assert "95 % intervals of the average and of the share (bootstrap over test records, per domain, paired across models)." in lines[-1]
+
+
+def test_a_recipe_under_two_row_names_shows_once_as_the_first(tmp_path, monkeypatch):
+    """`refine: true` ran as "featcal defaults + refine" on one build and as "..., held-out drawn by position" on the
+    rebuilt one: the table shows one row of that label, the first TABLE_ROWS key the file has."""
+    kinds = ["news", "law", "recipes"]
+    row = lambda share: {"nll": dict(zip(kinds, [2.0, 2.1, 2.2])), "nll_avg": 2.1, "share": share}  # noqa: E731
+    rows = {"merged": row(0.0), "featcal defaults": row(0.5), "featcal defaults + refine, held-out drawn by position": row(0.77)}
+    results = {"setting": {"name": "made-up", "experts": kinds, "ta_weight": 0.5}, "rows": rows}
+    monkeypatch.setattr(readme_numbers, "TABLE_FILE", "made-up-setting.json")
+    label = dict(TABLE_ROWS)["featcal defaults + refine"]
+    shares = []
+    for extra in ({}, {"featcal defaults + refine": row(0.66)}):
+        (tmp_path / "made-up-setting.json").write_text(json.dumps({**results, "rows": {**rows, **extra}}), encoding="utf-8")
+        lines = [line for line in readme_numbers.render_table(tmp_path).splitlines() if line.startswith(f"| {label} |")]
+        assert len(lines) == 1
+        shares.append(lines[0].split("|")[-2].strip())
+    assert shares == ["0.77", "0.66"]
