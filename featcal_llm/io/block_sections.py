@@ -148,7 +148,9 @@ class RefineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(40, ge=1, description="at most this many optimizer steps")
+    steps: int = Field(40, ge=1, description="at most this many optimizer steps (the held-out records may stop it sooner); "
+                       "a small model can gain from more at as much more time (a 135M model on a CPU: 160 steps 0.87 of "
+                       "the gap against 40's 0.84), while 40 already take 6-7 minutes at 8B on one H200")
     lr: float | None = Field(None, gt=0, description="peak AdamW learning rate; default 1e-4 for params full, 3e-4 for adapter",
                              json_schema_extra={"shown_default": "1e-4 (full), 3e-4 (adapter)"})
     batch_records: int = Field(8, ge=1, description="records per optimizer step, drawn in a seeded order across every expert")
