@@ -132,6 +132,27 @@ def compare(names: list[str] | None = None, workers: int = 2) -> dict:
             "evalplus_times": evalplus_times, "names": names}
 
 
+def compare_in_a_process_of_its_own(workers: int = 2) -> dict:
+    """compare() in a child process: EvalPlus forks each program with every descriptor of its parent open, so the
+    forges that write to them all would write into the caller's pipes (pytest-xdist's channel to its controller,
+    which then waits for ever)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json, sys\nfrom evalplus_diff import compare\n"
+            f"result = compare(workers={workers})\n"
+            "result['ours'] = [[name, fmt, passed] for (name, fmt), passed in result['ours'].items()]\n"
+            "json.dump(result, sys.stdout)\n")
+    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if child.returncode != 0:
+        raise RuntimeError(f"compare() failed in its process (exit {child.returncode}):\n{child.stderr[-4000:]}")
+    result = json.loads(child.stdout)
+    result["ours"] = {(name, fmt): passed for name, fmt, passed in result["ours"]}
+    return result
+
+
 def disagreements(result: dict) -> dict[tuple[str, str], tuple[bool, bool]]:
     """(candidate, format) -> (EvalPlus, ours) where the two differ."""
     return {job: (result["evalplus"][job[0]], passed) for job, passed in result["ours"].items()
