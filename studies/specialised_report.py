@@ -37,6 +37,9 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 # at that budget, the distillation's split of the records (an eighth held out) against a quarter's
                 ("featcal defaults + refine, 160 steps, an eighth held out", "featcal defaults + refine, 160 steps"),
                 ("featcal defaults + refine, 160 steps, an eighth held out", "distill (lr by val share)"),
+                ("featcal defaults + refine, 160 steps, an eighth held out, top-1024 teachers",
+                 "featcal defaults + refine, 160 steps, an eighth held out"),
+                ("featcal defaults + refine, 160 steps, an eighth held out, top-1024 teachers", "distill (lr by val share)"),
                 # the distillation from the closed form's output instead of the merge, against the merge's
                 ("runs/featcal-defaults → distill (lr by val share)", "distill (lr by val share)"),
                 # the refinement's KL weighed per token as the closed form weighs it, against the same held-out draw
