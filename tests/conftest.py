@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,8 +6,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import os  # noqa: E402
-
 # one thread a worker when pytest-xdist runs several (PYTEST_XDIST_WORKER_COUNT), two otherwise
 torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else min(2, torch.get_num_threads()))
 

@@ -214,7 +214,7 @@ def test_readme_setup_commands_match_ci():
     assert len(readme.splitlines()) <= 250
     bash = [b.text for b in ALL_BLOCKS if b.page == REPO / "README.md" and b.language == "bash"]
     demo = [t for t in bash if t.endswith("-m featcal_llm demo") and "venv" in t]
-    tests = [t for t in bash if t.endswith("-m pytest -q -p no:cacheprovider -n 2") and "venv" in t]
+    tests = [t for t in bash if t.endswith("-m pytest -q -p no:cacheprovider -n 2 --dist loadfile") and "venv" in t]
     assert len(demo) == 1 and len(tests) == 1, "the README must keep exactly one demo and one test set-up command"
     assert "[test]" not in demo[0]
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
