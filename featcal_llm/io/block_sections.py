@@ -161,7 +161,9 @@ class RefineSpec(BaseModel):
         "into the weights) plus the norms, biases and LM head (with the embedding, when tied) in full; auto: full when the full AdamW state "
         "(16 bytes a parameter) fits a quarter of the device's memory, else adapter")
     rank: int = Field(16, ge=1, description="LoRA rank (params: adapter)")
-    top_k: int = Field(64, ge=1, description="teacher tokens kept per position; the rest is one bin, so the KL stays exact over k + 1 bins")
+    top_k: int = Field(64, ge=1, description="teacher tokens kept per position; the rest is one bin, so the KL stays exact over k + 1 bins; "
+                       "1,024 gained nothing at 40 steps and 0.02 of the gap at 160 on a small model, for 16× the teachers' "
+                       "store on the host (9.7 GB at Llama-3.1-8B with 3 × 256 × 2048 tokens)")
     warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over, then a cosine down to a tenth of the peak")
     max_grad_norm: float = Field(1.0, gt=0, description="gradients clipped to this global norm")
     precision: Literal["auto", "bfloat16", "float32"] = Field(
