@@ -51,6 +51,9 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 # each expert's 64 real records and the 256 it wrote, calibrated and refined on together
                 ("featcal real + generated records + refine", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal real + generated records + refine", "distill (lr by val share)"),
+                # the closed form's start against the merge's, at refinement's default budget, in full and with the adapter
+                ("featcal defaults + refine, held-out drawn by position", "refine from the merge (closed form held at it)"),
+                ("featcal defaults + refine, adapter", "refine from the merge (closed form held at it), adapter"),
                 # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
                 ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)"),

@@ -51,6 +51,11 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # an eighth of the records held out (the distillation's 8 of 64) instead of a quarter: the closed form and the
     # refinement fit 56 records per expert instead of 48, the stopping rule judges 8
     "featcal defaults + refine, an eighth held out": {"refine": True, "tune": {"holdout": 0.125}},
+    # refinement from the merge itself (the closed form held there: lambda 1e9 toward an anchor at the merge, no head
+    # re-fit), in full and with the adapter 8B uses: what the closed form's start is worth at refinement's own budget
+    "refine from the merge (closed form held at it)": {"lambda": 1e9, "rho": 1.0, "head": False, "refine": True},
+    "refine from the merge (closed form held at it), adapter": {"lambda": 1e9, "rho": 1.0, "head": False,
+                                                                "refine": {"params": "adapter"}},
     # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
     "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
     # every layer recomputed in the backward, as every refinement was before `gradient_checkpointing: auto` (off on a CPU
