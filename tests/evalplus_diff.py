@@ -139,16 +139,19 @@ def compare_in_a_process_of_its_own(workers: int = 2) -> dict:
     import json
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
-    code = ("import json, sys\nfrom evalplus_diff import compare\n"
-            f"result = compare(workers={workers})\n"
-            "result['ours'] = [[name, fmt, passed] for (name, fmt), passed in result['ours'].items()]\n"
-            "json.dump(result, sys.stdout)\n")
-    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
-    if child.returncode != 0:
-        raise RuntimeError(f"compare() failed in its process (exit {child.returncode}):\n{child.stderr[-4000:]}")
-    result = json.loads(child.stdout)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.json"  # a file, not stdout: the graded programs print
+        code = ("import json, sys\nfrom evalplus_diff import compare\n"
+                f"result = compare(workers={workers})\n"
+                "result['ours'] = [[name, fmt, passed] for (name, fmt), passed in result['ours'].items()]\n"
+                f"open({str(out)!r}, 'w').write(json.dumps(result))\n")
+        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"compare() failed in its process (exit {child.returncode}):\n{child.stderr[-4000:]}")
+        result = json.loads(out.read_text())
     result["ours"] = {(name, fmt): passed for name, fmt, passed in result["ours"]}
     return result
 
