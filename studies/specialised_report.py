@@ -54,6 +54,7 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 # the closed form's start against the merge's, at refinement's default budget, in full and with the adapter
                 ("featcal defaults + refine, held-out drawn by position", "refine from the merge (closed form held at it)"),
                 ("featcal defaults + refine, adapter", "refine from the merge (closed form held at it), adapter"),
+                ("featcal defaults + refine, adapter", "refine from the merge (closed form held at it), adapter, 160 steps"),
                 # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
                 ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)"),

@@ -56,6 +56,10 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "refine from the merge (closed form held at it)": {"lambda": 1e9, "rho": 1.0, "head": False, "refine": True},
     "refine from the merge (closed form held at it), adapter": {"lambda": 1e9, "rho": 1.0, "head": False,
                                                                 "refine": {"params": "adapter"}},
+    # the memory-matched reference at 8B: an adapter distillation of the merge given the 160 steps (its held-out records
+    # still stop it)
+    "refine from the merge (closed form held at it), adapter, 160 steps": {"lambda": 1e9, "rho": 1.0, "head": False,
+                                                                           "refine": {"params": "adapter", "steps": 160}},
     # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
     "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
     # every layer recomputed in the backward, as every refinement was before `gradient_checkpointing: auto` (off on a CPU
