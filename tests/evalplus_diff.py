@@ -133,9 +133,9 @@ def compare(names: list[str] | None = None, workers: int = 2) -> dict:
 
 
 def compare_in_a_process_of_its_own(workers: int = 2) -> dict:
-    """compare() in a child process: EvalPlus forks each program with every descriptor of its parent open, so the
-    forges that write to them all would write into the caller's pipes (pytest-xdist's channel to its controller,
-    which then waits for ever)."""
+    """compare() in a child process (this file's `--json`): EvalPlus forks each program with every descriptor of its
+    parent open, so the forges that write to them all would write into the caller's pipes (pytest-xdist's channel to
+    its controller, which then waits for ever)."""
     import json
     import subprocess
     import sys
@@ -144,11 +144,8 @@ def compare_in_a_process_of_its_own(workers: int = 2) -> dict:
 
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"  # a file, not stdout: the graded programs print
-        code = ("import json, sys\nfrom evalplus_diff import compare\n"
-                f"result = compare(workers={workers})\n"
-                "result['ours'] = [[name, fmt, passed] for (name, fmt), passed in result['ours'].items()]\n"
-                f"open({str(out)!r}, 'w').write(json.dumps(result))\n")
-        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+        child = subprocess.run([sys.executable, __file__, "--json", str(out), "--workers", str(workers)],
+                               capture_output=True, text=True)
         if child.returncode != 0:
             raise RuntimeError(f"compare() failed in its process (exit {child.returncode}):\n{child.stderr[-4000:]}")
         result = json.loads(out.read_text())
@@ -162,8 +159,20 @@ def disagreements(result: dict) -> dict[tuple[str, str], tuple[bool, bool]]:
             if passed != result["evalplus"][job[0]]}
 
 
-def main() -> None:
-    result = compare(workers=1)
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="EvalPlus's verdicts against ours")
+    parser.add_argument("--json", type=Path, help="write compare()'s result here instead of printing the table")
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    result = compare(workers=args.workers)
+    if args.json:
+        ours = [[name, fmt, passed] for (name, fmt), passed in result["ours"].items()]  # JSON has no tuple keys
+        args.json.write_text(json.dumps({**result, "ours": ours}))
+        return
     differ = disagreements(result)
     for fmt in FORMATS:
         jobs = [job for job in result["ours"] if job[1] == fmt]
