@@ -25,6 +25,8 @@ DATA, GENERATE = "data", "generate"  # a row's data: key: the experts' own sampl
 MIXED = "mixed"  # ...or the cal split's records followed by the 256 each expert wrote for the data-free rows (`mix`)
 SAMPLES = "samples"  # a row's own featcal.samples (default CAL_RECORDS)
 
+HELD_AT_MERGE = {"lambda": 1e9, "rho": 1.0, "head": False}  # the closed form's update ~0: lambda 1e9 toward an anchor at the merge
+
 ROWS = {  # row name → the featcal: keys set beyond the data and the study's sizes
     "featcal defaults": {},
     "featcal paper rule": paper_rule(),
@@ -51,15 +53,13 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # an eighth of the records held out (the distillation's 8 of 64) instead of a quarter: the closed form and the
     # refinement fit 56 records per expert instead of 48, the stopping rule judges 8
     "featcal defaults + refine, an eighth held out": {"refine": True, "tune": {"holdout": 0.125}},
-    # refinement from the merge itself (the closed form held there: lambda 1e9 toward an anchor at the merge, no head
-    # re-fit), in full and with the adapter 8B uses: what the closed form's start is worth at refinement's own budget
-    "refine from the merge (closed form held at it)": {"lambda": 1e9, "rho": 1.0, "head": False, "refine": True},
-    "refine from the merge (closed form held at it), adapter": {"lambda": 1e9, "rho": 1.0, "head": False,
-                                                                "refine": {"params": "adapter"}},
+    # refinement from the merge itself (the closed form held there), in full and with the adapter 8B uses: what the
+    # closed form's start is worth at refinement's own budget
+    "refine from the merge (closed form held at it)": {**HELD_AT_MERGE, "refine": True},
+    "refine from the merge (closed form held at it), adapter": {**HELD_AT_MERGE, "refine": {"params": "adapter"}},
     # the memory-matched reference at 8B: an adapter distillation of the merge given the 160 steps (its held-out records
     # still stop it)
-    "refine from the merge (closed form held at it), adapter, 160 steps": {"lambda": 1e9, "rho": 1.0, "head": False,
-                                                                           "refine": {"params": "adapter", "steps": 160}},
+    "refine from the merge (closed form held at it), adapter, 160 steps": {**HELD_AT_MERGE, "refine": {"params": "adapter", "steps": 160}},
     # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
     "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
     # every layer recomputed in the backward, as every refinement was before `gradient_checkpointing: auto` (off on a CPU
