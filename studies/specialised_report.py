@@ -55,6 +55,11 @@ SHARE_RATIOS = [("featcal data-free", "featcal defaults"),
                 ("featcal defaults + refine, held-out drawn by position", "refine from the merge (closed form held at it)"),
                 ("featcal defaults + refine, adapter", "refine from the merge (closed form held at it), adapter"),
                 ("featcal defaults + refine, adapter", "refine from the merge (closed form held at it), adapter, 160 steps"),
+                # the adapter's budget from the closed form against the same reference, and that reference given twice the steps
+                ("featcal defaults + refine, adapter, 20 steps", "refine from the merge (closed form held at it), adapter, 160 steps"),
+                ("featcal defaults + refine, adapter, 80 steps", "refine from the merge (closed form held at it), adapter, 160 steps"),
+                ("refine from the merge (closed form held at it), adapter, 320 steps",
+                 "refine from the merge (closed form held at it), adapter, 160 steps"),
                 # the teachers' top 1,024 tokens kept instead of 64, against the same held-out draw
                 ("featcal defaults + refine, top-1024 teachers", "featcal defaults + refine, held-out drawn by position"),
                 ("featcal defaults + refine, top-1024 teachers", "distill (lr by val share)"),

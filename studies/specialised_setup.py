@@ -33,6 +33,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults + refine": {"refine": True},
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
     "featcal defaults + refine, adapter, float32": {"refine": {"params": "adapter", "precision": "float32"}},
+    # the adapter's budget (8B's mode): what 20 and 80 steps give beside the default 40
+    "featcal defaults + refine, adapter, 20 steps": {"refine": {"params": "adapter", "steps": 20}},
+    "featcal defaults + refine, adapter, 80 steps": {"refine": {"params": "adapter", "steps": 80}},
     "featcal defaults + refine, full": {"refine": {"params": "full"}},
     # the step budget (the held-out records still stop it early; the schedule spans the budget), chosen on the val split
     "featcal defaults + refine, 80 steps": {"refine": {"steps": 80}},
@@ -60,6 +63,8 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # the memory-matched reference at 8B: an adapter distillation of the merge given the 160 steps (its held-out records
     # still stop it)
     "refine from the merge (closed form held at it), adapter, 160 steps": {**HELD_AT_MERGE, "refine": {"params": "adapter", "steps": 160}},
+    # ...and twice that, the 160 steps having improved to their last check: the val split chooses between the two
+    "refine from the merge (closed form held at it), adapter, 320 steps": {**HELD_AT_MERGE, "refine": {"params": "adapter", "steps": 320}},
     # the teachers' top 1,024 tokens kept per position instead of 64 (the distillation it ties keeps the whole vocabulary)
     "featcal defaults + refine, top-1024 teachers": {"refine": {"top_k": 1024}},
     # every layer recomputed in the backward, as every refinement was before `gradient_checkpointing: auto` (off on a CPU
