@@ -1,7 +1,8 @@
 """refine's resumable progress: what a held-out check saves in the staging area, when, and how a rerun reads it back.
 
-A save holds the trainable state, AdamW's two moments, the schedule, the RNG and the history: 16 bytes a trained
-parameter (2.2 GB for SmolLM2-135M in full, ~9 s on a loaded CPU box; the LM head's AdamW state alone is 6 GB at 8B).
+A save holds the trainable state, AdamW's two moments, the schedule, the RNG and the history: 12 bytes a trained
+parameter (1.6 GB for SmolLM2-135M in full, ~9 s on a loaded CPU box; the LM head's alone is 6 GB at 8B), and a new
+best state 4 more, once, in its own file.
 Saving after every check spent a quarter of a CPU refinement writing files, so a check saves only when the time since
 the last save ended is at least `1 / SAVE_SHARE` times what that save took: saving stays near a tenth of the stage's
 time, whatever the model and the disk. Nothing else depends on when saves happen: a rerun resumes after the last
