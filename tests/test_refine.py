@@ -260,6 +260,58 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
     assert (resumed / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
 
 
+def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenario, monkeypatch, capsys):
+    """Killed in its refinement (as by running out of memory) and rerun with `gradient_checkpointing: true`: the calibrated
+    layers and the teachers are reused, the refinement starts over under its new settings, and the bytes are those of a
+    fresh run with them."""
+    import featcal_llm.engine.calibrate as calibrate_module
+    import featcal_llm.engine.refine as refine_module
+
+    def crash(step, saved):
+        if step == 4:
+            raise RuntimeError("killed after step 4")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        with pytest.raises(RuntimeError, match="killed after step 4"):
+            run(far_scenario, "changed", refine=REFINE)
+    partial = far_scenario.root / ".changed.featcal-partial"
+    assert (partial / "pass-refine.pt").is_file() and list(partial.glob("pass-refine-best-*"))
+    changed = {**REFINE, "gradient_checkpointing": True}
+    capsys.readouterr()
+    with monkeypatch.context() as patch:  # killed again before its first step: none of the old progress is left to mix in
+        patch.setattr(refine_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed at step 1")))
+        with pytest.raises(RuntimeError, match="killed at step 1"):
+            run(far_scenario, "changed", refine=changed)
+    assert "its settings changed since the saved progress, so it starts over" in capsys.readouterr().err
+    assert sorted(p.name for p in partial.glob("pass-refine*")) == ["pass-refine-teachers.pt"]
+    layers, steps = [], []
+    fit, step = calibrate_module.calibrate_layer, refine_module.train_step
+    with monkeypatch.context() as patch:
+        patch.setattr(calibrate_module, "calibrate_layer", lambda *a, **k: layers.append(1) or fit(*a, **k))
+        patch.setattr(refine_module, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+        resumed = run(far_scenario, "changed", refine=changed)
+    err = capsys.readouterr().err
+    assert layers == [] and "the teachers' distributions reused" in err
+    report = json.loads((resumed / "featcal_refine.json").read_text())
+    assert report["gradient_checkpointing"] is True and len(steps) == report["steps_run"] > 4  # from step 0, not step 4
+    fresh = run(far_scenario, "changed-fresh", refine=changed)
+    assert (resumed / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+
+
+def test_progress_saved_under_other_settings_is_forgotten_whole(tmp_path):
+    """The old progress and every old best state go before a refinement starts over: a best state of the same step
+    written under other settings must never be read back as the new run's."""
+    from featcal_llm.engine.refine_progress import best_pass, forget_progress
+    from featcal_llm.engine.resume import StagingArea
+
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    for name in ("refine", best_pass(2), best_pass(4), "refine-teachers"):
+        staging.save_pass(name, {"step": 0})
+    forget_progress(staging)
+    assert sorted(p.name for p in staging.root.glob("pass-*")) == ["pass-refine-teachers.pt"]
+
+
 def test_a_crash_after_an_unsaved_check_resumes_from_the_last_save(far_scenario, refined, monkeypatch):
     """Saves only at the first check (as when saving is slow against the steps): killed after the check at step 4, which
     found a new best but saved nothing, the rerun resumes after step 2 and still writes the unbroken run's bytes."""
@@ -349,13 +401,15 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
 
 
-def test_refine_settings_enter_the_fingerprint_and_a_stack_refines_once():
+def test_only_refines_presence_enters_the_fingerprint_and_a_stack_refines_once():
     from featcal_llm.io.block import FeatCalConfig
     from featcal_llm.stages.prepare import resolved_settings
 
     block = {"merged": "m", "output": "o", "data": {}}
-    settings = [resolved_settings(FeatCalConfig(**block, refine=value)) for value in (False, True, {"steps": 41}, {"params": "adapter"})]
-    assert len({json.dumps(s, sort_keys=True) for s in settings}) == 4  # each change of refine: starts over, never resumes stale state
+    settings = [json.dumps(resolved_settings(FeatCalConfig(**block, refine=value)), sort_keys=True)
+                for value in (False, True, {"steps": 41}, {"params": "adapter"})]
+    # refine holds records out of the closed form, so turning it on starts over; its keys are the refine stage's to check
+    assert settings[0] != settings[1] == settings[2] == settings[3]
     stack = FeatCalConfig(**block, method=["regmean", "featcal"], refine=True)
     assert stack.stage(0, "intermediate").refine is None and stack.stage(1, "intermediate").refine is not None
     assert stack.stage(0, "intermediate").holds_out  # RegMean's Grams never see the records that stop the refinement

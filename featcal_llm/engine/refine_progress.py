@@ -59,13 +59,20 @@ def load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
     return saved["state"]
 
 
-def drop_older_bests(staging, keep: int) -> None:
-    """Only the best state the progress file names is kept: the progress is saved before the older one is removed, so a
-    crash between the two leaves a best state for whichever progress file survives."""
-    kept = staging.pass_file(best_pass(keep))
+def drop_older_bests(staging, keep: int | None) -> None:
+    """Only the best state the progress file names is kept (None: none): the progress is saved before the older one is
+    removed, so a crash between the two leaves a best state for whichever progress file survives."""
+    kept = None if keep is None else staging.pass_file(best_pass(keep))
     for path in staging.root.glob(staging.pass_file(best_pass("*")).name):
         if path != kept:
             path.unlink()
+
+
+def forget_progress(staging) -> None:
+    """Remove a refinement's saved progress and best states: saved under other `refine:` settings, they must not mix
+    with the new run's files (a best state of the same step written by either)."""
+    staging.pass_file("refine").unlink(missing_ok=True)
+    drop_older_bests(staging, None)
 
 
 class ProgressSaver:
