@@ -24,14 +24,19 @@ class RunFailure(FeatCalError):
     exit_code = EXIT_FAILED
 
 
-def out_of_memory(error: BaseException) -> RunFailure | None:
+LAYERS_REMEDY = ("`featcal-llm validate RECIPE` prints what the run needs: lower featcal.batch_tokens, or run on a larger device, "
+                 "then rerun the same command to resume")
+REFINE_REMEDY = ("in the refinement: set featcal.refine.gradient_checkpointing: true (or featcal.refine.params: adapter where it "
+                 "trains every parameter) and rerun the same command: the calibrated layers are kept")
+
+
+def out_of_memory(error: BaseException, remedy: str = LAYERS_REMEDY) -> RunFailure | None:
     """torch's OutOfMemoryError (a RuntimeError; named, so that the CLI need not import torch) or the host's MemoryError
-    as one line that says what to change; None for any other error."""
+    as one line that says what to change (`remedy`: the stage's own levers); None for any other error."""
     if not isinstance(error, MemoryError) and type(error).__name__ != "OutOfMemoryError":
         return None
     where = (str(error).strip().splitlines() or ["the host's RAM"])[0]
-    return RunFailure(f"out of memory ({where[:200]}); `featcal-llm validate RECIPE` prints what the run needs: lower "
-                      "featcal.batch_tokens, or run on a larger device, then rerun the same command to resume")
+    return RunFailure(f"out of memory ({where[:200]}); {remedy}")
 
 
 class QuietExit(Exception):

@@ -22,7 +22,7 @@ from featcal_llm.engine.token_weights import advantage_weights
 from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
 from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.distributed import Single, WorldError, communicator
-from featcal_llm.errors import QUIET, FeatCalError, RunFailure
+from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, out_of_memory
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.stages.outputs import RunOutcome, write_outputs
@@ -163,4 +163,10 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
                     {t: len(dropped.get(t, ())) for t in calibrated})
-    return refine(job)
+    try:
+        return refine(job)
+    except (MemoryError, RuntimeError) as error:  # its levers are its own keys, which keep the calibrated layers
+        failure = out_of_memory(error, REFINE_REMEDY)
+        if failure is None:
+            raise
+        raise failure from error

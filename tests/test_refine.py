@@ -299,6 +299,28 @@ def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenari
     assert (resumed / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
 
 
+def test_out_of_memory_in_the_refinement_names_its_own_levers(far_scenario, monkeypatch):
+    """The refinement's memory is set by its own keys, which keep the calibrated layers; featcal.batch_tokens (the
+    layers' lever) would start the whole run over."""
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.errors import RunFailure
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(refine_module, "train_step", exhausted)
+    with pytest.raises(RunFailure) as failure:
+        run(far_scenario, "exhausted", refine=REFINE)
+    assert str(failure.value) == ("out of memory (CUDA out of memory. Tried to allocate 4.00 GiB); in the refinement: set "
+                                  "featcal.refine.gradient_checkpointing: true (or featcal.refine.params: adapter where it "
+                                  "trains every parameter) and rerun the same command: the calibrated layers are kept")
+    assert not (far_scenario.root / "exhausted").exists()
+    assert list((far_scenario.root / ".exhausted.featcal-partial" / "layers").glob("layer-*.safetensors")), "the layers stay staged"
+    monkeypatch.setattr(refine_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other error keeps its traceback
+        run(far_scenario, "exhausted", refine=REFINE)
+
+
 def test_progress_saved_under_other_settings_is_forgotten_whole(tmp_path):
     """The old progress and every old best state go before a refinement starts over: a best state of the same step
     written under other settings must never be read back as the new run's."""

@@ -321,7 +321,7 @@ def resolved_settings(featcal) -> dict[str, Any]:
 
     Of `refine:` only whether it runs counts (it holds records out of the closed form): its keys change the refinement
     alone, which checks them against its own saved progress and teachers (engine/refine.py). So a run interrupted in
-    its refinement (out of memory, say) and rerun with `gradient_checkpointing: true` or fewer `batch_records` keeps
+    its refinement (out of memory, say) and rerun with `gradient_checkpointing: true` or `params: adapter` keeps
     its calibrated layers, 15-18 minutes at 8B, and refines again from them.
     """
     settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license", "refine"})
