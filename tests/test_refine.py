@@ -231,6 +231,23 @@ def test_gradient_checkpointing_changes_the_time_not_the_update(far_scenario, re
         assert torch.allclose(other, update, rtol=1e-5, atol=1e-7 * float(update.abs().max()) + 1e-12), name
 
 
+def killed_after_check(scenario, name: str, refine: dict, at: int, monkeypatch) -> Path:
+    """Run `name` and kill it right after its held-out check at step `at`, as a crash would; its staging area."""
+    import featcal_llm.engine.refine as refine_module
+
+    def crash(step, saved):
+        if step == 2:
+            assert saved  # the first check always saves
+        if step == at:
+            raise RuntimeError(f"killed after step {at}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        with pytest.raises(RuntimeError, match=f"killed after step {at}"):
+            run(scenario, name, refine=refine)
+    return scenario.root / f".{name}.featcal-partial"
+
+
 def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monkeypatch):
     import featcal_llm.engine.refine as refine_module
 
@@ -238,16 +255,7 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
     # the step written comes after the crash: the resumed steps (optimizer, schedule, order restored) decide the bytes
     assert json.loads((whole / "featcal_refine.json").read_text())["chosen_step"] > 2
 
-    def crash(step, saved):
-        if step == 2:
-            assert saved  # the first check always saves
-            raise RuntimeError("killed after step 2")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 2"):
-            run(far_scenario, "resumed", refine=settings)
-    partial = far_scenario.root / ".resumed.featcal-partial"
+    partial = killed_after_check(far_scenario, "resumed", settings, 2, monkeypatch)
     assert (partial / "pass-refine.pt").is_file() and not (far_scenario.root / "resumed").exists()
     saved = torch.load(partial / "pass-refine.pt", weights_only=True)  # the best state lives in its own file, written once
     assert saved["best"] is None and saved["best_step"] == 2
@@ -267,15 +275,7 @@ def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenari
     import featcal_llm.engine.calibrate as calibrate_module
     import featcal_llm.engine.refine as refine_module
 
-    def crash(step, saved):
-        if step == 4:
-            raise RuntimeError("killed after step 4")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 4"):
-            run(far_scenario, "changed", refine=REFINE)
-    partial = far_scenario.root / ".changed.featcal-partial"
+    partial = killed_after_check(far_scenario, "changed", REFINE, 4, monkeypatch)
     assert (partial / "pass-refine.pt").is_file() and list(partial.glob("pass-refine-best-*"))
     changed = {**REFINE, "gradient_checkpointing": True}
     capsys.readouterr()
