@@ -43,7 +43,7 @@ from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
 from featcal_llm.engine.refine_memory import Shape, autocasts, refine_memory, resolve_checkpointing, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
-from featcal_llm.engine.refine_progress import ProgressSaver, forget_progress, load_best, rng_state, set_rng_state
+from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, saved_progress, set_rng_state
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
@@ -297,11 +297,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                                   fused=job.device.type in ("cpu", "cuda") or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, spec.steps, spec.warmup))
     order = record_order(train_keys, spec.steps, spec.batch_records, job.seed)
-    saved = job.staging.load_pass("refine")
-    if saved is not None and saved["settings"] != settings:
-        runlog.stage("refine: its settings changed since the saved progress, so it starts over from the calibrated layers")
-        forget_progress(job.staging)
-        saved = None
+    saved = saved_progress(job.staging, settings)
     if saved is not None:
         student.load(saved["current"])
         saved["best"] = load_best(job.staging, saved["best_step"])

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from featcal_llm import runlog
+
 SAVE_SHARE = 0.1  # the share of the refinement's time its progress saves may take
 
 
@@ -73,6 +75,17 @@ def forget_progress(staging) -> None:
     with the new run's files (a best state of the same step written by either)."""
     staging.pass_file("refine").unlink(missing_ok=True)
     drop_older_bests(staging, None)
+
+
+def saved_progress(staging, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The progress a rerun resumes from: the one saved under these `settings`, else None. Progress saved under other
+    settings is removed first (the run fingerprint leaves `refine:`'s keys to this check, so the layers stay)."""
+    saved = staging.load_pass("refine")
+    if saved is not None and saved["settings"] != settings:
+        runlog.stage("refine: its settings changed since the saved progress, so it starts over from the calibrated layers")
+        forget_progress(staging)
+        return None
+    return saved
 
 
 class ProgressSaver:
