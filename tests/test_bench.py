@@ -119,6 +119,7 @@ def test_whole_run_times_the_product_and_the_baseline_on_the_same_model(tmp_path
 @pytest.mark.parametrize("options, refused", [
     (["--whole-run", "--device", "cpu", "--threads", "2"], "--device, --threads: not read by a whole run (--whole-run)"),
     (["--no-baseline", "--method", "regmean"], "--baseline, --method: not read by the layer loop (without --whole-run)"),
+    (["--whole-run", "--gram-triangle"], "--gram-triangle: not read by a whole run (--whole-run)"),
 ])
 def test_an_option_the_chosen_mode_would_ignore_is_a_usage_error(options, refused):
     result = CliRunner().invoke(bench, options)

@@ -28,6 +28,14 @@ def test_blocked_gram_equals_the_full_product_and_is_symmetric():
         assert float((total - exact).abs().max()) <= 1e-12 * float(exact.abs().max()), dim
 
 
+def test_a_gpu_multiplies_the_whole_square_unless_the_bench_asks_for_the_triangle(monkeypatch):
+    """The triangle is untimed on a GPU: off there by default, on where `bench --gram-triangle` sets it, always on a CPU."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert stats.gram_triangle(cpu) and not stats.gram_triangle(gpu)
+    monkeypatch.setattr(stats, "GRAM_TRIANGLE_ON_GPU", True)
+    assert stats.gram_triangle(gpu)
+
+
 def _delta_error(first: dict, second: dict, merged: dict) -> float:
     return max(relative_error(second[n] - merged[n], first[n] - merged[n]) for n in first if not torch.equal(first[n], merged[n]))
 

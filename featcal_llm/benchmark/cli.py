@@ -11,7 +11,7 @@ import click
 POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
 # what only the layer loop reads, and what only a whole run reads: given to the other, an option would be ignored
 LAYER_LOOP_ONLY = ("distinct_layers", "tokens", "batch_tokens", "device", "rebuild", "clean", "warm_cache", "no_finalize",
-                   "peak_size", "probe_mb", "shard_mb", "extrapolate_to", "threads", "generation", "host_memory_gb", "progress")
+                   "peak_size", "probe_mb", "shard_mb", "extrapolate_to", "threads", "generation", "host_memory_gb", "progress", "gram_triangle")
 WHOLE_RUN_ONLY = ("baseline", "method", "tied_embeddings")
 
 
@@ -58,6 +58,7 @@ Examples:
 @click.option("--threads", type=POSITIVE, default=None, help="torch.set_num_threads for the run.")
 @click.option("--generation/--no-generation", default=True, show_default=True, help="Also time `generate:` (each expert writing as many tokens as are calibrated on) with transformers generate, against the calibration.")
 @click.option("--host-memory-gb", type=float, default=None, help="RAM budget of the hidden-state streams before they spill to memory-mapped files [default: the engine's, half the RAM].")
+@click.option("--gram-triangle/--gram-square", default=None, help="On a GPU, build each Gram from its lower block triangle as a CPU does (31 % fewer statistics FLOPs at 8B) or multiply the whole square [default: the engine's rule, the square].")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--progress/--no-progress", default=False, show_default=True, help="Show the engine's per-layer progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON on stdout instead of the table.")

@@ -63,6 +63,7 @@ class BenchOptions:
     progress: bool = False
     threads: int | None = None
     host_memory_gb: float | None = None
+    gram_triangle: bool | None = None  # a GPU's Grams from their lower block triangle (None: the engine's rule, the square)
     notes: list[str] = field(default_factory=list)
 
 
@@ -120,6 +121,18 @@ def _stored_layers(options: BenchOptions, spec_for: Callable[[int], SyntheticSpe
 
 def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     """Build (or reuse) the checkpoints, measure the machine, run the layer loop; raw measurements as a dict."""
+    from featcal_llm.maths import stats
+
+    engine_rule = stats.GRAM_TRIANGLE_ON_GPU
+    if options.gram_triangle is not None:
+        stats.GRAM_TRIANGLE_ON_GPU = options.gram_triangle
+    try:
+        return _measure(options, log)
+    finally:
+        stats.GRAM_TRIANGLE_ON_GPU = engine_rule
+
+
+def _measure(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from transformers import AutoConfig
 
     from featcal_llm.family.architectures import architecture_for, select_projections
@@ -131,6 +144,7 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from featcal_llm.engine.plan import CalibrationPlan
     from featcal_llm.engine.objectives import FeatCal
     from featcal_llm.maths.objective import Hyperparameters
+    from featcal_llm.maths import stats
     from featcal_llm.maths.stats import TOTAL_DTYPE
     from featcal_llm.engine.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
@@ -304,7 +318,8 @@ def run_benchmark(options: BenchOptions, log: Callable[[str], None]) -> dict:
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "disk": disk,
         },
-        "flops_per_layer": costs.layer_flops(shape, task_sequences, symmetric=device.type != "cuda"),
+        "flops_per_layer": costs.layer_flops(shape, task_sequences, symmetric=stats.gram_triangle(device)),
+        "gram_triangle": stats.gram_triangle(device),
         "setup_seconds": timer.marks[0][0] - timer.start if timer.marks else 0.0,
         "calibrate_seconds": end - timer.start,
         "layers": layers,
