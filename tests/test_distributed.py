@@ -194,6 +194,29 @@ def test_ranks_that_see_different_recipes_refuse_to_start(uneven, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "other.yaml", "r.yaml"]
 
 
+LEAVE = """
+import sys, time
+from featcal_llm.engine.torch_world import TorchDistributed
+comm = TorchDistributed()
+time.sleep(float(sys.argv[1]) if comm.rank == 1 else 0.0)
+started = time.monotonic()
+comm.close()
+print(f"closed after {time.monotonic() - started:.1f} s")
+"""
+
+
+def test_rank_0_leaves_the_store_last_so_a_slower_rank_closes_cleanly(tmp_path):
+    """Rank 0 hosts the rendezvous store: leaving at once, it had left rank 1's heartbeat a C++ traceback (or an abort at exit)."""
+    import sys
+
+    from featcal_llm.benchmark.distributed import launch_world
+
+    ranks = launch_world([sys.executable, "-c", LEAVE, "2.5"], 2, tmp_path / "logs", timeout=60)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    assert ranks[1][2] == "", ranks[1][2]  # no "recvValue failed ... Did the remote server shutdown or crash?"
+    assert float(ranks[0][1].split()[2]) >= 2.0  # rank 0 waited for rank 1 to sign off
+
+
 def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(uneven, tmp_path):
     """`generate:` under torchrun: rank 0 samples (once), every rank calibrates on the same ids as one process does."""
     scenario, _ = uneven

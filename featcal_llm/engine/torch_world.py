@@ -32,6 +32,8 @@ REDUCE_ENV = "FEATCAL_DISTRIBUTED_REDUCE"  # "owner" (default): reduce to each g
 HEARTBEAT_S = 1.0
 STALL_BEATS = 30  # a waiting rank gives rank 0 up for dead after this many heartbeat periods without a beat
 WAIT_NOTE_S = 300.0  # a rank waiting for rank 0's long step says so this often
+LEAVE_WAIT_S = 5.0  # rank 0, which hosts the rendezvous store, waits this long at most for the others to leave it
+LEFT_KEY = "featcal/left"  # how many ranks other than 0 have made their last call to the store
 GAVE_UP = "gave up: "  # a failure record of a rank that only timed out waiting (not the cause of the stop)
 
 
@@ -294,8 +296,32 @@ class TorchDistributed(Single):
         self._call(self.dist.barrier)
 
     def close(self) -> None:
+        """Leave the world; rank 0 last, since its exit takes the rendezvous store down under the others' feet.
+
+        A rank that still calls the store once rank 0 has gone gets a C++ traceback on stderr, or an abort
+        at exit: so every other rank signs off in the store after its last store call, and rank 0 waits for
+        them (LEAVE_WAIT_S at most: a rank that died never signs).
+        """
         self._stop.set()
         if self._heartbeat is not None:  # no store call may be in flight when the process exits (C++ would abort it)
             self._heartbeat.join(timeout=10 * HEARTBEAT_S)
+        if self.is_main:
+            self._wait_for_the_others_to_leave()
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+        if not self.is_main and self._beats is not None:
+            try:
+                self._beats.add(LEFT_KEY, 1)
+            except Exception:
+                pass
+        self._beats = None
+
+    def _wait_for_the_others_to_leave(self) -> None:
+        if self._beats is None:
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        try:
+            while self._beats.add(LEFT_KEY, 0) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:
+            pass
