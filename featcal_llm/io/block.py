@@ -160,7 +160,7 @@ class FeatCalConfig(BaseModel):
         "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs; on CPUs bfloat16 where the checkpoint is stored in bfloat16 and the CPU has bf16 units, else float32"
     )
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
-        "auto", description="precision of the statistics products (summed in float64); auto: float32 when every lambda the run uses is >= 1e-2, else float64 (float32 with a warning on GPUs without fast float64)"
+        "auto", description="precision of the statistics products (summed in float64); auto: float64 when dtype is float64; otherwise float32 when every lambda the run uses is >= 1e-2 (regmean and regmean++ have no ridge: never), else float64, or float32 with a warning on a GPU without fast float64"
     )
     host_memory_gb: float | None = Field(
         None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"
@@ -172,7 +172,7 @@ class FeatCalConfig(BaseModel):
         default_factory=lambda: HeadSpec(when="auto"), description="also re-fit the LM head after the last layer: auto "
         "(re-fit it where an expert's LM head, or the input embedding it is tied to, is not the base's), true (always), "
         "false (never), or a mapping (see head:); a head tied to the input embeddings becomes a tensor of its own "
-        "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto`"},
+        "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto` (regmean, regmean++: `false`)"},
     )
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")

@@ -23,7 +23,7 @@ class GenerateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
-    max_new_tokens: int | None = Field(None, ge=1, description="default 512, at most featcal.max_length (calibration sees no token past it)")
+    max_new_tokens: int | None = Field(None, ge=1, description="default min(512, featcal.max_length); calibration sees no token past featcal.max_length, so a larger value only costs time")
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: no prompts, the start set by chat_template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else EOS)")
     temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution")
