@@ -111,6 +111,10 @@ def test_two_ranks_give_the_one_process_weights(uneven, tmp_path):
     for row, reference in zip(ours["layers"], theirs["layers"]):
         for kind in ("merged", "calibrated"):
             assert row[kind] == pytest.approx(reference[kind], rel=1e-9)
+    again = launch(scenario.write_recipe(tmp_path / "again.yaml", output=str(tmp_path / "again")), 2, tmp_path / "logs-again")
+    assert [r.returncode for r in again] == [0, 0], again
+    weights = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert weights and all((tmp_path / "again" / name).read_bytes() == (tmp_path / "out" / name).read_bytes() for name in weights)
 
 
 def test_two_ranks_refit_the_head_as_one_process_does(uneven, tmp_path):
