@@ -2,9 +2,10 @@
 # What a 3B and an 8B calibration cost on one GPU: `featcal-llm bench` at Llama-3.2-3B and Llama-3.1-8B layer shapes,
 # the paper's calibration set (3 experts x 256 sequences x 2048 tokens), bf16 compute, the product's default lambda.
 # Two layers are run (the second is the steady state) and extrapolated to the model's depth.
-#   OUT=results bash studies/gpu/cost.sh
+#   OUT=results bash studies/gpu/cost.sh      (wheels for pydantic under .whl/, see setup.sh; TRIANGLE=0 skips the triangle's run)
 set -u
 OUT=${OUT:-cost-results}; mkdir -p "$OUT"
+source studies/gpu/setup.sh
 W=${BENCH_WORKDIR:-/tmp/featcal-bench}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
