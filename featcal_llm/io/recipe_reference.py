@@ -35,7 +35,8 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
 INTRO = """# Recipe reference
 
 A featcal-llm recipe is a mergekit recipe (`mergekit-yaml`'s syntax, parsed by mergekit itself; merges FeatCal cannot
-calibrate, such as `slerp`, `nearswap` and `passthrough`, are refused in one line) with one more block, `featcal:`. This page lists every key of that block. Check a recipe without running it:
+calibrate, such as `slerp`, `nearswap` and `passthrough`, are refused in one line) with one more block, `featcal:`.
+This page lists every key of that block. Check a recipe without running it:
 
 ```
 featcal-llm validate recipe.yaml
