@@ -144,8 +144,7 @@ def _measure(options: BenchOptions, log: Callable[[str], None]) -> dict:
     from featcal_llm.engine.plan import CalibrationPlan
     from featcal_llm.engine.objectives import FeatCal
     from featcal_llm.maths.objective import Hyperparameters
-    from featcal_llm.maths import stats
-    from featcal_llm.maths.stats import TOTAL_DTYPE
+    from featcal_llm.maths.stats import TOTAL_DTYPE, gram_triangle
     from featcal_llm.engine.streams import make_batches
     from featcal_llm.tiny import SPECIAL_TOKENS
 
@@ -178,6 +177,7 @@ def _measure(options: BenchOptions, log: Callable[[str], None]) -> dict:
     disk = machine.disk_rates(workdir, probe_mb)
     peak_size = options.peak_size or (8192 if device.type == "cuda" else 2048)
     stats_matmul = statistics_matmul_dtype(device, dtype, stats_dtype)
+    triangle = gram_triangle(device)  # what accumulate_gram multiplies on this device (bench --gram-triangle)
     used_dtypes = list(dict.fromkeys([dtype, stats_matmul, SOLVE_DTYPE]))
 
     def measure_rates() -> dict[str, float]:
@@ -318,8 +318,8 @@ def _measure(options: BenchOptions, log: Callable[[str], None]) -> dict:
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "disk": disk,
         },
-        "flops_per_layer": costs.layer_flops(shape, task_sequences, symmetric=stats.gram_triangle(device)),
-        "gram_triangle": stats.gram_triangle(device),
+        "flops_per_layer": costs.layer_flops(shape, task_sequences, symmetric=triangle),
+        "gram_triangle": triangle,
         "setup_seconds": timer.marks[0][0] - timer.start if timer.marks else 0.0,
         "calibrate_seconds": end - timer.start,
         "layers": layers,
