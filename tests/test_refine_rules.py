@@ -64,7 +64,7 @@ def test_saves_take_a_tenth_of_the_time_and_write_each_best_once(tmp_path, monke
     from featcal_llm.engine.refine_progress import ProgressSaver, save_due
     from featcal_llm.engine.resume import StagingArea
 
-    assert save_due(None, None) and save_due(45.0, 5.0) and not save_due(44.0, 5.0) and save_due(5.0, 5.0, share=0.5)
+    assert save_due(None, None) and save_due(95.0, 5.0) and not save_due(94.0, 5.0) and save_due(5.0, 5.0, share=0.5)
     staging = StagingArea(tmp_path / "partial", "fingerprint")
     saver = ProgressSaver(staging)
     due = iter([True, False, True, True])
@@ -115,3 +115,24 @@ def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
     assert _load_best(staging, 4)["w"].tolist() == [4.0, 4.0] and _load_best(staging, 0) is None
     with pytest.raises(RunFailure, match="names step 2 as best, but its state is missing"):
         _load_best(staging, 2)
+
+
+def test_a_pass_is_saved_without_the_zip_crc_and_the_global_setting_is_left_as_it_was(tmp_path):
+    """The staging area's pass files skip torch.save's CRC-32 (torch.load never checks it; it was most of a save's
+    time), round-trip exactly, and leave torch's process-wide option as the caller had it."""
+    import zipfile
+
+    from torch.utils.serialization import config
+
+    from featcal_llm.engine.resume import StagingArea
+
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(0)), "history": [{"step": 5}]}
+    for caller_setting in (True, False):
+        with config.patch({"save.compute_crc32": caller_setting}):
+            staging.save_pass("refine", state)
+            assert config.save.compute_crc32 is caller_setting
+        tensor_records = [info for info in zipfile.ZipFile(staging.pass_file("refine")).infolist() if "/data/" in info.filename]
+        assert tensor_records and all(info.CRC == 0 for info in tensor_records)
+        loaded = staging.load_pass("refine")
+        assert torch.equal(loaded["w"], state["w"]) and loaded["history"] == state["history"]

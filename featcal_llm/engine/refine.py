@@ -18,7 +18,7 @@ checks without improvement, and if no check improves on the closed form, its
 output stands unchanged.
 After a check the trainable state, the optimizer, the schedule, the RNG and
 the best state are saved in the staging area, as often as keeps saving near
-a tenth of the stage's time (engine/refine_progress.py): a rerun after a
+a twentieth of the stage's time (engine/refine_progress.py): a rerun after a
 crash resumes from the last save and writes the same bytes. docs/refine.md has the
 keys and the memory model.
 """

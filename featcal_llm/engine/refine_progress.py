@@ -1,11 +1,12 @@
 """refine's resumable progress: what a held-out check saves in the staging area, when, and how a rerun reads it back.
 
 A save holds the trainable state, AdamW's two moments, the schedule, the RNG and the history: 12 bytes a trained
-parameter (1.6 GB for SmolLM2-135M in full, ~9 s on a loaded CPU box; the LM head's alone is 6 GB at 8B), and a new
-best state 4 more, once, in its own file.
+parameter (1.6 GB for SmolLM2-135M in full, with a best state 2.2-2.5 s on two CPU cores, 4.6-5.2 s while the zip
+records' CRC-32 was computed; the LM head's alone is 6 GB at 8B), and a new best state 4 more, once, in its own file.
 Saving after every check spent a quarter of a CPU refinement writing files, so a check saves only when the time since
-the last save ended is at least `1 / SAVE_SHARE` times what that save took: saving stays near a tenth of the stage's
-time, whatever the model and the disk. Nothing else depends on when saves happen: a rerun resumes after the last
+the last save ended is at least `1 / SAVE_SHARE - 1` times what that save took: saving stays near a twentieth of the
+stage's time, whatever the model and the disk. (It was a tenth while a save took twice as long: the same time between
+saves, about 45 s for SmolLM2-135M in full.) Nothing else depends on when saves happen: a rerun resumes after the last
 saved check, and the steps it replays (records, RNG, schedule restored) write the same bytes as an unbroken run.
 The best state is written once, in its own file, at the first save after a check finds it.
 """
@@ -19,7 +20,7 @@ import torch
 
 from featcal_llm import runlog
 
-SAVE_SHARE = 0.1  # the share of the refinement's time its progress saves may take
+SAVE_SHARE = 0.05  # the share of the refinement's time its progress saves may take
 
 
 def save_due(since_last_save: float | None, last_save_seconds: float | None, share: float = SAVE_SHARE) -> bool:

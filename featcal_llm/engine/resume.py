@@ -156,8 +156,15 @@ class StagingArea:
         return self.root / f"pass-{name}.pt"
 
     def save_pass(self, name: str, result: dict) -> None:
-        """Keep what a pass before the layers computed (tensors, numbers, dicts and lists), for a resume."""
-        _write_atomically(self.pass_file(name), lambda p: torch.save(result, p))
+        """Keep what a pass before the layers computed (tensors, numbers, dicts and lists), for a resume.
+
+        Written without the zip records' CRC-32: torch.load never checks it, and computing it took half to two thirds
+        of a save (refine's 1.6 GB progress for SmolLM2-135M: 2.0-3.3 s with it, 0.7 s without, on two CPU cores);
+        the temporary file, fsync and rename are what keep a crash from leaving a damaged one."""
+        from torch.utils.serialization import config
+
+        with config.patch({"save.compute_crc32": False}):
+            _write_atomically(self.pass_file(name), lambda p: torch.save(result, p))
 
     def load_pass(self, name: str) -> dict | None:
         """What `save_pass` kept under this fingerprint, or None."""
