@@ -353,7 +353,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
               "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
-              "seconds": round(time.perf_counter() - started, 1)}
+              "seconds": round(time.perf_counter() - started, 1), "save_seconds": round(saver.seconds, 1)}
     if params == "adapter":
         report["rank"] = spec.rank
     if progress["best"] is None:
@@ -369,7 +369,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4f} → {progress['best_kl']:.4f} at step "
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; progress saved at "
-                 f"{saver.saves} of {checks} checks")
+                 f"{saver.saves} of {checks} checks ({saver.seconds:.0f} s)")
     return {**job.replacements, **{name: path for name in tensors}}, report
 
 

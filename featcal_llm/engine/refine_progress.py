@@ -98,6 +98,7 @@ class ProgressSaver:
         self.ended: float | None = None  # when the last save ended (perf_counter), None before the first
         self.cost: float | None = None  # how long it took
         self.saves = 0
+        self.seconds = 0.0  # spent saving, all saves together
 
     def after_check(self, progress: dict[str, Any], snapshot) -> bool:
         """Save the progress if a save is due; `snapshot()` gives the rest of what resumes (state, optimizer, ...)."""
@@ -113,4 +114,5 @@ class ProgressSaver:
         self.ended = time.perf_counter()
         self.cost = self.ended - now
         self.saves += 1
+        self.seconds += self.cost
         return True
