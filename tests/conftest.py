@@ -11,6 +11,35 @@ torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 from scenario import build_scenario  # noqa: E402
 
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def _working_tree_status() -> set[str] | None:
+    """`git status` of the checkout, one line a path that differs from HEAD (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPOSITORY, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(out.stdout.splitlines()) if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), once
+        session.config._tree_before = _working_tree_status()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test writes under its tmp_path, never into the checkout: test output once landed in eval/ and was committed."""
+    before = getattr(session.config, "_tree_before", None)
+    after = _working_tree_status() if before is not None else None
+    if after is not None and after - before:
+        session.config.get_terminal_writer().line(
+            "tests left files in the checkout (write them under tmp_path): " + ", ".join(sorted(after - before)), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _digest_cache(tmp_path_factory):
