@@ -2,15 +2,16 @@
 
 The Python API (`calibrate`, `evaluate`, `validate` and their result types) lives in
 `featcal_llm.api` and is loaded on first use, so `import featcal_llm` stays light;
-`FeatCalError`, what they raise for bad input, is here from the start.
+`FeatCalError`, what they raise for bad input, and its subclass `RunFailure`, for a run that started and
+failed, are here from the start.
 """
 
-from featcal_llm.errors import FeatCalError  # light: what `calibrate` and `validate` raise, to catch without the API loaded
+from featcal_llm.errors import FeatCalError, RunFailure  # light: what `calibrate` and `validate` raise, to catch without the API loaded
 
 __version__ = "0.1.0"
 
 _API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "ValidationResult"}
-__all__ = sorted({*_API, "FeatCalError"})
+__all__ = sorted({*_API, "FeatCalError", "RunFailure"})
 
 
 def __getattr__(name: str):

@@ -38,8 +38,9 @@ def test_import_stays_light_and_the_api_is_reexported():
         from featcal_llm import api
         same = featcal_llm.calibrate is api.calibrate and featcal_llm.evaluate is api.evaluate
         same = same and featcal_llm.CalibrationResult is api.CalibrationResult
-        from featcal_llm.errors import FeatCalError
+        from featcal_llm.errors import FeatCalError, RunFailure
         same = same and featcal_llm.FeatCalError is FeatCalError and "FeatCalError" in featcal_llm.__all__
+        same = same and featcal_llm.RunFailure is RunFailure and "RunFailure" in featcal_llm.__all__
         heavy = [m for m in ("torch", "transformers", "mergekit") if m in sys.modules]
         print(json.dumps({"light": light, "same": same, "heavy": heavy, "all": "calibrate" in featcal_llm.__all__}))
         """
