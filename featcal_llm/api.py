@@ -163,6 +163,18 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> 
     raise FeatCalError(f"{caller}: recipe must be a path or a mapping, got {type(recipe).__name__}")
 
 
+DICT_RECIPE = "<recipe>"  # how errors and notes name a recipe given as a dict (its temporary file is gone by then)
+
+
+def _name_dict_recipe(error: FeatCalError, path: Path) -> FeatCalError:
+    """`error` with the temporary file of a dict recipe named `<recipe>` in its text and problems (changed in place)."""
+    if isinstance(error, RecipeProblems):
+        error.problems = [Problem(DICT_RECIPE if p.file == str(path) else p.file, p.key, p.message.replace(str(path), DICT_RECIPE))
+                          for p in error.problems]
+    error.args = tuple(arg.replace(str(path), DICT_RECIPE) if isinstance(arg, str) else arg for arg in error.args)
+    return error
+
+
 def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os.PathLike | None = None,
               device: str | None = None, force: bool = False, progress: bool = True,
               push_to_hub: str | None = None, public: bool = False) -> CalibrationResult:
@@ -203,6 +215,10 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
                     from featcal_llm.io.hub import push_folder
 
                     push_folder(outcome.output, push_to_hub, private=not public)
+    except FeatCalError as error:
+        if temporary is None:
+            raise
+        raise _name_dict_recipe(error, path)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
@@ -304,7 +320,7 @@ def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = Fa
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    shown = "<recipe>" if temporary is not None else str(path)
+    shown = DICT_RECIPE if temporary is not None else str(path)
 
     def named(text: str) -> str:
         return text.replace(str(path), shown) if temporary is not None else text

@@ -90,6 +90,23 @@ def test_calibrate_returns_its_warnings(small, tmp_path, monkeypatch):
     assert "warning: " in str(result) and "base_modle" in str(result)
 
 
+def test_calibrate_names_a_dict_recipe_as_validate_does_not_by_its_deleted_temporary_file(small, tmp_path, monkeypatch):
+    import featcal_llm
+    from featcal_llm.api import _name_dict_recipe
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["featcal"]["refine"] = {"stepz": 3}
+    with pytest.raises(featcal_llm.FeatCalError) as caught:
+        featcal_llm.calibrate(recipe, output="calibrated", progress=False)
+    assert str(caught.value).startswith("<recipe>: featcal.refine.stepz: unknown key"), str(caught.value)
+    assert [(p.file, p.key) for p in caught.value.problems] == [("<recipe>", "featcal.refine.stepz")]
+    assert ".featcal-recipe-" not in str(caught.value) and not (tmp_path / "calibrated").exists()
+    temporary = tmp_path / ".featcal-recipe-x.yaml"
+    failure = _name_dict_recipe(featcal_llm.RunFailure(f"{temporary}: featcal.data.a: gone mid-run"), temporary)
+    assert isinstance(failure, featcal_llm.RunFailure) and str(failure) == "<recipe>: featcal.data.a: gone mid-run"
+
+
 def test_validate_takes_a_dict_and_returns_problems_notes_and_warnings(small, tmp_path, monkeypatch):
     import featcal_llm
 
