@@ -48,3 +48,20 @@ def test_topk_kl_gradient_is_finite_when_k_is_the_vocabulary():
     topk_kl(student, top.double(), index, None, rest.double()).backward()
     expected = torch.softmax(student.detach(), -1) - torch.softmax(teacher, -1)  # ∂KL/∂logits = q − p
     assert torch.allclose(student.grad, expected, atol=1e-12)
+
+
+def test_a_teacher_kept_in_float16_reads_no_kl_below_zero_against_itself():
+    """The store keeps the top-k log-probabilities in float16 (engine/refine_data.py): normalised again, the k + 1
+    bins give a student equal to its teacher a KL of 0 within float32 rounding, never below it (KL ≥ 0 for distributions),
+    and a near-copy the same KL as the exact teacher does, within float16's precision."""
+    from featcal_llm.maths.topk_kl import topk_kl_rows
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(256, 1000, generator=generator) * 4
+    top, index, rest = topk_teacher(teacher, 64)
+    stored = top.to(torch.float16)
+    same = topk_kl_rows(teacher, stored, index.to(torch.int32), rest)
+    assert float(same.min()) > -1e-6 and float(same.abs().max()) < 1e-5, float(same.min())
+    student = teacher + 0.3 * torch.randn(256, 1000, generator=generator)
+    exact = topk_kl_rows(student.double(), top.double(), index, rest.double())
+    assert torch.allclose(topk_kl_rows(student, stored, index, rest).double(), exact, rtol=2e-2, atol=1e-4)
