@@ -338,9 +338,9 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         else:
             progress["bad"] += 1
         progress["done"] = progress["bad"] >= spec.patience or step == spec.steps
-        runlog.stage(f"refine: step {step}: held-out KL {value:.4f} (" + ", ".join(f"{names[t]} {v:.4f}" for t, v in per_expert.items())
+        runlog.stage(f"refine: step {step}: held-out KL {value:.4g} (" + ", ".join(f"{names[t]} {v:.4g}" for t, v in per_expert.items())
                      + (f"; above the closed form's beyond two standard errors for {', '.join(names[t] for t in above)}, so not kept" if above else "")
-                     + f"); best {progress['best_kl']:.4f} at step {progress['best_step']}")
+                     + f"); best {progress['best_kl']:.4g} at step {progress['best_step']}")
         _note(bar, loss, progress["best_kl"])  # the best as this check left it
         kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(),
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
@@ -357,7 +357,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     if params == "adapter":
         report["rank"] = spec.rank
     if progress["best"] is None:
-        runlog.stage(f"refine: no check lowered the held-out KL ({report['held_out_kl']['before']:.4f}) without raising an expert's "
+        runlog.stage(f"refine: no check lowered the held-out KL ({report['held_out_kl']['before']:.4g}) without raising an expert's "
                      "above the closed form's beyond two standard errors, so the closed form's output stands unchanged")
         return job.replacements, report
     student.load(progress["best"])
@@ -367,14 +367,14 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     path = folder / REFINED_FILE
     stored = {name: (job.merged.get(name) if name in job.merged.weight_map else _staged(job.replacements[name], name)).dtype for name in tensors}
     save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
-    runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4f} → {progress['best_kl']:.4f} at step "
+    runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4g} → {progress['best_kl']:.4g} at step "
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; progress saved at "
                  f"{saver.saves} of {checks} checks ({saver.seconds:.0f} s)")
     return {**job.replacements, **{name: path for name in tensors}}, report
 
 
 def _note(bar, loss: float, best_kl: float) -> None:
-    bar.set_postfix_str(f"train KL {loss:.4f}, best held-out {best_kl:.4f}")
+    bar.set_postfix_str(f"train KL {loss:.4g}, best held-out {best_kl:.4g}")
 
 
 def _step_bar(steps: int, done: int, show: bool):
