@@ -72,8 +72,12 @@ def test_gap_recovery_and_table():
     assert all(row in text for row in scores) and "average" in text.splitlines()[0]
 
 
-def test_shipped_recipe_is_the_one_the_demo_writes():
-    assert (REPO / "featcal_llm" / "recipes" / "demo.yaml").read_text() == recipe_text(FULL)
+def test_shipped_recipes_are_the_ones_the_demo_writes_and_their_titles_tell_them_apart():
+    from dataclasses import replace
+
+    fixed, auto = (REPO / "featcal_llm" / "recipes" / "demo.yaml").read_text(), (REPO / "featcal_llm" / "recipes" / "demo-auto.yaml").read_text()
+    assert fixed == recipe_text(FULL) and auto == recipe_text(replace(FULL, auto=True))
+    assert fixed.splitlines()[0] != auto.splitlines()[0]  # `featcal-llm recipes` lists each by its first line
 
 
 def test_the_cached_calibration_is_redone_when_the_weight_code_changes(monkeypatch):

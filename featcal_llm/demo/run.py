@@ -58,11 +58,13 @@ def recipe_text(cfg: DemoConfig, device: str = "cpu") -> str:
         hyper = "  lambda: auto\n  alpha: auto\n  rho: auto\n  tune: {criterion: output}\n"
         chosen = ("featcal chooses lambda, alpha and rho itself on held-out cal records by the next-token KL "
                   "(`python -m featcal_llm demo --auto`).")
+        title = "FeatCal demo recipe, lambda/alpha/rho chosen by the run (--auto)"
     else:
         hyper = f"  lambda: {cfg.lam:g}\n  alpha: {cfg.alpha:g}\n  rho: {cfg.rho:g}\n"
         chosen = "featcal hyper-parameters were chosen on the demo's dev split (docs/studies/demo-sweeps.md)."
+        title = "FeatCal demo recipe, fixed lambda/alpha/rho"
     return f"""\
-# FeatCal demo recipe, written by `python -m featcal_llm demo` into its workdir.
+# {title}, written by `python -m featcal_llm demo` into its workdir.
 # Every path is relative to that workdir (mergekit resolves model paths against the
 # current directory), so run it from there:  cd demo-work && featcal-llm run {RECIPE_FILE} --force
 # {chosen}
