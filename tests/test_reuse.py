@@ -391,3 +391,19 @@ def test_a_merge_of_hub_models_is_judged_by_their_snapshots_files(tmp_path, caps
     assert _stale(recipe, merged, sources) is None and "reusing" in capsys.readouterr().err
     merge_module._settled.clear()
     assert _stale(recipe, merged, {**sources, "org/expert": snapshot("expert-v2", b"expert, trained on")}) == ["models[0].model"]
+
+
+def test_the_merge_s_lines_are_time_stamped_in_a_log_file_as_every_other_line(small, tmp_path):
+    import re
+
+    from featcal_llm import runlog
+
+    merged = tmp_path / "merged"
+    recipe = load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged)))
+    ensure_merged(recipe, merged, "cpu")
+    getattr(merge_module, "_settled", {}).clear()  # a new process
+    log = tmp_path / "run.log"
+    with runlog.session(log):
+        ensure_merged(recipe, merged, "cpu")
+    lines = [line for line in log.read_text().splitlines() if "reusing" in line]
+    assert len(lines) == 1 and re.fullmatch(r"\d\d:\d\d:\d\d merge: reusing .*", lines[0]), log.read_text()

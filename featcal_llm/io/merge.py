@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +65,11 @@ def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> An
 
 
 def _say(message: str) -> None:
+    """A line of the run's own (time-stamped in a --log file, as every other line)."""
     if not QUIET["warnings"]:
-        print(f"featcal-llm: merge: {message}", file=sys.stderr)
+        from featcal_llm import runlog
+
+        runlog.stage(f"merge: {message}")
 
 
 def stored_configuration(merged: Path, schema: Any = None) -> dict | None:
