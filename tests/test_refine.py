@@ -23,8 +23,9 @@ from test_topk_kl import full_kl
     ({"lr": -1}, "featcal.refine.lr: Input should be greater than 0"),
     ({"top_k": 0}, "featcal.refine.top_k: Input should be greater than or equal to 1"),
     ({"params": "lora"}, "featcal.refine.params:"),
+    ({"params": True}, "featcal.refine.params: Input should be 'auto', 'full' or 'adapter' (got true)"),  # as YAML spells it
     ({"precision": "float16"}, "featcal.refine.precision:"),
-    ({"gradient_checkpointing": "sometimes"}, "featcal.refine.gradient_checkpointing: Input should be 'auto', True or False"),
+    ({"gradient_checkpointing": "sometimes"}, "featcal.refine.gradient_checkpointing: Input should be 'auto', true or false (got 'sometimes')"),
     ("yes", "featcal.refine: expected true, false or a mapping"),
 ])
 def test_bad_refine_keys_are_one_line(tmp_path, value, message):

@@ -8,6 +8,7 @@ unknown one, and keep a check that raises `FeatCalError` from hiding the ones af
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +111,15 @@ def model_at(root: type[BaseModel], location: tuple) -> type[BaseModel] | None:
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return _yaml_words(repr(value))
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _yaml_words(text: str) -> str:
+    """Python's True, False and None as a recipe spells them (true, false, null)."""
+    return re.sub(r"\b(True|False|None)\b", lambda found: {"True": "true", "False": "false", "None": "null"}[found.group()], text)
 
 
 def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, root: type[BaseModel] | None) -> list[Problem]:
@@ -133,6 +141,8 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
             problems.append(Problem(str(file), key, "required key is missing"))
             continue
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "literal_error":  # the choices, as YAML spells them: 'auto', true or false
+            message = _yaml_words(message)
         if "got " not in message and "renamed" not in message and "input" in item:
             message += f" (got {_shown(item['input'])})"
         problems.append(Problem(str(file), key, message))
