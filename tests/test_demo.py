@@ -130,6 +130,13 @@ def test_quick_demo_end_to_end(tmp_path):
     assert "merge + FeatCal: cached" in second.stdout and "base: cached" in second.stdout
     assert table_lines == [line for line in second.stdout.splitlines() if line.startswith("| ")]
 
+    # --auto calibrates the same models with the search's recipe: its row says so, as the RegMean baselines' `auto` rows do
+    auto = subprocess.run(command + ["--auto", "--no-baselines"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    auto_rows = [line.split("|")[1].strip() for line in auto.stdout.splitlines() if line.startswith("| ")][1:]
+    assert auto_rows == [*rows[:-1], "merged + FeatCal, `auto`"]
+    assert list(json.loads((workdir / "results.json").read_text())["test"]) == auto_rows
+
 
 def _tiny_model_and_records():
     from featcal_llm.tiny import build_char_tokenizer, new_tiny_llama, tiny_llama_config

@@ -30,6 +30,11 @@ MERGED_ROW = "merged (task arithmetic)"
 CALIBRATED_ROW = "merged + FeatCal"
 
 
+def calibrated_row(cfg: DemoConfig) -> str:
+    """The calibrated model's row: with `--auto` marked as the RegMean baselines' `auto` rows are (λ, α, ρ chosen by the run)."""
+    return f"{CALIBRATED_ROW}, `auto`" if cfg.auto else CALIBRATED_ROW
+
+
 class _Cache:
     def __init__(self, workdir: Path):
         self.path = workdir / CACHE_FILE
@@ -112,7 +117,7 @@ def _model_rows(cfg: DemoConfig) -> dict[str, str]:
     rows = {"base": "base"}
     rows.update({f"expert:{t}": f"experts/{t}" for t in cfg.tasks})
     rows[MERGED_ROW] = MERGED_DIR
-    rows[CALIBRATED_ROW] = OUTPUT_DIR
+    rows[calibrated_row(cfg)] = OUTPUT_DIR
     return rows
 
 
@@ -223,7 +228,7 @@ def run_demo(workdir: str | Path = "demo-work", quick: bool = False, device: str
     # 5. scores
     t0 = time.perf_counter()
     model_keys = {"base": base_key, **{f"expert:{t}": expert_keys[t] for t in cfg.tasks},
-                  MERGED_ROW: digest([merge_key, "merged"]), CALIBRATED_ROW: merge_key, **{r: k for r, (_, k) in extra.items()}}
+                  MERGED_ROW: digest([merge_key, "merged"]), calibrated_row(cfg): merge_key, **{r: k for r, (_, k) in extra.items()}}
     splits = ("dev", "test")
     scores_cache = cache.state.get("scores", {})
     results: dict[str, dict] = {}
@@ -255,7 +260,7 @@ def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, expert
     tasks = list(cfg.tasks)
     test = {row: scores["test"] for row, scores in results.items()}
     dev = {row: scores["dev"] for row, scores in results.items()}
-    recovery = gap_recovery(test, tasks, MERGED_ROW, CALIBRATED_ROW)
+    recovery = gap_recovery(test, tasks, MERGED_ROW, calibrated_row(cfg))
     experts_ok = {t: test[f"expert:{t}"][t] >= (cfg.expert_bar or 0) for t in tasks}
     text = table(test, tasks)
     sentence = recovery_sentence(recovery)
@@ -269,7 +274,7 @@ def _report(cfg: DemoConfig, workdir: Path, results: dict, timings: dict, expert
         "test": test,
         "dev": dev,
         "gap_recovery_test": recovery,
-        "gap_recovery_dev": gap_recovery(dev, tasks, MERGED_ROW, CALIBRATED_ROW),
+        "gap_recovery_dev": gap_recovery(dev, tasks, MERGED_ROW, calibrated_row(cfg)),
         "experts_meet_bar": experts_ok,
         "experts_training": experts_training,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
