@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from featcal_llm.io.mergekit_config import merge_config_dict
+from featcal_llm import runlog
 from featcal_llm.errors import QUIET, FeatCalError, RunFailure, warn
 from featcal_llm.io.names import parse_parameter_count
 from featcal_llm.io.recipe import Recipe
@@ -67,8 +68,6 @@ def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> An
 def _say(message: str) -> None:
     """A line of the run's own (time-stamped in a --log file, as every other line)."""
     if not QUIET["warnings"]:
-        from featcal_llm import runlog
-
         runlog.stage(f"merge: {message}")
 
 
