@@ -6,7 +6,7 @@ The Python API (`calibrate`, `evaluate`, `validate` and their result types) live
 failed, are here from the start.
 """
 
-from featcal_llm.errors import FeatCalError, RunFailure  # light: what `calibrate` and `validate` raise, to catch without the API loaded
+from featcal_llm.errors import FeatCalError as FeatCalError, RunFailure as RunFailure  # re-exported, light: what `calibrate` and `validate` raise, to catch without the API loaded
 
 __version__ = "0.1.0"
 
