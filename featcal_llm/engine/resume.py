@@ -159,7 +159,7 @@ class StagingArea:
         """Keep what a pass before the layers computed (tensors, numbers, dicts and lists), for a resume.
 
         Written without the zip records' CRC-32: torch.load never checks it, and computing it took half to two thirds
-        of a save (refine's 1.6 GB progress for SmolLM2-135M: 2.0-3.3 s with it, 0.7 s without, on two CPU cores);
+        of a save (refine's 1.6 GB progress for SmolLM2-135M alone: 2.0-3.3 s with it, 0.7 s without, on two CPU cores);
         the temporary file, fsync and rename are what keep a crash from leaving a damaged one."""
         from torch.utils.serialization import config
 
