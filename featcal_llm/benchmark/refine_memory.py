@@ -5,7 +5,9 @@ A random Llama of the given shape is saved as the merged model and as a teacher 
 GPU it is built there in the compute dtype, as a CPU could not hold an 8B model in float32 quickly), and the refine
 stage runs on random records (every token judged) with nothing else in the process. On the CPU a thread samples the
 process's anonymous resident memory every millisecond (glibc set to return freed memory at once: `live_heap`); on a
-GPU PyTorch's allocator counts its peak, for the teachers' pass and for the training apart. Printed: the model's
+GPU PyTorch's allocator counts its peak, for the teachers' pass and for the training apart, and the same thread the
+host's (`host_measured`; the runs of 2026-11-28, before glibc was set there too, measured 20.3 GB against the model's
+4.6 GB). Printed: the model's
 parts and peak, the measured peaks and their ratio (the model is meant as an upper estimate: ratio >= 1), and the
 time of each part, with the time of the default run (3 experts x 256 records x 2048 tokens, 40 steps, a quarter of
 the records held out) extrapolated from them.
@@ -154,8 +156,7 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
 
     where = torch.device(device)
     cpu = where.type == "cpu"
-    if cpu:
-        live_heap()
+    live_heap()  # on a GPU too: the host's resident memory then counts what the stage holds, not what glibc kept
     dtype = torch.float32 if cpu else torch.bfloat16
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 11 // 4,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
