@@ -356,10 +356,10 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "seconds": round(time.perf_counter() - started, 1), "save_seconds": round(saver.seconds, 1)}
     if params == "adapter":
         report["rank"] = spec.rank
-    saved = f"progress saved at {saver.saves} of {checks} checks ({saver.seconds:.0f} s)"
+    saves_line = f"progress saved at {saver.saves} of {checks} checks ({saver.seconds:.0f} s)"
     if progress["best"] is None:
         runlog.stage(f"refine: no check lowered the held-out KL ({report['held_out_kl']['before']:.4g}) without raising an expert's "
-                     f"above the closed form's beyond two standard errors, so the closed form's output stands unchanged; {saved}")
+                     f"above the closed form's beyond two standard errors, so the closed form's output stands unchanged; {saves_line}")
         return job.replacements, report
     student.load(progress["best"])
     tensors = student.written()
@@ -369,7 +369,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     stored = {name: (job.merged.get(name) if name in job.merged.weight_map else _staged(job.replacements[name], name)).dtype for name in tensors}
     save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4g} → {progress['best_kl']:.4g} at step "
-                 f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; {saved}")
+                 f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; {saves_line}")
     return {**job.replacements, **{name: path for name in tensors}}, report
 
 
