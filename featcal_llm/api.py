@@ -166,12 +166,20 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> 
 DICT_RECIPE = "<recipe>"  # how errors and notes name a recipe given as a dict (its temporary file is gone by then)
 
 
+def _dict_named(text: str, path: Path) -> str:
+    """`text` with the temporary file of a dict recipe named `<recipe>`."""
+    return text.replace(str(path), DICT_RECIPE)
+
+
+def _dict_named_problem(problem: Problem, path: Path) -> Problem:
+    return Problem(DICT_RECIPE if problem.file == str(path) else problem.file, problem.key, _dict_named(problem.message, path))
+
+
 def _name_dict_recipe(error: FeatCalError, path: Path) -> FeatCalError:
     """`error` with the temporary file of a dict recipe named `<recipe>` in its text and problems (changed in place)."""
     if isinstance(error, RecipeProblems):
-        error.problems = [Problem(DICT_RECIPE if p.file == str(path) else p.file, p.key, p.message.replace(str(path), DICT_RECIPE))
-                          for p in error.problems]
-    error.args = tuple(arg.replace(str(path), DICT_RECIPE) if isinstance(arg, str) else arg for arg in error.args)
+        error.problems = [_dict_named_problem(problem, path) for problem in error.problems]
+    error.args = tuple(_dict_named(arg, path) if isinstance(arg, str) else arg for arg in error.args)
     return error
 
 
@@ -320,10 +328,7 @@ def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = Fa
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    shown = DICT_RECIPE if temporary is not None else str(path)
-
-    def named(text: str) -> str:
-        return text.replace(str(path), shown) if temporary is not None else text
-
-    problems = [Problem(shown if problem.file == str(path) else problem.file, problem.key, named(problem.message)) for problem in report.problems]
-    return ValidationResult(problems, map(named, report.summary_notes()), map(named, warnings))
+    if temporary is None:
+        return ValidationResult(report.problems, report.summary_notes(), warnings)
+    return ValidationResult([_dict_named_problem(problem, path) for problem in report.problems],
+                            [_dict_named(note, path) for note in report.summary_notes()], [_dict_named(warning, path) for warning in warnings])
