@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from torch.utils.serialization import config as serialization_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -161,9 +162,7 @@ class StagingArea:
         Written without the zip records' CRC-32: torch.load never checks it, and computing it took half to two thirds
         of a save (refine's 1.6 GB progress for SmolLM2-135M alone: 2.0-3.3 s with it, 0.7 s without, on two CPU cores);
         the temporary file, fsync and rename are what keep a crash from leaving a damaged one."""
-        from torch.utils.serialization import config
-
-        with config.patch({"save.compute_crc32": False}):
+        with serialization_config.patch({"save.compute_crc32": False}):
             _write_atomically(self.pass_file(name), lambda p: torch.save(result, p))
 
     def load_pass(self, name: str) -> dict | None:
