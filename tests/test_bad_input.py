@@ -133,8 +133,26 @@ CASES = {
     "calibration field missing": (lambda r, t: _data_file(r, t, '{"body": "x"}\n'), ["record 0 has no field 'text'"]),
     "text that tokenises to nothing": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"text": ""}\n'), ["record 1 tokenises to nothing"]),
     "calibration file of unknown type": (lambda r, t: (_data_file(r, t, "x"), _first_data(r).__setitem__("path", str(_touch(t / "cal.txt")))), ["cal.txt: unsupported file type"]),
+    "seed below zero": (_set("featcal", "seed", value=-1), ["bad.yaml: featcal.seed:", "greater than or equal to 0"]),
+    "merge seed past numpy's range": (_set("featcal", "merge_options", value={"random_seed": 2**32}),
+                                      ["bad.yaml: featcal.merge_options.random_seed:", "less than or equal to 4294967295"]),
+    "output is the merged directory": (
+        lambda r, t: (r["featcal"].__setitem__("merged", str(t / "same")), r["featcal"].__setitem__("output", str(t / "same"))),
+        ["featcal.output:", "same is also featcal.merged", "name another directory"],
+    ),
+    "output inside the merged directory": (
+        lambda r, t: (r["featcal"].__setitem__("merged", str(t / "merge")), r["featcal"].__setitem__("output", str(t / "merge" / "out"))),
+        ["featcal.output:", "lies inside featcal.merged", "name a directory outside it"],
+    ),
     "output under a file": (lambda r, t: r["featcal"].__setitem__("output", str(_touch(t / "a-file") / "out")), ["featcal.output", "a-file is not a directory"]),
 }
+
+
+def _linked(source: Path, link: Path) -> Path:
+    """A link to a shared test model, so that a run that failed to refuse could delete only the link."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(source.resolve(), target_is_directory=True)
+    return link
 
 
 def _touch(path: Path) -> Path:
@@ -195,3 +213,20 @@ def test_existing_output_is_refused_without_force(merged_scenario, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("already exists (pass --force to replace it)")
     assert (output / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("holder", ["models", "models/last"])
+def test_output_over_an_input_is_refused_even_with_force(merged_scenario, tmp_path, holder):
+    """`--force` replaces an old output, never an input: an output that is a model of the recipe, or holds one (here a
+    link to the last expert), is refused before the merge, and the input is still there."""
+    def mutate(recipe, tmp):
+        _replace_expert(recipe, _linked(Path(recipe["models"][-1]["model"]), tmp / "models" / "last"))
+        recipe["featcal"]["output"] = str(tmp / holder)
+
+    recipe, output = _recipe(merged_scenario, tmp_path, mutate)
+    result = CliRunner().invoke(main, ["run", str(recipe), "--force"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
+    assert result.exit_code == 2 and len(errors) == 1, result.stderr
+    verb = "is also" if holder.endswith("last") else "holds"
+    assert f"featcal.output: {output} {verb} the expert {tmp_path / 'models' / 'last'}" in errors[0], errors[0]
+    assert (tmp_path / "models" / "last" / "config.json").is_file()

@@ -291,6 +291,30 @@ def test_a_clean_recipe_passes_with_a_memory_estimate(scenario, tmp_path, no_wei
     assert featcal_llm.validate(recipe) == []
 
 
+@pytest.mark.parametrize("installed, cuda, backend, expected", [
+    ({"vllm": False}, "CUDA is not available (no NVIDIA driver is loaded)", {"name": "vllm"},
+     "featcal.eval.backend.name: vllm is not installed; install the extra: pip install 'featcal-llm[vllm]', or set featcal.eval.backend.name: hf"),
+    ({"vllm": True}, "CUDA is not available (torch is a CPU-only build)", {"name": "vllm"},
+     "featcal.eval.backend.name: vllm scores on a CUDA GPU, but CUDA is not available (torch is a CPU-only build); use hf"),
+    ({"vllm": False}, "CUDA is not available (torch is a CPU-only build)", {"tensor_parallel_size": 2},  # auto is hf here
+     "featcal.eval.backend.tensor_parallel_size: only the vllm backend shards a model"),
+    ({"vllm": False}, None, {"tensor_parallel_size": 2}, None),  # auto where CUDA may be: torch decides at the run
+    ({"vllm": True, "lm_eval": False}, None, {"name": "vllm"},
+     "featcal.eval: lm-eval is not installed; install the extra: pip install 'featcal-llm[eval]'"),
+])
+def test_the_eval_backend_is_checked_before_the_calibration(scenario, tmp_path, no_weights, monkeypatch, installed, cuda, backend, expected):
+    """What the evaluation after the run refuses of its backend on this machine (uninstalled, vLLM without CUDA, hf
+    settings under `auto` on a CPU) is refused by validate, so that run stops before the calibration's hours."""
+    from featcal_llm import hardware
+    from featcal_llm.evaluation import backends
+
+    have = {"lm_eval": True, "torch": True, "transformers": True, **installed}
+    monkeypatch.setattr(backends, "_installed", lambda name: have[name])
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: cuda)
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {"tasks": ["arc_challenge"], "backend": backend}))
+    assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == ([expected] if expected else [])
+
+
 def test_hub_ids_are_looked_up_only_online(scenario, tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError

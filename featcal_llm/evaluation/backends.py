@@ -22,9 +22,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def require_lm_eval() -> None:
+def require_lm_eval(origin: str = "eval") -> None:
     if not _installed("lm_eval"):
-        raise FeatCalError("eval: lm-eval is not installed; install the extra: pip install 'featcal-llm[eval]'")
+        raise FeatCalError(f"{origin}: lm-eval is not installed; install the extra: pip install 'featcal-llm[eval]'")
 
 
 def resolve_backend_name(settings: BackendSettings, origin: str = "--backend") -> str:
@@ -33,16 +33,34 @@ def resolve_backend_name(settings: BackendSettings, origin: str = "--backend") -
     name = settings.name
     if name == "auto":
         name = "vllm" if cuda_available() else "hf"
-        if name == "vllm" and not _installed("vllm"):
-            raise FeatCalError(
-                f"{origin}: auto picked vllm (CUDA is present) but vLLM is not installed; "
-                "install the extra: pip install 'featcal-llm[vllm]', or pass --backend hf"
-            )
+    _check_installed(name, settings.name, origin)
+    return name
+
+
+def planned_backend_name(settings: BackendSettings, origin: str) -> str | None:
+    """`resolve_backend_name`'s answer, asked by `validate` without starting torch: the backend where that is certain
+    (None: `auto` on a machine whose CUDA only torch can confirm), refusing what the run would refuse only after the
+    calibration (lm-eval or the backend not installed, vLLM without CUDA)."""
+    from featcal_llm.hardware import cuda_refusal
+
+    require_lm_eval(origin.rsplit(".backend", 1)[0])
+    refusal = cuda_refusal()
+    if settings.name == "auto" and refusal is None:
+        return None
+    name = "hf" if settings.name == "auto" else settings.name
+    _check_installed(name, settings.name, origin)
+    if name == "vllm" and refusal is not None:
+        raise FeatCalError(f"{origin}: vllm scores on a CUDA GPU, but {refusal}; use hf")
+    return name
+
+
+def _check_installed(name: str, asked: str, origin: str) -> None:
+    other = "pass --backend hf" if origin.startswith("--") else f"set {origin}: hf"
     if name == "vllm" and not _installed("vllm"):
-        raise FeatCalError(f"{origin}: vllm is not installed; install the extra: pip install 'featcal-llm[vllm]'")
+        picked = "auto picked vllm (CUDA is present) but vLLM" if asked == "auto" else "vllm"
+        raise FeatCalError(f"{origin}: {picked} is not installed; install the extra: pip install 'featcal-llm[vllm]', or {other}")
     if name == "hf" and not (_installed("torch") and _installed("transformers")):
         raise FeatCalError(f"{origin}: hf needs torch and transformers; pip install 'featcal-llm[eval]'")
-    return name
 
 
 @dataclass(frozen=True)

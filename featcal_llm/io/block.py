@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.block_sections import DataSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
+from featcal_llm.io.block_sections import SEED_MAX, DataSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
 
 try:  # the evaluation package owns its own block; the engine works without it
     from featcal_llm.evaluation.config import EvalSection
@@ -154,7 +154,7 @@ class FeatCalConfig(BaseModel):
     tune: TuneSpec | None = Field(None, description="how auto or candidate-list hyper-parameters are chosen (see tune:)")
     eps: float = Field(1e-8, gt=0, description="floor of each task's Gram norm in its weight 1 / max(norm, eps), also added to the ridge")
     shuffle: bool = Field(False, description="shuffle each expert's records (with seed) before taking the first samples")
-    seed: int = Field(0, description="seed of the shuffle, the held-out split and generation")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="seed of the shuffle, the held-out split and generation")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: cuda when available)")
     dtype: Literal["auto", "float64", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs; on CPUs bfloat16 where the checkpoint is stored in bfloat16 and the CPU has bf16 units, else float32"

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+SEED_MAX = 2**32 - 1  # numpy's and mergekit's set_seed take no other seed
+
 
 class GenerateSpec(BaseModel):
     """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, answering requests
@@ -29,7 +31,7 @@ class GenerateSpec(BaseModel):
     temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
     min_p: float = Field(0.0, ge=0.0, lt=1.0, description="drop the tokens less likely than min_p × the most likely one's probability, after temperature (0: no cut)")
-    seed: int | None = Field(None, description="default featcal.seed")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="default featcal.seed")
     chat_template: Literal["auto", "on", "off", "empty"] = Field(
         "auto", description="without prompts or start: on answers the shipped seed prompts, empty answers an empty request, off starts at BOS, auto measures which start shows the expert's own behaviour; with prompts: auto is on when the expert's tokenizer has a chat template"
     )
@@ -97,7 +99,7 @@ class MergeOptionsSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     random_seed: int | None = Field(
-        None, description="seed of the random merge methods (dare_ties, dare_linear, della, della_linear, arcee_fusion): default "
+        None, ge=0, le=SEED_MAX, description="seed of the random merge methods (dare_ties, dare_linear, della, della_linear, arcee_fusion): default "
         "the block's seed, so a re-merge (after an edit, or from featcal_recipe.yml) gives the same weights; a deterministic merge "
         "(task_arithmetic, ties, breadcrumbs, linear, ...) is reused under any seed"
     )

@@ -88,7 +88,8 @@ def _bounds(metadata: Any) -> str:
     for item in metadata:
         for kind, (symbol, attribute) in symbols.items():
             if isinstance(item, kind):
-                parts.append(f"{symbol} {getattr(item, attribute):g}")
+                bound = getattr(item, attribute)
+                parts.append(f"{symbol} {bound}" if isinstance(bound, int) else f"{symbol} {bound:g}")  # a seed's 2³² − 1 whole
     return f", {', '.join(parts)}" if parts else ""
 
 

@@ -101,6 +101,9 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         _check_output(path, Path(output), report, "OUTPUT")
     elif setting("output"):
         _check_output(path, Path(setting("output")), report)
+    if (output or setting("output")) and parsed.merge_config is not None:
+        _check_output_inputs(path, Path(output or setting("output")), "OUTPUT" if output else "featcal.output",
+                             _inputs(path, parsed.merge_config, setting("merged"), setting("tokenizer"), data), setting("merged"), report)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
     if featcal is not None:
@@ -340,6 +343,36 @@ def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.
         report.problems.append(Problem(str(path), key, problem))
 
 
+def _inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, data: dict[str, DataSpec]) -> dict[str, Path]:
+    """The local files and directories a run reads, each named as the recipe names it: the recipe, its models, the
+    merge, the tokenizer and the calibration files (hub ids are not on this disk)."""
+    from featcal_llm.io.data import data_path
+
+    inputs = {f"the recipe {path}": path}
+    references = [("base_model", merge_config.base_model)] if merge_config.base_model is not None else []
+    references += [("the expert", reference) for reference in _experts_of(merge_config)]
+    for key, reference in references:
+        for model_path in (reference.model, reference.lora):
+            if model_path is not None and not _is_hub_reference(model_path):
+                inputs[f"{key} {model_path.path}"] = Path(model_path.path)
+    if merged:
+        inputs[f"featcal.merged {merged}"] = Path(merged)
+    if tokenizer and not looks_like_hub_id(tokenizer):
+        inputs[f"featcal.tokenizer {tokenizer}"] = Path(tokenizer)
+    for name, spec in data.items():
+        if spec.path is not None and data_path(spec, path.parent).exists():
+            inputs[f"featcal.data.{name}.path {spec.path}"] = data_path(spec, path.parent)
+    return inputs
+
+
+def _check_output_inputs(path: Path, output: Path, key: str, inputs: dict[str, Path], merged: str | None, report: Report) -> None:
+    from featcal_llm.io.output_dir import overwrites_input
+
+    problem = overwrites_input(output, inputs, Path(merged) if merged else None)
+    if problem is not None:
+        report.problems.append(Problem(str(path), key, problem))
+
+
 def _check_device(path: Path, override: str | None, featcal: Any, report: Report) -> None:
     """What the device (`run --device`, else featcal.device) cannot do, where that is certain before run starts torch:
     CUDA named where there is none (run's `resolve_device` refuses it so), vLLM sampling on the CPU or uninstalled."""
@@ -372,19 +405,20 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
 
 def _check_eval_settings(path: Path, section: Any, report: Report) -> None:
     """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
-    from featcal_llm.evaluation.backends import check_settings
+    from featcal_llm.evaluation.backends import check_settings, planned_backend_name
     from featcal_llm.evaluation.leaderboard import reference_rows
     from featcal_llm.evaluation.suite import checked_suite, load_suite
 
     collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
 
     def backend() -> None:
+        name = planned_backend_name(section.backend, "featcal.eval.backend.name")  # None: auto, where torch decides
         try:
-            check_settings(section.backend.name, section.backend)
+            if name is not None:
+                check_settings(name, section.backend)
         except FeatCalError as error:
             raise FeatCalError(f"featcal.eval.{error}") from None
 
-    if section.backend.name in ("vllm", "hf"):  # auto: whichever the machine that scores has
-        collect(report.problems, path, backend)
+    collect(report.problems, path, backend)
     if section.reference:
         collect(report.problems, path, lambda: reference_rows([section.reference], load_suite(section.suite), "featcal.eval.reference"))
