@@ -79,7 +79,7 @@ def test_tuned_stack_equals_two_recipes_and_replays_bit_for_bit(merged_scenario,
 @pytest.mark.parametrize("method, message", [
     (["featcal", "regmean++"], "featcal.method: expected a stack [regmean, featcal] or [regmean++, featcal]"),
     (["regmean++", "featcal", "featcal"], "featcal.method: expected a stack [regmean, featcal] or [regmean++, featcal]"),
-    ("stack", "featcal.method: expected one of featcal, regmean, regmean++, or a stack [regmean++, featcal]"),
+    ("stack", "featcal.method: expected one of featcal, regmean, regmean++, or a stack [regmean, featcal] or [regmean++, featcal]"),
 ])
 def test_bad_stack_is_one_line(scenario, tmp_path, method, message):
     path = recipe(scenario, tmp_path / "bad.yaml", method=method)
@@ -97,6 +97,18 @@ def test_stack_takes_both_methods_keys_and_one_method_still_refuses_the_other(sc
     assert (second.method, second.merged, second.hyper_values()) == ("featcal", "x", {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0})
     with pytest.raises(FeatCalError, match="featcal.reduction: only method regmean and regmean"):
         load_recipe(recipe(scenario, tmp_path / "f.yaml", reduction=0.3))
+
+
+def test_a_tuned_stack_is_budgeted_stage_by_stage(scenario, tmp_path):
+    """Each stage searches its own keys (RegMean 5 reductions, then FeatCal 12 settings), so the budget bounds each, not
+    their sum: every key `auto` fits the default 12; a budget of 10 refuses the FeatCal stage's 12 only."""
+    every = {"reduction": "auto", "lambda": "auto", "alpha": "auto", "rho": "auto"}
+    stack = load_recipe(recipe(scenario, tmp_path / "s.yaml", method=["regmean", "featcal"], **every))
+    assert stack.featcal.tune_settings().budget == 12
+    with pytest.raises(FeatCalError) as error:
+        load_recipe(recipe(scenario, tmp_path / "b.yaml", method=["regmean", "featcal"], tune={"budget": 10}, **every))
+    assert "featcal.tune.budget: the coordinate search over 7 lambda, 4 alpha, 3 rho candidates evaluates 12 settings" \
+        " per layer, more than the budget of 10" in str(error.value) and "reduction" not in str(error.value)
 
 
 def test_existing_output_stops_the_stack_before_any_work(scenario, tmp_path):

@@ -243,7 +243,7 @@ class FeatCalConfig(BaseModel):
                 raise ValueError("expected a stack [regmean, featcal] or [regmean++, featcal]: RegMean first, then FeatCal on its result")
             return tuple(value)
         if value not in METHODS:
-            raise ValueError(f"expected one of {', '.join(METHODS)}, or a stack [regmean++, featcal]")
+            raise ValueError(f"expected one of {', '.join(METHODS)}, or a stack [regmean, featcal] or [regmean++, featcal]")
         return value
 
     @property

@@ -121,7 +121,7 @@ class TuneSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     holdout: float = Field(0.25, gt=0.0, lt=1.0, description="share of each expert's records kept aside for selection (and for refine's stopping: with refine and fixed values, the one tune key that applies); drawn by featcal.seed and the expert's position in the recipe, so moving the experts' folders does not change it")
-    budget: int = Field(12, ge=1, description="at most this many candidate settings evaluated per layer")
+    budget: int = Field(12, ge=1, description="at most this many candidate settings evaluated per layer (in a stack, by each stage)")
     criterion: Literal["output", "hidden"] = Field(
         "hidden", description="hidden: the layer output's relative drift to each expert, averaged over experts; output: each expert's next-token KL through the final norm and LM head, geometric mean over experts"
     )

@@ -151,8 +151,9 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
                                     "to auto or a list of candidates)" + ("; with refine only tune.holdout applies" if featcal.refine is not None else "")))
     from featcal_llm.engine.tuning import build_search, holdout_problem  # light: no torch
 
-    if featcal.tuned:
-        collect(problems, path, lambda: build_search(featcal, str(path)))
+    for stage in _stages(featcal):  # a stack searches each stage on its own, each within the budget (engine/method.py)
+        if stage.tuned:
+            collect(problems, path, lambda stage=stage: build_search(stage, str(path)))
     if featcal.holds_out:  # the records the recipe asks for (a shorter file is caught when it is read)
         share = featcal.tune_settings().holdout
         for name, spec in featcal.data.items():
