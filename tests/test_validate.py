@@ -98,16 +98,18 @@ def _bad_files(r, t):
     _data(r, 2)["path"] = str(t / "empty.jsonl")
 
 
-def _other_shape(r, t):
+def _other_shape(r, t, edit=lambda config: config.__setitem__("hidden_size", config["hidden_size"] + 8)) -> Path:
+    """The last expert replaced by a copy (weights linked, never read) whose config.json `edit` changes."""
     odd = t / "odd-expert"
-    shutil.copytree(_expert(r, 2), odd, copy_function=os.symlink)  # weights linked, never read
+    shutil.copytree(_expert(r, 2), odd, copy_function=os.symlink)
     (odd / "config.json").unlink()
     shutil.copy(Path(_expert(r, 2)) / "config.json", odd / "config.json")
     config = json.loads((odd / "config.json").read_text())
-    config["hidden_size"] += 8
+    edit(config)
     (odd / "config.json").write_text(json.dumps(config))
     r["featcal"]["data"][str(odd)] = r["featcal"]["data"].pop(_expert(r, 2))
     r["models"][2]["model"] = str(odd)
+    return odd
 
 
 def _pickled_and_weightless(r, t):
@@ -313,6 +315,34 @@ def test_the_eval_backend_is_checked_before_the_calibration(scenario, tmp_path, 
     monkeypatch.setattr(hardware, "cuda_refusal", lambda: cuda)
     recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {"tasks": ["arc_challenge"], "backend": backend}))
     assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == ([expected] if expected else [])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c.pop("intermediate_size"),  # transformers' Llama default, 11008, is not the base's 128
+    lambda c: c.pop("rms_norm_eps"),  # default 1e-6, the base's 1e-5
+    lambda c: c.pop("architectures"),
+    lambda c: c.pop("attention_bias"),  # default false, as the base's: the same layer
+    lambda c: (c.pop("mlp_bias"), c.pop("pretraining_tp")),
+    lambda c: c.__setitem__("num_key_value_heads", c["num_attention_heads"]),
+], ids=["intermediate_size", "rms_norm_eps", "architectures", "attention_bias", "mlp_bias", "kv heads"])
+def test_validate_compares_an_experts_config_as_run_reads_it(scenario, tmp_path, no_weights, edit):
+    """A key one config.json leaves out is the family's default, as transformers fills it in for run: validate refuses
+    what run's `check_compatible` refuses, with its line, and passes what it passes."""
+    from transformers import AutoConfig
+
+    from featcal_llm.family.compat import check_compatible
+
+    odd = []
+    recipe = _write(scenario, tmp_path, lambda r, t: odd.append(_other_shape(r, t, edit)))
+    found = [str(problem) for problem in featcal_llm.validate(recipe)]
+    what = f"{recipe}: models: {odd[0]}: {odd[0] / 'config.json'}"
+    try:
+        base = yaml.safe_load(scenario.recipe.read_text())["base_model"]
+        check_compatible(AutoConfig.from_pretrained(base), AutoConfig.from_pretrained(odd[0]), what)
+        refused = []
+    except featcal_llm.FeatCalError as error:
+        refused = [str(error)]
+    assert found == refused
 
 
 def test_hub_ids_are_looked_up_only_online(scenario, tmp_path, monkeypatch):

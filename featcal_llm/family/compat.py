@@ -23,6 +23,17 @@ FAMILY_KEYS = (
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id")
 
 
+def check_compatible(reference: Any, other: Any, what: str) -> None:
+    """Experts, base and merge must share architecture and every shape the layer loop depends on (configs as
+    transformers reads them, its defaults filled in)."""
+    if list(reference.architectures or []) != list(other.architectures or []):
+        raise FeatCalError(f"{what}: architecture {other.architectures} differs from the base model's {reference.architectures}")
+    for key in SHAPE_KEYS:
+        if getattr(reference, key, None) != getattr(other, key, None):
+            raise FeatCalError(f"{what}: config {key} = {getattr(other, key, None)} differs from the base model's {getattr(reference, key, None)}")
+    check_family_settings(reference, other, what)
+
+
 def check_family_settings(reference: Any, other: Any, what: str) -> None:
     for key in FAMILY_KEYS:
         mine, theirs = getattr(reference, key, None), getattr(other, key, None)

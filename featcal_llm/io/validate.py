@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS
+from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible
 from featcal_llm.io.output_dir import unwritable
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
                                         has_chat_template, has_tokenizer_files, missing_weights)
@@ -316,13 +316,31 @@ def _plain_adapter(reference: Any) -> bool:
 
 def check_same_shapes(base: dict, other: dict, what: str) -> None:
     """Architecture, the shapes the layer loop depends on and the settings that change what a layer computes (rope, norm
-    epsilon, windows: run's `check_family_settings`), from config.json; keys missing on either side are not compared."""
-    if base.get("architectures") and other.get("architectures") and base["architectures"] != other["architectures"]:
-        raise FeatCalError(f"{what}: architecture {other['architectures']} differs from the base model's {base['architectures']}")
+    epsilon, windows: run's `check_compatible`), from config.json. Where a key stands in one file only, the configs are
+    read as run reads them (transformers fills in the family's defaults, which imports torch: only then), and compared
+    by run's own check; a key both files leave out is the same default on both."""
+    keys = ("architectures", *SHAPE_KEYS, *FAMILY_KEYS)
+    if any((_shape(base, key) is None) != (_shape(other, key) is None) for key in keys):
+        loaded = _as_transformers_reads(base), _as_transformers_reads(other)
+        if None not in loaded:
+            check_compatible(*loaded, what)
+            return
+    if list(base.get("architectures") or []) != list(other.get("architectures") or []):
+        raise FeatCalError(f"{what}: architecture {other.get('architectures')} differs from the base model's {base.get('architectures')}")
     for key in (*SHAPE_KEYS, *FAMILY_KEYS):
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def _as_transformers_reads(config: dict) -> Any:
+    """The config object `AutoConfig` builds from this config.json (None where it cannot: run reports why)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+    except Exception:
+        return None
 
 
 def _shape(config: dict, key: str) -> Any:

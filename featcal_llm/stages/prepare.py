@@ -26,7 +26,7 @@ from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
 )
-from featcal_llm.family.compat import SHAPE_KEYS, check_embedding_rows, check_family_settings, check_tokenizer, check_vocabulary_sizes
+from featcal_llm.family.compat import check_compatible, check_embedding_rows, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
@@ -64,16 +64,6 @@ def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
         return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception as error:
         raise FeatCalError(f"{what}: {directory / 'config.json'}: cannot be read ({str(error).splitlines()[0]})") from None
-
-
-def check_compatible(reference: Any, other: Any, what: str) -> None:
-    """Experts, base and merge must share architecture and every shape the layer loop depends on."""
-    if list(reference.architectures or []) != list(other.architectures or []):
-        raise FeatCalError(f"{what}: architecture {other.architectures} differs from the base model's {reference.architectures}")
-    for key in SHAPE_KEYS:
-        if getattr(reference, key, None) != getattr(other, key, None):
-            raise FeatCalError(f"{what}: config {key} = {getattr(other, key, None)} differs from the base model's {getattr(reference, key, None)}")
-    check_family_settings(reference, other, what)
 
 
 def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
