@@ -82,7 +82,7 @@ def test_matches_brute_force_in_one_padded_batch_without_norms(family_scenarios,
     assert not any("layernorm" in n for n in errors)
 
 
-# family → config overrides: tiny sliding windows (8 < the 20-60 token sequences) where the family has them
+# family → config overrides: tiny sliding windows (8 < the 14-61 token sequences) where the family has them
 FAMILIES = {
     "llama": {},
     # alternating sliding/full layers, soft-capping, tied; √d embedding scale with d = 72, whose root is inexact in float32

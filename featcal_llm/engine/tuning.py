@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from featcal_llm.maths.objective import Hyperparameters
     from featcal_llm.maths.regmean import RegMeanSetting
 
-# `auto`: λ log-spaced over seven decades (the paper used 1e-5 and 3), α across [0, 1] without the
+# `auto`: λ log-spaced, seven values a decade apart (the paper used 1e-5 and 3), α across [0, 1] without the
 # extremes the demo found harmful, ρ around 1 with one extrapolating value. 7 + 3 + 2 = 12 evaluations.
 AUTO = {
     "lambda": (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
