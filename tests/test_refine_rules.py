@@ -25,6 +25,9 @@ def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
     bought = {"a": _one_record(0.01), "b": _one_record(0.11)}  # one record: any rise counts
     assert not kept(bought, 0.15) and raised(bought, before) == ["b"]
     assert not kept({"a": _one_record(0.19), "b": _one_record(0.1)}, 0.14)  # none above, the mean not below the best
+    assert not improves(0.15, [], 0.15)  # a tie keeps the earlier (fewer steps) check
+    assert mean_kl({"a": _one_record(0.2)}) == pytest.approx(0.2)  # one expert: its own KL, as logged
+    assert mean_kl({"a": {"sums": [1.0, 6.0], "counts": [10, 30]}, "b": _one_record(0.4)}) == pytest.approx((0.175 + 0.4) / 2)
 
 
 def test_a_rise_counts_only_beyond_two_standard_errors_over_the_records():
@@ -57,8 +60,8 @@ def test_a_rise_counts_only_beyond_two_standard_errors_over_the_records():
     assert mean > 2 * se and raised(check, before) == ["a"]
 
 
-def test_saves_take_a_tenth_of_the_time_and_write_each_best_once(tmp_path, monkeypatch):
-    """The rule (the first check saves; then one once 9× the last save's time has passed) and the saver: a best found at
+def test_saves_take_a_twentieth_of_the_time_and_write_each_best_once(tmp_path, monkeypatch):
+    """The rule (the first check saves; then one once 19× the last save's time has passed) and the saver: a best found at
     a check that did not save is written by the next save, and only the best the progress names stays on disk."""
     import featcal_llm.engine.refine_progress as progress_module
     from featcal_llm.engine.refine_progress import ProgressSaver, save_due
