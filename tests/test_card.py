@@ -135,7 +135,7 @@ def test_the_body_has_no_python_reprs_and_links_the_paper(tmp_path):
     for repr_ in ("False", "True", "None", "{'", "['", "torch."):
         assert repr_ not in body, repr_
     assert "- records shuffled before they are taken: no\n" in body and "- norm scales re-fitted: no\n" in body
-    assert "- projections re-fitted: `mlp.down_proj`, `self_attn.q_proj`\n" in body and "- weights' precision: bfloat16\n" in body
+    assert "- projections re-fitted: `mlp.down_proj`, `self_attn.q_proj`\n" in body and "- compute precision (the weights keep the merge's dtypes): bfloat16\n" in body
     assert "- LM head: re-fitted (λ = 1e-05, α = 1, ρ = 0.5), untied from the input embeddings\n" in body
     assert "FeatCal feature calibration ([Gu et al., 2026](https://github.com/egangu/featcal))" in body
     assert "url    = {https://github.com/egangu/featcal}" in (tmp_path / "out" / "README.md").read_text()  # the citation

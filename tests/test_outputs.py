@@ -158,3 +158,20 @@ def test_nothing_is_pushed_when_the_run_fails_or_the_repo_id_is_bad(small, tmp_p
     alone = CliRunner().invoke(main, ["run", str(small.recipe), "--public"])
     assert alone.exit_code == 2 and "--public applies to --push-to-hub REPO_ID" in alone.output
     assert hub.calls == [] and not (tmp_path / "out").exists()
+
+
+def test_side_files_are_the_merges_not_an_earlier_runs_report(tmp_path):
+    """A merge that is an earlier run's output hands on its config, tokenizer and chat template, never its card or
+    its `featcal_*` report of a run this one did not make (a refine or a search it did not do)."""
+    from featcal_llm.io.checkpoint import copy_side_files
+
+    source, output = tmp_path / "earlier", tmp_path / "out"
+    source.mkdir(), output.mkdir()
+    names = ["config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", "mergekit_config.yml",
+             "README.md", "featcal_merge.json", "featcal_refine.json", "featcal_tuning.json", "featcal_drift.png",
+             "featcal_recipe.yml", "model.safetensors", "model.safetensors.index.json"]
+    for name in names:
+        (source / name).write_text(name)
+    copy_side_files(source, output)
+    assert sorted(path.name for path in output.iterdir()) == sorted(names[:5])
+    assert (output / "tokenizer.json").read_text() == "tokenizer.json"

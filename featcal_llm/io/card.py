@@ -163,7 +163,7 @@ SETTING_TEXT = {
     "expert_weights": "expert weights",
     "token_weights": "token weights",
     "trailing_experts": "records of an expert that trails the merge are calibrated toward",
-    "dtype": "weights' precision",
+    "dtype": "compute precision (the weights keep the merge's dtypes)",
     "stats_dtype": "statistics' precision",
     "projections": "projections re-fitted",
     "norms": "norm scales re-fitted",

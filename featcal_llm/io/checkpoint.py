@@ -166,10 +166,12 @@ def untie_head(directory: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def copy_side_files(source: Path, output: Path, skip: tuple[str, ...] = ("README.md", "featcal_merge.json")) -> None:
-    """Config, generation config, tokenizer and anything else that is not weights."""
+def copy_side_files(source: Path, output: Path) -> None:
+    """Config, generation config, tokenizer and anything else that is not weights. Not the card, nor any `featcal_*`
+    file: a merge that is itself an earlier run's output (a stack run as two recipes) would hand its report of that run
+    (`featcal_refine.json`, `featcal_tuning.json`, ...) to an output whose run did no such thing."""
     for item in sorted(source.iterdir()):
-        if item.name in skip or item.name == INDEX_FILE or item.name.endswith(WEIGHT_SUFFIXES):
+        if item.name == "README.md" or item.name.startswith("featcal_") or item.name == INDEX_FILE or item.name.endswith(WEIGHT_SUFFIXES):
             continue
         if item.is_file():
             shutil.copy2(item, output / item.name)
