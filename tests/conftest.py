@@ -69,14 +69,14 @@ def merged_scenario(scenario):
 @pytest.fixture(scope="session")
 def family_scenarios(tmp_path_factory):
     """A tiny float64 scenario per family (test_exactness.FAMILIES: windows of 8, Gemma-2 at hidden 72), built once per session."""
-    from test_exactness import FAMILIES
+    from test_exactness import scenario_family
 
     built = {}
 
     def get(family):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
-            built[family] = build_scenario(root, experts=2, layers=2, samples=12, words=(4, 10), family=family, dtype="float64", **FAMILIES[family])
+            built[family] = build_scenario(root, experts=2, layers=2, samples=12, words=(4, 10), dtype="float64", **scenario_family(family))
         return built[family]
 
     return get

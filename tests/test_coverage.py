@@ -65,11 +65,10 @@ def trained_scenario(root, family: str, steps: tuple[int, ...]):
     """A float64 scenario whose experts are fine-tuned on their own records (expert i for steps[i] Adam steps), so
     that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only."""
     from scenario import build_char_tokenizer
-    from test_exactness import FAMILIES
+    from test_exactness import scenario_family
     from transformers import AutoModelForCausalLM
 
-    scenario = build_scenario(root, experts=len(steps), layers=2, samples=12, words=(4, 10), family=family, dtype="float64",
-                              **FAMILIES[family])
+    scenario = build_scenario(root, experts=len(steps), layers=2, samples=12, words=(4, 10), dtype="float64", **scenario_family(family))
     tokenizer = build_char_tokenizer()
     records = {name: [tokenizer(json.loads(line)["text"])["input_ids"] for line in path.read_text().splitlines()]
                for name, path in scenario.data.items()}

@@ -95,6 +95,13 @@ FAMILIES = {
 EXPECTED_NORMS = {"gemma2": ("input_layernorm", "pre_feedforward_layernorm")}
 
 
+def scenario_family(name: str) -> dict:
+    """build_scenario's family keys for `name`: a family of FAMILIES, or `llama-tied`, Llama with its LM head tied to
+    the input embeddings (as SmolLM2's and Llama-3.2-1B/3B's are): the tied head a re-fit unties, which Gemma-2 keeps."""
+    family = name.removesuffix("-tied")
+    return {"family": family, **FAMILIES[family], **({"tie_word_embeddings": True} if name.endswith("-tied") else {})}
+
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_brute_force(family_scenarios, family, tmp_path):

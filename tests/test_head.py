@@ -26,7 +26,7 @@ def reference_models(scenario):
     return merged, base, experts, sequences
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # an untied head; a tied one with (1 + w) norms and soft-capped logits
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])  # an untied head; a tied one (Gemma-2's stays tied: below)
 def test_the_head_update_matches_the_brute_force_and_the_layers_are_unchanged(family_scenarios, family, tmp_path):
     scenario = family_scenarios(family)
     plain = run_recipe(scenario.write_recipe(tmp_path / "plain.yaml", output=str(tmp_path / "plain"), batch_tokens=150, dtype="float64", head=False), progress=False)
@@ -49,16 +49,14 @@ def test_the_head_update_matches_the_brute_force_and_the_layers_are_unchanged(fa
     assert "the LM head was re-fitted" in card
     head = read_run_record(output)["settings"]["head"]  # what the run resolved, beside the card
     assert {key: head[key] for key in ("lambda", "alpha", "rho")} == {"lambda": 0.001, "alpha": 0.7, "rho": 0.4}
-    assert head["untied"] is (family == "gemma2")  # tied in gemma2's merge, untied in the output
-    if family == "gemma2":  # tied in the merge: untied in the output, or transformers would tie the embeddings back
+    assert head["untied"] is (family == "llama-tied")  # tied in the merge, untied in the output
+    if family == "llama-tied":  # tied in the merge: untied in the output, or transformers would tie the embeddings back
         assert "lm_head.weight" not in read_weights(scenario.root / "merged")
         assert config["tie_word_embeddings"] is False and "now a tensor of its own" in card
     ids = torch.tensor([sequences[next(iter(sequences))][0]])
     logits = model(input_ids=ids).logits  # the model transformers loads computes with the calibrated head
     features = model.model(input_ids=ids).last_hidden_state
     expected_logits = features @ ours["lm_head.weight"].T
-    if family == "gemma2":
-        expected_logits = torch.tanh(expected_logits / 30.0) * 30.0
     assert torch.allclose(logits, expected_logits, atol=1e-10)
 
 
@@ -81,7 +79,9 @@ def reshard(directory, tmp_path):
 def test_a_sharded_merge_gets_the_untied_head_in_its_last_shard_and_index(tmp_path):
     from scenario import build_scenario
 
-    scenario = build_scenario(tmp_path / "s", experts=2, layers=2, samples=8, family="gemma2", dtype="float64")
+    from test_exactness import scenario_family
+
+    scenario = build_scenario(tmp_path / "s", experts=2, layers=2, samples=8, dtype="float64", **scenario_family("llama-tied"))
     run_recipe(scenario.write_recipe(tmp_path / "first.yaml", output=str(tmp_path / "first")), progress=False)  # makes the merge
     merged_index = reshard(scenario.root / "merged", tmp_path)
     output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), head=True), progress=False)
@@ -127,7 +127,7 @@ def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_pat
     import featcal_llm.engine.calibrate as calibrate_module
     from test_reliability import tree_hash
 
-    scenario = family_scenarios("gemma2")
+    scenario = family_scenarios("llama-tied")
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), head=True)
     digest = tree_hash(run_recipe(recipe, progress=False))
     real = getattr(calibrate_module, crash_in)
@@ -176,17 +176,18 @@ def set_tensor(directory, name: str, tensor: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def head_scenarios(tmp_path_factory):
-    """(family, experts that keep the base's head) → a scenario and its head tensor: Llama's is untied, Gemma-2's is the
-    input embedding it is tied to; the other experts keep the perturbation every weight of theirs has."""
+    """(family, experts that keep the base's head) → a scenario and its head tensor: Llama's is untied, a tied Llama's
+    and Gemma-2's are the input embedding they are tied to; the other experts keep the perturbation every weight of
+    theirs has."""
     from scenario import build_scenario
-    from test_exactness import FAMILIES
+    from test_exactness import scenario_family
 
     built = {}
 
     def get(family, keep):
         if (family, keep) not in built:
             scenario = build_scenario(tmp_path_factory.mktemp(f"auto-{family}"), experts=2, layers=2, samples=8, words=(4, 10),
-                                      family=family, dtype="float64", **FAMILIES[family])
+                                      dtype="float64", **scenario_family(family))
             tensor = "lm_head.weight" if family == "llama" else "model.embed_tokens.weight"
             for name in keep:
                 set_tensor(scenario.experts[name], tensor, read_weights(scenario.base)[tensor])
@@ -207,7 +208,7 @@ def auto_recipe(scenario, path, **keys):
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
 def test_auto_leaves_the_head_merged_where_every_expert_kept_the_base_s(head_scenarios, family, tmp_path, capsys):
     scenario, tensor = head_scenarios(family, ("expert0", "expert1"))
     auto = run_recipe(auto_recipe(scenario, tmp_path / "auto.yaml", output=str(tmp_path / "auto")), progress=False)
@@ -219,7 +220,7 @@ def test_auto_leaves_the_head_merged_where_every_expert_kept_the_base_s(head_sce
     assert "The LM head keeps the merged model's weights (`head: auto`: every expert kept the base's)." in (auto / "README.md").read_text()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
 def test_auto_refits_the_head_as_head_true_does_where_an_expert_trained_its_own(head_scenarios, family, tmp_path, capsys):
     scenario, tensor = head_scenarios(family, ("expert0",))
     auto = run_recipe(auto_recipe(scenario, tmp_path / "auto.yaml", output=str(tmp_path / "auto")), progress=False)
@@ -231,8 +232,33 @@ def test_auto_refits_the_head_as_head_true_does_where_an_expert_trained_its_own(
     assert not torch.equal(ours["lm_head.weight"], read_weights(scenario.root / "merged").get("lm_head.weight", without[tensor]))
     card = (auto / "README.md").read_text()
     assert "the LM head was re-fitted the same way on the final norm's outputs (`head: auto`: `expert1` changed its LM head from the base's)" in card
-    if family == "gemma2":
+    if family == "llama-tied":
         assert json.loads((auto / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_gemma2s_head_stays_tied_as_vllm_serves_it(head_scenarios, tmp_path, capsys):
+    """vLLM's Gemma-2 class asserts `tie_word_embeddings`: `head: auto` keeps the head merged and tied even where an
+    expert trained it (the output is `head: false`'s, bit for bit), and `head: true` is refused by validate and run."""
+    import featcal_llm
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    scenario, _ = head_scenarios("gemma2", ("expert0",))
+    auto = run_recipe(auto_recipe(scenario, tmp_path / "auto.yaml", output=str(tmp_path / "auto")), progress=False)
+    assert ("head: auto: the LM head stays merged, tied to the input embeddings: vLLM serves Gemma2ForCausalLM only tied"
+            in capsys.readouterr().err)
+    off = run_recipe(auto_recipe(scenario, tmp_path / "off.yaml", output=str(tmp_path / "off"), head=False), progress=False)
+    ours, without = read_weights(auto), read_weights(off)
+    assert "lm_head.weight" not in ours and ours.keys() == without.keys() and all(torch.equal(ours[n], without[n]) for n in ours)
+    assert json.loads((auto / "config.json").read_text())["tie_word_embeddings"] is True
+    refused = auto_recipe(scenario, tmp_path / "true.yaml", output=str(tmp_path / "true"), head=True)
+    message = (f"{refused}: featcal.head: a re-fitted LM head is a tensor of its own, untied from the input embeddings, and "
+               "vLLM serves Gemma2ForCausalLM only tied; set head: false or auto (which keep it tied)")
+    assert [str(problem) for problem in featcal_llm.validate(refused)] == [message]
+    result = CliRunner().invoke(main, ["run", str(refused)])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"featcal-llm: error: {message}"]
+    assert not (tmp_path / "true").exists()
 
 
 def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):

@@ -25,6 +25,7 @@ from featcal_llm.maths.stats import accumulate_gram, accumulate_moment
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
+    from featcal_llm.family.architectures import Architecture
 
 
 def head_tensor(reader: CheckpointReader, embed_tokens: str) -> str:
@@ -39,16 +40,21 @@ def experts_with_their_own_head(base: CheckpointReader, experts: dict[str, Check
     return [name for name, reader in experts.items() if differs_at_stored_precision(reader.get(head_tensor(reader, embed_tokens)), reference)]
 
 
-def experts_that_changed_the_head(featcal: Any, readers: dict[str, CheckpointReader], embed_tokens: str) -> list[str] | None:
-    """`head: auto`: the experts (by short name) whose LM head is not the base's, said in the log; None when not asked.
+def experts_that_changed_the_head(featcal: Any, readers: dict[str, CheckpointReader], architecture: "Architecture") -> list[str] | None:
+    """`head: auto`: the experts (by short name) whose LM head is not the base's, said in the log; None when not asked,
+    or where the head must stay tied to the input embeddings for vLLM to serve the output (Gemma-2: it stays merged).
 
     `readers`: the base (`base_model`) and every expert, opened; each head is read once here, one at a time.
     """
     if not featcal.head_when_changed or featcal.regmean:
         return None
+    if architecture.head_tied_only:
+        runlog.stage(f"head: auto: the LM head stays merged, tied to the input embeddings: vLLM serves {architecture.name} "
+                     "only tied, and a re-fitted head would be a tensor of its own")
+        return None
     experts = {name: reader for name, reader in readers.items() if name != "base_model"}
     labels = short_names(list(experts))
-    own = [labels[name] for name in experts_with_their_own_head(readers["base_model"], experts, embed_tokens)]
+    own = [labels[name] for name in experts_with_their_own_head(readers["base_model"], experts, architecture.embed_tokens)]
     runlog.stage("head: auto: " + (f"the LM head is re-fitted after the last layer, since {', '.join(own)} changed it from the base's"
                                    if own else "the LM head stays merged, since every expert kept the base's"))
     return own

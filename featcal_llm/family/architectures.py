@@ -32,6 +32,10 @@ class Architecture:
     decoder_layer: str  # import path of the transformers decoder layer class
     base_model: str  # import path of the family's `*Model` (embedding, masks, rotary, layers)
     groups: tuple[InputGroup, ...]
+    name: str = ""  # the transformers class, as config.json's `architectures` names it
+    # vLLM serves it only with the LM head tied to the input embeddings (its Gemma-2 class asserts
+    # `tie_word_embeddings`), so a re-fitted head, a tensor of its own, would not load there
+    head_tied_only: bool = False
 
     def layer_class(self) -> type:
         return _import(self.decoder_layer)
@@ -66,7 +70,7 @@ def _groups(qkv: tuple[str, ...], gate_up: tuple[str, ...], mlp_norm: str = "pos
 _SEPARATE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _family(family: str, class_prefix: str, groups: tuple[InputGroup, ...] = _groups(*_SEPARATE)) -> Architecture:
+def _family(family: str, class_prefix: str, groups: tuple[InputGroup, ...] = _groups(*_SEPARATE), head_tied_only: bool = False) -> Architecture:
     module = f"transformers.models.{family}.modeling_{family}"
     return Architecture(
         layer_prefix="model.layers.{layer}.",
@@ -74,6 +78,8 @@ def _family(family: str, class_prefix: str, groups: tuple[InputGroup, ...] = _gr
         decoder_layer=f"{module}.{class_prefix}DecoderLayer",
         base_model=f"{module}.{class_prefix}Model",
         groups=groups,
+        name=f"{class_prefix}ForCausalLM",
+        head_tied_only=head_tied_only,
     )
 
 
@@ -83,11 +89,20 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": _family("qwen2", "Qwen2"),  # Qwen2 and Qwen2.5
     "Qwen3ForCausalLM": _family("qwen3", "Qwen3"),
     # Gemma-2: the MLP reads pre_feedforward_layernorm's output; its norms scale by (1 + w).
-    "Gemma2ForCausalLM": _family("gemma2", "Gemma2", _groups(*_SEPARATE, mlp_norm="pre_feedforward_layernorm")),
+    "Gemma2ForCausalLM": _family("gemma2", "Gemma2", _groups(*_SEPARATE, mlp_norm="pre_feedforward_layernorm"), head_tied_only=True),
     # Phi-3: fused projections, each one input group of its own.
     "Phi3ForCausalLM": _family("phi3", "Phi3", _groups(("qkv_proj",), ("gate_up_proj",))),
 }
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_head_refit(architecture: Architecture, featcal: Any, where: str) -> None:
+    """`head: true` (`when: always`) on a family vLLM serves only tied is refused: the re-fitted head would be written
+    untied, which transformers serves and vLLM refuses to load. `head: auto` keeps such a head tied instead (the run
+    says so)."""
+    if architecture.head_tied_only and featcal.head is not None and not featcal.regmean and not featcal.head_when_changed:
+        raise FeatCalError(f"{where}: featcal.head: a re-fitted LM head is a tensor of its own, untied from the input "
+                           f"embeddings, and vLLM serves {architecture.name} only tied; set head: false or auto (which keep it tied)")
 
 
 def architecture_for(config: Any, where: str) -> Architecture:

@@ -218,12 +218,14 @@ def check_per_layer(featcal: Any, num_layers: int, where: str) -> None:
 
 
 def _check_layers(path: Path, featcal: Any, base_config: dict, base_what: str, problems: list[Problem]) -> None:
-    """What `run` refuses from the base's config before its first layer: the architecture, `modules`, per-layer values."""
-    from featcal_llm.family.architectures import architecture_for, select_projections
+    """What `run` refuses from the base's config before its first layer: the architecture, `modules`, a head re-fit
+    vLLM could not serve, per-layer values."""
+    from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 
     architecture = collect(problems, path, lambda: architecture_for(SimpleNamespace(**base_config), base_what))  # run's words
     if architecture is not None and featcal is not None:
         collect(problems, path, lambda: select_projections(architecture, featcal.modules, str(path)))
+        collect(problems, path, lambda: check_head_refit(architecture, featcal, str(path)))
     if featcal is not None and isinstance(base_config.get("num_hidden_layers"), int):
         collect(problems, path, lambda: check_per_layer(featcal, base_config["num_hidden_layers"], str(path)))
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from featcal_llm import __version__, runlog
-from featcal_llm.family.architectures import architecture_for, select_projections
+from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 from featcal_llm.engine.teachers import check_judged
 from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
@@ -222,11 +222,12 @@ def resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> Re
     for name, config in expert_configs.items():
         check_compatible(base_config, config, f"expert {name}: {experts[name].directory / 'config.json'}")
     architecture = architecture_for(base_config, f"{recipe.path}: base_model {recipe.base}")
+    check_head_refit(architecture, featcal, str(recipe.path))
     readers = {}
     try:  # weights (and adapter) readable, from headers, before any merge
         for name, source in {"base_model": base, **experts}.items():
             readers[name] = source.open(f"{recipe.path}: {'base_model' if name == 'base_model' else 'models: ' + name}")
-        own_heads = experts_that_changed_the_head(featcal, readers, architecture.embed_tokens)
+        own_heads = experts_that_changed_the_head(featcal, readers, architecture)
     finally:
         for reader in readers.values():
             reader.close()
