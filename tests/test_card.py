@@ -188,3 +188,14 @@ def test_an_eval_without_scores_for_this_model_adds_the_table_and_no_model_index
     assert evaluation_summary(tmp_path / "nowhere", output) is None
     append_evaluation(output, "| Model |\n|---|\n", None)
     assert "model-index" not in metadata_load(output / "README.md") and "## Evaluation" in (output / "README.md").read_text()
+
+
+def test_a_head_untied_without_the_re_fit_is_said(tmp_path):
+    """The head can end untied with `head:` off: the refinement trained a head the files stored apart from the embedding."""
+    recipe = load_recipe(_recipe(tmp_path))
+    names = [expert.name for expert in recipe.experts]
+    (tmp_path / "out").mkdir()
+    write_card(tmp_path / "out", recipe, "merged", {name: 10 for name in names}, calibrated={**CALIBRATED, "untied_by_refine": True})
+    body = (tmp_path / "out" / "README.md").read_text()
+    assert "The refinement trained the LM head apart from the input embeddings: it is a tensor of its own, config " \
+           "`tie_word_embeddings: false`." in body

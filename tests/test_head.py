@@ -261,6 +261,47 @@ def test_gemma2s_head_stays_tied_as_vllm_serves_it(head_scenarios, tmp_path, cap
     assert not (tmp_path / "true").exists()
 
 
+@pytest.mark.parametrize("stored", ["differs", "equal"])
+def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_scenarios, tmp_path, capsys, stored):
+    """A merge whose config ties the head but whose files store an `lm_head.weight` (a random merge method drops other
+    entries of it than of the embedding): transformers serves that stored head, and the run calibrates with it, while
+    vLLM would serve the embedding. Where the two differ the output is written untied, so both serve the stored head;
+    where they are equal, tied as it was."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    scenario = family_scenarios("llama-tied")
+    run_recipe(scenario.write_recipe(tmp_path / "first.yaml", output=str(tmp_path / "first"), head=False), progress=False)  # the merge
+    merged = tmp_path / "merged-with-head"
+    shutil.copytree(scenario.root / "merged", merged)
+    shards = sorted(merged.glob("*.safetensors"))
+    tensors = load_file(shards[-1])
+    embedding = read_weights(merged)["model.embed_tokens.weight"]
+    head = embedding + (0.01 * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(0), dtype=embedding.dtype)
+                        if stored == "differs" else 0)
+    save_file({**tensors, "lm_head.weight": head.contiguous()}, shards[-1], metadata={"format": "pt"})
+    index = merged / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = shards[-1].name
+        index.write_text(json.dumps(data))
+    capsys.readouterr()
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"), head=False), progress=False)
+    log, card = capsys.readouterr().err, (output / "README.md").read_text()
+    config = json.loads((output / "config.json").read_text())
+    assert torch.equal(read_weights(output)["lm_head.weight"], head)
+    if stored == "equal":
+        assert config["tie_word_embeddings"] is True and "store an lm_head.weight of its own" not in log
+        return
+    assert config["tie_word_embeddings"] is False
+    assert "the merge's config ties the LM head to the input embeddings, but its files store an lm_head.weight of its own" in log
+    assert "the config now says `tie_word_embeddings: false`, so that vLLM serves that head too." in card
+    model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float64)
+    assert torch.equal(model.get_output_embeddings().weight, head)  # what vLLM serves too: the config no longer ties it
+
+
 def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):
     scenario, _ = head_scenarios("llama", ("expert0",))
     import yaml

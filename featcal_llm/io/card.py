@@ -113,6 +113,13 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> st
                                 if head["untied"] else "."))
         elif own_heads is not None:
             sentences.append("The LM head keeps the merged model's weights (`head: auto`: every expert kept the base's).")
+        if calibrated.get("untied_by_refine"):
+            sentences.append("The refinement trained the LM head apart from the input embeddings: it is a tensor of its own, "
+                             "config `tie_word_embeddings: false`.")
+        if calibrated.get("own_stored_head"):
+            sentences.append("The merge's config ties the LM head to the input embeddings, but its files store an `lm_head.weight` "
+                             "of its own, which the calibration used and transformers serves: the config now says "
+                             "`tie_word_embeddings: false`, so that vLLM serves that head too.")
     return " ".join(sentences)
 
 

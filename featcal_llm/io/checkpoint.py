@@ -158,6 +158,16 @@ def head_needs_untying(head_replaced: bool, config_ties: bool, head_stored: bool
     return head_replaced and (config_ties or not head_stored)
 
 
+def stores_its_own_head(merged: CheckpointReader, replacements: dict, embed_tokens: str) -> bool:
+    """Whether a merge whose config ties the head stores an `lm_head.weight` that differs from the embedding the output
+    keeps (a random merge method drops other entries of the two): transformers then serves the stored head, which the
+    calibration used too, while vLLM, honouring the flag, would serve the embedding."""
+    if "lm_head.weight" not in merged.weight_map or "lm_head.weight" in replacements:
+        return False
+    embedding = replacements[embed_tokens] if embed_tokens in replacements else merged.get(embed_tokens)
+    return not torch.equal(merged.get("lm_head.weight"), embedding)
+
+
 def untie_head(directory: Path) -> None:
     """The checkpoint now holds an LM head of its own: transformers must not tie it back to the input embeddings."""
     path = directory / "config.json"

@@ -16,6 +16,7 @@ from featcal_llm.io.checkpoint import (
     copy_side_files,
     move_into_place,
     head_needs_untying,
+    stores_its_own_head,
     untie_head,
     write_calibrated_checkpoint,
 )
@@ -51,9 +52,14 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     checkpoint.mkdir()
     write_calibrated_checkpoint(models.merged, replacements, checkpoint)
     copy_side_files(merged_dir, checkpoint)
-    untied = head_needs_untying(LM_HEAD in replacements, bool(getattr(opened.merged_config, "tie_word_embeddings", False)),
-                                LM_HEAD in models.merged.weight_map)
-    if untied:
+    ties = bool(getattr(opened.merged_config, "tie_word_embeddings", False))
+    untied = head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
+    own_stored_head = not untied and ties and stores_its_own_head(models.merged, replacements, plan.architecture.embed_tokens)
+    if own_stored_head:  # the head the run calibrated against and transformers serves; vLLM too, once untied
+        runlog.stage("the merge's config ties the LM head to the input embeddings, but its files store an lm_head.weight "
+                     "of its own (the calibration's head, as transformers serves it): the output is written untied, so "
+                     "that vLLM serves that head too")
+    if untied or own_stored_head:
         untie_head(checkpoint)
     tokens = {task: sum(len(s) for s in seqs) for task, seqs in data.sequences.items()}
     tuning = None
@@ -67,7 +73,8 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
-                  "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged}
+                  "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged, "own_stored_head": own_stored_head,
+                  "untied_by_refine": untied and plan.head is None}
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage
