@@ -71,7 +71,9 @@ def reshard(directory, tmp_path):
         save_file({n: tensors[n] for n in part}, directory / shard, metadata={"format": "pt"})
     (directory / "model.safetensors").unlink()
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": {n: shard for shard, part in halves.items() for n in part}}
+    parameters = sum(t.numel() for t in tensors.values())  # transformers 5 writes both
+    index = {"metadata": {"total_size": total, "total_parameters": parameters},
+             "weight_map": {n: shard for shard, part in halves.items() for n in part}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     return index
 
@@ -89,6 +91,7 @@ def test_a_sharded_merge_gets_the_untied_head_in_its_last_shard_and_index(tmp_pa
     head = read_weights(output)["lm_head.weight"]
     assert index["weight_map"] == {**merged_index["weight_map"], "lm_head.weight": "model-00002-of-00002.safetensors"}
     assert index["metadata"]["total_size"] == merged_index["metadata"]["total_size"] + head.numel() * head.element_size()
+    assert index["metadata"]["total_parameters"] == merged_index["metadata"]["total_parameters"] + head.numel()
     assert torch.equal(load(output, torch.float64).get_output_embeddings().weight, head)
 
 

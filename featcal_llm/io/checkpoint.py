@@ -120,7 +120,7 @@ def write_calibrated_checkpoint(
     staged: dict[Path, object] = {}
     layout = merged.shards()
     added = [name for name in replacements if name not in merged.weight_map]  # a head untied from the embeddings
-    last, added_bytes = list(layout)[-1], 0
+    last, added_bytes, added_parameters = list(layout)[-1], 0, 0
     for shard, names in layout.items():
         tensors: dict[str, torch.Tensor] = {}
         for name in names + (added if shard == last else []):
@@ -137,6 +137,7 @@ def write_calibrated_checkpoint(
             tensors[name] = value
             if name in added:
                 added_bytes += value.numel() * value.element_size()
+                added_parameters += value.numel()
         save_file(tensors, output / shard, metadata=merged.shard_metadata(shard) or {"format": "pt"})
         del tensors
     if (merged.directory / INDEX_FILE).is_file():
@@ -144,6 +145,8 @@ def write_calibrated_checkpoint(
         index["weight_map"].update({name: last for name in added})
         if added and "total_size" in index.get("metadata", {}):
             index["metadata"]["total_size"] += added_bytes
+        if added and "total_parameters" in index.get("metadata", {}):  # transformers 5 writes it beside total_size
+            index["metadata"]["total_parameters"] += added_parameters
         (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
