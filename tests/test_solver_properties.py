@@ -109,3 +109,29 @@ def test_a_solve_that_never_succeeds_is_an_error_not_a_silent_write():
     lhs = torch.full((2, 2), float("nan"), dtype=torch.float64)
     with pytest.raises(FeatCalError, match="layer 3 attention_input: closed-form solve failed"):
         ridge_solve(lhs, {"p": torch.ones(1, 2, dtype=torch.float64)}, {"p": torch.zeros(1, 2, dtype=torch.float64)}, 1.0, 0.0, "layer 3 attention_input")
+
+
+def test_the_retries_grow_lambda_tenfold_six_times_then_give_up(monkeypatch, capsys):
+    """A system that is never positive definite: λ 1 then 10, 100, … 1e6 (six retries), then one error naming the
+    last λ. A ridge-free solve (λ = 0, RegMean) retries first at 1e-6 × the mean of lhs's diagonal."""
+    import pytest
+
+    import featcal_llm.maths.solve as solve
+    from featcal_llm.errors import FeatCalError
+
+    shifts = []
+
+    def never(matrix):
+        shifts.append(float(matrix[0, 0]) - 4.0)  # lhs = 4 I: the shift added to its diagonal
+        return matrix, torch.tensor(1)
+
+    monkeypatch.setattr(solve.torch.linalg, "cholesky_ex", never)
+    arguments = ({"p": torch.ones(1, 3, dtype=torch.float64)}, {"p": torch.zeros(1, 3, dtype=torch.float64)})
+    with pytest.raises(FeatCalError, match=r"layer 0 mlp_hidden: closed-form solve failed \(not positive definite\) even with lambda 1e\+06$"):
+        ridge_solve(4.0 * torch.eye(3, dtype=torch.float64), *arguments, 1.0, 0.0, "layer 0 mlp_hidden")
+    assert shifts == pytest.approx([10.0**k for k in range(7)], rel=1e-12)
+    assert capsys.readouterr().err.count("retrying with lambda") == 6
+    shifts.clear()
+    with pytest.raises(FeatCalError):
+        ridge_solve(4.0 * torch.eye(3, dtype=torch.float64), *arguments, 0.0, 0.0, "layer 0 mlp_hidden")
+    assert shifts == pytest.approx([0.0, *(4e-6 * 10.0**k for k in range(6))], rel=1e-9, abs=1e-15)
