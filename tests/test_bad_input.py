@@ -144,6 +144,19 @@ CASES = {
         lambda r, t: (r["featcal"].__setitem__("merged", str(t / "merge")), r["featcal"].__setitem__("output", str(t / "merge" / "out"))),
         ["featcal.output:", "lies inside featcal.merged", "name a directory outside it"],
     ),
+    "no projection to re-fit": (_set("featcal", "modules", value=[]), ["bad.yaml: featcal.modules:", "at least 1 item"]),
+    "lambda infinite": (_set("featcal", "lambda", value=float("inf")), ["bad.yaml: featcal.lambda: expected a finite number"]),
+    "eps infinite": (_set("featcal", "eps", value=float("inf")), ["bad.yaml: featcal.eps: Input should be a finite number"]),
+    "max_length past any context": (_set("featcal", "max_length", value=2**64), ["featcal.max_length:", "less than or equal to 16777216"]),
+    "output empty": (_set("featcal", "output", value=""), ["bad.yaml: featcal.output: String should have at least 1 character"]),
+    "output under ~": (_set("featcal", "output", value="~/calibrated"), ["featcal.output: ~/calibrated: run takes a path as written"]),
+    "an expert listed twice": (lambda r, _: r["models"].append(dict(r["models"][0])), ["bad.yaml: models:", "is listed 2 times; list each model once"]),
+    "the base as an expert": (lambda r, _: _replace_expert(r, r["base_model"]), ["this is the base_model, not an expert"]),
+    "tokenizer is a file": (lambda r, t: r["featcal"].__setitem__("tokenizer", str(_touch(t / "tokenizer.json"))),
+                            ["featcal.tokenizer:", "tokenizer.json: a file; name the directory that holds it"]),
+    "merge in an unwritable place": (lambda r, t: r["featcal"].__setitem__("merged", str(_touch(t / "a-file") / "merged")),
+                                     ["featcal.merged:", "a-file is not a directory"]),
+    "a merge made again over an expert inside it": (lambda r, t: _expert_inside_the_merge(r, t), ["featcal.merged:", "holds the expert", "deleting it"]),
     "output under a file": (lambda r, t: r["featcal"].__setitem__("output", str(_touch(t / "a-file") / "out")), ["featcal.output", "a-file is not a directory"]),
 }
 
@@ -153,6 +166,14 @@ def _linked(source: Path, link: Path) -> Path:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(source.resolve(), target_is_directory=True)
     return link
+
+
+def _expert_inside_the_merge(recipe, tmp_path):
+    """A merge featcal-llm made (it may merge again over it) that holds one of the experts (a link to it)."""
+    merged = tmp_path / "merge"
+    shutil.copytree(recipe["featcal"]["merged"], merged)
+    _replace_expert(recipe, _linked(Path(recipe["models"][-1]["model"]), merged / "expert"))
+    recipe["featcal"]["merged"] = str(merged)
 
 
 def _touch(path: Path) -> Path:
@@ -175,7 +196,7 @@ def _recipe(scenario, tmp_path, mutate) -> tuple[Path, Path]:
         return path, tmp_path / "out"
     mutate(recipe, tmp_path)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path, Path(recipe.get("featcal", {}).get("output", tmp_path / "out"))
+    return path, Path(recipe.get("featcal", {}).get("output") or tmp_path / "out")
 
 
 def test_the_matrix_has_at_least_twenty_cases():
@@ -208,11 +229,32 @@ def test_bad_input_is_one_clear_line(merged_scenario, tmp_path, case):
 def test_existing_output_is_refused_without_force(merged_scenario, tmp_path):
     recipe, output = _recipe(merged_scenario, tmp_path, lambda r, _: None)
     output.mkdir()
+    (output / "featcal_recipe.yml").write_text("an earlier output's")
     (output / "keep.txt").write_text("mine")
     result = subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(recipe)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("already exists (pass --force to replace it)")
     assert (output / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_force_replaces_only_an_earlier_output(merged_scenario, tmp_path, kind):
+    """`run recipe.yaml ~ --force` would have replaced the home folder: --force replaces an earlier featcal-llm output
+    (its featcal_recipe.yml) or an empty folder, never a file or a folder of other things; validate says so too."""
+    import featcal_llm
+
+    recipe, output = _recipe(merged_scenario, tmp_path, lambda r, _: None)
+    if kind == "folder":
+        output.mkdir()
+        (output / "keep.txt").write_text("mine")
+    else:
+        output.write_text("mine")
+    what = "a folder that is no featcal-llm output (it has no featcal_recipe.yml)" if kind == "folder" else "a file"
+    line = f"featcal.output: {output} is {what}: --force replaces only an earlier output; name another directory"
+    result = CliRunner().invoke(main, ["run", str(recipe), "--force"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"featcal-llm: error: {recipe}: {line}"]
+    assert [str(problem) for problem in featcal_llm.validate(recipe)] == [f"{recipe}: {line}"]
+    assert (output / "keep.txt" if kind == "folder" else output).read_text() == "mine"
 
 
 @pytest.mark.parametrize("holder", ["models", "models/last"])
@@ -230,3 +272,18 @@ def test_output_over_an_input_is_refused_even_with_force(merged_scenario, tmp_pa
     verb = "is also" if holder.endswith("last") else "holds"
     assert f"featcal.output: {output} {verb} the expert {tmp_path / 'models' / 'last'}" in errors[0], errors[0]
     assert (tmp_path / "models" / "last" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["recipe", "data", "output"])
+def test_the_log_file_may_not_be_an_input_or_inside_the_output(merged_scenario, tmp_path, where):
+    """`--log` appends from the start: onto the recipe or a calibration file it corrupted them, and inside the output
+    it created that folder before the checks (the next run then found it existing). Refused first, nothing written."""
+    recipe, output = _recipe(merged_scenario, tmp_path, lambda r, _: None)
+    data = Path(next(iter(yaml.safe_load(recipe.read_text())["featcal"]["data"].values()))["path"])
+    log = {"recipe": recipe, "data": data, "output": output / "run.log"}[where]
+    before = {path: path.read_bytes() for path in (recipe, data)}
+    result = CliRunner().invoke(main, ["run", str(recipe), "--log", str(log)])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"featcal-llm: error: --log: {log} "), lines
+    assert ("which the run writes as a whole" if where == "output" else "which the run reads; name another file") in lines[0]
+    assert {path: path.read_bytes() for path in before} == before and not output.exists()

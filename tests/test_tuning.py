@@ -241,7 +241,7 @@ def test_tuned_run_resumes_to_the_same_bytes(merged_scenario, tmp_path, monkeypa
 BAD = {
     "lambda list with zero": ({"lambda": [1e-3, 0.0]}, ["featcal.lambda:", "greater than 0"]),
     "alpha list above one": ({"alpha": [0.3, 1.2]}, ["featcal.alpha:", "less than or equal to 1"]),
-    "rho list with text": ({"rho": [1.0, "x"]}, ["featcal.rho:", "expected a number, auto or a list"]),
+    "rho list with text": ({"rho": [1.0, "x"]}, ["featcal.rho:", "expected a finite number, auto or a list"]),
     "empty list": ({"alpha": []}, ["featcal.alpha:", "non-empty list"]),
     "tune without candidates": ({"tune": {"holdout": 0.25}}, ["featcal.tune: nothing to tune"]),
     "a search key beside refine and fixed values": ({"refine": True, "tune": {"holdout": 0.5, "budget": 5}},

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.block_sections import SEED_MAX, DataSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
+from featcal_llm.io.block_sections import MAX_TOKENS, SEED_MAX, DataSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
 
 try:  # the evaluation package owns its own block; the engine works without it
     from featcal_llm.evaluation.config import EvalSection
@@ -82,8 +82,8 @@ def _numbers(key: str, values: Any) -> list[float]:
                 item = float(item)
             except ValueError:
                 pass
-        if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item:
-            raise ValueError(f"expected a number, auto or a list of numbers, got {item!r}")
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item or item in (float("inf"), float("-inf")):
+            raise ValueError(f"expected a finite number, auto or a list of numbers, got {item!r}")
         numbers.append(float(item))
         if low is not None and (item < low or (item == low and not inclusive)):
             raise ValueError(f"every value should be greater than {'or equal to ' if inclusive else ''}{low:g}, got {item!r}")
@@ -101,11 +101,11 @@ class FeatCalConfig(BaseModel):
     """The ``featcal:`` block. lambda, alpha and rho default to the paper's 3B settings; expert_weights and
     token_weights default to featcal-llm's own (coverage, expert_lead), the paper's being equal and equal."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
     renamed_keys: ClassVar[dict[str, str]] = RENAMED_KEYS
 
-    merged: str = Field(description="directory of the mergekit merge (written by the run when it does not exist)")
-    output: str = Field(description="directory the calibrated checkpoint is written to")
+    merged: str = Field(min_length=1, description="directory of the mergekit merge (written by the run when it does not exist)")
+    output: str = Field(min_length=1, description="directory the calibrated checkpoint is written to")
     data: dict[str, DataSpec] = Field(description="calibration data per expert, keyed by the expert's name as written under models:")
     method: str | tuple[str, str] = Field(
         "featcal", description="featcal, regmean (expert i's own inputs), regmean++ (the propagated inputs), or a stack "
@@ -147,7 +147,7 @@ class FeatCalConfig(BaseModel):
         "teaches its own records (it is not behind the merge beyond doubt, as trailing_experts judges): drop (the default): 0, as the expert knows nothing there that the merge lacks and "
         "pulling toward it could only pull the merge back on that text (a broad expert on the kind a narrow expert beside it "
         "knows better); keep: its tokens weigh as any other's (w = ½ + ½·a/mean(a))")
-    max_length: int = Field(2048, ge=2, description="tokens per record; longer records are truncated")
+    max_length: int = Field(2048, ge=2, le=MAX_TOKENS, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
     rho: Tunable = Field(0.5, description="ridge anchor rho * merged + (1 - rho) * base (any real; above 1 extrapolates past the merge); tunable like lambda")
@@ -166,7 +166,7 @@ class FeatCalConfig(BaseModel):
         None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"
     )
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
-    modules: list[str] | None = Field(None, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
+    modules: list[str] | None = Field(None, min_length=1, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")
     norms: bool = Field(False, description="also update RMSNorm scales")
     head: HeadSpec | None = Field(
         default_factory=lambda: HeadSpec(when="auto"), description="also re-fit the LM head after the last layer: auto "
@@ -175,7 +175,7 @@ class FeatCalConfig(BaseModel):
         "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto` (regmean, regmean++: `false`)"},
     )
     biases: bool = Field(True, description="update biases of projections that have one")
-    tokenizer: str | None = Field(None, description="tokenizer source; default: the merged model's")
+    tokenizer: str | None = Field(None, min_length=1, description="tokenizer source; default: the merged model's")
     merge_options: MergeOptionsSpec = Field(default_factory=MergeOptionsSpec, description="mergekit's options for the merge the run makes (see merge_options:)")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
     license: str | None = Field(

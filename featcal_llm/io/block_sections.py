@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SEED_MAX = 2**32 - 1  # numpy's and mergekit's set_seed take no other seed
+MAX_TOKENS = 1 << 24  # a record or sample longer than any context window; beyond int64 the tokenizer overflows
 
 
 class GenerateSpec(BaseModel):
@@ -22,7 +23,7 @@ class GenerateSpec(BaseModel):
     the samples that fall into repetition loops are dropped and drawn again.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default min(512, featcal.max_length); calibration sees no token past featcal.max_length, so a larger value only costs time")
@@ -58,9 +59,9 @@ class GenerateSpec(BaseModel):
 class DataSpec(BaseModel):
     """Where one expert's calibration texts come from (a dataset, or the expert itself) and how records become text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    path: str | None = Field(None, min_length=1, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
@@ -96,7 +97,7 @@ class DataSpec(BaseModel):
 class MergeOptionsSpec(BaseModel):
     """`merge_options:`: what `mergekit-yaml` takes as options, for the merge featcal-llm runs when `merged` is missing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     random_seed: int | None = Field(
         None, ge=0, le=SEED_MAX, description="seed of the random merge methods (dare_ties, dare_linear, della, della_linear, arcee_fusion): default "
@@ -118,7 +119,7 @@ class MergeOptionsSpec(BaseModel):
 class TuneSpec(BaseModel):
     """How `auto`/list hyper-parameters are chosen (featcal_llm/engine/tuning.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     holdout: float = Field(0.25, gt=0.0, lt=1.0, description="share of each expert's records kept aside for selection (and for refine's stopping: with refine and fixed values, the one tune key that applies); drawn by featcal.seed and the expert's position in the recipe, so moving the experts' folders does not change it")
     budget: int = Field(12, ge=1, description="at most this many candidate settings evaluated per layer (in a stack, by each stage)")
@@ -130,7 +131,7 @@ class TuneSpec(BaseModel):
 class HeadSpec(BaseModel):
     """`head:`: after the last layer, the LM head is re-fitted by the same ridge rule on the final norm's outputs."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     when: Literal["auto", "always"] = Field(
         "always", description="auto: only where an expert's LM head (or the input embedding it is tied to) is not the base's, "
@@ -148,7 +149,7 @@ class RefineSpec(BaseModel):
     Label-free: KL(teacher ‖ model) on the tokens each expert is judged on; the held-out records choose the step count.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     steps: int = Field(40, ge=1, description="at most this many optimizer steps (the held-out records may stop it sooner); "
                        "a small model can gain from more at as much more time (a 135M model on a CPU: 160 steps 0.87 of "

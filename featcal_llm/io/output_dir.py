@@ -18,25 +18,42 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
-def overwrites_input(output: Path, inputs: dict[str, Path], merged: Path | None = None) -> str | None:
-    """Why writing `output` would destroy what the run reads (None: it would not): the output directory is replaced as
-    a whole, so it may not be an input (`inputs`: what names it → its path), hold one (a link to a model
-    included), or lie inside the merge (`merged`), which mergekit writes again when the recipe's merge changes. With `merged` and
-    `output` the same directory, a first run wrote the calibrated model over its merge, and the next run calibrated
-    that output again as if it were the merge."""
-    targets = _spellings(output)
-    if merged is not None and any(source in target.parents for target, source in zip(targets, _spellings(merged))):
-        return f"{output} lies inside featcal.merged {merged}, which a new merge replaces; name a directory outside it"
+def not_an_output(output: Path) -> str | None:
+    """Why `--force` may not replace `output` (None: it may, or it does not exist): it replaces an earlier featcal-llm
+    output (its `featcal_recipe.yml` says so) or an empty folder, never a file or a folder of other things (`run
+    recipe.yaml ~ --force` would have replaced the home folder)."""
+    if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / "featcal_recipe.yml").is_file())):
+        return None
+    kind = "a file" if not output.is_dir() else "a folder that is no featcal-llm output (it has no featcal_recipe.yml)"
+    return f"{output} is {kind}: --force replaces only an earlier output; name another directory"
+
+
+def overwrites_input(target: Path, inputs: dict[str, Path], merged: Path | None = None, what: str = "output") -> str | None:
+    """Why writing `target` would destroy what the run reads (None: it would not): the run replaces its output, and a
+    merge it makes, as a whole, so the folder may not be an input (`inputs`: what names it → its path), hold one (a
+    link to a model included), or lie inside the merge (`merged`), which mergekit writes again when the recipe's merge
+    changes. With `merged` and `output` the same directory, a first run wrote the calibrated model over its merge, and
+    the next run calibrated that output again as if it were the merge."""
+    if merged is not None and inside(target, merged):
+        return f"{target} lies inside featcal.merged {merged}, which a new merge replaces; name a directory outside it"
     for label, path in inputs.items():
-        sources = _spellings(path)
-        if any(target == source for target, source in zip(targets, sources)):
-            return f"{output} is also {label}: the run replaces its output as a whole; name another directory"
-        if any(target in source.parents for target, source in zip(targets, sources)):
-            return f"{output} holds {label}: the run replaces its output as a whole, deleting it; name another directory"
+        if same(target, path):
+            return f"{target} is also {label}: the run replaces its {what} as a whole; name another directory"
+        if inside(path, target):
+            return f"{target} holds {label}: the run replaces its {what} as a whole, deleting it; name another directory"
     return None
 
 
+def same(a: Path, b: Path) -> bool:
+    return any(x == y for x, y in zip(_spellings(a), _spellings(b)))
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether `path` lies below `folder`, as written or with links followed."""
+    return any(f in p.parents for p, f in zip(_spellings(path), _spellings(folder)))
+
+
 def _spellings(path: Path) -> tuple[Path, Path]:
-    """The path made absolute as written (a link is itself) and with every link followed."""
-    path = path.expanduser()
+    """The path made absolute as written (a link is itself) and with every link followed; `~` is a folder of that
+    name, as run reads it (validate refuses such a path: it is rarely what was meant)."""
     return Path(os.path.abspath(path)), path.resolve()

@@ -198,6 +198,13 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     if not experts:
         problems.append(Problem(str(path), "models", "no expert besides the base model"))
+    listed = [str(entry.model) for entry in merge_config.models or ()]
+    for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
+        problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
+    base = str(merge_config.base_model) if merge_config.base_model is not None else None
+    if base in listed and featcal is not None and base in featcal.data:
+        problems.append(Problem(str(path), f"featcal.data.{base}", "this is the base_model, not an expert: calibrating toward "
+                                "the base would pull the merge back to it; remove its data entry"))
     if featcal is None:
         return experts
     names = [expert.name for expert in experts]
@@ -205,7 +212,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     without = [name for name in names if name not in featcal.data and name not in typos]
     named = set()
     for key in featcal.data:
-        if key not in names and key not in typos.values():
+        if key not in names and key not in typos.values() and not (key == base and base in listed):
             hint = suggestion(key, without)
             named.update(name for name in without if hint == f"; did you mean {name!r}?")
             problems.append(Problem(str(path), f"featcal.data.{key}", f"not an expert of this recipe (experts: {', '.join(names)}){hint}"))

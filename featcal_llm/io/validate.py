@@ -97,13 +97,11 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     configs = {}
     if parsed.merge_config is not None:
         configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
-    if output is not None:
-        _check_output(path, Path(output), report, "OUTPUT")
-    elif setting("output"):
-        _check_output(path, Path(setting("output")), report)
-    if (output or setting("output")) and parsed.merge_config is not None:
-        _check_output_inputs(path, Path(output or setting("output")), "OUTPUT" if output else "featcal.output",
-                             _inputs(path, parsed.merge_config, setting("merged"), setting("tokenizer"), data), setting("merged"), report)
+    output_key = "OUTPUT" if output is not None else "featcal.output"
+    if parsed.merge_config is not None:
+        _check_writes(path, Path(output) if output else None, setting, parsed.merge_config, data, report)
+    if (output or setting("output")) and not any(problem.key == output_key for problem in problems):  # one line for it
+        _check_output(path, Path(output or setting("output")), report, output_key)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
     if featcal is not None:
@@ -286,6 +284,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             collect(problems, path, lambda: check_supplied_merge(path, merge_config, merged))
     if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
+    elif tokenizer and Path(tokenizer).is_file():  # transformers would read it as a hub id
+        problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: a file; name the directory that holds it"))
     from featcal_llm.io.forms import changes_tokenizer
 
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
@@ -355,7 +355,13 @@ def _shape(config: dict, key: str) -> Any:
 
 
 def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.output") -> None:
-    """The output can be written (an existing one is a note: `run --force` replaces it)."""
+    """The output can be written (an existing earlier output is a note: `run --force` replaces it)."""
+    from featcal_llm.io.output_dir import not_an_output
+
+    problem = not_an_output(output)
+    if problem is not None:
+        report.problems.append(Problem(str(path), key, problem))
+        return
     if output.exists():
         report.notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
     problem = unwritable(output)
@@ -385,12 +391,52 @@ def _inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | 
     return inputs
 
 
-def _check_output_inputs(path: Path, output: Path, key: str, inputs: dict[str, Path], merged: str | None, report: Report) -> None:
+def _check_writes(path: Path, override: Path | None, setting: Any, merge_config: Any, data: dict[str, DataSpec], report: Report) -> None:
+    """What the run writes destroys nothing it reads: the output (OUTPUT, else featcal.output), the merge where the run
+    makes it (missing, or one it made and may make again), and the generated records' folder beside the output."""
+    from featcal_llm.generation.store import GENERATED_DIR
+    from featcal_llm.io.merge import MARKER
     from featcal_llm.io.output_dir import overwrites_input
 
-    problem = overwrites_input(output, inputs, Path(merged) if merged else None)
-    if problem is not None:
-        report.problems.append(Problem(str(path), key, problem))
+    merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
+    inputs = _inputs(path, merge_config, merged, setting("tokenizer"), data)
+    for name, value in (("featcal.merged", merged), ("featcal.output", setting("output"))):
+        if isinstance(value, str) and value.startswith("~"):
+            report.problems.append(Problem(str(path), name, f"{value}: run takes a path as written, so `~` would be a folder "
+                                                            "of that name here; write the path out in full"))
+    if output is not None:
+        key = "OUTPUT" if override is not None else "featcal.output"
+        generated = {} if not any(spec.generate is not None for spec in data.values()) else \
+            {f"the generated records' folder {output.parent / GENERATED_DIR}": output.parent / GENERATED_DIR}
+        problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
+        if problem is not None:
+            report.problems.append(Problem(str(path), key, problem))
+    if merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
+        others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
+        problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
+        if problem is not None:
+            report.problems.append(Problem(str(path), "featcal.merged", problem))
+
+
+def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> None:
+    """`run --log FILE` appends to FILE from the start, before any check: it may not be a file the run reads (a
+    recipe or calibration file would be corrupted), nor lie inside the output or a merge the run writes (it would
+    create that folder first, and be deleted with it). A recipe that does not parse is left to the run's own checks."""
+    from featcal_llm.io.output_dir import inside, same
+
+    parsed = read_recipe(path)
+    if parsed.merge_config is None:
+        return
+    featcal, block = parsed.featcal, parsed.block or {}
+    setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
+    for label, read in _inputs(Path(path), parsed.merge_config, setting("merged"), setting("tokenizer"), _data_entries(parsed)).items():
+        if same(log, read) or inside(log, read):
+            raise FeatCalError(f"--log: {log} is {'also' if same(log, read) else 'inside'} {label}, which the run reads; name another file")
+    written = {"OUTPUT": output} if output is not None else {"featcal.output": setting("output")}
+    written["featcal.merged"] = setting("merged")
+    for key, folder in written.items():
+        if folder and inside(log, Path(folder)):
+            raise FeatCalError(f"--log: {log} lies inside {key} {folder}, which the run writes as a whole; name a file outside it")
 
 
 def _check_device(path: Path, override: str | None, featcal: Any, report: Report) -> None:

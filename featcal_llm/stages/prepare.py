@@ -35,7 +35,7 @@ from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory
-from featcal_llm.io.output_dir import unwritable
+from featcal_llm.io.output_dir import not_an_output, unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
@@ -82,6 +82,9 @@ def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
 
 def check_output(recipe: Recipe, output: Path, force: bool) -> None:
     where = f"{recipe.path}: featcal.output"
+    problem = not_an_output(output)
+    if problem is not None:
+        raise FeatCalError(f"{where}: {problem}")
     if output.exists() and not force:
         raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
     problem = unwritable(output)
