@@ -150,6 +150,10 @@ CASES = {
     "max_length past any context": (_set("featcal", "max_length", value=2**64), ["featcal.max_length:", "less than or equal to 16777216"]),
     "output empty": (_set("featcal", "output", value=""), ["bad.yaml: featcal.output: String should have at least 1 character"]),
     "output under ~": (_set("featcal", "output", value="~/calibrated"), ["featcal.output: ~/calibrated: run takes a path as written"]),
+    "a record past the first without the field": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"body": "x"}\n'),
+                                                   ["cal.jsonl: record 1: field 'text' is null (or missing"]),
+    "a calibration file that is not UTF-8": (lambda r, t: _latin1_data_file(r, t), ["cal.jsonl: cannot load calibration data (not UTF-8 text: byte b'\\xe9' on line 2"]),
+    "a dtype mergekit does not merge in": (lambda r, _: r.__setitem__("dtype", "fp8"), ["bad.yaml: dtype: fp8: mergekit merges in bfloat16, float16"]),
     "an expert listed twice": (lambda r, _: r["models"].append(dict(r["models"][0])), ["bad.yaml: models:", "is listed 2 times; list each model once"]),
     "the base as an expert": (lambda r, _: _replace_expert(r, r["base_model"]), ["this is the base_model, not an expert"]),
     "tokenizer is a file": (lambda r, t: r["featcal"].__setitem__("tokenizer", str(_touch(t / "tokenizer.json"))),
@@ -166,6 +170,13 @@ def _linked(source: Path, link: Path) -> Path:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(source.resolve(), target_is_directory=True)
     return link
+
+
+def _latin1_data_file(recipe, tmp_path) -> None:
+    """A file written in Latin-1: run's reader (Arrow) had failed on it with a traceback."""
+    path = tmp_path / "cal.jsonl"
+    path.write_bytes('{"text": "plain"}\n{"text": "café"}\n'.encode("latin-1"))
+    _first_data(recipe)["path"] = str(path)
 
 
 def _expert_inside_the_merge(recipe, tmp_path):

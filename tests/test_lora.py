@@ -171,6 +171,9 @@ REFUSALS = {
     "pissa": ({"init_lora_weights": "pissa"}, "init_lora_weights: 'pissa' rewrites the base weights"),
     "trainable_tokens": ({"trainable_token_indices": [5, 6]}, "trainable_token_indices: trainable token indices"),
     "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication"),
+    "rank not a number": ({"r": "four"}, "adapter_config.json: r: expected a positive number, got 'four'"),  # had been a TypeError
+    "alpha zero": ({"lora_alpha": 0}, "adapter_config.json: lora_alpha: expected a positive number, got 0"),
+    "rank pattern of text": ({"rank_pattern": {"q_proj": "x"}}, "adapter_config.json: rank_pattern: expected a mapping"),
 }
 
 

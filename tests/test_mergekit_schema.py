@@ -79,3 +79,17 @@ def test_merge_config_dict_is_mergekits_dump_and_also_takes_paths_with_spaces():
             assert json.loads(json.dumps(dumped)) == dumped  # plain JSON: fingerprints take it
             assert schema.model_validate(dumped) == spaced
             assert "/my models/" in json.dumps(dumped)
+
+
+def test_the_dtypes_validate_accepts_are_those_mergekit_merges_in(tmp_path):
+    """mergekit names its dtypes in dtype_from_name; any other one (`fp8`) had passed validate and failed the merge."""
+    import pytest
+    from mergekit.common import dtype_from_name
+
+    from featcal_llm.io.recipe import MERGEKIT_DTYPES
+
+    for name in MERGEKIT_DTYPES:
+        assert dtype_from_name(name) is not None and dtype_from_name(f"torch.{name}") == dtype_from_name(name)
+    for name in ("fp8", "float8_e4m3fn", "int8", "bf16"):
+        with pytest.raises(RuntimeError, match="Unimplemented dtype"):
+            dtype_from_name(name)

@@ -185,7 +185,7 @@ def test_a_conversational_completion_file_is_refused_before_anything_is_written(
 
 
 @pytest.mark.parametrize("spec, record, field, kind", [
-    (DataSpec(path="cal.jsonl"), {"text": None}, "text", "null"),
+    (DataSpec(path="cal.jsonl"), {"text": None}, "text", "null (or missing: datasets fills a field some records lack with null)"),
     (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": ["a", "b"], "response": "c"}, "instruction", "a list"),
     (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": "a", "input": 3, "response": "c"}, "input", "a int"),
     (DataSpec(path="cal.jsonl", format="chat"), {"prompt": "hi", "response": {"text": "yo"}}, "response", "a dict"),

@@ -407,3 +407,28 @@ def test_a_device_passed_to_the_library_is_checked_too(scenario, tmp_path):
     with pytest.raises(FeatCalError, match=r"^device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
         run_recipe(recipe, device="gpu")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("messages, shown", [
+    ('"hi"', "'hi'"), ("[]", "[]"), ('[{"role": "user"}]', "[{'role': 'user'}]"), ('[{"role": "user", "content": 3}]', None),
+])
+def test_chat_messages_are_checked_as_run_reads_them(tmp_path, messages, shown):
+    """`format: chat` with `messages`: validate and run refuse, in one line naming the record, what the chat template
+    would have failed on with a traceback (a string, an empty list, a turn without text)."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data import chat_messages
+    from featcal_llm.io.validate_data import check_data
+
+    path = tmp_path / "chat.jsonl"
+    good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
+    path.write_text(f'{good}\n{{"messages": {messages}}}\n')
+    spec = DataSpec(path=str(path), format="chat", messages="messages")
+    with pytest.raises(FeatCalError) as error:
+        check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [])
+    line = str(error.value)
+    assert line.startswith(f"r.yaml: featcal.data.e.path: {path}: record 1: field 'messages' is ") and "\n" not in line
+    assert shown is None or f"is {shown}; format: chat reads a non-empty list of {{role, content}} messages" in line
+    with pytest.raises(FeatCalError) as run_error:  # run's reader, on the record as datasets gives it
+        chat_messages(__import__("json").loads(f'{{"messages": {messages}}}'), spec, "r.yaml: featcal.data.e", 1)
+    assert str(run_error.value) == line

@@ -118,6 +118,10 @@ def no_records(spec: DataSpec, where: str) -> FeatCalError:
     return FeatCalError(f"{where}.path: {spec.path}: no records")
 
 
+def not_utf8(error: UnicodeDecodeError) -> str:
+    return f"cannot load calibration data (not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset {error.start})"
+
+
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
     datasets = heavy_import("datasets")
@@ -151,7 +155,7 @@ def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -
     value = _field(record, key, where, index)
     if isinstance(value, str):
         return value
-    kind = "null" if value is None else f"a {type(value).__name__}"
+    kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else f"a {type(value).__name__}"
     hint = f"format: {spec.format} reads it as text" + ("; for a list of messages, use format: chat with messages" if isinstance(value, list) else "")
     if spec.format == "completion":
         kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else kind
@@ -170,11 +174,23 @@ def text_fields(spec: DataSpec) -> list[str]:
 
 def _chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
     if spec.messages:
-        return _field(record, spec.messages, where, index)
+        return chat_messages(record, spec, where, index)
     return [
         {"role": "user", "content": text_field(record, spec, spec.prompt, where, index)},
         {"role": "assistant", "content": text_field(record, spec, spec.response, where, index)},
     ]
+
+
+def chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
+    """A record's `messages`: a non-empty list of {role, content} turns with text in both, or refused in one line (the
+    chat template would fail with a traceback). `validate` applies the same check to the records it reads."""
+    value = _field(record, spec.messages, where, index)
+    if not isinstance(value, list) or not value or not all(
+            isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str) for turn in value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {spec.messages!r} is {shown}; format: chat reads a "
+                           "non-empty list of {role, content} messages with text in both")
+    return value
 
 
 def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
@@ -281,7 +297,10 @@ def calibration_sequences(
         if len(records) < wanted:
             warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them")
         records = records[: min(wanted, len(records))] if isinstance(records, list) else records.select(range(min(wanted, len(records))))
-        texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
+        try:  # datasets decodes a text file's bytes while they are read
+            texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
+        except UnicodeDecodeError as error:
+            raise FeatCalError(f"{where}.path: {spec.path}: {not_utf8(error)}") from None
         prompts = None if spec.format == "text" else [record_prompt(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
         result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts)
     return result

@@ -177,6 +177,9 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
             collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))
 
 
+MERGEKIT_DTYPES = ("bfloat16", "float16", "float32", "float64", "int64")  # mergekit.common.dtype_from_name (tests/test_evidence.py)
+
+
 def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
     """What the mergekit part says on its own (recipe forms, the method's parameters) and with the block (experts against data entries)."""
     if merge_config is None:
@@ -198,6 +201,10 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     if not experts:
         problems.append(Problem(str(path), "models", "no expert besides the base model"))
+    for key in ("dtype", "out_dtype"):  # mergekit's dtype_from_name refuses any other name mid-merge
+        value = getattr(merge_config, key, None)
+        if value and value.removeprefix("torch.") not in MERGEKIT_DTYPES:
+            problems.append(Problem(str(path), key, f"{value}: mergekit merges in {', '.join(MERGEKIT_DTYPES)}"))
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))

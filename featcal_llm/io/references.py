@@ -53,6 +53,14 @@ def adapter_config_problem(directory: Path) -> str | None:
         if raw.get(field) not in (None, False, [], {}):
             return (f"{path}: {field}: {label} adapters are not supported (merge it with peft's merge_and_unload and name "
                     "the merged checkpoint instead)")
+    for field in ("r", "lora_alpha"):  # the scale α/r (or α/√r) io/lora.py computes
+        value = raw.get(field, 8)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            return f"{path}: {field}: expected a positive number, got {value!r}"
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = raw.get(field) or {}
+        if not isinstance(pattern, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in pattern.values()):
+            return f"{path}: {field}: expected a mapping of module patterns to positive numbers, got {pattern!r}"
     init = raw.get("init_lora_weights", True)
     if not any(init is safe or init == safe for safe in SAFE_INITS):
         return (f"{path}: init_lora_weights: {init!r} rewrites the base weights; convert the adapter (save_pretrained with "

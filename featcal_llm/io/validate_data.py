@@ -11,8 +11,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, data_path, file_builder, looks_like_hub_id, no_records, text_field,
-                                 text_fields)
+from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, chat_messages, data_path, file_builder, looks_like_hub_id, no_records,
+                                 not_utf8, text_field, text_fields)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -44,9 +44,10 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
             if name not in fields:
                 raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
         for index, record in enumerate(records[:taken]):
-            for name in text_fields(spec):
-                if name in record:
-                    text_field(record, spec, name, where, index)
+            for name in text_fields(spec):  # a field some records lack is null to run's reader (datasets)
+                text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)
+            if spec.format == "chat" and spec.messages:
+                chat_messages(record, spec, where, index)
         count = len(records) if complete else record_count(path) if fields is not None else None
         if count == 0:
             raise no_records(spec, where)
@@ -107,8 +108,11 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     suffix = path.suffix.lower()
     unreadable = f"{where}: cannot load calibration data"
     if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
-            header = next(csv.reader(handle), None)
+        try:
+            with open(path, newline="", encoding="utf-8") as handle:
+                header = next(csv.reader(handle), None)
+        except UnicodeDecodeError as error:
+            raise FeatCalError(f"{where}: {not_utf8(error)}") from None
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
         return header, [], False
@@ -132,10 +136,14 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
         if isinstance(data, dict):
             return (list(data), [], False) if all(isinstance(v, list) for v in data.values()) else (None, [], False)
     records = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:  # lines decoded one by one, strictly: run's reader (Arrow) refuses what is not UTF-8
+        for number, raw in enumerate(handle, 1):
             if not whole and number > FIELD_SCAN_LINES:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise FeatCalError(f"{where}: {not_utf8(error).replace('at offset', f'on line {number}, at offset')}") from None
             if not line.strip():
                 continue
             try:
