@@ -376,3 +376,21 @@ def test_the_output_argument_is_checked_in_place_of_featcal_output(scenario, tmp
     check_before_run(path, tmp_path / "elsewhere")
     ran = CliRunner().invoke(main, ["run", str(path), str(tmp_path / "a-file" / "there")])
     assert ran.exit_code == 2 and _errors(ran) == [f"{path}: OUTPUT: {tmp_path / 'a-file' / 'there'}: {tmp_path / 'a-file'} is not a directory"]
+
+
+def test_a_yaml_merge_key_may_be_overridden_but_not_repeated(scenario, tmp_path):
+    """`<<: *shared` then a key of the shared mapping is YAML's override, not a key given twice; a key the mapping itself
+    repeats still is. (The check had run after construction, which flattens the merge key's keys into the mapping.)"""
+    import featcal_llm
+
+    text = scenario.recipe.read_text()
+    shared = "shared: &shared\n  samples: 16\n  max_length: 64\n"
+    block = text.replace("featcal:\n", "featcal:\n  <<: *shared\n", 1).replace("  samples: 16\n", "  samples: 12\n", 1)
+    recipe = tmp_path / "merge-key.yaml"
+    recipe.write_text(shared + block.replace("  output: ", "  output: ", 1))
+    problems = [str(problem) for problem in featcal_llm.validate(recipe)]
+    assert not any("given twice" in line for line in problems), problems
+    assert not any("shared" in line for line in problems), problems  # mergekit would ignore it: at most a warning
+    repeated = tmp_path / "repeated.yaml"
+    repeated.write_text(shared + block.replace("  samples: 12\n", "  samples: 12\n  samples: 8\n", 1))
+    assert any("featcal.samples: given twice" in str(problem) for problem in featcal_llm.validate(repeated))

@@ -65,7 +65,9 @@ def duplicate_keys(node: yaml.Node, where: str = "") -> list[tuple[str, int, int
         for key_node, value_node in node.value:
             key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
             dotted = f"{where}.{key}" if where else str(key)
-            if key is not None and key != "<<":
+            if key == "<<":  # a YAML merge key: the keys it brings in may be given again here (YAML's override)
+                continue
+            if key is not None:
                 if key in first:
                     found.append((dotted, first[key], key_node.start_mark.line + 1))
                 else:
@@ -85,12 +87,13 @@ def _read_yaml_mapping(path: Path, problems: list[Problem] | None = None) -> dic
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
+        duplicates = duplicate_keys(node) if node is not None else []  # before construction flattens merge keys (`<<`) into the node
         raw = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as error:
         raise FeatCalError(f"{path}: not valid YAML{_yaml_reason(error)}") from None
     finally:
         loader.dispose()
-    for key, first, again in sorted(duplicate_keys(node), key=lambda found: found[2]) if node is not None and problems is not None else []:
+    for key, first, again in sorted(duplicates, key=lambda found: found[2]) if problems is not None else []:
         problems.append(Problem(str(path), key, f"given twice (lines {first} and {again}); YAML would keep the second silently: keep one"))
     if raw is None:
         raise FeatCalError(f"{path}: the recipe file is empty (expected a mergekit recipe with a featcal: block)")
