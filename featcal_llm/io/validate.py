@@ -78,7 +78,6 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     report = Report(recipe, problems)
     if parsed.merge_config is None and parsed.block is None:
         return report
-    block = parsed.block or {}
     data = _data_entries(parsed)
     experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
     featcal = parsed.featcal
@@ -93,7 +92,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
                 spec, where, path.parent, online, report.unchecked, report.offline, taken))
     if featcal is not None:
         short_file_findings(path, featcal, {name: count for name, count in counts.items() if count is not None}, report.notes, problems)
-    setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
+    setting = _setting_reader(parsed)
     configs = {}
     if parsed.merge_config is not None:
         configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
@@ -120,6 +119,12 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         except (KeyError, TypeError, ZeroDivisionError):
             report.notes.append(f"{path}: base_model: no memory plan (its config.json does not describe a dense decoder)")
     return report
+
+
+def _setting_reader(parsed: Any) -> Any:
+    """A `featcal:` key's value: from the parsed block, or (when the block has errors) a string value as written."""
+    featcal, block = parsed.featcal, parsed.block or {}
+    return lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)
 
 
 def _data_entries(parsed: Any) -> dict[str, DataSpec]:
@@ -427,8 +432,7 @@ def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> No
     parsed = read_recipe(path)
     if parsed.merge_config is None:
         return
-    featcal, block = parsed.featcal, parsed.block or {}
-    setting = lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)  # noqa: E731
+    setting = _setting_reader(parsed)
     for label, read in _inputs(Path(path), parsed.merge_config, setting("merged"), setting("tokenizer"), _data_entries(parsed)).items():
         if same(log, read) or inside(log, read):
             raise FeatCalError(f"--log: {log} is {'also' if same(log, read) else 'inside'} {label}, which the run reads; name another file")
