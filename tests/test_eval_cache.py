@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation import cache, provenance, runner
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import ChatDecision
@@ -109,7 +110,7 @@ def fake_worker(monkeypatch):
         runs.append([task["id"] for task in job["tasks"]])
         for task in job["tasks"]:
             metric = task["metric"].split(",")
-            record = {"task": {"id": task["id"], "metric": task["metric"], "value": 0.5},
+            record = {"key_fields": task["key_fields"], "task": {"id": task["id"], "metric": task["metric"], "value": 0.5},
                       "metrics": {task["metric"]: 0.5, f"{metric[0]}_stderr,{metric[1]}": 0.1},
                       "lm_eval": {"n-samples": {"original": 4, "effective": 4}}}
             cache.write_entry(Path(task["dir"]), record, [])
@@ -201,3 +202,48 @@ def test_the_run_reads_the_revision_the_key_names():
     assert config["dataset_kwargs"]["revision"] == "d" * 40
     assert "revision" not in (resolve_task_config(suite, "mbpp_plus", data=None, max_gen_toks=None,
                                                   revision="unresolved").get("dataset_kwargs") or {})
+
+
+@pytest.mark.parametrize("edit", ["value", "empty", "list", "text value", "key fields"])
+def test_an_entry_this_cache_did_not_write_is_scored_again(tmp_path, fake_worker, edit):
+    """A hand-edited score (0.5 → 0.75) had been summarised as it stood, and a malformed result.json had been a
+    traceback: an entry whose key fields hash elsewhere or whose score is not lm-eval's metric is a miss."""
+    import json
+
+    section = _section(tmp_path, ["gsm8k"])
+    model = _fake_model(tmp_path / "m", b"w1")
+    runner.evaluate_model(model, "m", section, echo=lambda line: None)
+    [entry] = (tmp_path / "out" / "cache").iterdir()
+    result = entry / cache.RESULT_FILE
+    record = json.loads(result.read_text())
+    if edit == "value":
+        record["task"]["value"] = 0.75
+    elif edit == "text value":
+        record["task"]["value"] = "abc"
+    elif edit == "key fields":
+        record["key_fields"]["limit"] = 3
+    result.write_text({"empty": "{}", "list": "[]"}.get(edit) or json.dumps(record))
+    assert cache.read_entry(entry) is None
+    summary = runner.evaluate_model(model, "m", section, echo=lambda line: None)
+    assert fake_worker == [["gsm8k"], ["gsm8k"]] and summary["tasks"]["gsm8k"]["value"] == 0.5
+
+
+def test_the_fingerprints_label_is_reserved(tmp_path, fake_worker):
+    """A model labelled `fingerprints` had its summary written over the folder's file-hash memo (and back)."""
+    with pytest.raises(FeatCalError, match=r"label 'fingerprints': reserved \(the results folder's file-hash memo is fingerprints.json\)"):
+        runner.evaluate_model(_fake_model(tmp_path / "m", b"w1"), "fingerprints", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
+    assert fake_worker == []
+
+
+@pytest.mark.parametrize("name", ["", "../../escape", "sub/board", ".hidden"])
+def test_the_leaderboards_name_is_a_file_stem(tmp_path, name):
+    """`--name ../../escape` had written outside the results folder, `--name ''` a file named `.md`."""
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    (tmp_path / "out").mkdir()
+    result = CliRunner().invoke(main, ["leaderboard", str(tmp_path / "out"), "--name", name])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        f"featcal-llm: error: --name {name!r}: expected a file stem of letters, digits, '.', '_' or '-' (no path)")
+    assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path.parent / "escape.md").exists()

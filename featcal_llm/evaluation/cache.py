@@ -30,10 +30,21 @@ def entry_dir(output: Path, key: str) -> Path:
 
 
 def read_entry(directory: Path) -> dict | None:
+    """The cached result, or None (scored again) where it is missing, unreadable, or not what this cache wrote: its key
+    fields hash to another entry, or its score is not the metric lm-eval reported (a hand-edited value had been
+    summarised as it stood)."""
     try:
-        return json.loads((directory / RESULT_FILE).read_text())
+        record = json.loads((directory / RESULT_FILE).read_text())
     except (OSError, ValueError):
         return None
+    try:
+        task, metrics = record["task"], record["metrics"]
+        consistent = (cache_key(record["key_fields"]) == directory.name and isinstance(task["metric"], str)
+                      and not isinstance(task["value"], bool) and isinstance(task["value"], (int, float))
+                      and metrics[task["metric"]] == task["value"])
+    except (KeyError, TypeError):
+        return None
+    return record if consistent else None
 
 
 def write_entry(directory: Path, record: dict, samples: list[dict]) -> None:

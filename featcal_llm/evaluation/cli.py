@@ -6,6 +6,8 @@ both paths validate identically), call the runner, print. Heavy imports stay in 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import click
@@ -171,8 +173,12 @@ def leaderboard(results, output, references, suite, stem, comparisons, experts) 
     """Turn RESULTS (summary files or results directories; default: eval-results) into a table."""
     from featcal_llm.evaluation.leaderboard import build_leaderboard
 
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", stem):  # a file name beside the results, not a path
+        raise FeatCalError(f"--name {stem!r}: expected a file stem of letters, digits, '.', '_' or '-' (no path)")
     paths = [Path(p) for p in results] or [Path("eval-results")]
     target = Path(output) if output else (paths[0] if paths[0].is_dir() else paths[0].parent)
+    if target.exists() and not target.is_dir():
+        raise FeatCalError(f"--output {target}: a file, not a directory")
     pairs = []
     for value in comparisons:
         base, sep, other = value.partition(":")

@@ -6,6 +6,8 @@ lm-eval, torch or vLLM.
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,9 +78,9 @@ class EvalSection(BaseModel):
     allow_code_execution: bool = Field(
         False, description="run model-written code for HumanEval+/MBPP+ (subprocess per sample)"
     )
-    limit: PositiveInt | None = Field(None, description="first N items per task (smoke runs only)")
+    limit: PositiveInt | None = Field(None, le=sys.maxsize, description="first N items per task (smoke runs only)")
     max_gen_toks: PositiveInt | None = Field(None, description="override every task's max_gen_toks")
-    output: str = Field("eval-results", description="results directory")
+    output: str = Field("eval-results", min_length=1, description="results directory")
     data: dict[str, str] = Field(default_factory=dict, description="task id -> local file or directory")
     nltk_data: str | None = Field(None, description="directory holding NLTK's punkt_tab (IFEval)")
     code_workers: PositiveInt | None = Field(None, description="programs run in parallel (default: min(8, CPUs))")

@@ -18,6 +18,7 @@ import yaml
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation import uncertainty
+from featcal_llm.evaluation.modelinfo import FINGERPRINTS
 from featcal_llm.evaluation.suite import SHIPPED, Suite, load_suite
 
 REFERENCE_FILE = "reference/featcal_paper.yaml"
@@ -50,7 +51,7 @@ def load_summaries(paths: list[Path]) -> list[dict]:
     summaries = []
     for path in paths:
         if path.is_dir():
-            files = sorted(p for p in path.glob("*.json") if p.name != "fingerprints.json")
+            files = sorted(p for p in path.glob("*.json") if p.name != FINGERPRINTS)
         elif path.is_file():
             files = [path]
         else:

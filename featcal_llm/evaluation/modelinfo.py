@@ -18,6 +18,7 @@ import yaml
 from featcal_llm.errors import FeatCalError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+FINGERPRINTS = "fingerprints.json"  # beside a results folder's summaries: each model file's digest, by path, size and time
 CONFIG_FILES = (
     "config.json", "generation_config.json", "model.safetensors.index.json",
     "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",

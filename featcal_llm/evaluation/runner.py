@@ -20,6 +20,7 @@ from featcal_llm.evaluation import cache, provenance, uncertainty
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import (
+    FINGERPRINTS,
     ChatDecision,
     FileHashMemo,
     check_model_dir,
@@ -38,6 +39,8 @@ def safe_label(label: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._")
     if not cleaned:
         raise FeatCalError(f"label '{label}': needs at least one letter or digit")
+    if cleaned == FINGERPRINTS.removesuffix(".json"):  # its summary would be written over the memo, then the memo over it
+        raise FeatCalError(f"label '{label}': reserved (the results folder's file-hash memo is {FINGERPRINTS}); name the model otherwise")
     return cleaned
 
 
@@ -132,13 +135,15 @@ def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: C
     label = safe_label(label)
     suite, task_ids = checked_suite(section)
     output = Path(section.output)
+    if output.exists() and not output.is_dir():
+        raise FeatCalError(f"eval output {output}: a file, not a results directory")
     backend_name = resolve_backend_name(section.backend)
     chat = chat or decide_chat_template(model_dir, section.chat_template)
     if suite.apply_chat_template == "never":  # `on` was refused with the suite (checked_suite)
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
     backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
                            suite.chat_template_args if chat.applied else None)
-    fingerprint = model_fingerprint(model_dir, FileHashMemo(output / "fingerprints.json"))
+    fingerprint = model_fingerprint(model_dir, FileHashMemo(output / FINGERPRINTS))
     label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)
 

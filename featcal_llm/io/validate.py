@@ -464,9 +464,15 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
     before = len(report.problems)
     if section.suite.endswith((".yaml", ".yml")) and not found(section.suite):
         report.problems.append(Problem(str(path), "featcal.eval.suite", f"{section.suite}: suite file not found"))
+    from featcal_llm.evaluation.tasks import DATA_BUILDERS
+
     for task, location in section.data.items():
         if not found(location):
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: not found"))
+        elif not any((where / location).expanduser().is_dir() for where in (path.parent, Path.cwd())) and Path(location).suffix not in DATA_BUILDERS:
+            report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: expected one of {', '.join(DATA_BUILDERS)} or a directory"))
+    if Path(section.output).exists() and not Path(section.output).is_dir():  # run would fail after the calibration
+        report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: a file, not a results directory"))
     if section.nltk_data and not found(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
