@@ -6,6 +6,7 @@ lm-eval, torch or vLLM.
 
 from __future__ import annotations
 
+import re
 import sys
 
 from pathlib import Path
@@ -49,6 +50,13 @@ class BackendSettings(BaseModel):
     )
     device: str | None = Field(None, description="hf only: cuda, cuda:N or cpu (vllm: CUDA_VISIBLE_DEVICES)")
     seed: int = Field(1234, description="vllm sampling seed (lm-eval's default)")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value):  # another string had run on the CPU
+            raise ValueError(f"expected cpu, cuda or cuda:N, got {value!r}")
+        return value
 
     @field_validator("dtype")
     @classmethod

@@ -50,6 +50,8 @@ class FileHashMemo:
             self.entries: dict = json.loads(memo_path.read_text())
         except (OSError, ValueError):
             self.entries = {}
+        if not isinstance(self.entries, dict) or not all(isinstance(e, dict) for e in self.entries.values()):
+            self.entries = {}  # not a memo this code wrote: every file is hashed again
 
     def sha256(self, file: Path) -> str:
         stat = file.stat()
@@ -105,6 +107,8 @@ def chat_template_text(model_dir: Path) -> str | None:
 
 def max_positions(model_dir: Path) -> int | None:
     config = _read_json(model_dir / "config.json")
+    if not isinstance(config, dict):
+        raise FeatCalError(f"{model_dir / 'config.json'}: expected a JSON object (a model config)")
     config = config.get("text_config", config)
     value = config.get("max_position_embeddings")
     return int(value) if isinstance(value, int) else None

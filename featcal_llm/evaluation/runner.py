@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.evaluation import cache, provenance, uncertainty
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
@@ -215,9 +215,9 @@ def _merge_previous(path: Path, summary: dict, suite: Suite, output: Path, echo:
     others = {task: entry for task, entry in previous["tasks"].items() if task not in summary["tasks"]}
     if not others:
         return summary
-    if not same:
-        echo(f"[featcal-eval] {summary['label']}: dropping {', '.join(others)} from the summary "
-             "(scored for other weights, suite version or settings)")
+    if not same:  # said even with --quiet: scores leave the leaderboard (their cache entries stay)
+        warn(f"{summary['label']}: dropping {', '.join(others)} from its summary in {output} (scored for other weights, "
+             "suite version or settings; their cache entries stay, and rerunning those settings restores them)")
         return summary
     kept = {task: entry for task, entry in others.items()
             if task in suite.tasks and cache.read_entry(output / Path(entry["result"]).parent) is not None}
