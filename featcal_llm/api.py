@@ -153,10 +153,16 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> 
     if isinstance(recipe, Mapping):
         import yaml
 
+        try:
+            text = yaml.safe_dump(_plain(dict(recipe)), sort_keys=False)  # before the file exists: nothing left on failure
+        except yaml.representer.RepresenterError as error:
+            value = error.args[1] if len(error.args) > 1 else error
+            raise FeatCalError(f"{DICT_RECIPE}: a value YAML cannot write ({type(value).__name__} {value!r}); give strings, "
+                               "numbers, lists and mappings") from None
         handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".featcal-recipe-", dir=Path.cwd(), delete=False,
                                              encoding="utf-8")
         with handle:
-            yaml.safe_dump(dict(recipe), handle, sort_keys=False)
+            handle.write(text)
         return Path(handle.name), Path(handle.name)
     if isinstance(recipe, (str, os.PathLike)):
         return Path(recipe), None
@@ -164,6 +170,19 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> 
 
 
 DICT_RECIPE = "<recipe>"  # how errors and notes name a recipe given as a dict (its temporary file is gone by then)
+
+
+def _plain(value: Any) -> Any:
+    """A dict recipe's values as YAML writes them: a path as its string, a numpy scalar as its Python number."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy or torch scalar
+        return value.item()
+    return value
 
 
 def _dict_named(text: str, path: Path) -> str:

@@ -107,6 +107,58 @@ def test_calibrate_names_a_dict_recipe_as_validate_does_not_by_its_deleted_tempo
     assert isinstance(failure, featcal_llm.RunFailure) and str(failure) == "<recipe>: featcal.data.a: gone mid-run"
 
 
+def test_a_dict_recipe_takes_paths_and_numpy_numbers_and_leaves_no_file_when_it_cannot(small, tmp_path, monkeypatch):
+    """A `Path` or a numpy number in a dict recipe had been a YAML RepresenterError, leaving a half-written hidden recipe
+    file in the working directory: they are written as their string and number; what YAML still cannot write is one
+    FeatCalError, and nothing is left behind."""
+    import numpy as np
+
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["featcal"].update(output=tmp_path / "calibrated", samples=np.int64(8))
+    assert featcal_llm.validate(recipe) == []
+    recipe["featcal"]["samples"] = object()
+    with pytest.raises(featcal_llm.FeatCalError, match=r"^<recipe>: a value YAML cannot write \(object <object object at"):
+        featcal_llm.validate(recipe)
+    assert not list(tmp_path.glob(".featcal-recipe-*"))
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+                                             (0, "--device: expected a string such as 'cpu' or 'cuda:0', got 0")])
+def test_calibrates_device_is_checked_before_any_work(small, tmp_path, monkeypatch, device, message):
+    """calibrate(device=...) had passed the recipe's checks and failed in the pipeline with no key named (`tpu`), or been
+    ignored (`0`)."""
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(featcal_llm.FeatCalError) as caught:
+        featcal_llm.calibrate(small.recipe, output=str(tmp_path / "out"), device=device, progress=False)
+    assert [str(problem) for problem in caught.value.problems] == [f"{small.recipe}: {message}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_paths_beside_the_recipe_are_no_hub_ids(small, tmp_path, monkeypatch):
+    """Run reads model paths from the working directory, as mergekit does; a relative one that exists only beside the
+    recipe had passed validate as an unchecked hub id, then failed at the hub after retries."""
+    import shutil
+
+    import featcal_llm
+
+    folder = tmp_path / "project"
+    shutil.copytree(small.base, folder / "models" / "base", symlinks=True)
+    recipe = yaml.safe_load(small.recipe.read_text())
+    recipe["base_model"] = "models/base"
+    (folder / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    assert [str(problem) for problem in featcal_llm.validate(folder / "r.yaml")] == [
+        f"{folder / 'r.yaml'}: base_model: models/base: no such folder here, where run reads model paths (as mergekit "
+        f"does), but {folder / 'models' / 'base'} is beside the recipe: run from {folder} or write the path out in full"]
+    monkeypatch.chdir(folder)
+    assert featcal_llm.validate(folder / "r.yaml") == []
+
+
 def test_validate_takes_a_dict_and_returns_problems_notes_and_warnings(small, tmp_path, monkeypatch):
     import featcal_llm
 

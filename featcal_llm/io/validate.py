@@ -182,13 +182,19 @@ def _read_config(directory: Path, what: str) -> dict:
     return data
 
 
-def _model_config(reference: Any, what: str, online: bool, report: Report, base: Any = None) -> tuple[Any, dict | None]:
+def _model_config(reference: Any, what: str, online: bool, report: Report, base: Any = None,
+                  recipe_dir: Path | None = None) -> tuple[Any, dict | None]:
     """(ModelSource or None, config.json) of one recipe model; local paths only on disk, hub ids only when online."""
     from featcal_llm.io.references import resolve_source
 
     hub = [p for p in (reference.model, reference.lora) if p is not None and _is_hub_reference(p)]
     for model_path in hub:
-        _refuse_local_typo(model_path.path, f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}")
+        named = f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}"
+        beside = (recipe_dir / model_path.path) if recipe_dir is not None else None
+        if beside is not None and beside.is_dir() and beside.resolve() != Path(model_path.path).resolve():
+            raise FeatCalError(f"{named}: no such folder here, where run reads model paths (as mergekit does), but "
+                               f"{beside} is beside the recipe: run from {recipe_dir} or write the path out in full")
+        _refuse_local_typo(model_path.path, named)
     if not hub:
         source = resolve_source(reference, what, base)  # every path is local: no hub call
         config = _read_config(source.directory, what)
@@ -245,7 +251,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     base_source = base_config = None
     base_what = f"{path}: base_model"
     if base_reference is not None:
-        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report))
+        result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report, recipe_dir=path.parent))
         base_source, base_config = result or (None, None)
     if base_config is not None:
         configs["base_model"] = base_config
@@ -264,7 +270,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             continue
         if base_source is None and _plain_adapter(reference):
             continue  # applies to a base that could not be resolved: already reported
-        result = collect(problems, path, lambda: _model_config(reference, what, online, report, base_source))
+        result = collect(problems, path, lambda: _model_config(reference, what, online, report, base_source, path.parent))
         source, config = result or (None, None)
         if config is None:
             continue
@@ -447,7 +453,13 @@ def _check_device(path: Path, override: str | None, featcal: Any, report: Report
     """What the device (`run --device`, else featcal.device) cannot do, where that is certain before run starts torch:
     CUDA named where there is none (run's `resolve_device` refuses it so), vLLM sampling on the CPU or uninstalled."""
     from featcal_llm.hardware import cuda_refusal, vllm_refusal
+    from featcal_llm.io.block import check_device
 
+    if override is not None:  # the CLI checks its option's form itself; the API's device= only here
+        if not isinstance(override, str) or collect(report.problems, path, lambda: check_device(override, "--device")) is None:
+            if not isinstance(override, str):
+                report.problems.append(Problem(str(path), "--device", f"expected a string such as 'cpu' or 'cuda:0', got {override!r}"))
+            return
     device = override or featcal.device
     if device.startswith("cuda") and (refusal := cuda_refusal()) is not None:
         report.problems.append(Problem(str(path), "--device" if override else "featcal.device", f"{device} requested but {refusal}"))
