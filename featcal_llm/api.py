@@ -254,7 +254,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     return CalibrationResult(
         output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
-        warnings=tuple(warnings),
+        warnings=tuple(_dict_named(warning, path) if temporary is not None else warning for warning in warnings),
     )
 
 

@@ -62,6 +62,8 @@ def warn(message: str) -> None:
     """A one-line warning on stderr, in the same voice as errors (and kept for the API's result)."""
     import sys
 
+    if _COLLECTORS and all(message in found for found in _COLLECTORS):
+        return  # said once a run: the recipe is read by validate's checks and again by the run
     for found in _COLLECTORS:
         found.append(message)
     if QUIET["warnings"]:

@@ -86,7 +86,8 @@ def test_calibrate_returns_its_warnings(small, tmp_path, monkeypatch):
     recipe = yaml.safe_load(small.recipe.read_text())
     recipe["base_modle"] = "x"  # mergekit ignores it: a warning, not an error
     result = featcal_llm.calibrate(recipe, output="calibrated", progress=False)
-    assert [w for w in result.warnings if "base_modle: not a mergekit or featcal key" in w and "did you mean 'base_model'" in w]
+    said = [w for w in result.warnings if "base_modle: not a mergekit or featcal key" in w and "did you mean 'base_model'" in w]
+    assert said == ["<recipe>: base_modle: not a mergekit or featcal key (mergekit ignores it); did you mean 'base_model'?"]  # once, as <recipe>
     assert "warning: " in str(result) and "base_modle" in str(result)
 
 
