@@ -170,3 +170,19 @@ def test_dash_h_survives_a_sub_command_used_on_its_own_first():
         command = getattr(__import__(module, fromlist=[attribute]), attribute)
         assert CliRunner().invoke(command, ["-h"]).exit_code == 0, name
         assert CliRunner().invoke(main, [name, "-h"]).exit_code == 0, name
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["demo", "--quick", "--device", "tpu"], "featcal-llm: error: --device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["demo", "--quick", "--device", "auto"], "featcal-llm: error: --device auto: the demo takes cpu, cuda or cuda:N"),
+    (["bench", "--layers", "1", "--hidden", "66", "--heads", "4"], "featcal-llm: error: --hidden 66: expected a multiple of --heads 4"),
+    (["bench", "--layers", "1", "--heads", "4", "--kv-heads", "3"], "featcal-llm: error: --kv-heads 3: expected a divisor of --heads 4"),
+    (["bench", "--layers", "1", "--lam", "-1"], "featcal-llm: error: --lam -1: expected a ridge above 0, as featcal.lambda"),
+    (["bench", "--layers", "1", "--device", "tpu"], "featcal-llm: error: --device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+])
+def test_demo_and_bench_refuse_bad_options_before_building_anything(tmp_path, monkeypatch, arguments, message):
+    """Each had built data or checkpoints first, then failed with a traceback (or, --lam -1, run)."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, [*arguments, *(["--workdir", str(tmp_path / "w")])])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [message], result.output
+    assert not (tmp_path / "w").exists() and list(tmp_path.iterdir()) == []

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import click
 
+from featcal_llm.errors import FeatCalError
+
 POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
 # what only the layer loop reads, and what only a whole run reads: given to the other, an option would be ignored
 LAYER_LOOP_ONLY = ("distinct_layers", "tokens", "batch_tokens", "device", "rebuild", "clean", "warm_cache", "no_finalize",
@@ -23,6 +25,19 @@ def _refuse_ignored(context: click.Context, whole_run: bool) -> None:
         flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
         mode = "a whole run (--whole-run)" if whole_run else "the layer loop (without --whole-run)"
         raise click.UsageError(f"{flags}: not read by {mode}")
+
+
+def _check_shapes(options: dict) -> None:
+    """What the synthetic model could not be (a traceback after the checkpoints were built), or a recipe would refuse."""
+    from featcal_llm.io.block import check_device
+
+    if options["hidden"] % options["heads"]:
+        raise FeatCalError(f"--hidden {options['hidden']}: expected a multiple of --heads {options['heads']}")
+    if options["heads"] % options["kv_heads"]:
+        raise FeatCalError(f"--kv-heads {options['kv_heads']}: expected a divisor of --heads {options['heads']}")
+    if not options["lam"] > 0:
+        raise FeatCalError(f"--lam {options['lam']:g}: expected a ridge above 0, as featcal.lambda")
+    check_device(options["device"], "--device")
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
@@ -85,6 +100,7 @@ def bench(**kwargs) -> None:
             tied = value if tied is None else tied
         elif context.get_parameter_source(key) == click.core.ParameterSource.DEFAULT:
             kwargs[key] = value
+    _check_shapes(kwargs)
     if whole_run:
         from featcal_llm.benchmark.wholerun import WholeRunSpec, render_whole, run_whole
 

@@ -16,7 +16,7 @@ Examples:
               help="Where the scenario, models and results are built and cached.")
 @click.option("--quick", is_flag=True, help="A seconds-long reduced scenario (used by the test suite).")
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
-@click.option("--threads", type=int, default=None, help="Torch threads of the main process (default min(cores, 4); --quick: 1); the experts train in one-thread workers, one per expert (at most THREADS).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="Torch threads of the main process (default min(cores, 4); --quick: 1); the experts train in one-thread workers, one per expert (at most THREADS).")
 @click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (featcal-llm recipes demo-auto).")
 @click.option("--baselines/--no-baselines", default=None, help="Also run and score RegMean and RegMean++ on a linear merge (default: on, off with --quick).")
 @click.option("--seed", type=int, default=None, help="Seed of the data, the base and the experts (default 0).")
@@ -29,6 +29,14 @@ def demo(workdir: Path, quick: bool, device: str, threads: int | None, auto: boo
     """Build base + 3 experts trained to skill, merge with mergekit, calibrate with FeatCal and score every model."""
     from featcal_llm.demo.config import FULL, QUICK
     from featcal_llm.demo.run import run_demo
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.hardware import cuda_refusal
+    from featcal_llm.io.block import check_device
+
+    if check_device(device, "--device") == "auto":  # before the data and the experts are built
+        raise FeatCalError("--device auto: the demo takes cpu, cuda or cuda:N")
+    if device.startswith("cuda") and (refusal := cuda_refusal()) is not None:
+        raise FeatCalError(f"--device {device} requested but {refusal}")
 
     config = (QUICK if quick else FULL).replace(auto=auto)
     given = {"seed": seed, "expert_target": expert_target, "finetune_max_steps": expert_max_steps}
