@@ -106,6 +106,7 @@ def test_section_reads_inputs_as_featcal_data_paths_are_read_and_writes_from_the
         ({"limit": 10**20}, "eval --limit: Input should be less than or equal to"),  # had crashed the worker's islice
         ({"backend": {"device": "banana"}}, "eval --device: expected cpu, cuda or cuda:N, got 'banana'"),  # had run on the CPU
         ({"output": ""}, "eval --output: String should have at least 1 character"),  # had written into the current directory
+        ({"tasks": []}, "eval --tasks: List should have at least 1 item"),  # had meant every task (None does)
         ({}, "eval: humaneval_plus, mbpp_plus execute model-written code: pass --allow-code-execution"),
     ],
 )

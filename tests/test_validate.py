@@ -175,10 +175,11 @@ def _eval_settings_refused_after_the_run(r, _t):
 
 
 def _eval_output_file_and_data_type(r, t):
-    """Both had passed validate, then failed after the calibration."""
+    """Each had passed validate, then failed after the calibration."""
     (t / "a-file").write_text("x")
     (t / "gsm8k.txt").write_text("x")
-    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(t / "a-file"), "data": {"gsm8k": str(t / "gsm8k.txt")}}
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(t / "a-file"), "data": {"gsm8k": str(t / "gsm8k.txt")},
+                            "nltk_data": str(t / "a-file")}
 
 
 def _renamed(r, _t):
@@ -244,7 +245,8 @@ CASES = {
         ["featcal.eval.backend.tensor_parallel_size: only the vllm backend shards a model"]]),
     "eval output a file, eval data of a type lm-eval cannot load": (_eval_output_file_and_data_type, [
         ["featcal.eval.output:", "a-file: a file, not a results directory"],
-        ["featcal.eval.data.gsm8k:", "gsm8k.txt: expected one of .json, .jsonl, .parquet, .csv, .arrow or a directory"]]),
+        ["featcal.eval.data.gsm8k:", "gsm8k.txt: expected one of .json, .jsonl, .parquet, .csv, .arrow or a directory"],
+        ["featcal.eval.nltk_data:", "a-file: directory not found"]]),
     "eval data for a task the suite lacks, a reference the paper lacks": (_suite_data_key, [
         ["featcal.eval.data.gsm9k: not a task of suite mergebench"], ["featcal.eval.reference: unknown model Llama-9B; the paper has"]]),
     "output under a file, eval data missing": (_output_under_file, [

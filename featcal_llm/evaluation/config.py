@@ -78,7 +78,7 @@ class EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     suite: str = Field("mergebench", description="a suite by name (shipped: mergebench, mergebench-protocol; or in $FEATCAL_EVAL_DIR), or a suite YAML path")
-    tasks: list[str] | None = Field(None, description="subset of the suite's task ids; None = all")
+    tasks: list[str] | None = Field(None, min_length=1, description="subset of the suite's task ids; None = all")
     backend: BackendSettings = Field(default_factory=BackendSettings, description="how lm-eval drives the model (see eval.backend:)")
     chat_template: ChatTemplateMode = Field(
         "auto", description="auto = on when the model or its merge base is an -Instruct/chat model"

@@ -485,7 +485,8 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: expected one of {', '.join(DATA_BUILDERS)} or a directory"))
     if Path(section.output).exists() and not Path(section.output).is_dir():  # run would fail after the calibration
         report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: a file, not a results directory"))
-    if section.nltk_data and not found(section.nltk_data):
+    is_dir = lambda value: any((where / value).expanduser().is_dir() for where in (path.parent, Path.cwd()))  # noqa: E731
+    if section.nltk_data and not is_dir(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
         _check_eval_settings(path, section.resolve(path.parent), report)
