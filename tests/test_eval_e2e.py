@@ -123,6 +123,7 @@ def test_ifeval_without_punkt_fails_before_the_model_loads(tmp_path, monkeypatch
     assert result.output.strip().splitlines()[-1].startswith(
         "featcal-llm: error: ifeval: IFEval needs NLTK's punkt_tab data (for length_constraints:number_sentences)")
     assert "loading" not in result.output
+    assert not (tmp_path / "out").exists()  # refused input: the results folder this call made (a memo, logs) is gone
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from featcal_llm.errors import FeatCalError, warn
+from featcal_llm.errors import EXIT_USAGE, FeatCalError, RunFailure, warn
 from featcal_llm.evaluation import cache, provenance, uncertainty
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
@@ -121,8 +122,8 @@ def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]
             returncode = process.wait()
         if returncode == USER_ERROR_EXIT and error_file.is_file():
             raise FeatCalError(json.loads(error_file.read_text())["message"])
-        if returncode != 0:
-            raise FeatCalError(
+        if returncode != 0:  # a failed run, not bad input: its logs stay
+            raise RunFailure(
                 f"{label}: the evaluation worker failed (exit {returncode}): {last_line}; finished tasks "
                 f"are cached, rerun to resume; full log: {log_path}"
             )
@@ -130,7 +131,21 @@ def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]
 
 def evaluate_model(model_dir: Path, label: str, section: EvalSection, *, chat: ChatDecision | None = None,
                    echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    """Score one model on the section's suite, reusing cached tasks; returns its summary."""
+    """Score one model on the section's suite, reusing cached tasks; returns its summary. A results folder this call
+    created is removed again when the input is refused (bad data or model found by the worker's checks): it would
+    hold only a memo and logs."""
+    output = Path(section.output)
+    fresh = not output.exists()
+    try:
+        return _evaluate_model(model_dir, label, section, chat, echo)
+    except FeatCalError as error:
+        if fresh and output.is_dir() and error.exit_code == EXIT_USAGE and not any((output / "cache").glob("*/result.json")):
+            shutil.rmtree(output, ignore_errors=True)
+        raise
+
+
+def _evaluate_model(model_dir: Path, label: str, section: EvalSection, chat: ChatDecision | None,
+                    echo: Callable[[str], None]) -> dict:
     model_dir = check_model_dir(Path(model_dir))
     label = safe_label(label)
     suite, task_ids = checked_suite(section)
