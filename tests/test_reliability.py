@@ -118,6 +118,7 @@ def test_changed_hyperparameter_discards_saved_progress(merged_scenario, tmp_pat
 def test_force_replaces_an_existing_output(merged_scenario, tmp_path):
     output = tmp_path / "out"
     output.mkdir()
+    (output / "featcal_recipe.yml").write_text("an earlier output's")  # --force replaces only those (test_bad_input)
     (output / "old.txt").write_text("old")
     result = CliRunner().invoke(main, ["run", "--force", str(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(output)))])
     assert result.exit_code == 0, result.stderr
