@@ -261,3 +261,12 @@ def test_a_memo_or_config_of_another_shape_is_no_traceback(tmp_path):
     (model / "config.json").write_text("[1, 2]")
     with pytest.raises(FeatCalError, match=r"config.json: expected a JSON object \(a model config\)$"):
         max_positions(model)
+
+
+def test_a_model_folder_named_with_an_equals_sign_is_a_folder(tmp_path, monkeypatch):
+    """`eval alpha=0.3` had been read as LABEL=PATH ('0.3: model directory does not exist'); LABEL=PATH stays for the rest."""
+    from featcal_llm.evaluation.cli import _models
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "alpha=0.3").mkdir()
+    assert _models(("alpha=0.3", "merged=out/merged")) == [("alpha=0.3", Path("alpha=0.3")), ("merged", Path("out/merged"))]

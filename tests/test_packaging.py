@@ -95,6 +95,9 @@ def test_own_suite_folder_comes_first_and_falls_back_to_the_shipped_suites(tmp_p
     assert resolve_suite_path("mine") == tmp_path / "mine.yaml"
     assert resolve_suite_path("mergebench") == SHIPPED / "mergebench.yaml"
     assert SHIPPED.is_relative_to(ROOT / "featcal_llm")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mergebench").mkdir()  # a folder of that name here (results, say) had hidden the shipped suite
+    assert resolve_suite_path("mergebench") == SHIPPED / "mergebench.yaml"
 
 
 def test_the_installed_cli_lists_and_prints_the_shipped_recipes(installed):

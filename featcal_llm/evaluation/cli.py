@@ -30,7 +30,7 @@ def _models(arguments: tuple[str, ...]) -> list[tuple[str, Path]]:
     models, labels = [], set()
     for argument in arguments:
         label, sep, path = argument.partition("=")
-        if not sep:
+        if not sep or Path(argument).is_dir():  # a model folder whose name holds `=` (alpha=0.3) is a folder
             label, path = Path(argument).resolve().name, argument
         if label in labels:
             raise FeatCalError(f"{argument}: label '{label}' is used twice; name models with LABEL=MODEL_DIR")

@@ -164,7 +164,7 @@ def checked_suite(section: Any, where: str = "eval") -> tuple[Suite, list[str]]:
 def resolve_suite_path(name_or_path: str) -> Path:
     """A suite name (`mergebench`) means `<name>.yaml` in $FEATCAL_EVAL_DIR or among the shipped suites; anything else is a path."""
     candidate = Path(name_or_path).expanduser()
-    if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
+    if candidate.suffix in {".yaml", ".yml"} or candidate.is_file():  # a folder of that name here is no suite file
         return candidate
     own = eval_root() / f"{name_or_path}.yaml"
     return own if own.is_file() else SHIPPED / f"{name_or_path}.yaml"
