@@ -113,7 +113,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks (and logs) for every rank
     level = runlog.QUIET if quiet or not main_rank else runlog.VERBOSE if verbose else runlog.NORMAL
     if log_file is not None and main_rank:
-        from featcal_llm.io.validate import check_log_file
+        from featcal_llm.io.validate_outputs import check_log_file
 
         try:  # before the log is opened: it appends from the first line
             check_log_file(recipe, output, log_file)

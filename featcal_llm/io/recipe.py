@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.block import FEATCAL_ONLY, REGMEAN_ONLY, FeatCalConfig, beside_recipe
+from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.forms import check_forms
 from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.mergekit_methods import parameter_problems
@@ -261,6 +262,27 @@ class Parsed:
     merge_config: Any = None  # io/mergekit_config.MergeConfiguration (torch-free), whatever `mergekit` says
     featcal: FeatCalConfig | None = None
     block: dict | None = None
+
+    def setting(self, key: str) -> Any:
+        """A `featcal:` key's value: from the parsed block, or (when the block has errors) a string value as written."""
+        if self.featcal is not None:
+            return getattr(self.featcal, key)
+        value = (self.block or {}).get(key)
+        return value if isinstance(value, str) else None
+
+    def data_entries(self) -> dict[str, DataSpec]:
+        """The data entries (DataSpec): from the parsed block, or (when the block has errors) each entry that is valid
+        on its own (the others are reported with the block)."""
+        if self.featcal is not None:
+            return self.featcal.data
+        entries = self.block.get("data") if self.block else None
+        valid = {}
+        for name, entry in (entries or {}).items() if isinstance(entries, dict) else ():
+            try:
+                valid[str(name)] = DataSpec.model_validate(entry)
+            except ValidationError:
+                continue
+        return valid
 
 
 def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | None = None) -> FeatCalConfig | None:

@@ -127,6 +127,14 @@ def _naming(what: str, model_path: Any) -> str:
     return what if what.endswith((f": {model_path}", f" {model_path}")) else f"{what}: {model_path}"
 
 
+def is_hub_reference(model_path: Any) -> bool:
+    """A mergekit ModelPath that is not on disk and reads as `org/name`: what mergekit would fetch from the hub."""
+    path = Path(model_path.path)
+    if path.exists():
+        return False
+    return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
+
+
 def _local_directory(model_path: Any, what: str) -> Path:
     """A local directory for a mergekit ModelPath: the path itself, or the hub snapshot at its revision."""
     path = Path(model_path.path)
@@ -136,8 +144,7 @@ def _local_directory(model_path: Any, what: str) -> Path:
         if not path.is_dir():
             raise FeatCalError(f"{what}: {path}: expected a model directory")
         return path
-    looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1
-    if looks_local:
+    if not is_hub_reference(model_path):
         raise FeatCalError(f"{_naming(what, path)}: model directory does not exist")
     from mergekit.common import ModelReference
 

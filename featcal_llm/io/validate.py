@@ -21,17 +21,17 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible
-from featcal_llm.io.output_dir import unwritable
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
                                         has_chat_template, has_tokenizer_files, missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
-from pydantic import ValidationError
 
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
 from featcal_llm.io.validate_data import check_data, short_file_findings
+from featcal_llm.io.validate_outputs import check_output, check_writes
+from featcal_llm.io.references import is_hub_reference
 
 
 @dataclass
@@ -78,7 +78,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     report = Report(recipe, problems)
     if parsed.merge_config is None and parsed.block is None:
         return report
-    data = _data_entries(parsed)
+    data = parsed.data_entries()
     experts = [str(reference) for reference in _experts_of(parsed.merge_config)] if parsed.merge_config is not None else None
     featcal = parsed.featcal
     # the records the run converts: the first `samples` of the file (any of them when it shuffles)
@@ -92,15 +92,15 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
                 spec, where, path.parent, online, report.unchecked, report.offline, taken))
     if featcal is not None:
         short_file_findings(path, featcal, {name: count for name, count in counts.items() if count is not None}, report.notes, problems)
-    setting = _setting_reader(parsed)
+    setting = parsed.setting
     configs = {}
     if parsed.merge_config is not None:
         configs = _check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
     output_key = "OUTPUT" if output is not None else "featcal.output"
     if parsed.merge_config is not None:
-        _check_writes(path, Path(output) if output else None, setting, parsed.merge_config, data, report)
+        check_writes(path, Path(output) if output else None, setting, parsed.merge_config, data, problems)
     if (output or setting("output")) and not any(problem.key == output_key for problem in problems):  # one line for it
-        _check_output(path, Path(output or setting("output")), report, output_key)
+        check_output(path, Path(output or setting("output")), problems, report.notes, output_key)
     if featcal is not None and featcal.eval is not None:
         _check_eval(path, featcal.eval, report)
     if featcal is not None:
@@ -121,38 +121,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     return report
 
 
-def _setting_reader(parsed: Any) -> Any:
-    """A `featcal:` key's value: from the parsed block, or (when the block has errors) a string value as written."""
-    featcal, block = parsed.featcal, parsed.block or {}
-    return lambda key: getattr(featcal, key) if featcal is not None else (block.get(key) if isinstance(block.get(key), str) else None)
-
-
-def _data_entries(parsed: Any) -> dict[str, DataSpec]:
-    """The data entries: from the parsed block, or (when the block has errors) each entry that is valid on its own."""
-    if parsed.featcal is not None:
-        return parsed.featcal.data
-    entries = parsed.block.get("data") if parsed.block else None
-    valid = {}
-    for name, entry in (entries or {}).items() if isinstance(entries, dict) else ():
-        try:
-            valid[str(name)] = DataSpec.model_validate(entry)
-        except ValidationError:
-            continue  # reported with the block
-    return valid
-
-
-# --- calibration data --------------------------------------------------------------------------------------------
-
-
 # --- models ------------------------------------------------------------------------------------------------------
-
-
-def _is_hub_reference(model_path: Any) -> bool:
-    """A ModelPath that is not on disk and reads as `org/name` (what `references` would fetch from the hub)."""
-    path = Path(model_path.path)
-    if path.exists():
-        return False
-    return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
 
 
 def _refuse_local_typo(path: str, what: str) -> None:
@@ -187,7 +156,7 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
     """(ModelSource or None, config.json) of one recipe model; local paths only on disk, hub ids only when online."""
     from featcal_llm.io.references import resolve_source
 
-    hub = [p for p in (reference.model, reference.lora) if p is not None and _is_hub_reference(p)]
+    hub = [p for p in (reference.model, reference.lora) if p is not None and is_hub_reference(p)]
     for model_path in hub:
         named = f"{what}" if str(model_path.path) in what else f"{what}: {model_path.path}"
         beside = (recipe_dir / model_path.path) if recipe_dir is not None else None
@@ -360,93 +329,6 @@ def _shape(config: dict, key: str) -> Any:
     if key == "num_key_value_heads":
         return config.get(key) or config.get("num_attention_heads")
     return config.get(key)
-
-
-# --- outputs -----------------------------------------------------------------------------------------------------
-
-
-def _check_output(path: Path, output: Path, report: Report, key: str = "featcal.output") -> None:
-    """The output can be written (an existing earlier output is a note: `run --force` replaces it)."""
-    from featcal_llm.io.output_dir import not_an_output
-
-    problem = not_an_output(output)
-    if problem is not None:
-        report.problems.append(Problem(str(path), key, problem))
-        return
-    if output.exists():
-        report.notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
-    problem = unwritable(output)
-    if problem is not None:
-        report.problems.append(Problem(str(path), key, problem))
-
-
-def _inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, data: dict[str, DataSpec]) -> dict[str, Path]:
-    """The local files and directories a run reads, each named as the recipe names it: the recipe, its models, the
-    merge, the tokenizer and the calibration files (hub ids are not on this disk)."""
-    from featcal_llm.io.data import data_path
-
-    inputs = {f"the recipe {path}": path}
-    references = [("base_model", merge_config.base_model)] if merge_config.base_model is not None else []
-    references += [("the expert", reference) for reference in _experts_of(merge_config)]
-    for key, reference in references:
-        for model_path in (reference.model, reference.lora):
-            if model_path is not None and not _is_hub_reference(model_path):
-                inputs[f"{key} {model_path.path}"] = Path(model_path.path)
-    if merged:
-        inputs[f"featcal.merged {merged}"] = Path(merged)
-    if tokenizer and not looks_like_hub_id(tokenizer):
-        inputs[f"featcal.tokenizer {tokenizer}"] = Path(tokenizer)
-    for name, spec in data.items():
-        if spec.path is not None and data_path(spec, path.parent).exists():
-            inputs[f"featcal.data.{name}.path {spec.path}"] = data_path(spec, path.parent)
-    return inputs
-
-
-def _check_writes(path: Path, override: Path | None, setting: Any, merge_config: Any, data: dict[str, DataSpec], report: Report) -> None:
-    """What the run writes destroys nothing it reads: the output (OUTPUT, else featcal.output), the merge where the run
-    makes it (missing, or one it made and may make again), and the generated records' folder beside the output."""
-    from featcal_llm.generation.store import GENERATED_DIR
-    from featcal_llm.io.merge import MARKER
-    from featcal_llm.io.output_dir import overwrites_input
-
-    merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
-    inputs = _inputs(path, merge_config, merged, setting("tokenizer"), data)
-    for name, value in (("featcal.merged", merged), ("featcal.output", setting("output"))):
-        if isinstance(value, str) and value.startswith("~"):
-            report.problems.append(Problem(str(path), name, f"{value}: run takes a path as written, so `~` would be a folder "
-                                                            "of that name here; write the path out in full"))
-    if output is not None:
-        key = "OUTPUT" if override is not None else "featcal.output"
-        generated = {} if not any(spec.generate is not None for spec in data.values()) else \
-            {f"the generated records' folder {output.parent / GENERATED_DIR}": output.parent / GENERATED_DIR}
-        problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
-        if problem is not None:
-            report.problems.append(Problem(str(path), key, problem))
-    if merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
-        others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
-        problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
-        if problem is not None:
-            report.problems.append(Problem(str(path), "featcal.merged", problem))
-
-
-def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> None:
-    """`run --log FILE` appends to FILE from the start, before any check: it may not be a file the run reads (a
-    recipe or calibration file would be corrupted), nor lie inside the output or a merge the run writes (it would
-    create that folder first, and be deleted with it). A recipe that does not parse is left to the run's own checks."""
-    from featcal_llm.io.output_dir import inside, same
-
-    parsed = read_recipe(path)
-    if parsed.merge_config is None:
-        return
-    setting = _setting_reader(parsed)
-    for label, read in _inputs(Path(path), parsed.merge_config, setting("merged"), setting("tokenizer"), _data_entries(parsed)).items():
-        if same(log, read) or inside(log, read):
-            raise FeatCalError(f"--log: {log} is {'also' if same(log, read) else 'inside'} {label}, which the run reads; name another file")
-    written = {"OUTPUT": output} if output is not None else {"featcal.output": setting("output")}
-    written["featcal.merged"] = setting("merged")
-    for key, folder in written.items():
-        if folder and inside(log, Path(folder)):
-            raise FeatCalError(f"--log: {log} lies inside {key} {folder}, which the run writes as a whole; name a file outside it")
 
 
 def _check_device(path: Path, override: str | None, featcal: Any, report: Report) -> None:

@@ -1,0 +1,94 @@
+"""What a run writes may destroy nothing it reads: the output, the merge it (re)makes, `--log`'s file.
+
+`validate` and `run` ask these before anything is written (docs/validate.md); `io/output_dir` holds the path tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.block_sections import DataSpec
+from featcal_llm.generation.store import GENERATED_DIR
+from featcal_llm.io.data import data_path, looks_like_hub_id
+from featcal_llm.io.output_dir import inside, not_an_output, overwrites_input, same, unwritable
+from featcal_llm.io.problems import Problem
+from featcal_llm.io.recipe import _experts_of, read_recipe
+from featcal_llm.io.references import is_hub_reference
+
+
+def check_output(path: Path, output: Path, problems: list[Problem], notes: list[str], key: str = "featcal.output") -> None:
+    """The output can be written (an existing earlier output is a note: `run --force` replaces it)."""
+    problem = not_an_output(output)
+    if problem is not None:
+        problems.append(Problem(str(path), key, problem))
+        return
+    if output.exists():
+        notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
+    problem = unwritable(output)
+    if problem is not None:
+        problems.append(Problem(str(path), key, problem))
+
+
+def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, data: dict[str, DataSpec]) -> dict[str, Path]:
+    """The local files and directories a run reads, each named as the recipe names it: the recipe, its models, the
+    merge, the tokenizer and the calibration files (hub ids are not on this disk)."""
+    inputs = {f"the recipe {path}": path}
+    references = [("base_model", merge_config.base_model)] if merge_config.base_model is not None else []
+    references += [("the expert", reference) for reference in _experts_of(merge_config)]
+    for key, reference in references:
+        for model_path in (reference.model, reference.lora):
+            if model_path is not None and not is_hub_reference(model_path):
+                inputs[f"{key} {model_path.path}"] = Path(model_path.path)
+    if merged:
+        inputs[f"featcal.merged {merged}"] = Path(merged)
+    if tokenizer and not looks_like_hub_id(tokenizer):
+        inputs[f"featcal.tokenizer {tokenizer}"] = Path(tokenizer)
+    for name, spec in data.items():
+        if spec.path is not None and data_path(spec, path.parent).exists():
+            inputs[f"featcal.data.{name}.path {spec.path}"] = data_path(spec, path.parent)
+    return inputs
+
+
+def check_writes(path: Path, override: Path | None, setting: Any, merge_config: Any, data: dict[str, DataSpec], problems: list[Problem]) -> None:
+    """What the run writes destroys nothing it reads: the output (OUTPUT, else featcal.output), the merge where the run
+    makes it (missing, or one it made and may make again), and the generated records' folder beside the output."""
+    from featcal_llm.io.merge import MARKER
+
+    merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
+    inputs = recipe_inputs(path, merge_config, merged, setting("tokenizer"), data)
+    for name, value in (("featcal.merged", merged), ("featcal.output", setting("output"))):
+        if isinstance(value, str) and value.startswith("~"):
+            problems.append(Problem(str(path), name, f"{value}: run takes a path as written, so `~` would be a folder "
+                                                     "of that name here; write the path out in full"))
+    if output is not None:
+        key = "OUTPUT" if override is not None else "featcal.output"
+        generated = {} if not any(spec.generate is not None for spec in data.values()) else \
+            {f"the generated records' folder {output.parent / GENERATED_DIR}": output.parent / GENERATED_DIR}
+        problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
+        if problem is not None:
+            problems.append(Problem(str(path), key, problem))
+    if merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
+        others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
+        problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
+        if problem is not None:
+            problems.append(Problem(str(path), "featcal.merged", problem))
+
+
+def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> None:
+    """`run --log FILE` appends to FILE from the start, before any check: it may not be a file the run reads (a
+    recipe or calibration file would be corrupted), nor lie inside the output or a merge the run writes (it would
+    create that folder first, and be deleted with it). A recipe that does not parse is left to the run's own checks."""
+    parsed = read_recipe(path)
+    if parsed.merge_config is None:
+        return
+    setting = parsed.setting
+    for label, read in recipe_inputs(Path(path), parsed.merge_config, setting("merged"), setting("tokenizer"), parsed.data_entries()).items():
+        if same(log, read) or inside(log, read):
+            raise FeatCalError(f"--log: {log} is {'also' if same(log, read) else 'inside'} {label}, which the run reads; name another file")
+    written = {"OUTPUT": output} if output is not None else {"featcal.output": setting("output")}
+    written["featcal.merged"] = setting("merged")
+    for key, folder in written.items():
+        if folder and inside(log, Path(folder)):
+            raise FeatCalError(f"--log: {log} lies inside {key} {folder}, which the run writes as a whole; name a file outside it")
