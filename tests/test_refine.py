@@ -439,13 +439,18 @@ def test_only_refines_presence_enters_the_fingerprint_and_a_stack_refines_once()
     assert stack.stage(0, "intermediate").holds_out  # RegMean's Grams never see the records that stop the refinement
 
 
-def test_an_expert_at_weight_0_neither_trains_nor_stops_the_refinement(far_scenario):
+def test_an_expert_at_weight_0_neither_trains_nor_stops_the_refinement(far_scenario, capsys):
+    """One expert's records alone train, so a step of 24 records repeats them: the run says so, once."""
     data = yaml.safe_load(far_scenario.recipe.read_text())["featcal"]["data"]
     silent = sorted(data)[1]
     data[silent]["weight"] = 0
-    output = run(far_scenario, "weight0", data=data, refine={**REFINE, "steps": 2, "eval_every": 2})
+    output = run(far_scenario, "weight0", data=data, refine={**REFINE, "steps": 2, "eval_every": 2, "batch_records": 24})
     report = json.loads((output / "featcal_refine.json").read_text())
     assert list(report["teachers"]) == ["expert0"] and list(report["per_expert"]["before"]) == ["expert0"]
+    err = capsys.readouterr().err
+    trained = re.search(r"KL\(teacher ‖ model\) on (\d+) records", err)
+    assert trained is not None and int(trained.group(1)) < 24
+    assert err.count(f"featcal.refine.batch_records: 24 is more than the {trained.group(1)} training records") == 1
 
 
 def test_data_free_records_refine_the_same_way(far_scenario, capsys):

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
 from featcal_llm import runlog
+from featcal_llm.errors import warn
 from featcal_llm.engine.devices import native_bf16
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
@@ -287,6 +288,10 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                  f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) on {len(train_keys)} records"
                  + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
                  + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
+    if 0 < len(train_keys) < spec.batch_records:
+        warn(f"featcal.refine.batch_records: {spec.batch_records} is more than the {len(train_keys)} training records, so "
+             f"every step repeats records (each one about {spec.batch_records / len(train_keys):.1f} times); a step "
+             f"costs that many more forwards for about the same gradient as one of {len(train_keys)}")
     store = _teachers(job, teacher_keys, records, autocast)
     torch.manual_seed(job.seed)
     student = Student(job, params, master, checkpointing)
