@@ -297,7 +297,7 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
         raise FeatCalError("evaluate: two models have the same label; pass {label: directory}")
     options = {"suite": suite, "tasks": tasks, "backend": {"name": backend} if isinstance(backend, str) else dict(backend),
                "output": str(output), **settings}
-    section = section_from_options(options)
+    section = section_from_options(options, "evaluate()")
     echo = (lambda line: None) if quiet else (lambda line: print(line, file=__import__("sys").stderr))
     summaries = {}
     for label, path in labelled:

@@ -341,5 +341,7 @@ def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, 
 
     with pytest.raises(FeatCalError, match="two models have the same label"):
         featcal_llm.evaluate([tmp_path / "a" / "m", tmp_path / "b" / "m"])
-    with pytest.raises(FeatCalError, match=r"eval --limit: Input should be greater than 0"):
+    with pytest.raises(FeatCalError, match=r"^evaluate\(\) limit: Input should be greater than 0"):  # the argument, not a flag
         featcal_llm.evaluate(model, limit=0)
+    with pytest.raises(FeatCalError, match=r"^evaluate\(\) limitt: Extra inputs are not permitted"):
+        featcal_llm.evaluate(model, limitt=2)

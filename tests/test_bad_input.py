@@ -244,7 +244,7 @@ def test_existing_output_is_refused_without_force(merged_scenario, tmp_path):
     (output / "keep.txt").write_text("mine")
     result = subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(recipe)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith("already exists (pass --force to replace it)")
+    assert result.stderr.strip().splitlines()[-1].endswith("already exists (pass --force, or force=True to calibrate(), to replace it)")
     assert (output / "keep.txt").read_text() == "mine"
 
 

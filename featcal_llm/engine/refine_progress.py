@@ -58,7 +58,7 @@ def load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
         from featcal_llm.errors import RunFailure
 
         raise RunFailure(f"refine: the saved progress names step {step} as best, but its state is missing from "
-                         f"{staging.root}; rerun with --force")
+                         f"{staging.root}; rerun with --force (force=True to calibrate())")
     return saved["state"]
 
 

@@ -147,8 +147,9 @@ class EvalSection(BaseModel):
 _OPTION_NAMES = {"backend.name": "--backend", "allow_code_execution": "--allow-code-execution"}
 
 
-def section_from_options(options: dict) -> EvalSection:
-    """Validate CLI options with the recipe's model; errors name the option, on one line."""
+def section_from_options(options: dict, caller: str = "eval") -> EvalSection:
+    """Validate CLI options (or `evaluate()`'s keyword arguments, `caller` "evaluate()") with the recipe's model;
+    errors name the option or the argument, on one line."""
     from pydantic import ValidationError
 
     from featcal_llm.errors import FeatCalError
@@ -160,7 +161,9 @@ def section_from_options(options: dict) -> EvalSection:
         where = ".".join(str(part) for part in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         if not where:
-            raise FeatCalError(f"eval: {message}") from None
+            raise FeatCalError(f"{caller}: {message}") from None
+        if caller != "eval":
+            raise FeatCalError(f"{caller} {where}: {message}") from None
         option = _OPTION_NAMES.get(where) or "--" + where.split(".")[-1].replace("_", "-")
         raise FeatCalError(f"eval {option}: {message}") from None
     return section.resolve()

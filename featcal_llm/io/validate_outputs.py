@@ -25,7 +25,7 @@ def check_output(path: Path, output: Path, problems: list[Problem], notes: list[
         problems.append(Problem(str(path), key, problem))
         return
     if output.exists():
-        notes.append(f"{path}: {key}: {output} already exists (run needs --force to replace it)")
+        notes.append(f"{path}: {key}: {output} already exists (run needs --force, or force=True to calibrate(), to replace it)")
     problem = unwritable(output)
     if problem is not None:
         problems.append(Problem(str(path), key, problem))

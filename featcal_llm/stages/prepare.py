@@ -86,7 +86,7 @@ def check_output(recipe: Recipe, output: Path, force: bool) -> None:
     if problem is not None:
         raise FeatCalError(f"{where}: {problem}")
     if output.exists() and not force:
-        raise FeatCalError(f"{where}: {output} already exists (pass --force to replace it)")
+        raise FeatCalError(f"{where}: {output} already exists (pass --force, or force=True to calibrate(), to replace it)")
     problem = unwritable(output)
     if problem is not None:
         raise FeatCalError(f"{where}: {problem}")
