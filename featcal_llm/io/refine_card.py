@@ -42,7 +42,9 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
                "records_left_out": rename(refined.get("records_left_out", {})),
                "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
-               "history": [{**check, "per_expert": rename(check["per_expert"])} for check in refined.get("history", [])]}
+               "history": [{**check, "per_expert": rename(check["per_expert"]),
+                            "above_closed_form": [names.get(key, key) for key in check.get("above_closed_form", [])]}
+                           for check in refined.get("history", [])]}
     card = directory / "README.md"
     text = card.read_text(encoding="utf-8")
     head, marker, tail = text.partition("## Usage")
