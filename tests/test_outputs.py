@@ -74,6 +74,12 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     recipe_block = card[card.index("```yaml"):]
     assert "base_model: base" in recipe_block and "- q_proj" in recipe_block
     assert str(small.base) in (tmp_path / "out" / "featcal_recipe.yml").read_text()  # the replayable recipe keeps its paths
+    # as mergekit's own record of the merge does, and the drift report, keyed by the recipe's expert names (the API's
+    # result reads it); no other file names a path on this machine
+    for written in sorted((tmp_path / "out").iterdir()):
+        if written.name not in ("featcal_recipe.yml", "mergekit_config.yml", "featcal_drift.json") and written.suffix in (".json", ".md", ".yml", ".yaml", ".txt", ".jinja"):
+            text = written.read_text(encoding="utf-8")
+            assert str(tmp_path) not in text and str(small.root) not in text, written.name
 
 
 def test_card_keeps_hub_ids_and_says_every_projection():
