@@ -162,7 +162,7 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
                     {t: [s for i, s in enumerate(data.sequences[t]) if i not in dropped.get(t, ())] for t in calibrated},
                     {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
-                    {t: len(dropped.get(t, ())) for t in calibrated})
+                    {t: len(dropped.get(t, ())) for t in calibrated}, resolved.plan.architecture.head_tied_only)
     try:
         return refine(job)
     except (MemoryError, RuntimeError) as error:  # its levers are its own keys, which keep the calibrated layers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,18 +265,13 @@ def test_gemma2s_head_stays_tied_as_vllm_serves_it(head_scenarios, tmp_path, cap
     assert not (tmp_path / "true").exists()
 
 
-@pytest.mark.parametrize("stored", ["differs", "equal"])
-def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_scenarios, tmp_path, capsys, stored):
-    """A merge whose config ties the head but whose files store an `lm_head.weight` (a random merge method drops other
-    entries of it than of the embedding): transformers serves that stored head, and the run calibrates with it, while
-    vLLM would serve the embedding. Where the two differ the output is written untied, so both serve the stored head;
-    where they are equal, tied as it was."""
+def merge_storing_a_head(scenario, tmp_path, stored: str) -> tuple[Path, torch.Tensor]:
+    """The scenario's merge (made by a first run) with an `lm_head.weight` added under its tied config, as mergekit
+    writes one when an input stores it: the embedding (`equal`) or another tensor (`differs`: a random merge)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
-    scenario = family_scenarios("llama-tied")
     run_recipe(scenario.write_recipe(tmp_path / "first.yaml", output=str(tmp_path / "first"), head=False), progress=False)  # the merge
     merged = tmp_path / "merged-with-head"
     shutil.copytree(scenario.root / "merged", merged)
@@ -290,6 +286,19 @@ def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_sce
         data = json.loads(index.read_text())
         data["weight_map"]["lm_head.weight"] = shards[-1].name
         index.write_text(json.dumps(data))
+    return merged, head
+
+
+@pytest.mark.parametrize("stored", ["differs", "equal"])
+def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_scenarios, tmp_path, capsys, stored):
+    """A merge whose config ties the head but whose files store an `lm_head.weight` (a random merge method drops other
+    entries of it than of the embedding): transformers serves that stored head, and the run calibrates with it, while
+    vLLM would serve the embedding. Where the two differ the output is written untied, so both serve the stored head;
+    where they are equal, tied as it was."""
+    from transformers import AutoModelForCausalLM
+
+    scenario = family_scenarios("llama-tied")
+    merged, head = merge_storing_a_head(scenario, tmp_path, stored)
     capsys.readouterr()
     output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"), head=False), progress=False)
     log, card = capsys.readouterr().err, (output / "README.md").read_text()
@@ -303,6 +312,43 @@ def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_sce
     assert "the config now says `tie_word_embeddings: false`, so that vLLM serves that head too." in card
     model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float64)
     assert torch.equal(model.get_output_embeddings().weight, head)  # what vLLM serves too: the config no longer ties it
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_gemma2s_stored_head_is_written_as_the_embedding_it_stays_tied_to(family_scenarios, tmp_path, capsys, monkeypatch, refine):
+    """vLLM serves Gemma-2 only tied (its loader asserts tie_word_embeddings and reads logits off the embedding), so a
+    merge storing an `lm_head.weight` of its own is not untied as other families are: that tensor is written as the
+    output's embedding, which transformers then serves as well. Refined, the student trains tied, and the stored head
+    follows its refined embedding."""
+    from transformers import AutoModelForCausalLM
+
+    import featcal_llm.engine.refine as refine_module
+
+    scenario = family_scenarios("gemma2")
+    merged, head = merge_storing_a_head(scenario, tmp_path, "equal" if refine else "differs")
+    keys = {"refine": {"steps": 2, "eval_every": 1, "lr": 1e-3, "params": "full"}} if refine else {}
+    trained = []
+    if refine:  # every check kept, so that the refined embedding is written
+        monkeypatch.setattr(refine_module, "improves", lambda value, above, best: True)
+        student = refine_module.Student
+        monkeypatch.setattr(refine_module, "Student", lambda *args: trained.append(student(*args)) or trained[-1])
+    capsys.readouterr()
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"), head=False, **keys),
+                        progress=False)
+    log = capsys.readouterr().err
+    written, before = read_weights(output), read_weights(merged)
+    embedding = written["model.embed_tokens.weight"]
+    assert json.loads((output / "config.json").read_text())["tie_word_embeddings"] is True
+    assert torch.equal(written["lm_head.weight"], embedding) and written.keys() == before.keys()
+    if refine:
+        assert json.loads((output / "featcal_refine.json").read_text())["chosen_step"] > 0
+        assert not torch.equal(embedding, before["model.embed_tokens.weight"])  # the tied head trained with it
+        assert "model.embed_tokens.weight" in trained[0].trainable and "lm_head.weight" not in trained[0].trainable
+    else:
+        assert "its files store an lm_head.weight of its own; vLLM serves Gemma2ForCausalLM only tied, so the output's lm_head.weight is the input embedding" in log
+        assert not torch.equal(head, embedding) and "so that vLLM serves that head too" not in (output / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float64)
+    assert torch.equal(model.get_output_embeddings().weight, embedding)
 
 
 def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):

@@ -117,6 +117,7 @@ class RefineJob:
     trust_remote_code: bool = False
     progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
     left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
+    head_tied_only: bool = False  # a family vLLM serves only tied (Gemma-2): the student's head is its input embedding
 
 
 class Student:
@@ -125,6 +126,8 @@ class Student:
     def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool):
         self.job, self.params, self.checkpointing = job, params, checkpointing
         names, get = checkpoint_tensors(job.merged, job.replacements)
+        if job.head_tied_only:  # trained tied, whatever lm_head.weight the merge stores: the output keeps the tie
+            names = [name for name in names if name != LM_HEAD]
         self.names = names
         frozen = master if params == "full" else job.compute_dtype
         ranks = {name: len(shape) for name, (shape, _) in job.merged.layout().items()}
@@ -181,7 +184,7 @@ class Student:
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
     """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory)."""
     names = job.merged.layout()
-    shape = Shape.of(job.config, tied=LM_HEAD not in names)
+    shape = Shape.of(job.config, tied=LM_HEAD not in names or job.head_tied_only)
     length = max((len(row) for rows in records.values() for row in rows), default=1)
     judged = sum(len(judged_positions(row)) for rows in records.values() for row in rows)
     without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, job.compute_dtype.itemsize,

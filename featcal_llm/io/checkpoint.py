@@ -110,27 +110,38 @@ def check_same_layers(reference: dict, other: dict, prefix: str, what: str) -> N
 
 
 def write_calibrated_checkpoint(
-    merged: CheckpointReader, replacements: dict[str, Path], output: Path
+    merged: CheckpointReader, replacements: dict[str, Path], output: Path, copies: dict[str, str] | None = None
 ) -> None:
     """Write every merged shard again, taking calibrated tensors from their staging files.
 
     `replacements` maps a tensor name to the safetensors file that holds its new
-    value. Peak memory is one shard.
+    value; `copies` a stored tensor to the tensor whose written value it repeats
+    (a head kept tied: lm_head.weight → the input embedding). Peak memory is one shard.
     """
     staged: dict[Path, object] = {}
+    copies = copies or {}
     layout = merged.shards()
     added = [name for name in replacements if name not in merged.weight_map]  # a head untied from the embeddings
     last, added_bytes, added_parameters = list(layout)[-1], 0, 0
+
+    def written(name: str) -> torch.Tensor:
+        source = replacements.get(name)
+        if source is None:
+            return merged.get(name)
+        if source not in staged:
+            staged[source] = safe_open(source, framework="pt")
+        return staged[source].get_tensor(name)
+
     for shard, names in layout.items():
         tensors: dict[str, torch.Tensor] = {}
         for name in names + (added if shard == last else []):
-            source = replacements.get(name)
-            if source is None:
+            if name in copies:  # a copy of its own: safetensors stores no two names over one memory
+                tensors[name] = written(copies[name]).clone()
+                continue
+            if name not in replacements:
                 tensors[name] = merged.get(name)
                 continue
-            if source not in staged:
-                staged[source] = safe_open(source, framework="pt")
-            value = staged[source].get_tensor(name)
+            value = written(name)
             original = merged.get(name) if name in merged.weight_map else value
             if value.shape != original.shape or value.dtype != original.dtype:
                 raise FeatCalError(f"internal: calibrated {name} is {value.dtype}{tuple(value.shape)}, merged is {original.dtype}{tuple(original.shape)}")

@@ -7,6 +7,9 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext
@@ -24,6 +27,19 @@ from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, 
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.tuning import tuning_report, tuning_table
 from featcal_llm.stages.prepare import Data, Opened, Resolved
+
+
+def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> dict[str, str]:
+    """A family vLLM serves only tied (Gemma-2: its loader asserts tie_word_embeddings and reads logits off the
+    embedding) whose merge stores an lm_head.weight: that tensor is written as the input embedding the output keeps
+    (refined or not), so that transformers, which serves a stored head, serves the same head as vLLM."""
+    if not (architecture.head_tied_only and ties and LM_HEAD in merged.weight_map):
+        return {}
+    if not torch.equal(merged.get(LM_HEAD), merged.get(architecture.embed_tokens)):
+        runlog.stage(f"the merge's config ties the LM head to the input embeddings, but its files store an lm_head.weight "
+                     f"of its own; vLLM serves {architecture.name} only tied, so the output's lm_head.weight is the input "
+                     "embedding, the head every runtime then serves")
+    return {LM_HEAD: architecture.embed_tokens}
 
 
 @dataclass(frozen=True)
@@ -50,11 +66,12 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     checkpoint = partial / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
     checkpoint.mkdir()
-    write_calibrated_checkpoint(models.merged, replacements, checkpoint)
-    copy_side_files(merged_dir, checkpoint)
     ties = bool(getattr(opened.merged_config, "tie_word_embeddings", False))
-    untied = head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
-    own_stored_head = not untied and ties and stores_its_own_head(models.merged, replacements, plan.architecture.embed_tokens)
+    copies = _tied_head_copy(models.merged, plan.architecture, ties)
+    write_calibrated_checkpoint(models.merged, replacements, checkpoint, copies)
+    copy_side_files(merged_dir, checkpoint)
+    untied = not copies and head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
+    own_stored_head = not copies and not untied and ties and stores_its_own_head(models.merged, replacements, plan.architecture.embed_tokens)
     if own_stored_head:  # the head the run calibrated against and transformers serves; vLLM too, once untied
         runlog.stage("the merge's config ties the LM head to the input embeddings, but its files store an lm_head.weight "
                      "of its own (the calibration's head, as transformers serves it): the output is written untied, so "
