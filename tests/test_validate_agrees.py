@@ -55,6 +55,17 @@ def _expert_with_another_norm_epsilon(r, t):
     r["models"][1]["model"] = str(expert)
 
 
+def _expert_with_a_quantization_config(r, t):
+    """An expert whose config.json still declares bitsandbytes 4-bit over plain weights (a merge_and_unload leftover)."""
+    expert = t / "quantized"
+    shutil.copytree(r["models"][1]["model"], expert, copy_function=os.symlink)
+    config = json.loads((expert / "config.json").read_text())
+    (expert / "config.json").unlink()
+    (expert / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    r["featcal"]["data"][str(expert)] = r["featcal"]["data"].pop(r["models"][1]["model"])
+    r["models"][1]["model"] = str(expert)
+
+
 def _base_without_tokenizer(r, t):
     """A base directory with weights and config but no tokenizer: the records cannot be tokenised."""
     from featcal_llm.io.model_files import TOKENIZER_FILES
@@ -128,6 +139,8 @@ CASES = {
         ["bad.yaml: featcal.lambda.per_layer: 2 values for a model of 3 decoder layers"]]),
     "an expert with another norm epsilon": (_expert_with_another_norm_epsilon, [
         ["other-eps/config.json: config rms_norm_eps = 0.0001 differs from the base model's 1e-05"]]),
+    "an expert declaring quantized weights": (_expert_with_a_quantization_config, [
+        ["quantized/config.json: quantization_config (bitsandbytes): featcal-llm merges and calibrates unquantized weights"]]),
     "a base without tokenizer files": (_base_without_tokenizer, [
         ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
     "chat without a chat template": (_chat_records_without_a_template, [
@@ -394,3 +407,15 @@ def test_a_yaml_merge_key_may_be_overridden_but_not_repeated(scenario, tmp_path)
     repeated = tmp_path / "repeated.yaml"
     repeated.write_text(shared + block.replace("  samples: 12\n", "  samples: 12\n  samples: 8\n", 1))
     assert any("featcal.samples: given twice" in str(problem) for problem in featcal_llm.validate(repeated))
+
+
+def test_run_reads_every_config_with_the_same_quantization_check(scenario, tmp_path):
+    """run's own config reader (for the merge it makes too, which validate cannot read first) refuses what validate does."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.stages.prepare import _load_config
+
+    recipe = _recipe(scenario, tmp_path)
+    _expert_with_a_quantization_config(recipe, tmp_path)
+    with pytest.raises(FeatCalError, match=r"^merge: .*quantized/config.json: quantization_config \(bitsandbytes\): featcal-llm "):
+        _load_config(tmp_path / "quantized", "merge", False)
+    assert _load_config(Path(recipe["base_model"]), "base", False).num_hidden_layers == 3

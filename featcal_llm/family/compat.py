@@ -23,6 +23,19 @@ FAMILY_KEYS = (
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id")
 
 
+def check_unquantized(config: Any, where: str) -> None:
+    """A config.json that declares quantized weights is refused: the merge and the solve read plain floating-point
+    tensors, and a `quantization_config` copied to the output would make every runtime load plain weights as quantized
+    ones (transformers asks for bitsandbytes; vLLM picks a quantized loader). `config`: the file's dict, or AutoConfig's."""
+    quantization = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    raise FeatCalError(f"{where}: quantization_config ({method or 'unknown method'}): featcal-llm merges and calibrates "
+                       "unquantized weights; give the unquantized checkpoint (where the block is a leftover over plain "
+                       "weights, as peft's merge_and_unload can leave one, delete it)")
+
+
 def check_compatible(reference: Any, other: Any, what: str) -> None:
     """Experts, base and merge must share architecture and every shape the layer loop depends on (configs as
     transformers reads them, its defaults filled in)."""

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible
+from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
                                         has_chat_template, has_tokenizer_files, missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
@@ -148,6 +148,7 @@ def _read_config(directory: Path, what: str) -> dict:
         raise FeatCalError(f"{what}: {config}: cannot be read ({str(error).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise FeatCalError(f"{what}: {config}: cannot be read (not a JSON object)")
+    check_unquantized(data, f"{what}: {config}")
     return data
 
 

@@ -26,7 +26,7 @@ from featcal_llm.io.checkpoint import (
     CheckpointReader,
     check_same_layers,
 )
-from featcal_llm.family.compat import check_compatible, check_embedding_rows, check_tokenizer, check_vocabulary_sizes
+from featcal_llm.family.compat import check_compatible, check_embedding_rows, check_unquantized, check_tokenizer, check_vocabulary_sizes
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
@@ -61,9 +61,11 @@ def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
     if not (directory / "config.json").is_file():
         raise FeatCalError(f"{what}: {directory}: config.json is missing")
     try:
-        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception as error:
         raise FeatCalError(f"{what}: {directory / 'config.json'}: cannot be read ({str(error).splitlines()[0]})") from None
+    check_unquantized(config, f"{what}: {directory / 'config.json'}")
+    return config
 
 
 def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
