@@ -427,6 +427,16 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     assert float(update.norm()) > 0 and float(difference.norm() / update.norm()) < 0.15
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_adapter_over_half_precision_layers_refines_in_float32_throughout(far_scenario, dtype):
+    """Layers computed in bf16/fp16 and `precision: float32` (or `auto` on a CPU without native bf16): no autocast casts
+    the matmuls, so the adapter's frozen weights are float32 as well (they met float32 activations in bf16 before)."""
+    output = run(far_scenario, f"adapter-{dtype}", dtype=dtype, refine={**REFINE, "params": "adapter", "rank": 4, "steps": 2,
+                                                                       "eval_every": 2})
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert report["params"] == "adapter" and report["autocast"] == "None" and report["steps_run"] == 2
+
+
 def test_only_refines_presence_enters_the_fingerprint_and_a_stack_refines_once():
     from featcal_llm.io.block import FeatCalConfig
     from featcal_llm.stages.prepare import resolved_settings

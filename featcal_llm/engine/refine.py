@@ -123,13 +123,15 @@ class RefineJob:
 class Student:
     """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
 
-    def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool):
+    def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
         self.job, self.params, self.checkpointing = job, params, checkpointing
         names, get = checkpoint_tensors(job.merged, job.replacements)
         if job.head_tied_only:  # trained tied, whatever lm_head.weight the merge stores: the output keeps the tie
             names = [name for name in names if name != LM_HEAD]
         self.names = names
-        frozen = master if params == "full" else job.compute_dtype
+        # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
+        # throughout) they are float32 too, or a float32 activation would meet a bf16 weight
+        frozen = master if params == "full" or autocast is None else job.compute_dtype
         ranks = {name: len(shape) for name, (shape, _) in job.merged.layout().items()}
         # adapter: the frozen weights in the compute dtype, what trains in full (norms, biases, the head) in the master dtype
         dtypes = lambda name: master if params == "full" or name == LM_HEAD or ranks.get(name, 2) == 1 else frozen  # noqa: E731
@@ -297,7 +299,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
              f"costs that many more forwards for about the same gradient as one of {len(train_keys)}")
     store = _teachers(job, teacher_keys, records, autocast)
     torch.manual_seed(job.seed)
-    student = Student(job, params, master, checkpointing)
+    student = Student(job, params, master, checkpointing, autocast)
     trainable = list(student.trainable.values())
     # fused: one kernel over every parameter (a 135M model's step 0.3 s on two CPU cores, against 2.4 s for the default
     # per-tensor loop); CPUs and CUDA have it

@@ -3,7 +3,8 @@
 docs/refine.md writes it out for Llama-3.1-8B; `featcal_llm.benchmark.refine_memory` checks it against a measured CPU
 run at small shapes. Every part is an upper estimate of what PyTorch allocates for it:
 
-- frozen weights: the parameters that do not train, in the compute dtype;
+- frozen weights: the parameters that do not train, in the compute dtype under autocast, else in the master dtype
+  (float32, or float64 for a float64 run);
 - trained weights: 16 bytes a trained parameter (float32 master, gradient, AdamW's two moments);
 - autocast copies: under bf16 autocast, 2 bytes a trained parameter (its bf16 cast, cached through the forward), and
   2 bytes a frozen one not already bf16 (`params: adapter` on a CPU, whose frozen weights are float32);
@@ -118,9 +119,11 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
         head = shape.embedding()
         trained = shape.lora_parameters(rank) + shape.one_dimensional() + head
         frozen = total - head - shape.one_dimensional()
-    activation_bytes = 2 if autocast else compute_bytes
-    # the residual stream is in the embedding's dtype: the float32 master where it trains, else the compute dtype
-    residual_bytes = compute_bytes if params == "adapter" and not shape.tied else max(compute_bytes, 4)
+    master_bytes = max(compute_bytes, 4)  # engine/refine.refine_dtypes: float32, or float64 for a float64 run
+    frozen_bytes = compute_bytes if autocast else master_bytes  # without autocast everything computes in the master dtype
+    activation_bytes = 2 if autocast else master_bytes
+    # the residual stream is in the embedding's dtype: the master where it trains, else the frozen weights'
+    residual_bytes = frozen_bytes if params == "adapter" and not shape.tied else master_bytes
     tokens = batch_tokens if step_records is None else min(batch_tokens, step_records * record_length)
     rows = max(1, tokens // max(record_length, 1))
     layer = tokens * shape.saved_for_backward(activation_bytes, residual_bytes)
@@ -130,7 +133,7 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
     logits = lambda count: 5 * count * shape.vocab * 4  # noqa: E731
     chunk = logit_chunk(shape.vocab)
     parts = {
-        "frozen weights": frozen * compute_bytes,
+        "frozen weights": frozen * frozen_bytes,
         "trained weights + gradients + AdamW": trained * 16,
         # a bf16 cast of each trained weight, and of each frozen one not already in bf16 (a CPU's float32 frozen weights)
         "autocast copies": (trained + (frozen if compute_bytes != 2 else 0)) * 2 if autocast else 0,
