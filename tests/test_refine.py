@@ -23,6 +23,8 @@ from test_topk_kl import full_kl
     ({"stpes": 3}, "featcal.refine.stpes: unknown key; did you mean 'steps'?"),
     ({"lr": -1}, "featcal.refine.lr: Input should be greater than 0"),
     ({"top_k": 0}, "featcal.refine.top_k: Input should be greater than or equal to 1"),
+    ({"steps": 10**8}, "featcal.refine.steps: Input should be less than or equal to 100000"),  # every step planned first
+    ({"batch_records": 10**6}, "featcal.refine.batch_records: Input should be less than or equal to 65536"),
     ({"params": "lora"}, "featcal.refine.params:"),
     ({"params": True}, "featcal.refine.params: Input should be 'auto', 'full' or 'adapter' (got true)"),  # as YAML spells it
     ({"precision": "float16"}, "featcal.refine.precision:"),
@@ -161,7 +163,7 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert before == pytest.approx(report["held_out_kl"]["before"], rel=1e-2)
     assert after == pytest.approx(report["held_out_kl"]["after"], rel=1e-2)
     assert after < before
-    assert "## Refinement" in (refined / "README.md").read_text()
+    assert "## Refinement" in (refined / "README.md").read_text() and "warm-up then cosine, in float32 throughout)" in (refined / "README.md").read_text()
     # the saved recipe replays to the same bytes
     replayed = far_scenario.root / "replayed.yaml"
     saved = yaml.safe_load((refined / "featcal_recipe.yml").read_text())
@@ -418,6 +420,7 @@ def test_bf16_refinement_lands_near_the_float32_one(far_scenario, closed_form, m
     closed = closed_form
     reports = [json.loads((path / "featcal_refine.json").read_text()) for path in (fp32, bf16)]
     assert reports[0]["autocast"] == "None" and reports[1]["autocast"] == "torch.bfloat16"
+    assert "warm-up then cosine, under bf16 autocast with float32 master weights)" in (bf16 / "README.md").read_text()
     assert set(teaching[len(teaching) // 2:]) == {torch.bfloat16}
     assert reports[0]["chosen_step"] == reports[1]["chosen_step"] == 4
     assert reports[1]["held_out_kl"]["after"] == pytest.approx(reports[0]["held_out_kl"]["after"], rel=0.02)
@@ -502,3 +505,21 @@ def test_no_record_left_to_train_on_keeps_the_closed_form(capsys):
     job = SimpleNamespace(train={"a": [], "b": []}, replacements=closed)
     assert refine(job) == (closed, None)
     assert "refine: skipped, as no calibration record is left to train on" in capsys.readouterr().err
+
+
+def test_a_diverged_check_is_written_as_null_in_strict_json(tmp_path):
+    """A learning rate that diverges gives NaN KLs; featcal_refine.json holds null there, which every JSON parser reads."""
+    from featcal_llm.io.refine_card import append_refinement
+
+    (tmp_path / "README.md").write_text("# card\n\n## Usage\n")
+    nan = float("nan")
+    refined = {"params": "full", "lr": 1e10, "top_k": 64, "steps_run": 4, "max_steps": 4, "chosen_step": 0, "teachers": {"a": "own expert"},
+               "held_out_kl": {"before": 0.5, "after": 0.5}, "autocast": "None", "master": "torch.float32",
+               "history": [{"step": 2, "train_kl": nan, "held_out_kl": float("inf"), "per_expert": {"a": nan}, "above_closed_form": ["a"]}]}
+    append_refinement(tmp_path, refined)
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    written = json.loads((tmp_path / "featcal_refine.json").read_text(), parse_constant=refuse)
+    assert written["history"][0] == {"step": 2, "train_kl": None, "held_out_kl": None, "per_expert": {"a": None}, "above_closed_form": ["a"]}

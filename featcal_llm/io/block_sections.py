@@ -143,6 +143,12 @@ class HeadSpec(BaseModel):
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
 
 
+# every step's records are drawn before the first (a seeded order, the same on a resume): bounds that keep that plan
+# small, far above any use (at 8B a step takes about 10 s: 100,000 of them, eleven days)
+MAX_REFINE_STEPS = 100_000
+MAX_BATCH_RECORDS = 65_536
+
+
 class RefineSpec(BaseModel):
     """`refine:`: after the closed form, a few gradient steps toward each record's teacher (engine/refine.py, docs/refine.md).
 
@@ -151,12 +157,12 @@ class RefineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    steps: int = Field(40, ge=1, description="at most this many optimizer steps (the held-out records may stop it sooner); "
+    steps: int = Field(40, ge=1, le=MAX_REFINE_STEPS, description="at most this many optimizer steps (the held-out records may stop it sooner); "
                        "a small model can gain from more at as much more time (a 135M model on a CPU: 160 steps 0.87 of "
                        "the gap against 40's 0.84), while 40 already take 6-7 minutes at 8B on one H200")
     lr: float | None = Field(None, gt=0, description="peak AdamW learning rate; default 1e-4 for params full, 3e-4 for adapter",
                              json_schema_extra={"shown_default": "1e-4 (full), 3e-4 (adapter)"})
-    batch_records: int = Field(8, ge=1, description="records per optimizer step, drawn in a seeded order across every expert")
+    batch_records: int = Field(8, ge=1, le=MAX_BATCH_RECORDS, description="records per optimizer step, drawn in a seeded order across every expert")
     eval_every: int = Field(5, ge=1, description="steps between held-out checks")
     patience: int = Field(2, ge=1, description="held-out checks without improvement before stopping")
     params: Literal["auto", "full", "adapter"] = Field(

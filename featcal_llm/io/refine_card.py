@@ -4,6 +4,7 @@ the held-out records chose, and every check (engine/refine.py's report)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,11 @@ def refine_text(refined: dict[str, Any]) -> str:
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written.")
+    master = str(refined.get("master", "torch.float32")).removeprefix("torch.")
+    precision = (f"under bf16 autocast with {master} master weights" if refined.get("autocast") == "torch.bfloat16"
+                 else f"in {master} throughout")
     return (f"## Refinement\nAfter the closed form, `refine:` trained {params} (AdamW, peak learning rate {refined['lr']:g}, warm-up "
-            f"then cosine) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
+            f"then cosine, {precision}) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
             f"kept as their top-{refined['top_k']} tokens. Teachers: {teachers}. It ran {refined['steps_run']} of at most "
             f"{refined['max_steps']} steps. {outcome} Every held-out check: `{REFINE_FILE}`.\n\n")
 
@@ -50,7 +54,18 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     head, marker, tail = text.partition("## Usage")
     section = refine_text(refined)
     card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")
-    (directory / REFINE_FILE).write_text(json.dumps(refined, indent=1) + "\n", encoding="utf-8")
+    (directory / REFINE_FILE).write_text(json.dumps(_finite(refined), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities (a diverged check's KL) as null: JSON has no such numbers, and strict parsers refuse them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 __all__ = ["REFINE_FILE", "append_refinement", "refine_text"]
