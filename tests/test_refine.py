@@ -523,3 +523,27 @@ def test_a_diverged_check_is_written_as_null_in_strict_json(tmp_path):
 
     written = json.loads((tmp_path / "featcal_refine.json").read_text(), parse_constant=refuse)
     assert written["history"][0] == {"step": 2, "train_kl": None, "held_out_kl": None, "per_expert": {"a": None}, "above_closed_form": ["a"]}
+
+
+def test_the_saved_recipe_pins_refines_machine_dependent_choices_and_replays_elsewhere(far_scenario, monkeypatch):
+    """`params: auto` (the device's memory) and `precision: auto` (native bf16 or not) are written out as this run
+    resolved them: the replay on a machine that would resolve precision the other way writes the same bytes."""
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.engine.devices import native_bf16
+    from featcal_llm.io.saved_recipe import REFINE_NOTE
+    from featcal_llm.pipeline import run_recipe
+
+    settings = {key: value for key, value in REFINE.items() if key not in ("params", "precision")}
+    output = run(far_scenario, "pinned", refine={**settings, "steps": 2, "eval_every": 2})
+    report = json.loads((output / "featcal_refine.json").read_text())
+    saved = (output / "featcal_recipe.yml").read_text()
+    resolved = "bfloat16" if report["autocast"] == "torch.bfloat16" else "float32"
+    assert REFINE_NOTE in saved and saved.startswith("# Written by featcal-llm")
+    assert yaml.safe_load(saved)["featcal"]["refine"] == {**settings, "steps": 2, "eval_every": 2, "params": report["params"], "precision": resolved}
+    monkeypatch.setattr(refine_module, "native_bf16", lambda device: not native_bf16(device))  # the other kind of machine
+    replay = yaml.safe_load(saved)
+    replay["featcal"]["output"] = str(far_scenario.root / "pinned-replay")
+    (far_scenario.root / "pinned-replay.yaml").write_text(yaml.safe_dump(replay, sort_keys=False))
+    again = run_recipe(far_scenario.root / "pinned-replay.yaml", force=True, progress=False)
+    assert json.loads((again / "featcal_refine.json").read_text())["autocast"] == report["autocast"]
+    assert (again / "model.safetensors").read_bytes() == (output / "model.safetensors").read_bytes()

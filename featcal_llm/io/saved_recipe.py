@@ -66,3 +66,30 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
         )
     return saved
+
+
+REFINE_NOTE = "# refine's automatic choices (params, precision) are written out, so that another machine refines alike.\n"
+
+
+def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
+    """The saved recipe with `refine:`'s `auto` choices that depend on the machine (params: its memory; precision: whether
+    it computes bf16 natively) written out as this run resolved them, so that a replay elsewhere refines alike.
+    The comment lines before and after the YAML (the headers, the `generate:` starts) stay where they were."""
+    if refined is None:
+        return text
+    raw = yaml.safe_load(text)
+    spec = raw["featcal"].get("refine")
+    if spec is None or spec is False:
+        return text
+    spec = {} if spec is True else dict(spec)
+    resolved = {"params": refined["params"], "precision": "bfloat16" if refined.get("autocast") == "torch.bfloat16" else "float32"}
+    unset = {key: value for key, value in resolved.items() if spec.get(key, "auto") == "auto"}
+    if not unset:
+        return text
+    raw["featcal"]["refine"] = {**spec, **unset}
+    lines = text.splitlines(keepends=True)
+    comment = lambda line: line.startswith("#")  # noqa: E731
+    head = next((i for i, line in enumerate(lines) if not comment(line)), len(lines))
+    tail = next((i for i in range(len(lines), head, -1) if not comment(lines[i - 1])), head)
+    header = "".join(lines[:head]) if head else "# Written by featcal-llm: the recipe as run.\n"
+    return header + REFINE_NOTE + yaml.safe_dump(raw, sort_keys=False) + "".join(lines[tail:])

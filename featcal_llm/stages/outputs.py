@@ -15,6 +15,7 @@ from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.refine_card import append_refinement
+from featcal_llm.io.saved_recipe import RECIPE_FILE, with_refine_pinned
 from featcal_llm.io.checkpoint import (
     copy_side_files,
     move_into_place,
@@ -101,6 +102,8 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
                advantage=lead_summary)
     if refined is not None:
         append_refinement(checkpoint, refined)
+        saved = checkpoint / RECIPE_FILE
+        saved.write_text(with_refine_pinned(saved.read_text(encoding="utf-8"), refined), encoding="utf-8")
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     shutil.rmtree(partial, ignore_errors=True)
     table = None
