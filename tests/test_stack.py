@@ -59,6 +59,37 @@ def test_stack_equals_two_recipes_and_leaves_no_intermediate(merged_scenario, tm
     assert saved["method"] == ["regmean++", "featcal"]
 
 
+def test_a_stack_whose_second_stage_failed_reruns_from_the_first_stages_saved_layers(merged_scenario, tmp_path, monkeypatch, capsys):
+    """Stage 2 fails (out of memory in its refinement, say): stage 1's output and saved layers stay, and the rerun takes
+    every stage-1 layer from them, writing what an uninterrupted stack writes; then nothing is left behind."""
+    import featcal_llm.pipeline as pipeline
+    from featcal_llm.errors import RunFailure
+
+    path = recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                  reduction=0.5, **FEATCAL)
+    calibrate, calls = pipeline.calibrate, []
+
+    def failing_in_stage_2(context, *args):
+        calls.append(context)
+        if len(calls) == 2:
+            raise RunFailure("stage 2 stopped")
+        return calibrate(context, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "calibrate", failing_in_stage_2)
+        with pytest.raises(RunFailure, match="stage 2 stopped"):
+            run_recipe(path, progress=False)
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert kept == ["..stack.regmean++.featcal-partial", ".stack.featcal-partial", ".stack.regmean++"]
+    capsys.readouterr()
+    stacked = run_recipe(path, progress=False)
+    assert f"resuming from {tmp_path / '..stack.regmean++.featcal-partial'}: 3 layer(s) already calibrated" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    reference = run_recipe(recipe(merged_scenario, tmp_path / "again.yaml", method=["regmean++", "featcal"],
+                                  output=str(tmp_path / "again"), reduction=0.5, **FEATCAL), progress=False)
+    assert_same(read_weights(stacked), read_weights(reference))
+
+
 def test_tuned_stack_equals_two_recipes_and_replays_bit_for_bit(merged_scenario, tmp_path):
     """Both stages searched on held-out records: same as two tuned recipes; the saved recipe replays both choices."""
     regmean, featcal = {"reduction": [0.2, 0.9]}, {"lambda": [1e-4, 1e-1], "alpha": 0.5, "rho": 1.0}

@@ -2,7 +2,8 @@
 
 The two stages run one after the other exactly as two recipes would (the second's `merged` is the first's
 `output`): stage 1 writes its merge into a hidden sibling of the output, stage 2 calibrates it into the output,
-and the sibling is removed. The saved recipe is the stack itself, with the values any search chose per layer,
+and the sibling is removed, with stage 1's saved progress. Where stage 2 fails or is stopped, both stay: the rerun
+takes stage 1's layers from its saved progress (the fingerprint checks they still fit) and resumes stage 2. The saved recipe is the stack itself, with the values any search chose per layer,
 so running it again replays both stages.
 """
 
@@ -46,13 +47,15 @@ def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], P
     check_output(recipe, output, force)  # before stage 1: an existing output stops the run before any work
     intermediate = intermediate_dir(output, featcal.method[0])
     first = replace(recipe, featcal=featcal.stage(0, str(intermediate)))
-    try:
-        run_stage(first, True)
-        barrier()  # every rank waits for rank 0's stage-1 checkpoint
-        text = with_chosen(recipe.text, intermediate / TUNING_JSON) if first.featcal.tuned else recipe.text
-        second = replace(recipe, featcal=featcal.stage(1, str(intermediate)), text=text,
-                         merged_label=f"{featcal.merged} + {featcal.method[0]}")
-        return run_stage(second, force)
-    finally:
-        if is_main:
-            shutil.rmtree(intermediate, ignore_errors=True)
+    run_stage(first, True)
+    barrier()  # every rank waits for rank 0's stage-1 checkpoint
+    text = with_chosen(recipe.text, intermediate / TUNING_JSON) if first.featcal.tuned else recipe.text
+    second = replace(recipe, featcal=featcal.stage(1, str(intermediate)), text=text,
+                     merged_label=f"{featcal.merged} + {featcal.method[0]}")
+    output = run_stage(second, force)
+    if is_main:  # only now: a failure before this keeps both for the rerun
+        from featcal_llm.stages.prepare import partial_dir
+
+        shutil.rmtree(intermediate, ignore_errors=True)
+        shutil.rmtree(partial_dir(intermediate), ignore_errors=True)
+    return output

@@ -190,6 +190,9 @@ class FeatCalConfig(BaseModel):
     )
     # A stack's RegMean stage holds out the records its FeatCal stage holds out (set by `stage`, never by a recipe)
     _holds_out_for_stack: bool = PrivateAttr(False)
+    # a stack's first stage: its saved layers stay until the whole stack has finished, so that a rerun after stage 2
+    # failed (or was stopped) takes stage 1's layers from them instead of calibrating them again
+    _keeps_progress: bool = PrivateAttr(False)
 
     @field_validator("lambda_", "alpha", "rho", "reduction", mode="before")
     @classmethod
@@ -272,6 +275,7 @@ class FeatCalConfig(BaseModel):
         searched = stage.tuned or stage.per_layer
         stage = stage.model_copy(update={"tune": self.tune if searched or self.holds_out else None})
         stage._holds_out_for_stack = self.holds_out
+        stage._keeps_progress = index == 0
         return stage
 
     @property

@@ -105,7 +105,8 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         saved = checkpoint / RECIPE_FILE
         saved.write_text(with_refine_pinned(saved.read_text(encoding="utf-8"), refined), encoding="utf-8")
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
-    shutil.rmtree(partial, ignore_errors=True)
+    if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
+        shutil.rmtree(partial, ignore_errors=True)
     table = None
     if featcal.eval is not None:
         from featcal_llm.evaluation import run_after_calibration

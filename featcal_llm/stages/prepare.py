@@ -327,10 +327,15 @@ def resolved_settings(featcal) -> dict[str, Any]:
     return settings
 
 
+def partial_dir(output: Path) -> Path:
+    """Where a run keeps its progress: a hidden sibling of the output."""
+    return output.with_name(f".{output.name}.featcal-partial")
+
+
 def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, timer) -> RunContext:
     """Fingerprint everything that determines the weights, open (or resume) the staging area and the hidden-state store."""
     featcal = resolved.recipe.featcal
-    partial = resolved.output.with_name(f".{resolved.output.name}.featcal-partial")
+    partial = partial_dir(resolved.output)
     digest = run_fingerprint(resolved.recipe, data.sequences, data.probe_sequences, opened.models, opened.runner,
                                        featcal.batch_tokens, resolved.sources)
     comm.agree(digest)  # ranks that see different recipes, data or models refuse to start
