@@ -181,3 +181,45 @@ def test_side_files_are_the_merges_not_an_earlier_runs_report(tmp_path):
     copy_side_files(source, output)
     assert sorted(path.name for path in output.iterdir()) == sorted(names[:5])
     assert (output / "tokenizer.json").read_text() == "tokenizer.json"
+
+
+def test_the_saved_recipe_names_data_found_beside_the_recipe_as_found_and_replays(small, tmp_path, monkeypatch):
+    """Calibration files given relative to a recipe in another folder (found beside it, not in the current directory):
+    featcal_recipe.yml, which lives in the output, names them as the run found them, keeping the rest of the text as
+    written, and replays to the same bytes from where the run ran."""
+    import shutil
+
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    raw = yaml.safe_load(small.recipe.read_text())
+    for index, (name, spec) in enumerate(raw["featcal"]["data"].items()):
+        shutil.copy(spec["path"], project / f"d{index}.jsonl")
+        spec["path"] = f"d{index}.jsonl"  # beside the recipe only
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(small.root / "merged"), modules=["q_proj"])
+    (project / "recipe.yaml").write_text("# my calibration\n" + yaml.safe_dump(raw, sort_keys=False))
+    first = featcal_llm.calibrate("project/recipe.yaml", progress=False).output
+    saved = (first / "featcal_recipe.yml").read_text()
+    assert saved.startswith("# my calibration\n")
+    assert sorted(spec["path"] for spec in yaml.safe_load(saved)["featcal"]["data"].values()) == ["project/d0.jsonl", "project/d1.jsonl"]
+    again = featcal_llm.calibrate(first / "featcal_recipe.yml", output=tmp_path / "again", progress=False).output
+    assert (again / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
+
+
+def test_found_paths_cover_prompts_and_the_eval_blocks_files_and_nothing_else(tmp_path, monkeypatch):
+    from featcal_llm.io.saved_recipe import with_found_paths
+
+    monkeypatch.chdir(tmp_path)
+    project = tmp_path / "project"
+    (project / "nltk").mkdir(parents=True)
+    for name in ("d.jsonl", "p.txt", "suite.yaml", "gsm.jsonl", "here.jsonl"):
+        (project / name).write_text("x")
+    (tmp_path / "here.jsonl").write_text("x")  # in the current directory: the run reads this one, and it stays
+    text = ("base_model: base  # the base\nfeatcal:\n  output: out\n  data:\n    a: {path: d.jsonl, format: text}\n"
+            "    b: {path: here.jsonl}\n    c:\n      generate: {prompts: 'p.txt'}\n"
+            "  eval: {suite: suite.yaml, data: {gsm8k: gsm.jsonl}, nltk_data: nltk, output: results}\n")
+    assert with_found_paths(text, Path("project")) == text.replace("d.jsonl", "project/d.jsonl").replace("'p.txt'", "project/p.txt") \
+        .replace("suite: suite.yaml", "suite: project/suite.yaml").replace("gsm.jsonl", "project/gsm.jsonl") \
+        .replace("nltk_data: nltk", "nltk_data: project/nltk")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe
 
 RECIPE_FILE = "featcal_recipe.yml"
@@ -55,10 +58,51 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
     return header + yaml.safe_dump(raw, sort_keys=False)
 
 
+def _input_files(block: yaml.MappingNode) -> list[tuple[yaml.ScalarNode, bool]]:
+    """The `featcal:` block's scalars that name an input file a run finds beside the recipe too (data paths, prompts
+    files, the eval block's suite file, data and nltk_data), each with whether `~` is expanded first (the eval block's)."""
+    def get(node: Any, key: str) -> Any:
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        return next((value for name, value in node.value if isinstance(name, yaml.ScalarNode) and name.value == key), None)
+
+    def values(node: Any) -> list[Any]:
+        return [value for _, value in node.value] if isinstance(node, yaml.MappingNode) else []
+
+    found: list[tuple[Any, bool]] = []
+    for entry in values(get(block, "data")):
+        found += [(get(entry, "path"), False), (get(get(entry, "generate"), "prompts"), False)]
+    section = get(block, "eval")
+    suite = get(section, "suite")
+    if isinstance(suite, yaml.ScalarNode) and (suite.value.endswith((".yaml", ".yml")) or "/" in suite.value):
+        found.append((suite, True))
+    found += [(value, True) for value in values(get(section, "data"))] + [(get(section, "nltk_data"), True)]
+    return [(node, expand) for node, expand in found if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":str")]
+
+
+def with_found_paths(text: str, recipe_dir: Path) -> str:
+    """The recipe text with each input file the run found beside the recipe (not from the current directory) written
+    as it was found, so that the saved recipe, which lives in the output, replays from where this run ran. Only those
+    values change: comments and layout stay."""
+    node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    block = next((value for key, value in node.value if key.value == "featcal"), None) if isinstance(node, yaml.MappingNode) else None
+    edits = {}
+    for scalar, expand in _input_files(block):
+        given = str(Path(scalar.value).expanduser()) if expand else scalar.value
+        found = beside_recipe(given, recipe_dir)
+        if str(found) != given:
+            value = yaml.safe_dump(str(found), default_flow_style=True).removesuffix("\n...\n").strip()
+            edits[(scalar.start_mark.index, scalar.end_mark.index)] = value  # an alias's span once
+    for (start, end), value in sorted(edits.items(), reverse=True):
+        text = text[:start] + value + text[end:]
+    return text
+
+
 def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torch.dtype], sampling: dict[str, dict[str, Any]],
                  starts: dict[str, dict]) -> str:
-    """The recipe as run: a tuned run's choices replayed (replay_text), each `generate:` expert's sampling pinned, and
-    a comment naming where each began its samples."""
+    """The recipe as run: input files found beside the recipe written as found, a tuned run's choices replayed
+    (replay_text), each `generate:` expert's sampling pinned, and a comment naming where each began its samples."""
+    recipe = replace(recipe, text=with_found_paths(recipe.text, recipe.path.parent))
     saved = recipe.text if tuning is None else replay_text(recipe, tuning, precisions)
     saved = with_sampling_pinned(saved, sampling)
     if starts:
