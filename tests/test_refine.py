@@ -164,6 +164,8 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert after == pytest.approx(report["held_out_kl"]["after"], rel=1e-2)
     assert after < before
     assert "## Refinement" in (refined / "README.md").read_text() and "warm-up then cosine, in float32 throughout)" in (refined / "README.md").read_text()
+    assert "The drift report (`featcal_drift.json`) measures the closed form's output, before this refinement." in (refined / "README.md").read_text()
+    assert json.loads((refined / "featcal_drift.json").read_text())["measured_on"].startswith("the closed form's output, before refine:")
     # the saved recipe replays to the same bytes
     replayed = far_scenario.root / "replayed.yaml"
     saved = yaml.safe_load((refined / "featcal_recipe.yml").read_text())
@@ -184,6 +186,7 @@ def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_fo
     assert report["chosen_step"] == 0 and report["steps_run"] == 2 * wild["eval_every"]  # patience 2: two worse checks
     assert re.search(r"so the closed form's output stands unchanged; progress saved at [12] of 2 checks \(\d+ s\)", capsys.readouterr().err)
     assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
+    assert "measured_on" not in json.loads((refined / "featcal_drift.json").read_text())  # the weights it measured
 
 
 def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_form, monkeypatch, capsys):

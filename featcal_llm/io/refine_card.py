@@ -29,7 +29,8 @@ def refine_text(refined: dict[str, Any]) -> str:
                    "weights are the closed form's, unchanged.")
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
-                   f"step {refined['chosen_step']}, the weights written.")
+                   f"step {refined['chosen_step']}, the weights written. The drift report (`featcal_drift.json`) measures "
+                   "the closed form's output, before this refinement.")
     master = str(refined.get("master", "torch.float32")).removeprefix("torch.")
     precision = (f"under bf16 autocast with {master} master weights" if refined.get("autocast") == "torch.bfloat16"
                  else f"in {master} throughout")

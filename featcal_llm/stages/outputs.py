@@ -14,7 +14,7 @@ import torch
 from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext
 from featcal_llm.io.card import append_evaluation, write_card
-from featcal_llm.io.refine_card import append_refinement
+from featcal_llm.io.refine_card import REFINE_FILE, append_refinement
 from featcal_llm.io.saved_recipe import RECIPE_FILE, with_refine_pinned
 from featcal_llm.io.checkpoint import (
     copy_side_files,
@@ -86,7 +86,10 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
         print(tuning_table(tuning), file=sys.stderr)
     if not unchanged:
-        write_report(checkpoint, drift_report(probe, records))
+        report = drift_report(probe, records)
+        if refined is not None and refined["chosen_step"] > 0:  # measured in the layer loop, before the refinement
+            report["measured_on"] = f"the closed form's output, before refine: changed the weights ({REFINE_FILE})"
+        write_report(checkpoint, report)
     architecture = plan.architecture
     calibrated = {"projections": sorted(plan.projections), "every_projection": plan.projections == frozenset(architecture.projections()),
                   "norms": plan.norms, "biases": plan.biases,
