@@ -345,3 +345,12 @@ def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, 
         featcal_llm.evaluate(model, limit=0)
     with pytest.raises(FeatCalError, match=r"^evaluate\(\) limitt: Extra inputs are not permitted"):
         featcal_llm.evaluate(model, limitt=2)
+
+
+def test_a_resumed_bar_names_its_method_and_never_counts_past_the_last_layer():
+    from featcal_llm.engine.progress import TokenProgress
+
+    done = TokenProgress(2, 10, done_layers=2, method="RegMean++")  # every layer saved: a stack's stage 1 rerun
+    again = TokenProgress(3, 10, done_layers=1)
+    done.close(), again.close()
+    assert done.bar.desc == "RegMean++ layer 2/2" and done.bar.n == 20 and again.bar.desc == "FeatCal layer 2/3"

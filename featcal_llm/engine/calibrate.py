@@ -113,7 +113,9 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=ctx.runner.device.type == "cuda"
     )
     counted = progress or runlog.wants_notes()  # the log's per-layer lines come from the same counts, bar or no bar
-    ctx.progress = TokenProgress(num_layers, total_tokens, min(ctx.staging.completed, num_layers), progress) if counted else NullProgress()
+    method = {"featcal": "FeatCal", "regmean": "RegMean", "regmean++": "RegMean++"}[plan.objective.name]
+    ctx.progress = (TokenProgress(num_layers, total_tokens, min(ctx.staging.completed, num_layers), progress, method) if counted
+                    else NullProgress())
     try:
         for layer in range(num_layers):
             with ctx.timer.phase("read"):

@@ -27,14 +27,14 @@ class NullProgress:
 
 
 class TokenProgress(NullProgress):
-    def __init__(self, layers: int, tokens_per_layer: int, done_layers: int = 0, show: bool = True):
+    def __init__(self, layers: int, tokens_per_layer: int, done_layers: int = 0, show: bool = True, method: str = "FeatCal"):
         from tqdm.auto import tqdm
 
-        self.layers, self.per_layer = layers, max(1, tokens_per_layer)
+        self.layers, self.per_layer, self.method = layers, max(1, tokens_per_layer), method
         self.done = done_layers * self.per_layer
         self.start, self.counted = time.perf_counter(), 0
         self.bar = tqdm(
-            total=layers * self.per_layer, initial=self.done, desc=f"FeatCal layer {done_layers + 1}/{layers}", unit="tok",
+            total=layers * self.per_layer, initial=self.done, desc=f"{method} layer {min(done_layers + 1, layers)}/{layers}", unit="tok",
             unit_scale=True, file=sys.stderr, disable=not show, smoothing=0.05, dynamic_ncols=True,
         )
 
@@ -43,7 +43,7 @@ class TokenProgress(NullProgress):
         self.bar.update(count)
 
     def layer_done(self, layer: int) -> None:
-        self.bar.set_description(f"FeatCal layer {min(layer + 2, self.layers)}/{self.layers}", refresh=False)
+        self.bar.set_description(f"{self.method} layer {min(layer + 2, self.layers)}/{self.layers}", refresh=False)
         elapsed = time.perf_counter() - self.start
         rate = self.counted / elapsed if elapsed > 0 else 0.0
         left = (self.layers - layer - 1) * self.per_layer
