@@ -43,7 +43,8 @@ from featcal_llm.engine.devices import native_bf16
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judged_positions, logit_chunk, micro_batches, teach
 from featcal_llm.engine.refine_memory import Shape, autocasts, refine_memory, resolve_checkpointing, resolve_params
-from featcal_llm.engine.refine_models import build_causal_lm, checkpoint_tensors, logits_of
+from featcal_llm.engine.refine_models import build_causal_lm, logits_of
+from featcal_llm.io.checkpoint import checkpoint_tensors
 from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, saved_progress, set_rng_state
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised

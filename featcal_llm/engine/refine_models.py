@@ -13,32 +13,12 @@ tensors are assigned: no random initialisation of billions of weights first.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
 
 from featcal_llm.engine.drift import LM_HEAD
 from featcal_llm.family.front import materialise_buffers
-
-
-def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None) -> tuple[list[str], Callable[[str], torch.Tensor]]:
-    """Every tensor name of `reader` (and tensors the closed form added, a head untied from the embeddings), and a getter
-    that takes a replaced tensor from its staged file."""
-    replacements = replacements or {}
-    names = list(dict.fromkeys([*reader.names(), *replacements]))
-    handles: dict[Path, Any] = {}
-
-    def get(name: str) -> torch.Tensor:
-        source = replacements.get(name)
-        if source is None:
-            return reader.get(name)
-        if source not in handles:
-            handles[source] = safe_open(source, framework="pt")
-        return handles[source].get_tensor(name)
-
-    return names, get
 
 
 def build_causal_lm(config: Any, names: list[str], get: Callable[[str], torch.Tensor], device: torch.device,
@@ -88,4 +68,4 @@ def logits_of(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-__all__ = ["build_causal_lm", "checkpoint_tensors", "decoder", "logits_of"]
+__all__ = ["build_causal_lm", "decoder", "logits_of"]

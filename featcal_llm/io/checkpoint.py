@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -109,6 +110,24 @@ def check_same_layers(reference: dict, other: dict, prefix: str, what: str) -> N
             raise FeatCalError(f"{what}: {name} has shape {list(other[name][0])}, the merged model has {list(shape)}")
 
 
+def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """Every tensor name of `reader` (and tensors the closed form added, a head untied from the embeddings), and a getter
+    that takes a replaced tensor from its staged file."""
+    replacements = replacements or {}
+    names = list(dict.fromkeys([*reader.names(), *replacements]))
+    handles: dict[Path, Any] = {}
+
+    def get(name: str) -> torch.Tensor:
+        source = replacements.get(name)
+        if source is None:
+            return reader.get(name)
+        if source not in handles:
+            handles[source] = safe_open(source, framework="pt")
+        return handles[source].get_tensor(name)
+
+    return names, get
+
+
 def write_calibrated_checkpoint(
     merged: CheckpointReader, replacements: dict[str, Path], output: Path, copies: dict[str, str] | None = None
 ) -> None:
@@ -118,20 +137,11 @@ def write_calibrated_checkpoint(
     value; `copies` a stored tensor to the tensor whose written value it repeats
     (a head kept tied: lm_head.weight → the input embedding). Peak memory is one shard.
     """
-    staged: dict[Path, object] = {}
     copies = copies or {}
     layout = merged.shards()
     added = [name for name in replacements if name not in merged.weight_map]  # a head untied from the embeddings
     last, added_bytes, added_parameters = list(layout)[-1], 0, 0
-
-    def written(name: str) -> torch.Tensor:
-        source = replacements.get(name)
-        if source is None:
-            return merged.get(name)
-        if source not in staged:
-            staged[source] = safe_open(source, framework="pt")
-        return staged[source].get_tensor(name)
-
+    _, written = checkpoint_tensors(merged, replacements)
     for shard, names in layout.items():
         tensors: dict[str, torch.Tensor] = {}
         for name in names + (added if shard == last else []):
