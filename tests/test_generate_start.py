@@ -127,6 +127,8 @@ def test_the_card_and_saved_recipe_name_the_chosen_start(kinds, tmp_path):
     assert "written by the expert from the BOS token (chosen by measurement)" in card
     saved = (tmp_path / "featcal" / "featcal_recipe.yml").read_text()
     assert f"# generate: {kinds['chat']} began its samples from the shipped seed prompts (chosen by measurement)" in saved
+    data = yaml.safe_load(saved)["featcal"]["data"]  # the measured starts forced, so a later version's measurement cannot move them
+    assert data[str(kinds["raw"])]["generate"]["chat_template"] == "off" and data[str(kinds["chat"])]["generate"]["chat_template"] == "on"
 
 
 @pytest.mark.parametrize(

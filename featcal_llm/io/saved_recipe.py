@@ -35,12 +35,17 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
 PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "min_p", "seed", "batch_size")  # what a default change could move
 SAMPLING_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the sampling settings each `generate:` expert used written out,\n"
-    "# so that running it again draws the same samples (and reuses them) whatever a later version's defaults are.\n"
+    "# (and the start a measurement chose, as the chat_template that forces it), so that running it again draws the same\n"
+    "# samples (and reuses them) whatever a later version's defaults are.\n"
 )
 
 
-def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
-    """The recipe text with each `generate:` expert's resolved sampling settings (`sampling`: name → settings) explicit."""
+MEASURED_STARTS = {"bos": "off", "chat": "on", "empty": "empty"}  # a measured start mode → the chat_template that forces it
+
+
+def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]], starts: dict[str, dict] | None = None) -> str:
+    """The recipe text with each `generate:` expert's resolved sampling settings (`sampling`: name → settings) explicit,
+    and the start `chat_template: auto` measured (`starts`: name → its record) as the chat_template that forces it."""
     if not sampling:
         return text
     raw = yaml.safe_load(text)
@@ -51,6 +56,9 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]]) -> str:
         generate = spec["generate"]
         for key in PINNED_SAMPLING:
             generate.setdefault(key, settings[key])
+        start = (starts or {}).get(name, {})
+        if start.get("chosen_by") == "measurement" and start.get("mode") in MEASURED_STARTS and generate.get("chat_template", "auto") == "auto":
+            generate["chat_template"] = MEASURED_STARTS[start["mode"]]
     if text.startswith(REPLAY_HEADER):  # a tuned run's replay: its header stays (loading the YAML drops comments)
         header = REPLAY_HEADER + "# The sampling settings of each `generate:` expert are written out as well.\n"
     else:
@@ -104,7 +112,7 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
     (replay_text), each `generate:` expert's sampling pinned, and a comment naming where each began its samples."""
     recipe = replace(recipe, text=with_found_paths(recipe.text, recipe.path.parent))
     saved = recipe.text if tuning is None else replay_text(recipe, tuning, precisions)
-    saved = with_sampling_pinned(saved, sampling)
+    saved = with_sampling_pinned(saved, sampling, starts)
     if starts:
         saved = saved.rstrip("\n") + "\n" + "".join(
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
