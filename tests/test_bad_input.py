@@ -131,7 +131,7 @@ CASES = {
     "calibration file empty": (lambda r, t: _data_file(r, t, ""), ["cal.jsonl: file is empty"]),
     "calibration file unreadable": (lambda r, t: _data_file(r, t, "{not json\n"), ["cal.jsonl: cannot load calibration data"]),
     "calibration field missing": (lambda r, t: _data_file(r, t, '{"body": "x"}\n'), ["record 0 has no field 'text'"]),
-    "text that tokenises to nothing": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"text": ""}\n'), ["record 1 tokenises to nothing"]),
+    "an empty text": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"text": ""}\n'), ["cal.jsonl: record 1: field 'text' is empty; drop the record"]),
     "calibration file of unknown type": (lambda r, t: (_data_file(r, t, "x"), _first_data(r).__setitem__("path", str(_touch(t / "cal.txt")))), ["cal.txt: unsupported file type"]),
     "seed below zero": (_set("featcal", "seed", value=-1), ["bad.yaml: featcal.seed:", "greater than or equal to 0"]),
     "merge seed past numpy's range": (_set("featcal", "merge_options", value={"random_seed": 2**32}),
