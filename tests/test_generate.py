@@ -269,6 +269,19 @@ def test_chat_experts_answer_the_shipped_prompts(merged_scenario, tmp_path):
     ]
 
 
+def test_prompts_that_fill_max_length_are_named_in_a_warning(merged_scenario, tmp_path, capsys):
+    """Calibration reads a sample's first max_length tokens: a prompt that long leaves none of the expert's text."""
+    (tmp_path / "p.txt").write_text("a short one\n" + "a prompt far longer than the sixteen tokens kept " * 3 + "\n")
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0,), samples=2, prompts=str(tmp_path / "p.txt"), chat_template="off")
+    raw = yaml.safe_load(path.read_text())
+    raw["featcal"]["max_length"] = 16
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    _generate_only(path)
+    err = capsys.readouterr().err
+    assert "generate: 1 of 2 prompts (prompt 2: " in err
+    assert "fill featcal.max_length 16, so their records hold none of what the expert writes; shorten them or raise max_length" in err
+
+
 def test_dropped_samples_are_replaced_by_new_rounds(merged_scenario, tmp_path, monkeypatch):
     """The first two samples come back empty (an immediate EOS): a second round replaces them, the record counts them."""
     calls = []

@@ -238,6 +238,11 @@ def generated_sequences(
         tokenizer = _expert_tokenizer(source, name, where, featcal.trust_remote_code)
         samples_path, record_path = set_paths(Path(featcal.output), labels[name])
         start, mode, choice, sampler = _start(recipe, name, sources, base, tokenizer, configs[name], settings, samples_path, device, dtypes[name], where)
+        filled = [i for i, ids in enumerate(start.ids) if len(ids) >= featcal.max_length]
+        if filled:  # calibration reads the first max_length tokens of a sample: all prompt, none of the expert's text
+            warn(f"{where}: {len(filled)} of {len(start.ids)} prompts (prompt {filled[0] + 1}: {len(start.ids[filled[0]])} tokens) "
+                 f"fill featcal.max_length {featcal.max_length}, so their records hold none of what the expert writes; "
+                 "shorten them or raise max_length")
         backend = choose_backend(spec.backend, device, where)
         key = fingerprint([key_ingredients(source, settings, start, device, dtypes[name], backend) | {"mode": mode}])
         cached = cached_samples(samples_path, record_path, key)
