@@ -351,6 +351,26 @@ def test_gemma2s_stored_head_is_written_as_the_embedding_it_stays_tied_to(family
     assert torch.equal(model.get_output_embeddings().weight, embedding)
 
 
+def test_an_untied_gemma2_merge_refines_its_own_head(family_scenarios, tmp_path, monkeypatch):
+    """A Gemma-2 merge whose config does not tie (vLLM refuses such a model; transformers serves its stored head): the
+    output keeps its config, and refinement trains the head it serves, not a tied stand-in."""
+    import featcal_llm.engine.refine as refine_module
+
+    scenario = family_scenarios("gemma2")
+    merged, head = merge_storing_a_head(scenario, tmp_path, "differs")
+    config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    trained = []
+    monkeypatch.setattr(refine_module, "improves", lambda value, above, best: True)
+    student = refine_module.Student
+    monkeypatch.setattr(refine_module, "Student", lambda *args: trained.append(student(*args)) or trained[-1])
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"), head=False,
+                                              refine={"steps": 2, "eval_every": 1, "lr": 1e-3, "params": "full"}), progress=False)
+    assert "lm_head.weight" in trained[0].trainable and "model.embed_tokens.weight" in trained[0].trainable
+    assert json.loads((output / "config.json").read_text())["tie_word_embeddings"] is False
+    assert not torch.equal(read_weights(output)["lm_head.weight"], head)  # trained
+
+
 def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):
     scenario, _ = head_scenarios("llama", ("expert0",))
     import yaml

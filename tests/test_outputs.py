@@ -223,3 +223,24 @@ def test_found_paths_cover_prompts_and_the_eval_blocks_files_and_nothing_else(tm
     assert with_found_paths(text, Path("project")) == text.replace("d.jsonl", "project/d.jsonl").replace("'p.txt'", "project/p.txt") \
         .replace("suite: suite.yaml", "suite: project/suite.yaml").replace("gsm.jsonl", "project/gsm.jsonl") \
         .replace("nltk_data: nltk", "nltk_data: project/nltk")
+
+
+def test_found_paths_keep_anchors_and_follow_merge_keys(tmp_path, monkeypatch):
+    """An anchored path keeps its anchor (its aliases still name it), a merge key's path is found through it, and the
+    result parses to what the run read; `run RECIPE OUTPUT` keeps an anchor on `output` the same way."""
+    from featcal_llm.io.recipe import with_output
+    from featcal_llm.io.saved_recipe import with_found_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "project").mkdir()
+    for name in ("d.jsonl", "p.txt"):
+        (tmp_path / "project" / name).write_text("x")
+    text = ("featcal:\n  output: &out out\n  data:\n    a: &entry {path: &d !!str d.jsonl, format: text}\n    b: {<<: *entry, samples: 4}\n"
+            "    c: {path: *d}\n    e: {generate: {prompts: &p p.txt}}\n    f: {generate: {prompts: *p}}\n  eval: {output: *out}\n")
+    found = with_found_paths(text, Path("project"))
+    data = yaml.safe_load(found)["featcal"]["data"]
+    assert {name: data[name].get("path") for name in "abc"} == dict.fromkeys("abc", "project/d.jsonl")
+    assert data["e"]["generate"]["prompts"] == data["f"]["generate"]["prompts"] == "project/p.txt"
+    assert "&d !!str project/d.jsonl" in found and "&p project/p.txt" in found
+    moved = yaml.safe_load(with_output(text, "elsewhere"))["featcal"]
+    assert moved["output"] == moved["eval"]["output"] == "elsewhere"

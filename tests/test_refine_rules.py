@@ -139,3 +139,35 @@ def test_a_pass_is_saved_without_the_zip_crc_and_the_global_setting_is_left_as_i
         assert tensor_records and all(info.CRC == 0 for info in tensor_records)
         loaded = staging.load_pass("refine")
         assert torch.equal(loaded["w"], state["w"]) and loaded["history"] == state["history"]
+
+
+def test_the_record_order_is_drawn_as_needed_and_the_same_from_any_start():
+    """Each step's records, drawn lazily, are the plan drawn whole (seeded epoch shuffles, one after another): read in
+    order, from a resumed step, or again from an earlier one; the run never holds more than a step and an epoch."""
+    import random
+
+    from featcal_llm.engine.refine import record_order
+
+    def whole(keys, steps, per_step, seed):  # every step drawn at once, as the plan reads
+        rng, pending, batches = random.Random(f"featcal-refine:{seed}"), [], []
+        for _ in range(steps):
+            while len(pending) < per_step:
+                epoch = list(keys)
+                rng.shuffle(epoch)
+                pending += epoch
+            batches.append(pending[:per_step])
+            pending = pending[per_step:]
+        return batches
+
+    keys = [("a", i) for i in range(5)] + [("b", i) for i in range(3)]
+    for per_step in (3, 8, 20):
+        expected = whole(keys, 12, per_step, 7)
+        order = record_order(keys, 12, per_step, 7)
+        assert [order[step] for step in range(12)] == expected and len(order) == 12
+        resumed = record_order(keys, 12, per_step, 7)
+        assert resumed[9] == expected[9] and resumed[4] == expected[4] and resumed[11] == expected[11]
+    assert record_order(keys, 12, 3, 8)[0] != whole(keys, 1, 3, 7)[0] or record_order(keys, 12, 3, 8)[1] != whole(keys, 2, 3, 7)[1]
+    with pytest.raises(IndexError):
+        record_order(keys, 12, 3, 7)[12]
+    huge = record_order(keys, 100_000, 65_536, 0)
+    assert len(huge[2]) == 65_536 and len(huge._pending) < 65_536 + len(keys)

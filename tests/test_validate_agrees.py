@@ -419,3 +419,21 @@ def test_run_reads_every_config_with_the_same_quantization_check(scenario, tmp_p
     with pytest.raises(FeatCalError, match=r"^merge: .*quantized/config.json: quantization_config \(bitsandbytes\): featcal-llm "):
         _load_config(tmp_path / "quantized", "merge", False)
     assert _load_config(Path(recipe["base_model"]), "base", False).num_hidden_layers == 3
+
+
+def test_validate_reads_a_hub_models_cached_config_for_quantization_too(scenario, tmp_path, monkeypatch):
+    """A hub expert whose config.json (from the local cache) declares quantized weights: validate refuses it as run does."""
+    import featcal_llm.io.validate as validate
+
+    recipe = _recipe(scenario, tmp_path)
+    config = json.loads((Path(recipe["base_model"]) / "config.json").read_text())
+    recipe["featcal"]["data"]["org/quant"] = recipe["featcal"]["data"].pop(_expert(recipe, 1))
+    recipe["models"][1]["model"] = "org/quant"
+    path = tmp_path / "hub.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    cached = {"org/quant": {**config, "quantization_config": {"quant_method": "gptq"}}}
+    monkeypatch.setattr(validate, "hub_config", lambda model_path, online: cached.get(model_path.path))
+    assert [str(problem) for problem in validate.validate_recipe(path)] == [
+        f"{path}: models: org/quant: org/quant/config.json: quantization_config (gptq): featcal-llm merges and calibrates "
+        "unquantized weights; give the unquantized checkpoint (where the block is a leftover over plain weights, as peft's "
+        "merge_and_unload can leave one, delete it)"]

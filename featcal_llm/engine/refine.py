@@ -62,19 +62,41 @@ def lr_factor(step: int, steps: int, warmup: float) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
-def record_order(keys: list[Key], steps: int, per_step: int, seed: int) -> list[list[Key]]:
+def record_order(keys: list[Key], steps: int, per_step: int, seed: int) -> "RecordOrder":
     """The records of every step: seeded shuffles of every training record, one epoch after another."""
-    rng = random.Random(f"featcal-refine:{seed}")
-    order: list[Key] = []
-    batches = []
-    for _ in range(steps):
-        while len(order) < per_step:
-            epoch = list(keys)
-            rng.shuffle(epoch)
-            order += epoch
-        batches.append(order[:per_step])
-        order = order[per_step:]
-    return batches
+    return RecordOrder(keys, steps, per_step, seed)
+
+
+class RecordOrder:
+    """`record_order`'s steps, drawn as the run reaches them: memory for one step and one epoch, not for every step
+    (100,000 steps of 65,536 records would be billions of keys). Step s holds the same records whichever step a
+    resumed run starts from: the draws before it are replayed."""
+
+    def __init__(self, keys: list[Key], steps: int, per_step: int, seed: int):
+        self.keys, self.steps, self.per_step, self.seed = list(keys), steps, per_step, seed
+        self._restart()
+
+    def _restart(self) -> None:
+        self._rng = random.Random(f"featcal-refine:{self.seed}")
+        self._pending: list[Key] = []
+        self._step, self._batch = -1, []
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> list[Key]:
+        if not 0 <= step < self.steps:
+            raise IndexError(step)
+        if step < self._step:
+            self._restart()
+        while self._step < step:
+            while len(self._pending) < self.per_step:
+                epoch = list(self.keys)
+                self._rng.shuffle(epoch)
+                self._pending += epoch
+            self._batch, self._pending = self._pending[:self.per_step], self._pending[self.per_step:]
+            self._step += 1
+        return self._batch
 
 
 def device_memory(device: torch.device) -> int:
@@ -121,13 +143,19 @@ class RefineJob:
     head_tied_only: bool = False  # a family vLLM serves only tied (Gemma-2): the student's head is its input embedding
 
 
+def keeps_the_tie(job: RefineJob) -> bool:
+    """A family vLLM serves only tied whose config ties the head (stages/outputs writes a stored lm_head.weight as the
+    embedding then): the student's head is its input embedding. An untied config keeps its own head, trained."""
+    return job.head_tied_only and bool(getattr(job.config, "tie_word_embeddings", False))
+
+
 class Student:
     """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
 
     def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
         self.job, self.params, self.checkpointing = job, params, checkpointing
         names, get = checkpoint_tensors(job.merged, job.replacements)
-        if job.head_tied_only:  # trained tied, whatever lm_head.weight the merge stores: the output keeps the tie
+        if keeps_the_tie(job):  # trained tied, whatever lm_head.weight the merge stores: the output keeps the tie
             names = [name for name in names if name != LM_HEAD]
         self.names = names
         # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
@@ -187,7 +215,7 @@ class Student:
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
     """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory)."""
     names = job.merged.layout()
-    shape = Shape.of(job.config, tied=LM_HEAD not in names or job.head_tied_only)
+    shape = Shape.of(job.config, tied=LM_HEAD not in names or keeps_the_tie(job))
     length = max((len(row) for rows in records.values() for row in rows), default=1)
     judged = sum(len(judged_positions(row)) for rows in records.values() for row in rows)
     without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, job.compute_dtype.itemsize,

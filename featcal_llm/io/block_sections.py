@@ -143,8 +143,8 @@ class HeadSpec(BaseModel):
     rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
 
 
-# every step's records are drawn before the first (a seeded order, the same on a resume): bounds that keep that plan
-# small, far above any use (at 8B a step takes about 10 s: 100,000 of them, eleven days)
+# bounds far above any use, for a clear line instead of a run that cannot end (at 8B a step of 8 records takes about
+# 10 s: 100,000 of them, eleven days)
 MAX_REFINE_STEPS = 100_000
 MAX_BATCH_RECORDS = 65_536
 

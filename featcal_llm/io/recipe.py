@@ -359,6 +359,18 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
     return parsed
 
 
+def value_span(text: str, node: yaml.Node) -> tuple[int, int]:
+    """Where a scalar's value stands in the text: after its anchor (`&name`) and tag (`!!str`), which a node's own
+    span includes and which replacing the value must keep (an alias elsewhere names the anchor)."""
+    start = node.start_mark.index
+    while text[start] in "&!":
+        while start < node.end_mark.index and not text[start].isspace():
+            start += 1
+        while start < node.end_mark.index and text[start].isspace():
+            start += 1
+    return start, node.end_mark.index
+
+
 def with_output(text: str, output: str) -> str:
     """The recipe text with `featcal.output` set to `output` (`run RECIPE OUTPUT`), so the saved replay recipe writes
     where this run wrote. Only the value is replaced: comments and layout stay as the user wrote them."""
@@ -369,7 +381,8 @@ def with_output(text: str, output: str) -> str:
     value = yaml.safe_dump(str(output), default_flow_style=True).removesuffix("\n...\n").strip()
     for key, current in block.value:
         if key.value == "output" and isinstance(current, yaml.ScalarNode):
-            return text[: current.start_mark.index] + value + text[current.end_mark.index :]
+            start, end = value_span(text, current)
+            return text[:start] + value + text[end:]
     raw = yaml.safe_load(text)  # no output key (a block in flow style, say): written out again
     raw["featcal"]["output"] = str(output)
     return yaml.safe_dump(raw, sort_keys=False)

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from featcal_llm.io.block import beside_recipe
-from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.recipe import Recipe, value_span
 
 RECIPE_FILE = "featcal_recipe.yml"
 REPLAY_HEADER = (
@@ -72,7 +72,12 @@ def _input_files(block: yaml.MappingNode) -> list[tuple[yaml.ScalarNode, bool]]:
     def get(node: Any, key: str) -> Any:
         if not isinstance(node, yaml.MappingNode):
             return None
-        return next((value for name, value in node.value if isinstance(name, yaml.ScalarNode) and name.value == key), None)
+        found = next((value for name, value in node.value if isinstance(name, yaml.ScalarNode) and name.value == key), None)
+        for name, merged in node.value if found is None else ():  # `<<: *shared` (or a list of them): YAML's merge key
+            if isinstance(name, yaml.ScalarNode) and name.value == "<<":
+                for source in merged.value if isinstance(merged, yaml.SequenceNode) else [merged]:
+                    found = found if found is not None else get(source, key)
+        return found
 
     def values(node: Any) -> list[Any]:
         return [value for _, value in node.value] if isinstance(node, yaml.MappingNode) else []
@@ -100,7 +105,7 @@ def with_found_paths(text: str, recipe_dir: Path) -> str:
         found = beside_recipe(given, recipe_dir)
         if str(found) != given:
             value = yaml.safe_dump(str(found), default_flow_style=True).removesuffix("\n...\n").strip()
-            edits[(scalar.start_mark.index, scalar.end_mark.index)] = value  # an alias's span once
+            edits[value_span(text, scalar)] = value  # an alias's (the anchor's) span once, the anchor kept
     for (start, end), value in sorted(edits.items(), reverse=True):
         text = text[:start] + value + text[end:]
     return text

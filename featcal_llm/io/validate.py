@@ -184,7 +184,10 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
         else:
             report.unchecked.append(str(model_path))
     if reference.lora is None and hub == [reference.model]:
-        return None, hub_config(reference.model, online and reference.model.path not in report.offline)  # unreachable: the cache only
+        config = hub_config(reference.model, online and reference.model.path not in report.offline)  # unreachable: the cache only
+        if config is not None:
+            check_unquantized(config, f"{what}: {reference.model.path}/config.json")
+        return None, config
     return None, None
 
 

@@ -68,7 +68,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     shutil.rmtree(checkpoint, ignore_errors=True)
     checkpoint.mkdir()
     ties = bool(getattr(opened.merged_config, "tie_word_embeddings", False))
-    copies = _tied_head_copy(models.merged, plan.architecture, ties)
+    copies = {} if unchanged else _tied_head_copy(models.merged, plan.architecture, ties)  # unchanged: the merge, as it is
     write_calibrated_checkpoint(models.merged, replacements, checkpoint, copies)
     copy_side_files(merged_dir, checkpoint)
     untied = not copies and head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
