@@ -131,7 +131,8 @@ REFINE_NOTE = "# refine's automatic choices (params, precision) are written out,
 def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
     """The saved recipe with `refine:`'s `auto` choices that depend on the machine (params: its memory; precision: whether
     it computes bf16 natively) written out as this run resolved them, so that a replay elsewhere refines alike.
-    The comment lines before and after the YAML (the headers, the `generate:` starts) stay where they were."""
+    The comment lines before and after the YAML (the headers, the `generate:` starts) stay where they were; the YAML
+    between them is written out again (its inline comments dropped), as a tuned run's replay is."""
     if refined is None:
         return text
     raw = yaml.safe_load(text)
@@ -148,5 +149,7 @@ def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
     comment = lambda line: line.startswith("#")  # noqa: E731
     head = next((i for i, line in enumerate(lines) if not comment(line)), len(lines))
     tail = next((i for i in range(len(lines), head, -1) if not comment(lines[i - 1])), head)
-    header = "".join(lines[:head]) if head else "# Written by featcal-llm: the recipe as run.\n"
+    header = "".join(lines[:head])
+    if not header.startswith("# Written by featcal-llm"):
+        header = "# Written by featcal-llm: the recipe as run.\n" + header
     return header + REFINE_NOTE + yaml.safe_dump(raw, sort_keys=False) + "".join(lines[tail:])
