@@ -135,3 +135,31 @@ def test_the_retries_grow_lambda_tenfold_six_times_then_give_up(monkeypatch, cap
     with pytest.raises(FeatCalError):
         ridge_solve(4.0 * torch.eye(3, dtype=torch.float64), *arguments, 0.0, 0.0, "layer 0 mlp_hidden")
     assert shifts == pytest.approx([0.0, *(4e-6 * 10.0**k for k in range(6))], rel=1e-9, abs=1e-15)
+
+
+def test_an_expert_whose_tokens_all_weigh_0_counts_for_nothing():
+    """Every token weighs 0 (its records dropped by `trailing_records: drop`): its Gram and sums are zeros, and folding
+    it leaves the system as the other expert alone makes it. ω = 1/eps instead let it set the biases (1e8 against ~1)."""
+    d, m, tokens = 4, 3, 6
+
+    def expert(seed: int, weighted: bool) -> tuple[GroupStatistics, ExpertGroup]:
+        generator = torch.Generator().manual_seed(seed)
+        stats = GroupStatistics.empty(d, {"p": m}, with_means=True, with_norm=False, device=torch.device("cpu"), dtype=torch.float64)
+        x = torch.randn(tokens, d, generator=generator, dtype=torch.float64) * float(weighted)
+        stats.gram += x.T @ x
+        stats.cross["p"] += x[:, :m].T @ x
+        stats.sum_cal += x.sum(0)
+        stats.sum_exp += x.sum(0)
+        stats.tokens = tokens  # the tokens counted, each weighing 0 where not `weighted`
+        group = ExpertGroup({"p": torch.randn(m, d, generator=generator, dtype=torch.float64)},
+                            {"p": torch.randn(m, generator=generator, dtype=torch.float64)})
+        return stats, group
+
+    alone = GroupSystem(lhs=None, targets=MixedTargets(0.5), biases=MixedTargets(0.5))
+    both = GroupSystem(lhs=None, targets=MixedTargets(0.5), biases=MixedTargets(0.5))
+    fold(alone, *expert(0, True), 1e-8)
+    fold(both, *expert(0, True), 1e-8)
+    fold(both, *expert(1, False), 1e-8)
+    assert task_weight(torch.zeros(d, d, dtype=torch.float64), 1e-8) == 0.0
+    assert both.omega_sum == alone.omega_sum and torch.equal(both.lhs, alone.lhs)
+    assert torch.equal(both.biases.at(0.5)["p"], alone.biases.at(0.5)["p"])

@@ -20,8 +20,10 @@ FIRST_RIDGE = 1e-6  # a solve without ridge (λ = 0) retries first with λ = 1e-
 
 
 def task_weight(gram_mean: torch.Tensor, eps: float) -> float:
-    """ω_i = 1 / max(‖G_i‖_F, eps) (Eq. 14): makes λ a relative ridge."""
-    return 1.0 / max(float(torch.linalg.matrix_norm(gram_mean.to(SOLVE_DTYPE))), eps)
+    """ω_i = 1 / max(‖G_i‖_F, eps) (Eq. 14): makes λ a relative ridge. A Gram of zeros (every token of the expert's
+    records weighs 0) gives ω_i = 0: the expert counts for nothing, where 1/eps would let it set the biases and means."""
+    norm = float(torch.linalg.matrix_norm(gram_mean.to(SOLVE_DTYPE)))
+    return 0.0 if norm == 0.0 else 1.0 / max(norm, eps)
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
