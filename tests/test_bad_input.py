@@ -48,6 +48,18 @@ def _data_file(recipe, tmp_path, content: str) -> None:
     _first_data(recipe)["path"] = str(path)
 
 
+def _chat_template_refusing_a_system_turn(recipe, tmp_path) -> None:
+    """A tokenizer whose chat template raises on a system turn (as Gemma's does), and chat records that open with one."""
+    base = tmp_path / "strict-base"
+    shutil.copytree(recipe["base_model"], base, symlinks=True, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                              "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    recipe["featcal"]["tokenizer"] = str(base)  # the records' tokenizer (else the merge's)
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    _data_file(recipe, tmp_path, json.dumps({"messages": turns}) + "\n")
+    _first_data(recipe).update(format="chat", messages="messages")
+
+
 def _copy_merged(recipe, tmp_path) -> Path:
     copy = tmp_path / "merged-copy"
     shutil.copytree(recipe["featcal"]["merged"], copy)
@@ -131,6 +143,8 @@ CASES = {
     "calibration file empty": (lambda r, t: _data_file(r, t, ""), ["cal.jsonl: file is empty"]),
     "calibration file unreadable": (lambda r, t: _data_file(r, t, "{not json\n"), ["cal.jsonl: cannot load calibration data"]),
     "calibration field missing": (lambda r, t: _data_file(r, t, '{"body": "x"}\n'), ["record 0 has no field 'text'"]),
+    "a chat template that refuses a record": (_chat_template_refusing_a_system_turn, [
+        "bad.yaml: featcal.data.", "record 0: the tokenizer's chat template refused it (System role not supported)"]),
     "an empty text": (lambda r, t: _data_file(r, t, '{"text": "ok"}\n{"text": ""}\n'), ["cal.jsonl: record 1: field 'text' is empty; drop the record"]),
     "calibration file of unknown type": (lambda r, t: (_data_file(r, t, "x"), _first_data(r).__setitem__("path", str(_touch(t / "cal.txt")))), ["cal.txt: unsupported file type"]),
     "seed below zero": (_set("featcal", "seed", value=-1), ["bad.yaml: featcal.seed:", "greater than or equal to 0"]),
