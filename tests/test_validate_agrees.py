@@ -66,6 +66,11 @@ def _expert_with_a_quantization_config(r, t):
     r["models"][1]["model"] = str(expert)
 
 
+def _first_data_file(r, t, name: str, text: str) -> None:
+    (t / name).write_text(text, encoding="utf-8")
+    r["featcal"]["data"][_expert(r, 0)] = {"path": str(t / name)}
+
+
 def _base_without_tokenizer(r, t):
     """A base directory with weights and config but no tokenizer: the records cannot be tokenised."""
     from featcal_llm.io.model_files import TOKENIZER_FILES
@@ -141,6 +146,8 @@ CASES = {
         ["other-eps/config.json: config rms_norm_eps = 0.0001 differs from the base model's 1e-05"]]),
     "an expert declaring quantized weights": (_expert_with_a_quantization_config, [
         ["quantized/config.json: quantization_config (bitsandbytes): featcal-llm merges and calibrates unquantized weights"]]),
+    "a JSON file of columns": (lambda r, t: _first_data_file(r, t, "cal.json", json.dumps({"text": ["a b", "c d", "e f"]})), [
+        ["cal.json: record 0: field 'text' is a list, not a string; a JSON file holding one object is one record to datasets"]]),
     "a base without tokenizer files": (_base_without_tokenizer, [
         ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
     "chat without a chat template": (_chat_records_without_a_template, [
@@ -437,3 +444,24 @@ def test_validate_reads_a_hub_models_cached_config_for_quantization_too(scenario
         f"{path}: models: org/quant: org/quant/config.json: quantization_config (gptq): featcal-llm merges and calibrates "
         "unquantized weights; give the unquantized checkpoint (where the block is a leftover over plain weights, as peft's "
         "merge_and_unload can leave one, delete it)"]
+
+
+def test_files_opening_with_a_utf8_bom_are_read_as_datasets_reads_them(scenario, tmp_path):
+    """Excel's "CSV UTF-8" and editors that write a BOM: validate reads the fields and counts as run's reader does."""
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data import load_records
+    from featcal_llm.io.validate import check_recipe
+
+    recipe = _recipe(scenario, tmp_path)
+    texts = [f"record number {i}" for i in range(6)]
+    (tmp_path / "bom.csv").write_text("text\n" + "".join(f'"{text}"\n' for text in texts), encoding="utf-8-sig")
+    (tmp_path / "bom.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts), encoding="utf-8-sig")
+    (tmp_path / "bom.json").write_text(json.dumps([{"text": text} for text in texts]), encoding="utf-8-sig")
+    for name, source in zip(recipe["featcal"]["data"], ("bom.csv", "bom.jsonl", "bom.json")):
+        recipe["featcal"]["data"][name] = {"path": str(tmp_path / source), "samples": 6}
+    path = tmp_path / "bom.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    report = check_recipe(path, plan=False)
+    assert report.problems == [] and not any("records" in note for note in report.notes), report.notes
+    for source in ("bom.csv", "bom.jsonl", "bom.json"):
+        assert list(load_records(DataSpec(path=str(tmp_path / source)), "w")["text"]) == texts

@@ -75,7 +75,7 @@ def record_count(path: Path) -> int | None:
     if path.stat().st_size > COUNT_MAX_BYTES:
         return None
     if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
             return sum(1 for row in csv.reader(handle) if row) - 1
     with open(path, "rb") as handle:
         return sum(1 for line in handle if line.strip())
@@ -109,7 +109,7 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     unreadable = f"{where}: cannot load calibration data"
     if suffix == ".csv":
         try:
-            with open(path, newline="", encoding="utf-8") as handle:
+            with open(path, newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel's "CSV UTF-8"), as datasets skips it
                 header = next(csv.reader(handle), None)
         except UnicodeDecodeError as error:
             raise FeatCalError(f"{where}: {not_utf8(error)}") from None
@@ -128,20 +128,20 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     whole = path.stat().st_size <= PLAIN_JSONL_MAX_BYTES
     if suffix == ".json" and whole:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
         except (ValueError, UnicodeDecodeError):
             data = None  # JSON lines in a .json file: read below
         if isinstance(data, list):
             return (_union(data), data, True) if data and all(isinstance(r, dict) for r in data) else (None, [], False)
-        if isinstance(data, dict):
-            return (list(data), [], False) if all(isinstance(v, list) for v in data.values()) else (None, [], False)
+        if isinstance(data, dict):  # one record to datasets, whatever its fields hold (columns of lists included)
+            return list(data), [data], True
     records = []
     with open(path, "rb") as handle:  # lines decoded one by one, strictly: run's reader (Arrow) refuses what is not UTF-8
         for number, raw in enumerate(handle, 1):
             if not whole and number > FIELD_SCAN_LINES:
                 break
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM before the first record, as datasets skips it
             except UnicodeDecodeError as error:
                 raise FeatCalError(f"{where}: {not_utf8(error).replace('at offset', f'on line {number}, at offset')}") from None
             if not line.strip():
@@ -161,7 +161,7 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
 
 def _is_json(path: Path) -> bool:
     try:
-        json.loads(path.read_text(encoding="utf-8"))
+        json.loads(path.read_text(encoding="utf-8-sig"))
     except (ValueError, UnicodeDecodeError):
         return False
     return True
