@@ -244,3 +244,30 @@ def test_found_paths_keep_anchors_and_follow_merge_keys(tmp_path, monkeypatch):
     assert "&d !!str project/d.jsonl" in found and "&p project/p.txt" in found
     moved = yaml.safe_load(with_output(text, "elsewhere"))["featcal"]
     assert moved["output"] == moved["eval"]["output"] == "elsewhere"
+
+
+def test_models_without_a_tokenizer_give_an_output_with_featcal_tokenizers(small, tmp_path):
+    """Base and experts shipped without tokenizer files, so the recipe names featcal.tokenizer (as the refusal of a
+    missing tokenizer says to): the merge has none either, and the output carries the one the records were read with."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import featcal_llm
+    from featcal_llm.io.model_files import TOKENIZER_FILES, has_tokenizer_files
+
+    bare = lambda source, name: shutil.copytree(source, tmp_path / name, ignore=shutil.ignore_patterns(  # noqa: E731
+        *TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja"))
+    raw = yaml.safe_load(small.recipe.read_text())
+    raw["base_model"] = str(bare(small.base, "base"))
+    for index, entry in enumerate(raw["models"]):
+        old = entry["model"]
+        entry["model"] = str(bare(old, f"expert{index}"))
+        raw["featcal"]["data"][entry["model"]] = raw["featcal"]["data"].pop(old)
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"), tokenizer=str(small.base), modules=["q_proj"])
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    output = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).output
+    assert not has_tokenizer_files(tmp_path / "merged") and has_tokenizer_files(output)
+    ids = AutoTokenizer.from_pretrained(output)("a b c")["input_ids"]
+    assert ids == AutoTokenizer.from_pretrained(small.base)("a b c")["input_ids"]
+    AutoModelForCausalLM.from_pretrained(output)(input_ids=__import__("torch").tensor([ids]))
