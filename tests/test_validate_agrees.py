@@ -465,3 +465,26 @@ def test_files_opening_with_a_utf8_bom_are_read_as_datasets_reads_them(scenario,
     assert report.problems == [] and not any("records" in note for note in report.notes), report.notes
     for source in ("bom.csv", "bom.jsonl", "bom.json"):
         assert list(load_records(DataSpec(path=str(tmp_path / source)), "w")["text"]) == texts
+
+
+def test_a_tokenizer_named_like_a_hub_id_is_noted_or_caught_as_a_typo(scenario, tmp_path, monkeypatch):
+    """`featcal.tokenizer: org/name` is a hub id to run (transformers fetches it): validate notes it as unchecked, as it
+    notes hub models, looks it up with --online, and a close local name is a typo, refused at once."""
+    import featcal_llm.io.validate as validate
+    from featcal_llm.io.validate import check_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "toks" / "base").mkdir(parents=True)
+    recipe = _recipe(scenario, tmp_path)
+    for name, expected in (("someorg/sometok", None), ("toks/bse", "toks/bse: tokenizer directory does not exist")):
+        recipe["featcal"]["tokenizer"] = name
+        path = tmp_path / "tok.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        report = check_recipe(path, plan=False)
+        if expected is None:
+            assert report.problems == [] and "someorg/sometok (tokenizer)" in " ".join(report.summary_notes())
+            looked = []
+            monkeypatch.setattr(validate, "hub_lookup", lambda kind, repo, *a: looked.append((kind, repo)))
+            assert check_recipe(path, online=True, plan=False).problems == [] and looked[-1] == ("model", "someorg/sometok")
+        else:
+            assert [(p.key, p.message) for p in report.problems] == [("featcal.tokenizer", expected + " (toks/ is a local directory, so it is no hub id); did you mean 'toks/base'?")]

@@ -124,7 +124,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
 # --- models ------------------------------------------------------------------------------------------------------
 
 
-def _refuse_local_typo(path: str, what: str) -> None:
+def _refuse_local_typo(path: str, what: str, kind: str = "model") -> None:
     """`experts/cod` beside an existing `experts/code`: a local path with a typo, not a hub id (which it would be read as)."""
     import difflib
 
@@ -134,7 +134,7 @@ def _refuse_local_typo(path: str, what: str) -> None:
     siblings = [child.name for child in parent.iterdir() if child.is_dir()]
     close = difflib.get_close_matches(Path(path).name, siblings, n=1, cutoff=0.75)
     if close:
-        raise FeatCalError(f"{what}: model directory does not exist ({parent}/ is a local directory, so it is no hub id); "
+        raise FeatCalError(f"{what}: {kind} directory does not exist ({parent}/ is a local directory, so it is no hub id); "
                            f"did you mean {str(parent / close[0])!r}?")
 
 
@@ -270,6 +270,13 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
     elif tokenizer and Path(tokenizer).is_file():  # transformers would read it as a hub id
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: a file; name the directory that holds it"))
+    elif tokenizer and not Path(tokenizer).exists():  # a hub id, as a model path is: a local typo first, then the hub
+        before = len(problems)
+        collect(problems, path, lambda: _refuse_local_typo(tokenizer, f"featcal.tokenizer: {tokenizer}", "tokenizer"))
+        if len(problems) == before and online:
+            collect(problems, path, lambda: hub_lookup("model", tokenizer, None, "featcal.tokenizer", report.offline))
+        elif len(problems) == before:
+            report.unchecked.append(f"{tokenizer} (tokenizer)")
     from featcal_llm.io.forms import changes_tokenizer
 
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
