@@ -75,7 +75,9 @@ class DataSpec(BaseModel):
     prompt: str = Field("prompt", description="field holding the user turn or prompt (formats chat without messages, and completion)")
     messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
-    weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit, relative to the others (0: merged in, not calibrated toward)")
+    weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit: it multiplies the expert's ω against the others' and against "
+                          "the ridge λ, which stays as set, so scaling every weight alike leans the fit from the anchor (×10) or "
+                          "to it (÷10); 0: merged in, not calibrated toward")
 
     def records(self, default: int) -> int:
         """How many calibration records this expert contributes (generated ones included); `default`: featcal.samples."""
