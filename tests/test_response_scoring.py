@@ -60,6 +60,8 @@ def test_prompts_that_fill_max_length_are_one_line():
     with pytest.raises(FeatCalError, match=r"^d: no record keeps a response token within featcal\.max_length 4 ") as error:
         tokenize_texts(["2+3=5", "1+1=2"], tokenizer, 4, "d", ["2+3=", "1+1="])
     assert "\n" not in str(error.value)
+    with pytest.raises(FeatCalError, match=r"^d: no record has a response to score: every response is empty$"):  # not the prompts' length
+        tokenize_texts(["2+3=", "1+1="], tokenizer, 64, "d", ["2+3=", "1+1="])
 
 
 def test_only_the_response_s_predictions_count_for_the_lead_and_plain_batches_have_no_mask():

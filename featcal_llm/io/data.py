@@ -281,6 +281,8 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
         sequences.append(list(ids) if prompt is None else Record(ids, response_start(ids, encode(prompt, tokenizer))))
     if prompts is not None and any(p is not None for p in prompts) and all(
             isinstance(s, Record) and s.response_from >= len(s) for s in sequences):
+        if all(prompt is None or text == prompt for text, prompt in zip(texts, prompts)):  # nothing follows any prompt
+            raise FeatCalError(f"{where}: no record has a response to score: every response is empty")
         raise FeatCalError(f"{where}: no record keeps a response token within featcal.max_length {max_length} "
                            "(the prompts fill it); raise max_length or shorten the prompts")
     return sequences
