@@ -271,3 +271,20 @@ def test_models_without_a_tokenizer_give_an_output_with_featcal_tokenizers(small
     ids = AutoTokenizer.from_pretrained(output)("a b c")["input_ids"]
     assert ids == AutoTokenizer.from_pretrained(small.base)("a b c")["input_ids"]
     AutoModelForCausalLM.from_pretrained(output)(input_ids=__import__("torch").tensor([ids]))
+
+
+def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path):
+    """A max_length above max_position_embeddings (512 here) lets records calibrate at positions the model never had."""
+    import json
+
+    import featcal_llm
+
+    raw = yaml.safe_load(small.recipe.read_text())
+    first = raw["models"][0]["model"]
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "a b " * 200}) + "\n" + json.dumps({"text": "c d"}) + "\n")
+    raw["featcal"]["data"][first] = {"path": str(tmp_path / "long.jsonl")}
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(small.root / "merged"), modules=["q_proj"], max_length=1024)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    warnings = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).warnings
+    assert any("featcal.max_length: records of up to 800 tokens are longer than the base model's max_position_embeddings "
+               "512; set max_length to 512 or less" in warning for warning in warnings), warnings

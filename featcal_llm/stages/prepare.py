@@ -30,7 +30,7 @@ from featcal_llm.family.compat import check_compatible, check_embedding_rows, ch
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
@@ -262,6 +262,11 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     )
     dtypes = {name: resolve_dtype(featcal.dtype, resolved.device, stored_dtype(config)) for name, config in resolved.expert_configs.items()}
     sequences = with_generated(comm, recipe, sequences, resolved.experts, resolved.expert_configs, resolved.device, dtypes, progress)
+    positions = getattr(base_config, "max_position_embeddings", None)
+    longest = max((len(row) for rows in sequences.values() for row in rows), default=0)
+    if positions and longest > positions:  # rotary positions past what the model was trained on: features it never had
+        warn(f"{recipe.path}: featcal.max_length: records of up to {longest} tokens are longer than the base model's "
+             f"max_position_embeddings {positions}; set max_length to {positions} or less")
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
     sized = {name: config.vocab_size for name, config in resolved.expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
