@@ -64,6 +64,20 @@ def test_prompts_that_fill_max_length_are_one_line():
         tokenize_texts(["2+3=", "1+1="], tokenizer, 64, "d", ["2+3=", "1+1="])
 
 
+def test_a_tokenizer_that_appends_its_eos_does_not_make_a_truncated_prompt_a_response():
+    """Truncation keeps the EOS such a tokenizer appends: a record cut inside its prompt ends in that EOS, which the
+    prompt's own encoding ends in too; it is no response token, so no record keeps one and the run says so."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", tokenizer.bos_token_id), ("</s>", tokenizer.eos_token_id)])
+    [whole] = tokenize_texts(["2+3=5"], tokenizer, 64, "d", ["2+3="])
+    assert whole.response_from == 5 and list(whole)[5:] == [tokenizer.convert_tokens_to_ids("5"), tokenizer.eos_token_id]
+    with pytest.raises(FeatCalError, match=r"^d: no record keeps a response token within featcal\.max_length 4 "):
+        tokenize_texts(["2+3=5", "1+1=2"], tokenizer, 4, "d", ["2+3=", "1+1="])
+
+
 def test_only_the_response_s_predictions_count_for_the_lead_and_plain_batches_have_no_mask():
     [batch] = make_batches([Record([3, 4, 5, 6], 2), [7, 8, 9]], 100)
     assert response_positions(batch).tolist() == [[False, True, True, False], [True, True, False, False]]

@@ -278,7 +278,14 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
         if len(ids) == 0:
             raise FeatCalError(f"{where}: record {index} tokenises to nothing")
         prompt = prompts[index] if prompts is not None else None
-        sequences.append(list(ids) if prompt is None else Record(ids, response_start(ids, encode(prompt, tokenizer))))
+        if prompt is None:
+            sequences.append(list(ids))
+            continue
+        prompt_ids = encode(prompt, tokenizer)
+        start = response_start(ids, prompt_ids)
+        if start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
+            start = len(ids)  # a truncated prompt and the special token the tokenizer appends (its EOS): no response
+        sequences.append(Record(ids, start))
     if prompts is not None and any(p is not None for p in prompts) and all(
             isinstance(s, Record) and s.response_from >= len(s) for s in sequences):
         if all(prompt is None or text == prompt for text, prompt in zip(texts, prompts)):  # nothing follows any prompt
