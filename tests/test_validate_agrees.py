@@ -147,7 +147,7 @@ CASES = {
     "an expert declaring quantized weights": (_expert_with_a_quantization_config, [
         ["quantized/config.json: quantization_config (bitsandbytes): featcal-llm merges and calibrates unquantized weights"]]),
     "a JSON file of columns": (lambda r, t: _first_data_file(r, t, "cal.json", json.dumps({"text": ["a b", "c d", "e f"]})), [
-        ["cal.json: record 0: field 'text' is a list, not a string; a JSON file holding one object is one record to datasets"]]),
+        ["cal.json: record 0: field 'text' is a list, not a string;", "a JSON file holding one object of lists (columns) is one record to datasets"]]),
     "a base without tokenizer files": (_base_without_tokenizer, [
         ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
     "chat without a chat template": (_chat_records_without_a_template, [

@@ -159,9 +159,9 @@ def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -
         return value
     kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else f"a {type(value).__name__}"
     hint = f"format: {spec.format} reads it as text" + ("; for a list of messages, use format: chat with messages" if isinstance(value, list) else "")
-    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):  # a column of texts
-        hint = ("a JSON file holding one object is one record to datasets, its fields the lists: write one record per "
-                "line (JSON lines) or an array of records")
+    if index == 0 and isinstance(value, list) and value and all(isinstance(item, str) for item in value):  # columns?
+        hint += ("; a JSON file holding one object of lists (columns) is one record to datasets: write one record per "
+                 "line (JSON lines) or an array of records")
     if spec.format == "completion":
         kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else kind
         hint = "format: completion reads string prompt and completion fields (for messages, use format: chat with messages)"
