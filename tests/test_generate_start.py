@@ -193,7 +193,7 @@ def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
     warning = next(line for line in err.splitlines() if "warning" in line)
     assert f"the generated sets of {kinds['raw']} and {kinds['raw_twin']} are nearly the same text" in warning
     _generate_only(kinds_recipe(kinds, tmp_path / "kinds", experts=("raw", "chat"), samples=16))  # each from its own start
-    assert "warning" not in capsys.readouterr().err
+    assert "nearly the same text" not in capsys.readouterr().err  # (the chat expert's seed prompts fill max_length 64: warned)
 
 
 def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys):
