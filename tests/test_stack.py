@@ -101,6 +101,9 @@ def test_tuned_stack_equals_two_recipes_and_replays_bit_for_bit(merged_scenario,
     chosen = json.loads((stacked / "featcal_tuning.json").read_text())["chosen"]
     assert block["lambda"] == {"per_layer": chosen["lambda"]}
     assert set(block["reduction"]) == {"per_layer"} and len(block["reduction"]["per_layer"]) == 3
+    card = (stacked / "README.md").read_text()
+    shown = yaml.safe_load(card[card.index("```yaml") + 7:card.index("```", card.index("```yaml") + 7)])["featcal"]
+    assert (shown["reduction"], shown["lambda"]) == ([0.2, 0.9], [1e-4, 1e-1])  # the stack as written, not a stage's mix
     block["output"] = str(tmp_path / "replayed")
     replay = tmp_path / "replay.yaml"
     replay.write_text(yaml.safe_dump(saved, sort_keys=False))

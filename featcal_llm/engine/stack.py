@@ -51,7 +51,7 @@ def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], P
     barrier()  # every rank waits for rank 0's stage-1 checkpoint
     text = with_chosen(recipe.text, intermediate / TUNING_JSON) if first.featcal.tuned else recipe.text
     second = replace(recipe, featcal=featcal.stage(1, str(intermediate)), text=text,
-                     merged_label=f"{featcal.merged} + {featcal.method[0]}")
+                     merged_label=f"{featcal.merged} + {featcal.method[0]}", card_text=recipe.text)
     output = run_stage(second, force)
     if is_main:  # only now: a failure before this keeps both for the rerun
         from featcal_llm.stages.prepare import partial_dir

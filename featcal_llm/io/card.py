@@ -346,7 +346,7 @@ The full recipe (mergekit configuration plus the `featcal:` block) is saved as `
 paths shortened to their names:
 
 ```yaml
-{_public_recipe(recipe.text, names).rstrip()}
+{_public_recipe(recipe.card_text or recipe.text, names).rstrip()}
 ```
 
 ## Citation

@@ -45,6 +45,7 @@ class Recipe:
     base: Any  # mergekit ModelReference
     experts: tuple[Expert, ...]
     merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
+    card_text: str | None = None  # the recipe the card shows, where `text` is a stage's (a stack's second, with the first's choices)
 
 
 def _yaml_reason(error: yaml.YAMLError) -> str:
