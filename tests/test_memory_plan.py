@@ -30,6 +30,16 @@ def test_the_disk_line_names_what_it_counts_and_what_it_reads():
                     f"layers); not counted: the base and 3 experts it reads, ~{size_text(4 * model)} as full checkpoints")
 
 
+def test_a_stack_counts_its_first_stages_output_and_layers_kept_until_it_finishes():
+    linear = 3072 * (3072 + 1024 + 1024) + 3072 * 3072 + 2 * 3072 * 8192 + 8192 * 3072
+    model = (28 * linear + 128256 * 3072) * 2
+    stack = FeatCalConfig.model_validate({**_block().model_dump(by_alias=True, exclude_unset=True), "method": ["regmean", "featcal"]})
+    plan = memory_plan(LLAMA_3B, stack, 3, merged_exists=True)
+    assert plan.disk_bytes == 2 * (model + 28 * linear * 2)  # each stage's output and staged layers
+    disk = next(line for line in plan.lines() if line.startswith("  disk"))
+    assert "(the output checkpoint, the staged layers, the first stage's output and staged layers, kept until the stack finishes)" in disk
+
+
 def test_a_merge_already_on_disk_is_not_counted_as_written():
     written = memory_plan(LLAMA_3B, _block(), 3, merged_exists=False)
     present = memory_plan(LLAMA_3B, _block(), 3, merged_exists=True)

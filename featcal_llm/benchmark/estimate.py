@@ -46,6 +46,7 @@ class MemoryPlan:
     inputs: str = ""  # what inputs_bytes counts, in words ("the base and 3 experts")
     merge_written: bool = True  # whether disk_bytes counts writing the merge
     refine: str = ""  # the `refine:` stage's line (engine/refine_memory.plan_line), when the recipe refines
+    stacked: bool = False  # a stack: disk_bytes counts the first stage's output and staged layers as well
 
     def lines(self) -> list[str]:
         """The plan as printed by `featcal-llm validate`, labelled as an estimate."""
@@ -55,6 +56,8 @@ class MemoryPlan:
             lines.append(f"  GPU memory  ~{gb(self.gpu_bytes)}")
         lines.append(f"  host RAM    ~{gb(self.host_bytes)}")
         parts = (["the merge"] if self.merge_written else []) + ["the output checkpoint", "the staged layers"]
+        if self.stacked:
+            parts.append("the first stage's output and staged layers, kept until the stack finishes")
         if self.spilled_bytes:
             parts.append(f"{gb(self.spilled_bytes)} of hidden states spilled beyond the RAM budget")
         read = f"; not counted: {self.inputs} it reads, ~{gb(self.inputs_bytes)} as full checkpoints" if self.inputs else ""
@@ -138,7 +141,11 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     gpu = None if cpu else work + CUDA_CONTEXT
     host = window + in_ram + PROCESS_ALLOWANCE + (work if cpu else 0.0)
     model = parameters * stored
-    disk = (0 if merged_exists else model) + model + layers * shape.linear_params * stored + spilled
+    staged = layers * shape.linear_params * stored
+    disk = (0 if merged_exists else model) + model + staged + spilled
+    stacked = bool(getattr(featcal, "stacked", False))
+    if stacked:  # the first stage's output and staged layers stay until the second has finished (engine/stack.py)
+        disk += model + staged
     device = "on the CPU" if cpu else "on one GPU (device auto: a GPU when there is one)" if featcal.device == "auto" else f"on {featcal.device}"
     inputs = f"the base and {experts} expert{'s' * (experts != 1)}"
     refine = ""
@@ -146,4 +153,5 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
         from featcal_llm.engine.refine_memory import ASSUMED_GPU, plan_line
 
         refine = plan_line(config, featcal.refine, featcal.batch_tokens, featcal.max_length, tokens, cpu, machine_ram() if cpu else ASSUMED_GPU)
-    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists, refine)
+    return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists, refine,
+                      stacked)
