@@ -389,3 +389,16 @@ def test_two_ranks_leave_out_the_records_one_process_leaves_out_of_refine(uneven
     ours, theirs = (json.loads((d / "featcal_refine.json").read_text()) for d in (tmp_path / "out", single))
     assert ours["records_left_out"] == theirs["records_left_out"] and ours["records"] == theirs["records"]
     assert sum(theirs["records_left_out"].values()) > 0, theirs["records_left_out"]
+
+
+def test_a_stack_on_two_ranks_gives_the_one_process_weights_and_leaves_no_stage_behind(uneven, tmp_path):
+    """`method: [regmean++, featcal]` on two ranks: both stages as one process runs them, and the first stage's output
+    and saved layers (kept through the second stage, for a rerun) are removed once the stack has finished."""
+    scenario, _ = uneven
+    stack = {"method": ["regmean++", "featcal"], "reduction": 0.5, "norms": False, "head": False, "trailing_experts": "keep",
+             "trailing_records": "keep"}
+    single = run_recipe(scenario.write_recipe(tmp_path / "single.yaml", output=str(tmp_path / "single"), **stack), progress=False)
+    ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **stack), 2, tmp_path / "logs")
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
