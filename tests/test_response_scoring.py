@@ -62,6 +62,8 @@ def test_prompts_that_fill_max_length_are_one_line():
     assert "\n" not in str(error.value)
     with pytest.raises(FeatCalError, match=r"^d: no record has a response to score: every response is empty$"):  # not the prompts' length
         tokenize_texts(["2+3=", "1+1="], tokenizer, 64, "d", ["2+3=", "1+1="])
+    [whole] = tokenize_texts(["a"], tokenizer, 64, "d", [""])  # an empty prompt: every token is the response
+    assert whole.response_from == 0 and len(whole) == 1
 
 
 def test_a_tokenizer_that_appends_its_eos_does_not_make_a_truncated_prompt_a_response():
@@ -212,6 +214,18 @@ def test_every_format_refuses_a_text_field_that_is_not_text(spec, record, field,
         record_to_text(record, spec, build_char_tokenizer(), "r.yaml: featcal.data.e", 2)
     assert str(error.value).startswith(f"r.yaml: featcal.data.e.path: cal.jsonl: record 2: field {field!r} is {kind}, not a string; "
                                        f"format: {spec.format} reads it as text")
+
+
+@pytest.mark.parametrize("format_, field", [("text", "text"), ("completion", "prompt")])
+def test_a_column_of_texts_in_record_0_is_named_as_one_json_object_of_columns(format_, field):
+    """What a JSON file holding one object of lists becomes: its lists of strings are columns, not chat messages."""
+    record = {"text": ["a", "b"], "prompt": ["a", "b"], "completion": ["x", "y"]}
+    with pytest.raises(FeatCalError) as error:
+        record_to_text(record, DataSpec(path="cal.json", format=format_), build_char_tokenizer(), "r.yaml: featcal.data.e", 0)
+    message = str(error.value)
+    assert f"record 0: field {field!r} is a list, not a string;" in message and "messages (TRL" not in message
+    assert message.endswith("a JSON file holding one object of lists (columns) is one record to datasets: write one record "
+                            "per line (JSON lines) or an array of records")
 
 
 def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):

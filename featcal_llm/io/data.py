@@ -159,12 +159,13 @@ def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -
         return value
     kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else f"a {type(value).__name__}"
     hint = f"format: {spec.format} reads it as text" + ("; for a list of messages, use format: chat with messages" if isinstance(value, list) else "")
+    if spec.format == "completion":
+        messages = isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)
+        kind = "a list of messages (TRL's conversational form)" if messages else kind
+        hint = "format: completion reads string prompt and completion fields (for messages, use format: chat with messages)"
     if index == 0 and isinstance(value, list) and value and all(isinstance(item, str) for item in value):  # columns?
         hint += ("; a JSON file holding one object of lists (columns) is one record to datasets: write one record per "
                  "line (JSON lines) or an array of records")
-    if spec.format == "completion":
-        kind = "a list of messages (TRL's conversational form)" if isinstance(value, list) else kind
-        hint = "format: completion reads string prompt and completion fields (for messages, use format: chat with messages)"
     raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is {kind}, not a string; {hint}")
 
 
@@ -283,7 +284,7 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
             continue
         prompt_ids = encode(prompt, tokenizer)
         start = response_start(ids, prompt_ids)
-        if start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
+        if prompt_ids and start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
             start = len(ids)  # a truncated prompt and the special token the tokenizer appends (its EOS): no response
         sequences.append(Record(ids, start))
     if prompts is not None and any(p is not None for p in prompts) and all(
