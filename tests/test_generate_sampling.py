@@ -179,3 +179,16 @@ def test_vllm_backend_plumbing_with_a_stand_in_engine(monkeypatch, tmp_path):
     assert {p.min_p for p in made["params"]} == {0.05}
     sampler.close()
     assert not hasattr(sampler, "llm")
+
+
+def test_a_chat_template_that_refuses_the_prompt_is_one_line():
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.generation.prompts import resolve_start
+    from featcal_llm.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(FeatCalError, match=r"^w: the expert's chat template refused a prompt \(Conversation roles must alternate"):
+        resolve_start(["hi"], "p.txt", "on", tokenizer, None, "w")
+    with pytest.raises(FeatCalError, match=r"^w: the expert's chat template refused a prompt"):
+        resolve_start(None, "", "empty", tokenizer, None, "w")

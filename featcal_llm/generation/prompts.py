@@ -57,14 +57,14 @@ def resolve_start(
     """
     chat = uses_chat_template(chat_setting, tokenizer, where) and start is None
     if prompts is None and chat and chat_setting == "empty":
-        return empty_request(tokenizer)
+        return empty_request(tokenizer, where)
     if prompts is None and chat:
         prompts, prompts_source = read_prompts(SEED_PROMPTS, "shipped seed prompts"), "shipped seed prompts"
     if prompts is None:
         token = start_token(tokenizer, config, start, where)
         return Start(("",), ((token,),), f"start token {start}" if start is not None else "BOS token", chat=False)
     if chat:
-        texts = tuple(chat_request(tokenizer, p) for p in prompts)
+        texts = tuple(chat_request(tokenizer, p, where) for p in prompts)
     else:
         texts = tuple(prompts)
     ids = tuple(tuple(encode(text, tokenizer)) for text in texts)
@@ -74,14 +74,20 @@ def resolve_start(
     return Start(texts, ids, prompts_source, chat)
 
 
-def chat_request(tokenizer: Any, request: str) -> str:
-    """`request` as the user's turn through the chat template, up to where the assistant's answer begins."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE)
+def chat_request(tokenizer: Any, request: str, where: str = "generate") -> str:
+    """`request` as the user's turn through the chat template, up to where the assistant's answer begins; a template
+    that refuses it (or cannot render) is one line, not a traceback."""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True,
+                                             date_string=CHAT_DATE)
+    except Exception as error:  # jinja2's TemplateError/UndefinedError, transformers' ValueError: the template's own words
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FeatCalError(f"{where}: the expert's chat template refused a prompt ({reason})") from None
 
 
-def empty_request(tokenizer: Any) -> Start:
+def empty_request(tokenizer: Any, where: str = "generate") -> Start:
     """A user turn with nothing in it: the expert answers with what it writes unasked, the kind of text it was tuned on."""
-    text = chat_request(tokenizer, "")
+    text = chat_request(tokenizer, "", where)
     return Start((text,), (tuple(encode(text, tokenizer)),), "empty request", chat=True)
 
 
@@ -109,7 +115,7 @@ def candidate_starts(tokenizer: Any, config: Any, directory: Any, where: str) ->
     candidates = {"bos": resolve_start(None, "", "off", tokenizer, config, where)}
     if getattr(tokenizer, "chat_template", None) is not None:
         candidates["chat"] = resolve_start(None, "", "on", tokenizer, config, where)
-        candidates["empty"] = empty_request(tokenizer)
+        candidates["empty"] = empty_request(tokenizer, where)
     token = config_start_token(directory, tokenizer)
     if token is not None and (token,) != candidates["bos"].ids[0]:
         name = tokenizer.convert_ids_to_tokens(token)
