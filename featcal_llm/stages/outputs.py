@@ -30,18 +30,17 @@ from featcal_llm.engine.tuning import tuning_report, tuning_table
 from featcal_llm.stages.prepare import Data, Opened, Resolved
 
 
-def _tokenizer_where_the_merge_has_none(featcal: Any, checkpoint: Path) -> None:
+def _tokenizer_where_the_merge_has_none(featcal: Any, tokenizer: Any, checkpoint: Path) -> None:
     """A merge without tokenizer files (its base had none, so the recipe named `featcal.tokenizer`): the output gets the
-    tokenizer the records were tokenised with, so that it loads, and the card's usage runs, as it stands."""
+    tokenizer the records were tokenised with (the object itself: no second fetch of a hub id), so that it loads, and
+    the card's usage runs, as it stands."""
     from featcal_llm.io.model_files import has_tokenizer_files
 
-    if not featcal.tokenizer or has_tokenizer_files(checkpoint):
+    if not featcal.tokenizer or tokenizer is None or has_tokenizer_files(checkpoint):
         return
-    from transformers import AutoTokenizer
-
     runlog.stage(f"the merge has no tokenizer files: the output gets featcal.tokenizer's ({featcal.tokenizer}), which the "
                  "records were tokenised with")
-    AutoTokenizer.from_pretrained(featcal.tokenizer, trust_remote_code=featcal.trust_remote_code).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
 
 
 def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> dict[str, str]:
@@ -85,7 +84,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     copies = {} if unchanged else _tied_head_copy(models.merged, plan.architecture, ties)  # unchanged: the merge, as it is
     write_calibrated_checkpoint(models.merged, replacements, checkpoint, copies)
     copy_side_files(merged_dir, checkpoint)
-    _tokenizer_where_the_merge_has_none(featcal, checkpoint)
+    _tokenizer_where_the_merge_has_none(featcal, data.tokenizer, checkpoint)
     untied = not copies and head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
     own_stored_head = not copies and not untied and ties and stores_its_own_head(models.merged, replacements, plan.architecture.embed_tokens)
     if own_stored_head:  # the head the run calibrated against and transformers serves; vLLM too, once untied

@@ -193,6 +193,7 @@ class Data:
     batches: dict[str, list]  # this rank's shard
     probe: Probe
     every: dict[str, list[list[int]]]  # every record read or generated, held-out ones included
+    tokenizer: Any = None  # what the records were tokenised with (the output gets it where the merge has no tokenizer)
 
 
 @dataclass
@@ -292,7 +293,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         "held-out records" if featcal.holds_out else "calibration subsample",
     )
     comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it in the next stage
-    return Data(calibration, probe_sequences, batches, probe, sequences)
+    return Data(calibration, probe_sequences, batches, probe, sequences, tokenizer)
 
 
 def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
