@@ -68,9 +68,12 @@ def trained(tmp_path_factory):
 
 def _runs(scenario, tmp_path, spy: WeightSpy | None = None, **settings) -> dict:
     """ΔW errors of bf16 against float64, weighted (the default) and unweighted, float64 statistics in both."""
+    weighted_only = {key: settings.pop(key) for key in ("trailing_records",) if key in settings}  # refused beside equal
+
     def run(name, **overrides):
+        extra = weighted_only if overrides.get("token_weights") == "expert_lead" else {}
         recipe = scenario.write_recipe(tmp_path / f"{name}.yaml", output=str(tmp_path / name), batch_tokens=150,
-                                       stats_dtype="float64", **settings, **overrides)
+                                       stats_dtype="float64", **settings, **extra, **overrides)
         return read_weights(run_recipe(recipe, progress=False))
 
     weighted64 = run("weighted64", dtype="float64", token_weights="expert_lead")

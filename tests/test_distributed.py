@@ -395,8 +395,7 @@ def test_a_stack_on_two_ranks_gives_the_one_process_weights_and_leaves_no_stage_
     """`method: [regmean++, featcal]` on two ranks: both stages as one process runs them, and the first stage's output
     and saved layers (kept through the second stage, for a rerun) are removed once the stack has finished."""
     scenario, _ = uneven
-    stack = {"method": ["regmean++", "featcal"], "reduction": 0.5, "norms": False, "head": False, "trailing_experts": "keep",
-             "trailing_records": "keep"}
+    stack = {"method": ["regmean++", "featcal"], "reduction": 0.5, "norms": False, "head": False, "trailing_experts": "keep"}
     single = run_recipe(scenario.write_recipe(tmp_path / "single.yaml", output=str(tmp_path / "single"), **stack), progress=False)
     ranks = launch(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **stack), 2, tmp_path / "logs")
     assert [r.returncode for r in ranks] == [0, 0], ranks

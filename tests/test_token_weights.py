@@ -142,6 +142,9 @@ def test_an_expert_never_ahead_of_the_merge_is_warned_about(tmp_path, capsys):
     ({"token_weights": "expert_lead", "method": "regmean++", "lambda": None, "alpha": None, "rho": None},
      r"featcal\.token_weights: expert_lead is FeatCal's; regmean\+\+ weighs every token alike"),
     ({"token_weights": "advantage"}, r"featcal\.token_weights: advantage was renamed: use expert_lead$"),
+    ({"token_weights": "equal", "trailing_records": "drop"},  # a key that would do nothing
+     r"featcal\.trailing_records: only token_weights: expert_lead reads it \(a trailing record weighs 0 through its token "
+     r"weights\), and token_weights is equal$"),
 ])
 def test_bad_token_weights_are_one_line(tmp_path, featcal, message):
     from scenario import build_scenario

@@ -146,6 +146,9 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
     if featcal.regmean and featcal.token_weights == "expert_lead":
         problems.append(Problem(str(path), "featcal.token_weights", f"expert_lead is FeatCal's; {featcal.method} weighs every token alike (equal)"))
+    elif not featcal.regmean and "trailing_records" in featcal.model_fields_set and featcal.token_weighting != "expert_lead":
+        problems.append(Problem(str(path), "featcal.trailing_records", f"only token_weights: expert_lead reads it (a trailing record "
+                                f"weighs 0 through its token weights), and token_weights is {featcal.token_weighting}"))
     if any(stage.tuned and stage.per_layer for stage in _stages(featcal)):
         problems.append(Problem(str(path), "featcal", "per_layer values replay a tuned run and cannot be combined with auto or candidate lists"))
     if featcal.tune is not None and not featcal.tuned and not featcal.per_layer:
