@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.data import CHAT_DATE, encode
+from featcal_llm.io.data import encode, render_chat
 from featcal_llm.io.prompts import read_prompts  # noqa: F401  (re-exported for generation)
 
 # Varied generic requests (instructions, questions, code, maths, prose) for chat experts given no prompts.
@@ -77,12 +77,8 @@ def resolve_start(
 def chat_request(tokenizer: Any, request: str, where: str = "generate") -> str:
     """`request` as the user's turn through the chat template, up to where the assistant's answer begins; a template
     that refuses it (or cannot render) is one line, not a traceback."""
-    try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True,
-                                             date_string=CHAT_DATE)
-    except Exception as error:  # jinja2's TemplateError/UndefinedError, transformers' ValueError: the template's own words
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise FeatCalError(f"{where}: the expert's chat template refused a prompt ({reason})") from None
+    return render_chat(tokenizer, [{"role": "user", "content": request}], f"{where}: the expert's chat template refused a prompt",
+                       add_generation_prompt=True)
 
 
 def empty_request(tokenizer: Any, where: str = "generate") -> Start:

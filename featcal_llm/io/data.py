@@ -217,7 +217,7 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
         return text_field(record, spec, spec.prompt, where, index) + text_field(record, spec, spec.response, where, index)
     if getattr(tokenizer, "chat_template", None) is None:
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
-    return _templated(tokenizer, _chat_messages(record, spec, where, index), where, index)
+    return render_chat(tokenizer, _chat_messages(record, spec, where, index), f"{where}: record {index}: the tokenizer's chat template refused it")
 
 
 def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str | None:
@@ -231,18 +231,19 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
         messages = _chat_messages(record, spec, where, index)
         if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
             return None
-        return _templated(tokenizer, messages[:-1], where, index, add_generation_prompt=True)
+        return render_chat(tokenizer, messages[:-1], f"{where}: record {index}: the tokenizer's chat template refused it",
+                           add_generation_prompt=True)
     return None
 
 
-def _templated(tokenizer: Any, messages: list[dict], where: str, index: int, add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], refused: str, add_generation_prompt: bool = False) -> str:
     """The messages through the tokenizer's chat template; a template that refuses them (Gemma's refuses a system turn,
-    Mistral's turns that do not alternate) or cannot render is one line naming the record."""
+    Mistral's turns that do not alternate) or cannot render is one line: `refused`, then the template's own words."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, date_string=CHAT_DATE)
-    except Exception as error:  # jinja2's TemplateError/UndefinedError, transformers' ValueError: the template's own words
+    except Exception as error:  # jinja2's TemplateError/UndefinedError, transformers' ValueError
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise FeatCalError(f"{where}: record {index}: the tokenizer's chat template refused it ({reason})") from None
+        raise FeatCalError(f"{refused} ({reason})") from None
 
 
 def response_start(ids: list[int], prompt_ids: list[int]) -> int:
