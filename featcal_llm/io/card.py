@@ -221,6 +221,7 @@ def write_card(
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
     starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
     sampling: dict[str, dict[str, Any]] | None = None, advantage: dict[str, dict[str, float]] | None = None,
+    refined: dict[str, Any] | None = None,
 ) -> None:
     """README.md (the Hub's front matter, then the run in sentences), the recipe, and featcal_weights.json beside it.
 
@@ -235,7 +236,8 @@ def write_card(
     NLLs the coverage weights came from (engine.coverage.expert_weights). `sampling`: each `generate:`
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
     `advantage`: per expert, the share of its tokens where it predicts the next token better than the
-    merge and its mean positive lead in nats (engine.token_weights), when tokens were weighed by it.
+    merge and its mean positive lead in nats (engine.token_weights), when tokens were weighed by it. `refined`: the
+    `refine:` stage's report, whose machine-dependent choices the saved recipe writes out.
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -356,7 +358,7 @@ paths shortened to their names:
 """
     text = "---\n" + yaml.safe_dump(rounded(front), sort_keys=False, allow_unicode=True) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
-    (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts), encoding="utf-8")
+    (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts, refined), encoding="utf-8")
     write_run_record(directory, run)
 
 

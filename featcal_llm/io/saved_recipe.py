@@ -112,9 +112,10 @@ def with_found_paths(text: str, recipe_dir: Path) -> str:
 
 
 def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torch.dtype], sampling: dict[str, dict[str, Any]],
-                 starts: dict[str, dict]) -> str:
+                 starts: dict[str, dict], refined: dict[str, Any] | None = None) -> str:
     """The recipe as run: input files found beside the recipe written as found, a tuned run's choices replayed
-    (replay_text), each `generate:` expert's sampling pinned, and a comment naming where each began its samples."""
+    (replay_text), each `generate:` expert's sampling pinned, a comment naming where each began its samples, and
+    `refine:`'s machine-dependent choices written out (`refined`: the stage's report)."""
     recipe = replace(recipe, text=with_found_paths(recipe.text, recipe.path.parent))
     saved = recipe.text if tuning is None else replay_text(recipe, tuning, precisions)
     saved = with_sampling_pinned(saved, sampling, starts)
@@ -122,7 +123,7 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
         saved = saved.rstrip("\n") + "\n" + "".join(
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
         )
-    return saved
+    return with_refine_pinned(saved, refined)
 
 
 REFINE_NOTE = "# refine's automatic choices (params, precision) are written out, so that another machine refines alike.\n"

@@ -15,7 +15,6 @@ from featcal_llm import runlog
 from featcal_llm.engine.context import RunContext
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.refine_card import REFINE_FILE, append_refinement
-from featcal_llm.io.saved_recipe import RECIPE_FILE, with_refine_pinned
 from featcal_llm.io.checkpoint import (
     copy_side_files,
     move_into_place,
@@ -116,11 +115,9 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning=tuning,
                precisions={"dtype": runner.dtype, "stats_dtype": runner.stats_dtype}, sources=resolved.sources, calibrated=calibrated,
                starts=start_records(recipe), weights=weights, coverage=covered, sampling=sampling_records(recipe),
-               advantage=lead_summary)
+               advantage=lead_summary, refined=refined)
     if refined is not None:
         append_refinement(checkpoint, refined)
-        saved = checkpoint / RECIPE_FILE
-        saved.write_text(with_refine_pinned(saved.read_text(encoding="utf-8"), refined), encoding="utf-8")
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
         shutil.rmtree(partial, ignore_errors=True)
