@@ -3,8 +3,9 @@
 The two stages run one after the other exactly as two recipes would (the second's `merged` is the first's
 `output`): stage 1 writes its merge into a hidden sibling of the output, stage 2 calibrates it into the output,
 and the sibling is removed, with stage 1's saved progress. Where stage 2 fails or is stopped, both stay: the rerun
-takes stage 1's layers from its saved progress (the fingerprint checks they still fit) and resumes stage 2. The saved recipe is the stack itself, with the values any search chose per layer,
-so running it again replays both stages.
+takes stage 1's layers from its saved progress (the fingerprint checks they still fit) and resumes stage 2. The
+saved recipe is the stack itself, with the values any search chose per layer, so running it again replays both
+stages.
 """
 
 from __future__ import annotations
