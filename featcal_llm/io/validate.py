@@ -348,11 +348,11 @@ def _check_device(path: Path, override: str | None, featcal: Any, report: Report
     from featcal_llm.hardware import cuda_refusal, vllm_refusal
     from featcal_llm.io.block import check_device
 
-    if override is not None:  # the CLI checks its option's form itself; the API's device= only here
-        if not isinstance(override, str) or collect(report.problems, path, lambda: check_device(override, "--device")) is None:
-            if not isinstance(override, str):
-                report.problems.append(Problem(str(path), "--device", f"expected a string such as 'cpu' or 'cuda:0', got {override!r}"))
-            return
+    if override is not None and not isinstance(override, str):  # the CLI checks its option's form itself; the API's device= here
+        report.problems.append(Problem(str(path), "--device", f"expected a string such as 'cpu' or 'cuda:0', got {override!r}"))
+        return
+    if override is not None and collect(report.problems, path, lambda: check_device(override, "--device")) is None:
+        return
     device = override or featcal.device
     if device.startswith("cuda") and (refusal := cuda_refusal()) is not None:
         report.problems.append(Problem(str(path), "--device" if override else "featcal.device", f"{device} requested but {refusal}"))
@@ -365,7 +365,9 @@ def _check_device(path: Path, override: str | None, featcal: Any, report: Report
 
 def _check_eval(path: Path, section: Any, report: Report) -> None:
     """Files the eval: block names exist (beside the recipe, or from the current directory)."""
-    found = lambda value: any((where / value).expanduser().exists() for where in (path.parent, Path.cwd()))  # noqa: E731
+    places = lambda value: [(where / value).expanduser() for where in (path.parent, Path.cwd())]  # noqa: E731
+    found = lambda value: any(place.exists() for place in places(value))  # noqa: E731
+    is_dir = lambda value: any(place.is_dir() for place in places(value))  # noqa: E731
     before = len(report.problems)
     if section.suite.endswith((".yaml", ".yml")) and not found(section.suite):
         report.problems.append(Problem(str(path), "featcal.eval.suite", f"{section.suite}: suite file not found"))
@@ -374,11 +376,10 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
     for task, location in section.data.items():
         if not found(location):
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: not found"))
-        elif not any((where / location).expanduser().is_dir() for where in (path.parent, Path.cwd())) and Path(location).suffix not in DATA_BUILDERS:
+        elif not is_dir(location) and Path(location).suffix not in DATA_BUILDERS:
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: expected one of {', '.join(DATA_BUILDERS)} or a directory"))
     if Path(section.output).exists() and not Path(section.output).is_dir():  # run would fail after the calibration
         report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: a file, not a results directory"))
-    is_dir = lambda value: any((where / value).expanduser().is_dir() for where in (path.parent, Path.cwd()))  # noqa: E731
     if section.nltk_data and not is_dir(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
