@@ -140,3 +140,60 @@ def test_a_layers_saved_tensors_fit_the_memory_models_count(params, autocast):
     measured = sum(storages.values())
     print(f"{params}, autocast {autocast}: counted {counted} bytes, measured {measured}")
     assert counted >= measured and counted <= 2 * measured
+
+
+def test_a_head_the_closed_form_untied_is_counted_by_the_refinements_choices(tmp_path, monkeypatch):
+    """A tied merge whose head the closed form re-fitted (a staged lm_head.weight of its own): the student trains that
+    head apart from the embedding, so `params: auto` counts its parameters and `gradient_checkpointing: auto` plans the
+    untied model's peak, not the merge's tied layout."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.engine.refine_memory import Shape, refine_memory
+    from featcal_llm.io.block_sections import RefineSpec
+    from featcal_llm.io.checkpoint import CheckpointReader
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(1000, 64), "model.norm.weight": torch.ones(64)}, merged / "model.safetensors")
+    save_file({"lm_head.weight": torch.zeros(1000, 64)}, tmp_path / "head.safetensors")
+    job = SimpleNamespace(merged=CheckpointReader(merged, "merged"), replacements={"lm_head.weight": tmp_path / "head.safetensors"},
+                          head_tied_only=False, config=config, spec=RefineSpec(), batch_tokens=512, device=torch.device("cpu"),
+                          compute_dtype=torch.float32)
+    names = refine_module.student_names(job)
+    assert "lm_head.weight" in names and refine_module.student_parameters(job, names) == 2 * 1000 * 64 + 64
+    kept_tied = SimpleNamespace(**{**vars(job), "head_tied_only": True})  # Gemma-2: the head trains as the embedding
+    assert "lm_head.weight" not in refine_module.student_names(kept_tied)
+    records = {"a": [list(range(1, 33))] * 4}
+    peaks = {tied: refine_memory(Shape.of(config, tied=tied), "full", 16, 512, 32, 64, 4 * 32, 4, cpu=True, autocast=False,
+                                 checkpointing=False, step_records=8)["peak"] for tied in (True, False)}
+    assert peaks[False] > peaks[True]
+    monkeypatch.setattr(refine_module, "device_memory", lambda device: peaks[True] + peaks[False])  # half of it: between the two
+    assert refine_module.checkpointing_for(job, "full", False, records)
+    assert not refine_module.checkpointing_for(kept_tied, "full", False, records)
+
+
+def test_validate_plans_a_head_the_closed_form_may_untie():
+    """Llama-3.2-3B ties its head; `head: auto` (the default) may re-fit it as a tensor of its own, which then trains
+    apart from the embedding: the plan counts it untied and says so. `head: false` and Gemma-2 keep it tied."""
+    from featcal_llm.benchmark.estimate import memory_plan
+    from featcal_llm.io.block import FeatCalConfig
+
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 28, "hidden_size": 3072, "intermediate_size": 8192,
+              "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16"}
+    data = {f"e{i}": {"path": f"d{i}.jsonl"} for i in range(3)}
+    block = {"merged": "m", "output": "o", "data": data, "device": "cuda", "max_length": 2048, "refine": {"params": "full"}}
+    peak = lambda line: float(line.split("~")[1].split(" GB")[0])  # noqa: E731
+    auto = memory_plan(config, FeatCalConfig(**block), 3, True).lines()[-1]
+    kept = memory_plan(config, FeatCalConfig(**block, head=False), 3, True).lines()[-1]
+    gemma = memory_plan({**config, "architectures": ["Gemma2ForCausalLM"]}, FeatCalConfig(**block), 3, True).lines()[-1]
+    assert "the LM head untied, as the closed form may re-fit it" in auto
+    assert "untied" not in kept and "untied" not in gemma
+    # the head's float32 master, gradient and AdamW moments, and its bf16 autocast copy: 128256 × 3072 × 18 B = 7.1 GB
+    assert peak(auto) - peak(kept) == pytest.approx(128256 * 3072 * 18 / 1e9, abs=0.1)

@@ -106,6 +106,16 @@ def machine_ram() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def head_may_untie(config: dict, featcal: Any) -> bool:
+    """Whether the closed form may write a head of its own for a config that ties it (`head: auto` or true; not for
+    RegMean, nor for a family vLLM serves only tied): the refinement's student then trains an untied head, which the
+    plan counts, as `head: auto` learns only from the experts' tensors whether it re-fits."""
+    from featcal_llm.family.architectures import ARCHITECTURES
+
+    tied_only = any(ARCHITECTURES[name].head_tied_only for name in config.get("architectures") or [] if name in ARCHITECTURES)
+    return bool(config.get("tie_word_embeddings")) and featcal.head is not None and not featcal.regmean and not tied_only
+
+
 def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -> MemoryPlan:
     """The estimate for calibrating a model with this config under the recipe's `featcal:` block."""
     shape = layer_shape_from_config(config, featcal.modules)
@@ -152,6 +162,7 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     if getattr(featcal, "refine", None) is not None:  # after the layers, on the same device: its own peak
         from featcal_llm.engine.refine_memory import ASSUMED_GPU, plan_line
 
-        refine = plan_line(config, featcal.refine, featcal.batch_tokens, featcal.max_length, tokens, cpu, machine_ram() if cpu else ASSUMED_GPU)
+        refine = plan_line(config, featcal.refine, featcal.batch_tokens, featcal.max_length, tokens, cpu, machine_ram() if cpu else ASSUMED_GPU,
+                           head_may_untie=head_may_untie(config, featcal))
     return MemoryPlan(parameters, layers, gpu, host, disk, spilled, device, (1 + experts) * model, inputs, not merged_exists, refine,
                       stacked)

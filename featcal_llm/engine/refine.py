@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -149,15 +150,34 @@ def keeps_the_tie(job: RefineJob) -> bool:
     return job.head_tied_only and bool(getattr(job.config, "tie_word_embeddings", False))
 
 
+def student_names(job: RefineJob) -> list[str]:
+    """The student's tensors: the merge's, and a head the closed form untied from the embeddings (a head kept tied for
+    vLLM is trained as the input embedding instead)."""
+    names, _ = checkpoint_tensors(job.merged, job.replacements)
+    return [name for name in names if name != LM_HEAD] if keeps_the_tie(job) else names
+
+
+def student_parameters(job: RefineJob, names: list[str]) -> int:
+    """How many parameters the student holds: the merge's layout, and the shape of a tensor only the closed form wrote
+    (its untied head) read from the staged file's header."""
+    layout = job.merged.layout()
+    total = 0
+    for name in names:
+        if name in layout:
+            total += math.prod(layout[name][0])
+        else:
+            with safe_open(job.replacements[name], framework="pt") as handle:
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
 class Student:
     """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
 
     def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
         self.job, self.params, self.checkpointing = job, params, checkpointing
-        names, get = checkpoint_tensors(job.merged, job.replacements)
-        if keeps_the_tie(job):  # trained tied, whatever lm_head.weight the merge stores: the output keeps the tie
-            names = [name for name in names if name != LM_HEAD]
-        self.names = names
+        _, get = checkpoint_tensors(job.merged, job.replacements)
+        self.names = names = student_names(job)  # kept tied where the output must be, whatever lm_head.weight the merge stores
         # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
         # throughout) they are float32 too, or a float32 activation would meet a bf16 weight
         frozen = master if params == "full" or autocast is None else job.compute_dtype
@@ -213,9 +233,9 @@ class Student:
 
 
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
-    """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory)."""
-    names = job.merged.layout()
-    shape = Shape.of(job.config, tied=LM_HEAD not in names or keeps_the_tie(job))
+    """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory), the
+    student's head untied where the closed form untied it."""
+    shape = Shape.of(job.config, tied=LM_HEAD not in student_names(job))
     length = max((len(row) for rows in records.values() for row in rows), default=1)
     judged = sum(len(judged_positions(row)) for rows in records.values() for row in rows)
     without = refine_memory(shape, params, job.spec.rank, job.batch_tokens, length, job.spec.top_k, judged, job.compute_dtype.itemsize,
@@ -305,7 +325,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         return job.replacements, None
     spec = job.spec
     job.batch_tokens = min(job.batch_tokens, MICRO_BATCH_TOKENS)  # micro-batches: the step's loss and gradient are the same
-    parameters = sum(math.prod(shape) for shape, _ in job.merged.layout().values())
+    parameters = student_parameters(job, student_names(job))
     params = resolve_params(spec.params, parameters, device_memory(job.device))
     lr = spec.learning_rate(params)
     master, autocast = refine_dtypes(spec.precision, job.compute_dtype, job.device)

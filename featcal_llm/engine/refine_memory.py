@@ -156,12 +156,14 @@ def autocasts(precision: str, native_bf16: bool) -> bool:
     return precision == "bfloat16" or (precision == "auto" and native_bf16)
 
 
-def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tokens: int, cpu: bool, memory: float) -> str:
-    """`validate`'s memory-plan line for `refine:` (config.json as a dict; `memory`: the device's bytes)."""
+def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tokens: int, cpu: bool, memory: float,
+              head_may_untie: bool = False) -> str:
+    """`validate`'s memory-plan line for `refine:` (config.json as a dict; `memory`: the device's bytes). A head the
+    closed form may untie (`head_may_untie`) is planned untied: the larger of the two students."""
     heads = config["num_attention_heads"]
     shape = Shape(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"], heads,
                   config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
-                  config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")))
+                  config.get("vocab_size") or 0, bool(config.get("tie_word_embeddings")) and not head_may_untie)
     params = resolve_params(refine.params, shape.parameters(), int(memory))
     if cpu:
         from featcal_llm.hardware import native_bf16_matmul
@@ -178,6 +180,7 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
     where = "RAM" if cpu else "GPU"
     return (f"  refine      ~{bytes_['peak'] / 1e9:.1f} GB {where} peak (params {params}"
             + (f", rank {refine.rank}" if params == "adapter" else "")
+            + (", the LM head untied, as the closed form may re-fit it" if head_may_untie else "")
             + f", gradient checkpointing {'on' if checkpointing else 'off'}"
             + (f"; ~{bytes_['host'] / 1e9:.1f} GB more on the host" if not cpu else "")
             + "; docs/refine.md)")
