@@ -262,3 +262,19 @@ def test_a_dotted_hub_id_is_an_id_and_a_file_type_is_a_file():
         assert looks_like_hub_id(value), value
     for value in ("data/cal.jsonl", "data/cal.txt", "data/cal.CSV", "./a/b", "~/a", "/abs/x", "a/b/c", "cal.jsonl"):
         assert not looks_like_hub_id(value), value
+
+
+def test_a_shuffled_records_error_names_its_number_in_the_file(tmp_path):
+    """`shuffle: true` takes records in datasets' seeded order; an error names the record's line in its file, not its
+    position after the shuffle."""
+    from featcal_llm.io.data import calibration_sequences
+
+    rows = [{"text": f"record {i}"} for i in range(12)]
+    rows[7] = {"text": ""}
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = {"e": DataSpec(path="cal.jsonl")}
+    order = [row["text"] for row in __import__("datasets").Dataset.from_list(rows).shuffle(seed=3)]
+    assert order.index("") != 7  # the shuffle moves it
+    with pytest.raises(FeatCalError) as error:
+        calibration_sequences(data, ["e"], build_char_tokenizer(), 12, 64, True, 3, tmp_path / "r.yaml")
+    assert "cal.jsonl: record 7: field 'text' is empty" in str(error.value)

@@ -270,15 +270,15 @@ def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str,
-                   prompts: list[str | None] | None = None) -> list[list[int]]:
+                   prompts: list[str | None] | None = None, numbers: list[int] | None = None) -> list[list[int]]:
     """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled. Where a text has a
     prompt, a `Record` that knows where its response starts; an expert none of whose records keeps a response token
-    within `max_length` is refused (nothing of it would be scored)."""
+    within `max_length` is refused (nothing of it would be scored). `numbers`: each text's record number in its file."""
     sequences: list[list[int]] = []
     for index, text in enumerate(texts):
         ids = encode(text, tokenizer, max_length)
         if len(ids) == 0:
-            raise FeatCalError(f"{where}: record {index} tokenises to nothing")
+            raise FeatCalError(f"{where}: record {numbers[index] if numbers is not None else index} tokenises to nothing")
         prompt = prompts[index] if prompts is not None else None
         if prompt is None:
             sequences.append(list(ids))
@@ -317,16 +317,19 @@ def calibration_sequences(
             records = load_records(spec, where, recipe_path.parent)
         if len(records) == 0:
             raise no_records(spec, where)
+        numbers = list(range(len(records)))  # each record's number in its file, which errors name
         if shuffle:
             records = records.shuffle(seed=seed)
+            numbers = heavy_import("datasets").Dataset.from_dict({"number": numbers}).shuffle(seed=seed)["number"]  # datasets' same permutation
         wanted = spec.samples or samples
         if len(records) < wanted:
             warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them")
         records = records[: min(wanted, len(records))] if isinstance(records, list) else records.select(range(min(wanted, len(records))))
+        numbers = numbers[: len(records)]
         try:  # datasets decodes a text file's bytes while they are read
-            texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
+            texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in zip(numbers, records)]
         except UnicodeDecodeError as error:
             raise FeatCalError(f"{where}.path: {spec.path}: {not_utf8(error)}") from None
-        prompts = None if spec.format == "text" else [record_prompt(record, spec, tokenizer, where, i) for i, record in enumerate(records)]
-        result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts)
+        prompts = None if spec.format == "text" else [record_prompt(record, spec, tokenizer, where, i) for i, record in zip(numbers, records)]
+        result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts, numbers)
     return result
