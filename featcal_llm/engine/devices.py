@@ -62,7 +62,8 @@ def fast_float64(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) in {(8, 0), (9, 0), (10, 0)}
 
 
-def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device,
+                        what: str = "statistics") -> torch.dtype:
     """Precision of the statistics products: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
 
     The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
@@ -83,7 +84,7 @@ def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: t
     if not fast_float64(device):
         warn(
             f"featcal.stats_dtype: lambda {smallest_lambda:g} < {FLOAT32_STATS_MIN_LAMBDA:g} on a GPU without fast float64: "
-            "statistics use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
+            f"{what} use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
         )
         return torch.float32
     return torch.float64

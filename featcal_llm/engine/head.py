@@ -71,8 +71,9 @@ def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, 
             root = None if roots is None else roots[index].to(runner.device)[keep]
             weight = None if root is None else root * root
             x_cal, x_exp = merged_norm(h_cal)[keep], expert_norm(h_exp)[keep]  # weighted in the statistics' precision
-            accumulate_gram(stats.gram, weighted_rows(x_cal, root, runner.stats_dtype), runner.stats_dtype)
-            accumulate_moment(stats.moment, weighted_rows(x_exp, weight, runner.stats_dtype), x_cal, runner.stats_dtype)
+            dtype = runner.head_stats_dtype  # resolved by the head's own λ
+            accumulate_gram(stats.gram, weighted_rows(x_cal, root, dtype), dtype)
+            accumulate_moment(stats.moment, weighted_rows(x_exp, weight, dtype), x_cal, dtype)
             stats.tokens += int(x_cal.shape[0])
     comm = ctx.comm  # every rank adds its shard's sums, then solves the same system
     stats.gram, stats.moment = comm.all_sum(stats.gram), comm.all_sum(stats.moment)

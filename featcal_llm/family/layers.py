@@ -31,6 +31,7 @@ class LayerRunner:
         device: torch.device,
         dtype: torch.dtype,
         stats_dtype: torch.dtype = torch.float32,
+        head_stats_dtype: torch.dtype | None = None,
     ):
         self.architecture = architecture
         self.config = copy.deepcopy(config)
@@ -39,6 +40,8 @@ class LayerRunner:
         self.device = device
         self.dtype = dtype
         self.stats_dtype = stats_dtype  # precision of each batch's statistics products (totals are float64)
+        # the LM head's re-fit solves at its own λ (`head: lambda`, 1e-5 by default), so its products take their own rule
+        self.head_stats_dtype = head_stats_dtype or stats_dtype
         self.front = ModelFront(architecture.model_class(), self.config, device, dtype)  # sets config._attn_implementation
 
     def build(self, layer_index: int, weights: dict[str, torch.Tensor], where: str) -> torch.nn.Module:

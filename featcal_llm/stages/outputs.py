@@ -112,8 +112,11 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     from featcal_llm.generation.run import sampling_records, start_records
 
     weights, covered = coverage
+    precisions = {"dtype": runner.dtype, "stats_dtype": runner.stats_dtype}
+    if plan.head is not None and runner.head_stats_dtype != runner.stats_dtype:  # the head's own λ chose another
+        precisions["head_stats_dtype"] = runner.head_stats_dtype
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning=tuning,
-               precisions={"dtype": runner.dtype, "stats_dtype": runner.stats_dtype}, sources=resolved.sources, calibrated=calibrated,
+               precisions=precisions, sources=resolved.sources, calibrated=calibrated,
                starts=start_records(recipe), weights=weights, coverage=covered, sampling=sampling_records(recipe),
                advantage=lead_summary, refined=refined)
     if refined is not None:

@@ -137,7 +137,7 @@ def run_fingerprint(
             checkpoint_identity(models.merged.directory),
             merge_identity(models.merged.directory),
             {name: [source.identity(), checkpoint_identity(source.directory)] for name, source in sources.items()},
-            [runner.device.type, str(runner.dtype), str(runner.stats_dtype), batch_tokens, torch.get_num_threads()],
+            [runner.device.type, str(runner.dtype), str(runner.stats_dtype), str(runner.head_stats_dtype), batch_tokens, torch.get_num_threads()],
         ]
     )
 
@@ -314,7 +314,10 @@ def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
             check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, resolved.device, stored_dtype(merged_config))
     stats_dtype = resolve_stats_dtype(featcal.stats_dtype, resolved.plan.objective.smallest_lambda(), compute_dtype, resolved.device)
-    return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype))
+    head = resolved.plan.head
+    head_stats_dtype = None if head is None else resolve_stats_dtype(featcal.stats_dtype, head.lam, compute_dtype, resolved.device,
+                                                                           "the LM head's statistics")
+    return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype, head_stats_dtype))
 
 
 def resolved_settings(featcal) -> dict[str, Any]:
