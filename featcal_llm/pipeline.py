@@ -21,11 +21,12 @@ from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_th
 from featcal_llm.engine.token_weights import advantage_weights
 from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
 from featcal_llm.engine.context import RunContext
+from featcal_llm.engine.devices import release_memory
 from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, out_of_memory
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
-from featcal_llm.stages.outputs import RunOutcome, write_outputs
+from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs
 from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, open_merged, read_data, resolve, run_context
 
 
@@ -107,7 +108,10 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
         replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
-    return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
+    outcome = write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
+    del context, resolved, data, opened, replacements, refined  # the models, streams and statistics: not kept for `eval:`
+    release_memory()
+    return evaluate_outputs(recipe, outcome)
 
 
 def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):

@@ -288,3 +288,33 @@ def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path)
     warnings = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).warnings
     assert any("featcal.max_length: records of up to 800 tokens are longer than the base model's max_position_embeddings "
                "512; set max_length to 512 or less" in warning for warning in warnings), warnings
+
+
+def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(small, tmp_path, monkeypatch):
+    """vLLM asks for a share of the GPU's free memory: by the time `eval:` starts, the run's context (its readers, the
+    hidden-state streams, the statistics workspace, the layer runner on the device) is no longer referenced and the
+    caching allocator has been emptied, with the checkpoint already in place."""
+    import gc
+    import weakref
+
+    import featcal_llm
+    import featcal_llm.evaluation
+    import featcal_llm.pipeline as pipeline
+
+    contexts, released, seen = [], [], []
+    build = pipeline.run_context
+    monkeypatch.setattr(pipeline, "run_context", lambda *a, **k: contexts.append(weakref.ref(context := build(*a, **k))) or context)
+    release = pipeline.release_memory
+    monkeypatch.setattr(pipeline, "release_memory", lambda: released.append(True) or release())
+
+    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):
+        gc.collect()  # what is left is held by a reference, not waiting for a collection
+        seen.append((len(released), [ref() is None for ref in contexts], (Path(calibrated_dir) / "config.json").is_file()))
+        return TABLE
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", evaluated)
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"),
+                                eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
+    assert featcal_llm.calibrate(recipe, progress=False).evaluation == TABLE
+    assert seen == [(1, [True], True)]

@@ -6,6 +6,7 @@ statistics move the update; a recipe's explicit value always wins.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -13,6 +14,14 @@ import torch
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.hardware import native_bf16_matmul
 from featcal_llm.io.block import check_device
+
+
+def release_memory() -> None:
+    """Collect what a stage dropped and hand the CUDA caching allocator's free blocks back to the driver, so that the
+    next engine (a vLLM evaluation or sampler in another process, which asks for a share of the free memory) finds it."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def resolve_device(requested: str) -> torch.device:

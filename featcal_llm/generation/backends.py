@@ -9,7 +9,6 @@ reproduces its samples for a given `batch_size` on one machine.
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from featcal_llm.engine.devices import release_memory
 from featcal_llm.errors import FeatCalError
 from featcal_llm.hardware import vllm_refusal
 
@@ -135,9 +135,7 @@ class TransformersSampler:
 
     def close(self) -> None:
         del self.model
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory()
 
 
 class VllmSampler:
@@ -187,8 +185,7 @@ class VllmSampler:
             destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best effort: newer engines free themselves
             pass
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
 
 
 def open_sampler(backend: str, source: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype, trust_remote_code: bool, seed: int):

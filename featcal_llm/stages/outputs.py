@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ class RunOutcome:
 
 def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
                   taught: dict[str, float], refined: dict | None = None) -> RunOutcome:
-    """The checkpoint, its report, tuning table and card, written beside the output and renamed into place; then `eval:`."""
+    """The checkpoint, its report, tuning table and card, written beside the output and renamed into place."""
     recipe, featcal, plan, staging = resolved.recipe, resolved.recipe.featcal, context.plan, context.staging
     models, output, runner = opened.models, resolved.output, opened.runner
     merged_dir, partial = models.merged.directory, staging.root
@@ -124,14 +124,20 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
         shutil.rmtree(partial, ignore_errors=True)
-    table = None
-    if featcal.eval is not None:
-        from featcal_llm.evaluation import run_after_calibration
+    return RunOutcome(output, merged_dir)
 
-        runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
-        table = run_after_calibration(featcal.eval, merged_dir, output, recipe.path.parent)  # as featcal.data paths are read
-        from featcal_llm.io.card_meta import evaluation_summary
 
-        append_evaluation(output, table, evaluation_summary(featcal.eval.resolve(recipe.path.parent).output, output))  # model-index
-        print(table)
-    return RunOutcome(output, merged_dir, table)
+def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
+    """`eval:`, once the run's models, streams and statistics are released (pipeline._run), so that the evaluation's
+    engine (vLLM asks for a share of the GPU's free memory) finds the memory the calibration held free again."""
+    featcal = recipe.featcal
+    if featcal.eval is None:
+        return outcome
+    from featcal_llm.evaluation import run_after_calibration
+    from featcal_llm.io.card_meta import evaluation_summary
+
+    runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
+    table = run_after_calibration(featcal.eval, outcome.merged, outcome.output, recipe.path.parent)  # as featcal.data paths are read
+    append_evaluation(outcome.output, table, evaluation_summary(featcal.eval.resolve(recipe.path.parent).output, outcome.output))  # model-index
+    print(table)
+    return replace(outcome, evaluation=table)
