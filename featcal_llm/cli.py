@@ -165,12 +165,12 @@ def validate(recipe: Path, online: bool) -> None:
         click.echo(f"featcal-llm: note: {note}", err=True)
     for problem in report.problems:
         click.echo(f"featcal-llm: error: {problem}", err=True)
+    for line in report.plan.lines() if report.plan is not None else []:  # beside the eval block's problems too
+        click.echo(line)
     if report.problems:
         count = len(report.problems)
         click.echo(f"{recipe}: {count} problem{'s' if count > 1 else ''}", err=True)
         sys.exit(EXIT_USAGE)
-    for line in report.plan.lines() if report.plan is not None else []:
-        click.echo(line)
     click.echo(f"{recipe}: ok")
 
 

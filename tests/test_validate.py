@@ -329,6 +329,20 @@ def test_the_eval_backend_is_checked_before_the_calibration(scenario, tmp_path, 
     assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == ([expected] if expected else [])
 
 
+def test_an_eval_backend_this_machine_lacks_leaves_the_memory_plan_shown(scenario, tmp_path, no_weights, monkeypatch):
+    """A recipe written for a GPU box, checked on a laptop without vLLM: the eval problem is an error (run would refuse
+    it here too), and the calibration's memory plan is printed beside it, as nothing in it depends on the evaluation."""
+    from featcal_llm.evaluation import backends
+
+    monkeypatch.setattr(backends, "_installed", lambda name: name != "vllm")
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {"tasks": ["arc_challenge"], "backend": {"name": "vllm"}}))
+    result = CliRunner().invoke(main, ["validate", str(recipe)])
+    assert result.exit_code == 2 and "featcal.eval.backend.name: vllm is not installed" in result.stderr
+    assert "memory plan (estimate from the configs, not a measurement)" in result.stdout and "host RAM" in result.stdout
+    bad = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("samples", "many"))  # another problem: no plan
+    assert "memory plan" not in CliRunner().invoke(main, ["validate", str(bad)]).stdout
+
+
 @pytest.mark.parametrize("edit", [
     lambda c: c.pop("intermediate_size"),  # transformers' Llama default, 11008, is not the base's 128
     lambda c: c.pop("rms_norm_eps"),  # default 1e-6, the base's 1e-5

@@ -108,10 +108,13 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if report.offline:
         report.notes.append(f"hub ids not checked: no network ({', '.join(dict.fromkeys(report.offline))})")
     base = configs.get("base_model")
-    if plan and recipe is not None and base is None and not problems:
+    # the evaluation's problems (a backend this machine lacks: a recipe written for a GPU box, checked on a laptop) leave
+    # the calibration's plan as it is, so it is still shown
+    blocking = [problem for problem in problems if not problem.key.startswith("featcal.eval")]
+    if plan and recipe is not None and base is None and not blocking:
         fetch = "the hub could not be reached" if report.offline else "--online fetches it"
         report.notes.append(f"{path}: base_model: no memory plan (its config.json is not on this machine; {fetch})")
-    if plan and recipe is not None and base is not None and not problems:
+    if plan and recipe is not None and base is not None and not blocking:
         from featcal_llm.benchmark.estimate import memory_plan
 
         try:
