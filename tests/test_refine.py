@@ -274,7 +274,9 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
         patch.setattr(refine_module, "train_step", lambda *a, **k: calls.append(1) or step(*a, **k))
         resumed = run(far_scenario, "resumed", refine=settings)
     assert len(calls) == json.loads((whole / "featcal_refine.json").read_text())["steps_run"] - 2  # only the steps after the check
-    assert (resumed / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    differ = sorted(path.name for path in whole.iterdir() if path.read_bytes() != (resumed / path.name).read_bytes())
+    assert sorted(p.name for p in resumed.iterdir()) == sorted(p.name for p in whole.iterdir())
+    assert differ == ["README.md", "featcal_recipe.yml"], differ  # the card and the recipe name the output (refined, resumed)
 
 
 def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenario, monkeypatch, capsys):
