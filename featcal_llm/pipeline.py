@@ -24,6 +24,7 @@ from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.devices import release_memory
 from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, out_of_memory
+from featcal_llm.io.output_lock import OutputLock
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
 from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs
@@ -91,6 +92,24 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         outcome = run_stack(recipe, force, stage, check_output, comm.is_main, comm.barrier)
         return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
     resolved = resolve(comm, recipe, force, device)
+    where = f"{recipe.path}: featcal.output"  # rank 0 holds the output's lock (io/output_lock.py) until it is written
+    lock = comm.run_on_main("the output's lock", lambda: OutputLock.acquire(resolved.output, where,
+                                                                            lambda: check_output(recipe, resolved.output, force)))
+    try:
+        outcome = _calibrate(comm, resolved, progress, timer)
+    finally:
+        if lock is not None:
+            lock.release()
+    if not comm.is_main:
+        return outcome
+    release_memory()  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
+    return evaluate_outputs(recipe, outcome)
+
+
+def _calibrate(comm: Single, resolved: Resolved, progress: bool, timer) -> RunOutcome:
+    """data → merge → run context → weights → layers → refine → the written output (rank 0; the others return once
+    their layers are done)."""
+    recipe = resolved.recipe
     data = read_data(comm, resolved, progress)
     opened = open_merged(comm, resolved, data)
     context = run_context(comm, resolved, data, opened, timer)
@@ -108,10 +127,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
         replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
-    outcome = write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
-    del context, resolved, data, opened, replacements, refined  # the models, streams and statistics: not kept for `eval:`
-    release_memory()
-    return evaluate_outputs(recipe, outcome)
+    return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
 def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):

@@ -217,11 +217,9 @@ def move_into_place(finished: Path, target: Path, trash_suffix: str) -> None:
     A rename cannot replace a non-empty directory, and removing the old one first would leave
     nothing in place if the process died between the two steps.
     """
+    trash = target.with_name(f".{target.name}.{trash_suffix}")
     if target.exists():
-        trash = target.with_name(f".{target.name}.{trash_suffix}")
         shutil.rmtree(trash, ignore_errors=True)
         target.rename(trash)
-        finished.rename(target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        finished.rename(target)
+    finished.rename(target)
+    shutil.rmtree(trash, ignore_errors=True)  # also what a run killed between the two renames left there

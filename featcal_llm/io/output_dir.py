@@ -18,10 +18,24 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
+# hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out
+SIBLINGS = {"featcal-partial": "its progress", "featcal-old": "an old output while --force replaces it"}
+
+
 def not_an_output(output: Path) -> str | None:
-    """Why `--force` may not replace `output` (None: it may, or it does not exist): it replaces an earlier featcal-llm
-    output (its `featcal_recipe.yml` says so) or an empty folder, never a file or a folder of other things (`run
-    recipe.yaml ~ --force` would have replaced the home folder)."""
+    """Why `output` cannot be written, or `--force` may not replace it (None: it may, or it does not exist): it
+    replaces an earlier featcal-llm output (its `featcal_recipe.yml` says so) or an empty folder, never a file or a
+    folder of other things (`run recipe.yaml ~ --force` would have replaced the home folder). A run writes beside its
+    output (its progress, then a rename into place), so the output is a folder of its own name, not a dangling link,
+    and the hidden folders beside it are folders."""
+    if output.name in ("", ".", ".."):
+        return f"{output} names no folder of its own: the run writes beside its output and renames it into place; name a new folder"
+    if output.is_symlink() and not output.exists():
+        return f"{output} is a link to {os.readlink(output)}, which does not exist; name a folder"
+    for suffix, what in SIBLINGS.items():
+        sibling = output.with_name(f".{output.name}.{suffix}")
+        if (sibling.exists() or sibling.is_symlink()) and (sibling.is_symlink() or not sibling.is_dir()):
+            return f"{sibling} is where featcal-llm keeps {what}, but it is not a folder; remove it"
     if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / "featcal_recipe.yml").is_file())):
         return None
     kind = "a file" if not output.is_dir() else "a folder that is no featcal-llm output (it has no featcal_recipe.yml)"

@@ -1,0 +1,147 @@
+"""One run at a time on an output, and outputs the run could not write refused before any work: a second run on the
+same OUTPUT had shared the first's progress folder (deleting its layers, writing its own into them) and both had
+exited 0; a dangling link, `.` or a file where the run keeps its progress had failed after the whole calibration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from featcal_llm.cli import main
+from featcal_llm.errors import FeatCalError
+from featcal_llm.io.output_lock import OutputLock, lock_path
+from featcal_llm.pipeline import run_recipe
+from scenario import build_scenario
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from featcal_llm.io.output_lock import OutputLock
+lock = OutputLock.acquire(Path(sys.argv[1]), "holder")
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("lock"), experts=2, layers=1, samples=4)
+    ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
+    return scenario
+
+
+def holder(output: Path) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(output)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_second_run_on_an_output_in_use_is_refused_and_a_killed_holder_frees_it(small, tmp_path):
+    output = tmp_path / "out"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output))
+    process = holder(output)
+    try:
+        result = CliRunner().invoke(main, ["run", str(recipe)])
+        assert result.exit_code != 0
+        [line] = [line for line in result.stderr.splitlines() if "error" in line]
+        assert line.endswith(f"featcal.output: {output}: another featcal-llm run (pid {process.pid}) is writing it; wait "
+                             "for it to end, or name another output")
+        assert not output.exists() and not (tmp_path / ".out.featcal-partial").exists()  # nothing of its own written
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert run_recipe(recipe, progress=False) == output  # the kernel released the killed holder's lock
+    assert not lock_path(output).exists()  # removed with the run's end
+
+
+def test_the_output_is_checked_again_once_the_lock_is_held(small, tmp_path, monkeypatch):
+    """A run that checked OUTPUT absent while another finished writing it: once it holds the lock, it finds the output
+    there and refuses, as without --force; the lock is released with the refusal."""
+    import featcal_llm.pipeline as pipeline
+
+    output = tmp_path / "out"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output))
+    acquire = OutputLock.acquire
+
+    def the_other_run_finished(path, where, recheck):
+        output.mkdir()
+        (output / "featcal_recipe.yml").write_text("written by the other run\n")
+        return acquire(path, where, recheck)
+
+    monkeypatch.setattr(pipeline.OutputLock, "acquire", the_other_run_finished)
+    with pytest.raises(FeatCalError, match="already exists"):
+        run_recipe(recipe, progress=False)
+    assert not lock_path(output).exists() and (output / "featcal_recipe.yml").read_text() == "written by the other run\n"
+
+
+def test_a_lock_file_replaced_while_it_was_opened_is_not_trusted(tmp_path, monkeypatch):
+    """The holder removes its lock file as it ends. A run that had opened that file just before, and locks it just
+    after, holds a lock on a removed file, which no later run sees: it takes the file now at the path instead."""
+    import featcal_llm.io.output_lock as module
+
+    output = tmp_path / "out"
+    first = OutputLock.acquire(output, "first")
+    flock = module.fcntl.flock
+    calls = []
+
+    def first_ends_in_between(descriptor, operation):
+        if not calls:
+            first.release()
+        calls.append(descriptor)
+        return flock(descriptor, operation)
+
+    monkeypatch.setattr(module.fcntl, "flock", first_ends_in_between)
+    second = OutputLock.acquire(output, "second")
+    monkeypatch.setattr(module.fcntl, "flock", flock)
+    assert len(calls) == 2 and lock_path(output).read_text() == f"{os.getpid()}\n"
+    with pytest.raises(FeatCalError, match=rf"another featcal-llm run \(pid {os.getpid()}\) is writing it"):
+        OutputLock.acquire(output, "third")
+    second.release()
+    assert not lock_path(output).exists()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "out").symlink_to(d / "missing"), "out is a link to {d}/missing, which does not exist; name a folder"),
+    (lambda d: (d / ".out.featcal-partial").write_text("junk"),
+     ".out.featcal-partial is where featcal-llm keeps its progress, but it is not a folder; remove it"),
+    (lambda d: (d / ".out.featcal-old").write_text("junk"),
+     ".out.featcal-old is where featcal-llm keeps an old output while --force replaces it, but it is not a folder; remove it"),
+])
+def test_an_output_the_run_could_not_write_is_refused_by_validate_and_run(small, tmp_path, make, message):
+    make(tmp_path)
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    expected = message.format(d=tmp_path)
+    problems = [str(problem) for problem in __import__("featcal_llm").validate(recipe)]
+    assert len(problems) == 1 and problems[0].endswith(expected), problems
+    with pytest.raises(FeatCalError, match="featcal.output") as error:
+        run_recipe(recipe, progress=False, force=True)
+    assert str(error.value).endswith(expected)
+
+
+def test_the_current_folder_is_no_output(small, tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=".")
+    with pytest.raises(FeatCalError, match=r"featcal.output: \. names no folder of its own"):
+        run_recipe(recipe, progress=False, force=True)
+
+
+def test_an_old_output_left_by_a_killed_swap_is_removed_by_the_next_run(small, tmp_path):
+    """Killed between --force's two renames: the output is gone and the old one waits in .out.featcal-old; the rerun
+    writes the output and removes it (it had stayed, a whole checkpoint, until a later --force)."""
+    trash = tmp_path / ".out.featcal-old"
+    trash.mkdir()
+    (trash / "model.safetensors").write_bytes(b"old")
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    assert (run_recipe(recipe, progress=False) / "config.json").is_file()
+    assert not trash.exists()
