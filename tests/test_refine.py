@@ -279,6 +279,23 @@ def test_resume_mid_refinement_writes_the_same_bytes(far_scenario, refined, monk
     assert differ == ["README.md", "featcal_recipe.yml"], differ  # the card and the recipe name the output (refined, resumed)
 
 
+def test_a_best_state_lost_from_the_saved_progress_starts_the_refinement_over(far_scenario, refined, monkeypatch, capsys):
+    """The progress names a best state whose file is gone (removed by hand, a damaged disk): the rerun says so and
+    refines again from the calibrated layers, to the uninterrupted run's bytes (it had refused, advising a --force
+    that never clears the progress)."""
+    import featcal_llm.engine.refine as refine_module
+
+    partial = killed_after_check(far_scenario, "lost", REFINE, 2, monkeypatch)
+    (partial / "pass-refine-best-2.pt").unlink()
+    calls, step = [], refine_module.train_step
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "train_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+        resumed = run(far_scenario, "lost", refine=REFINE)
+    assert "the saved progress names step 2 as best, but its state is missing" in capsys.readouterr().err
+    assert len(calls) == json.loads((refined / "featcal_refine.json").read_text())["steps_run"]  # every step again
+    assert (resumed / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
+
+
 def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenario, monkeypatch, capsys):
     """Killed in its refinement (as by running out of memory) and rerun with `gradient_checkpointing: true`: the calibrated
     layers and the teachers are reused, the refinement starts over under its new settings, and the bytes are those of a

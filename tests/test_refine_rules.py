@@ -106,8 +106,8 @@ def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
     from featcal_llm.engine.refine_progress import best_pass as _best_pass
     from featcal_llm.engine.refine_progress import drop_older_bests as _drop_older_bests
     from featcal_llm.engine.refine_progress import load_best as _load_best
+    from featcal_llm.engine.refine_progress import MissingBest
     from featcal_llm.engine.resume import StagingArea
-    from featcal_llm.errors import RunFailure
 
     staging = StagingArea(tmp_path / "partial", "fingerprint")
     for step in (2, 4):
@@ -116,7 +116,7 @@ def test_only_the_best_state_the_progress_names_is_kept(tmp_path):
     _drop_older_bests(staging, 4)
     assert sorted(p.name for p in staging.root.glob("pass-*")) == ["pass-refine-best-4.pt", "pass-refine.pt"]
     assert _load_best(staging, 4)["w"].tolist() == [4.0, 4.0] and _load_best(staging, 0) is None
-    with pytest.raises(RunFailure, match="names step 2 as best, but its state is missing"):
+    with pytest.raises(MissingBest, match="names step 2 as best, but its state is missing"):
         _load_best(staging, 2)
 
 

@@ -46,7 +46,8 @@ from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judg
 from featcal_llm.engine.refine_memory import Shape, autocasts, refine_memory, resolve_checkpointing, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, logits_of
 from featcal_llm.io.checkpoint import checkpoint_tensors
-from featcal_llm.engine.refine_progress import ProgressSaver, load_best, rng_state, saved_progress, set_rng_state
+from featcal_llm.engine.refine_progress import (ProgressSaver, MissingBest, forget_progress, load_best, rng_state, saved_progress,
+                                                set_rng_state)
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
@@ -358,8 +359,15 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     order = record_order(train_keys, spec.steps, spec.batch_records, job.seed)
     saved = saved_progress(job.staging, settings)
     if saved is not None:
+        try:
+            best = load_best(job.staging, saved["best_step"])
+        except MissingBest as missing:  # a rerun cannot bring it back: start the refinement over, from the same layers
+            warn(f"refine: {missing}; the refinement starts over (the calibrated layers and the teachers are kept)")
+            forget_progress(job.staging)
+            saved = None
+    if saved is not None:
         student.load(saved["current"])
-        saved["best"] = load_best(job.staging, saved["best_step"])
+        saved["best"] = best
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])

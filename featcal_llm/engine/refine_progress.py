@@ -48,6 +48,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class MissingBest(Exception):
+    """The saved progress names a best state whose file is gone or unreadable (removed by hand, a damaged disk)."""
+
+
 def load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
     """The best state a resumed run had saved (its own file, written at the save after the check that found it), or
     None before any."""
@@ -55,10 +59,7 @@ def load_best(staging, step: int) -> dict[str, torch.Tensor] | None:
         return None
     saved = staging.load_pass(best_pass(step))
     if saved is None or saved.get("step") != step:
-        from featcal_llm.errors import RunFailure
-
-        raise RunFailure(f"refine: the saved progress names step {step} as best, but its state is missing from "
-                         f"{staging.root}; rerun with --force (force=True to calibrate())")
+        raise MissingBest(f"the saved progress names step {step} as best, but its state is missing from {staging.root}")
     return saved["state"]
 
 
