@@ -145,3 +145,16 @@ def test_an_old_output_left_by_a_killed_swap_is_removed_by_the_next_run(small, t
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
     assert (run_recipe(recipe, progress=False) / "config.json").is_file()
     assert not trash.exists()
+
+
+def test_an_existing_output_with_progress_beside_it_says_so(small, tmp_path):
+    """Killed after the output moved into place and before its progress folder was removed: the rerun's refusal names
+    the folder and what --force does with it, where it had said only that the output exists."""
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    run_recipe(recipe, progress=False)
+    (tmp_path / ".out.featcal-partial").mkdir()
+    with pytest.raises(FeatCalError) as error:
+        run_recipe(recipe, progress=False)
+    assert str(error.value).endswith(f"already exists (pass --force, or force=True to calibrate(), to replace it); "
+                                     f"{tmp_path}/.out.featcal-partial beside it holds the saved progress of a run that did "
+                                     "not finish or clean up, which --force resumes (remove it otherwise)")
