@@ -76,9 +76,17 @@ def test_an_expert_with_added_tokens_is_refused_before_the_merge(tok, tmp_path):
     """Without tokenizer_source the merge keeps the base's vocabulary: refused before anything is written."""
     experts = [str(tok.experts["expert0"]), str(tok.root / "expert_x")]
     merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
-    line = refused(write_recipe(tok, tmp_path, "added", merge, experts))
-    assert f"expert {experts[1]}: vocabulary of 101 rows, the base model" in line
+    recipe = write_recipe(tok, tmp_path, "added", merge, experts)
+    line = refused(recipe)
+    assert f"{experts[1]}/config.json: vocabulary of 101 rows, the base model has 100" in line  # validate's check, run first
     assert not (tmp_path / "merged_added").exists()
+    import featcal_llm  # validate refuses it too, from the configs, in run's words
+
+    [problem] = [str(p) for p in featcal_llm.validate(recipe)]
+    assert problem.startswith(f"{recipe}: models: {experts[1]}: {experts[1]}/config.json: vocabulary of 101 rows, the "
+                              "base model has 100: experts whose vocabulary differs from the merge"), problem
+    merge["tokenizer_source"] = "union"  # the union's size is mergekit's to build: left to run
+    assert not any("vocabulary" in str(p) for p in featcal_llm.validate(write_recipe(tok, tmp_path, "added-union", merge, experts)))
 
 
 def test_experts_that_give_a_token_another_id_are_refused(tok, tmp_path):

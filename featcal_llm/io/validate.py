@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized
+from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
                                         has_chat_template, has_tokenizer_files, missing_weights)
 from featcal_llm.io.data import looks_like_hub_id
@@ -219,7 +219,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                   data: dict[str, DataSpec] | None = None, featcal: Any = None) -> dict[str, dict]:
     """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree, of an
     architecture featcal-llm calibrates."""
-    from featcal_llm.io.forms import check_slice_depth
+    from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
     from featcal_llm.io.references import check_override_architecture
 
     problems, configs = report.problems, {}
@@ -258,6 +258,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
+            if not changes_tokenizer(merge_config):  # the merge keeps the base's vocabulary: run's check_vocabulary_sizes
+                collect(problems, path, lambda: _same_vocabulary(base_config, config, f"{what}: {directory / 'config.json'}"))
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
         if not merged.is_dir():
@@ -280,8 +282,6 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             collect(problems, path, lambda: hub_lookup("model", tokenizer, None, "featcal.tokenizer", report.offline))
         elif len(problems) == before:
             report.unchecked.append(f"{tokenizer} (tokenizer)")
-    from featcal_llm.io.forms import changes_tokenizer
-
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
     calibrating = Path(tokenizer) if tokenizer else None if base_source is None or changes_tokenizer(merge_config) else \
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
@@ -327,6 +327,14 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def _same_vocabulary(base: dict, other: dict, what: str) -> None:
+    """An expert whose config counts another vocabulary than the base's, beside a merge that keeps the base's tokenizer:
+    run refuses it once merged (family/compat.check_vocabulary_sizes, on the tensors' rows), in these words."""
+    mine, theirs = base.get("vocab_size"), other.get("vocab_size")
+    if isinstance(mine, int) and isinstance(theirs, int) and mine != theirs:
+        check_vocabulary_sizes({"expert": theirs}, mine, "the base model", {"expert": what})
 
 
 def _as_transformers_reads(config: dict) -> Any:
