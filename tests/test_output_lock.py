@@ -158,3 +158,17 @@ def test_an_existing_output_with_progress_beside_it_says_so(small, tmp_path):
     assert str(error.value).endswith(f"already exists (pass --force, or force=True to calibrate(), to replace it); "
                                      f"{tmp_path}/.out.featcal-partial beside it holds the saved progress of a run that did "
                                      "not finish or clean up, which --force resumes (remove it otherwise)")
+
+
+def test_the_written_model_and_merge_have_the_umasks_mode(small, tmp_path):
+    """safetensors writes its files 0600; the output and the merge a run makes are read by servers running as other
+    users (vLLM in a container), so every file gets the mode the umask gives new files, as the other files have."""
+    mask = os.umask(0o022)
+    try:
+        recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), merged=str(tmp_path / "merged"))
+        output = run_recipe(recipe, progress=False)
+    finally:
+        os.umask(mask)
+    written = [path for folder in (output, tmp_path / "merged") for path in folder.rglob("*") if path.is_file()]
+    assert any(path.name.endswith(".safetensors") for path in written)
+    assert {oct(path.stat().st_mode & 0o777) for path in written} == {"0o644"}

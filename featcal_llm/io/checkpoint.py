@@ -9,6 +9,7 @@ so anything that loads the merged model loads the calibrated one.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -211,12 +212,25 @@ def copy_side_files(source: Path, output: Path) -> None:
             shutil.copy2(item, output / item.name)
 
 
+def with_umask_mode(directory: Path) -> None:
+    """Every file below `directory` readable and writable as the umask lets a new file be (0644 under umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            path.chmod(mode)
+
+
 def move_into_place(finished: Path, target: Path, trash_suffix: str) -> None:
     """Rename a finished directory onto `target`; an existing target is swapped out first, then removed.
 
     A rename cannot replace a non-empty directory, and removing the old one first would leave
-    nothing in place if the process died between the two steps.
+    nothing in place if the process died between the two steps. The files get the mode the user's
+    umask gives new files: safetensors (0.8) writes its files 0600, which a server running as
+    another user (vLLM in a container, a shared model folder) cannot read.
     """
+    with_umask_mode(finished)
     trash = target.with_name(f".{target.name}.{trash_suffix}")
     if target.exists():
         shutil.rmtree(trash, ignore_errors=True)
