@@ -172,3 +172,16 @@ def test_the_written_model_and_merge_have_the_umasks_mode(small, tmp_path):
     written = [path for folder in (output, tmp_path / "merged") for path in folder.rglob("*") if path.is_file()]
     assert any(path.name.endswith(".safetensors") for path in written)
     assert {oct(path.stat().st_mode & 0o777) for path in written} == {"0o644"}
+
+
+def test_a_staging_area_is_removed_state_first(tmp_path, monkeypatch):
+    """A removal stopped half-way (a kill during rmtree) must not leave a state naming layers already deleted."""
+    import shutil
+
+    from featcal_llm.engine.resume import STATE_FILE, StagingArea, remove_staging
+
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    seen = []
+    monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: seen.append((Path(path) / STATE_FILE).exists()))
+    remove_staging(staging.root)
+    assert seen == [False]

@@ -106,6 +106,13 @@ def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
     return digest.hexdigest()
 
 
+def remove_staging(root: Path) -> None:
+    """Remove a run's saved progress, its state file first: a removal stopped half-way leaves no state that names
+    layers already deleted (a rerun would resume from it and fail on the missing files), only files no state names."""
+    (root / STATE_FILE).unlink(missing_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
 class StagingArea:
     """The `layers/` directory of a run's partial output, plus its state file."""
 
@@ -118,7 +125,7 @@ class StagingArea:
             warn(f"saved progress in {root} was made with a different recipe, data, models or settings; starting over")
             state = None
         if state is None:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_staging(root)
             self.layers.mkdir(parents=True)
             self.completed = 0
             self._write_state()

@@ -19,6 +19,7 @@ from typing import Callable
 import yaml
 
 from featcal_llm.engine.drift import TUNING_JSON
+from featcal_llm.engine.resume import remove_staging
 from featcal_llm.io.recipe import Recipe
 
 
@@ -58,5 +59,5 @@ def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], P
         from featcal_llm.stages.prepare import partial_dir
 
         shutil.rmtree(intermediate, ignore_errors=True)
-        shutil.rmtree(partial_dir(intermediate), ignore_errors=True)
+        remove_staging(partial_dir(intermediate))
     return output

@@ -24,6 +24,7 @@ from featcal_llm.io.checkpoint import (
     write_calibrated_checkpoint,
 )
 from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, write_report
+from featcal_llm.engine.resume import remove_staging
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.tuning import tuning_report, tuning_table
 from featcal_llm.stages.prepare import Data, Opened, Resolved
@@ -123,7 +124,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_staging(partial)
     return RunOutcome(output, merged_dir)
 
 
