@@ -385,10 +385,10 @@ def test_regmean_never_reads_the_heads(head_scenarios, tmp_path, capsys):
     assert torch.equal(read_weights(output)["lm_head.weight"], read_weights(scenario.root / "merged")["lm_head.weight"])
 
 
-def test_the_heads_statistics_take_the_precision_its_own_lambda_calls_for(family_scenarios, tmp_path, monkeypatch):
-    """The layers at λ = 3 sum their statistics in float32; the head re-fitted at λ = 1e-5 (its default) in float64, as
-    stats_dtype: auto's rule asks for that λ (it had taken the layers' float32). The card says both; a tuned run's
-    replay leaves stats_dtype at auto then, so that each resolves by its own λ again."""
+def test_the_heads_statistics_are_float64_whatever_the_layers_take(family_scenarios, tmp_path, monkeypatch):
+    """The layers at λ = 3 sum their statistics in float32; the head, re-fitted at λ = 1e-5 (its default), in float64
+    (it had taken the layers' float32), and so with `stats_dtype: float32` written out, as a tuned run's replay writes
+    the layers' resolved precision: the replay re-fits the head alike. The card says both."""
     import featcal_llm.engine.head as head_module
     from featcal_llm.io.recipe import load_recipe
     from featcal_llm.io.saved_recipe import replay_text
@@ -397,13 +397,14 @@ def test_the_heads_statistics_take_the_precision_its_own_lambda_calls_for(family
     seen = []
     accumulate = head_module.accumulate_gram
     monkeypatch.setattr(head_module, "accumulate_gram", lambda total, rows, dtype: seen.append(dtype) or accumulate(total, rows, dtype))
-    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), dtype="float32", head={"lambda": 1e-5},
-                                   **{"lambda": 3.0})
-    output = run_recipe(recipe, progress=False)
-    assert seen and set(seen) == {torch.float64}
-    assert "- statistics' precision: float32 (the LM head's re-fit: float64, for its lambda)\n" in (output / "README.md").read_text()
+    for stats in ("auto", "float32"):
+        recipe = scenario.write_recipe(tmp_path / f"{stats}.yaml", output=str(tmp_path / stats), dtype="float32",
+                                       head={"lambda": 1e-5}, stats_dtype=stats, **{"lambda": 3.0})
+        output = run_recipe(recipe, progress=False)
+        assert seen and set(seen) == {torch.float64}
+        seen.clear()
+        assert "- statistics' precision: float32 (the LM head's re-fit: float64)\n" in (output / "README.md").read_text()
     tuning = {"chosen": {"lambda": [3.0, 3.0]}, "search": {"holdout": 0.25}}
-    replayed = replay_text(load_recipe(recipe), tuning, {"dtype": torch.float32, "stats_dtype": torch.float32,
-                                                          "head_stats_dtype": torch.float64})
-    assert "dtype: float32" in replayed and "stats_dtype" not in replayed
-    assert "stats_dtype: float32" in replay_text(load_recipe(recipe), tuning, {"dtype": torch.float32, "stats_dtype": torch.float32})
+    replayed = replay_text(load_recipe(tmp_path / "auto.yaml"), tuning, {"dtype": torch.float32, "stats_dtype": torch.float32,
+                                                                         "head_stats_dtype": torch.float64})
+    assert "stats_dtype: float32" in replayed and "head_stats_dtype" not in replayed

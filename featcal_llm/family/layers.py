@@ -40,7 +40,7 @@ class LayerRunner:
         self.device = device
         self.dtype = dtype
         self.stats_dtype = stats_dtype  # precision of each batch's statistics products (totals are float64)
-        # the LM head's re-fit solves at its own λ (`head: lambda`, 1e-5 by default), so its products take their own rule
+        # the LM head's re-fit solves at its own λ (`head: lambda`, 1e-5 by default): its products take float64 (stages/prepare)
         self.head_stats_dtype = head_stats_dtype or stats_dtype
         self.front = ModelFront(architecture.model_class(), self.config, device, dtype)  # sets config._attn_implementation
 

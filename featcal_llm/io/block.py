@@ -160,7 +160,7 @@ class FeatCalConfig(BaseModel):
         "auto", description="compute dtype of the layers; auto: bfloat16 on GPUs; on CPUs bfloat16 where the checkpoint is stored in bfloat16 and the CPU has bf16 units, else float32"
     )
     stats_dtype: Literal["auto", "float32", "float64"] = Field(
-        "auto", description="precision of the statistics products (summed in float64); auto: float64 when dtype is float64; otherwise float32 when every lambda the run uses is >= 1e-2 (regmean and regmean++ have no ridge: never), else float64, or float32 with a warning on a GPU without fast float64; the LM head's re-fit (head:) by its own lambda alike"
+        "auto", description="precision of the statistics products (summed in float64); auto: float64 when dtype is float64; otherwise float32 when every lambda the run uses is >= 1e-2 (regmean and regmean++ have no ridge: never), else float64, or float32 with a warning on a GPU without fast float64; the LM head's re-fit (head:) takes float64 whatever this says (float32 with a warning on a GPU without fast float64)"
     )
     host_memory_gb: float | None = Field(
         None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"

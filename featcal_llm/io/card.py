@@ -277,7 +277,7 @@ def write_card(
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     head_stats = settings.pop("head_stats_dtype", None)
     if head_stats is not None:  # the head's re-fit solves at its own λ: its statistics took their own precision
-        settings["stats_dtype"] += f" (the LM head's re-fit: {head_stats}, for its lambda)"
+        settings["stats_dtype"] += f" (the LM head's re-fit: {head_stats})"
     if calibrated is not None and not featcal.regmean:
         settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing}
         if featcal.token_weighting == "expert_lead":

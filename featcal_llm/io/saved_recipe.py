@@ -26,10 +26,9 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
     for key in tuning["chosen"]:
         block[key] = {"per_layer": list(tuning["chosen"][key])}
     block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
-    head = precisions.get("head_stats_dtype")  # present where the head's λ chose other statistics than the layers'
     for key, dtype in precisions.items():
-        if key == "head_stats_dtype" or (key == "stats_dtype" and head is not None):
-            continue  # one pinned value would hold for both; `auto` resolves each by its own λ again, as it did
+        if key == "head_stats_dtype":  # not a key: the head's statistics are float64 whatever the layers' (stages/prepare.py)
+            continue
         if block.get(key, "auto") == "auto":
             block[key] = str(dtype).removeprefix("torch.")
     return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)

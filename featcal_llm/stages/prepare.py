@@ -317,9 +317,11 @@ def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
             check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, resolved.device, stored_dtype(merged_config))
     stats_dtype = resolve_stats_dtype(featcal.stats_dtype, resolved.plan.objective.smallest_lambda(), compute_dtype, resolved.device)
-    head = resolved.plan.head
-    head_stats_dtype = None if head is None else resolve_stats_dtype(featcal.stats_dtype, head.lam, compute_dtype, resolved.device,
-                                                                           "the LM head's statistics")
+    # the head's re-fit solves at its own λ (1e-5 by default) over one d × d Gram per expert: float64 always (float32 with a
+    # warning on a GPU without fast float64), whatever stats_dtype the layers take, so that a replay pinning the
+    # layers' precision re-fits the head alike
+    head_stats_dtype = None if resolved.plan.head is None else resolve_stats_dtype("auto", 0.0, compute_dtype, resolved.device,
+                                                                                  "the LM head's statistics")
     return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype, head_stats_dtype))
 
 
