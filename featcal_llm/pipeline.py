@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,32 +79,41 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
 
 
 def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer,
-         output_override: str | Path | None = None) -> RunOutcome:
-    """resolve → data → merge → run context → weights → layers → outputs (a stack: two runs of this function)."""
+         output_override: str | Path | None = None, locked: bool = False) -> RunOutcome:
+    """resolve → data → merge → run context → weights → layers → outputs → `eval:` (a stack: two runs of this function,
+    under the stack's lock: `locked`)."""
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
     recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override, device)
     if output_override is not None:
         recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
                          text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too
-    if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function
+    if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function, under one lock
         from featcal_llm.engine.stack import run_stack
 
-        stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer)  # noqa: E731
-        outcome = run_stack(recipe, force, stage, check_output, comm.is_main, comm.barrier)
+        stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
+        with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
+            outcome = run_stack(recipe, force, stage, check_output, comm.is_main, comm.barrier)
         return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
     resolved = resolve(comm, recipe, force, device)
-    where = f"{recipe.path}: featcal.output"  # rank 0 holds the output's lock (io/output_lock.py) until it is written
-    lock = comm.run_on_main("the output's lock", lambda: OutputLock.acquire(resolved.output, where,
-                                                                            lambda: check_output(recipe, resolved.output, force)))
-    try:
+    with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):
         outcome = _calibrate(comm, resolved, progress, timer)
+        if comm.is_main:  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
+            release_memory()
+            outcome = evaluate_outputs(recipe, outcome)  # under the lock: a --force run may not swap the output it reads
+    return outcome
+
+
+@contextmanager
+def _output_lock(comm: Single, recipe: Recipe, output: Path, force: bool):
+    """Rank 0 holds the output's lock (io/output_lock.py) from before the run writes anything until it has evaluated the
+    output; the output is checked again once the lock is held."""
+    lock = comm.run_on_main("the output's lock", lambda: OutputLock.acquire(output, f"{recipe.path}: featcal.output",
+                                                                            lambda: check_output(recipe, output, force)))
+    try:
+        yield
     finally:
         if lock is not None:
             lock.release()
-    if not comm.is_main:
-        return outcome
-    release_memory()  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
-    return evaluate_outputs(recipe, outcome)
 
 
 def _calibrate(comm: Single, resolved: Resolved, progress: bool, timer) -> RunOutcome:

@@ -309,7 +309,8 @@ def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(sm
 
     def evaluated(section, merged_dir, calibrated_dir, recipe_dir):
         gc.collect()  # what is left is held by a reference, not waiting for a collection
-        seen.append((len(released), [ref() is None for ref in contexts], (Path(calibrated_dir) / "config.json").is_file()))
+        locked = (Path(calibrated_dir).parent / f".{Path(calibrated_dir).name}.featcal-lock").is_file()  # a --force run waits
+        seen.append((len(released), [ref() is None for ref in contexts], (Path(calibrated_dir) / "config.json").is_file(), locked))
         return TABLE
 
     monkeypatch.chdir(tmp_path)
@@ -317,4 +318,4 @@ def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(sm
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"),
                                 eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
     assert featcal_llm.calibrate(recipe, progress=False).evaluation == TABLE
-    assert seen == [(1, [True], True)]
+    assert seen == [(1, [True], True, True)]
