@@ -116,6 +116,8 @@ def test_a_lock_file_replaced_while_it_was_opened_is_not_trusted(tmp_path, monke
      ".out.featcal-partial is where featcal-llm keeps its progress, but it is not a folder; remove it"),
     (lambda d: (d / ".out.featcal-old").write_text("junk"),
      ".out.featcal-old is where featcal-llm keeps an old output while --force replaces it, but it is not a folder; remove it"),
+    (lambda d: (d / ".out.featcal-lock").mkdir(),
+     ".out.featcal-lock is the lock file a run holds while it writes out, but it is not a file; remove it"),
 ])
 def test_an_output_the_run_could_not_write_is_refused_by_validate_and_run(small, tmp_path, make, message):
     make(tmp_path)
@@ -185,3 +187,29 @@ def test_a_staging_area_is_removed_state_first(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: seen.append((Path(path) / STATE_FILE).exists()))
     remove_staging(staging.root)
     assert seen == [False]
+
+
+def test_a_stack_is_refused_before_its_first_stage_while_its_output_is_in_use(small, tmp_path):
+    """A stack holds its output's lock across both stages: a second run of it is refused before stage 1 (it had run
+    stage 1 again, swapping out the intermediate the first run was reading, and been refused only at stage 2)."""
+    output = tmp_path / "stack"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output), method=["regmean++", "featcal"])
+    process = holder(output)
+    try:
+        with pytest.raises(FeatCalError, match=rf"stack: another featcal-llm run \(pid {process.pid}\) is writing it"):
+            run_recipe(recipe, progress=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".stack.featcal-lock", "r.yaml"]  # no stage 1
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert run_recipe(recipe, progress=False) == output and sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "stack"]
+
+
+def test_the_umask_is_read_without_being_set():
+    from featcal_llm.io.checkpoint import current_umask
+
+    mask = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027 and os.umask(0o027) == 0o027
+    finally:
+        os.umask(mask)

@@ -212,11 +212,23 @@ def copy_side_files(source: Path, output: Path) -> None:
             shutil.copy2(item, output / item.name)
 
 
-def with_umask_mode(directory: Path) -> None:
-    """Every file below `directory` readable and writable as the umask lets a new file be (0644 under umask 022)."""
+def current_umask() -> int:
+    """The process's umask, read from /proc where Linux has it (setting it to read it, the fallback, changes it for
+    every thread for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
-    mode = 0o666 & ~mask
+    return mask
+
+
+def with_umask_mode(directory: Path) -> None:
+    """Every file below `directory` readable and writable as the umask lets a new file be (0644 under umask 022)."""
+    mode = 0o666 & ~current_umask()
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
             path.chmod(mode)

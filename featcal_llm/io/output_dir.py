@@ -18,8 +18,10 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
-# hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out
+# hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out (folders),
+# and the lock the run holds (a file: io/output_lock.py)
 SIBLINGS = {"featcal-partial": "its progress", "featcal-old": "an old output while --force replaces it"}
+LOCK_SUFFIX = "featcal-lock"
 
 
 def not_an_output(output: Path) -> str | None:
@@ -36,6 +38,9 @@ def not_an_output(output: Path) -> str | None:
         sibling = output.with_name(f".{output.name}.{suffix}")
         if (sibling.exists() or sibling.is_symlink()) and (sibling.is_symlink() or not sibling.is_dir()):
             return f"{sibling} is where featcal-llm keeps {what}, but it is not a folder; remove it"
+    lock = output.with_name(f".{output.name}.{LOCK_SUFFIX}")
+    if lock.is_symlink() or (lock.exists() and not lock.is_file()):
+        return f"{lock} is the lock file a run holds while it writes {output.name}, but it is not a file; remove it"
     if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / "featcal_recipe.yml").is_file())):
         return None
     kind = "a file" if not output.is_dir() else "a folder that is no featcal-llm output (it has no featcal_recipe.yml)"

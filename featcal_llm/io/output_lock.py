@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.output_dir import LOCK_SUFFIX
 
 
 def lock_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.featcal-lock")
+    return output.with_name(f".{output.name}.{LOCK_SUFFIX}")
 
 
 class OutputLock:

@@ -258,7 +258,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
-            if not changes_tokenizer(merge_config):  # the merge keeps the base's vocabulary: run's check_vocabulary_sizes
+            if not changes_tokenizer(merge_config) and not (merged and Path(merged).exists()):  # run's check before it merges
                 collect(problems, path, lambda: _same_vocabulary(base_config, config, f"{what}: {directory / 'config.json'}"))
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
