@@ -103,7 +103,7 @@ def _fingerprint(recipe_path, merged_dir) -> str:
     from featcal_llm.stages.prepare import run_fingerprint
 
     models = SimpleNamespace(merged=SimpleNamespace(directory=merged_dir))
-    runner = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, stats_dtype=torch.float64)
+    runner = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, stats_dtype=torch.float64, head_stats_dtype=torch.float64)
     return run_fingerprint(load_recipe(recipe_path), {"a": [[1, 2, 3]]}, {"a": [[4, 5]]}, models, runner, 256, {})
 
 

@@ -95,7 +95,7 @@ def test_revision_changes_the_run_fingerprint(refs):
 
     recipe = load_recipe(write_recipe(refs, refs.root, "fp", merge_of(refs, [str(p) for p in refs.experts.values()])))
     models = SimpleNamespace(merged=SimpleNamespace(directory=refs.merged))
-    runner = SimpleNamespace(device=torch.device("cpu"), dtype="float64", stats_dtype="float64")
+    runner = SimpleNamespace(device=torch.device("cpu"), dtype="float64", stats_dtype="float64", head_stats_dtype="float64")
 
     def fingerprint(revision):
         source = ModelSource(f"org/expert1@{revision}", refs.experts["expert1"], None, (revision, None))
