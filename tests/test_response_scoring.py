@@ -278,3 +278,27 @@ def test_a_shuffled_records_error_names_its_number_in_the_file(tmp_path):
     with pytest.raises(FeatCalError) as error:
         calibration_sequences(data, ["e"], build_char_tokenizer(), 12, 64, True, 3, tmp_path / "r.yaml")
     assert "cal.jsonl: record 7: field 'text' is empty" in str(error.value)
+
+
+def test_a_blank_chat_template_is_no_template_to_validate_and_run(tmp_path):
+    """transformers loads an empty chat_template.jinja as "", which renders every conversation as nothing: validate
+    (from the files) and run (from the loaded tokenizer) both read it as no template, as they read a missing one."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from featcal_llm.io.data import record_to_text
+    from featcal_llm.io.model_files import carries_chat_template, has_chat_template
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("  \n")
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.chat_template is not None and not carries_chat_template(loaded) and not has_chat_template(tmp_path)
+    with pytest.raises(FeatCalError, match=r"\.format: chat needs a tokenizer with a chat template"):
+        record_to_text({"messages": [{"role": "user", "content": "hi"}]}, DataSpec(path="c.jsonl", format="chat"), loaded, "d", 0)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert has_chat_template(tmp_path) and carries_chat_template(AutoTokenizer.from_pretrained(tmp_path))
+    named = [{"name": "default", "template": "{{ messages }}"}]  # tokenizer_config.json's older list form
+    assert carries_chat_template(SimpleNamespace(chat_template=named))
+    assert not carries_chat_template(SimpleNamespace(chat_template={"default": ""}))

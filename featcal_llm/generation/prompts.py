@@ -9,6 +9,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.data import encode, render_chat
+from featcal_llm.io.model_files import carries_chat_template
 from featcal_llm.io.prompts import read_prompts  # noqa: F401  (re-exported for generation)
 
 # Varied generic requests (instructions, questions, code, maths, prose) for chat experts given no prompts.
@@ -41,7 +42,7 @@ def start_token(tokenizer: Any, config: Any, start: str | None = None, where: st
 
 
 def uses_chat_template(setting: str, tokenizer: Any, where: str) -> bool:
-    has_template = getattr(tokenizer, "chat_template", None) is not None
+    has_template = carries_chat_template(tokenizer)
     if setting in ("on", "empty") and not has_template:
         raise FeatCalError(f"{where}.chat_template: {setting}, but the expert's tokenizer has no chat template")
     return has_template if setting == "auto" else setting in ("on", "empty")
@@ -109,7 +110,7 @@ def candidate_starts(tokenizer: Any, config: Any, directory: Any, where: str) ->
     prompts through the chat template) and "empty" (an empty request through it), when the tokenizer has one,
     "config" (the generation config's start token, when it is another token than the BOS)."""
     candidates = {"bos": resolve_start(None, "", "off", tokenizer, config, where)}
-    if getattr(tokenizer, "chat_template", None) is not None:
+    if carries_chat_template(tokenizer):
         candidates["chat"] = resolve_start(None, "", "on", tokenizer, config, where)
         candidates["empty"] = empty_request(tokenizer, where)
     token = config_start_token(directory, tokenizer)

@@ -27,6 +27,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.records import Record
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.block_sections import DataSpec
+from featcal_llm.io.model_files import carries_chat_template
 from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).
@@ -215,7 +216,7 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
         return _alpaca(record, spec, where, index, text_field(record, spec, spec.response, where, index))
     if spec.format == "completion":
         return text_field(record, spec, spec.prompt, where, index) + text_field(record, spec, spec.response, where, index)
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not carries_chat_template(tokenizer):
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
     return render_chat(tokenizer, _chat_messages(record, spec, where, index), f"{where}: record {index}: the tokenizer's chat template refused it")
 

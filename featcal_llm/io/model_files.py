@@ -4,6 +4,8 @@ without safetensors, transformers or torch."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -37,14 +39,32 @@ def generating_expert_without_tokenizer(directory: Path, name: str) -> str:
             "writes its own data needs its tokenizer: copy it into that directory, or give this expert a data file")
 
 
+def carries_chat_template(tokenizer: Any) -> bool:
+    """Whether a loaded tokenizer has a chat template that renders something: transformers loads an empty
+    chat_template.jinja as "", which renders every conversation as nothing (a mapping: its named templates)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        templates = list(template.values())
+    elif isinstance(template, list):  # tokenizer_config.json's older form: [{"name": ..., "template": ...}]
+        templates = [item.get("template") if isinstance(item, dict) else item for item in template]
+    else:
+        templates = [template]
+    return any(isinstance(text, str) and text.strip() for text in templates)
+
+
 def has_chat_template(directory: Path) -> bool:
-    """Whether the tokenizer saved in `directory` carries a chat template (its own file, or the tokenizer config's key)."""
+    """Whether the tokenizer saved in `directory` carries a chat template (its own file, or the tokenizer config's key),
+    as carries_chat_template judges the loaded tokenizer: a blank file is none."""
     import json
 
-    if any((directory / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
-        return True
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (directory / name).is_file():  # transformers takes the file over the config's key
+            try:
+                return bool((directory / name).read_text(encoding="utf-8").strip())
+            except (OSError, UnicodeDecodeError):
+                return True  # not ours to judge: the tokenizer's loader reports it
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
+    return isinstance(config, dict) and carries_chat_template(SimpleNamespace(chat_template=config.get("chat_template")))
