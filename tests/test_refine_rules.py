@@ -146,7 +146,7 @@ def test_the_record_order_is_drawn_as_needed_and_the_same_from_any_start():
     order, from a resumed step, or again from an earlier one; the run never holds more than a step and an epoch."""
     import random
 
-    from featcal_llm.engine.refine import record_order
+    from featcal_llm.engine.refine_schedule import record_order
 
     def whole(keys, steps, per_step, seed):  # every step drawn at once, as the plan reads
         rng, pending, batches = random.Random(f"featcal-refine:{seed}"), [], []
