@@ -92,7 +92,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
 
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
-            outcome = run_stack(recipe, force, stage, check_output, comm.is_main, comm.barrier)
+            outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
         return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
     resolved = resolve(comm, recipe, force, device)
     with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):

@@ -41,12 +41,12 @@ def with_chosen(text: str, tuning_file: Path) -> str:
     return yaml.safe_dump(raw, sort_keys=False)
 
 
-def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], Path],
-              check_output: Callable[[Recipe, Path, bool], None], is_main: bool, barrier: Callable[[], None]) -> Path:
-    """Run the stack's two stages; returns the output directory (stage 2's)."""
+def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], Path], is_main: bool,
+              barrier: Callable[[], None]) -> Path:
+    """Run the stack's two stages; returns the output directory (stage 2's). The caller holds the output's lock, whose
+    acquisition checked the output (an existing one stops the run before stage 1)."""
     featcal = recipe.featcal
     output = Path(featcal.output)
-    check_output(recipe, output, force)  # before stage 1: an existing output stops the run before any work
     intermediate = intermediate_dir(output, featcal.method[0])
     first = replace(recipe, featcal=featcal.stage(0, str(intermediate)))
     run_stage(first, True)
