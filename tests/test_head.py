@@ -408,3 +408,18 @@ def test_the_heads_statistics_are_float64_whatever_the_layers_take(family_scenar
     replayed = replay_text(load_recipe(tmp_path / "auto.yaml"), tuning, {"dtype": torch.float32, "stats_dtype": torch.float32,
                                                                          "head_stats_dtype": torch.float64})
     assert "stats_dtype: float32" in replayed and "head_stats_dtype" not in replayed
+
+
+def test_the_heads_float32_fallback_on_a_gpu_without_fast_float64_names_the_head(monkeypatch, capsys):
+    """The one case the head's statistics are float32: its warning names the head and its λ, not `stats_dtype`, which
+    does not set the head's precision."""
+    import featcal_llm.engine.devices as devices
+
+    monkeypatch.setattr(devices, "fast_float64", lambda device: False)
+    assert devices.head_stats_dtype(1e-5, torch.bfloat16, torch.device("cuda")) == torch.float32
+    err = capsys.readouterr().err
+    assert "featcal.head: the LM head's statistics use float32 products on a GPU without fast float64" in err
+    assert "at its lambda 1e-05" in err and "stats_dtype" not in err
+    assert devices.head_stats_dtype(1e-5, torch.float64, torch.device("cuda")) == torch.float64
+    monkeypatch.setattr(devices, "fast_float64", lambda device: True)
+    assert devices.head_stats_dtype(1.0, torch.bfloat16, torch.device("cuda")) == torch.float64

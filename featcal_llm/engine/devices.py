@@ -71,8 +71,7 @@ def fast_float64(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) in {(8, 0), (9, 0), (10, 0)}
 
 
-def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device,
-                        what: str = "statistics") -> torch.dtype:
+def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Precision of the statistics products: float32 where the ridge bounds what its rounding does to ΔW, float64 below.
 
     The solve amplifies a perturbation of the Grams by up to about ‖Σ ω G‖ / λ,
@@ -93,7 +92,18 @@ def resolve_stats_dtype(requested: str, smallest_lambda: float, compute_dtype: t
     if not fast_float64(device):
         warn(
             f"featcal.stats_dtype: lambda {smallest_lambda:g} < {FLOAT32_STATS_MIN_LAMBDA:g} on a GPU without fast float64: "
-            f"{what} use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
+            "statistics use float32 products, which can move the update by ~1e-4-1e-3 relative; set stats_dtype: float64 to avoid it"
         )
         return torch.float32
     return torch.float64
+
+
+def head_stats_dtype(head_lambda: float, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Precision of the LM head's statistics products: float64 whatever `stats_dtype` gives the layers, so that a tuned
+    replay, which pins the layers' precision, re-fits the head alike; its λ is 1e-5 by default and its products are
+    one d × d Gram per expert. A GPU without fast float64 keeps float32, with a warning."""
+    if compute_dtype == torch.float64 or fast_float64(device):
+        return torch.float64
+    warn(f"featcal.head: the LM head's statistics use float32 products on a GPU without fast float64, which can move its "
+         f"update by ~1e-4-1e-3 relative at its lambda {head_lambda:g}")
+    return torch.float32

@@ -71,7 +71,7 @@ def head_statistics(ctx: "RunContext", task: str, merged_norm: torch.nn.Module, 
             root = None if roots is None else roots[index].to(runner.device)[keep]
             weight = None if root is None else root * root
             x_cal, x_exp = merged_norm(h_cal)[keep], expert_norm(h_exp)[keep]  # weighted in the statistics' precision
-            dtype = runner.head_stats_dtype  # resolved by the head's own λ
+            dtype = runner.head_stats_dtype  # float64 whatever the layers take (engine/devices.head_stats_dtype)
             accumulate_gram(stats.gram, weighted_rows(x_cal, root, dtype), dtype)
             accumulate_moment(stats.moment, weighted_rows(x_exp, weight, dtype), x_cal, dtype)
             stats.tokens += int(x_cal.shape[0])

@@ -17,7 +17,7 @@ import torch
 from featcal_llm import __version__, runlog
 from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 from featcal_llm.engine.teachers import check_judged
-from featcal_llm.engine.devices import resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
+from featcal_llm.engine.devices import head_stats_dtype, resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
 from featcal_llm.engine.context import Models, RunContext
 from featcal_llm.engine.distributed import Single, rank_device
 from featcal_llm.engine.head import experts_that_changed_the_head
@@ -317,12 +317,9 @@ def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
             check_vocabulary_sizes(rows, merged_rows, f"the merged model {merged_dir}", {m: r.what for m, r in readers.items()})
     compute_dtype = resolve_dtype(featcal.dtype, resolved.device, stored_dtype(merged_config))
     stats_dtype = resolve_stats_dtype(featcal.stats_dtype, resolved.plan.objective.smallest_lambda(), compute_dtype, resolved.device)
-    # the head's re-fit solves at its own λ (1e-5 by default) over one d × d Gram per expert: float64 always (float32 with a
-    # warning on a GPU without fast float64), whatever stats_dtype the layers take, so that a replay pinning the
-    # layers' precision re-fits the head alike
-    head_stats_dtype = None if resolved.plan.head is None else resolve_stats_dtype("auto", 0.0, compute_dtype, resolved.device,
-                                                                                  "the LM head's statistics")
-    return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype, head_stats_dtype))
+    head = resolved.plan.head
+    head_dtype = None if head is None else head_stats_dtype(head.lam, compute_dtype, resolved.device)
+    return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype, head_dtype))
 
 
 def resolved_settings(featcal) -> dict[str, Any]:
