@@ -4,7 +4,6 @@ without safetensors, transformers or torch."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,8 +40,13 @@ def generating_expert_without_tokenizer(directory: Path, name: str) -> str:
 
 def carries_chat_template(tokenizer: Any) -> bool:
     """Whether a loaded tokenizer has a chat template that renders something: transformers loads an empty
-    chat_template.jinja as "", which renders every conversation as nothing (a mapping: its named templates)."""
-    template = getattr(tokenizer, "chat_template", None)
+    chat_template.jinja as "", which renders every conversation as nothing."""
+    return renders_something(getattr(tokenizer, "chat_template", None))
+
+
+def renders_something(template: Any) -> bool:
+    """Whether a chat template (a string, a mapping of named templates, or tokenizer_config.json's older list of
+    them) holds one that is not blank."""
     if isinstance(template, dict):
         templates = list(template.values())
     elif isinstance(template, list):  # tokenizer_config.json's older form: [{"name": ..., "template": ...}]
@@ -67,4 +71,4 @@ def has_chat_template(directory: Path) -> bool:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and carries_chat_template(SimpleNamespace(chat_template=config.get("chat_template")))
+    return isinstance(config, dict) and renders_something(config.get("chat_template"))
