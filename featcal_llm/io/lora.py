@@ -23,10 +23,9 @@ from safetensors import safe_open
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.lora_layout import ADAPTER_WEIGHTS, read_adapter_layout
 from featcal_llm.io.references import ADAPTER_CONFIG, NAMED_REFUSALS, adapter_config_problem
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PREFIX = "base_model.model."
 # LoraConfig fields that either are honoured below or do not change the merged weights.
 HARMLESS_FIELDS = {
     "r", "lora_alpha", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "modules_to_save",
@@ -91,73 +90,12 @@ class LoraReader:
         self.directory = self.adapter
         self.what = what
         self.config = load_lora_config(self.adapter, what)
-        weights = self.adapter / ADAPTER_WEIGHTS
-        if not weights.is_file():
-            pickled = (self.adapter / "adapter_model.bin").is_file()
-            raise FeatCalError(f"{what}: {self.adapter}: {'only a pickled adapter_model.bin found; featcal-llm reads safetensors only' if pickled else f'{ADAPTER_WEIGHTS} is missing'}")
-        try:
-            self._handle = safe_open(weights, framework="pt")
-            keys = list(self._handle.keys())
-        except Exception as error:
-            raise FeatCalError(f"{what}: {weights}: not a readable safetensors file ({error})") from None
-        self.replacements: dict[str, str] = {}  # target tensor → adapter key whose value replaces it
-        self.deltas: dict[str, list[Delta]] = {}
-        self._parse(keys, weights)
-        self._check_shapes(weights)
-
-    def _parse(self, keys: list[str], weights: Path) -> None:
-        pairs: dict[str, dict[str, str]] = {}
-        names = set(self.base.names())
-        for key in keys:
-            if not key.startswith(PREFIX):
-                raise FeatCalError(f"{self.what}: {weights}: tensor {key} is not a PEFT adapter tensor (expected the prefix {PREFIX})")
-            rest = key[len(PREFIX):]
-            for suffix, role in ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_embedding_A", "EA"), (".lora_embedding_B", "EB")):
-                if rest.endswith(suffix):
-                    pairs.setdefault(rest[: -len(suffix)], {})[role] = key
-                    break
-            else:
-                if rest.endswith(".lora_B.bias"):
-                    module = rest[: -len(".lora_B.bias")]
-                    if f"{module}.bias" not in names:
-                        raise FeatCalError(f"{self.what}: {weights}: lora_bias on {module}, which has no bias in the base model {self.base.directory} (peft cannot merge it either)")
-                    self.deltas.setdefault(f"{module}.bias", []).append(Delta("", key, _scale(self.config, module), False))
-                    continue
-                if ".lora_" in rest:
-                    raise FeatCalError(f"{self.what}: {weights}: tensor {key} is not a LoRA tensor featcal-llm supports")
-                target = rest.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
-                if target not in names:
-                    raise FeatCalError(f"{self.what}: {weights}: tensor {key} has no counterpart {target} in the base model {self.base.directory}")
-                self.replacements[target] = key
-        for module, roles in pairs.items():
-            embedding = "EA" in roles or "EB" in roles
-            a, b = (roles.get("EA"), roles.get("EB")) if embedding else (roles.get("A"), roles.get("B"))
-            if a is None or b is None:
-                raise FeatCalError(f"{self.what}: {weights}: {module} has only one of the LoRA matrices A and B")
-            target = f"{module}.weight"
-            if target not in names:
-                raise FeatCalError(f"{self.what}: {weights}: LoRA on {module}, which the base model {self.base.directory} does not have")
-            self.deltas.setdefault(target, []).append(Delta(a, b, _scale(self.config, module), embedding))
-
-    def _check_shapes(self, weights: Path) -> None:
-        """The adapter must fit the base it is applied to: B·A the shape of W, replacements the shape they replace."""
-        layout = self.base.layout()
-        shape = {key: tuple(self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
-        for target, key in self.replacements.items():
-            if shape[key] != layout[target][0]:
-                raise FeatCalError(f"{self.what}: {weights}: {key} has shape {list(shape[key])}, the base model's {target} has {list(layout[target][0])} (adapter trained on another base?)")
-        for target, deltas in self.deltas.items():
-            expected = layout[target][0]
-            for delta in deltas:
-                if not delta.a:
-                    product = shape[delta.b]
-                else:
-                    a, b = shape[delta.a], shape[delta.b]
-                    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-                        raise FeatCalError(f"{self.what}: {weights}: {delta.a} {list(a)} and {delta.b} {list(b)} do not multiply")
-                    product = (a[1], b[0]) if delta.transpose else (b[0], a[1])
-                if product != expected:
-                    raise FeatCalError(f"{self.what}: {weights}: the LoRA update of {target} has shape {list(product)}, the base model's has {list(expected)} (adapter trained on another base?)")
+        base_shapes = {name: shape for name, (shape, _) in base.layout().items()}
+        layout = read_adapter_layout(self.adapter, base_shapes, base.directory, what)
+        self._handle = safe_open(self.adapter / ADAPTER_WEIGHTS, framework="pt")
+        self.replacements: dict[str, str] = layout.replacements
+        self.deltas = {target: [Delta(keys.a, keys.b, _scale(self.config, keys.module), keys.transpose) for keys in deltas]
+                       for target, deltas in layout.deltas.items()}
 
     def names(self) -> list[str]:
         return self.base.names()

@@ -180,6 +180,10 @@ def _model_config(reference: Any, what: str, online: bool, report: Report, base:
             problem = adapter_config_problem(source.adapter)  # what run's LoRA reader refuses of its config
             if problem is not None:
                 raise FeatCalError(f"{what}: {problem}")
+            from featcal_llm.io.lora_layout import checkpoint_shapes, read_adapter_layout
+
+            # its tensors against the base's, from the safetensors headers: an adapter for another base, in run's words
+            read_adapter_layout(source.adapter, checkpoint_shapes(source.directory, what), source.directory, what)
         return source, config
     for model_path in hub:
         if online:
