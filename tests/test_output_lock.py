@@ -213,3 +213,48 @@ def test_the_umask_is_read_without_being_set():
         assert current_umask() == 0o027 and os.umask(0o027) == 0o027
     finally:
         os.umask(mask)
+
+
+def test_a_run_waits_while_another_holds_its_merge_directory(small, tmp_path, monkeypatch):
+    """Two runs with other outputs but one `featcal.merged` (a sweep) would both merge into one `.merging` folder at
+    once; the second waits for the first's lock instead, writing nothing meanwhile, then merges (or reuses its merge)."""
+    import threading
+    import time
+
+    import featcal_llm.io.merge as merge
+    from featcal_llm.io.recipe import load_recipe
+
+    merged = tmp_path / "merged"
+    said, waiting = [], threading.Event()
+    monkeypatch.setattr(merge, "_say", lambda message: (said.append(message), waiting.set()))
+    process = holder(merged)
+    made = {}
+    thread = threading.Thread(target=lambda: made.update(path=merge.ensure_merged(load_recipe(small.recipe), merged, "cpu")))
+    try:
+        thread.start()
+        assert waiting.wait(30), "ensure_merged did not wait for the merge directory's lock"
+        assert said == [f"waiting for another featcal-llm run (pid {process.pid}), which holds {merged}"]
+        time.sleep(0.5)
+        assert not merged.exists() and not merged.with_name("merged.merging").exists()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    thread.join(300)
+    assert made["path"] == merged and (merged / "featcal_merge.json").is_file()
+    assert not lock_path(merged).exists()
+
+
+def test_a_supplied_merge_in_a_folder_that_cannot_hold_the_lock_is_read(small, tmp_path, monkeypatch):
+    """A merge the user supplies from a read-only folder: no lock file can be made beside it, and none is needed."""
+    import featcal_llm.io.output_lock as module
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    def read_only(path, flags, mode=0o777):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(module.os, "open", read_only)
+    merged = small.root / "merged"
+    assert ensure_merged(load_recipe(small.recipe), merged, "cpu") == merged
+    with pytest.raises(Exception, match="cannot lock it for the merge"):
+        ensure_merged(load_recipe(small.recipe), tmp_path / "elsewhere", "cpu")

@@ -287,16 +287,39 @@ def ensure_merged(recipe: Recipe, merged: Path, device: str, sources: dict[str, 
     by the files of its snapshot; mergekit merges LoRA experts into a scratch cache
     beside the output, removed afterwards.
     """
-    if merged.exists():
-        differing = _stale(recipe, merged, sources)
-        if differing is None:
-            return merged
-        if not (merged / MARKER).is_file():
-            raise _supplied_refusal(recipe.path, merged, differing)
-        _say(f"{merged} was made from other inputs than the recipe's (differs in {_listed(differing)}); merging again")
-    _merge(recipe, merged, device, sources, trust_remote_code)
-    _settled[str(merged.resolve())] = (merge_config_dict(recipe.merge_config), seed_that_matters(recipe))
-    return merged
+    lock = _merge_lock(recipe, merged)
+    try:
+        if merged.exists():
+            differing = _stale(recipe, merged, sources)
+            if differing is None:
+                return merged
+            if not (merged / MARKER).is_file():
+                raise _supplied_refusal(recipe.path, merged, differing)
+            _say(f"{merged} was made from other inputs than the recipe's (differs in {_listed(differing)}); merging again")
+        _merge(recipe, merged, device, sources, trust_remote_code)
+        _settled[str(merged.resolve())] = (merge_config_dict(recipe.merge_config), seed_that_matters(recipe))
+        return merged
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _merge_lock(recipe: Recipe, merged: Path) -> Any:
+    """The merge directory's lock (io/output_lock.py), waited for while another run checks or writes it: two runs
+    merging into one directory at once would write into one `.merging` folder. None where a supplied merge's folder
+    cannot hold the lock file (read-only): nothing is written there then, unless a stale merge of ours is re-made,
+    which fails on its own."""
+    from featcal_llm.io.output_lock import OutputLock
+
+    def waiting(holder: str) -> None:
+        _say(f"waiting for another featcal-llm run (pid {holder}), which holds {merged}")
+
+    try:
+        return OutputLock.acquire(merged, f"{recipe.path}: featcal.merged", waiting=waiting)
+    except OSError as error:
+        if merged.is_dir():
+            return None
+        raise RunFailure(f"{recipe.path}: featcal.merged: {merged}: cannot lock it for the merge ({error.strerror or error})") from None
 
 
 def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None, trust_remote_code: bool) -> None:
