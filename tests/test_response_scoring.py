@@ -302,3 +302,20 @@ def test_a_blank_chat_template_is_no_template_to_validate_and_run(tmp_path):
     named = [{"name": "default", "template": "{{ messages }}"}]  # tokenizer_config.json's older list form
     assert carries_chat_template(SimpleNamespace(chat_template=named))
     assert not carries_chat_template(SimpleNamespace(chat_template={"default": ""}))
+
+
+def test_the_log_says_on_its_responses_only_for_the_experts_judged_on_them(tmp_path, capsys):
+    """An expert given prompt/response records is judged on its responses; one given plain text, on every token."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=6, dtype="float64")
+    _as_completion(scenario)
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"),
+                                                  token_weights="expert_lead").read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert0"])].update(format="completion")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run_recipe(tmp_path / "r.yaml", progress=False)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "tokens weighed by the expert's lead" in line]
+    first, second = line.split("; ")
+    assert "expert0 ahead on" in first and "(net of where it trails, on its responses: " in first, line
+    assert "expert1 ahead on" in second and "(net of where it trails: " in second, line

@@ -90,7 +90,9 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
         moments += lead_moments(torch.cat(record_leads[task]), torch.cat(judged)) if judged else [0.0] * 6  # a rank may hold none
         del expert_head
     del streams
-    responses_only = any(batch.response is not None for task_batches in batches.values() for batch in task_batches)
+    # an expert's lead is judged on its responses where its records are prompt/response pairs, else on every token
+    with_responses = ctx.comm.sum_floats([float(any(batch.response is not None for batch in batches[task])) for task in batches])
+    on_responses = {task: flag > 0 for task, flag in zip(batches, with_responses)}
     sums, moments = ctx.comm.sum_floats(sums), ctx.comm.sum_floats(moments)
     scales, summary, mean_leads, margins = {}, {}, {}, {}
     for index, task in enumerate(batches):
@@ -117,7 +119,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
                  "alike; check that its data is its kind of text")
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
-                             f"(net of where it trails{', on its responses' if responses_only else ''}: {mean_leads[task]:+.3f} "
+                             f"(net of where it trails{', on its responses' if on_responses[task] else ''}: {mean_leads[task]:+.3f} "
                              f"± {margins[task]:.3f})"
                              + (f", behind on {s['records_dropped']} of its {s['records']} records, which weigh 0"
                                 if s.get("records_dropped") else "")
