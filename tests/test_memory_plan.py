@@ -100,3 +100,10 @@ def test_the_memory_plan_counts_the_samples_an_expert_generates():
     generated = plan({"a": {"path": "a.jsonl"}, "b": {"generate": {"samples": 4096}}})
     streams = lambda records: records * 1024 * 64 * 2 * 4  # noqa: E731  tokens × hidden × (cal and expert) × float32
     assert generated.host_bytes - files.host_bytes == streams(64 + 4096) - streams(64 + 64)
+
+
+def test_host_memory_gb_counts_the_gigabytes_the_plan_prints():
+    from featcal_llm.benchmark.estimate import GB, machine_ram, size_text, stream_budget
+
+    assert stream_budget(2.5) == 2_500_000_000 and size_text(stream_budget(2.5)) == size_text(2.5 * GB)
+    assert stream_budget(None) == int(machine_ram() / 2)

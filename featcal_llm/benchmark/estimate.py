@@ -27,7 +27,7 @@ from typing import Any
 
 from featcal_llm.benchmark.costs import Group, LayerShape, statistics_bytes
 
-GB = 1e9
+GB = 1e9  # `host_memory_gb` counts these too
 PROCESS_ALLOWANCE = 1.5 * GB  # Python, torch and the libraries, resident
 CUDA_CONTEXT = 0.5 * GB
 BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -106,6 +106,11 @@ def machine_ram() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def stream_budget(host_memory_gb: float | None) -> int:
+    """Bytes of RAM the hidden-state streams may use before spilling: the setting, or half the machine."""
+    return int(host_memory_gb * GB) if host_memory_gb is not None else int(machine_ram() * 0.5)
+
+
 def head_may_untie(config: dict, featcal: Any) -> bool:
     """Whether the closed form may write a head of its own for a config that ties it (`head: auto` or true; not for
     RegMean, nor for a family vLLM serves only tied): the refinement's student then trains an untied head, which the
@@ -144,7 +149,7 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
 
         sample = sum(min(COVERAGE_RECORDS, spec.records(featcal.samples)) for spec in featcal.data.values()) * featcal.max_length
         streams = max(streams, (1 + experts) * sample * hidden * compute)
-    budget = featcal.host_memory_gb * 2**30 if featcal.host_memory_gb else machine_ram() / 2
+    budget = stream_budget(featcal.host_memory_gb)
     in_ram, spilled = min(streams, budget), max(0.0, streams - budget)
 
     work = statistics + systems + decoder + activations

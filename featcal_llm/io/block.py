@@ -163,7 +163,7 @@ class FeatCalConfig(BaseModel):
         "auto", description="precision of the statistics products (summed in float64); auto: float64 when dtype is float64; otherwise float32 when every lambda the run uses is >= 1e-2 (regmean and regmean++ have no ridge: never), else float64, or float32 with a warning on a GPU without fast float64; the LM head's re-fit (head:) takes float64 whatever this says (float32 with a warning on a GPU without fast float64)"
     )
     host_memory_gb: float | None = Field(
-        None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files; default half the machine"
+        None, gt=0, description="RAM for hidden-state streams before they spill to memory-mapped files, in GB (10^9 bytes, as the memory plan prints sizes); default half the machine"
     )
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     modules: list[str] | None = Field(None, min_length=1, description="restrict calibration to these projections, e.g. [q_proj, down_proj]")

@@ -6,7 +6,6 @@ what it is given and fails in one line before anything is written.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from featcal_llm import __version__, runlog
+from featcal_llm.benchmark.estimate import stream_budget
 from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 from featcal_llm.engine.teachers import check_judged
 from featcal_llm.engine.devices import head_stats_dtype, resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
@@ -95,13 +95,6 @@ def check_output(recipe: Recipe, output: Path, force: bool) -> None:
     problem = unwritable(output)
     if problem is not None:
         raise FeatCalError(f"{where}: {problem}")
-
-
-def stream_budget(host_memory_gb: float | None) -> int:
-    """Bytes of RAM the hidden-state streams may use before spilling: the setting, or half the machine."""
-    if host_memory_gb is not None:
-        return int(host_memory_gb * 2**30)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
 
 
 def _embedding_rows(reader: CheckpointReader, name: str) -> int:
