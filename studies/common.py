@@ -13,6 +13,15 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
+def answer_help(doc: str | None) -> None:
+    """`-h` for a study script that reads its arguments by position: its docstring, exit 0."""
+    import sys
+
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print((doc or "").strip())
+        sys.exit(0)
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 

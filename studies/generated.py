@@ -102,7 +102,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default="demo-work", show_default=True,
               help="A finished demo workdir (python -m featcal_llm demo --workdir ...).")
 @click.option("--device", default="cpu", show_default=True)

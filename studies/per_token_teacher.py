@@ -117,4 +117,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from studies.common import answer_help
+
+    answer_help(__doc__)
     main(sys.argv[1:])

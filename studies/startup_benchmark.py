@@ -57,4 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from studies.common import answer_help
+
+    answer_help(__doc__)
     main()

@@ -85,4 +85,7 @@ HEADER = ("| TA weight | lambda | alpha | rho | samples | merged dev (a/r/p) | F
           "worst task Δ |\n|---:|---:|---:|---:|---:|---|---|---:|---:|")
 
 if __name__ == "__main__":
+    from studies.common import answer_help
+
+    answer_help(__doc__)
     sweep(sys.argv[1] if len(sys.argv) > 1 else "demo-work")

@@ -149,5 +149,8 @@ HEADER = ("| setting | held-out last-layer drift | held-out output KL | test a /
           "|---|---:|---:|---|---:|---:|")
 
 if __name__ == "__main__":
+    from studies.common import answer_help
+
+    answer_help(__doc__)
     print(HEADER)
     sweep(sys.argv[1] if len(sys.argv) > 1 else "demo-work", limit=int(sys.argv[2]) if len(sys.argv) > 2 else None)

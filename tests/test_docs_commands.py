@@ -233,3 +233,33 @@ def test_readme_first_screen_is_short():
     relative = [target for target in LINK.findall(re.sub(r"```.*?```", "", readme, flags=re.S))
                 if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
     assert relative == [], f"README.md: links PyPI cannot follow: {relative}"
+
+
+MODULE_COMMAND = re.compile(r"python -m ((?:featcal_llm|studies)(?:\.\w+)+)")
+DRIVER = """
+import runpy, sys, io, contextlib
+failed = []
+for module in sys.argv[1:]:
+    sys.argv = [module, "-h"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(module, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code or 0
+    except BaseException as error:
+        code = repr(error)
+    if code != 0 or not out.getvalue().strip():
+        failed.append((module, code, out.getvalue()[:200]))
+print(failed)
+"""
+
+
+def test_every_module_the_docs_run_takes_h():
+    """The README says every command takes -h: so do the `python -m` modules the pages tell you to run (help, exit 0)."""
+    modules = sorted({m for page in PAGES for m in MODULE_COMMAND.findall(page.read_text(encoding="utf-8"))} - {"featcal_llm"})
+    assert len(modules) > 10, modules
+    result = subprocess.run([sys.executable, "-c", DRIVER, *modules], capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "[]", (result.stdout[-3000:], result.stderr[-2000:])

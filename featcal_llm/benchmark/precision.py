@@ -172,7 +172,7 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@click.command(help=__doc__.splitlines()[0])
+@click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--layers", default="5,20", show_default=True, help="decoder layers whose features are captured")
 @click.option("--lambdas", default="1e-5,1e-3,1e-2,1e-1,3", show_default=True)
 @click.option("--alpha", default=0.15, show_default=True)

@@ -243,7 +243,7 @@ def extrapolate(result: dict, run: dict = DEFAULT_RUN) -> dict:
             "total": round(teachers + steps + checks_s + saves, 1), "run": run}
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--device", default="cpu", show_default=True, help="cpu, or cuda (bf16 compute, float32 masters)")
 @click.option("--llama-8b", is_flag=True, help="Llama-3.1-8B's shapes (overrides --hidden, --layers, --vocab)")
 @click.option("--hidden", default=512, show_default=True)

@@ -35,7 +35,7 @@ def _modes(sequences, search_for):
     }
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--hidden", default=256, show_default=True)
 @click.option("--intermediate", default=768, show_default=True)
 @click.option("--heads", default=8, show_default=True)

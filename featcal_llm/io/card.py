@@ -20,6 +20,7 @@ import yaml
 
 from featcal_llm import __version__
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
+from featcal_llm.io.merge import RANDOM_METHODS
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
 from featcal_llm.io.saved_recipe import RECIPE_FILE, saved_recipe
@@ -166,7 +167,7 @@ SETTING_TEXT = {
     "max_length": "tokens per record, at most",
     "shuffle": "records shuffled before they are taken",
     "seed": "seed",
-    "merge_seed": "seed of a random merge method (dare_*, della)",
+    "merge_seed": f"seed of a random merge method ({', '.join(sorted(RANDOM_METHODS))})",
     "expert_weights": "expert weights",
     "token_weights": "token weights",
     "trailing_experts": "records of an expert that trails the merge are calibrated toward",
@@ -272,7 +273,7 @@ def write_card(
         models[names.get(role, role)] = record
     biases = has_biases(directory)
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
-    settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (dare_*, della) was drawn with
+    settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (RANDOM_METHODS) was drawn with
     settings["expert_weights"] = featcal.balancing
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     head_stats = settings.pop("head_stats_dtype", None)

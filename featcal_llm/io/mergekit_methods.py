@@ -190,4 +190,12 @@ def _count_problems(config: Any, method: dict, base: Any, file: str) -> list[Pro
 
 
 if __name__ == "__main__":
-    print(json.dumps(generate(), indent=1, sort_keys=True))
+    import sys
+
+    usage = "usage: python -m featcal_llm.io.mergekit_methods > featcal_llm/io/mergekit_methods.json (no arguments)"
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(usage)
+    elif sys.argv[1:]:
+        sys.exit(f"featcal-llm: error: mergekit_methods takes no arguments (got {' '.join(sys.argv[1:])})\n{usage}")
+    else:
+        print(json.dumps(generate(), indent=1, sort_keys=True))

@@ -152,5 +152,15 @@ def models_reachable(root: type[BaseModel] = FeatCalConfig) -> set[type[BaseMode
     return found
 
 
+USAGE = ("usage: python -m featcal_llm.io.recipe_reference > docs/recipe.md\n\n"
+         "Prints the reference of the featcal: block's keys, rendered from its pydantic models.")
+
 if __name__ == "__main__":
-    print(render(), end="")
+    import sys
+
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(USAGE)
+    elif sys.argv[1:]:
+        sys.exit(f"featcal-llm: error: recipe_reference takes no arguments (got {' '.join(sys.argv[1:])})\n{USAGE}")
+    else:
+        print(render(), end="")
