@@ -151,3 +151,38 @@ def test_file_override_refuses_few_shot_from_the_dataset(tmp_path):
     with pytest.raises(FeatCalError, match="data.arc_challenge: .*arc.txt: expected one of"):
         (tmp_path / "arc.txt").write_text("")
         apply_data_override({"num_fewshot": 0, "test_split": "test"}, tmp_path / "arc.txt", "arc_challenge")
+
+
+@pytest.mark.parametrize("name", ["mergebench", "mergebench-protocol"])
+def test_every_shipped_metric_is_one_lm_eval_reports_and_a_wrong_one_is_refused_before_generation(name):
+    """The worker checks the suite's metric against the task's metric_list × filter_list before any model loads (it
+    had been found missing only in the results, after the task's whole generation); validate reads the same."""
+    pytest.importorskip("lm_eval")
+    from featcal_llm.evaluation.tasks import check_metric, declared_config, reported_metrics, resolve_task_config
+
+    suite = load_suite(name)
+    for task_id in suite.tasks:
+        config = declared_config(suite, task_id)
+        assert reported_metrics(config) and suite.tasks[task_id].metric in reported_metrics(config), task_id
+        check_metric(suite, task_id, config)
+    gsm8k = next(task_id for task_id, spec in suite.tasks.items() if spec.lm_eval_task and "gsm8k" in spec.lm_eval_task)
+    resolved = resolve_task_config(suite, gsm8k, data=None, max_gen_toks=None)  # what the worker checks
+    suite.tasks[gsm8k].metric = "exact_match,flexible_extract"
+    with pytest.raises(FeatCalError, match=r"tasks\.gsm8k\.metric: 'exact_match,flexible_extract' is not a result lm-eval "
+                                           r"reports for gsm8k_cot(_llama)? \(it reports exact_match,flexible-extract, "):
+        check_metric(suite, gsm8k, resolved)
+
+
+def test_a_blank_chat_template_is_none_to_the_evaluation(tmp_path):
+    """transformers loads a blank chat_template.jinja as "", which renders every prompt as nothing: the evaluation's
+    decision counts it as no template, as the calibration's records and validate do."""
+    from featcal_llm.evaluation.modelinfo import chat_template_text, decide_chat_template
+
+    (tmp_path / "config.json").write_text('{"_name_or_path": "x-Instruct"}')
+    (tmp_path / "chat_template.jinja").write_text("  \n")
+    assert chat_template_text(tmp_path) is None
+    assert not decide_chat_template(tmp_path, "auto").applied
+    with pytest.raises(FeatCalError, match="but the tokenizer has no chat template"):
+        decide_chat_template(tmp_path, "on")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert decide_chat_template(tmp_path, "auto").applied

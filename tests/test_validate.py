@@ -459,3 +459,77 @@ def test_chat_messages_are_checked_as_run_reads_them(tmp_path, messages, shown):
     with pytest.raises(FeatCalError) as run_error:  # run's reader, on the record as datasets gives it
         chat_messages(__import__("json").loads(f'{{"messages": {messages}}}'), spec, "r.yaml: featcal.data.e", 1)
     assert str(run_error.value) == line
+
+
+def _eval_suite(tmp_path: Path, **task_changes) -> str:
+    """A copy of the shipped mergebench suite whose gsm8k entry is changed."""
+    from featcal_llm.evaluation.suite import resolve_suite_path
+
+    shipped = resolve_suite_path("mergebench")
+    shutil.copytree(shipped.parent, tmp_path / "suites")  # its own task YAMLs beside it
+    suite = yaml.safe_load(shipped.read_text())
+    suite["tasks"]["gsm8k"].update(task_changes)
+    path = tmp_path / "suites" / "custom.yaml"
+    path.write_text(yaml.safe_dump(suite, sort_keys=False))
+    return str(path)
+
+
+def _base_without_chat_template(recipe: dict, tmp_path: Path) -> None:
+    base = tmp_path / "plain-base"
+    base.mkdir()
+    for item in Path(recipe["base_model"]).iterdir():  # the weights linked (this module refuses to open them), the rest copied
+        (base / item.name).symlink_to(item) if item.suffix == ".safetensors" else shutil.copy(item, base / item.name)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    recipe["base_model"] = str(base)
+    recipe["featcal"]["merged"] = str(tmp_path / "merged")
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench"
+EVAL_CASES = {
+    "an lm-eval task this lm-eval lacks": (
+        lambda r, t: r["featcal"]["eval"].update(suite=_eval_suite(t, lm_eval_task="gsm8k_cot_lama"), tasks=["gsm8k"]),
+        "tasks.gsm8k.lm_eval_task: 'gsm8k_cot_lama' is not a task of this lm-eval"),
+    "a metric the task does not report": (
+        lambda r, t: r["featcal"]["eval"].update(suite=_eval_suite(t, metric="exact_match,flexible_extract"), tasks=["gsm8k"]),
+        "tasks.gsm8k.metric: 'exact_match,flexible_extract' is not a result lm-eval reports for gsm8k_cot_llama (it reports "
+        "exact_match,flexible-extract, exact_match,strict-match)"),
+    "IFEval from the hub without punkt_tab": (
+        lambda r, t: r["featcal"]["eval"].update(tasks=["ifeval"]),
+        "featcal.eval.tasks.ifeval: ifeval: IFEval needs NLTK's punkt_tab data (for change_case:capital_word_frequency, "
+        "length_constraints:number_sentences) and it is not installed"),
+    "IFEval prompts that need punkt_tab": (
+        lambda r, t: r["featcal"]["eval"].update(tasks=["ifeval"], data={"ifeval": str(FIXTURES / "ifeval_punkt.jsonl")}),
+        "IFEval needs NLTK's punkt_tab data (for "),
+    "IFEval prompts that do not need it": (
+        lambda r, t: r["featcal"]["eval"].update(tasks=["ifeval"], data={"ifeval": str(FIXTURES / "ifeval.jsonl")}), None),
+    "IFEval with punkt_tab in nltk_data": (
+        lambda r, t: ((t / "nltk" / "tokenizers" / "punkt_tab" / "english").mkdir(parents=True),
+                      r["featcal"]["eval"].update(tasks=["ifeval"], nltk_data=str(t / "nltk"))), None),
+    "chat_template on, but the merge's tokenizer has none": (
+        lambda r, t: (_base_without_chat_template(r, t), r["featcal"]["eval"].update(chat_template="on")),
+        "featcal.eval.chat_template: on, but the merged model's tokenizer ("),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_what_the_evaluation_refuses_before_it_generates_validate_refuses_first(scenario, tmp_path, no_weights, monkeypatch, case):
+    """The evaluation after the run checks each task's lm-eval name, metric and NLTK data, and the chat template, before
+    it generates; validate (and run, before the calibration's hours) read the same from lm-eval's YAMLs and the files."""
+    pytest.importorskip("lm_eval")
+    from featcal_llm.evaluation.worker import punkt_available
+
+    if punkt_available():
+        pytest.skip("NLTK's punkt_tab is installed here")
+    monkeypatch.delenv("NLTK_DATA", raising=False)
+    edit, expected = EVAL_CASES[case]
+
+    def mutate(recipe, tmp):
+        recipe["featcal"]["eval"] = {"tasks": ["arc_challenge"], "backend": {"name": "hf"}}
+        edit(recipe, tmp)
+
+    recipe = _write(scenario, tmp_path, mutate)
+    problems = [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)]
+    assert (len(problems) == 1 and expected in problems[0]) if expected else problems == [], problems

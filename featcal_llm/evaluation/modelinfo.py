@@ -91,7 +91,15 @@ def _read_json(path: Path) -> dict:
 
 
 def chat_template_text(model_dir: Path) -> str | None:
-    """The tokenizer's chat template as transformers would find it, or None."""
+    """The tokenizer's chat template as transformers would find it, or None; a blank one is none (it renders every
+    conversation as nothing), as the calibration's records and validate judge it (io/model_files.renders_something)."""
+    from featcal_llm.io.model_files import renders_something
+
+    template = _found_template(model_dir)
+    return template if renders_something(template) else None
+
+
+def _found_template(model_dir: Path) -> str | None:
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()

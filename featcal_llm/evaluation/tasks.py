@@ -75,6 +75,32 @@ def apply_data_override(config: dict[str, Any], path: Path, task_id: str) -> Non
         config[split] = None
 
 
+def declared_config(suite: Suite, task_id: str) -> dict[str, Any]:
+    """The task's YAML as written, its includes followed and its functions left as names: nothing of the task's own
+    code is imported (IFEval's would reach for NLTK's downloads), so `validate` can read it."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(base_config_path(suite, task_id), resolve_func=False)
+
+
+def reported_metrics(config: dict[str, Any]) -> set[str] | None:
+    """The `<metric>,<filter>` keys lm-eval reports for a task config: each metric of its metric_list under each of
+    its filters (`none` without a filter_list); None where it lists no metrics (its output type's defaults apply)."""
+    metrics = [entry.get("metric") for entry in config.get("metric_list") or [] if isinstance(entry, dict)]
+    if not all(isinstance(metric, str) for metric in metrics) or not metrics:
+        return None
+    filters = [entry.get("name") for entry in config.get("filter_list") or [] if isinstance(entry, dict)] or ["none"]
+    return {f"{metric},{name}" for metric in metrics for name in filters}
+
+
+def check_metric(suite: Suite, task_id: str, config: dict[str, Any]) -> None:
+    """The suite's reported metric is one lm-eval computes for the task: known before any generation."""
+    reported, metric = reported_metrics(config), suite.tasks[task_id].metric
+    if reported is not None and metric not in reported:
+        raise FeatCalError(f"{suite.path}: tasks.{task_id}.metric: '{metric}' is not a result lm-eval reports for "
+                           f"{config.get('task', task_id)} (it reports {', '.join(sorted(reported))})")
+
+
 def resolve_task_config(suite: Suite, task_id: str, *, data: Path | None,
                         max_gen_toks: int | None, revision: str | None = None) -> dict[str, Any]:
     """The task's config with the suite's settings; `revision` pins the hub dataset's commit."""

@@ -35,14 +35,21 @@ def block_nltk_downloads() -> None:
     nltk.download = refuse
 
 
-def punkt_available() -> bool:
+def punkt_available(directory: str | None = None) -> bool:
+    """NLTK's punkt_tab in `directory` (--nltk-data, eval.nltk_data) or where NLTK looks (NLTK_DATA, its defaults)."""
     import nltk
 
     try:
-        nltk.data.find("tokenizers/punkt_tab/english/")
+        nltk.data.find("tokenizers/punkt_tab/english/", paths=[directory, *nltk.data.path] if directory else None)
     except LookupError:
         return False
     return True
+
+
+def missing_punkt(task_id: str, needs: list[str]) -> str:
+    return (f"{task_id}: IFEval needs NLTK's punkt_tab data (for {', '.join(needs)}) and it is not installed; "
+            "on a machine with internet run `python -m nltk.downloader -d DIR punkt_tab`, copy DIR here "
+            "and pass --nltk-data DIR (or set NLTK_DATA)")
 
 
 def preflight_ifeval(task_id: str, task) -> None:
@@ -50,11 +57,31 @@ def preflight_ifeval(task_id: str, task) -> None:
     before the model loads rather than after hours of generation."""
     needs = sorted({i for doc in task.eval_docs for i in doc.get("instruction_id_list", []) if i in PUNKT_INSTRUCTIONS})
     if needs and not punkt_available():
-        raise FeatCalError(
-            f"{task_id}: IFEval needs NLTK's punkt_tab data (for {', '.join(needs)}) and it is not installed; "
-            "on a machine with internet run `python -m nltk.downloader -d DIR punkt_tab`, copy DIR here "
-            "and pass --nltk-data DIR (or set NLTK_DATA)"
-        )
+        raise FeatCalError(missing_punkt(task_id, needs))
+
+
+def punkt_refusal(task_id: str, data: str | None, nltk_data: str | None) -> str | None:
+    """preflight_ifeval's refusal, before the run: the hub's IFEval set uses both checkers; a local JSON-lines copy is
+    read for its instructions (other formats are left to the preflight)."""
+    if data is None:
+        needs = sorted(PUNKT_INSTRUCTIONS)
+    elif Path(data).suffix == ".jsonl" and Path(data).is_file():
+        needs = set()
+        for line in Path(data).read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except ValueError:
+                return None  # the data's own check names it
+            ids = record.get("instruction_id_list") if isinstance(record, dict) else None
+            needs.update(i for i in ids or [] if i in PUNKT_INSTRUCTIONS)
+        needs = sorted(needs)
+    else:
+        return None
+    try:
+        available = punkt_available(nltk_data)
+    except ImportError:
+        return None  # lm-eval without its ifeval extra: the worker says so
+    return missing_punkt(task_id, needs) if needs and not available else None
 
 
 def keep_prefix_whitespace(apply_chat_template):
@@ -104,7 +131,7 @@ def _write_result(task: dict, job: dict, output: dict, name: str, config: dict, 
     if metric_key not in metrics:
         raise FeatCalError(
             f"{job['suite_path']}: tasks.{task['id']}.metric: '{metric_key}' is not in lm-eval's results "
-            f"(has {', '.join(k for k in metrics if k != 'alias')})"
+            f"(has {', '.join(k for k in metrics if ',' in k and '_stderr,' not in k)})"
         )
     record = {
         "schema": "featcal-llm/eval-result/1",
@@ -143,7 +170,7 @@ def run(job: dict) -> None:
 
     from featcal_llm.evaluation import evalplus
     from featcal_llm.evaluation.suite import load_suite
-    from featcal_llm.evaluation.tasks import describe, resolve_task_config, task_manager
+    from featcal_llm.evaluation.tasks import check_metric, describe, resolve_task_config, task_manager
 
     suite = load_suite(job["suite_path"])
     manager = task_manager(suite)
@@ -155,6 +182,7 @@ def run(job: dict) -> None:
         data = Path(task["data"]) if task.get("data") else None
         config = resolve_task_config(suite, task["id"], data=data, max_gen_toks=job["max_gen_toks"],
                                      revision=task.get("revision"))
+        check_metric(suite, task["id"], config)  # before any task's data is read or any model loads
         try:
             loaded = manager.load([config])["tasks"]
         except Exception as error:  # datasets/hub errors: name the task and the data source

@@ -44,6 +44,7 @@ class Report:
     plan: Any = None  # benchmark.estimate.MemoryPlan
     unchecked: list[str] = field(default_factory=list)  # hub ids not looked up (offline)
     offline: list[str] = field(default_factory=list)  # hub ids `--online` could not look up: no network
+    scored_tokenizer: Path | None = None  # where the evaluated models' tokenizer comes from, where known before the run
 
     def summary_notes(self) -> list[str]:
         """The notes, with the hub ids left unchecked gathered into one."""
@@ -286,6 +287,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             collect(problems, path, lambda: hub_lookup("model", tokenizer, None, "featcal.tokenizer", report.offline))
         elif len(problems) == before:
             report.unchecked.append(f"{tokenizer} (tokenizer)")
+    # the tokenizer the merge (and so the output, which `eval:` scores) carries: the merge's own, else the base's it copies
+    report.scored_tokenizer = Path(merged) if merged and Path(merged).is_dir() else \
+        base_source.directory if base_source is not None and not changes_tokenizer(merge_config) else None
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
     calibrating = Path(tokenizer) if tokenizer else None if base_source is None or changes_tokenizer(merge_config) else \
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
@@ -401,13 +405,39 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
         _check_eval_settings(path, section.resolve(path.parent), report)
 
 
+def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str], report: Report) -> None:
+    """What the evaluation's worker refuses of each task before it generates, read from lm-eval's YAMLs (without
+    importing any task's code): the task exists in this lm-eval, its metric is one lm-eval reports, IFEval's NLTK data."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:  # the backend's check says so
+        return
+    from featcal_llm.evaluation.tasks import check_metric, declared_config
+    from featcal_llm.evaluation.worker import punkt_refusal
+
+    for task_id in task_ids:
+        config = collect(report.problems, path, lambda task_id=task_id: declared_config(suite, task_id))
+        if config is None:
+            continue
+        collect(report.problems, path, lambda task_id=task_id, config=config: check_metric(suite, task_id, config))
+        if str(config.get("task", "")).startswith("ifeval"):
+            refusal = punkt_refusal(task_id, section.data.get(task_id), section.nltk_data)
+            if refusal is not None:
+                report.problems.append(Problem(str(path), f"featcal.eval.tasks.{task_id}", refusal))
+
+
 def _check_eval_settings(path: Path, section: Any, report: Report) -> None:
     """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
     from featcal_llm.evaluation.backends import check_settings, planned_backend_name
     from featcal_llm.evaluation.leaderboard import reference_rows
     from featcal_llm.evaluation.suite import checked_suite, load_suite
 
-    collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
+    checked = collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
+    if checked is not None:
+        _check_eval_tasks(path, section, *checked, report)
+    if section.chat_template == "on" and report.scored_tokenizer is not None and not has_chat_template(report.scored_tokenizer):
+        report.problems.append(Problem(str(path), "featcal.eval.chat_template", f"on, but the merged model's tokenizer "
+                                                                               f"({report.scored_tokenizer}) has no chat template"))
 
     def backend() -> None:
         name = planned_backend_name(section.backend, "featcal.eval.backend.name")  # None: auto, where torch decides
