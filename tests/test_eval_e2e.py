@@ -140,7 +140,9 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path, monkeypa
         "output": "eval", "data": {"arc_challenge": str(FIXTURES / "arc_challenge.jsonl")},
         "reference": "Llama-3.1-8B-Instruct",
     })
-    table = run_after_calibration(section, merged, calibrated, recipe_dir)
+    scored = run_after_calibration(section, merged, calibrated, recipe_dir)
+    table = scored.table
+    assert scored.calibrated == json.loads((here / "eval" / "calibrated.json").read_text())
     assert (here / "eval" / "logs" / "merged.log").is_file()
     assert not (here / "eval" / "logs" / "calibrated.log").exists()
     lines = table.splitlines()

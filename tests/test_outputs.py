@@ -33,18 +33,20 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
 
     seen = []
 
-    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):  # what the runner leaves: one summary per model
+    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):  # the table, and the calibrated model's summary
         import json
 
+        from featcal_llm.evaluation.compare import AfterCalibration
+
+        def summary(model, score):
+            return {"model": {"path": str(model)}, "suite": {"name": "mergebench", "version": "2"},
+                    "tasks": {"arc_challenge": {"label": "ARC-C", "metric": "exact_match,remove_whitespace", "score": score}}}
+
         results = Path(section.resolve(recipe_dir).output)
-        results.mkdir(parents=True, exist_ok=True)
-        for model in (merged_dir, calibrated_dir):
-            score = 21.0 if model == merged_dir else 23.5
-            (results / f"{Path(model).name}.json").write_text(json.dumps({"model": {"path": str(model)}, "suite": {
-                "name": "mergebench", "version": "2"}, "tasks": {"arc_challenge": {"label": "ARC-C", "metric": "exact_match,remove_whitespace",
-                                                                                 "score": score}}}))
+        results.mkdir(parents=True, exist_ok=True)  # another summary of the same directory, sorted first: not this run's
+        (results / "aaa.json").write_text(json.dumps({**summary(calibrated_dir, 99.0), "limit": 1}))
         seen.append(section)
-        return TABLE
+        return AfterCalibration(TABLE, summary(calibrated_dir, 23.5))
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", evaluated)
@@ -58,7 +60,7 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
     assert absolute == [] and str(small.root) not in card and str(tmp_path) not in card
     front = yaml.safe_load(card.split("---")[1])
     assert "base_model" not in front  # a local base is not a hub id
-    [result_] = front["model-index"][0]["results"]  # the calibrated model's score, not the merge's
+    [result_] = front["model-index"][0]["results"]  # this run's score of the calibrated model, not another summary's
     assert result_["dataset"]["type"] == "arc_challenge" and result_["metrics"][0]["value"] == 23.5
     run = read_run_record(tmp_path / "out")  # the run's record, beside the card
     assert run["base_model"] == "base" and run["merged_model"] == "merged"
@@ -311,7 +313,9 @@ def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(sm
         gc.collect()  # what is left is held by a reference, not waiting for a collection
         locked = (Path(calibrated_dir).parent / f".{Path(calibrated_dir).name}.featcal-lock").is_file()  # a --force run waits
         seen.append((len(released), [ref() is None for ref in contexts], (Path(calibrated_dir) / "config.json").is_file(), locked))
-        return TABLE
+        from featcal_llm.evaluation.compare import AfterCalibration
+
+        return AfterCalibration(TABLE, {})
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", evaluated)

@@ -13,8 +13,9 @@ from featcal_llm.evaluation.config import BackendSettings, EvalSection
 __all__ = ["BackendSettings", "EvalSection", "run_after_calibration"]
 
 
-def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path) -> str:
-    """Score the merged and the calibrated model with one pipeline; return the comparison table.
+def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path):
+    """Score the merged and the calibrated model with one pipeline; return the comparison table and the calibrated
+    model's summary (evaluation.compare.AfterCalibration).
 
     Called by `run recipe.yaml` after calibration when the recipe has `featcal.eval:`.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
@@ -43,8 +44,17 @@ def _labels(merged_dir: Path, calibrated_dir: Path) -> tuple[str, str]:
     return merged, calibrated
 
 
+@dataclass(frozen=True)
+class AfterCalibration:
+    """The merged-vs-calibrated table, and the calibrated model's own summary of this evaluation (the card's
+    model-index takes its scores: not whichever summary in the results folder names the same directory)."""
+
+    table: str
+    calibrated: dict
+
+
 def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path,
-                              echo=lambda line: print(line, file=sys.stderr)) -> str:
+                              echo=lambda line: print(line, file=sys.stderr)) -> AfterCalibration:
     section = section.resolve(recipe_dir)
     suite = load_suite(section.suite)
     references = reference_rows([section.reference], suite, "eval.reference") if section.reference else []  # before any scoring
@@ -65,4 +75,4 @@ def compare_after_calibration(section: EvalSection, merged_dir: Path, calibrated
     (output / "after-calibration.md").write_text(markdown)
     write_csv(rows, suite, output / "after-calibration.csv")
     write_png(rows, suite, output / "after-calibration.png")
-    return markdown
+    return AfterCalibration(markdown, {key: value for key, value in calibrated.items() if not key.startswith("_")})

@@ -131,10 +131,13 @@ def hub_front_matter(recipe: Recipe, base_directory: Path | None) -> dict[str, A
 
 def model_index(name: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The Hub's `model-index` for one model's evaluation summary (evaluation.runner's `<label>.json`): one result per
-    scored task, its score as the suite reports it (percent for MergeBench), through huggingface_hub's own writer."""
+    scored task, its score as the suite reports it (percent for MergeBench), through huggingface_hub's own writer;
+    none for a run with `limit` or `max_gen_toks` set (a smoke run, whose scores the table still shows)."""
     from huggingface_hub import EvalResult
     from huggingface_hub.repocard_data import eval_results_to_model_index
 
+    if summary.get("limit") or summary.get("max_gen_toks"):  # a smoke run's scores are no model's results
+        return []
     suite = summary.get("suite", {})
     results = [
         EvalResult(task_type="text-generation", task_name="Text Generation", dataset_type=task, dataset_name=entry.get("label", task),
@@ -143,19 +146,3 @@ def model_index(name: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
         for task, entry in (summary.get("tasks") or {}).items() if entry.get("score") is not None
     ]
     return eval_results_to_model_index(name, results) if results else []
-
-
-def evaluation_summary(results_dir: Path, model_dir: Path) -> dict[str, Any] | None:
-    """The evaluation summary `eval:` wrote for `model_dir` in `results_dir` (the one whose model path is that directory)."""
-    import json
-
-    target = Path(model_dir).resolve()
-    for path in sorted(Path(results_dir).glob("*.json")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        model = data.get("model") if isinstance(data, dict) else None
-        if isinstance(model, dict) and isinstance(data.get("tasks"), dict) and Path(str(model.get("path"))).resolve() == target:
-            return data
-    return None

@@ -135,10 +135,9 @@ def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
     if featcal.eval is None:
         return outcome
     from featcal_llm.evaluation import run_after_calibration
-    from featcal_llm.io.card_meta import evaluation_summary
 
     runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
-    table = run_after_calibration(featcal.eval, outcome.merged, outcome.output, recipe.path.parent)  # as featcal.data paths are read
-    append_evaluation(outcome.output, table, evaluation_summary(featcal.eval.resolve(recipe.path.parent).output, outcome.output))  # model-index
-    print(table)
-    return replace(outcome, evaluation=table)
+    scored = run_after_calibration(featcal.eval, outcome.merged, outcome.output, recipe.path.parent)  # as featcal.data paths are read
+    append_evaluation(outcome.output, scored.table, scored.calibrated)  # its scores: the card's model-index
+    print(scored.table)
+    return replace(outcome, evaluation=scored.table)
