@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from featcal_llm.evaluation import uncertainty
-from featcal_llm.evaluation.leaderboard import build_leaderboard, comparison_row
+from featcal_llm.errors import FeatCalError
+from featcal_llm.evaluation.leaderboard import build_leaderboard, comparison_row, reference_rows
 from featcal_llm.evaluation.suite import load_suite
 
 SUITE = load_suite("mergebench")
@@ -121,3 +122,40 @@ def test_normalized_score_divides_by_the_expert(tmp_path):
     line = next(line for line in markdown.splitlines() if line.startswith("| merged ÷ expert"))
     assert f"| {expected:.1f} |" in line
     assert "MergeBench's normalized score" in markdown
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"schema": 5}, "not an evaluation summary written by `featcal_llm eval`"),
+    ({"schema": "featcal-llm/eval-summary/1", "label": "x"}, "an evaluation summary without model, suite, tasks, backend, chat_template"),
+    ({"schema": "featcal-llm/eval-summary/1", "label": "x", "model": {}, "suite": {"name": "mergebench"}, "tasks": {},
+      "backend": {}, "chat_template": {}}, "an evaluation summary without suite.name, suite.version"),
+])
+def test_a_summary_the_leaderboard_cannot_read_is_one_line(tmp_path, content, message):
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    (tmp_path / "s.json").write_text(json.dumps(content))
+    result = CliRunner().invoke(main, ["leaderboard", str(tmp_path / "s.json")])
+    assert result.exit_code == 2 and not isinstance(result.exception, (KeyError, AttributeError, TypeError)), result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("featcal-llm: error: ") and message in line, line
+
+
+def test_one_summary_given_twice_is_one_row_and_a_label_two_folders_share_is_told_apart(tmp_path):
+    for folder in ("3b", "8b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "merged.json").write_text(json.dumps(_summary(tmp_path / folder, "merged", MERGED)))
+    markdown, _ = build_leaderboard([tmp_path / "3b", tmp_path / "3b" / "merged.json"], tmp_path / "board")
+    assert [line for line in markdown.splitlines() if line.startswith("| merged")] != [] and markdown.count("| merged |") == 1
+    markdown, _ = build_leaderboard([tmp_path / "3b", tmp_path / "8b"], tmp_path / "board",
+                                    comparisons=[(f"merged ({tmp_path / '3b'})", f"merged ({tmp_path / '8b'})")])
+    assert markdown.count(f"| merged ({tmp_path / '3b'}) |") == 1 and markdown.count(f"| merged ({tmp_path / '8b'}) |") == 1
+    with pytest.raises(FeatCalError, match=r"--compare merged:merged: no summary labelled merged"):
+        build_leaderboard([tmp_path / "3b", tmp_path / "8b"], tmp_path / "board", comparisons=[("merged", "merged")])
+
+
+def test_the_paper_s_rows_on_another_suite_are_refused():
+    with pytest.raises(FeatCalError, match=r"--reference: the paper's rows are scored on suite mergebench, not mergebench-protocol"):
+        reference_rows(["Llama-3.1-8B-Instruct"], load_suite("mergebench-protocol"))
+    assert reference_rows([], load_suite("mergebench-protocol")) == []

@@ -46,9 +46,13 @@ def fmt(value: float | None, decimals: int, signed: bool = False) -> str:
     return f"+{text}" if signed and not text.startswith("-") else text
 
 
+SUMMARY_KEYS = {"label": str, "model": dict, "suite": dict, "tasks": dict, "backend": dict, "chat_template": dict}
+
+
 def load_summaries(paths: list[Path]) -> list[dict]:
-    """Summary files, or directories holding them (`<label>.json` written by `eval`)."""
-    summaries = []
+    """Summary files, or directories holding them (`<label>.json` written by `eval`), each read once; a label that
+    two results folders share (the 3B and the 8B runs' `merged`, say) is told apart by its folder's name."""
+    summaries, seen = [], set()
     for path in paths:
         if path.is_dir():
             files = sorted(p for p in path.glob("*.json") if p.name != FINGERPRINTS)
@@ -57,15 +61,26 @@ def load_summaries(paths: list[Path]) -> list[dict]:
         else:
             raise FeatCalError(f"{path}: no such results file or directory")
         for file in files:
+            if file.resolve() in seen:
+                continue
+            seen.add(file.resolve())
             try:
                 data = json.loads(file.read_text())
             except ValueError:
                 raise FeatCalError(f"{file}: not a JSON file") from None
-            if isinstance(data, dict) and data.get("schema", "").startswith("featcal-llm/eval-summary/"):
+            if isinstance(data, dict) and str(data.get("schema", "")).startswith("featcal-llm/eval-summary/"):
+                wrong = [key for key, kind in SUMMARY_KEYS.items() if not isinstance(data.get(key), kind)]
+                if wrong or not {"name", "version"} <= set(data["suite"]):
+                    raise FeatCalError(f"{file}: an evaluation summary without {', '.join(wrong) or 'suite.name, suite.version'} "
+                                       "(damaged, or written by another featcal-llm release; score the model again)")
                 data["_dir"] = str(file.parent)
                 summaries.append(data)
             elif path.is_file():
                 raise FeatCalError(f"{file}: not an evaluation summary written by `featcal_llm eval`")
+    labels = [summary["label"] for summary in summaries]
+    for summary in summaries:
+        if labels.count(summary["label"]) > 1:
+            summary["label"] = f"{summary['label']} ({summary['_dir']})"
     return summaries
 
 
@@ -127,10 +142,13 @@ def comparison_row(base: dict, other: dict, suite: Suite, name: str | None = Non
 
 def reference_rows(models: list[str], suite: Suite, key: str = "--reference") -> list[Row]:
     """Paper rows for the named base models (`all` for every one); an unknown one is an error naming `key`."""
+    if not models:
+        return []
     path = SHIPPED / REFERENCE_FILE  # the paper's rows ship with the package
     data = yaml.safe_load(path.read_text())
     if data["suite"] != suite.name:
-        return []
+        raise FeatCalError(f"{key}: the paper's rows are scored on suite {data['suite']}, not {suite.name}; "
+                           f"compare with them on suite {data['suite']}")
     available = list(data["models"])
     wanted = available if "all" in models else models
     unknown = [m for m in wanted if m not in data["models"]]
