@@ -154,3 +154,5 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path, monkeypa
     assert (here / "eval" / "after-calibration.md").read_text() == table
     assert json.loads((here / "eval" / "calibrated.json").read_text())["chat_template"]["reason"].startswith(
         "as the merged model")
+    [result] = [json.loads(path.read_text()) for path in (here / "eval" / "cache").glob("*/result.json")]
+    assert result["chat_template"]["fewshot_as_multiturn"] is False  # no chat template applied: no chat turns either

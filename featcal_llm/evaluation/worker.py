@@ -107,6 +107,12 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+def as_multiturn(job: dict) -> bool:
+    """Few-shot examples as chat turns: only where the chat template is applied (lm-eval ignores it otherwise, and the
+    result says what ran)."""
+    return bool(job["fewshot_as_multiturn"] and job["chat"]["applied"])
+
+
 def _versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -143,7 +149,7 @@ def _write_result(task: dict, job: dict, output: dict, name: str, config: dict, 
         "backend": job["backend"],
         "chat_template": {**job["chat"], "applied_template_sha256":
                           hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
-                          "fewshot_as_multiturn": job["fewshot_as_multiturn"]},
+                          "fewshot_as_multiturn": as_multiturn(job)},
         "seeds": job["seeds"],
         "limit": job["limit"],
         "versions": _versions(),
@@ -216,7 +222,7 @@ def run(job: dict) -> None:
             limit=job["limit"],
             log_samples=True,
             apply_chat_template=job["chat"]["applied"],
-            fewshot_as_multiturn=job["fewshot_as_multiturn"],
+            fewshot_as_multiturn=as_multiturn(job),
             random_seed=seeds["random"],
             numpy_random_seed=seeds["numpy"],
             torch_random_seed=seeds["torch"],
