@@ -205,3 +205,10 @@ def test_a_smoke_run_s_scores_are_no_model_index(tmp_path, smoke):
     output, _ = _card(tmp_path)
     append_evaluation(output, "| Model | GSM8K |\n|---|---:|\n| my-merge | 61.2 |\n", {**_summary(output), **smoke})
     assert "model-index" not in metadata_load(output / "README.md") and "| my-merge | 61.2 |" in (output / "README.md").read_text()
+
+
+def test_the_card_says_which_recipe_it_shows_and_which_replays(tmp_path):
+    output, _ = _card(tmp_path)
+    text = " ".join((output / "README.md").read_text().split())
+    assert "The recipe as it was written (mergekit configuration plus the `featcal:` block)" in text
+    assert "`featcal_recipe.yml` beside this card is the recipe as it ran" in text

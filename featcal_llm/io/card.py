@@ -348,8 +348,9 @@ Beside this card: {"; ".join(files)}.
 {_usage(title)}
 
 ## Recipe
-The full recipe (mergekit configuration plus the `featcal:` block) is saved as `{RECIPE_FILE}`; here with local
-paths shortened to their names:
+The recipe as it was written (mergekit configuration plus the `featcal:` block), local paths shortened to their
+names. `{RECIPE_FILE}` beside this card is the recipe as it ran, with what `auto` chose and the settings of generated
+data written out: running it again makes this checkpoint.
 
 ```yaml
 {_public_recipe(recipe.card_text or recipe.text, names).rstrip()}
