@@ -312,3 +312,19 @@ def test_the_log_file_may_not_be_an_input_or_inside_the_output(merged_scenario, 
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"featcal-llm: error: --log: {log} "), lines
     assert ("which the run writes as a whole" if where == "output" else "which the run reads; name another file") in lines[0]
     assert {path: path.read_bytes() for path in before} == before and not output.exists()
+
+
+def test_an_output_argument_under_a_tilde_is_refused_as_featcal_output_is(merged_scenario, tmp_path, monkeypatch):
+    """`run RECIPE '~/x'` (quoted, or `calibrate(output="~/x")`) had made a folder named `~` here, which a later
+    `rm -rf ~` to clean it up would turn into the home folder's removal."""
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    recipe, _ = _recipe(merged_scenario, tmp_path, lambda r, _: None)
+    result = CliRunner().invoke(main, ["run", str(recipe), "~/calibrated"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == (
+        f"featcal-llm: error: {recipe}: OUTPUT: ~/calibrated: run takes a path as written, so `~` would be a folder of "
+        "that name here; write the path out in full")
+    with pytest.raises(featcal_llm.FeatCalError, match="OUTPUT: ~/calibrated: run takes a path as written"):
+        featcal_llm.calibrate(recipe, output="~/calibrated", progress=False)
+    assert not (tmp_path / "~").exists()

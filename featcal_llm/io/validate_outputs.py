@@ -58,7 +58,8 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
 
     merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
     inputs = recipe_inputs(path, merge_config, merged, setting("tokenizer"), data)
-    for name, value in (("featcal.merged", merged), ("featcal.output", setting("output"))):
+    written = [("featcal.merged", merged), ("OUTPUT", str(override)) if override is not None else ("featcal.output", setting("output"))]
+    for name, value in written:
         if isinstance(value, str) and value.startswith("~"):
             problems.append(Problem(str(path), name, f"{value}: run takes a path as written, so `~` would be a folder "
                                                      "of that name here; write the path out in full"))
