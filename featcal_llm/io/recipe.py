@@ -213,6 +213,12 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
         value = getattr(merge_config, key, None)
         if value and value.removeprefix("torch.") not in MERGEKIT_DTYPES:
             problems.append(Problem(str(path), key, f"{value}: mergekit merges in {', '.join(MERGEKIT_DTYPES)}"))
+        elif value and value.startswith("torch."):  # mergekit strips it to merge, then writes it as given into config.json
+            problems.append(Problem(str(path), key, f"{value}: write {value.removeprefix('torch.')} (mergekit would write "
+                                                    f"{value} into the merge's config.json, whose dtype transformers cannot read)"))
+        elif value == "int64":  # whole-number weights: the merge's norms and projections could not be calibrated
+            problems.append(Problem(str(path), key, "int64: a merge of whole numbers; featcal-llm merges and calibrates in "
+                                                    "bfloat16, float16, float32 or float64"))
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
