@@ -313,6 +313,11 @@ def test_a_clean_recipe_passes_with_a_memory_estimate(scenario, tmp_path, no_wei
     ({"vllm": False}, "CUDA is not available (torch is a CPU-only build)", {"tensor_parallel_size": 2},  # auto is hf here
      "featcal.eval.backend.tensor_parallel_size: only the vllm backend shards a model"),
     ({"vllm": False}, None, {"tensor_parallel_size": 2}, None),  # auto where CUDA may be: torch decides at the run
+    ({"vllm": False}, "CUDA is not available (torch is a CPU-only build)", {"name": "hf", "device": "cuda:0"},
+     "featcal.eval.backend.device: cuda:0, but CUDA is not available (torch is a CPU-only build); use cpu"),
+    ({"vllm": False}, None, {"name": "hf", "device": "cuda"}, None),  # where CUDA may be: torch decides at the run
+    ({"vllm": False}, None, {"name": "hf", "gpu_memory_utilization": 0.5},
+     "featcal.eval.backend.gpu_memory_utilization: only the vllm backend sizes its memory by it"),
     ({"vllm": True, "lm_eval": False}, None, {"name": "vllm"},
      "featcal.eval: lm-eval is not installed; install the extra: pip install 'featcal-llm[eval]'"),
 ])

@@ -87,6 +87,14 @@ def check_settings(name: str, settings: BackendSettings) -> None:
     """What a backend refuses of its settings alone: asked by `validate` and again before a model is scored."""
     if name == "vllm" and settings.device:
         raise FeatCalError("backend.device: not used by vllm; select GPUs with CUDA_VISIBLE_DEVICES")
+    if name == "hf" and (settings.device or "").startswith("cuda"):
+        from featcal_llm import hardware
+
+        refusal = hardware.cuda_refusal()
+        if refusal is not None:
+            raise FeatCalError(f"backend.device: {settings.device}, but {refusal}; use cpu")
+    if name == "hf" and "gpu_memory_utilization" in settings.model_fields_set:
+        raise FeatCalError("backend.gpu_memory_utilization: only the vllm backend sizes its memory by it")
     if name == "hf" and settings.tensor_parallel_size != 1:
         raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")
     if name == "hf" and settings.data_parallel_size != 1:
