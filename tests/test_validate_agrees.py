@@ -117,7 +117,36 @@ def _set(change):
 
 
 # name → (mutation of the scenario's recipe, or a function returning the file's text; one list of fragments per error line)
+def _expert_with_a_missing_shard(r, t):
+    """An expert whose index names a shard file that is not there (a download cut short)."""
+    expert = t / "cut-short"
+    shutil.copytree(r["models"][1]["model"], expert, copy_function=os.symlink)
+    names = [name for name in json.loads((expert / "model.safetensors.index.json").read_text())["weight_map"]] \
+        if (expert / "model.safetensors.index.json").exists() else ["model.embed_tokens.weight"]
+    weight_map = {name: "model.safetensors" for name in names}
+    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (expert / "model.safetensors.index.json").unlink(missing_ok=True)
+    (expert / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    r["featcal"]["data"][str(expert)] = r["featcal"]["data"].pop(r["models"][1]["model"])
+    r["models"][1]["model"] = str(expert)
+
+
+def _supplied_merge_without_weights(r, t):
+    """A merge directory with the merge's config and tokenizer and no weights (a copy that left them behind)."""
+    supplied = t / "supplied"
+    supplied.mkdir()
+    for item in Path(r["base_model"]).iterdir():
+        if not item.name.endswith(".safetensors") and not item.name.endswith(".json.index") and item.is_file():
+            shutil.copy(item, supplied / item.name)
+    (supplied / "model.safetensors.index.json").unlink(missing_ok=True)
+    r["featcal"]["merged"] = str(supplied)
+
+
 CASES = {
+    "an expert whose index names a missing shard": (_expert_with_a_missing_shard, [
+        ["models: ", "cut-short: model.safetensors.index.json: points at missing shard file model-00002-of-00002.safetensors"]]),
+    "a supplied merge without weights": (_supplied_merge_without_weights, [
+        ["featcal.merged: ", "supplied: no model.safetensors or model.safetensors.index.json found"]]),
     "parameter name typo": (_set(lambda r: r["models"][0].update(parameters={"wieght": 0.5})), [
         ["models.0.parameters.wieght: not a parameter of merge method task_arithmetic; did you mean 'weight'?"]]),
     "parameter of the wrong type": (_set(lambda r: r["models"][1]["parameters"].update(weight="heavy")), [

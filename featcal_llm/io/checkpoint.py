@@ -32,21 +32,15 @@ class CheckpointReader:
         self.what = what
         if not self.directory.is_dir():
             raise FeatCalError(f"{what}: {self.directory}: model directory does not exist")
+        problem = missing_weights(self.directory)  # validate's words: no weights, a bad index, a missing shard
+        if problem is not None:
+            raise FeatCalError(f"{what}: {self.directory}: {problem}")
         index_path = self.directory / INDEX_FILE
         if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError):
-                raise FeatCalError(f"{what}: {index_path}: not a safetensors index (expected a 'weight_map' mapping)") from None
-            self.weight_map: dict[str, str] = dict(weight_map)
-        elif (self.directory / SINGLE_FILE).is_file():
+            self.weight_map: dict[str, str] = dict(json.loads(index_path.read_text())["weight_map"])
+        else:
             with safe_open(self.directory / SINGLE_FILE, framework="pt") as handle:
                 self.weight_map = {name: SINGLE_FILE for name in handle.keys()}
-        else:
-            raise FeatCalError(f"{what}: {self.directory}: {missing_weights(self.directory)}")
-        for shard in sorted(set(self.weight_map.values())):
-            if not (self.directory / shard).is_file():
-                raise FeatCalError(f"{what}: {index_path}: points at missing shard file {shard}")
         self._handles: dict[str, object] = {}
 
     def _handle(self, shard: str):

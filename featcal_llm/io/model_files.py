@@ -11,8 +11,19 @@ SINGLE_FILE = "model.safetensors"
 
 
 def missing_weights(directory: Path) -> str | None:
-    """Why `directory` holds no safetensors weights featcal-llm can read (None: an index or a single file is there)."""
-    if (directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file():
+    """Why `directory` holds no safetensors weights featcal-llm can read (None: an index whose shards are all there, or
+    a single file), from the listing and the index alone."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        import json
+
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return f"{INDEX_FILE}: not a safetensors index (expected a 'weight_map' mapping)"
+        missing = [shard for shard in shards if not (directory / str(shard)).is_file()]
+        return f"{INDEX_FILE}: points at missing shard file {missing[0]}" if missing else None
+    if (directory / SINGLE_FILE).is_file():
         return None
     if any(directory.glob("*.bin")):
         return "only pickled .bin weights found; featcal-llm reads safetensors only (convert with transformers' save_pretrained)"

@@ -271,6 +271,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             problems.append(Problem(str(path), "featcal.merged", f"{merged}: expected the merged model's directory"))
         else:
             config = collect(problems, path, lambda: _read_config(merged, what))
+            unreadable = missing_weights(merged)  # what run's checkpoint reader refuses of it
+            if unreadable is not None:
+                problems.append(Problem(str(path), "featcal.merged", f"{merged}: {unreadable}"))
             if config is not None and base_config is not None:
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
             from featcal_llm.io.merge import check_supplied_merge
