@@ -143,6 +143,10 @@ def _supplied_merge_without_weights(r, t):
 
 
 CASES = {
+    "the base named as the merge": (_set(lambda r: r["featcal"].update(merged=r["base_model"])), [
+        ["featcal.merged: ", " is base_model ", ", not the merge of the recipe's models; name the merge's directory"]]),
+    "an expert named as the merge": (_set(lambda r: r["featcal"].update(merged=r["models"][1]["model"])), [
+        ["featcal.merged: ", " is the expert ", ", not the merge of the recipe's models"]]),
     "an expert whose index names a missing shard": (_expert_with_a_missing_shard, [
         ["models: ", "cut-short: model.safetensors.index.json: points at missing shard file model-00002-of-00002.safetensors"]]),
     "a supplied merge without weights": (_supplied_merge_without_weights, [

@@ -70,6 +70,12 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
         problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
         if problem is not None:
             problems.append(Problem(str(path), key, problem))
+    if merged and Path(merged).is_dir():  # a model the merge reads, named as the merge: its merge would be calibrated as it
+        models = {label: where for label, where in inputs.items() if label.startswith(("base_model ", "the expert "))}
+        same = [label for label, where in models.items() if where.is_dir() and where.resolve() == Path(merged).resolve()]
+        if same:
+            problems.append(Problem(str(path), "featcal.merged", f"{merged} is {same[0]}, not the merge of the recipe's "
+                                                               "models; name the merge's directory, or a new one for mergekit to write"))
     if merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
         others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
         problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
