@@ -3,6 +3,7 @@ torch or those packages (so that `validate` can ask)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -56,3 +57,13 @@ def cuda_refusal_for(torch_version_file: str, nvidia_driver_loaded: bool) -> str
     if not nvidia_driver_loaded:
         return "CUDA is not available (no NVIDIA driver is loaded)"
     return None
+
+
+def machine_ram() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def stream_budget(host_memory_gb: float | None) -> int:
+    """Bytes of RAM the hidden-state streams may use before spilling: `host_memory_gb` in decimal GB (as the memory
+    plan prints every size), or half the machine."""
+    return int(host_memory_gb * 1e9) if host_memory_gb is not None else int(machine_ram() * 0.5)

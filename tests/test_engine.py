@@ -42,13 +42,13 @@ def test_large_lambda_gives_the_anchor(scenario, tmp_path):
 
 def test_experts_equal_to_merged_and_base_leave_the_weights_unchanged(scenario, tmp_path):
     recipe = yaml.safe_load(scenario.recipe.read_text())
-    copies = [tmp_path / f"copy{i}" for i in range(2)]
+    copies = [tmp_path / f"copy{i}" for i in range(3)]  # two experts and their merge, each the base
     for copy in copies:
         shutil.copytree(scenario.base, copy)
-    recipe["models"] = [{"model": str(c), "parameters": {"weight": 0.5}} for c in copies]
+    recipe["models"] = [{"model": str(c), "parameters": {"weight": 0.5}} for c in copies[:2]]
     recipe["featcal"].update(
-        merged=str(scenario.base), output=str(tmp_path / "out"), eps=1e-12, **{"lambda": 1e-4},
-        data={str(c): {"path": str(p), "format": "text"} for c, p in zip(copies, scenario.data.values())},
+        merged=str(copies[2]), output=str(tmp_path / "out"), eps=1e-12, **{"lambda": 1e-4},
+        data={str(c): {"path": str(p), "format": "text"} for c, p in zip(copies[:2], scenario.data.values())},
     )
     path = tmp_path / "identity.yaml"
     path.write_text(yaml.safe_dump(recipe))

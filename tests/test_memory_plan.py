@@ -103,7 +103,8 @@ def test_the_memory_plan_counts_the_samples_an_expert_generates():
 
 
 def test_host_memory_gb_counts_the_gigabytes_the_plan_prints():
-    from featcal_llm.benchmark.estimate import GB, machine_ram, size_text, stream_budget
+    from featcal_llm.benchmark.estimate import GB, size_text
+    from featcal_llm.hardware import machine_ram, stream_budget
 
     assert stream_budget(2.5) == 2_500_000_000 and size_text(stream_budget(2.5)) == size_text(2.5 * GB)
     assert stream_budget(None) == int(machine_ram() / 2)

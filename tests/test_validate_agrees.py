@@ -143,6 +143,11 @@ def _supplied_merge_without_weights(r, t):
 
 
 CASES = {
+    "a chat template mergekit cannot use": (_set(lambda r: r.update(chat_template="{{ bogus")), [
+        ["bad.yaml: chat_template: {{ bogus: mergekit takes auto, a template it ships (alpaca, chatml, exaone, llama3, mistral) "
+         "or a Jinja template"]]),
+    "a chat template that does not parse": (_set(lambda r: r.update(chat_template="{% for m in messages %}{{ m.content }}")), [
+        ["bad.yaml: chat_template: not a Jinja template transformers can render (line 1: "]]),
     "the base named as the merge": (_set(lambda r: r["featcal"].update(merged=r["base_model"])), [
         ["featcal.merged: ", " is base_model ", ", not the merge of the recipe's models; name the merge's directory"]]),
     "an expert named as the merge": (_set(lambda r: r["featcal"].update(merged=r["models"][1]["model"])), [
@@ -521,3 +526,43 @@ def test_a_tokenizer_named_like_a_hub_id_is_noted_or_caught_as_a_typo(scenario, 
             assert check_recipe(path, online=True, plan=False).problems == [] and looked[-1] == ("model", "someorg/sometok")
         else:
             assert [(p.key, p.message) for p in report.problems] == [("featcal.tokenizer", expected + " (toks/ is a local directory, so it is no hub id); did you mean 'toks/base'?")]
+
+
+def test_chat_records_take_the_template_the_merge_is_given(scenario, tmp_path):
+    """Base and experts without a chat template, `chat_template: chatml` in the merge: validate and run accept chat
+    records (both had refused them), which are rendered with the merge's template, the one the output serves."""
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = _recipe(scenario, tmp_path)
+    recipe["base_model"] = _without_chat_template(recipe["base_model"], tmp_path / "plain-base")
+    for index in range(len(recipe["models"])):
+        plain = _without_chat_template(_expert(recipe, index), tmp_path / f"plain-expert{index}")
+        recipe["featcal"]["data"][plain] = recipe["featcal"]["data"].pop(_expert(recipe, index))
+        recipe["models"][index]["model"] = plain
+    turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo, fine"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(4)))
+    recipe["featcal"]["data"][_expert(recipe, 0)] = {"path": str(tmp_path / "chat.jsonl"), "format": "chat", "messages": "messages"}
+    recipe["chat_template"] = "chatml"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    output = run_recipe(path, progress=False)
+    assert "<|im_start|>" in (output / "tokenizer_config.json").read_text() + "".join(
+        p.read_text() for p in output.glob("chat_template.jinja"))
+
+
+def test_a_merge_mergekit_wrote_without_a_tokenizer_is_refused(scenario, tmp_path, monkeypatch):
+    """mergekit logs a failed tokenizer copy ("the merge was still successful") and writes the merge without one."""
+    import mergekit.merge
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    def broken(*args, **kwargs):
+        raise OSError("disk hiccup")
+
+    monkeypatch.setattr(mergekit.merge, "_copy_tokenizer", broken)
+    with pytest.raises(FeatCalError, match="mergekit wrote the merge without a tokenizer"):
+        ensure_merged(load_recipe(scenario.recipe), tmp_path / "merged", "cpu")
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.merging").exists()

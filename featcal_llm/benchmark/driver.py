@@ -69,7 +69,7 @@ class BenchOptions:
 
 def _call_calibrate(calibrate, models, plan, runner, batches, layers, run_dir: Path, options, progress, timer):
     """Run the engine's loop as `run` does; returns (replacements, host store)."""
-    from featcal_llm.benchmark.estimate import stream_budget
+    from featcal_llm.hardware import stream_budget
     from featcal_llm.engine.resume import StagingArea
     from featcal_llm.engine.streams import HostStore
 

@@ -21,11 +21,11 @@ host RSS was 22 GB; this model gives about 20 GB there.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from featcal_llm.benchmark.costs import Group, LayerShape, statistics_bytes
+from featcal_llm.hardware import machine_ram, stream_budget
 
 GB = 1e9  # `host_memory_gb` counts these too
 PROCESS_ALLOWANCE = 1.5 * GB  # Python, torch and the libraries, resident
@@ -102,13 +102,6 @@ def _smallest(value: Any) -> float | None:
     return min(per_layer) if per_layer else None
 
 
-def machine_ram() -> float:
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def stream_budget(host_memory_gb: float | None) -> int:
-    """Bytes of RAM the hidden-state streams may use before spilling: the setting, or half the machine."""
-    return int(host_memory_gb * GB) if host_memory_gb is not None else int(machine_ram() * 0.5)
 
 
 def head_may_untie(config: dict, featcal: Any) -> bool:

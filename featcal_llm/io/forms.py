@@ -92,6 +92,13 @@ def check_slice_depth(merge_config: Any, num_layers: int, path: Path) -> None:
             raise FeatCalError(f"{path}: slices[{len(merge_config.slices) - 1}]: the slices end at layer {end}, the base model has {num_layers} (dropped layers cannot be calibrated)")
 
 
+def merge_makes_tokenizer(merge_config: Any) -> bool:
+    """Whether the merge's tokenizer may differ from the base's in anything the records' tokens depend on: its
+    vocabulary (changes_tokenizer) or a chat template the recipe's `chat_template:` gives it. The records are then
+    tokenised with the merge's own, made first: the calibrated model serves that template."""
+    return changes_tokenizer(merge_config) or bool(getattr(merge_config, "chat_template", None))
+
+
 def changes_tokenizer(merge_config: Any) -> bool:
     """Whether mergekit's output tokenizer may differ from the base's (tokenizer_source other than base, or a tokenizer: block)."""
     source = merge_config.tokenizer_source

@@ -322,6 +322,18 @@ def _merge_lock(recipe: Recipe, merged: Path) -> Any:
         raise RunFailure(f"{recipe.path}: featcal.merged: {merged}: cannot lock it for the merge ({error.strerror or error})") from None
 
 
+def _check_tokenizer_written(recipe: Recipe, partial: Path, sources: dict[str, Any] | None) -> None:
+    """mergekit logs a failure to copy or build the tokenizer ("the merge was still successful") and writes the merge
+    without one: refused here, where the base had one, instead of a checkpoint no runtime can serve."""
+    from featcal_llm.io.model_files import has_tokenizer_files
+
+    base = (sources or {}).get(str(recipe.merge_config.base_model))
+    base_dir = base.tokenizer_directory if base is not None else Path(str(recipe.merge_config.base_model.model.path))
+    if base_dir.is_dir() and has_tokenizer_files(base_dir) and not has_tokenizer_files(partial):
+        raise FeatCalError(f"{recipe.path}: mergekit wrote the merge without a tokenizer (it could not copy or build it; "
+                           "check tokenizer_source, tokenizer and chat_template)")
+
+
 def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None, trust_remote_code: bool) -> None:
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -346,6 +358,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
+        _check_tokenizer_written(recipe, partial, sources)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
         marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe, sources),
                   "random_seed": recipe.featcal.merge_seed}

@@ -188,6 +188,37 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
 MERGEKIT_DTYPES = ("bfloat16", "float16", "float32", "float64", "int64")  # mergekit.common.dtype_from_name (tests/test_evidence.py)
 
 
+def mergekit_chat_templates() -> list[str]:
+    """The names of the chat templates mergekit ships (mergekit/_data/chat_templates), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mergekit")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(path.stem for path in (Path(list(spec.submodule_search_locations)[0]) / "_data" / "chat_templates").glob("*.jinja"))
+
+
+def chat_template_problem(template: str | None) -> str | None:
+    """What mergekit makes of the recipe's `chat_template:` (mergekit.merge._set_chat_template): `auto`, a template it
+    ships, or a Jinja template, which must parse. mergekit logs its refusal and writes the merge without a tokenizer."""
+    if not template or template == "auto":
+        return None
+    names = mergekit_chat_templates()
+    if template in names and "{" not in template:
+        return None
+    if len(template) < 20 or "{" not in template:
+        return f"{template}: mergekit takes auto, a template it ships ({', '.join(names)}) or a Jinja template"
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        return f"not a Jinja template transformers can render (line {error.lineno}: {error.message})"
+    return None
+
+
 def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
     """What the mergekit part says on its own (recipe forms, the method's parameters) and with the block (experts against data entries)."""
     if merge_config is None:
@@ -219,6 +250,9 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
         elif value == "int64":  # whole-number weights: the merge's norms and projections could not be calibrated
             problems.append(Problem(str(path), key, "int64: a merge of whole numbers; featcal-llm merges and calibrates in "
                                                     "bfloat16, float16, float32 or float64"))
+    template_problem = chat_template_problem(getattr(merge_config, "chat_template", None))
+    if template_problem is not None:
+        problems.append(Problem(str(path), "chat_template", template_problem))
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))

@@ -224,7 +224,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                   data: dict[str, DataSpec] | None = None, featcal: Any = None) -> dict[str, dict]:
     """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree, of an
     architecture featcal-llm calibrates."""
-    from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
+    from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
     from featcal_llm.io.references import check_override_architecture
 
     problems, configs = report.problems, {}
@@ -292,9 +292,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             report.unchecked.append(f"{tokenizer} (tokenizer)")
     # the tokenizer the merge (and so the output, which `eval:` scores) carries: the merge's own, else the base's it copies
     report.scored_tokenizer = Path(merged) if merged and Path(merged).is_dir() else \
-        base_source.directory if base_source is not None and not changes_tokenizer(merge_config) else None
+        base_source.directory if base_source is not None and not merge_makes_tokenizer(merge_config) else None
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
-    calibrating = Path(tokenizer) if tokenizer else None if base_source is None or changes_tokenizer(merge_config) else \
+    calibrating = Path(tokenizer) if tokenizer else None if base_source is None or merge_makes_tokenizer(merge_config) else \
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
     if calibrating is not None and calibrating.is_dir() and not has_tokenizer_files(calibrating):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{calibrating}: {NO_TOKENIZER}"))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from featcal_llm import __version__, runlog
-from featcal_llm.benchmark.estimate import stream_budget
+from featcal_llm.hardware import stream_budget
 from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 from featcal_llm.engine.teachers import check_judged
 from featcal_llm.engine.devices import head_stats_dtype, resolve_device, resolve_dtype, resolve_stats_dtype, stored_dtype
@@ -38,7 +38,7 @@ from featcal_llm.io.model_files import calibration_tokenizer_directory
 from featcal_llm.io.output_dir import not_an_output, unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
-from featcal_llm.io.forms import changes_tokenizer, check_slice_depth
+from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.engine.resume import (
@@ -249,7 +249,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     """Tokenised (or generated) records, checked against every tokenizer and vocabulary, split and batched."""
     recipe, featcal, base_config = resolved.recipe, resolved.recipe.featcal, resolved.base_config
     trust, merged_path = featcal.trust_remote_code, resolved.merged_path
-    if not featcal.tokenizer and changes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
+    if not featcal.tokenizer and merge_makes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
         comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.merge_inputs, trust))
     tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
     tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
