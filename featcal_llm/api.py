@@ -330,20 +330,25 @@ class ValidationResult(list):
         return "\n".join([*lines, "ok" if self.ok else f"{count} problem{'s' * (count > 1)}"])
 
 
-def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = False) -> ValidationResult:
+def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = False, output: str | os.PathLike | None = None,
+             device: str | None = None) -> ValidationResult:
     """Every problem of a recipe, found without loading any weights (as `featcal-llm validate`).
 
     `recipe`: a recipe file, or the same content as a dict (as `calibrate` takes it; its problems then
     name the file `<recipe>`). Checks the schema, recipe forms, calibration files and their fields, model
-    references and adapters, and the output location. Hub model and dataset ids
+    references and adapters, and the output location (`output`, `device`: as `calibrate` takes them, in place of
+    featcal.output and featcal.device). Hub model and dataset ids
     are looked up only with `online=True`; local paths never touch the network.
     """
+    from featcal_llm.io.block import check_device
     from featcal_llm.io.validate import check_recipe
 
+    if device is not None:
+        check_device(device, "device")
     path, temporary = _recipe_file(recipe, "validate")
     try:
         with collected_warnings() as warnings:
-            report = check_recipe(path, online=online, plan=False)
+            report = check_recipe(path, online=online, plan=False, output=output, device=device)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)

@@ -146,21 +146,28 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
 Examples:
   featcal-llm validate recipe.yaml
   featcal-llm validate recipe.yaml --online   also look up hub ids
+  featcal-llm validate recipe.yaml OUT --device cpu   check what `run recipe.yaml OUT --device cpu` runs
 
 \b
 Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("output", required=False, type=click.Path(path_type=Path))
+@click.option("--device", default=None, help="As run's --device: check the run on this device instead of featcal.device.")
 @click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (without a network: a note, not an error).")
-def validate(recipe: Path, online: bool) -> None:
+def validate(recipe: Path, output: Path | None, device: str | None, online: bool) -> None:
     """Check RECIPE without loading any weights: every problem at once, one line each, and a memory estimate.
 
     The YAML, the featcal: block, the mergekit part (merge method and its parameters, as mergekit
     reads them), the models' configs and the data files, in one round and without torch; `run`
-    refuses the same recipes with the same lines (docs/validate.md).
+    refuses the same recipes with the same lines (docs/validate.md). OUTPUT and --device are
+    checked as `run RECIPE OUTPUT --device ...` takes them, in place of featcal.output and featcal.device.
     """
+    from featcal_llm.io.block import check_device
     from featcal_llm.io.validate import check_recipe
 
-    report = check_recipe(recipe, online=online)
+    if device is not None:
+        check_device(device, "--device")
+    report = check_recipe(recipe, online=online, output=output, device=device)
     for note in report.summary_notes():
         click.echo(f"featcal-llm: note: {note}", err=True)
     for problem in report.problems:

@@ -566,3 +566,29 @@ def test_a_merge_mergekit_wrote_without_a_tokenizer_is_refused(scenario, tmp_pat
     with pytest.raises(FeatCalError, match="mergekit wrote the merge without a tokenizer"):
         ensure_merged(load_recipe(scenario.recipe), tmp_path / "merged", "cpu")
     assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.merging").exists()
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    (["~/calibrated"], "OUTPUT: ~/calibrated: run takes a path as written"),
+    (["{tmp}/recipe-folder"], None),  # a fine OUTPUT for a recipe whose own output is not
+    (["--device", "cuda"], "--device: cuda requested but CUDA is not available"),
+])
+def test_validate_takes_run_s_output_and_device(scenario, tmp_path, monkeypatch, arguments, fragment):
+    """`validate RECIPE OUTPUT --device D` checks what `run RECIPE OUTPUT --device D` runs, in its words."""
+    from featcal_llm import hardware
+
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: "CUDA is not available (torch is a CPU-only build)")
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["output"] = "~/elsewhere" if fragment is None else str(tmp_path / "out")  # refused unless OUTPUT replaces it
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    arguments = [argument.format(tmp=tmp_path) for argument in arguments]
+    validated = CliRunner().invoke(main, ["validate", str(path), *arguments])
+    if fragment is None:
+        assert validated.exit_code == 0, validated.output
+        return
+    ran = CliRunner().invoke(main, ["run", str(path), *arguments])
+    assert validated.exit_code == ran.exit_code == 2 and _errors(validated) == _errors(ran), (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and fragment in _errors(validated)[0]
+    assert not (tmp_path / "~").exists() and not (tmp_path / "out").exists()
