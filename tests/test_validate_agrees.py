@@ -142,7 +142,17 @@ def _supplied_merge_without_weights(r, t):
     r["featcal"]["merged"] = str(supplied)
 
 
+def _alpaca_with_a_number_for_input(r, t):
+    _first_data_file(r, t, "alpaca.jsonl", json.dumps({"instruction": "do", "input": 3, "response": "ok"}) + "\n")
+    r["featcal"]["data"][_expert(r, 0)]["format"] = "alpaca"
+
+
 CASES = {
+    "an alpaca input that is a number": (_alpaca_with_a_number_for_input, [
+        ["alpaca.jsonl: record 0: field 'input' is a int, not a string; format: alpaca reads it as text"]]),
+    "a JSON file holding an empty list": (lambda r, t: _first_data_file(r, t, "cal.json", "[]"), [["cal.json: no records"]]),
+    "a CSV file with an empty cell": (lambda r, t: _first_data_file(r, t, "cal.csv", "text\nhello there\n\"\"\n"), [
+        ["cal.csv: record 1: field 'text' is null"]]),
     "a chat template mergekit cannot use": (_set(lambda r: r.update(chat_template="{{ bogus")), [
         ["bad.yaml: chat_template: {{ bogus: mergekit takes auto, a template it ships (alpaca, chatml, exaone, llama3, mistral) "
          "or a Jinja template"]]),

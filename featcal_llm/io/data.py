@@ -200,11 +200,17 @@ def chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[
     return value
 
 
-def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
-    instruction = text_field(record, spec, spec.instruction, where, index)
+def alpaca_input(record: dict, spec: DataSpec, where: str, index: int) -> str | None:
+    """An alpaca record's optional input: absent, null or text (anything else is refused in text_field's words)."""
     extra = record.get(spec.input) if spec.input else None
     if extra is not None and not isinstance(extra, str):
-        text_field(record, spec, spec.input, where, index)  # refused: an input that is neither absent, null nor text
+        text_field(record, spec, spec.input, where, index)
+    return extra
+
+
+def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
+    instruction = text_field(record, spec, spec.instruction, where, index)
+    extra = alpaca_input(record, spec, where, index)
     template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
     return template.format(instruction=instruction, input=extra, response=response)
 

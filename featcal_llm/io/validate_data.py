@@ -12,7 +12,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, chat_messages, data_path, file_builder, looks_like_hub_id, no_records,
-                                 not_utf8, text_field, text_fields)
+                                 not_utf8, text_field, text_fields, alpaca_input)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -48,6 +48,8 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
                 text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)
             if spec.format == "chat" and spec.messages:
                 chat_messages(record, spec, where, index)
+            if spec.format == "alpaca":
+                alpaca_input(record, spec, where, index)
         count = len(records) if complete else record_count(path) if fields is not None else None
         if count == 0:
             raise no_records(spec, where)
@@ -115,7 +117,7 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
             raise FeatCalError(f"{where}: {not_utf8(error)}") from None
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
-        return header, [], False
+        return header, csv_rows(path, header), False
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet
@@ -131,8 +133,10 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
             data = json.loads(path.read_text(encoding="utf-8-sig"))
         except (ValueError, UnicodeDecodeError):
             data = None  # JSON lines in a .json file: read below
+        if isinstance(data, list) and not data:
+            return None, [], True  # no records: refused as run refuses a file holding none
         if isinstance(data, list):
-            return (_union(data), data, True) if data and all(isinstance(r, dict) for r in data) else (None, [], False)
+            return (_union(data), data, True) if all(isinstance(r, dict) for r in data) else (None, [], False)
         if isinstance(data, dict):  # one record to datasets, whatever its fields hold (columns of lists included)
             return list(data), [data], True
     records = []
@@ -157,6 +161,26 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     if not records or not all(isinstance(record, dict) for record in records):
         raise FeatCalError(f"{unreadable} (expected one JSON object per line)")
     return _union(records), records, whole
+
+
+# the cells pandas (datasets' CSV reader) reads as missing: null to the run, which refuses them as text
+CSV_MISSING = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+               "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+
+
+def csv_rows(path: Path, header: list[str]) -> list[dict]:
+    """The first rows of a CSV file as datasets hands them to the run, as far as their text goes: a missing cell is null."""
+    rows = []
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.reader(handle)
+        next(reader, None)
+        for number, cells in enumerate(reader):
+            if number >= FIELD_SCAN_LINES:
+                break
+            if not cells:
+                continue  # a blank line is no row to pandas
+            rows.append({name: (None if cell in CSV_MISSING else cell) for name, cell in zip(header, cells)})
+    return rows
 
 
 def _is_json(path: Path) -> bool:
