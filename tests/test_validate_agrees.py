@@ -148,6 +148,8 @@ def _alpaca_with_a_number_for_input(r, t):
 
 
 CASES = {
+    "a tokenizer source that is not there": (lambda r, t: r.update(tokenizer_source=str(t / "nowhere")), [
+        ["bad.yaml: tokenizer_source: ", "nowhere: model directory does not exist (tokenizer_source: base, union, or a model)"]]),
     "an alpaca input that is a number": (_alpaca_with_a_number_for_input, [
         ["alpaca.jsonl: record 0: field 'input' is a int, not a string; format: alpaca reads it as text"]]),
     "a JSON file holding an empty list": (lambda r, t: _first_data_file(r, t, "cal.json", "[]"), [["cal.json: no records"]]),

@@ -250,6 +250,14 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
         elif value == "int64":  # whole-number weights: the merge's norms and projections could not be calibrated
             problems.append(Problem(str(path), key, "int64: a merge of whole numbers; featcal-llm merges and calibrates in "
                                                     "bfloat16, float16, float32 or float64"))
+    source = getattr(merge_config, "tokenizer_source", None)
+    if source is not None and not isinstance(source, str):  # a model reference: a local one must be there
+        from featcal_llm.io.references import is_hub_reference
+
+        for model_path in (source.model, source.lora):
+            if model_path is not None and not is_hub_reference(model_path) and not Path(model_path.path).is_dir():
+                problems.append(Problem(str(path), "tokenizer_source", f"{model_path.path}: model directory does not exist "
+                                                                       "(tokenizer_source: base, union, or a model)"))
     template_problem = chat_template_problem(getattr(merge_config, "chat_template", None))
     if template_problem is not None:
         problems.append(Problem(str(path), "chat_template", template_problem))
