@@ -56,10 +56,19 @@ class CalibrationResult:
     peak_gpu_memory: int | None = None  # bytes: peak CUDA memory allocated by torch (None without CUDA)
     evaluation: str | None = None  # the merged-vs-calibrated table of the recipe's `eval:` block
     warnings: tuple[str, ...] = ()  # every warning the run printed, in order
+    unchanged: bool = False  # the output is the merged model, unchanged: every expert trails it on its own records
+
+    def headline(self) -> str:
+        """The run's last line: where the checkpoint is, and whether it is the merge unchanged."""
+        if self.unchanged:
+            return (f"checkpoint written to {self.output}: the merged model, unchanged (every expert predicts its own "
+                    "records worse than the merge; see the warning above)")
+        return f"calibrated checkpoint written to {self.output}"
 
     def __str__(self) -> str:
         """What `featcal-llm run` prints: where the checkpoint is, the per-expert table, the warnings and the evaluation."""
-        lines = [f"calibrated checkpoint: {self.output} (from the merged model {self.merged})"]
+        lines = [f"calibrated checkpoint: {self.output} (from the merged model {self.merged})" if not self.unchanged else
+                 f"checkpoint: {self.output}, the merged model {self.merged} unchanged (every expert trails it on its own records)"]
         if self.experts:
             lines += ["", self.table()]
         else:
@@ -85,6 +94,7 @@ class CalibrationResult:
                         f"{number(summary.kl_merged):>10}  {number(summary.kl_calibrated):>13}")
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
+        rows.append("(drift and KL on a sample of each expert's calibration records, not on held-out text)")
         rows.append(f"time {_duration(self.seconds)}" + (f"; peak memory: {', '.join(memory)}" if memory else ""))
         return "\n".join(rows)
 
@@ -255,6 +265,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
         warnings=tuple(_dict_named(warning, path) if temporary is not None else warning for warning in warnings),
+        unchanged=outcome.unchanged,
     )
 
 

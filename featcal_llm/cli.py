@@ -139,7 +139,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
         if main_rank:
             if level > runlog.QUIET and result.experts:
                 click.echo(result.table(), err=True)
-            click.echo(f"calibrated checkpoint written to {result.output}")
+            click.echo(result.headline())
 
 
 @main.command(epilog="""\b

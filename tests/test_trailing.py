@@ -9,6 +9,7 @@ to 1e-8, and be far from the brute force that keeps expert1 as its teacher.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,11 +167,20 @@ def test_every_expert_behind_the_merge_leaves_the_merge_unchanged_and_says_so(tm
     layer is fitted and the output is the merged checkpoint, bit for bit, with a card that says why."""
     from test_token_weights import merge_of_one_expert
 
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
     _, recipe = merge_of_one_expert(tmp_path, 1, 4, trailing_experts=None)  # one expert at weight 1: the merge itself
-    output = run_recipe(recipe, progress=False)
-    err = capsys.readouterr().err
+    result = CliRunner().invoke(main, ["run", str(recipe)])
+    output = Path(yaml.safe_load(Path(recipe).read_text())["featcal"]["output"])
+    err = result.stderr
     assert any("featcal.trailing_experts: every expert predicts its own records worse than the merged model, so the output is "
-               "the merged model, unchanged" in line for line in err.splitlines() if "warning" in line), err
+               "the merged model, unchanged" in line and "set trailing_experts: keep" not in line
+               for line in err.splitlines() if "warning" in line), err
+    assert result.exit_code == 0 and result.stdout.strip().splitlines()[-1] == (  # the last line says so too
+        f"checkpoint written to {output}: the merged model, unchanged (every expert predicts its own records worse than "
+        "the merge; see the warning above)")
     assert "no layer is re-fitted" in err and "layer 0" not in err
     ours, merged = read_weights(output), read_weights(tmp_path / "scenario" / "merged")
     assert ours.keys() == merged.keys() and all(torch.equal(ours[name], merged[name]) for name in merged)

@@ -113,7 +113,9 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
                  + ", as those experts predict their own records worse than the merge does, beyond two standard errors")
     if every_expert_taught_by_the_merge(behind, {task: ctx.plan.task_weight(task) for task in mean_leads}):
         warn(f"{where}: every expert predicts its own records worse than the merged model, so the output is the merged model, "
-             "unchanged; check that each expert's data is its kind of text, or set trailing_experts: keep")
+             "unchanged; check that each expert's data is its kind of text and that the expert learnt it (one that also "
+             "trails the base has not). trailing_experts: keep would calibrate toward them anyway, away from the model "
+             "that predicts these records best")
     return behind
 
 

@@ -63,6 +63,7 @@ class RunOutcome:
     output: Path
     merged: Path
     evaluation: str | None = None
+    unchanged: bool = False  # the output is the merged model: every expert trails it on its own records
 
 
 def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
@@ -125,7 +126,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
         remove_staging(partial)
-    return RunOutcome(output, merged_dir)
+    return RunOutcome(output, merged_dir, unchanged=unchanged)
 
 
 def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
