@@ -127,6 +127,11 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
                                                                    progress=level > runlog.QUIET, push_to_hub=repo_id, public=public)
         except QuietExit:  # a torchrun rank whose error rank 0 reports
             sys.exit(EXIT_USAGE)
+        except KeyboardInterrupt:
+            if main_rank:
+                click.echo("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, "
+                           "refinement steps) is kept, and the same command resumes from there", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         except FeatCalError as error:
             runlog.failure(error)
             sys.exit(error.exit_code)

@@ -54,6 +54,9 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, rais
     assert result.exit_code == code, (result.output, result.exception)
     if str(raised):
         assert result.stderr.strip().splitlines()[0] == f"featcal-llm: error: {raised}"
+    else:  # interrupted: what happens to the work, and how to go on
+        assert result.stderr.strip() == ("featcal-llm: interrupted; what the run finished (a merge, generated records, "
+                                         "calibrated layers, refinement steps) is kept, and the same command resumes from there")
 
 
 def test_out_of_memory_is_one_line_and_exit_1_and_other_errors_are_not_hidden(tmp_path, monkeypatch):
