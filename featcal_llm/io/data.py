@@ -114,6 +114,16 @@ def file_builder(path: Path, where: str) -> str:
     return builder
 
 
+def file_not_found(path: Path, where: str) -> FeatCalError:
+    """The one line for a calibration file that is not there, with the nearest file of its folder where one is close."""
+    import difflib
+
+    siblings = sorted(item.name for item in path.parent.iterdir() if item.is_file()) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+    hint = f"; did you mean {str(path.parent / close[0])!r}?" if close else ""
+    return FeatCalError(f"{where}.path: {path}: calibration file not found{hint}")
+
+
 def no_records(spec: DataSpec, where: str) -> FeatCalError:
     """The one line for a data source that holds no records: run's after loading it, validate's after counting it."""
     return FeatCalError(f"{where}.path: {spec.path}: no records")
@@ -135,7 +145,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         if not looks_like_hub_id(spec.path):
-            raise FeatCalError(f"{where}.path: {path}: calibration file not found")
+            raise file_not_found(path, where)
         return datasets.load_dataset(spec.path, spec.name, split=spec.split)
     except FeatCalError:
         raise
