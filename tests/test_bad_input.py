@@ -140,6 +140,8 @@ CASES = {
     "tensor missing from its shard": (_drop_tensor_from_shard, ["model.layers.1.mlp.up_proj.weight listed in the index is missing from the shard"]),
     "index points at a missing shard": (_index_to_missing_shard, ["points at missing shard file model-00002-of-00002.safetensors"]),
     "calibration file missing": (lambda r, t: _first_data(r).__setitem__("path", str(t / "nowhere.jsonl")), ["bad.yaml: featcal.data.", "nowhere.jsonl: calibration file not found"]),
+    "a data format misspelt": (lambda r, t: _first_data(r).__setitem__("format", "txt"), [
+        "format: Input should be 'text', 'alpaca', 'chat' or 'completion' (got 'txt'); did you mean 'text'?"]),
     "calibration file misspelt": (lambda r, t: ((t / "json_calib.jsonl").write_text('{"text": "a b"}\n'),
                                                 _first_data(r).__setitem__("path", str(t / "json_calb.jsonl"))),
                                   ["json_calb.jsonl: calibration file not found; did you mean ", "json_calib.jsonl'?"]),

@@ -145,6 +145,8 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
             message = _yaml_words(message)
         if "got " not in message and "renamed" not in message and "input" in item:
             message += f" (got {_shown(item['input'])})"
+        if item["type"] == "literal_error" and isinstance(item.get("input"), str):  # `format: txt`: did you mean 'text'?
+            message += suggestion(item["input"], re.findall(r"'([^']*)'", str((item.get("ctx") or {}).get("expected", ""))))
         problems.append(Problem(str(file), key, message))
     return problems
 
