@@ -77,7 +77,7 @@ Examples:
               help="vLLM model replicas (needs ray; GPUs used = tensor x data parallel size).")
 @click.option("--engine-arg", "engine_args", multiple=True,
               help="KEY=VALUE passed through to vllm.LLM / the hf model (repeatable), e.g. enforce_eager=true.")
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="vLLM memory fraction.")
+@click.option("--gpu-memory-utilization", type=float, default=None, help="vLLM memory fraction (default 0.9; vllm only).")
 @click.option("--max-model-len", type=int, default=None, help="Context length (default: the suite's, capped by the model).")
 @click.option("--device", default=None, help="hf backend device (cuda, cuda:N, cpu).")
 @click.option("--chat-template", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
@@ -121,8 +121,8 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
             "backend": {"name": backend, "dtype": dtype, "batch_size": _batch_size(batch_size),
                         "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
                         "engine_args": _engine_args(engine_args),
-                        "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
-                        "device": device},
+                        "max_model_len": max_model_len, "device": device,
+                        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization is not None else {})},
             "chat_template": chat_template,
             "allow_code_execution": allow_code_execution,
             "limit": limit,
