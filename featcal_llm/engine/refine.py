@@ -374,7 +374,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
               "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
-              "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out)}
+              "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
+              "held_out_records": {task: len(job.held_out.get(task, [])) for task in job.train}}
     # no wall times in the report, which the output holds (a resumed run writes the same bytes): the log line says them
     if params == "adapter":
         report["rank"] = spec.rank

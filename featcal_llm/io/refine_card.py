@@ -31,6 +31,10 @@ def refine_text(refined: dict[str, Any]) -> str:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written. The drift report (`featcal_drift.json`) measures "
                    "the closed form's output, before this refinement.")
+    held = refined.get("held_out_records") or {}
+    if any(held.values()):
+        outcome += (" The checks' records (" + ", ".join(f"{count} of `{task}`'s" for task, count in held.items())
+                    + ") were held out of the closed form's statistics too (`tune.holdout`): both stages fitted the rest.")
     master = str(refined.get("master", "torch.float32")).removeprefix("torch.")
     precision = (f"under bf16 autocast with {master} master weights" if refined.get("autocast") == "torch.bfloat16"
                  else f"in {master} throughout")
