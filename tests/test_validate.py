@@ -538,3 +538,18 @@ def test_what_the_evaluation_refuses_before_it_generates_validate_refuses_first(
     recipe = _write(scenario, tmp_path, mutate)
     problems = [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)]
     assert (len(problems) == 1 and expected in problems[0]) if expected else problems == [], problems
+
+
+@pytest.mark.parametrize("recipe_device, option, cuda, planned", [
+    ("auto", None, "CUDA is not available (torch is a CPU-only build)", "on the CPU"),  # auto, where no GPU can be
+    ("auto", None, None, "on one GPU (device auto: a GPU when there is one)"),
+    ("cuda", "cpu", None, "on the CPU"),  # validate --device, as run --device
+])
+def test_the_memory_plan_is_for_the_device_the_run_will_use(scenario, tmp_path, no_weights, monkeypatch, recipe_device, option, cuda, planned):
+    from featcal_llm import hardware
+
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: cuda)
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("device", recipe_device))
+    result = CliRunner().invoke(main, ["validate", str(recipe), *(["--device", option] if option else [])])
+    assert result.exit_code == 0, result.output
+    assert planned in result.stdout, result.stdout

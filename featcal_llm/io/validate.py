@@ -118,8 +118,13 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if plan and recipe is not None and base is not None and not blocking:
         from featcal_llm.benchmark.estimate import memory_plan
 
+        from featcal_llm.hardware import cuda_refusal
+
+        planned = device or recipe.featcal.device  # run --device, else the recipe's; auto is the CPU where CUDA is certainly absent
+        planned = "cpu" if planned == "auto" and cuda_refusal() is not None else planned
         try:
-            report.plan = memory_plan(base, recipe.featcal, len(recipe.experts), Path(recipe.featcal.merged).is_dir())
+            report.plan = memory_plan(base, recipe.featcal.model_copy(update={"device": planned}), len(recipe.experts),
+                                      Path(recipe.featcal.merged).is_dir())
         except (KeyError, TypeError, ZeroDivisionError):
             report.notes.append(f"{path}: base_model: no memory plan (its config.json does not describe a dense decoder)")
     return report
