@@ -136,6 +136,10 @@ def test_merge_is_the_default_and_keep_calibrates_toward_every_expert_and_leadin
     reference = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
     assert _updates_error(kept, reference, scenario.root / "merged") <= TOLERANCE
     assert "taught_by_merge" not in card_front(kept)["featcal"] and card_front(kept)["featcal"]["settings"]["trailing_experts"] == "keep"
+    # the card says that keep calibrated toward the trailing expert (expert1), and of it alone
+    lines = [line for line in (kept / "README.md").read_text().splitlines() if line.startswith("- `expert")]
+    warned = [line for line in lines if "`trailing_experts: keep` calibrated toward it all the same" in line]
+    assert len(warned) == 1 and warned[0].startswith("- `expert1`"), lines
     # expert0 alone leads: `merge` changes nothing, bit for bit, and says so
     only_first = yaml.safe_load(scenario.recipe.read_text())
     only_first["models"] = only_first["models"][:1]

@@ -317,6 +317,9 @@ def write_card(
         + lead_text(e.name)
         + (f"; it predicts its own records worse than the merged model (by {-taught[e.name]:.3g} nats a token), so its records "
            "were calibrated toward the merged model (`trailing_experts: merge`)" if e.name in taught else "")
+        + ("; it predicts its own records worse than the merged model beyond two standard errors, and `trailing_experts: keep` "
+           "calibrated toward it all the same: on its kind of text this model moved toward a weaker one"
+           if e.name not in taught and featcal.method == "featcal" and featcal.trailing == "keep" and _trails(advantage, e.name) else "")
         for e in recipe.experts
     )
     title = Path(featcal.output).name
@@ -373,6 +376,14 @@ def split_card(text: str) -> tuple[dict[str, Any], str]:
         return {}, text
     front, _, body = text[4:].partition("\n---\n")
     return yaml.safe_load(front) or {}, body
+
+
+def _trails(advantage: dict | None, name: str) -> bool:
+    """Behind the merge on its own records beyond doubt: its net lead stays below 0 when raised by its margin."""
+    from featcal_llm.maths.advantage import trails
+
+    summary = (advantage or {}).get(name) or {}
+    return "net_lead" in summary and trails(summary["net_lead"], summary.get("net_lead_margin", 0.0))
 
 
 def append_evaluation(directory: Path, table: str, summary: dict[str, Any] | None = None) -> None:
