@@ -129,8 +129,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:
             if main_rank:
-                click.echo("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, "
-                           "refinement steps) is kept, and the same command resumes from there", err=True)
+                click.echo(_interrupted(recipe, output), err=True)
             sys.exit(EXIT_INTERRUPTED)
         except FeatCalError as error:
             runlog.failure(error)
@@ -145,6 +144,23 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
             if level > runlog.QUIET and result.experts:
                 click.echo(result.table(), err=True)
             click.echo(result.headline())
+
+
+def _interrupted(recipe: Path, output: Path | None) -> str:
+    """What a stopped `run` leaves: progress the same command resumes, or (stopped in `eval:` or the push) the output."""
+    if output is None:
+        try:
+            import yaml
+
+            output = Path(yaml.safe_load(recipe.read_text(encoding="utf-8"))["featcal"]["output"])
+        except Exception:  # noqa: BLE001 (a recipe that cannot say: the general line)
+            output = None
+    progress = output.with_name(f".{output.name}.featcal-partial") if output is not None else None
+    if output is not None and (output / "featcal_recipe.yml").is_file() and not progress.exists():
+        return (f"featcal-llm: interrupted; {output} was written whole before the stop: score it with `featcal-llm eval`, "
+                "or rerun with --force to make it again")
+    return ("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, refinement "
+            "steps) is kept, and the same command resumes from there")
 
 
 @main.command(epilog="""\b

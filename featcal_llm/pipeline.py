@@ -93,7 +93,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
             outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
-        return replace(outcome, merged=Path(recipe.featcal.merged))  # stage 2's start was the removed intermediate
+        # stage 2's start was the removed intermediate, which stage 1 had changed: the output is never the merge unchanged
+        return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False)
     resolved = resolve(comm, recipe, force, device)
     with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):
         outcome = _calibrate(comm, resolved, progress, timer)

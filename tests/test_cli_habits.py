@@ -189,3 +189,24 @@ def test_demo_and_bench_refuse_bad_options_before_building_anything(tmp_path, mo
     result = CliRunner().invoke(main, [*arguments, *(["--workdir", str(tmp_path / "w")])])
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [message], result.output
     assert not (tmp_path / "w").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_after_the_output_was_written_says_so(tmp_path, monkeypatch):
+    """Stopped in `eval:` or the push: the output is in place and a rerun would be refused, so the line says what is there."""
+    import featcal_llm.api
+
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "featcal_recipe.yml").write_text("x: 1\n")
+
+    def calibrate(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(featcal_llm.api, "calibrate", calibrate)
+    (tmp_path / "r.yaml").write_text(f"featcal:\n  output: {output}\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
+    assert result.exit_code == EXIT_INTERRUPTED and result.stderr.strip() == (
+        f"featcal-llm: interrupted; {output} was written whole before the stop: score it with `featcal-llm eval`, or rerun "
+        "with --force to make it again")
+    (tmp_path / ".out.featcal-partial").mkdir()  # a --force rerun stopped half-way: its progress resumes
+    assert "the same command resumes from there" in CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")]).stderr

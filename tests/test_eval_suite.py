@@ -176,13 +176,51 @@ def test_every_shipped_metric_is_one_lm_eval_reports_and_a_wrong_one_is_refused_
 def test_a_blank_chat_template_is_none_to_the_evaluation(tmp_path):
     """transformers loads a blank chat_template.jinja as "", which renders every prompt as nothing: the evaluation's
     decision counts it as no template, as the calibration's records and validate do."""
-    from featcal_llm.evaluation.modelinfo import chat_template_text, decide_chat_template
+    from featcal_llm.evaluation.modelinfo import decide_chat_template
+    from featcal_llm.io.model_files import saved_chat_template
 
     (tmp_path / "config.json").write_text('{"_name_or_path": "x-Instruct"}')
     (tmp_path / "chat_template.jinja").write_text("  \n")
-    assert chat_template_text(tmp_path) is None
+    assert saved_chat_template(tmp_path) is None
     assert not decide_chat_template(tmp_path, "auto").applied
     with pytest.raises(FeatCalError, match="but the tokenizer has no chat template"):
         decide_chat_template(tmp_path, "on")
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert decide_chat_template(tmp_path, "auto").applied
+
+
+def test_a_function_metric_is_not_judged_from_its_unresolved_yaml():
+    """`metric: !function utils.pass_at_k` reads as a path when functions are left unresolved; lm-eval reports it under
+    the function's name, so nothing is judged from the YAML (validate had refused humaneval's correct metric)."""
+    from featcal_llm.evaluation.tasks import reported_metrics
+
+    assert reported_metrics({"metric_list": [{"metric": "/lm_eval/tasks/humaneval/utils.pass_at_k"}], "filter_list": [{"name": "create_test"}]}) is None
+    assert reported_metrics({"metric_list": [{"metric": "acc"}]}) == {"acc,none"}
+
+
+@pytest.mark.parametrize("name, refused", [("hf", True), ("auto", False)])
+def test_gpu_memory_utilization_is_refused_only_where_hf_is_named(name, refused):
+    """`auto` may be vLLM on the GPU box the recipe was written for; only an explicit hf ignores the setting."""
+    from featcal_llm.evaluation.backends import check_settings
+    from featcal_llm.evaluation.config import BackendSettings
+
+    settings = BackendSettings.model_validate({"name": name, "gpu_memory_utilization": 0.5})
+    if refused:
+        with pytest.raises(FeatCalError, match="backend.gpu_memory_utilization: only the vllm backend"):
+            check_settings("hf", settings)
+    else:
+        check_settings("hf", settings)  # auto, resolved to hf on this machine
+
+
+def test_one_reader_of_a_saved_chat_template_for_validate_and_the_evaluation(tmp_path):
+    """chat_template.json's blank key beside tokenizer_config.json's template: transformers takes the file, so there is
+    no template; validate had said there was (it read the file's text), the evaluation that there was none."""
+    from featcal_llm.evaluation.modelinfo import decide_chat_template
+    from featcal_llm.io.model_files import has_chat_template, saved_chat_template
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0].content }}"}')
+    assert has_chat_template(tmp_path) and saved_chat_template(tmp_path) == "{{ messages[0].content }}"
+    (tmp_path / "chat_template.json").write_text('{"chat_template": ""}')
+    assert not has_chat_template(tmp_path) and saved_chat_template(tmp_path) is None
+    assert not decide_chat_template(tmp_path, "auto").applied

@@ -159,3 +159,13 @@ def test_the_paper_s_rows_on_another_suite_are_refused():
     with pytest.raises(FeatCalError, match=r"--reference: the paper's rows are scored on suite mergebench, not mergebench-protocol"):
         reference_rows(["Llama-3.1-8B-Instruct"], load_suite("mergebench-protocol"))
     assert reference_rows([], load_suite("mergebench-protocol")) == []
+
+
+def test_a_summary_of_another_suite_is_named_by_its_file(tmp_path):
+    for folder, version in (("3b", SUITE.version), ("8b", "1")):
+        (tmp_path / folder).mkdir()
+        summary = _summary(tmp_path / folder, "merged", MERGED)
+        summary["suite"]["version"] = version
+        (tmp_path / folder / "merged.json").write_text(json.dumps(summary))
+    with pytest.raises(FeatCalError, match=rf"^{tmp_path / '8b' / 'merged.json'}: scored with suite mergebench v1, not mergebench v"):
+        build_leaderboard([tmp_path / "3b", tmp_path / "8b"], tmp_path / "board")

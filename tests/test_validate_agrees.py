@@ -136,7 +136,7 @@ def _supplied_merge_without_weights(r, t):
     supplied = t / "supplied"
     supplied.mkdir()
     for item in Path(r["base_model"]).iterdir():
-        if not item.name.endswith(".safetensors") and not item.name.endswith(".json.index") and item.is_file():
+        if not item.name.startswith("model.safetensors") and item.is_file():
             shutil.copy(item, supplied / item.name)
     (supplied / "model.safetensors.index.json").unlink(missing_ok=True)
     r["featcal"]["merged"] = str(supplied)
@@ -604,3 +604,15 @@ def test_validate_takes_run_s_output_and_device(scenario, tmp_path, monkeypatch,
     assert validated.exit_code == ran.exit_code == 2 and _errors(validated) == _errors(ran), (validated.output, ran.output)
     assert len(_errors(validated)) == 1 and fragment in _errors(validated)[0]
     assert not (tmp_path / "~").exists() and not (tmp_path / "out").exists()
+
+
+def test_transformers_generation_tag_is_a_chat_template_validate_accepts():
+    """`{% generation %}` (transformers' assistant-mask tag) parses in transformers' own environment, and in validate's."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from featcal_llm.io.recipe import chat_template_problem
+
+    template = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% endif %}{% endfor %}"
+    _compile_jinja_template(template)
+    assert chat_template_problem(template) is None
+    assert chat_template_problem(template.replace("{% endgeneration %}", "")).startswith("not a Jinja template")

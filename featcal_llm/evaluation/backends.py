@@ -93,7 +93,7 @@ def check_settings(name: str, settings: BackendSettings) -> None:
         refusal = hardware.cuda_refusal()
         if refusal is not None:
             raise FeatCalError(f"backend.device: {settings.device}, but {refusal}; use cpu")
-    if name == "hf" and "gpu_memory_utilization" in settings.model_fields_set:
+    if settings.name == "hf" and "gpu_memory_utilization" in settings.model_fields_set:  # `auto` may be vllm elsewhere
         raise FeatCalError("backend.gpu_memory_utilization: only the vllm backend sizes its memory by it")
     if name == "hf" and settings.tensor_parallel_size != 1:
         raise FeatCalError("backend.tensor_parallel_size: only the vllm backend shards a model")

@@ -18,11 +18,11 @@ from featcal_llm.evaluation.leaderboard import (
 )
 from featcal_llm.evaluation.modelinfo import (
     ChatDecision,
-    chat_template_text,
     check_model_dir,
     decide_chat_template,
 )
 from featcal_llm.evaluation.runner import evaluate_model, safe_label
+from featcal_llm.io.model_files import saved_chat_template
 from featcal_llm.evaluation.suite import load_suite
 
 
@@ -30,7 +30,7 @@ def _same_decision(decision: ChatDecision, model_dir: Path) -> ChatDecision:
     """The calibrated model is scored exactly like the merge it came from."""
     import hashlib
 
-    template = chat_template_text(model_dir)
+    template = saved_chat_template(model_dir)
     if decision.applied and template is None:
         raise FeatCalError(f"{model_dir}: the merged model is scored with its chat template, but this tokenizer has none")
     sha = hashlib.sha256(template.encode()).hexdigest() if template else None

@@ -73,7 +73,7 @@ def load_summaries(paths: list[Path]) -> list[dict]:
                 if wrong or not {"name", "version"} <= set(data["suite"]):
                     raise FeatCalError(f"{file}: an evaluation summary without {', '.join(wrong) or 'suite.name, suite.version'} "
                                        "(damaged, or written by another featcal-llm release; score the model again)")
-                data["_dir"] = str(file.parent)
+                data["_dir"], data["_file"] = str(file.parent), str(file)
                 summaries.append(data)
             elif path.is_file():
                 raise FeatCalError(f"{file}: not an evaluation summary written by `featcal_llm eval`")
@@ -99,7 +99,7 @@ def summary_rows(summaries: list[dict], suite: Suite) -> list[Row]:
     for summary in summaries:
         if (summary["suite"]["name"], summary["suite"]["version"]) != (suite.name, suite.version):
             raise FeatCalError(
-                f"{summary['label']}.json: scored with suite {summary['suite']['name']} v{summary['suite']['version']}, "
+                f"{summary.get('_file', summary['label'] + '.json')}: scored with suite {summary['suite']['name']} v{summary['suite']['version']}, "
                 f"not {suite.name} v{suite.version}; compare results of one suite version only"
             )
         scores = {task: summary["tasks"].get(task, {}).get("score") for task in suite.tasks}

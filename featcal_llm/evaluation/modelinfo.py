@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from featcal_llm.io.model_files import saved_chat_template
 from featcal_llm.errors import FeatCalError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -90,29 +91,6 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def chat_template_text(model_dir: Path) -> str | None:
-    """The tokenizer's chat template as transformers would find it, or None; a blank one is none (it renders every
-    conversation as nothing), as the calibration's records and validate judge it (io/model_files.renders_something)."""
-    from featcal_llm.io.model_files import renders_something
-
-    template = _found_template(model_dir)
-    return template if renders_something(template) else None
-
-
-def _found_template(model_dir: Path) -> str | None:
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        template = _read_json(model_dir / name).get("chat_template")
-        if isinstance(template, str):
-            return template
-        if isinstance(template, list) and template:  # named templates: the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            return named.get("default") or next(iter(named.values()))
-    return None
-
-
 def max_positions(model_dir: Path) -> int | None:
     config = _read_json(model_dir / "config.json")
     if not isinstance(config, dict):
@@ -149,7 +127,7 @@ class ChatDecision:
 def decide_chat_template(model_dir: Path, mode: str) -> ChatDecision:
     """auto: on for -Instruct/-chat/-it models (by name, hub name or merge base) that have a
     template; on/off: forced. Always recorded with the reason."""
-    template = chat_template_text(model_dir)
+    template = saved_chat_template(model_dir)
     sha = hashlib.sha256(template.encode()).hexdigest() if template else None
     if mode == "on":
         if template is None:

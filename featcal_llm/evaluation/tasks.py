@@ -87,8 +87,8 @@ def reported_metrics(config: dict[str, Any]) -> set[str] | None:
     """The `<metric>,<filter>` keys lm-eval reports for a task config: each metric of its metric_list under each of
     its filters (`none` without a filter_list); None where it lists no metrics (its output type's defaults apply)."""
     metrics = [entry.get("metric") for entry in config.get("metric_list") or [] if isinstance(entry, dict)]
-    if not all(isinstance(metric, str) for metric in metrics) or not metrics:
-        return None
+    if not metrics or not all(isinstance(metric, str) and "/" not in metric for metric in metrics):
+        return None  # a `!function` metric (read unresolved, a path) is reported under its function's name: not known here
     filters = [entry.get("name") for entry in config.get("filter_list") or [] if isinstance(entry, dict)] or ["none"]
     return {f"{metric},{name}" for metric in metrics for name in filters}
 

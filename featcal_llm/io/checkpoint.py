@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from featcal_llm.errors import FeatCalError
 
-from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, missing_weights
+from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, index_weight_map, missing_weights
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -37,7 +37,7 @@ class CheckpointReader:
             raise FeatCalError(f"{what}: {self.directory}: {problem}")
         index_path = self.directory / INDEX_FILE
         if index_path.is_file():
-            self.weight_map: dict[str, str] = dict(json.loads(index_path.read_text())["weight_map"])
+            self.weight_map: dict[str, str] = index_weight_map(self.directory)
         else:
             with safe_open(self.directory / SINGLE_FILE, framework="pt") as handle:
                 self.weight_map = {name: SINGLE_FILE for name in handle.keys()}

@@ -118,7 +118,10 @@ def file_not_found(path: Path, where: str) -> FeatCalError:
     """The one line for a calibration file that is not there, with the nearest file of its folder where one is close."""
     import difflib
 
-    siblings = sorted(item.name for item in path.parent.iterdir() if item.is_file()) if path.parent.is_dir() else []
+    try:
+        siblings = sorted(item.name for item in path.parent.iterdir() if item.is_file())
+    except OSError:  # no such folder, or one that cannot be listed
+        siblings = []
     close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
     hint = f"; did you mean {str(path.parent / close[0])!r}?" if close else ""
     return FeatCalError(f"{where}.path: {path}: calibration file not found{hint}")

@@ -7,12 +7,11 @@ adapter trained for another base in run's words, before anything is loaded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE
+from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, index_weight_map, missing_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -48,19 +47,17 @@ def tensor_shapes(path: Path, what: str) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_shapes(directory: Path, what: str) -> dict[str, tuple[int, ...]]:
-    """Name → shape of a whole checkpoint (an index and its shards, or one file), from the headers."""
-    index = directory / INDEX_FILE
-    if not index.is_file():
+    """Name → shape of the tensors a checkpoint's index names (or of its one file), from the shards' headers."""
+    problem = missing_weights(directory)  # CheckpointReader's refusal, in its words
+    if problem is not None:
+        raise FeatCalError(f"{what}: {directory}: {problem}")
+    if not (directory / INDEX_FILE).is_file():
         return tensor_shapes(directory / SINGLE_FILE, what)
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise FeatCalError(f"{what}: {index}: not a safetensors index (expected a 'weight_map' mapping)") from None
+    weight_map = index_weight_map(directory)
     shapes: dict[str, tuple[int, ...]] = {}
-    for shard in shards:
-        if not (directory / shard).is_file():
-            raise FeatCalError(f"{what}: {index}: points at missing shard file {shard}")
-        shapes.update(tensor_shapes(directory / shard, what))
+    for shard in sorted(set(weight_map.values())):
+        found = tensor_shapes(directory / shard, what)
+        shapes.update({name: found[name] for name, where in weight_map.items() if where == shard and name in found})
     return shapes
 
 

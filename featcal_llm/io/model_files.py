@@ -10,18 +10,26 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def index_weight_map(directory: Path) -> dict[str, str]:
+    """Tensor name → shard file of a sharded checkpoint's index (ValueError where it is none)."""
+    import json
+
+    try:
+        weight_map = json.loads((directory / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+        return {str(name): str(shard) for name, shard in dict(weight_map).items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise ValueError(f"{INDEX_FILE}: not a safetensors index (expected a 'weight_map' mapping)") from None
+
+
 def missing_weights(directory: Path) -> str | None:
     """Why `directory` holds no safetensors weights featcal-llm can read (None: an index whose shards are all there, or
     a single file), from the listing and the index alone."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        import json
-
+    if (directory / INDEX_FILE).is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            return f"{INDEX_FILE}: not a safetensors index (expected a 'weight_map' mapping)"
-        missing = [shard for shard in shards if not (directory / str(shard)).is_file()]
+            shards = sorted(set(index_weight_map(directory).values()))
+        except ValueError as error:
+            return str(error)
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
         return f"{INDEX_FILE}: points at missing shard file {missing[0]}" if missing else None
     if (directory / SINGLE_FILE).is_file():
         return None
@@ -67,19 +75,30 @@ def renders_something(template: Any) -> bool:
     return any(isinstance(text, str) and text.strip() for text in templates)
 
 
-def has_chat_template(directory: Path) -> bool:
-    """Whether the tokenizer saved in `directory` carries a chat template (its own file, or the tokenizer config's key),
-    as carries_chat_template judges the loaded tokenizer: a blank file is none."""
+def saved_chat_template(directory: Path) -> str | None:
+    """The chat template of the tokenizer saved in `directory`, as transformers loads it (chat_template.jinja, else
+    chat_template.json's key, else tokenizer_config.json's; of named templates, the default), or None: a blank one is
+    none, as carries_chat_template judges the loaded tokenizer. One reader for validate, the run and the evaluation."""
     import json
 
-    for name in ("chat_template.jinja", "chat_template.json"):
-        if (directory / name).is_file():  # transformers takes the file over the config's key
-            try:
-                return bool((directory / name).read_text(encoding="utf-8").strip())
-            except (OSError, UnicodeDecodeError):
-                return True  # not ours to judge: the tokenizer's loader reports it
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and renders_something(config.get("chat_template"))
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8", errors="replace")
+        return template if renders_something(template) else None
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            value = json.loads((directory / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+            continue
+        if isinstance(value, list) and value:  # tokenizer_config.json's older form: [{"name": ..., "template": ...}]
+            named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+            value = named.get("default") or next(iter(named.values()), None)
+        elif isinstance(value, dict) and value:
+            value = value.get("default") or next(iter(value.values()), None)
+        if isinstance(value, str):  # the first file that holds one decides, blank or not
+            return value if renders_something(value) else None
+    return None
+
+
+def has_chat_template(directory: Path) -> bool:
+    return saved_chat_template(directory) is not None

@@ -209,11 +209,18 @@ def chat_template_problem(template: str | None) -> str | None:
     if len(template) < 20 or "{" not in template:
         return f"{template}: mergekit takes auto, a template it ships ({', '.join(names)}) or a Jinja template"
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Generation(Extension):  # transformers' `{% generation %}…{% endgeneration %}` (its AssistantTracker), parsed alike
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]).parse(template)
     except jinja2.TemplateSyntaxError as error:
         return f"not a Jinja template transformers can render (line {error.lineno}: {error.message})"
     return None

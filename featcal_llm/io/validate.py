@@ -297,7 +297,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             report.unchecked.append(f"{tokenizer} (tokenizer)")
     # the tokenizer the merge (and so the output, which `eval:` scores) carries: the merge's own, else the base's it copies
     report.scored_tokenizer = Path(merged) if merged and Path(merged).is_dir() else \
-        base_source.directory if base_source is not None and not merge_makes_tokenizer(merge_config) else None
+        base_source.tokenizer_directory if base_source is not None and not merge_makes_tokenizer(merge_config) else None
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
     calibrating = Path(tokenizer) if tokenizer else None if base_source is None or merge_makes_tokenizer(merge_config) else \
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
