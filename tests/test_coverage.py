@@ -179,3 +179,29 @@ def test_a_non_finite_nll_is_one_line_naming_the_model_not_a_silent_weight(tmp_p
     with pytest.raises(RunFailure, match=r"expert_weights: coverage: .*NLL on expert .* is not finite") as error:
         run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage"), progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_an_expert_no_better_than_the_base_on_its_own_records_is_named(tmp_path, capsys):
+    """The coverage pass has each expert's NLL on its own records beside the base's: an expert that does not beat the base
+    there has not learnt its kind of text (a user's trailing experts were worse than the base too), and the run says so."""
+    from transformers import AutoModelForCausalLM
+
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 24))
+    spoilt = scenario.experts["expert1"]
+    model = AutoModelForCausalLM.from_pretrained(spoilt, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    for old in spoilt.glob("model*.safetensors*"):  # its shards and index, written again below
+        old.unlink()
+    model.save_pretrained(spoilt)
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                   expert_weights="coverage")
+    run_recipe(recipe, progress=False)
+    _, base, experts, sequences = reference_models(scenario)
+    with torch.no_grad():
+        behind = {path for path, expert in experts.items() if full_model_nll(expert, sequences[path]) >= full_model_nll(base, sequences[path])}
+    warned = {line.split("featcal.data.")[1].split(":")[0] for line in capsys.readouterr().err.splitlines()
+              if "predicts its own records no better than the base model does" in line}
+    assert str(spoilt) in behind and warned == behind, (warned, behind)

@@ -20,9 +20,9 @@ from featcal_llm.engine.drift import Head, spaced_sample
 from featcal_llm.engine.scoring import final_hidden, scored_positions, token_log_probs
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.transfer import on_device
-from featcal_llm.errors import RunFailure
+from featcal_llm.errors import RunFailure, warn
 from featcal_llm.io.names import short_names
-from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, coverage_shares, coverage_weights
+from featcal_llm.maths.coverage import COVERAGE_RECORDS, Losses, behind_the_base, coverage_shares, coverage_weights
 
 if TYPE_CHECKING:
     from featcal_llm.engine.context import RunContext
@@ -96,8 +96,12 @@ def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[in
     losses, base = model_losses(ctx, ctx.comm.shard(coverage_sample(sequences)), num_layers, featcal.batch_tokens)
     covered = coverage_weights(losses, base)
     weights = {name: given.get(name, covered[name]) for name in featcal.data}
-    runlog.stage(describe(weights, losses, base, short_names(list(featcal.data)), time.perf_counter() - started,
-                          set(given)))
+    names = short_names(list(featcal.data))
+    runlog.stage(describe(weights, losses, base, names, time.perf_counter() - started, set(given)))
+    for name, (own, base_nll) in behind_the_base(losses, base).items():
+        warn(f"featcal.data.{name}: expert {names[name]} predicts its own records no better than the base model does "
+             f"({own:.3f} against {base_nll:.3f} nats a token, on {COVERAGE_RECORDS} of them): it has not learnt this kind "
+             "of text; check that the data is what it was fine-tuned on, and the expert itself")
     return weights, {**losses, BASE: base}
 
 

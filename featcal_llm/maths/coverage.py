@@ -38,6 +38,12 @@ def coverage_shares(losses: Losses, base: dict[str, float]) -> Losses:
     return shares
 
 
+def behind_the_base(losses: Losses, base: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """The experts that predict their own records no better than the base does (expert → (its NLL, the base's)): they
+    did not learn their kind of text, so calibrating toward them cannot help, whatever the merge does."""
+    return {j: (losses[j][j], base[j]) for j in losses if j in losses[j] and j in base and losses[j][j] >= base[j]}
+
+
 def coverage_weights(losses: Losses, base: dict[str, float]) -> dict[str, float]:
     """weight_i = Σ_j s_ij: 1 for an expert that only does its own work, up to the number of experts."""
     return {i: sum(row.values()) for i, row in coverage_shares(losses, base).items()}
