@@ -563,3 +563,21 @@ def test_a_missing_calibration_file_in_a_folder_that_cannot_be_listed_is_one_lin
     monkeypatch.setattr(Path, "iterdir", refuse)
     error = file_not_found(tmp_path / "cal.jsonl", "r.yaml: featcal.data.e")
     assert str(error) == f"r.yaml: featcal.data.e.path: {tmp_path / 'cal.jsonl'}: calibration file not found"
+
+
+def test_the_evaluation_s_hub_datasets_are_noted_offline_and_looked_up_online(scenario, tmp_path, no_weights, monkeypatch):
+    """The data an `eval:` task downloads after the calibration is a hub id like the calibration's: named among those not
+    looked up, looked up with --online (not for a task given local data)."""
+    pytest.importorskip("lm_eval")
+    import featcal_llm.io.validate as validate
+
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {
+        "tasks": ["arc_challenge", "gsm8k"], "backend": {"name": "hf"}, "data": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}}))
+    result = featcal_llm.validate(recipe)
+    assert result.ok and any("allenai/ai2_arc (dataset, eval task arc_challenge)" in note for note in result.notes), result.notes
+    assert not any("gsm8k (dataset" in note for note in result.notes)
+    looked = []
+    monkeypatch.setattr(validate, "hub_lookup", lambda kind, repo, revision, where, offline: looked.append((kind, repo, where)))
+    monkeypatch.setattr(validate, "hub_config", lambda model_path, online: None)
+    assert featcal_llm.validate(recipe, online=True).ok
+    assert ("dataset", "allenai/ai2_arc", "featcal.eval.tasks.arc_challenge") in looked and not any("gsm8k" in repo for _, repo, _ in looked)

@@ -103,7 +103,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if (output or setting("output")) and not any(problem.key == output_key for problem in problems):  # one line for it
         check_output(path, Path(output or setting("output")), problems, report.notes, output_key)
     if featcal is not None and featcal.eval is not None:
-        _check_eval(path, featcal.eval, report)
+        _check_eval(path, featcal.eval, report, online)
     if featcal is not None:
         _check_device(path, device, featcal, report)
     if report.offline:
@@ -390,7 +390,7 @@ def _check_device(path: Path, override: str | None, featcal: Any, report: Report
                 report.problems.append(Problem(str(path), f"featcal.data.{name}.generate.backend", refusal))
 
 
-def _check_eval(path: Path, section: Any, report: Report) -> None:
+def _check_eval(path: Path, section: Any, report: Report, online: bool = False) -> None:
     """Files the eval: block names exist (beside the recipe, or from the current directory)."""
     places = lambda value: [(where / value).expanduser() for where in (path.parent, Path.cwd())]  # noqa: E731
     found = lambda value: any(place.exists() for place in places(value))  # noqa: E731
@@ -410,10 +410,10 @@ def _check_eval(path: Path, section: Any, report: Report) -> None:
     if section.nltk_data and not is_dir(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
-        _check_eval_settings(path, section.resolve(path.parent), report)
+        _check_eval_settings(path, section.resolve(path.parent), report, online)
 
 
-def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str], report: Report) -> None:
+def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str], report: Report, online: bool) -> None:
     """What the evaluation's worker refuses of each task before it generates, read from lm-eval's YAMLs (without
     importing any task's code): the task exists in this lm-eval, its metric is one lm-eval reports, IFEval's NLTK data."""
     import importlib.util
@@ -428,13 +428,20 @@ def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str],
         if config is None:
             continue
         collect(report.problems, path, lambda task_id=task_id, config=config: check_metric(suite, task_id, config))
+        dataset = config.get("dataset_path")
+        if task_id not in section.data and isinstance(dataset, str) and looks_like_hub_id(dataset) and not Path(dataset).exists():
+            if online:  # the data the evaluation downloads after the calibration: there, and not gated for this login
+                collect(report.problems, path, lambda dataset=dataset, task_id=task_id: hub_lookup(
+                    "dataset", dataset, None, f"featcal.eval.tasks.{task_id}", report.offline))
+            else:
+                report.unchecked.append(f"{dataset} (dataset, eval task {task_id})")
         if str(config.get("task", "")).startswith("ifeval"):
             refusal = punkt_refusal(task_id, section.data.get(task_id), section.nltk_data)
             if refusal is not None:
                 report.problems.append(Problem(str(path), f"featcal.eval.tasks.{task_id}", refusal))
 
 
-def _check_eval_settings(path: Path, section: Any, report: Report) -> None:
+def _check_eval_settings(path: Path, section: Any, report: Report, online: bool = False) -> None:
     """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
     from featcal_llm.evaluation.backends import check_settings, planned_backend_name
     from featcal_llm.evaluation.leaderboard import reference_rows
@@ -442,7 +449,7 @@ def _check_eval_settings(path: Path, section: Any, report: Report) -> None:
 
     checked = collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
     if checked is not None:
-        _check_eval_tasks(path, section, *checked, report)
+        _check_eval_tasks(path, section, *checked, report, online)
     if section.chat_template == "on" and report.scored_tokenizer is not None and not has_chat_template(report.scored_tokenizer):
         report.problems.append(Problem(str(path), "featcal.eval.chat_template", f"on, but the merged model's tokenizer "
                                                                                f"({report.scored_tokenizer}) has no chat template"))
