@@ -166,7 +166,7 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert "## Refinement" in (refined / "README.md").read_text() and "warm-up then cosine, in float32 throughout)" in (refined / "README.md").read_text()
     assert "The drift report (`featcal_drift.json`) measures the closed form's output, before this refinement." in (refined / "README.md").read_text()
     # the records the checks read, counted as the independent split counts them, left out of both stages' fits
-    assert report["held_out_records"] == {task: len(rows) for task, rows in records.items()} and all(report["held_out_records"].values())
+    assert report["held_out_records"] == {Path(task).name: len(rows) for task, rows in records.items()} and all(report["held_out_records"].values())
     card = " ".join((refined / "README.md").read_text().split())
     assert "were held out of the closed form's statistics too (`tune.holdout`): both stages fitted the rest." in card
     assert json.loads((refined / "featcal_drift.json").read_text())["measured_on"].startswith("the closed form's output, before refine:")

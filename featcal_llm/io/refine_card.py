@@ -50,6 +50,7 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
     refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
                "records_left_out": rename(refined.get("records_left_out", {})),
+               "held_out_records": rename(refined.get("held_out_records", {})),
                "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
                "history": [{**check, "per_expert": rename(check["per_expert"]),
                             "above_closed_form": [names.get(key, key) for key in check.get("above_closed_form", [])]}
