@@ -147,7 +147,13 @@ def _alpaca_with_a_number_for_input(r, t):
     r["featcal"]["data"][_expert(r, 0)]["format"] = "alpaca"
 
 
+def _start_token_not_in_the_vocabulary(r, _t):
+    r["featcal"]["data"][_expert(r, 1)] = {"generate": {"start": "<nope>", "samples": 2}}
+
+
 CASES = {
+    "a generation start that is no token": (_start_token_not_in_the_vocabulary, [
+        ["featcal.data.", ".generate.start: '<nope>' is not a token of the expert's vocabulary"]]),
     "a tokenizer source that is not there": (lambda r, t: r.update(tokenizer_source=str(t / "nowhere")), [
         ["bad.yaml: tokenizer_source: ", "nowhere: model directory does not exist (tokenizer_source: base, union, or a model)"]]),
     "an alpaca input that is a number": (_alpaca_with_a_number_for_input, [
@@ -616,3 +622,15 @@ def test_transformers_generation_tag_is_a_chat_template_validate_accepts():
     _compile_jinja_template(template)
     assert chat_template_problem(template) is None
     assert chat_template_problem(template.replace("{% endgeneration %}", "")).startswith("not a Jinja template")
+
+
+def test_the_vocabulary_is_read_as_the_tokenizer_reads_it(scenario):
+    """vocabulary_has against the loaded tokenizer's own lookup, for every token and an added one."""
+    from transformers import AutoTokenizer
+
+    from featcal_llm.io.model_files import vocabulary_has
+
+    tokenizer = AutoTokenizer.from_pretrained(scenario.base)
+    for token in [*tokenizer.get_vocab(), tokenizer.eos_token, "<nope>", "zz"]:
+        known = tokenizer.convert_tokens_to_ids(token) not in (None, tokenizer.unk_token_id) or token == tokenizer.unk_token
+        assert vocabulary_has(Path(scenario.base), token) is known, token

@@ -75,6 +75,24 @@ def renders_something(template: Any) -> bool:
     return any(isinstance(text, str) and text.strip() for text in templates)
 
 
+def vocabulary_has(directory: Path, token: str) -> bool | None:
+    """Whether `token` is a token of the tokenizer saved in `directory` (tokenizer.json's vocabulary or its added
+    tokens), as `convert_tokens_to_ids` finds it; None where no tokenizer.json says (a SentencePiece model file)."""
+    import json
+
+    try:
+        saved = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        vocabulary = saved["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    added = {entry.get("content") for entry in saved.get("added_tokens") or [] if isinstance(entry, dict)}
+    if isinstance(vocabulary, dict):
+        return token in vocabulary or token in added
+    if isinstance(vocabulary, list):  # Unigram: [[piece, score], ...]
+        return token in added or any(isinstance(entry, list) and entry and entry[0] == token for entry in vocabulary)
+    return None
+
+
 def saved_chat_template(directory: Path) -> str | None:
     """The chat template of the tokenizer saved in `directory`, as transformers loads it (chat_template.jinja, else
     chat_template.json's key, else tokenizer_config.json's; of named templates, the default), or None: a blank one is

@@ -22,7 +22,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
-                                        has_chat_template, has_tokenizer_files, missing_weights)
+                                        has_chat_template, has_tokenizer_files, missing_weights, vocabulary_has)
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -314,6 +314,8 @@ def _writer_problems(path: Path, name: str, generate: Any, tokenizer_directory: 
     """What generation refuses of an expert that writes its own samples, from its tokenizer's files."""
     if not has_tokenizer_files(tokenizer_directory):
         return [Problem(str(path), f"featcal.data.{name}.generate", generating_expert_without_tokenizer(tokenizer_directory, name))]
+    if generate.start is not None and vocabulary_has(tokenizer_directory, generate.start) is False:  # prompts.start_token's
+        return [Problem(str(path), f"featcal.data.{name}.generate.start", f"{generate.start!r} is not a token of the expert's vocabulary")]
     if generate.chat_template in ("on", "empty") and not has_chat_template(tokenizer_directory):  # generation/prompts.py's refusal
         return [Problem(str(path), f"featcal.data.{name}.generate.chat_template",
                         f"{generate.chat_template}, but the expert's tokenizer has no chat template")]
