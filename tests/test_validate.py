@@ -581,3 +581,14 @@ def test_the_evaluation_s_hub_datasets_are_noted_offline_and_looked_up_online(sc
     monkeypatch.setattr(validate, "hub_config", lambda model_path, online: None)
     assert featcal_llm.validate(recipe, online=True).ok
     assert ("dataset", "allenai/ai2_arc", "featcal.eval.tasks.arc_challenge") in looked and not any("gsm8k" in repo for _, repo, _ in looked)
+
+
+def test_a_refine_batch_larger_than_every_record_is_noted_before_the_run(scenario, tmp_path, no_weights):
+    """run warns only once the closed form is done; validate says it first (a note: the run is valid, only wasteful)."""
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].update(refine={"batch_records": 4096}))
+    result = featcal_llm.validate(recipe)
+    at_most = sum(min(16, sum(1 for _ in open(path))) for path in scenario.data.values())
+    assert result.ok and any(f"featcal.refine.batch_records: 4096 is more than the at most {at_most} records" in note
+                             for note in result.notes), result.notes
+    assert not any("batch_records" in note for note in featcal_llm.validate(_write(
+        scenario, tmp_path, lambda r, _t: r["featcal"].update(refine={"batch_records": 2}))).notes)
