@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 pytest.importorskip("lm_eval")
@@ -156,3 +157,25 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path, monkeypa
         "as the merged model")
     [result] = [json.loads(path.read_text()) for path in (here / "eval" / "cache").glob("*/result.json")]
     assert result["chat_template"]["fewshot_as_multiturn"] is False  # no chat template applied: no chat turns either
+
+
+@pytest.mark.slow
+def test_a_metric_lm_eval_does_not_report_fails_before_the_model_loads(tmp_path):
+    """The worker checks the suite's metric against the task's metrics and filters before any model loads (it had been
+    found missing in the results, after the task's whole generation)."""
+    from featcal_llm.evaluation.suite import resolve_suite_path
+
+    shipped = resolve_suite_path("mergebench")
+    shutil.copytree(shipped.parent, tmp_path / "suites")
+    suite = yaml.safe_load(shipped.read_text())
+    suite["tasks"]["gsm8k"]["metric"] = "exact_match,flexible_extract"
+    (tmp_path / "suites" / "bad.yaml").write_text(yaml.safe_dump(suite, sort_keys=False))
+    model = _tiny(tmp_path / "m", seed=0)
+    result = CliRunner().invoke(main, ["eval", str(model), "--suite", str(tmp_path / "suites" / "bad.yaml"), "--backend", "hf",
+                                       "--tasks", "gsm8k", "--output", str(tmp_path / "out"),
+                                       "--data", f"gsm8k={FIXTURES / 'gsm8k.jsonl'}"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].endswith(
+        "tasks.gsm8k.metric: 'exact_match,flexible_extract' is not a result lm-eval reports for gsm8k_cot_llama (it reports "
+        "exact_match,flexible-extract, exact_match,strict-match)")
+    assert "loading" not in result.output and "Running generate_until" not in result.output
