@@ -155,8 +155,9 @@ def _interrupted(recipe: Path, output: Path | None) -> str:
             output = Path(yaml.safe_load(recipe.read_text(encoding="utf-8"))["featcal"]["output"])
         except Exception:  # noqa: BLE001 (a recipe that cannot say: the general line)
             output = None
-    progress = output.with_name(f".{output.name}.featcal-partial") if output is not None else None
-    if output is not None and (output / "featcal_recipe.yml").is_file() and not progress.exists():
+    from featcal_llm.io.output_dir import partial_dir
+
+    if output is not None and (output / "featcal_recipe.yml").is_file() and not partial_dir(output).exists():
         return (f"featcal-llm: interrupted; {output} was written whole before the stop: score it with `featcal-llm eval`, "
                 "or rerun with --force to make it again")
     return ("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, refinement "

@@ -56,7 +56,7 @@ def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], P
                      merged_label=f"{featcal.merged} + {featcal.method[0]}", card_text=recipe.text)
     output = run_stage(second, force)
     if is_main:  # only now: a failure before this keeps both for the rerun
-        from featcal_llm.stages.prepare import partial_dir
+        from featcal_llm.io.output_dir import partial_dir
 
         shutil.rmtree(intermediate, ignore_errors=True)
         remove_staging(partial_dir(intermediate))

@@ -20,8 +20,19 @@ def unwritable(output: Path) -> str | None:
 
 # hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out (folders),
 # and the lock the run holds (a file: io/output_lock.py)
-SIBLINGS = {"featcal-partial": "its progress", "featcal-old": "an old output while --force replaces it"}
+PARTIAL_SUFFIX = "featcal-partial"
+SIBLINGS = {PARTIAL_SUFFIX: "its progress", "featcal-old": "an old output while --force replaces it"}
 LOCK_SUFFIX = "featcal-lock"
+
+
+def hidden_sibling(output: Path, suffix: str) -> Path:
+    """`.NAME.suffix` beside the output NAME: where a run keeps what belongs to that output."""
+    return output.with_name(f".{output.name}.{suffix}")
+
+
+def partial_dir(output: Path) -> Path:
+    """Where a run keeps its progress: a hidden sibling of the output."""
+    return hidden_sibling(output, PARTIAL_SUFFIX)
 
 
 def not_an_output(output: Path) -> str | None:
@@ -35,10 +46,10 @@ def not_an_output(output: Path) -> str | None:
     if output.is_symlink() and not output.exists():
         return f"{output} is a link to {os.readlink(output)}, which does not exist; name a folder"
     for suffix, what in SIBLINGS.items():
-        sibling = output.with_name(f".{output.name}.{suffix}")
+        sibling = hidden_sibling(output, suffix)
         if (sibling.exists() or sibling.is_symlink()) and (sibling.is_symlink() or not sibling.is_dir()):
             return f"{sibling} is where featcal-llm keeps {what}, but it is not a folder; remove it"
-    lock = output.with_name(f".{output.name}.{LOCK_SUFFIX}")
+    lock = hidden_sibling(output, LOCK_SUFFIX)
     if lock.is_symlink() or (lock.exists() and not lock.is_file()):
         return f"{lock} is the lock file a run holds while it writes {output.name}, but it is not a file; remove it"
     if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / "featcal_recipe.yml").is_file())):

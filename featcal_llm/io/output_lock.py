@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.output_dir import LOCK_SUFFIX
+from featcal_llm.io.output_dir import LOCK_SUFFIX, hidden_sibling
 
 
 def lock_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.{LOCK_SUFFIX}")
+    return hidden_sibling(output, LOCK_SUFFIX)
 
 
 class OutputLock:

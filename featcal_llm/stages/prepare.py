@@ -35,7 +35,7 @@ from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory
-from featcal_llm.io.output_dir import not_an_output, unwritable
+from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
@@ -329,11 +329,6 @@ def resolved_settings(featcal) -> dict[str, Any]:
                     tune=featcal.tune_settings().model_dump(mode="json"),
                     holds_out=featcal.holds_out, refine=featcal.refine is not None)
     return settings
-
-
-def partial_dir(output: Path) -> Path:
-    """Where a run keeps its progress: a hidden sibling of the output."""
-    return output.with_name(f".{output.name}.featcal-partial")
 
 
 def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, timer) -> RunContext:
