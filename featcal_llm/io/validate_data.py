@@ -118,12 +118,14 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     if suffix == ".csv":
         try:
             with open(path, newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel's "CSV UTF-8"), as datasets skips it
-                header = next(csv.reader(handle), None)
+                reader = csv.reader(handle)
+                header = next(reader, None)
+                rows = csv_rows(reader, header) if header else []
         except UnicodeDecodeError as error:
             raise FeatCalError(f"{where}: {not_utf8(error)}") from None
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
-        return header, csv_rows(path, header), False
+        return header, rows, False
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet
@@ -174,17 +176,14 @@ CSV_MISSING = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-n
                "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 
 
-def csv_rows(path: Path, header: list[str]) -> list[dict]:
-    """The first rows of a CSV file as datasets hands them to the run, as far as their text goes: a missing cell is null."""
+def csv_rows(reader: Any, header: list[str]) -> list[dict]:
+    """The first rows after the header as datasets hands them to the run, as far as their text goes: a missing cell
+    is null."""
     rows = []
-    with open(path, newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        next(reader, None)
-        for number, cells in enumerate(reader):
-            if number >= FIELD_SCAN_LINES:
-                break
-            if not cells:
-                continue  # a blank line is no row to pandas
+    for number, cells in enumerate(reader):
+        if number >= FIELD_SCAN_LINES:
+            break
+        if cells:  # a blank line is no row to pandas
             rows.append({name: (None if cell in CSV_MISSING else cell) for name, cell in zip(header, cells)})
     return rows
 
