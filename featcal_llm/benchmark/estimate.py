@@ -102,8 +102,6 @@ def _smallest(value: Any) -> float | None:
     return min(per_layer) if per_layer else None
 
 
-
-
 def head_may_untie(config: dict, featcal: Any) -> bool:
     """Whether the closed form may write a head of its own for a config that ties it (`head: auto` or true; not for
     RegMean, nor for a family vLLM serves only tied): the refinement's student then trains an untied head, which the
