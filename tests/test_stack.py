@@ -199,3 +199,24 @@ def test_the_stack_regmean_stage_weighs_experts_and_tokens_alike(merged_scenario
     regmean, featcal = seen
     assert set(regmean["weights"].values()) <= {1.0} and regmean["token_roots"] is None
     assert featcal["token_roots"] is not None and len(set(featcal["weights"].values())) > 1
+
+
+def test_a_stack_whose_featcal_stage_keeps_its_input_is_not_called_the_merge_unchanged(merged_scenario, tmp_path, monkeypatch):
+    """Stage 2 may find every expert behind its input (RegMean++'s output) and write that input unchanged; the stack's
+    output is still RegMean++'s weights, not the merge's, and its last line says it was calibrated."""
+    from click.testing import CliRunner
+
+    import featcal_llm.pipeline as pipeline
+    from featcal_llm.cli import main
+
+    calls, original = [], pipeline.every_expert_taught_by_the_merge
+    monkeypatch.setattr(pipeline, "every_expert_taught_by_the_merge",
+                        lambda *args: calls.append(1) or (len(calls) == 2 or original(*args)))  # stage 2 trails
+    path = recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                  reduction=0.5, **FEATCAL)
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert result.exit_code == 0 and len(calls) == 2, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"calibrated checkpoint written to {tmp_path / 'stack'}") and "unchanged" not in last, last
+    ours, merged = read_weights(tmp_path / "stack"), read_weights(merged_scenario.root / "merged")
+    assert any(not torch.equal(ours[name], merged[name]) for name in ours)  # RegMean++ changed the merge
