@@ -192,3 +192,46 @@ def test_vllm_backend_plumbing_through_a_real_eval_run(tmp_path, monkeypatch, ti
     summary = json.loads((tmp_path / "out" / "tiny-Instruct.json").read_text())
     assert summary["backend"]["name"] == "vllm"
     assert summary["tasks"]["arc_challenge"]["value"] == pytest.approx(1 / 3)  # " B" is right for item 1 only
+
+
+def _fake_vllm(root: Path, engine_fields: list[str]) -> None:
+    """A vllm package laid out as vLLM's: LLM's own keywords, then **kwargs for the EngineArgs dataclass."""
+    (root / "vllm" / "entrypoints").mkdir(parents=True)
+    (root / "vllm" / "engine").mkdir()
+    (root / "vllm" / "__init__.py").write_text("raise ImportError('vllm is read, never imported, for its arguments')\n")
+    (root / "vllm" / "entrypoints" / "llm.py").write_text(
+        "class LLM:\n    def __init__(self, model, *, enforce_eager=False, swap_space=4, **kwargs):\n"
+        "        self.worker = kwargs.get('worker_cls')\n")
+    fields = "".join(f"    {name}: int = 0\n" for name in engine_fields)
+    (root / "vllm" / "engine" / "arg_utils.py").write_text(f"import dataclasses\n\n@dataclasses.dataclass\nclass EngineArgs:\n{fields}")
+
+
+def test_vllm_engine_args_are_checked_against_the_installed_sources(tmp_path, monkeypatch):
+    """A misspelt key fails when vLLM builds its engine, after the calibration: check_settings (validate's and the
+    run's check before any model loads) refuses it from lm-eval's, LLM's and EngineArgs' sources, never importing vllm."""
+    from featcal_llm.evaluation import vllm_arguments
+
+    _fake_vllm(tmp_path, ["model", "max_num_seqs", "kv_cache_dtype"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_arguments.vllm_argument_names.cache_clear()
+    try:
+        for key in ("enforce_eager", "max_num_seqs", "kv_cache_dtype", "worker_cls", "max_gen_toks", "swap_space"):
+            backends.check_settings("vllm", BackendSettings(engine_args={key: 1}))  # LLM's, EngineArgs', lm-eval's own
+        with pytest.raises(FeatCalError, match=r"^backend\.engine_args\.max_num_seq: not an argument of lm-eval's vllm "
+                                               r"model, vllm\.LLM or vllm's EngineArgs \(did you mean max_num_seqs\?\)$"):
+            plan_backend("vllm", BackendSettings(engine_args={"max_num_seq": 64}), Path("/m"), 4096, None)
+        backends.check_settings("hf", BackendSettings(engine_args={"max_num_seq": 64}))  # hf passes model kwargs on
+        (tmp_path / "vllm" / "engine" / "arg_utils.py").write_text("class Other:\n    pass\n")  # another layout: no check
+        vllm_arguments.vllm_argument_names.cache_clear()
+        backends.check_settings("vllm", BackendSettings(engine_args={"max_num_seq": 64}))
+    finally:
+        vllm_arguments.vllm_argument_names.cache_clear()
+
+
+def test_engine_args_may_not_set_the_batch_size_or_vllms_max_length():
+    """lm-eval passes batch_size beside model_args (a repeated keyword), and refuses max_length with max_model_len."""
+    for name in ("vllm", "hf"):
+        with pytest.raises(FeatCalError, match="backend.engine_args.batch_size: set by its own option"):
+            backends.check_settings(name, BackendSettings(engine_args={"batch_size": 8}))
+    with pytest.raises(FeatCalError, match="backend.engine_args.max_length: set by its own option"):
+        backends.check_settings("vllm", BackendSettings(engine_args={"max_length": 8}))

@@ -78,9 +78,10 @@ class BackendPlan:
 
 
 # lm-eval model_args each backend sets from an option of its own: engine_args may not repeat them
+# (lm-eval's vllm model takes max_length as max_model_len; batch_size reaches lm-eval beside model_args)
 OWN_ARGS = {"vllm": ("pretrained", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "seed",
-                     "data_parallel_size", "chat_template_args"),
-            "hf": ("pretrained", "dtype", "device", "max_length", "chat_template_args")}
+                     "data_parallel_size", "chat_template_args", "max_length", "batch_size"),
+            "hf": ("pretrained", "dtype", "device", "max_length", "chat_template_args", "batch_size")}
 
 
 def check_settings(name: str, settings: BackendSettings) -> None:
@@ -102,6 +103,10 @@ def check_settings(name: str, settings: BackendSettings) -> None:
     clash = sorted(set(settings.engine_args) & set(OWN_ARGS[name]))
     if clash:
         raise FeatCalError(f"backend.engine_args.{clash[0]}: set by its own option, not through engine_args")
+    if name == "vllm":
+        from featcal_llm.evaluation.vllm_arguments import check_vllm_engine_args
+
+        check_vllm_engine_args(settings.engine_args, "backend.engine_args")
 
 
 def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,

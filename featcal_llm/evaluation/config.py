@@ -40,7 +40,7 @@ class BackendSettings(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more lm-eval model_args, passed through to vllm.LLM (e.g. enforce_eager, "
-        "max_num_seqs, swap_space) or to the hf model; may not repeat a key set above",
+        "max_num_seqs) or to the hf model; may not repeat a key set above, and vllm refuses one it does not take",
     )
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: share of GPU memory it may take")
     max_model_len: PositiveInt | None = Field(

@@ -1,0 +1,79 @@
+"""The keyword arguments lm-eval's vllm model accepts, read from the installed sources with `ast`.
+
+lm-eval hands every `engine_args` key it does not take itself to `vllm.LLM`, which hands the rest to `EngineArgs`: a
+misspelt key fails only when vLLM builds the engine, after the calibration. Importing vLLM to ask costs seconds and a
+CUDA probe, so the names are read from the three source files instead; where one is missing or its layout is not the
+expected one, nothing is checked (the engine still refuses the key when it starts).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from functools import lru_cache
+import importlib.util
+from pathlib import Path
+
+from featcal_llm.errors import FeatCalError
+
+# (module, class, what the names are: a constructor's parameters, or a dataclass's fields)
+SOURCES = (("lm_eval.models.vllm_causallms", "VLLM", "parameters"), ("vllm.entrypoints.llm", "LLM", "parameters"),
+           ("vllm.engine.arg_utils", "EngineArgs", "fields"))
+
+
+def _source_file(module: str) -> Path | None:
+    """The module's file, found without importing its package (find_spec of a submodule imports the parents)."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), *rest[:-1], f"{rest[-1]}.py")
+    return path if path.is_file() else None
+
+
+def _class_names(path: Path, name: str, kind: str) -> set[str] | None:
+    """The class's constructor parameters, plus the keys its constructor pops from **kwargs; or its annotated fields."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name), None)
+    if found is None:
+        return None
+    if kind == "fields":
+        names = {item.target.id for item in found.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+        return names or None
+    init = next((item for item in found.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"), None)
+    if init is None:
+        return None
+    arguments = init.args
+    names = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs] if a.arg != "self"}
+    rest = arguments.kwarg.arg if arguments.kwarg else None  # `kwargs`: the keys read from it are taken too
+    popped = {call.args[0].value for call in ast.walk(init) if isinstance(call, ast.Call)
+              and isinstance(call.func, ast.Attribute) and call.func.attr in ("pop", "get")
+              and isinstance(call.func.value, ast.Name) and call.func.value.id == rest
+              and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)}
+    return names | popped
+
+
+@lru_cache(maxsize=1)
+def vllm_argument_names() -> frozenset[str] | None:
+    """Every key lm-eval's vllm model, `vllm.LLM` or `EngineArgs` takes; None where a source cannot be read."""
+    names: set[str] = set()
+    for module, name, kind in SOURCES:
+        path = _source_file(module)
+        read = None if path is None else _class_names(path, name, kind)
+        if read is None:
+            return None
+        names |= read
+    return frozenset(names)
+
+
+def check_vllm_engine_args(engine_args: dict, origin: str) -> None:
+    """A key none of the three takes is refused now, in one line, with the nearest one it does take."""
+    known = vllm_argument_names()
+    if known is None:
+        return
+    for key in sorted(engine_args):
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise FeatCalError(f"{origin}.{key}: not an argument of lm-eval's vllm model, vllm.LLM or vllm's "
+                               f"EngineArgs{hint}")
