@@ -86,7 +86,7 @@ def test_the_dtypes_validate_accepts_are_those_mergekit_merges_in(tmp_path):
     import pytest
     from mergekit.common import dtype_from_name
 
-    from featcal_llm.io.recipe import MERGEKIT_DTYPES
+    from featcal_llm.io.merge_settings import MERGEKIT_DTYPES
 
     for name in MERGEKIT_DTYPES:
         assert dtype_from_name(name) is not None and dtype_from_name(f"torch.{name}") == dtype_from_name(name)

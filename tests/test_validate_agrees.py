@@ -616,7 +616,7 @@ def test_transformers_generation_tag_is_a_chat_template_validate_accepts():
     """`{% generation %}` (transformers' assistant-mask tag) parses in transformers' own environment, and in validate's."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from featcal_llm.io.recipe import chat_template_problem
+    from featcal_llm.io.merge_settings import chat_template_problem
 
     template = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% endif %}{% endfor %}"
     _compile_jinja_template(template)

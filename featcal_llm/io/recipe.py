@@ -25,6 +25,7 @@ from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.forms import check_forms
 from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.mergekit_methods import parameter_problems
+from featcal_llm.io.merge_settings import merge_setting_problems
 from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
 from featcal_llm.startup import heavy_import
 
@@ -185,47 +186,6 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
             collect(problems, path, lambda spec=spec, where=where: read_prompts(beside_recipe(spec.generate.prompts, path.parent), where))
 
 
-MERGEKIT_DTYPES = ("bfloat16", "float16", "float32", "float64", "int64")  # mergekit.common.dtype_from_name (tests/test_evidence.py)
-
-
-def mergekit_chat_templates() -> list[str]:
-    """The names of the chat templates mergekit ships (mergekit/_data/chat_templates), found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mergekit")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    return sorted(path.stem for path in (Path(list(spec.submodule_search_locations)[0]) / "_data" / "chat_templates").glob("*.jinja"))
-
-
-def chat_template_problem(template: str | None) -> str | None:
-    """What mergekit makes of the recipe's `chat_template:` (mergekit.merge._set_chat_template): `auto`, a template it
-    ships, or a Jinja template, which must parse. mergekit logs its refusal and writes the merge without a tokenizer."""
-    if not template or template == "auto":
-        return None
-    names = mergekit_chat_templates()
-    if template in names and "{" not in template:
-        return None
-    if len(template) < 20 or "{" not in template:
-        return f"{template}: mergekit takes auto, a template it ships ({', '.join(names)}) or a Jinja template"
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # transformers' `{% generation %}…{% endgeneration %}` (its AssistantTracker), parsed alike
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]).parse(template)
-    except jinja2.TemplateSyntaxError as error:
-        return f"not a Jinja template transformers can render (line {error.lineno}: {error.message})"
-    return None
-
-
 def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, problems: list[Problem]) -> tuple[Expert, ...]:
     """What the mergekit part says on its own (recipe forms, the method's parameters) and with the block (experts against data entries)."""
     if merge_config is None:
@@ -247,27 +207,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     if not experts:
         problems.append(Problem(str(path), "models", "no expert besides the base model"))
-    for key in ("dtype", "out_dtype"):  # mergekit's dtype_from_name refuses any other name mid-merge
-        value = getattr(merge_config, key, None)
-        if value and value.removeprefix("torch.") not in MERGEKIT_DTYPES:
-            problems.append(Problem(str(path), key, f"{value}: mergekit merges in {', '.join(MERGEKIT_DTYPES)}"))
-        elif value and value.startswith("torch."):  # mergekit strips it to merge, then writes it as given into config.json
-            problems.append(Problem(str(path), key, f"{value}: write {value.removeprefix('torch.')} (mergekit would write "
-                                                    f"{value} into the merge's config.json, whose dtype transformers cannot read)"))
-        elif value == "int64":  # whole-number weights: the merge's norms and projections could not be calibrated
-            problems.append(Problem(str(path), key, "int64: a merge of whole numbers; featcal-llm merges and calibrates in "
-                                                    "bfloat16, float16, float32 or float64"))
-    source = getattr(merge_config, "tokenizer_source", None)
-    if source is not None and not isinstance(source, str):  # a model reference: a local one must be there
-        from featcal_llm.io.references import is_hub_reference
-
-        for model_path in (source.model, source.lora):
-            if model_path is not None and not is_hub_reference(model_path) and not Path(model_path.path).is_dir():
-                problems.append(Problem(str(path), "tokenizer_source", f"{model_path.path}: model directory does not exist "
-                                                                       "(tokenizer_source: base, union, or a model)"))
-    template_problem = chat_template_problem(getattr(merge_config, "chat_template", None))
-    if template_problem is not None:
-        problems.append(Problem(str(path), "chat_template", template_problem))
+    problems.extend(merge_setting_problems(path, merge_config))
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
