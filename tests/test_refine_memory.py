@@ -152,6 +152,7 @@ def test_a_head_the_closed_form_untied_is_counted_by_the_refinements_choices(tmp
     from transformers import LlamaConfig
 
     import featcal_llm.engine.refine as refine_module
+    import featcal_llm.engine.refine_student as refine_student
     from featcal_llm.engine.refine_memory import Shape, refine_memory
     from featcal_llm.io.block_sections import RefineSpec
     from featcal_llm.io.checkpoint import CheckpointReader
@@ -165,10 +166,10 @@ def test_a_head_the_closed_form_untied_is_counted_by_the_refinements_choices(tmp
     job = SimpleNamespace(merged=CheckpointReader(merged, "merged"), replacements={"lm_head.weight": tmp_path / "head.safetensors"},
                           head_tied_only=False, config=config, spec=RefineSpec(), batch_tokens=512, device=torch.device("cpu"),
                           compute_dtype=torch.float32)
-    names = refine_module.student_names(job)
-    assert "lm_head.weight" in names and refine_module.student_parameters(job, names) == 2 * 1000 * 64 + 64
+    names = refine_student.student_names(job)
+    assert "lm_head.weight" in names and refine_student.student_parameters(job, names) == 2 * 1000 * 64 + 64
     kept_tied = SimpleNamespace(**{**vars(job), "head_tied_only": True})  # Gemma-2: the head trains as the embedding
-    assert "lm_head.weight" not in refine_module.student_names(kept_tied)
+    assert "lm_head.weight" not in refine_student.student_names(kept_tied)
     records = {"a": [list(range(1, 33))] * 4}
     peaks = {tied: refine_memory(Shape.of(config, tied=tied), "full", 16, 512, 32, 64, 4 * 32, 4, cpu=True, autocast=False,
                                  checkpointing=False, step_records=8)["peak"] for tied in (True, False)}

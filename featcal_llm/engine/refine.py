@@ -25,7 +25,6 @@ keys and the memory model.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from featcal_llm.engine.refine_progress import (ProgressSaver, MissingBest, forg
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised
 from featcal_llm.engine.refine_schedule import lr_factor, record_order
+from featcal_llm.engine.refine_student import Student, student_names, student_parameters
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
 
 MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
@@ -98,94 +98,6 @@ class RefineJob:
     progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
     left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
     head_tied_only: bool = False  # a family vLLM serves only tied (Gemma-2): the student's head is its input embedding
-
-
-def keeps_the_tie(job: RefineJob) -> bool:
-    """A family vLLM serves only tied whose config ties the head (stages/outputs writes a stored lm_head.weight as the
-    embedding then): the student's head is its input embedding. An untied config keeps its own head, trained."""
-    return job.head_tied_only and bool(getattr(job.config, "tie_word_embeddings", False))
-
-
-def student_names(job: RefineJob) -> list[str]:
-    """The student's tensors: the merge's, and a head the closed form untied from the embeddings (a head kept tied for
-    vLLM is trained as the input embedding instead)."""
-    names, _ = checkpoint_tensors(job.merged, job.replacements)
-    return [name for name in names if name != LM_HEAD] if keeps_the_tie(job) else names
-
-
-def student_parameters(job: RefineJob, names: list[str]) -> int:
-    """How many parameters the student holds: the merge's layout, and the shape of a tensor only the closed form wrote
-    (its untied head) read from the staged file's header."""
-    layout = job.merged.layout()
-    total = 0
-    for name in names:
-        if name in layout:
-            total += math.prod(layout[name][0])
-        else:
-            with safe_open(job.replacements[name], framework="pt") as handle:
-                total += math.prod(handle.get_slice(name).get_shape())
-    return total
-
-
-class Student:
-    """The calibrated model being refined, its trainable parameters (by name) and how to write it back."""
-
-    def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
-        self.job, self.params, self.checkpointing = job, params, checkpointing
-        _, get = checkpoint_tensors(job.merged, job.replacements)
-        self.names = names = student_names(job)  # kept tied where the output must be, whatever lm_head.weight the merge stores
-        # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
-        # throughout) they are float32 too, or a float32 activation would meet a bf16 weight
-        frozen = master if params == "full" or autocast is None else job.compute_dtype
-        ranks = {name: len(shape) for name, (shape, _) in job.merged.layout().items()}
-        # adapter: the frozen weights in the compute dtype, what trains in full (norms, biases, the head) in the master dtype
-        dtypes = lambda name: master if params == "full" or name == LM_HEAD or ranks.get(name, 2) == 1 else frozen  # noqa: E731
-        self.model = build_causal_lm(job.config, names, get, job.device, frozen, "the calibrated model", job.trust_remote_code,
-                                     dtypes=dtypes)
-        tied = LM_HEAD not in names
-        if checkpointing:  # each layer's activations recomputed in the backward
-            enable = getattr(self.model, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:  # transformers < 5.x's name
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if params == "full":
-            self.model.requires_grad_(True)
-            self.module = self.model
-        else:
-            from peft import LoraConfig, get_peft_model
-
-            head = self.model.get_output_embeddings().weight
-            head.data = head.data.to(master)  # trained in full (the tied embedding with it)
-            suffixes = sorted({p.rsplit(".", 1)[-1] for p in job.projections})
-            lora = LoraConfig(r=job.spec.rank, lora_alpha=job.spec.rank, lora_dropout=0.0, target_modules=suffixes, bias="none")
-            self.module = get_peft_model(self.model, lora)
-            for name, parameter in self.model.named_parameters():
-                if parameter.dim() == 1 or parameter is head:
-                    parameter.requires_grad_(True)
-        self.trainable = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
-        self.tied = tied
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.trainable.items()}
-
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, parameter in self.trainable.items():
-                parameter.copy_(state[name])
-
-    def written(self) -> dict[str, torch.Tensor]:
-        """Every tensor the refinement changed, by checkpoint name (the adapter merged back by peft: W + scale·B·A)."""
-        model = self.module.merge_and_unload() if self.params == "adapter" else self.model
-        head = model.get_output_embeddings().weight
-        projections = tuple(f"{p}.weight" for p in self.job.projections)
-        tensors = {}
-        for name, parameter in model.named_parameters():  # a tied head is listed once, as the input embedding
-            if name not in self.names:
-                continue
-            if self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
-                tensors[name] = parameter.detach().cpu()
-        return tensors
 
 
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
@@ -408,8 +320,6 @@ def _step_bar(steps: int, done: int, show: bool):
 
 
 def _staged(path: Path, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt") as handle:
         return handle.get_tensor(name)
 
