@@ -63,3 +63,19 @@ def _quiet(module: ModuleType) -> ModuleType:
         if _drop_our_deprecations not in logger.filters:
             logger.addFilter(_drop_our_deprecations)
     return module
+
+
+def child_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child `python -m featcal_llm...`: it imports this featcal_llm. From a checkout (run from its
+    root, or on PYTHONPATH) the package's folder is put first on PYTHONPATH; an installed package is found by the same
+    interpreter already, and putting site-packages first on PYTHONPATH would set it before the standard library."""
+    import os
+    import site
+    from pathlib import Path
+
+    env = dict(os.environ if env is None else env)
+    root = Path(__file__).resolve().parents[1]
+    installed = {Path(place).resolve() for place in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in installed:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return env

@@ -4,6 +4,7 @@ and the plain-JSONL reader that makes this possible returns exactly the records 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -176,3 +177,21 @@ def test_heavy_import_pauses_the_collector_and_restores_it():
         "during": 0, "enabled": True, "frozen": 0, "same": True, "fresh": [False, False, False],
         "frozen_in_block": True, "frozen_after_block": 0, "left_disabled": True,
     }
+
+
+def test_a_child_python_finds_a_checkout_through_pythonpath_but_an_install_through_its_site(monkeypatch):
+    """From a checkout its folder goes first on the child's PYTHONPATH; installed, site-packages is not put there, where
+    it would come before the standard library."""
+    import site
+    from pathlib import Path
+
+    from featcal_llm import startup
+
+    root = str(Path(startup.__file__).resolve().parents[1])
+    monkeypatch.setattr(site, "getsitepackages", lambda: ["/nowhere/site-packages"])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: "/nowhere/user")
+    assert startup.child_environment({"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{root}{os.pathsep}/x"
+    assert startup.child_environment({})["PYTHONPATH"] == root
+    monkeypatch.setattr(site, "getsitepackages", lambda: ["/nowhere/site-packages", root])  # the package installed there
+    assert startup.child_environment({"PYTHONPATH": "/x", "A": "1"}) == {"PYTHONPATH": "/x", "A": "1"}
+    assert "PYTHONPATH" not in startup.child_environment({})

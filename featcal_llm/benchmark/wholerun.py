@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from featcal_llm.startup import child_environment
+
 TA_WEIGHT = 0.3  # Task Arithmetic weight per expert (the paper's MergeBench setting)
 EXPERT_NOISE = 0.1  # expert delta, relative to each weight's mean magnitude
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding featcal_llm, put first on the subprocesses' PYTHONPATH
 BASELINE_MODULE = "featcal_llm.benchmark.baseline"
 PRESETS = {
     # SmolLM2-135M's shapes (random weights): 30 layers, hidden 576, 9/3 heads, tied embeddings
@@ -112,7 +113,7 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto
 
 def _timed(command: list[str], cwd: Path, log, progress_pattern: str | None = None) -> dict:
     """Run a command; wall and CPU seconds, and when the first stderr line matching each marker appeared."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_environment()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from featcal_llm.evaluation.modelinfo import (
 )
 from featcal_llm.evaluation.suite import Suite, checked_suite
 from featcal_llm.evaluation.worker import USER_ERROR_EXIT
+from featcal_llm.startup import child_environment
 
 SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # lm-eval's defaults
 SUMMARY_SCHEMA = "featcal-llm/eval-summary/1"
@@ -102,9 +102,7 @@ def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]
         job_path, error_file = Path(scratch) / "job.json", Path(scratch) / "error.json"
         job["error_file"] = str(error_file)
         job_path.write_text(json.dumps(job, indent=1))
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env = child_environment()
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         last_line = ""
         with log_path.open("a") as log:
