@@ -145,6 +145,7 @@ def test_run_after_calibration_compares_merged_and_calibrated(tmp_path, monkeypa
     table = scored.table
     assert scored.calibrated == json.loads((here / "eval" / "calibrated.json").read_text())
     assert (here / "eval" / "logs" / "merged.log").is_file()
+    assert "not a git repository" not in (here / "eval" / "logs" / "merged.log").read_text()  # lm-eval asks git here
     assert not (here / "eval" / "logs" / "calibrated.log").exists()
     lines = table.splitlines()
     assert "| merged | – | – | – | – | – | 0.0 ±0.0 | – | this harness (hf, no chat, max_gen_toks 4) |" in lines
@@ -179,3 +180,16 @@ def test_a_metric_lm_eval_does_not_report_fails_before_the_model_loads(tmp_path)
         "tasks.gsm8k.metric: 'exact_match,flexible_extract' is not a result lm-eval reports for gsm8k_cot_llama (it reports "
         "exact_match,flexible-extract, exact_match,strict-match)")
     assert "loading" not in result.output and "Running generate_until" not in result.output
+
+
+def test_the_git_hash_lm_eval_records_is_asked_quietly(tmp_path, monkeypatch, capfd):
+    import subprocess
+
+    from featcal_llm.evaluation.worker import quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    assert quiet_git_hash() is None and "fatal" not in capfd.readouterr().err
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert quiet_git_hash() == head

@@ -35,6 +35,18 @@ def block_nltk_downloads() -> None:
     nltk.download = refuse
 
 
+def quiet_git_hash() -> str | None:
+    """lm-eval's `get_git_commit_hash`, without git's "fatal: not a git repository" on stderr: it asks git in the
+    current folder for every task, and an installed featcal-llm runs from folders that are no repository."""
+    import subprocess
+
+    try:
+        found = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:  # no git
+        return None
+    return (found.stdout.strip() or None) if found.returncode == 0 else None
+
+
 def punkt_available(directory: str | None = None) -> bool:
     """NLTK's punkt_tab in `directory` (--nltk-data, eval.nltk_data) or where NLTK looks (NLTK_DATA, its defaults)."""
     import nltk
@@ -172,7 +184,10 @@ def run(job: dict) -> None:
         block_nltk_downloads()
 
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.api.registry import get_model
+
+    lm_eval.evaluator.get_git_commit_hash = quiet_git_hash  # what each result records as `git_hash`
 
     from featcal_llm.evaluation import evalplus
     from featcal_llm.evaluation.suite import load_suite
