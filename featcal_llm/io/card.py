@@ -20,12 +20,11 @@ import yaml
 
 from featcal_llm import __version__
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
-from featcal_llm.io.merge import RANDOM_METHODS
+from featcal_llm.io.card_settings import SYMBOLS, human, settings_lines
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
 from featcal_llm.io.saved_recipe import RECIPE_FILE, saved_recipe
 
-SYMBOLS = {"lambda": "λ", "alpha": "α", "rho": "ρ", "reduction": "r", "eps": "eps"}
 METHOD_TEXT = {
     "featcal": "FeatCal feature calibration (Gu et al., 2026)",
     "regmean": "RegMean (Jin et al., 2023; MergeBench's definition: each expert's Grams on its own inputs)",
@@ -161,60 +160,11 @@ def point_usage_at(directory: Path, repo_id: str) -> None:
     card.write_text("".join(f'{USAGE_ID}{repo_id}"\n' if line.startswith(USAGE_ID) else line for line in lines), encoding="utf-8")
 
 
-# what the card's settings list calls each resolved setting (featcal_weights.json keeps the keys)
-SETTING_TEXT = {
-    "samples": "calibration records per expert, at most",
-    "max_length": "tokens per record, at most",
-    "shuffle": "records shuffled before they are taken",
-    "seed": "seed",
-    "merge_seed": f"seed of a random merge method ({', '.join(sorted(RANDOM_METHODS))})",
-    "expert_weights": "expert weights",
-    "token_weights": "token weights",
-    "trailing_experts": "records of an expert that trails the merge are calibrated toward",
-    "dtype": "compute precision (the weights keep the merge's dtypes)",
-    "stats_dtype": "statistics' precision",
-    "projections": "projections re-fitted",
-    "norms": "norm scales re-fitted",
-    "biases": "biases re-fitted",
-    "head": "LM head",
-}
 LEAD_NOTE = ("\nAn expert's *mean positive lead* is max(0, log p_expert − log p_merged) over every token of its records, "
              "averaged, with 0 where it trails: what its tokens' weights came from (`token_weights: expert_lead`). Whether it "
              "trails the merge (`trailing_experts`) is judged on its signed mean lead over its judged tokens instead, "
              "its *net lead*: behind only where it stays at or below 0 when raised by two standard errors counted over its "
              "records (the ± margin).\n")
-TRAILING_TEXT = {"merge": "the merged model (`merge`)", "keep": "the expert itself (`keep`)"}
-def human(value: Any) -> str:
-    """A resolved value as a sentence reads it: no Python reprs (booleans as yes/no, lists and mappings spelled out)."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if value is None:
-        return "none"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, dict):
-        if set(value) == {"per_layer"}:
-            return "per layer: " + human(value["per_layer"])
-        return ", ".join(f"{SYMBOLS.get(key, key)} = {human(item)}" for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        return ", ".join(human(item) for item in value)
-    return str(value)
-
-
-def _setting_text(key: str, value: Any) -> str:
-    if key == "head":
-        fitted = ", ".join(f"{SYMBOLS[name]} = {human(value[name])}" for name in ("lambda", "alpha", "rho") if name in value)
-        return f"re-fitted ({fitted})" + (", untied from the input embeddings" if value.get("untied") else "")
-    if key == "trailing_experts":
-        return TRAILING_TEXT.get(value, human(value))
-    if key == "projections" and isinstance(value, list):
-        return ", ".join(f"`{name}`" for name in value)
-    return human(value)
-
-
-def settings_lines(settings: dict[str, Any]) -> str:
-    """The card's settings list, one `- what: value` line each, in words."""
-    return "\n".join(f"- {SETTING_TEXT.get(key, key)}: {_setting_text(key, value)}" for key, value in rounded(settings).items())
 
 
 def write_card(
