@@ -45,6 +45,14 @@ class ExpertSummary:
 
 
 @dataclass(frozen=True)
+class RefineSummary:
+    """What `refine:` changed after the closed form, from featcal_refine.json (present only where it changed the weights)."""
+
+    chosen_step: int
+    held_out_kl: dict[str, tuple[float | None, float | None]]  # by expert: (the closed form's, the written weights')
+
+
+@dataclass(frozen=True)
 class CalibrationResult:
     """What `calibrate` produced and what it cost."""
 
@@ -57,6 +65,10 @@ class CalibrationResult:
     evaluation: str | None = None  # the merged-vs-calibrated table of the recipe's `eval:` block
     warnings: tuple[str, ...] = ()  # every warning the run printed, in order
     unchanged: bool = False  # the output is the merged model, unchanged: every expert trails it on its own records
+    probe: str | None = None  # the records `experts` was measured on: "held-out records" or "calibration subsample"
+    # `refine:` changed the weights after `experts` was measured (featcal_refine.json): the step it chose, and each
+    # expert's held-out KL to its records' teacher before and after it
+    refined: RefineSummary | None = None
 
     def headline(self) -> str:
         """The run's last line: where the checkpoint is, and whether it is the merge unchanged."""
@@ -87,14 +99,23 @@ class CalibrationResult:
 
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
         width = max([len("expert"), *(len(label) for label in labels.values())])
-        header = f"{'expert':<{width}}  {'drift merged':>12}  {'drift calibrated':>16}  {'KL merged':>10}  {'KL calibrated':>13}"
+        ours = "closed form" if self.refined else "calibrated"  # measured before refine: changed the weights
+        header = (f"{'expert':<{width}}  {'drift merged':>12}  {'drift ' + ours:>16}  {'KL merged':>10}  "
+                  f"{'KL ' + ours:>14}")
         rows = [header, "-" * len(header)]
         for name, summary in self.experts.items():
             rows.append(f"{labels[name]:<{width}}  {number(summary.drift_merged):>12}  {number(summary.drift_calibrated):>16}  "
-                        f"{number(summary.kl_merged):>10}  {number(summary.kl_calibrated):>13}")
+                        f"{number(summary.kl_merged):>10}  {number(summary.kl_calibrated):>14}")
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
-        rows.append("(drift and KL on a sample of each expert's calibration records, not on held-out text)")
+        rows.append("(drift and KL on each expert's held-out records, which the calibration did not fit)"
+                    if self.probe == "held-out records" else
+                    "(drift and KL on a sample of each expert's calibration records, not on held-out text)")
+        if self.refined:
+            changes = ", ".join(f"{labels.get(name, name)} {number(before)} → {number(after)}"
+                                for name, (before, after) in self.refined.held_out_kl.items())
+            rows.append(f"then refine: changed the weights (step {self.refined.chosen_step}): held-out KL to each record's "
+                        f"teacher {changes} (featcal_refine.json)")
         rows.append(f"time {_duration(self.seconds)}" + (f"; peak memory: {', '.join(memory)}" if memory else ""))
         return "\n".join(rows)
 
@@ -259,14 +280,22 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    report = outcome.output / "featcal_drift.json"
-    experts = summarize_report(json.loads(report.read_text(encoding="utf-8"))) if report.is_file() else {}
+    report_file = outcome.output / "featcal_drift.json"
+    report = json.loads(report_file.read_text(encoding="utf-8")) if report_file.is_file() else {}
     return CalibrationResult(
-        output=outcome.output, merged=outcome.merged, experts=experts, seconds=time.perf_counter() - start,
+        output=outcome.output, merged=outcome.merged, experts=summarize_report(report), seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
         warnings=tuple(_dict_named(warning, path) if temporary is not None else warning for warning in warnings),
-        unchanged=outcome.unchanged,
+        unchanged=outcome.unchanged, probe=report.get("probe"), refined=_refine_summary(outcome.refined),
     )
+
+
+def _refine_summary(refined: Mapping[str, Any] | None) -> RefineSummary | None:
+    """The run's `refine:` change (RunOutcome.refined), by the recipe's expert names."""
+    if not refined:
+        return None
+    before, after = refined["per_expert"]["before"], refined["per_expert"]["after"]
+    return RefineSummary(refined["chosen_step"], {name: (before.get(name), after.get(name)) for name in before})
 
 
 @dataclass(frozen=True)

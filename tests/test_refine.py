@@ -573,3 +573,34 @@ def test_the_saved_recipe_pins_refines_machine_dependent_choices_and_replays_els
     again = run_recipe(far_scenario.root / "pinned-replay.yaml", force=True, progress=False)
     assert json.loads((again / "featcal_refine.json").read_text())["autocast"] == report["autocast"]
     assert (again / "model.safetensors").read_bytes() == (output / "model.safetensors").read_bytes()
+
+
+def test_the_runs_summary_table_says_refine_changed_the_weights_after_it_was_measured(far_scenario, refined):
+    """The table's drift and KL are measured in the layer loop, on the closed form's output: after a refinement that
+    changed the weights it says so, and names the records (held out here) and refine's own change per expert."""
+    import featcal_llm
+
+    report = json.loads((refined / "featcal_refine.json").read_text())
+    result = featcal_llm.calibrate(far_scenario.root / "refined.yaml", output=str(far_scenario.root / "refined-api"),
+                                   force=True, progress=False)
+    assert result.probe == "held-out records" and result.refined.chosen_step == report["chosen_step"] > 0
+    by_label = {Path(name).name: value for name, value in result.refined.held_out_kl.items()}
+    assert set(result.refined.held_out_kl) == set(result.experts)  # the recipe's names, as `experts`
+    assert by_label == {label: (report["per_expert"]["before"][label], report["per_expert"]["after"][label])
+                        for label in report["per_expert"]["before"]}
+    table = result.table().splitlines()
+    assert table[0].split() == ["expert", "drift", "merged", "drift", "closed", "form", "KL", "merged", "KL", "closed", "form"]
+    assert "(drift and KL on each expert's held-out records, which the calibration did not fit)" in table
+    [line] = [line for line in table if line.startswith("then refine: changed the weights")]
+    assert line.startswith(f"then refine: changed the weights (step {report['chosen_step']}): held-out KL to each record's teacher ")
+    for label, before in report["per_expert"]["before"].items():
+        assert f"{label} {before:.4g} → {report['per_expert']['after'][label]:.4g}" in line
+
+
+def test_a_refinement_that_kept_the_closed_form_leaves_the_table_as_the_closed_forms(far_scenario, closed_form):
+    from featcal_llm.api import CalibrationResult, ExpertSummary
+
+    table = CalibrationResult(closed_form, closed_form, {"e": ExpertSummary(0.5, 0.25, 0.1, 0.05)},
+                              probe="calibration subsample").table().splitlines()
+    assert table[0].split()[-2:] == ["KL", "calibrated"] and not any(line.startswith("then refine:") for line in table)
+    assert "(drift and KL on a sample of each expert's calibration records, not on held-out text)" in table

@@ -64,6 +64,7 @@ class RunOutcome:
     merged: Path
     evaluation: str | None = None
     unchanged: bool = False  # the output is the merged model: every expert trails it on its own records
+    refined: dict | None = None  # where `refine:` changed the weights: its chosen step and per-expert held-out KL
 
 
 def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
@@ -126,7 +127,9 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
     if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
         remove_staging(partial)
-    return RunOutcome(output, merged_dir, unchanged=unchanged)
+    changed = refined is not None and refined["chosen_step"] > 0
+    return RunOutcome(output, merged_dir, unchanged=unchanged,
+                      refined={"chosen_step": refined["chosen_step"], "per_expert": refined["per_expert"]} if changed else None)
 
 
 def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
