@@ -169,6 +169,10 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert report["held_out_records"] == {Path(task).name: len(rows) for task, rows in records.items()} and all(report["held_out_records"].values())
     card = " ".join((refined / "README.md").read_text().split())
     assert "were held out of the closed form's statistics too (`tune.holdout`): both stages fitted the rest." in card
+    # the body's account of what was re-fitted is the closed form's: it says what the refinement trained after it
+    assert ("That is the closed form; the refinement after it (see Refinement) then trained every parameter (the embeddings, "
+            "norms and LM head included), so those too now differ from the merged model.") in card
+    assert "That is the closed form" not in (closed / "README.md").read_text()  # no refinement kept: the body stands
     assert json.loads((refined / "featcal_drift.json").read_text())["measured_on"].startswith("the closed form's output, before refine:")
     # the saved recipe replays to the same bytes
     replayed = far_scenario.root / "replayed.yaml"
@@ -416,6 +420,8 @@ def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypa
     report = json.loads((output / "featcal_refine.json").read_text())
     assert report["params"] == "adapter" and report["rank"] == 4 and report["chosen_step"] > 0
     assert seen["lora"]  # a LoRA was trained, not the whole model
+    assert ("then trained a LoRA on the calibrated projections, merged back, and the norms, biases and LM head in full"
+            in " ".join((output / "README.md").read_text().split()))
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()

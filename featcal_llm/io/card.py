@@ -90,8 +90,9 @@ def has_biases(directory: Path) -> bool:
     return any(name.endswith(".bias") for name in names)
 
 
-def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> str:
-    """What was re-fitted, in plain sentences; biases are named only for a model that has them."""
+def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refined: dict | None = None) -> str:
+    """What was re-fitted, in plain sentences; biases are named only for a model that has them. After a refinement
+    that changed the weights, the sentences are the closed form's, and a last one says what the refinement trained."""
     if calibrated is not None and calibrated.get("unchanged"):
         return ("Every expert predicts its own calibration records worse than the merged model (`trailing_experts: merge`), "
                 "so there was nothing to calibrate toward: no weight was re-fitted, and this model is the merged model, unchanged.")
@@ -120,6 +121,12 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool) -> st
             sentences.append("The merge's config ties the LM head to the input embeddings, but its files store an `lm_head.weight` "
                              "of its own, which the calibration used and transformers serves: the config now says "
                              "`tie_word_embeddings: false`, so that vLLM serves that head too.")
+    if refined is not None and refined.get("chosen_step", 0) > 0:
+        trained = ("every parameter (the embeddings, norms and LM head included)" if refined["params"] == "full" else
+                   "a LoRA on the calibrated projections, merged back, and the norms, biases and LM head in full")
+        sentences = [sentence.replace("keep the merged model's", "kept the merged model's") for sentence in sentences]
+        sentences.append(f"That is the closed form; the refinement after it (see Refinement) then trained {trained}, so "
+                         "those too now differ from the merged model.")
     return " ".join(sentences)
 
 
@@ -287,7 +294,7 @@ This model is a merge of {count} expert{"s" * (count != 1)} fine-tuned from `{na
 The experts were first merged by [mergekit](https://github.com/arcee-ai/mergekit)'s `{recipe.merge_config.merge_method}` method
 into the merged model (`{names[merged]}`). featcal-llm {__version__} then applied {method} to the merged model.
 {_how_text(featcal.method, biases)}
-{_calibrated_text(calibrated, featcal.regmean, biases)}
+{_calibrated_text(calibrated, featcal.regmean, biases, refined)}
 
 ## Experts
 {experts}
