@@ -610,3 +610,35 @@ def test_a_refinement_that_kept_the_closed_form_leaves_the_table_as_the_closed_f
                               probe="calibration subsample").table().splitlines()
     assert table[0].split()[-2:] == ["KL", "calibrated"] and not any(line.startswith("then refine:") for line in table)
     assert "(drift and KL on a sample of each expert's calibration records, not on held-out text)" in table
+
+
+def test_an_adapter_under_bf16_autocast_is_merged_into_the_float32_weights_unrounded(far_scenario, monkeypatch):
+    """Under autocast the adapter's frozen weights are bf16 copies; the written projections are the stored float32
+    tensors plus the adapter's float32 update, not bf16-rounded weights in a float32 file."""
+    import featcal_llm.engine.refine_student as student_module
+    from peft.tuners.lora import LoraLayer
+
+    from featcal_llm.io.checkpoint import checkpoint_tensors
+
+    seen, written = {}, student_module.Student.written
+
+    def capture(student):
+        seen["frozen"] = {f"{name}.weight": module.get_base_layer().weight.dtype for name, module in student.model.named_modules()
+                          if isinstance(module, LoraLayer)}
+        seen["delta"] = {f"{name}.weight": module.get_delta_weight("default").detach().float().clone()
+                         for name, module in student.model.named_modules() if isinstance(module, LoraLayer)}
+        _, stored = checkpoint_tensors(student.job.merged, student.job.replacements)  # the closed form's tensors as stored
+        seen["start"] = {name: stored(name).clone() for name in seen["delta"]}
+        return written(student)
+
+    monkeypatch.setattr(student_module.Student, "written", capture)
+    output = run(far_scenario, "adapter-autocast", dtype="bfloat16",
+                 refine={**REFINE, "params": "adapter", "rank": 4, "lr": 1e-3, "precision": "bfloat16"})
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert report["autocast"] == "torch.bfloat16" and report["chosen_step"] > 0
+    assert set(seen["frozen"].values()) == {torch.bfloat16}  # what peft's own merge would have added to
+    ours = load_file(output / "model.safetensors")
+    for name, delta in seen["delta"].items():
+        assert ours[name].dtype == seen["start"][name].dtype == torch.float32
+        assert torch.allclose(ours[name] - seen["start"][name], delta, atol=1e-7, rtol=0), name
+        assert not torch.equal(ours[name].to(torch.bfloat16).float(), ours[name])  # not bf16 values

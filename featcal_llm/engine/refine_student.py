@@ -50,6 +50,7 @@ class Student:
     def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
         self.job, self.params, self.checkpointing = job, params, checkpointing
         _, get = checkpoint_tensors(job.merged, job.replacements)
+        self.stored = get  # a tensor as the closed form left it, in its stored dtype
         self.names = names = student_names(job)  # kept tied where the output must be, whatever lm_head.weight the merge stores
         # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
         # throughout) they are float32 too, or a float32 activation would meet a bf16 weight
@@ -92,14 +93,24 @@ class Student:
                 parameter.copy_(state[name])
 
     def written(self) -> dict[str, torch.Tensor]:
-        """Every tensor the refinement changed, by checkpoint name (the adapter merged back by peft: W + scale·B·A)."""
-        model = self.module.merge_and_unload() if self.params == "adapter" else self.model
+        """Every tensor the refinement changed, by checkpoint name. An adapter is merged back into the weights as they
+        are stored, W + scale·B·A in float32: its frozen copies are in the compute dtype (bf16 under autocast), and
+        peft's merge into them would round a float32 checkpoint's projections to bf16."""
+        deltas = {}
+        if self.params == "adapter":
+            from peft.tuners.lora import LoraLayer
+
+            deltas = {f"{name}.weight": module.get_delta_weight("default").detach().float().cpu()
+                      for name, module in self.model.named_modules() if isinstance(module, LoraLayer)}
+        model = self.module.unload() if self.params == "adapter" else self.model
         head = model.get_output_embeddings().weight
         projections = tuple(f"{p}.weight" for p in self.job.projections)
         tensors = {}
         for name, parameter in model.named_parameters():  # a tied head is listed once, as the input embedding
             if name not in self.names:
                 continue
-            if self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
+            if name in deltas:
+                tensors[name] = self.stored(name).float() + deltas[name]
+            elif self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
                 tensors[name] = parameter.detach().cpu()
         return tensors
