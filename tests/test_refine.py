@@ -30,6 +30,9 @@ from test_topk_kl import full_kl
     ({"precision": "float16"}, "featcal.refine.precision:"),
     ({"gradient_checkpointing": "sometimes"}, "featcal.refine.gradient_checkpointing: Input should be 'auto', true or false (got 'sometimes')"),
     ("yes", "featcal.refine: expected true, false or a mapping"),
+    ({"steps": True}, "featcal.refine.steps: expected a number, got true"),  # pydantic's lax mode read it as 1 step
+    ({"lr": True}, "featcal.refine.lr: expected a number, got true"),  # and as a learning rate of 1.0
+    ({"warmup": False}, "featcal.refine.warmup: expected a number, got false"),
 ])
 def test_bad_refine_keys_are_one_line(tmp_path, value, message):
     from scenario import build_scenario

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PositiveInt,
@@ -21,11 +20,13 @@ from pydantic import (
     model_validator,
 )
 
+from featcal_llm.io.recipe_model import RecipeModel
+
 BackendName = Literal["auto", "vllm", "hf"]
 ChatTemplateMode = Literal["auto", "on", "off"]
 
 
-class BackendSettings(BaseModel):
+class BackendSettings(RecipeModel):
     """How lm-eval drives the model; every field is recorded and is part of the cache key."""
 
     model_config = ConfigDict(extra="forbid")
@@ -67,7 +68,7 @@ class BackendSettings(BaseModel):
         return value
 
 
-class EvalSection(BaseModel):
+class EvalSection(RecipeModel):
     """The `featcal.eval:` block of a recipe: score the merged and calibrated models after `run`.
 
     Relative paths of what it reads (suite file, data overrides, nltk_data) are read as `featcal.data` paths are: from

@@ -10,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import MAX_TOKENS, SEED_MAX, DataSpec, HeadSpec, MergeOptionsSpec, RefineSpec, TuneSpec
+from featcal_llm.io.recipe_model import RecipeModel
 
 try:  # the evaluation package owns its own block; the engine works without it
     from featcal_llm.evaluation.config import EvalSection
@@ -29,7 +30,7 @@ def beside_recipe(path: str, base_dir: Path | None) -> Path:
     return given
 
 
-class PerLayer(BaseModel):
+class PerLayer(RecipeModel):
     """One value per decoder layer, as a tuned run writes its winners (`lambda: {per_layer: [...]}`): replayed, not searched."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -97,7 +98,7 @@ RENAMED_KEYS = {"balance": "expert_weights"}
 RENAMED_VALUES = {"token_weights": {"advantage": "expert_lead"}}
 
 
-class FeatCalConfig(BaseModel):
+class FeatCalConfig(RecipeModel):
     """The ``featcal:`` block. lambda, alpha and rho default to the paper's 3B settings; expert_weights and
     token_weights default to featcal-llm's own (coverage, expert_lead), the paper's being equal and equal."""
 

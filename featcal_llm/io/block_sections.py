@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from featcal_llm.io.recipe_model import RecipeModel
 
 SEED_MAX = 2**32 - 1  # numpy's and mergekit's set_seed take no other seed
 MAX_TOKENS = 1 << 24  # a record or sample longer than any context window; beyond int64 the tokenizer overflows
 
 
-class GenerateSpec(BaseModel):
+class GenerateSpec(RecipeModel):
     """An expert writes its own calibration texts (featcal_llm/generation): from its BOS token, answering requests
     through its chat template, or continuing prompts.
 
@@ -56,7 +58,7 @@ class GenerateSpec(BaseModel):
         return self
 
 
-class DataSpec(BaseModel):
+class DataSpec(RecipeModel):
     """Where one expert's calibration texts come from (a dataset, or the expert itself) and how records become text."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -96,7 +98,7 @@ class DataSpec(BaseModel):
         return self
 
 
-class MergeOptionsSpec(BaseModel):
+class MergeOptionsSpec(RecipeModel):
     """`merge_options:`: what `mergekit-yaml` takes as options, for the merge featcal-llm runs when `merged` is missing."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -118,7 +120,7 @@ class MergeOptionsSpec(BaseModel):
         return value
 
 
-class TuneSpec(BaseModel):
+class TuneSpec(RecipeModel):
     """How `auto`/list hyper-parameters are chosen (featcal_llm/engine/tuning.py)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -130,7 +132,7 @@ class TuneSpec(BaseModel):
     )
 
 
-class HeadSpec(BaseModel):
+class HeadSpec(RecipeModel):
     """`head:`: after the last layer, the LM head is re-fitted by the same ridge rule on the final norm's outputs."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
@@ -151,7 +153,7 @@ MAX_REFINE_STEPS = 100_000
 MAX_BATCH_RECORDS = 65_536
 
 
-class RefineSpec(BaseModel):
+class RefineSpec(RecipeModel):
     """`refine:`: after the closed form, a few gradient steps toward each record's teacher (engine/refine.py, docs/refine.md).
 
     Label-free: KL(teacher ‖ model) on the tokens each expert is judged on; the held-out records choose the step count.
