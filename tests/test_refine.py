@@ -30,6 +30,7 @@ from test_topk_kl import full_kl
     ({"precision": "float16"}, "featcal.refine.precision:"),
     ({"gradient_checkpointing": "sometimes"}, "featcal.refine.gradient_checkpointing: Input should be 'auto', true or false (got 'sometimes')"),
     ("yes", "featcal.refine: expected true, false or a mapping"),
+    (None, "featcal.refine: empty; write true for its defaults, a mapping of its keys, or false"),  # keys commented out
     ({"steps": True}, "featcal.refine.steps: expected a number, got true"),  # pydantic's lax mode read it as 1 step
     ({"lr": True}, "featcal.refine.lr: expected a number, got true"),  # and as a learning rate of 1.0
     ({"warmup": False}, "featcal.refine.warmup: expected a number, got false"),

@@ -187,7 +187,7 @@ class FeatCalConfig(RecipeModel):
     refine: RefineSpec | None = Field(
         None, description="after the closed form, a few gradient steps toward each record's teacher on the calibration records, "
         "stopped by the held-out records (see refine:): false (default), true (its defaults) or a mapping",
-        json_schema_extra={"shown_default": "`false`"},
+        json_schema_extra={"shown_default": "`false`", "shown_type": "`true` \\| `false` \\| mapping (`featcal.refine:`)"},
     )
     # A stack's RegMean stage holds out the records its FeatCal stage holds out (set by `stage`, never by a recipe)
     _holds_out_for_stack: bool = PrivateAttr(False)
@@ -211,6 +211,8 @@ class FeatCalConfig(RecipeModel):
     @field_validator("refine", mode="before")
     @classmethod
     def _refine(cls, value: Any) -> Any:
+        if value is None:  # `refine:` with every key commented out: off, as if the user had meant it on
+            raise ValueError("empty; write true for its defaults, a mapping of its keys, or false")
         if value is True:
             return {}
         if value is False:

@@ -121,7 +121,8 @@ def _cell(text: str) -> str:
 def table(model: type[BaseModel]) -> list[str]:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        kind = type_text(field.annotation) + _bounds(field.metadata)
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        kind = extra.get("shown_type") or type_text(field.annotation) + _bounds(field.metadata)  # a validator's own forms
         rows.append(f"| `{field.alias or name}` | {kind} | {default_text(field)} | {_cell(field.description or '')} |")
     return rows
 
