@@ -171,3 +171,28 @@ def test_the_record_order_is_drawn_as_needed_and_the_same_from_any_start():
         record_order(keys, 12, 3, 7)[12]
     huge = record_order(keys, 100_000, 65_536, 0)
     assert len(huge[2]) == 65_536 and len(huge._pending) < 65_536 + len(keys)
+
+
+def test_the_learning_rate_warms_up_linearly_then_falls_by_a_cosine_to_a_tenth():
+    """lr_factor against its closed form: steps 10, warm-up 0.2 (2 steps), then 0.1 + 0.9·(1 + cos(π·t/8))/2."""
+    import math
+
+    from featcal_llm.engine.refine_schedule import lr_factor
+
+    assert [lr_factor(step, 10, 0.2) for step in (0, 1)] == [0.5, 1.0]
+    for step in range(2, 11):
+        expected = 0.1 + 0.9 * (1 + math.cos(math.pi * (step - 2) / 8)) / 2
+        assert lr_factor(step, 10, 0.2) == pytest.approx(expected, abs=1e-15)
+    assert lr_factor(10, 10, 0.2) == pytest.approx(0.1) and lr_factor(9, 10, 0.2) > 0.1  # the floor only after the last step
+    assert lr_factor(0, 10, 0.0) == 1.0  # no warm-up still takes one step to reach the peak: the first step is at it
+
+
+def test_the_resume_fingerprint_knows_where_each_response_starts():
+    """A data file that moves text between prompt and completion keeps every token id: the records' judged tokens
+    change, so the saved layers (weighed on other tokens) may not be resumed."""
+    from featcal_llm.engine.resume import sequences_digest
+    from featcal_llm.io.records import Record
+
+    ids = [5, 6, 7, 8, 9]
+    digests = {sequences_digest({"a": [sequence]}) for sequence in (Record(ids, 2), Record(ids, 3), list(ids))}
+    assert len(digests) == 3
