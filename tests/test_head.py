@@ -164,6 +164,9 @@ def test_a_head_differs_only_beyond_the_precision_it_is_stored_in():
     tuned = head.clone()
     tuned[7, 2] *= 1.05
     assert differs_at_stored_precision(tuned.to(torch.bfloat16), head)  # beyond bf16's rounding
+    slightly = head.clone()
+    slightly[7, 2] *= 1 + 2 * 2**-7  # two bf16 units: still more than one after the bf16 rounding (at most half a unit)
+    assert differs_at_stored_precision(slightly.to(torch.bfloat16), head)
     assert differs_at_stored_precision(head[:-1], head)  # a resized vocabulary
 
 
