@@ -127,6 +127,22 @@ def test_family_matches_brute_force(family_scenarios, family, tmp_path):
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
 
 
+def test_biases_through_the_per_projection_crosses_match_brute_force(family_scenarios, tmp_path, monkeypatch):
+    """Qwen2's q/k/v are wider out than in, so with this many tokens their crosses go through the shared moment, whose
+    crosses are bias-free by construction. With the moment refused, each projection's own output crosses are recorded:
+    the expert's bias must come off them there (`modules: [q_proj]` or few tokens take this path in real runs)."""
+    import featcal_llm.engine.record as record
+
+    calls = []
+    monkeypatch.setattr(record, "cross_moment_pays", lambda *args: calls.append(args) and False)
+    scenario = family_scenarios("qwen2")
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), norms=True, batch_tokens=150,
+                                              dtype="float64"), progress=False)
+    assert calls  # the choice was asked, and refused
+    errors = check_against_brute_force(scenario, output, norms=True, samples=12, max_length=64)
+    assert {f"self_attn.{p}_proj.bias" for p in "qkv"} <= {n.split("layers.0.")[1] for n in errors if "layers.0." in n}
+
+
 def test_test_models_have_nonzero_distinct_biases_and_norms(family_scenarios):
     """Bug 2: HF zero-initialises biases; the test models must not, or a bias update is untested."""
     scenario = family_scenarios("qwen2")
