@@ -339,6 +339,19 @@ def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenari
     assert (resumed / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
 
 
+def test_teachers_saved_at_another_top_k_are_computed_again(far_scenario, monkeypatch, capsys):
+    """The teachers' saved top-k distributions hold `top_k` tokens a position: a rerun asking for fewer computes them
+    again (reusing them would train on a KL over other bins), to the bytes of a fresh run at the new top_k."""
+    killed_after_check(far_scenario, "topk", REFINE, 2, monkeypatch)
+    fewer = {**REFINE, "top_k": 16}
+    capsys.readouterr()
+    resumed = run(far_scenario, "topk", refine=fewer)
+    err = capsys.readouterr().err
+    assert "the teachers' distributions reused" not in err and "the teachers' top-16 next-token distributions" in err
+    fresh = run(far_scenario, "topk-fresh", refine=fewer)
+    assert (resumed / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+
+
 def test_out_of_memory_in_the_refinement_names_its_own_levers(far_scenario, monkeypatch):
     """The refinement's memory is set by its own keys, which keep the calibrated layers; featcal.batch_tokens (the
     layers' lever) would start the whole run over."""
