@@ -106,6 +106,19 @@ def test_a_supplied_merge_naming_moved_experts_is_judged_by_their_files(merged_s
     assert [problem.key for problem in problems] == ["featcal.merged"] and "differs in models[1].model)" in str(problems[0])
 
 
+@pytest.mark.parametrize("count, short", [(16, False), (15, True), (17, False)])
+def test_a_data_file_is_short_only_below_the_records_asked(scenario, tmp_path, count, short):
+    """The note counts as run does: a file holding exactly `samples` records gives every one asked for."""
+    path_of = tmp_path / "exact.jsonl"
+    path_of.write_text("".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(count)))
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    first = recipe["models"][0]["model"]
+    data = {**recipe["featcal"]["data"], first: {"path": str(path_of), "format": "text", "text": "text"}}
+    path = _write(scenario, tmp_path, data=data)
+    notes = [note for note in check_recipe(path, plan=False).notes if f"featcal.data.{first}:" in note]
+    assert notes == ([f"{path}: featcal.data.{first}: 15 records, fewer than the 16 requested; using all of them"] if short else [])
+
+
 def test_a_data_file_too_short_for_the_held_out_split(scenario, tmp_path, monkeypatch):
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(3)))
