@@ -699,3 +699,22 @@ def test_an_adapter_under_bf16_autocast_is_merged_into_the_float32_weights_unrou
         assert ours[name].dtype == seen["start"][name].dtype == torch.float32
         assert torch.allclose(ours[name] - seen["start"][name], delta, atol=1e-7, rtol=0), name
         assert not torch.equal(ours[name].to(torch.bfloat16).float(), ours[name])  # not bf16 values
+
+
+def test_an_adapter_is_merged_back_in_each_weights_stored_precision():
+    """W + scale·B·A is added in at least float32 and written in W's dtype: a float64 checkpoint keeps float64 (a
+    float32 sum would round it), a bf16 one gets the bf16 of the float32 sum."""
+    from types import SimpleNamespace
+
+    from featcal_llm.engine.refine_student import Student
+
+    generator = torch.Generator().manual_seed(0)
+    delta = torch.randn(6, 4, generator=generator) * 1e-3  # the adapter's update, float32 as peft keeps it
+    module = SimpleNamespace(get_delta_weight=lambda adapter: delta)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        stored = torch.randn(6, 4, generator=generator, dtype=torch.float64).to(dtype)
+        student = object.__new__(Student)
+        student.stored = lambda name, stored=stored: stored
+        merged = student._merged_back("w", module)
+        expected = (stored.to(torch.promote_types(dtype, torch.float32)) + delta).to(dtype)
+        assert merged.dtype == dtype and torch.equal(merged, expected), dtype

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -302,8 +301,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     folder = job.staging.root / "refine"
     folder.mkdir(exist_ok=True)
     path = folder / REFINED_FILE
-    stored = {name: (job.merged.get(name) if name in job.merged.weight_map else _staged(job.replacements[name], name)).dtype for name in tensors}
-    save_file({name: tensor.to(stored[name]).contiguous() for name, tensor in tensors.items()}, path)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, path)  # each in its stored dtype
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4g} → {progress['best_kl']:.4g} at step "
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; {saves_line}")
     return {**job.replacements, **{name: path for name in tensors}}, report
@@ -317,11 +315,6 @@ def _step_bar(steps: int, done: int, show: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=steps, initial=done, desc="refine", unit="step", file=sys.stderr, disable=not show, dynamic_ncols=True)
-
-
-def _staged(path: Path, name: str) -> torch.Tensor:
-    with safe_open(path, framework="pt") as handle:
-        return handle.get_tensor(name)
 
 
 def after_check(step: int, saved: bool) -> None:

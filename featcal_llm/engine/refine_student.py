@@ -93,15 +93,14 @@ class Student:
                 parameter.copy_(state[name])
 
     def written(self) -> dict[str, torch.Tensor]:
-        """Every tensor the refinement changed, by checkpoint name. An adapter is merged back into the weights as they
-        are stored, W + scale·B·A in float32: its frozen copies are in the compute dtype (bf16 under autocast), and
-        peft's merge into them would round a float32 checkpoint's projections to bf16."""
-        deltas = {}
+        """Every tensor the refinement changed, by checkpoint name, in the dtype the checkpoint stores it in. An adapter
+        is merged back into the weights as stored (`_merged_back`), one projection at a time."""
+        merged_back = {}
         if self.params == "adapter":
             from peft.tuners.lora import LoraLayer
 
-            deltas = {f"{name}.weight": module.get_delta_weight("default").detach().float().cpu()
-                      for name, module in self.model.named_modules() if isinstance(module, LoraLayer)}
+            merged_back = {f"{name}.weight": self._merged_back(f"{name}.weight", module)
+                           for name, module in self.model.named_modules() if isinstance(module, LoraLayer)}
         model = self.module.unload() if self.params == "adapter" else self.model
         head = model.get_output_embeddings().weight
         projections = tuple(f"{p}.weight" for p in self.job.projections)
@@ -109,8 +108,18 @@ class Student:
         for name, parameter in model.named_parameters():  # a tied head is listed once, as the input embedding
             if name not in self.names:
                 continue
-            if name in deltas:
-                tensors[name] = self.stored(name).float() + deltas[name]
+            if name in merged_back:
+                tensors[name] = merged_back[name]
             elif self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
-                tensors[name] = parameter.detach().cpu()
+                tensors[name] = parameter.detach().to("cpu", self.stored(name).dtype)
         return tensors
+
+    def _merged_back(self, name: str, module: torch.nn.Module) -> torch.Tensor:
+        """W + scale·B·A with W as stored (the closed form's), in at least float32 on the device, then in W's dtype. The
+        frozen copy the adapter trained against is in the compute dtype (bf16 under autocast): peft's own merge into it
+        would round a float32 checkpoint's projections to bf16. One projection at a time: at 8B a float32 copy of every
+        projection would be 28 GB of host memory."""
+        stored = self.stored(name)
+        delta = module.get_delta_weight("default").detach()
+        wide = torch.promote_types(stored.dtype, torch.float32)
+        return (stored.to(delta.device, wide) + delta.to(wide)).to(stored.dtype).cpu()
