@@ -593,3 +593,26 @@ def test_a_refine_batch_larger_than_every_record_is_noted_before_the_run(scenari
                              for note in result.notes), result.notes
     assert not any("batch_records" in note for note in featcal_llm.validate(_write(
         scenario, tmp_path, lambda r, _t: r["featcal"].update(refine={"batch_records": 2}))).notes)
+
+
+def test_vllm_engine_args_are_checked_before_the_calibration_under_auto(scenario, tmp_path, no_weights, monkeypatch):
+    """`backend: auto` where CUDA may be present picks vLLM once torch sees the GPU: a key vLLM does not take is
+    refused by validate, not only when the evaluation plans its backend after the calibration."""
+    from test_eval_backends import _fake_vllm
+
+    from featcal_llm import hardware
+    from featcal_llm.evaluation import vllm_arguments
+
+    _fake_vllm(tmp_path / "site", ["model", "max_num_seqs"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: None)
+    vllm_arguments.vllm_argument_names.cache_clear()
+    try:
+        for engine_args, expected in (({"max_num_seqs": 64}, []), ({"max_num_seq": 64}, [
+                "featcal.eval.backend.engine_args.max_num_seq: not an argument of lm-eval's vllm model, vllm.LLM or vllm's "
+                "EngineArgs (did you mean max_num_seqs?)"])):
+            recipe = _write(scenario, tmp_path, lambda r, _t, e=engine_args: r["featcal"].__setitem__(
+                "eval", {"tasks": ["arc_challenge"], "backend": {"engine_args": e}}))
+            assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == expected
+    finally:
+        vllm_arguments.vllm_argument_names.cache_clear()

@@ -67,7 +67,9 @@ def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str],
 
 def _check_eval_settings(path: Path, section: Any, report: Any, online: bool = False) -> None:
     """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
+    from featcal_llm.evaluation import backends
     from featcal_llm.evaluation.backends import check_settings, planned_backend_name
+    from featcal_llm.evaluation.vllm_arguments import check_vllm_engine_args
     from featcal_llm.evaluation.leaderboard import reference_rows
     from featcal_llm.evaluation.suite import checked_suite, load_suite
 
@@ -83,6 +85,8 @@ def _check_eval_settings(path: Path, section: Any, report: Any, online: bool = F
         try:
             if name is not None:
                 check_settings(name, section.backend)
+            elif backends._installed("vllm"):  # auto on a machine that may have CUDA: vLLM's keys, as auto picks it once CUDA is seen
+                check_vllm_engine_args(section.backend.engine_args, "backend.engine_args")
         except FeatCalError as error:
             raise FeatCalError(f"featcal.eval.{error}") from None
 
