@@ -201,7 +201,9 @@ def _fake_vllm(root: Path, engine_fields: list[str]) -> None:
     (root / "vllm" / "__init__.py").write_text("raise ImportError('vllm is read, never imported, for its arguments')\n")
     (root / "vllm" / "entrypoints" / "llm.py").write_text(
         "class LLM:\n    def __init__(self, model, *, enforce_eager=False, swap_space=4, **kwargs):\n"
-        "        self.worker = kwargs.get('worker_cls')\n")
+        "        self.worker = kwargs.get('worker_cls')\n"
+        "        if 'disable_log_stats' not in kwargs:\n            kwargs['disable_log_stats'] = True\n"
+        "        del kwargs['legacy_flag']\n")
     fields = "".join(f"    {name}: int = 0\n" for name in engine_fields)
     (root / "vllm" / "engine" / "arg_utils.py").write_text(f"import dataclasses\n\n@dataclasses.dataclass\nclass EngineArgs:\n{fields}")
 
@@ -215,7 +217,8 @@ def test_vllm_engine_args_are_checked_against_the_installed_sources(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     vllm_arguments.vllm_argument_names.cache_clear()
     try:
-        for key in ("enforce_eager", "max_num_seqs", "kv_cache_dtype", "worker_cls", "max_gen_toks", "swap_space"):
+        for key in ("enforce_eager", "max_num_seqs", "kv_cache_dtype", "worker_cls", "max_gen_toks", "swap_space",
+                    "disable_log_stats", "legacy_flag"):  # read from **kwargs by .get, `in`, subscript, del
             backends.check_settings("vllm", BackendSettings(engine_args={key: 1}))  # LLM's, EngineArgs', lm-eval's own
         with pytest.raises(FeatCalError, match=r"^backend\.engine_args\.max_num_seq: not an argument of lm-eval's vllm "
                                                r"model, vllm\.LLM or vllm's EngineArgs \(did you mean max_num_seqs\?\)$"):
@@ -228,10 +231,13 @@ def test_vllm_engine_args_are_checked_against_the_installed_sources(tmp_path, mo
         vllm_arguments.vllm_argument_names.cache_clear()
 
 
-def test_engine_args_may_not_set_the_batch_size_or_vllms_max_length():
-    """lm-eval passes batch_size beside model_args (a repeated keyword), and refuses max_length with max_model_len."""
+def test_engine_args_may_not_set_the_batch_size_vllms_max_length_or_its_model():
+    """lm-eval passes batch_size beside model_args (a repeated keyword), refuses max_length with max_model_len, and
+    hands vllm.LLM a `model` from engine_args in place of its own."""
     for name in ("vllm", "hf"):
         with pytest.raises(FeatCalError, match="backend.engine_args.batch_size: set by its own option"):
             backends.check_settings(name, BackendSettings(engine_args={"batch_size": 8}))
     with pytest.raises(FeatCalError, match="backend.engine_args.max_length: set by its own option"):
         backends.check_settings("vllm", BackendSettings(engine_args={"max_length": 8}))
+    with pytest.raises(FeatCalError, match="backend.engine_args.model: set by its own option"):  # vllm.LLM's model: another one
+        backends.check_settings("vllm", BackendSettings(engine_args={"model": "/another/model"}))

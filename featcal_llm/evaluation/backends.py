@@ -78,9 +78,10 @@ class BackendPlan:
 
 
 # lm-eval model_args each backend sets from an option of its own: engine_args may not repeat them
-# (lm-eval's vllm model takes max_length as max_model_len; batch_size reaches lm-eval beside model_args)
+# (lm-eval's vllm model takes max_length as max_model_len; batch_size reaches lm-eval beside model_args; `model` would
+# replace the model lm-eval hands vllm.LLM, scoring another model under this one's name)
 OWN_ARGS = {"vllm": ("pretrained", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "seed",
-                     "data_parallel_size", "chat_template_args", "max_length", "batch_size"),
+                     "data_parallel_size", "chat_template_args", "max_length", "batch_size", "model"),
             "hf": ("pretrained", "dtype", "device", "max_length", "chat_template_args", "batch_size")}
 
 

@@ -40,17 +40,38 @@ def _class_names(path: Path, name: str, kind: str) -> set[str] | None:
     if kind == "fields":
         names = {item.target.id for item in found.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
         return names or None
-    init = next((item for item in found.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"), None)
-    if init is None:
+    inits = [item for item in found.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"]
+    if not inits:
         return None
-    arguments = init.args
-    names = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs] if a.arg != "self"}
-    rest = arguments.kwarg.arg if arguments.kwarg else None  # `kwargs`: the keys read from it are taken too
-    popped = {call.args[0].value for call in ast.walk(init) if isinstance(call, ast.Call)
-              and isinstance(call.func, ast.Attribute) and call.func.attr in ("pop", "get")
-              and isinstance(call.func.value, ast.Name) and call.func.value.id == rest
-              and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)}
-    return names | popped
+    names: set[str] = set()
+    for init in inits:  # every definition (an @overload'ed constructor has several): a key any of them takes
+        arguments = init.args
+        names |= {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs] if a.arg != "self"}
+        if arguments.kwarg is not None:
+            names |= _keys_read(init, arguments.kwarg.arg)
+    return names
+
+
+def _keys_read(function: ast.FunctionDef, kwargs: str) -> set[str]:
+    """The string keys a constructor reads from its **kwargs itself: `kwargs.pop/get("k")`, `kwargs["k"]` (also in a
+    `del`) and `"k" in kwargs`; a key it handles there is one it takes, whatever it passes on."""
+    def is_kwargs(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == kwargs
+
+    def text(node: ast.AST) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    keys = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_kwargs(node.func.value) \
+                and node.func.attr in ("pop", "get", "setdefault") and node.args:
+            keys.add(text(node.args[0]))
+        elif isinstance(node, ast.Subscript) and is_kwargs(node.value):
+            keys.add(text(node.slice))
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and is_kwargs(node.comparators[0]):
+            keys.add(text(node.left))
+    return {key for key in keys if key is not None}
 
 
 @lru_cache(maxsize=1)
