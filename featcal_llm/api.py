@@ -100,17 +100,17 @@ class CalibrationResult:
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
         width = max([len("expert"), *(len(label) for label in labels.values())])
         ours = "closed form" if self.refined else "calibrated"  # measured before refine: changed the weights
-        header = (f"{'expert':<{width}}  {'drift merged':>12}  {'drift ' + ours:>16}  {'KL merged':>10}  "
-                  f"{'KL ' + ours:>14}")
+        columns = ["drift merged", f"drift {ours}", "KL merged", f"KL {ours}"]
+        header = "  ".join([f"{'expert':<{width}}", *columns])
         rows = [header, "-" * len(header)]
         for name, summary in self.experts.items():
-            rows.append(f"{labels[name]:<{width}}  {number(summary.drift_merged):>12}  {number(summary.drift_calibrated):>16}  "
-                        f"{number(summary.kl_merged):>10}  {number(summary.kl_calibrated):>14}")
+            values = (summary.drift_merged, summary.drift_calibrated, summary.kl_merged, summary.kl_calibrated)
+            rows.append("  ".join([f"{labels[name]:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))]))
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
-        rows.append("(drift and KL on each expert's held-out records, which the calibration did not fit)"
-                    if self.probe == "held-out records" else
-                    "(drift and KL on a sample of each expert's calibration records, not on held-out text)")
+        rows.append({"held-out records": "(drift and KL on each expert's held-out records, which the calibration did not fit)",
+                     "calibration subsample": "(drift and KL on a sample of each expert's calibration records, not on held-out text)"}
+                    .get(self.probe, "(drift and KL on each expert's probe records: featcal_drift.json says which)"))
         if self.refined:
             changes = ", ".join(f"{labels.get(name, name)} {number(before)} → {number(after)}"
                                 for name, (before, after) in self.refined.held_out_kl.items())

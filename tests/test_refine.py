@@ -653,6 +653,7 @@ def test_the_runs_summary_table_says_refine_changed_the_weights_after_it_was_mea
                         for label in report["per_expert"]["before"]}
     table = result.table().splitlines()
     assert table[0].split() == ["expert", "drift", "merged", "drift", "closed", "form", "KL", "merged", "KL", "closed", "form"]
+    assert {len(row) for row in table[:2 + len(result.experts)]} == {len(table[0])}  # each value under its heading's end
     assert "(drift and KL on each expert's held-out records, which the calibration did not fit)" in table
     [line] = [line for line in table if line.startswith("then refine: changed the weights")]
     assert line.startswith(f"then refine: changed the weights (step {report['chosen_step']}): held-out KL to each record's teacher ")
@@ -660,13 +661,23 @@ def test_the_runs_summary_table_says_refine_changed_the_weights_after_it_was_mea
         assert f"{label} {before:.4g} → {report['per_expert']['after'][label]:.4g}" in line
 
 
-def test_a_refinement_that_kept_the_closed_form_leaves_the_table_as_the_closed_forms(far_scenario, closed_form):
-    from featcal_llm.api import CalibrationResult, ExpertSummary
+def test_a_refinement_that_kept_the_closed_form_leaves_the_table_as_the_closed_forms(far_scenario, monkeypatch):
+    """No check improved on the closed form (chosen step 0): the weights written are the ones the table measured."""
+    import featcal_llm
+    import featcal_llm.engine.refine as refine_module
 
-    table = CalibrationResult(closed_form, closed_form, {"e": ExpertSummary(0.5, 0.25, 0.1, 0.05)},
-                              probe="calibration subsample").table().splitlines()
-    assert table[0].split()[-2:] == ["KL", "calibrated"] and not any(line.startswith("then refine:") for line in table)
-    assert "(drift and KL on a sample of each expert's calibration records, not on held-out text)" in table
+    def kept(job):
+        return job.replacements, {"params": "full", "lr": 1.0, "steps_run": 2, "chosen_step": 0, "max_steps": 2, "top_k": 1,
+                                  "held_out_kl": {"before": 0.5, "after": 0.5}, "teachers": {},
+                                  "per_expert": {"before": {}, "after": {}}}
+
+    monkeypatch.setattr(refine_module, "refine", kept)
+    recipe = far_scenario.write_recipe(far_scenario.root / "kept-api.yaml", output=str(far_scenario.root / "kept-api"), refine=REFINE)
+    result = featcal_llm.calibrate(recipe, force=True, progress=False)
+    table = result.table().splitlines()
+    assert result.refined is None and table[0].split()[-2:] == ["KL", "calibrated"]
+    assert not any(line.startswith("then refine:") for line in table)
+    assert "(drift and KL on each expert's held-out records, which the calibration did not fit)" in table
 
 
 def test_an_adapter_under_bf16_autocast_is_merged_into_the_float32_weights_unrounded(far_scenario, monkeypatch):
