@@ -103,6 +103,7 @@ def test_a_sharded_merge_gets_the_untied_head_in_its_last_shard_and_index(tmp_pa
         ({"lambda": 0}, "featcal.head.lambda"),
         ({"lamda": 1e-3}, "featcal.head.lamda: unknown key; did you mean 'lambda'?"),
         ("sometimes", "featcal.head"),
+        (None, "featcal.head: empty; write auto, true, false or a mapping of its keys"),  # it read as false (default auto)
     ],
 )
 def test_a_bad_head_setting_is_one_line_naming_the_key(family_scenarios, tmp_path, head, message):

@@ -616,3 +616,10 @@ def test_vllm_engine_args_are_checked_before_the_calibration_under_auto(scenario
             assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == expected
     finally:
         vllm_arguments.vllm_argument_names.cache_clear()
+
+
+def test_an_empty_eval_block_is_refused_not_read_as_no_evaluation(scenario, tmp_path, no_weights):
+    """`eval:` with every key commented out read as no evaluation, while `eval: {}` asks for the suite's defaults."""
+    recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", None))
+    assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == [
+        "featcal.eval: empty; write its keys (tasks, backend, ...) or leave eval: out (got null)"]

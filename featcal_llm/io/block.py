@@ -173,7 +173,8 @@ class FeatCalConfig(RecipeModel):
         default_factory=lambda: HeadSpec(when="auto"), description="also re-fit the LM head after the last layer: auto "
         "(re-fit it where an expert's LM head, or the input embedding it is tied to, is not the base's), true (always), "
         "false (never), or a mapping (see head:); a head tied to the input embeddings becomes a tensor of its own "
-        "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto` (regmean, regmean++: `false`)"},
+        "(config tie_word_embeddings: false)", json_schema_extra={"shown_default": "`auto` (regmean, regmean++: `false`)",
+                                                                "shown_type": "`auto` \\| `true` \\| `false` \\| mapping (`featcal.head:`)"},
     )
     biases: bool = Field(True, description="update biases of projections that have one")
     tokenizer: str | None = Field(None, min_length=1, description="tokenizer source; default: the merged model's")
@@ -183,7 +184,8 @@ class FeatCalConfig(RecipeModel):
         None, description="the model card's license, a Hub license id (apache-2.0, llama3.2, other, ...); default: the base "
         "model's, when its card is on this machine (a local base, or a hub base already downloaded)"
     )
-    eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)")  # type: ignore[valid-type]
+    eval: EvalSection | None = Field(None, description="score the merged and calibrated models after the run (see eval:)",  # type: ignore[valid-type]
+                                     json_schema_extra={"shown_type": "mapping (`featcal.eval:`)", "shown_default": "none (no evaluation)"})
     refine: RefineSpec | None = Field(
         None, description="after the closed form, a few gradient steps toward each record's teacher on the calibration records, "
         "stopped by the held-out records (see refine:): false (default), true (its defaults) or a mapping",
@@ -221,9 +223,18 @@ class FeatCalConfig(RecipeModel):
             raise ValueError(f"expected true, false or a mapping {{steps, lr, params, ...}}, got {value!r}")
         return value
 
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval(cls, value: Any) -> Any:
+        if value is None:  # `eval:` with every key commented out: no evaluation, where `eval: {}` asks for the suite's
+            raise ValueError("empty; write its keys (tasks, backend, ...) or leave eval: out")
+        return value
+
     @field_validator("head", mode="before")
     @classmethod
     def _head(cls, value: Any) -> Any:
+        if value is None:  # `head:` with every key commented out: it read as false, where the default is auto
+            raise ValueError("empty; write auto, true, false or a mapping of its keys")
         if value is True:
             return {}
         if value is False:
