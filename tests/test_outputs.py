@@ -95,6 +95,18 @@ def test_card_keeps_hub_ids_and_says_every_projection():
     assert _calibrated_text(every, regmean=False, biases=False) == ("Every linear projection of every decoder layer was re-fitted. "
                                                                    "The RMSNorm scales were updated too.")
     assert _calibrated_text(every, regmean=False, biases=True).endswith("The projections' biases keep the merged model's values.")
+    # after a refinement that changed the weights, the closed form's account is followed by what the refinement trained
+    some = {**every, "every_projection": False, "norms": False}
+    adapter = {"chosen_step": 3, "params": "adapter", "rank": 8, "tied_head": True}
+    assert _calibrated_text(some, regmean=False, biases=False, refined=adapter) == (
+        "In every decoder layer the projections `mlp.up_proj` were re-fitted; the other projections kept the merged model's "
+        "weights. The norms kept the merged model's scales. That is the closed form; the refinement after it (see "
+        "Refinement) then trained a rank-8 LoRA on the calibrated projections, merged back into the weights, with the norms "
+        "and LM head in full (the LM head is tied to the input embeddings: they trained as one), so those too now differ from the "
+        "merged model.")
+    assert "with the norms, biases and LM head in full, so" in _calibrated_text(
+        some, regmean=False, biases=True, refined={**adapter, "tied_head": False})
+    assert "That is the closed form" not in _calibrated_text(some, regmean=False, biases=True, refined={**adapter, "chosen_step": 0})
 
 
 class FakeHub:

@@ -458,6 +458,10 @@ def test_a_crash_after_an_unsaved_check_resumes_from_the_last_save(far_scenario,
     assert (resumed / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
 
 
+def _has_biases(output: Path) -> bool:
+    return any(name.endswith(".bias") for name in load_file(output / "model.safetensors"))
+
+
 def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypatch):
     """params: adapter: the written checkpoint, loaded by transformers, predicts as the in-memory peft model did."""
     import featcal_llm.engine.refine as refine_module
@@ -477,8 +481,15 @@ def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypa
     report = json.loads((output / "featcal_refine.json").read_text())
     assert report["params"] == "adapter" and report["rank"] == 4 and report["chosen_step"] > 0
     assert seen["lora"]  # a LoRA was trained, not the whole model
-    assert ("then trained a LoRA on the calibrated projections, merged back, and the norms, biases and LM head in full"
-            in " ".join((output / "README.md").read_text().split()))
+    card = " ".join((output / "README.md").read_text().split())
+    biases, tied = _has_biases(output), report["tied_head"]
+    trained = ("a rank-4 LoRA on the calibrated projections, merged back into the weights, with the norms"
+               + (", biases and LM head" if biases else " and LM head") + " in full"
+               + (" (the LM head is tied to the input embeddings: they trained as one)" if tied else ""))
+    assert f"the refinement after it (see Refinement) then trained {trained}, so those too" in card  # the body
+    assert f"`refine:` trained {trained} (AdamW" in card  # and the Refinement section, alike
+    config = json.loads((output / "config.json").read_text())
+    assert tied == bool(config.get("tie_word_embeddings")) and not biases  # Llama without attention_bias
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()

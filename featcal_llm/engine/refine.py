@@ -279,7 +279,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         after_check(step, kept)
     bar.close()
-    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
+    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "tied_head": student.tied,
               "gradient_checkpointing": checkpointing, "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},

@@ -20,7 +20,7 @@ import yaml
 
 from featcal_llm import __version__
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
-from featcal_llm.io.card_settings import SYMBOLS, human, settings_lines
+from featcal_llm.io.card_settings import SYMBOLS, adapter_trained, human, settings_lines
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
 from featcal_llm.io.saved_recipe import RECIPE_FILE, saved_recipe
@@ -123,7 +123,7 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refin
                              "`tie_word_embeddings: false`, so that vLLM serves that head too.")
     if refined is not None and refined.get("chosen_step", 0) > 0:
         trained = ("every parameter (the embeddings, norms and LM head included)" if refined["params"] == "full" else
-                   "a LoRA on the calibrated projections, merged back, and the norms, biases and LM head in full")
+                   adapter_trained(refined.get("rank"), biases, bool(refined.get("tied_head"))))
         sentences = [sentence.replace("keep the merged model's", "kept the merged model's") for sentence in sentences]
         sentences.append(f"That is the closed form; the refinement after it (see Refinement) then trained {trained}, so "
                          "those too now differ from the merged model.")

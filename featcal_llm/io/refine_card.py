@@ -8,16 +8,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from featcal_llm.io.card import public_names
+from featcal_llm.io.card import has_biases, public_names
+from featcal_llm.io.card_settings import adapter_trained
 
 REFINE_FILE = "featcal_refine.json"
 
 
-def refine_text(refined: dict[str, Any]) -> str:
-    """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose."""
+def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
+    """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose (`biases`:
+    whether the model has any)."""
     kl = refined["held_out_kl"]
-    params = "every parameter" if refined["params"] == "full" else (
-        f"a rank-{refined['rank']} LoRA on the calibrated projections, merged back into the weights, with the norms, biases and LM head in full")
+    params = "every parameter" if refined["params"] == "full" else adapter_trained(refined.get("rank"), biases,
+                                                                                  bool(refined.get("tied_head")))
     teachers = ", ".join(f"`{task}`: {teacher}" for task, teacher in refined["teachers"].items())
     left_out = {task: count for task, count in refined.get("records_left_out", {}).items() if count}
     if left_out:
@@ -58,7 +60,7 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     card = directory / "README.md"
     text = card.read_text(encoding="utf-8")
     head, marker, tail = text.partition("## Usage")
-    section = refine_text(refined)
+    section = refine_text(refined, has_biases(directory))
     card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")
     (directory / REFINE_FILE).write_text(json.dumps(_finite(refined), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
