@@ -10,7 +10,8 @@ from featcal_llm.errors import FeatCalError as FeatCalError, RunFailure as RunFa
 
 __version__ = "0.1.0"
 
-_API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "ValidationResult"}
+_API = {"calibrate", "evaluate", "validate", "CalibrationResult", "EvaluationResult", "ExpertSummary", "Problem", "RefineSummary",
+        "ValidationResult"}
 __all__ = sorted({*_API, "FeatCalError", "RunFailure"})
 
 

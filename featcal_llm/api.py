@@ -25,7 +25,7 @@ from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError, QuietExit, collected_warnings
 from featcal_llm.io.problems import Problem, RecipeProblems
 
-__all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalError", "Problem", "ValidationResult", "calibrate",
+__all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalError", "Problem", "RefineSummary", "ValidationResult", "calibrate",
            "evaluate", "validate"]
 
 

@@ -193,3 +193,10 @@ def test_the_git_hash_lm_eval_records_is_asked_quietly(tmp_path, monkeypatch, ca
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"], check=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert quiet_git_hash() == head
+    full = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert quiet_git_hash() == full  # without git, lm-eval's own reading of .git, as it falls back itself

@@ -58,3 +58,7 @@ def test_quoted_and_yaml_string_numbers_still_read_as_numbers():
     assert (spec.steps, spec.lr) == (3, 1e-3)
     with pytest.raises(ValidationError, match="expected a number, got false"):
         RefineSpec.model_validate(yaml.safe_load("{patience: no}"))
+    from featcal_llm.io.block_sections import MergeOptionsSpec
+
+    with pytest.raises(ValidationError, match="expected a number or a string, got true"):  # out_shard_size: 5B is a string
+        MergeOptionsSpec.model_validate({"out_shard_size": True})

@@ -42,8 +42,10 @@ def quiet_git_hash() -> str | None:
 
     try:
         found = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
-    except OSError:  # no git
-        return None
+    except OSError:  # no git: lm-eval's own fallback reads the hash from a .git folder
+        from lm_eval.loggers.utils import get_commit_from_path
+
+        return get_commit_from_path(os.getcwd())
     return (found.stdout.strip() or None) if found.returncode == 0 else None
 
 

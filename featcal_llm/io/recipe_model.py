@@ -13,19 +13,20 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationInfo, field_validator
 
 
-def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
-    """Whether the annotation (through Optional, unions and Annotated) takes a value of one of `kinds`."""
+def _admits(annotation: Any, kinds: tuple[type, ...], literals: bool = True) -> bool:
+    """Whether the annotation (through Optional, unions and Annotated) takes a value of one of `kinds` (with
+    `literals`, also as one of a Literal's values)."""
     if annotation is Any:
         return bool in kinds
     if annotation in kinds:
         return True
     origin = get_origin(annotation)
     if origin is Annotated:
-        return _admits(get_args(annotation)[0], kinds)
+        return _admits(get_args(annotation)[0], kinds, literals)
     if origin in (Union, types.UnionType):
-        return any(_admits(arg, kinds) for arg in get_args(annotation))
+        return any(_admits(arg, kinds, literals) for arg in get_args(annotation))
     if origin is Literal:
-        return any(isinstance(arg, kinds) for arg in get_args(annotation))
+        return literals and any(isinstance(arg, kinds) for arg in get_args(annotation))
     return False
 
 
@@ -38,5 +39,6 @@ class RecipeModel(BaseModel):
         if isinstance(value, bool) and info.field_name in cls.model_fields:
             annotation = cls.model_fields[info.field_name].annotation
             if _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
-                raise ValueError(f"expected a number, got {str(value).lower()}")
+                kind = "a number or a string" if _admits(annotation, (str,), literals=False) else "a number"  # e.g. 5B
+                raise ValueError(f"expected {kind}, got {str(value).lower()}")
         return value
