@@ -46,7 +46,7 @@ class ExpertSummary:
 
 @dataclass(frozen=True)
 class RefineSummary:
-    """What `refine:` changed after the closed form, from featcal_refine.json (present only where it changed the weights)."""
+    """What `refine:` changed after the closed form (featcal_refine.json holds every check); only where it changed the weights."""
 
     chosen_step: int
     held_out_kl: dict[str, tuple[float | None, float | None]]  # by expert: (the closed form's, the written weights')

@@ -213,7 +213,7 @@ class FeatCalConfig(RecipeModel):
     @field_validator("refine", mode="before")
     @classmethod
     def _refine(cls, value: Any) -> Any:
-        if value is None:  # `refine:` with every key commented out: off, as if the user had meant it on
+        if value is None:  # `refine:` with every key commented out read as off, where `refine: {}` is on, with its defaults
             raise ValueError("empty; write true for its defaults, a mapping of its keys, or false")
         if value is True:
             return {}
