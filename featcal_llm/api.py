@@ -33,7 +33,8 @@ __all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalErr
 class ExpertSummary:
     """How far the merged and the calibrated model are from one expert, on that expert's probe records.
 
-    `drift_*`: relative feature drift ‖h − h_expert‖ / ‖h_expert‖ at the last decoder layer's output;
+    `drift_*`: relative feature drift ‖h − h_expert‖ / ‖h_expert‖ at the last decoder layer's output (`*_merged`: of
+    the model the calibration started from, a stack's first stage for a stack: CalibrationResult.start);
     `kl_*`: mean next-token KL(expert ‖ model) through each model's final norm and LM head.
     None where the run did not measure it.
     """
@@ -69,6 +70,7 @@ class CalibrationResult:
     # `refine:` changed the weights after `experts` was measured (featcal_refine.json): the step it chose, and each
     # expert's held-out KL to its records' teacher before and after it
     refined: RefineSummary | None = None
+    start: str = "merged"  # what `experts`' "merged" columns measured: the merge, or a stack's first stage (regmean++)
 
     def headline(self) -> str:
         """The run's last line: where the checkpoint is, and whether it is the merge unchanged."""
@@ -100,7 +102,7 @@ class CalibrationResult:
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
         width = max([len("expert"), *(len(label) for label in labels.values())])
         ours = "closed form" if self.refined else "calibrated"  # measured before refine: changed the weights
-        columns = ["drift merged", f"drift {ours}", "KL merged", f"KL {ours}"]
+        columns = [f"drift {self.start}", f"drift {ours}", f"KL {self.start}", f"KL {ours}"]
         header = "  ".join([f"{'expert':<{width}}", *columns])
         rows = [header, "-" * len(header)]
         for name, summary in self.experts.items():
@@ -286,7 +288,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         output=outcome.output, merged=outcome.merged, experts=summarize_report(report), seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
         warnings=tuple(_dict_named(warning, path) if temporary is not None else warning for warning in warnings),
-        unchanged=outcome.unchanged, probe=report.get("probe"), refined=_refine_summary(outcome.refined),
+        unchanged=outcome.unchanged, probe=report.get("probe"), refined=_refine_summary(outcome.refined), start=outcome.start,
     )
 
 

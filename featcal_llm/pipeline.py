@@ -94,7 +94,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
             outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
         # stage 2's start was the removed intermediate, which stage 1 had changed: the output is never the merge unchanged
-        return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False)
+        return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False, start=recipe.featcal.method[0])
     resolved = resolve(comm, recipe, force, device)
     with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):
         outcome = _calibrate(comm, resolved, progress, timer)

@@ -220,3 +220,17 @@ def test_a_stack_whose_featcal_stage_keeps_its_input_is_not_called_the_merge_unc
     assert last.startswith(f"calibrated checkpoint written to {tmp_path / 'stack'}") and "unchanged" not in last, last
     ours, merged = read_weights(tmp_path / "stack"), read_weights(merged_scenario.root / "merged")
     assert any(not torch.equal(ours[name], merged[name]) for name in ours)  # RegMean++ changed the merge
+
+
+def test_a_stacks_table_names_its_first_stage_as_the_start_it_measured(merged_scenario, tmp_path):
+    """Stage 2's drift report measures RegMean++'s output, not the merge: the table's columns say so."""
+    import featcal_llm
+
+    path = recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                  reduction=0.5, **FEATCAL)
+    result = featcal_llm.calibrate(path, progress=False)
+    report = json.loads((tmp_path / "stack" / "featcal_drift.json").read_text())
+    assert result.start == "regmean++" and result.table().splitlines()[0].split()[1:] == [
+        "drift", "regmean++", "drift", "calibrated", "KL", "regmean++", "KL", "calibrated"]
+    first = next(iter(result.experts.values()))
+    assert first.kl_merged == next(iter(report["output_divergence"]["merged"].values()))  # the report's start column

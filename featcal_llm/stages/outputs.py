@@ -65,6 +65,7 @@ class RunOutcome:
     evaluation: str | None = None
     unchanged: bool = False  # the output is the merged model: every expert trails it on its own records
     refined: dict | None = None  # where `refine:` changed the weights: its chosen step and per-expert held-out KL
+    start: str = "merged"  # what the calibration started from, as the drift report measured it (a stack: its first method)
 
 
 def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, lead_summary, coverage,
