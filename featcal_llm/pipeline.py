@@ -137,6 +137,7 @@ def _calibrate(comm: Single, resolved: Resolved, progress: bool, timer) -> RunOu
         return RunOutcome(resolved.output, opened.models.merged.directory)
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
+        _drop_the_layer_loops_state(context)
         replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
     return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
@@ -175,6 +176,18 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
         counts = {task: len(records) for task, records in data.sequences.items()}  # every rank: the gather is collective
         dropped = trailing_record_indices(comm, token_weights.advantages, context.batches, rows, counts)
     return lead_summary, (weights, coverage), taught, dropped
+
+
+def _drop_the_layer_loops_state(context: RunContext) -> None:
+    """What only the layer loop needed, dropped before `refine:` builds whole models: the hidden-state streams (at 8B,
+    26 GB of host memory, pinned on a GPU box), the statistics buffers (4 GB of the GPU's) and the `output` criterion's
+    heads (8 GB). What is written after reads the plan, the staging area and the data, not these."""
+    from featcal_llm.engine.record import StatisticsWorkspace
+
+    context.cal, context.expert, context.heads, context.workspace = {}, {}, None, StatisticsWorkspace()
+    if context.probe is not None:
+        context.probe.cal, context.probe.expert, context.probe.merged = {}, {}, {}
+    release_memory()
 
 
 def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float],

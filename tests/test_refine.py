@@ -740,3 +740,22 @@ def test_an_adapter_is_merged_back_in_each_weights_stored_precision():
         merged = student._merged_back("w", module)
         expected = (stored.to(torch.promote_types(dtype, torch.float32)) + delta).to(dtype)
         assert merged.dtype == dtype and torch.equal(merged, expected), dtype
+
+
+def test_the_layer_loops_state_is_dropped_before_the_refinement(far_scenario, monkeypatch):
+    """The refinement builds whole models: the hidden-state streams (26 GB of host memory at 8B) and the statistics
+    buffers (4 GB of the GPU's) of the finished layer loop are let go first; the drift report keeps what it needs."""
+    import featcal_llm.pipeline as pipeline
+
+    seen, original = {}, pipeline._refine
+
+    def spy(context, *args):
+        probe = context.probe
+        seen.update(cal=len(context.cal), expert=len(context.expert), buffers=len(context.workspace._buffers),
+                    probe=sum(len(streams) for streams in (probe.cal, probe.expert, probe.merged)), heads=context.heads)
+        return original(context, *args)
+
+    monkeypatch.setattr(pipeline, "_refine", spy)
+    output = run(far_scenario, "dropped", refine={**REFINE, "steps": 2, "eval_every": 2})
+    assert seen == {"cal": 0, "expert": 0, "buffers": 0, "probe": 0, "heads": None}
+    assert json.loads((output / "featcal_drift.json").read_text())["output_divergence"]  # the report kept what it needs

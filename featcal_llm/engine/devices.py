@@ -22,6 +22,9 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # pinned host blocks, kept by the allocator
+        if empty_host_cache is not None:
+            empty_host_cache()
 
 
 def resolve_device(requested: str) -> torch.device:
