@@ -169,15 +169,19 @@ class _PeakMemory:
 
 
 def _gpu_peak(reset: bool) -> int | None:
+    """The run's peak CUDA memory, the largest over the visible GPUs: a run on `cuda:1` leaves the current device (0)
+    untouched, whose peak alone read as nothing."""
     import sys
 
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
+    devices = range(torch.cuda.device_count())
     if reset:
-        torch.cuda.reset_peak_memory_stats()
+        for device in devices:
+            torch.cuda.reset_peak_memory_stats(device)
         return None
-    return int(torch.cuda.max_memory_allocated())
+    return max(int(torch.cuda.max_memory_allocated(device)) for device in devices)
 
 
 def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> tuple[Path, Path | None]:

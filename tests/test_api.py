@@ -354,3 +354,19 @@ def test_a_resumed_bar_names_its_method_and_never_counts_past_the_last_layer():
     again = TokenProgress(3, 10, done_layers=1)
     done.close(), again.close()
     assert done.bar.desc == "RegMean++ layer 2/2" and done.bar.n == 20 and again.bar.desc == "FeatCal layer 2/3"
+
+
+def test_the_gpu_peak_is_the_largest_over_the_visible_gpus(monkeypatch):
+    """A single-process run on cuda:1 allocates nothing on the current device (0): its peak is read from every GPU."""
+    import torch
+
+    from featcal_llm.api import _gpu_peak
+
+    peaks, resets = {0: 0, 1: 7 * 2**30}, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks[0 if device is None else device])
+    assert _gpu_peak(reset=True) is None and resets == [0, 1]
+    assert _gpu_peak(reset=False) == 7 * 2**30
