@@ -196,3 +196,19 @@ def test_the_resume_fingerprint_knows_where_each_response_starts():
     ids = [5, 6, 7, 8, 9]
     digests = {sequences_digest({"a": [sequence]}) for sequence in (Record(ids, 2), Record(ids, 3), list(ids))}
     assert len(digests) == 3
+
+
+def test_refines_saved_generators_are_the_cpus_and_its_own_gpus(monkeypatch):
+    """Saving every visible GPU's generator made a resume with fewer GPUs visible fail (IndexError, a traceback):
+    only the refinement's own GPU's is saved and restored, into whichever index it runs on now."""
+    from featcal_llm.engine import refine_progress
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: calls.append(("get", device)) or torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: calls.append(("set", device, int(state[0]))))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's generator saved"))
+    saved = refine_progress.rng_state(torch.device("cuda", 3))
+    assert set(saved) == {"cpu", "cuda"} and calls == [("get", torch.device("cuda", 3))]
+    refine_progress.set_rng_state(saved, torch.device("cuda", 0))  # resumed where one GPU is visible
+    assert calls[-1] == ("set", torch.device("cuda", 0), 7)
+    assert set(refine_progress.rng_state(torch.device("cpu"))) == {"cpu"}

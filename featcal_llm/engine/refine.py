@@ -236,7 +236,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         saved["best"] = best
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        set_rng_state(saved["rng"])
+        set_rng_state(saved["rng"], job.device)
         progress = {key: saved[key] for key in ("step", "best", "best_step", "best_kl", "bad", "history", "done", "before")}
         runlog.stage(f"refine: resuming after step {progress['step']} from the saved progress")
     else:
@@ -275,7 +275,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                      + (f"; above the closed form's beyond two standard errors for {', '.join(names[t] for t in above)}, so not kept" if above else "")
                      + f"); best {progress['best_kl']:.4g} at step {progress['best_step']}")
         _note(bar, loss, progress["best_kl"])  # the best as this check left it
-        kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(),
+        kept = saver.after_check(progress, lambda: {"settings": settings, "current": student.state(), "rng": rng_state(job.device),
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         after_check(step, kept)
     bar.close()

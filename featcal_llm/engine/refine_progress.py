@@ -35,17 +35,19 @@ def best_pass(step: int | str) -> str:
     return f"refine-best-{step}"
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The generators the refinement draws from: the CPU's and its own GPU's (not every visible GPU's: a resume with
+    fewer GPUs visible, or another index, restores the one it runs on)."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if isinstance(state.get("cuda"), torch.Tensor) and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class MissingBest(Exception):

@@ -178,7 +178,7 @@ class StagingArea:
         if not path.is_file():
             return None
         try:
-            return torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True, map_location="cpu")  # a GPU's tensors, on whichever GPUs are visible now
         except Exception:  # a damaged file: the pass runs again
             return None
 
