@@ -232,3 +232,20 @@ def test_a_choice_measured_in_one_dtype_is_not_reused_in_another(kinds, tmp_path
     assert len(probes) == 1  # same dtype: the choice is reused
     generate(torch.float64)
     assert len(probes) == 2  # another dtype: measured again
+
+
+def test_a_backend_that_fails_to_open_after_the_probe_is_reported_as_itself(kinds, tmp_path, probes, monkeypatch):
+    """The probe's transformers sampler is closed before vLLM opens; when vLLM fails to start (too little free memory),
+    its own error is what the run reports, not the probe sampler closed a second time (an AttributeError)."""
+    from featcal_llm.errors import FeatCalError
+
+    path = kinds_recipe(kinds, tmp_path)
+    monkeypatch.setattr(generation_run, "choose_backend", lambda *args: "vllm")
+
+    def fails(*args, **kwargs):
+        raise FeatCalError("vllm could not start: 0.9 of the GPU's memory is not free")
+
+    monkeypatch.setattr(generation_run, "open_sampler", fails)
+    with pytest.raises(FeatCalError, match="vllm could not start"):
+        _generate_only(path)
+    assert probes  # the start was measured, so a probe sampler was open when vLLM was asked for

@@ -253,6 +253,7 @@ def generated_sequences(
                 if sampler is None or backend != "transformers":
                     if sampler is not None:
                         sampler.close()
+                        sampler = None  # closed: a failed open below must not close it again, hiding its own error
                     sampler = open_sampler(backend, source, tokenizer, device, dtypes[name], featcal.trust_remote_code, settings["seed"])
                 tally = _sample(sampler, backend, start, settings, tokenizer, labels[name], progress)
                 if not tally.kept:
