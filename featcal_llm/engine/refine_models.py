@@ -61,7 +61,7 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
 def logits_of(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head on final-norm outputs, returned in float32, with the family's logit soft-capping (Gemma-2). Under bf16
     autocast the product itself is bf16 (logits near 20 in steps of 0.125), for the student as for its teachers, whose
-    top-k log-probabilities are kept in float16: a KL floor near 1e-3 nats a token, below what the refinement moves."""
+    top-k log-probabilities are kept in float16: a KL floor estimated near 1e-3 nats a token (not measured on a GPU)."""
     head = model.get_output_embeddings()
     logits = head(hidden).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
