@@ -401,3 +401,18 @@ def test_a_stack_on_two_ranks_gives_the_one_process_weights_and_leaves_no_stage_
     assert [r.returncode for r in ranks] == [0, 0], ranks
     assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_gpu_named_by_index_under_torchrun_is_refused_before_any_model_loads(monkeypatch):
+    """Every rank would compute on that one GPU, which NCCL refuses at its first collective, after the loading."""
+    from featcal_llm.engine.distributed import rank_device
+    from featcal_llm.errors import FeatCalError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(FeatCalError, match=r"^featcal\.device: cuda:1 under torchrun would put every rank on that one GPU; "
+                                           r"write cuda \(each rank takes its LOCAL_RANK's GPU\)"):
+        rank_device(torch.device("cuda", 1))
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rank_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # one process: the GPU it names

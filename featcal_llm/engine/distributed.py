@@ -134,7 +134,11 @@ def communicator() -> Single:
 
 
 def rank_device(device: torch.device) -> torch.device:
-    """Under torchrun each rank computes on its local GPU (cuda:LOCAL_RANK); CPUs are shared."""
+    """Under torchrun each rank computes on its local GPU (cuda:LOCAL_RANK); CPUs are shared. A GPU named by index would
+    hold every rank, and NCCL refuses that at its first collective, after every rank has loaded its models."""
+    if device.type == "cuda" and device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise FeatCalError(f"featcal.device: {device} under torchrun would put every rank on that one GPU; write cuda "
+                           "(each rank takes its LOCAL_RANK's GPU) and choose the GPUs with CUDA_VISIBLE_DEVICES")
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
