@@ -107,6 +107,10 @@ def test_card_keeps_hub_ids_and_says_every_projection():
     assert "with the norms, biases and LM head in full, so" in _calibrated_text(
         some, regmean=False, biases=True, refined={**adapter, "tied_head": False})
     assert "That is the closed form" not in _calibrated_text(some, regmean=False, biases=True, refined={**adapter, "chosen_step": 0})
+    from featcal_llm.io.card_settings import adapter_trained
+
+    # no check kept: nothing was merged back, and the Refinement section says what trained without it
+    assert adapter_trained(8, False, False, kept=False) == "a rank-8 LoRA on the calibrated projections with the norms and LM head in full"
 
 
 class FakeHub:

@@ -205,8 +205,10 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
                 "gradient_checkpointing": checkpointing, "kept": KEPT_RULE}  # progress saved under another rule starts over
     left_out = sum(job.left_out.values())
-    runlog.stage(f"refine: {params} parameters, lr {lr:g}, gradient checkpointing {'on' if checkpointing else 'off'}, "
-                 f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) on {len(train_keys)} records"
+    precision = f"bf16 autocast, {str(master).removeprefix('torch.')} masters" if autocast is not None else str(master).removeprefix("torch.")
+    runlog.stage(f"refine: {params} parameters, lr {lr:g}, {precision}, gradient checkpointing {'on' if checkpointing else 'off'}, "
+                 f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) over each teacher's "
+                 f"top-{spec.top_k} tokens on {len(train_keys)} records"
                  + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
                  + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
     if 0 < len(train_keys) < spec.batch_records:

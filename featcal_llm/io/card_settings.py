@@ -62,10 +62,12 @@ def settings_lines(settings: dict[str, Any]) -> str:
     return "\n".join(f"- {SETTING_TEXT.get(key, key)}: {_setting_text(key, value)}" for key, value in rounded(settings).items())
 
 
-def adapter_trained(rank: int | None, biases: bool, tied_head: bool) -> str:
-    """What `refine: {params: adapter}` trained, in the card's words: biases named only for a model that has them, and
-    the input embeddings where the LM head is tied to them (the head trains as the embedding then)."""
+def adapter_trained(rank: int | None, biases: bool, tied_head: bool, kept: bool = True) -> str:
+    """What `refine: {params: adapter}` trained, in the card's words: biases named only for a model that has them, the
+    input embeddings where the LM head is tied to them (the head trains as the embedding then), and the adapter merged
+    back only where a check was kept."""
     lora = f"a rank-{rank} LoRA" if rank else "a LoRA"
     full = "the norms, biases and LM head" if biases else "the norms and LM head"
     tied = " (the LM head is tied to the input embeddings: they trained as one)" if tied_head else ""
-    return f"{lora} on the calibrated projections, merged back into the weights, with {full} in full{tied}"
+    merged = ", merged back into the weights," if kept else ""
+    return f"{lora} on the calibrated projections{merged} with {full} in full{tied}"

@@ -18,8 +18,9 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose (`biases`:
     whether the model has any)."""
     kl = refined["held_out_kl"]
+    kept = refined["chosen_step"] > 0
     params = "every parameter" if refined["params"] == "full" else adapter_trained(refined.get("rank"), biases,
-                                                                                  bool(refined.get("tied_head")))
+                                                                                  bool(refined.get("tied_head")), kept)
     teachers = ", ".join(f"`{task}`: {teacher}" for task, teacher in refined["teachers"].items())
     left_out = {task: count for task, count in refined.get("records_left_out", {}).items() if count}
     if left_out:
@@ -33,6 +34,8 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written. The drift report (`featcal_drift.json`) measures "
                    "the closed form's output, before this refinement.")
+    outcome += (" These held-out KLs are the stage's own measure, over each teacher's top-k tokens in the precision it "
+                "trained in, not the drift report's full-vocabulary KL to each expert, and need not equal it.")
     held = refined.get("held_out_records") or {}
     if any(held.values()):
         outcome += (" The checks' records (" + ", ".join(f"{count} of `{task}`'s" for task, count in held.items())

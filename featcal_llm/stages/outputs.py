@@ -130,7 +130,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         remove_staging(partial)
     changed = refined is not None and refined["chosen_step"] > 0
     return RunOutcome(output, merged_dir, unchanged=unchanged,
-                      refined={"chosen_step": refined["chosen_step"], "per_expert": refined["per_expert"]} if changed else None)
+                      refined={key: refined[key] for key in ("chosen_step", "per_expert", "top_k")} if changed else None)
 
 
 def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
