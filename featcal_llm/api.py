@@ -51,6 +51,7 @@ class RefineSummary:
 
     chosen_step: int
     held_out_kl: dict[str, tuple[float | None, float | None]]  # by expert: (the closed form's, the written weights')
+    top_k: int | None = None  # the KL is refine's own measure, over each teacher's top-k tokens (not the drift report's)
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,9 @@ class CalibrationResult:
             changes = ", ".join(f"{labels.get(name, name)} {number(before)} → {number(after)}"
                                 for name, (before, after) in self.refined.held_out_kl.items())
             rows.append(f"then refine: changed the weights (step {self.refined.chosen_step}): held-out KL to each record's "
-                        f"teacher {changes} (featcal_refine.json)")
-        rows.append(f"time {_duration(self.seconds)}" + (f"; peak memory: {', '.join(memory)}" if memory else ""))
+                        f"teacher over its top-{self.refined.top_k} tokens, refine's own measure, {changes} (featcal_refine.json)")
+        rows.append(f"time {_duration(self.seconds)}" + (f"; peak memory: {', '.join(memory)}" if memory else "")
+                    + (" (host: the resident set, with the pages of the model files read)" if self.peak_host_memory else ""))
         return "\n".join(rows)
 
 
@@ -301,7 +303,7 @@ def _refine_summary(refined: Mapping[str, Any] | None) -> RefineSummary | None:
     if not refined:
         return None
     before, after = refined["per_expert"]["before"], refined["per_expert"]["after"]
-    return RefineSummary(refined["chosen_step"], {name: (before.get(name), after.get(name)) for name in before})
+    return RefineSummary(refined["chosen_step"], {name: (before.get(name), after.get(name)) for name in before}, refined.get("top_k"))
 
 
 @dataclass(frozen=True)

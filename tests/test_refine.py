@@ -173,6 +173,9 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert report["held_out_records"] == {Path(task).name: len(rows) for task, rows in records.items()} and all(report["held_out_records"].values())
     card = " ".join((refined / "README.md").read_text().split())
     assert "were held out of the closed form's statistics too (`tune.holdout`): both stages fitted the rest." in card
+    assert "calibration tokens (in the records not held out: `tune.holdout`)" in card  # the experts' counts say which records
+    assert ("These held-out KLs are the stage's own measure, over each teacher's top-k tokens in the precision it trained in, "
+            "not the drift report's full-vocabulary KL to each expert, and need not equal it.") in card
     # the body's account of what was re-fitted is the closed form's: it says what the refinement trained after it
     assert ("That is the closed form; the refinement after it (see Refinement) then trained every parameter (the embeddings, "
             "norms and LM head included), so those too now differ from the merged model.") in card
@@ -563,9 +566,10 @@ def test_an_expert_at_weight_0_neither_trains_nor_stops_the_refinement(far_scena
     report = json.loads((output / "featcal_refine.json").read_text())
     assert list(report["teachers"]) == ["expert0"] and list(report["per_expert"]["before"]) == ["expert0"]
     err = capsys.readouterr().err
-    trained = re.search(r"KL\(teacher ‖ model\) on (\d+) records", err)
+    trained = re.search(r"KL\(teacher ‖ model\) over each teacher's top-\d+ tokens on (\d+) records", err)
     assert trained is not None and int(trained.group(1)) < 24
     assert err.count(f"featcal.refine.batch_records: 24 is more than the {trained.group(1)} training records") == 1
+    assert re.search(r"refine: full parameters, lr 0\.0003, float32, gradient checkpointing o", err)  # the precision it ran in
 
 
 def test_data_free_records_refine_the_same_way(far_scenario, capsys):
@@ -667,7 +671,8 @@ def test_the_runs_summary_table_says_refine_changed_the_weights_after_it_was_mea
     assert {len(row) for row in table[:2 + len(result.experts)]} == {len(table[0])}  # each value under its heading's end
     assert "(drift and KL on each expert's held-out records, which the calibration did not fit)" in table
     [line] = [line for line in table if line.startswith("then refine: changed the weights")]
-    assert line.startswith(f"then refine: changed the weights (step {report['chosen_step']}): held-out KL to each record's teacher ")
+    assert line.startswith(f"then refine: changed the weights (step {report['chosen_step']}): held-out KL to each record's teacher "
+                           f"over its top-{report['top_k']} tokens, refine's own measure, ")
     for label, before in report["per_expert"]["before"].items():
         assert f"{label} {before:.4g} → {report['per_expert']['after'][label]:.4g}" in line
 

@@ -268,8 +268,9 @@ def write_card(
                 + (f", {summary['records_dropped']} of its {summary['records']} records weighed 0 (`trailing_records: drop`)"
                    if summary.get("records_dropped") else ""))
 
+    held_out = " (in the records not held out: `tune.holdout`)" if featcal.holds_out else ""
     experts = "\n".join(
-        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + how(e.name)
+        f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + held_out + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
         + lead_text(e.name)
         + (f"; it predicts its own records worse than the merged model (by {-taught[e.name]:.3g} nats a token), so its records "
