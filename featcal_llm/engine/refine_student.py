@@ -4,6 +4,7 @@ adapter on the projections with norms, biases and the head in full), and the ten
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,7 +78,9 @@ class Student:
             head.data = head.data.to(master)  # trained in full (the tied embedding with it)
             suffixes = sorted({p.rsplit(".", 1)[-1] for p in job.projections})
             lora = LoraConfig(r=job.spec.rank, lora_alpha=job.spec.rank, lora_dropout=0.0, target_modules=suffixes, bias="none")
-            self.module = get_peft_model(self.model, lora)
+            with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: its FutureWarning
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                self.module = get_peft_model(self.model, lora)
             for name, parameter in self.model.named_parameters():
                 if parameter.dim() == 1 or parameter is head:
                     parameter.requires_grad_(True)
