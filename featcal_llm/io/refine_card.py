@@ -26,7 +26,7 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     if left_out:
         teachers += (". Left out, as the closed form weighs them 0 (the expert trails the merge on them): "
                      + ", ".join(f"{count} of `{task}`'s records" for task, count in left_out.items()))
-    if refined["chosen_step"] == 0:
+    if not kept:
         outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}) without raising "
                    "an expert's held-out KL above the closed form's beyond two standard errors over its held-out records, so the "
                    "weights are the closed form's, unchanged.")
