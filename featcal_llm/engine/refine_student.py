@@ -50,8 +50,14 @@ class Student:
 
     def __init__(self, job: RefineJob, params: str, master: torch.dtype, checkpointing: bool, autocast: torch.dtype | None = None):
         self.job, self.params, self.checkpointing = job, params, checkpointing
-        _, get = checkpoint_tensors(job.merged, job.replacements)
-        self.stored = get  # a tensor as the closed form left it, in its stored dtype
+        _, stored = checkpoint_tensors(job.merged, job.replacements)
+        self.stored = stored  # a tensor as the closed form left it, in its stored dtype
+        self.stored_dtypes: dict[str, torch.dtype] = {}  # each tensor's, noted as the model is built: written() casts back
+
+        def get(name: str) -> torch.Tensor:
+            tensor = stored(name)
+            self.stored_dtypes[name] = tensor.dtype
+            return tensor
         self.names = names = student_names(job)  # kept tied where the output must be, whatever lm_head.weight the merge stores
         # frozen weights stay in the compute dtype under autocast, which casts every matmul alike; without it (float32
         # throughout) they are float32 too, or a float32 activation would meet a bf16 weight
@@ -114,7 +120,7 @@ class Student:
             if name in merged_back:
                 tensors[name] = merged_back[name]
             elif self.params == "full" or parameter.dim() == 1 or parameter is head or name.endswith(projections):
-                tensors[name] = parameter.detach().to("cpu", self.stored(name).dtype)
+                tensors[name] = parameter.detach().to("cpu", self.stored_dtypes[name])
         return tensors
 
     def _merged_back(self, name: str, module: torch.nn.Module) -> torch.Tensor:
