@@ -192,14 +192,29 @@ def test_refine_lowers_the_held_out_kl_to_the_teachers(far_scenario, refined, cl
     assert (again / "model.safetensors").read_bytes() == (refined / "model.safetensors").read_bytes()
 
 
-def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_form, capsys):
-    """A learning rate far too high: every check is worse than the closed form, so its tensors are written, bit for bit."""
+def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_form, capsys, monkeypatch):
+    """A learning rate far too high: every check is worse than the closed form, so its tensors are written, bit for bit;
+    the log and the card say why (the training KL rose too) and what to try."""
+    import featcal_llm.engine.refine as refine_module
+
+    losses = []
+    step = refine_module.train_step
+    monkeypatch.setattr(refine_module, "train_step", lambda *args: losses.append(step(*args)) or losses[-1])
     wild = {**REFINE, "lr": 1.0}
     refined = run(far_scenario, "wild", refine=wild)
     closed = closed_form
     report = json.loads((refined / "featcal_refine.json").read_text())
     assert report["chosen_step"] == 0 and report["steps_run"] == 2 * wild["eval_every"]  # patience 2: two worse checks
-    assert re.search(r"so the closed form's output stands unchanged; \d+ s in all; progress saved at [12] of 2 checks \(\d+ s\)", capsys.readouterr().err)
+    # step 0's training KL: the first step's, before any update; each check's: the mean over the steps since the last
+    every = wild["eval_every"]
+    assert [check.get("train_kl") for check in report["history"]] == pytest.approx(
+        [losses[0], sum(losses[:every]) / every, sum(losses[every:]) / every], rel=1e-12)
+    assert report["history"][-1]["train_kl"] > 10 * report["history"][0]["train_kl"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"so the closed form's output stands unchanged; the training KL rose as well, from [\d.e-]+ \(the closed form, "
+                     r"on the first step's records\) to [\d.e+]+ \(the steps before the last check\): the steps overshoot; a "
+                     r"smaller refine.lr \(say 0.1\) may help; \d+ s in all; progress saved at [12] of 2 checks \(\d+ s\)", err)
+    assert "the steps overshoot; a smaller refine.lr (say 0.1) may help." in " ".join((refined / "README.md").read_text().split())
     assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
     assert "measured_on" not in json.loads((refined / "featcal_drift.json").read_text())  # the weights it measured
 

@@ -30,6 +30,28 @@ def test_the_kept_check_lowers_the_mean_and_raises_no_expert():
     assert mean_kl({"a": {"sums": [1.0, 6.0], "counts": [10, 30]}, "b": _one_record(0.4)}) == pytest.approx((0.175 + 0.4) / 2)
 
 
+def test_why_no_check_was_kept_reads_the_checks():
+    """Three reasons, each with its remedy: a check that traded an expert for the mean, a training KL that rose above
+    the closed form's (the steps overshoot: a tenth of the learning rate), one that fell while the held-out KL did not."""
+    from featcal_llm.engine.refine_rules import why_none_kept
+
+    def check(step, held, train, above=()):
+        return {"step": step, "held_out_kl": held, "train_kl": train, "above_closed_form": list(above)}
+
+    start = {"step": 0, "held_out_kl": 0.10, "train_kl": 0.02, "per_expert": {}}
+    traded = why_none_kept([start, check(5, 0.09, 0.01, ["b"]), check(10, 0.12, 0.01, ["a"]), check(15, 0.08, 0.01, ["a", "b"])], 1e-4)
+    assert traded == "the checks at steps 5, 15 lowered the mean but raised a, b: here the steps fit some experts at another's cost"
+    assert why_none_kept([start, check(5, 0.09, 0.01, ["b"])], 1e-4).startswith("the check at step 5 lowered the mean but raised b:")
+    rose = why_none_kept([start, check(5, 0.11, 0.015), check(10, 0.2, 0.03)], 1e-4)
+    assert rose == ("the training KL rose as well, from 0.02 (the closed form, on the first step's records) to 0.03 (the steps "
+                    "before the last check): the steps overshoot; a smaller refine.lr (say 1e-05) may help")
+    assert "rose as well" in why_none_kept([start, check(5, float("nan"), float("nan"))], 3e-4)  # diverged
+    assert "say 3e-05" in why_none_kept([start, check(5, float("nan"), float("nan"))], 3e-4)
+    fell = why_none_kept([start, check(5, 0.11, 0.03), check(10, 0.12, 0.019)], 1e-4)
+    assert fell.startswith("the training KL fell, from 0.02") and fell.endswith(
+        "while the held-out KL did not: the steps fit the training records without carrying to the held-out ones")
+
+
 def test_a_rise_counts_only_beyond_two_standard_errors_over_the_records():
     """The rise of an expert's held-out KL is judged with its records as the unit: the token-weighted mean of the
     per-record differences against two standard errors of that ratio estimate (computed here with numpy)."""

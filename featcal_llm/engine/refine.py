@@ -46,7 +46,7 @@ from featcal_llm.io.checkpoint import checkpoint_tensors
 from featcal_llm.engine.refine_progress import (ProgressSaver, MissingBest, forget_progress, load_best, rng_state, saved_progress,
                                                 set_rng_state)
 from featcal_llm.io.names import short_names
-from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised
+from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised, why_none_kept
 from featcal_llm.engine.refine_schedule import lr_factor, record_order
 from featcal_llm.engine.refine_student import Student, student_names, student_parameters
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
@@ -250,10 +250,14 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     started = time.perf_counter()
     student.module.train()
     bar = _step_bar(spec.steps, progress["step"], job.progress)
+    window = []  # the training KLs since the last check (progress is saved only at checks, so a resume loses none)
     while not progress["done"] and progress["step"] < spec.steps:
         step = progress["step"]
         optimizer.zero_grad(set_to_none=True)
         loss = train_step(student, store, order[step], records, job, autocast)
+        if step == 0:  # measured before the first update: the closed form's training KL on the first step's records
+            progress["history"][0]["train_kl"] = loss
+        window.append(loss)
         torch.nn.utils.clip_grad_norm_(trainable, spec.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -265,8 +269,9 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         check = heldout_kl(student, store, held_keys, records, job, autocast)
         value, per_expert = mean_kl(check), expert_kls(check)
         above = raised(check, progress["before"])
-        progress["history"].append({"step": step, "train_kl": loss, "held_out_kl": value, "per_expert": per_expert,
-                                    "above_closed_form": above})
+        progress["history"].append({"step": step, "train_kl": sum(window) / len(window), "held_out_kl": value,
+                                    "per_expert": per_expert, "above_closed_form": above})
+        window = []
         checks += 1
         if improves(value, above, progress["best_kl"]):
             progress.update(best=student.state(), best_step=step, best_kl=value, bad=0)
@@ -296,7 +301,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                   f"({saver.seconds:.0f} s)")
     if progress["best"] is None:
         runlog.stage(f"refine: no check lowered the held-out KL ({report['held_out_kl']['before']:.4g}) without raising an expert's "
-                     f"above the closed form's beyond two standard errors, so the closed form's output stands unchanged; {saves_line}")
+                     f"above the closed form's beyond two standard errors, so the closed form's output stands unchanged; "
+                     f"{why_none_kept(_named(progress['history'], names), lr)}; {saves_line}")
         return job.replacements, report
     student.load(progress["best"])
     tensors = student.written()
@@ -307,6 +313,11 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     runlog.stage(f"refine: held-out KL {report['held_out_kl']['before']:.4g} → {progress['best_kl']:.4g} at step "
                  f"{progress['best_step']} of {progress['step']} run; {len(tensors)} tensors refined; {saves_line}")
     return {**job.replacements, **{name: path for name in tensors}}, report
+
+
+def _named(history: list[dict], names: dict[str, str]) -> list[dict]:
+    """The checks with their raised experts by the short names the log uses."""
+    return [{**check, "above_closed_form": [names[task] for task in check.get("above_closed_form", [])]} for check in history]
 
 
 def _note(bar, loss: float, best_kl: float) -> None:

@@ -4,6 +4,8 @@ above the closed form's beyond the noise of its held-out records. Pure functions
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from featcal_llm.maths.advantage import lead_margin, lead_moments
@@ -45,4 +47,28 @@ def improves(mean: float, above: list[str], best_kl: float) -> bool:
     return mean < best_kl and not above
 
 
-__all__ = ["KEPT_RULE", "expert_kls", "improves", "mean_kl", "raised"]
+def why_none_kept(history: list[dict], lr: float) -> str:
+    """Why no check was kept, read from the checks (`featcal_refine.json`'s history), with what to try: a user whose
+    refinement kept the closed form had only "no check improved" to go on. A check that lowered the mean but raised
+    an expert trades one expert for the others; a training KL above the closed form's (step 0's: the first step's
+    records before any update) means the steps overshoot their own objective, which a smaller learning rate cures;
+    a training KL that fell while the held-out one did not means the steps fit records that do not carry."""
+    start, checks = history[0], history[1:]
+    traded = [check for check in checks if check["held_out_kl"] < start["held_out_kl"] and check["above_closed_form"]]
+    if traded:
+        raised_experts = sorted({task for check in traded for task in check["above_closed_form"]})
+        steps = ", ".join(str(check["step"]) for check in traded)
+        return (f"{'the checks at steps' if len(traded) > 1 else 'the check at step'} {steps} lowered the mean but raised "
+                f"{', '.join(raised_experts)}: here the steps fit some experts at another's cost")
+    first, last = start.get("train_kl"), checks[-1].get("train_kl") if checks else None
+    if first is None or last is None:
+        return "no check ran"
+    if not math.isfinite(last) or last > first:
+        return (f"the training KL rose as well, from {first:.4g} (the closed form, on the first step's records) to "
+                f"{last:.4g} (the steps before the last check): the steps overshoot; a smaller refine.lr (say {lr / 10:g}) may help")
+    return (f"the training KL fell, from {first:.4g} (the closed form, on the first step's records) to {last:.4g} (the steps "
+            "before the last check), while the held-out KL did not: the steps fit the training records without carrying to "
+            "the held-out ones")
+
+
+__all__ = ["KEPT_RULE", "expert_kls", "improves", "mean_kl", "raised", "why_none_kept"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.io.card import has_biases, public_names
+from featcal_llm.engine.refine_rules import why_none_kept
 from featcal_llm.io.card_settings import adapter_trained
 
 REFINE_FILE = "featcal_refine.json"
@@ -29,7 +30,8 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     if not kept:
         outcome = (f"No held-out check improved on the closed form's output (held-out KL {kl['before']:.4g}) without raising "
                    "an expert's held-out KL above the closed form's beyond two standard errors over its held-out records, so the "
-                   "weights are the closed form's, unchanged.")
+                   "weights are the closed form's, unchanged")
+        outcome += f": {why_none_kept(refined['history'], refined['lr'])}." if refined.get("history") else "."
     else:
         outcome = (f"The held-out KL to the teachers went from {kl['before']:.4g} (the closed form's output) to {kl['after']:.4g} at "
                    f"step {refined['chosen_step']}, the weights written. The drift report (`featcal_drift.json`) measures "
