@@ -47,6 +47,16 @@ def stage(line: str) -> None:
     _emit(line, NORMAL)
 
 
+def table(text: str) -> None:
+    """A table the run prints (a search's choices): on the terminal unless quiet, always in the log."""
+    log: IO[str] | None = _state["log"]
+    if log is not None:
+        log.write(text.rstrip("\n") + "\n")
+        log.flush()
+    if verbosity() >= NORMAL:
+        print(text, file=_original_stderr())
+
+
 def _emit(line: str, level: int) -> None:
     """Always into the log file (time-stamped); on the terminal from `level` of verbosity up."""
     log: IO[str] | None = _state["log"]

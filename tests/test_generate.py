@@ -376,3 +376,23 @@ def test_writing_out_the_sampling_keeps_what_the_recipe_says_and_a_replay_header
     assert data["b"]["generate"] == resolved and data["c"] == {"path": "c.jsonl"}
     assert out.startswith(SAMPLING_HEADER) and with_sampling_pinned(text, {}) == text
     assert with_sampling_pinned(REPLAY_HEADER + text, {"b": resolved}).startswith(REPLAY_HEADER)
+
+
+def test_a_quiet_run_prints_no_generation_line_loading_bar_or_search_table_and_logs_them(merged_scenario, tmp_path):
+    """`run -q` promises warnings, errors and the result only: the generation's lines, transformers' loading bar and a
+    search's table go to the log file alone."""
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0,), chat_template="off")
+    recipe = yaml.safe_load(path.read_text())
+    recipe["featcal"].update({"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5})
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    log = tmp_path / "run.log"
+    result = CliRunner().invoke(main, ["run", str(path), "--quiet", "--log", str(log)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "" and result.stdout == f"calibrated checkpoint written to {tmp_path / 'out'}\n"
+    logged = log.read_text()
+    assert "generation: transformers loaded" in logged and "generation: expert" in logged and "samples from the BOS token" in logged
+    assert "lambda" in logged.split("samples from the BOS token")[1]  # the search's table, after the generation

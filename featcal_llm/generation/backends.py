@@ -9,13 +9,13 @@ reproduces its samples for a given `batch_size` on one machine.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from featcal_llm import runlog
 from featcal_llm.engine.devices import release_memory
 from featcal_llm.errors import FeatCalError
 from featcal_llm.hardware import vllm_refusal
@@ -99,8 +99,16 @@ class TransformersSampler:
 
     def __init__(self, source: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
 
-        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, trust_remote_code=trust_remote_code)
+        bar = transformers_logging.is_progress_bar_enabled()
+        if runlog.verbosity() == runlog.QUIET:  # `run -q`: no loading bar either
+            transformers_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, trust_remote_code=trust_remote_code)
+        finally:
+            if bar:
+                transformers_logging.enable_progress_bar()
         if source.adapter is not None:
             from peft import PeftModel
 
@@ -194,5 +202,5 @@ def open_sampler(backend: str, source: Any, tokenizer: Any, device: torch.device
         sampler = VllmSampler(source, source.tokenizer_directory, dtype, trust_remote_code, seed)
     else:
         sampler = TransformersSampler(source, tokenizer, device, dtype, trust_remote_code)
-    print(f"featcal-llm: generation: {backend} loaded {source.reference} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    runlog.stage(f"generation: {backend} loaded {source.reference} in {time.perf_counter() - started:.1f} s")
     return sampler

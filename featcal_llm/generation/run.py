@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from featcal_llm import runlog
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.resume import checkpoint_identity, fingerprint
 from featcal_llm.io.identity import sampling_identity
@@ -129,7 +130,7 @@ def _summary(name: str, record: dict, path: Path, reused: bool) -> str:
         how = "reused: same weights, generation config, tokenizer files, settings, prompts, dtype, device and backend"
     else:
         how = f"{record['backend']}, {record['generated_tokens']} tokens in {record['seconds']:.1f} s, {record['tokens_per_second']:.0f} tok/s"
-    return f"featcal-llm: generation: expert {name}: {record['kept']} samples from the {record['start']} ({how}; dropped {dropped_text}) → {path}"
+    return f"generation: expert {name}: {record['kept']} samples from the {record['start']} ({how}; dropped {dropped_text}) → {path}"
 
 
 PROBE_BACKEND = "transformers"  # the start probe always samples with transformers, whatever backend writes the samples
@@ -201,7 +202,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
         store_choice(path, key, choice.as_record())
     reused = " (measured before)" if cached is not None else f" in {choice.seconds:.1f} s" + (
         f" (and {choice.merge_seconds:.1f} s merging, which calibration needs anyway)" if choice.merge_seconds >= 0.05 else "")
-    print(f"featcal-llm: generation: expert {name}: {choice.describe()}{reused}", file=sys.stderr)
+    runlog.stage(f"generation: expert {name}: {choice.describe()}{reused}")
     return candidates[choice.mode], choice.mode, choice, sampler
 
 
@@ -271,7 +272,7 @@ def generated_sequences(
         finally:
             if sampler is not None:
                 sampler.close()
-        print(_summary(name, record, samples_path, cached is not None), file=sys.stderr)
+        runlog.stage(_summary(name, record, samples_path, cached is not None))
         result[name] = [sample["token_ids"] for sample in samples]
         written[name] = [sample["token_ids"][sample.get("prompt_length", 0) : featcal.max_length] for sample in samples]
     _warn_look_alike(recipe, written)  # what the experts wrote: a prompt every expert shares says nothing about them

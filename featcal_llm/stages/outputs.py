@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -101,7 +100,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     if plan.tuning is not None and not unchanged:
         tuning = tuning_report(plan.tuning, [record["tuning"] for record in records])
         (checkpoint / TUNING_JSON).write_text(json.dumps(tuning, indent=1) + "\n", encoding="utf-8")
-        print(tuning_table(tuning), file=sys.stderr)
+        runlog.table(tuning_table(tuning))
     if not unchanged:
         report = drift_report(probe, records)
         if refined is not None and refined["chosen_step"] > 0:  # measured in the layer loop, before the refinement
@@ -126,7 +125,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     if refined is not None:
         append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
-    if not featcal._keeps_progress:  # a stack's first stage: the stack removes it once stage 2 has finished too
+    if not featcal._keeps_progress:  # a stack's first stage (the stack removes it once stage 2 has finished too), --keep-layers
         remove_staging(partial)
     changed = refined is not None and refined["chosen_step"] > 0
     return RunOutcome(output, merged_dir, unchanged=unchanged,
