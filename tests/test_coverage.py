@@ -202,6 +202,10 @@ def test_an_expert_no_better_than_the_base_on_its_own_records_is_named(tmp_path,
     _, base, experts, sequences = reference_models(scenario)
     with torch.no_grad():
         behind = {path for path, expert in experts.items() if full_model_nll(expert, sequences[path]) >= full_model_nll(base, sequences[path])}
-    warned = {line.split("featcal.data.")[1].split(":")[0] for line in capsys.readouterr().err.splitlines()
+    err = capsys.readouterr().err
+    warned = {line.split("featcal.data.")[1].split(":")[0] for line in err.splitlines()
               if "predicts its own records no better than the base model does" in line}
     assert str(spoilt) in behind and warned == behind, (warned, behind)
+    sampled = min(len(sequences[str(spoilt)]), 16)  # the records the pass read, not the sample's cap, where fewer
+    assert sampled < 16 and f"nats a token, on {sampled} of them)" in err
+    assert f"weighing the experts by coverage: {sampled} records per expert through the base" in err

@@ -91,16 +91,20 @@ def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[in
     unset = [name for name in featcal.data if name not in given]
     if featcal.balancing == "equal" or not unset or len(featcal.data) < 2:
         return {name: given.get(name, 1.0) for name in featcal.data}, None
-    runlog.stage(f"weighing the experts by coverage: {COVERAGE_RECORDS} records per expert through the base and every expert")
+    sample = coverage_sample(sequences)
+    counts = {task: len(records) for task, records in sample.items()}
+    counted = (f"{min(counts.values())}" if len(set(counts.values())) == 1
+               else f"{min(counts.values())}–{max(counts.values())}")  # fewer than COVERAGE_RECORDS where an expert has fewer
+    runlog.stage(f"weighing the experts by coverage: {counted} records per expert through the base and every expert")
     started = time.perf_counter()
-    losses, base = model_losses(ctx, ctx.comm.shard(coverage_sample(sequences)), num_layers, featcal.batch_tokens)
+    losses, base = model_losses(ctx, ctx.comm.shard(sample), num_layers, featcal.batch_tokens)
     covered = coverage_weights(losses, base)
     weights = {name: given.get(name, covered[name]) for name in featcal.data}
     names = short_names(list(featcal.data))
     runlog.stage(describe(weights, losses, base, names, time.perf_counter() - started, set(given)))
     for name, (own, base_nll) in behind_the_base(losses, base).items():
         warn(f"featcal.data.{name}: expert {names[name]} predicts its own records no better than the base model does "
-             f"({own:.3f} against {base_nll:.3f} nats a token, on {COVERAGE_RECORDS} of them): it has not learnt this kind "
+             f"({own:.3f} against {base_nll:.3f} nats a token, on {counts[name]} of them): it has not learnt this kind "
              "of text; check that the data is what it was fine-tuned on, and the expert itself")
     return weights, {**losses, BASE: base}
 
