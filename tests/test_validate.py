@@ -182,6 +182,17 @@ def _eval_output_file_and_data_type(r, t):
                             "nltk_data": str(t / "a-file")}
 
 
+def _eval_output_under_a_file(r, t):
+    """Had passed validate, calibrated, then ended in a traceback."""
+    (t / "a-file").write_text("x")
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(t / "a-file" / "results")}
+
+
+def _eval_output_in_the_checkpoint(r, _t):
+    """Had passed: the evaluation's cache and tables went into the published checkpoint, which a --force rerun deletes."""
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(Path(r["featcal"]["output"]) / "scores")}
+
+
 def _renamed(r, _t):
     r["featcal"]["balance"] = "equal"
     r["featcal"]["token_weights"] = "advantage"
@@ -247,6 +258,10 @@ CASES = {
         ["featcal.eval.output:", "a-file: a file, not a results directory"],
         ["featcal.eval.data.gsm8k:", "gsm8k.txt: expected one of .json, .jsonl, .parquet, .csv, .arrow or a directory"],
         ["featcal.eval.nltk_data:", "a-file: directory not found"]]),
+    "eval output under a file": (_eval_output_under_a_file, [["featcal.eval.output:", "a-file is not a directory"]]),
+    "eval output inside the calibrated checkpoint": (_eval_output_in_the_checkpoint, [
+        ["featcal.eval.output:", "/scores: lies inside featcal.output", ": the results would be written into a model's folder; "
+         "name a results directory of its own"]]),
     "eval data for a task the suite lacks, a reference the paper lacks": (_suite_data_key, [
         ["featcal.eval.data.gsm9k: not a task of suite mergebench"], ["featcal.eval.reference: unknown model Llama-9B; the paper has"]]),
     "output under a file, eval data missing": (_output_under_file, [

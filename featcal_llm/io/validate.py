@@ -104,7 +104,8 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if (output or setting("output")) and not any(problem.key == output_key for problem in problems):  # one line for it
         check_output(path, Path(output or setting("output")), problems, report.notes, output_key)
     if featcal is not None and featcal.eval is not None:
-        check_eval(path, featcal.eval, report, online)
+        written = {"OUTPUT" if output else "featcal.output": output or setting("output"), "featcal.merged": setting("merged")}
+        check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})
     if featcal is not None:
         _check_device(path, device, featcal, report)
     if report.offline:

@@ -11,11 +11,13 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.model_files import has_chat_template
+from featcal_llm.io.output_dir import inside, same, unwritable
 from featcal_llm.io.problems import Problem, collect
 
 
-def check_eval(path: Path, section: Any, report: Any, online: bool = False) -> None:
-    """Files the eval: block names exist (beside the recipe, or from the current directory)."""
+def check_eval(path: Path, section: Any, report: Any, online: bool = False, models: dict[str, Path] | None = None) -> None:
+    """Files the eval: block names exist (beside the recipe, or from the current directory); its output can be written
+    and is none of the `models` the run writes (the calibrated checkpoint, the merge), nor inside one."""
     places = lambda value: [(where / value).expanduser() for where in (path.parent, Path.cwd())]  # noqa: E731
     found = lambda value: any(place.exists() for place in places(value))  # noqa: E731
     is_dir = lambda value: any(place.is_dir() for place in places(value))  # noqa: E731
@@ -29,8 +31,15 @@ def check_eval(path: Path, section: Any, report: Any, online: bool = False) -> N
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: not found"))
         elif not is_dir(location) and Path(location).suffix not in DATA_BUILDERS:
             report.problems.append(Problem(str(path), f"featcal.eval.data.{task}", f"{location}: expected one of {', '.join(DATA_BUILDERS)} or a directory"))
-    if Path(section.output).exists() and not Path(section.output).is_dir():  # run would fail after the calibration
+    results = Path(section.output).expanduser()
+    if results.exists() and not results.is_dir():  # run would fail after the calibration
         report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: a file, not a results directory"))
+    elif unwritable(results) is not None:
+        report.problems.append(Problem(str(path), "featcal.eval.output", unwritable(results)))
+    for key, model in (models or {}).items():  # its files would go into a checkpoint, which a --force run replaces
+        if same(results, model) or inside(results, model):
+            report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: {'is' if same(results, model) else 'lies inside'} "
+                                          f"{key} {model}: the results would be written into a model's folder; name a results directory of its own"))
     if section.nltk_data and not is_dir(section.nltk_data):
         report.problems.append(Problem(str(path), "featcal.eval.nltk_data", f"{section.nltk_data}: directory not found"))
     if len(report.problems) == before:  # the suite's own checks, as run makes them after the calibration (its file read now)
