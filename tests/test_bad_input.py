@@ -336,3 +336,18 @@ def test_an_output_argument_under_a_tilde_is_refused_as_featcal_output_is(merged
     with pytest.raises(featcal_llm.FeatCalError, match="OUTPUT: ~/calibrated: run takes a path as written"):
         featcal_llm.calibrate(recipe, output="~/calibrated", progress=False)
     assert not (tmp_path / "~").exists()
+
+
+def test_a_tokenizer_folder_with_a_config_but_no_vocabulary_is_named_as_such(tmp_path):
+    """A LoRA adapter folder that copied only tokenizer_config.json: transformers' own message listed the files it had
+    tried as "one of: " and nothing; the line says which file is missing."""
+    import json
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.stages.prepare import _tokenizer
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(FeatCalError) as error:
+        _tokenizer(tmp_path, "expert e", False)
+    assert str(error.value) == (f"expert e: {tmp_path}: cannot load a tokenizer: it has tokenizer_config.json but no vocabulary "
+                                "file (tokenizer.json, tokenizer.model, vocab.json); copy the tokenizer's files there")

@@ -396,3 +396,33 @@ def test_a_quiet_run_prints_no_generation_line_loading_bar_or_search_table_and_l
     logged = log.read_text()
     assert "generation: transformers loaded" in logged and "generation: expert" in logged and "samples from the BOS token" in logged
     assert "lambda" in logged.split("samples from the BOS token")[1]  # the search's table, after the generation
+
+
+def test_every_start_is_checked_before_any_expert_samples(merged_scenario, tmp_path, count_samplers, monkeypatch):
+    """A start validate cannot read (no tokenizer.json: a SentencePiece model, a vocab.json; simulated here) is a note
+    there, and run refuses it before the first expert samples, not after every expert before it has generated."""
+    from types import SimpleNamespace
+
+    import featcal_llm.io.validate as validate_module
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.generation.prompts import check_start
+    from featcal_llm.io.validate import check_recipe
+
+    monkeypatch.setattr(validate_module, "vocabulary_has", lambda directory, token: None)
+    path = _generate_recipe(merged_scenario, tmp_path, which=(0, 1), chat_template="off")
+    recipe = yaml.safe_load(path.read_text())
+    second = recipe["models"][1]["model"]
+    recipe["featcal"]["data"][second]["generate"]["start"] = "<nope>"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    report = check_recipe(path)
+    assert report.problems == [] and any("generate.start: '<nope>' not checked: validate reads a vocabulary from "
+                                         "tokenizer.json" in note for note in report.notes)
+    with pytest.raises(FeatCalError) as error:
+        run_recipe(path, progress=False)
+    assert str(error.value) == f"{path}: featcal.data.{second}.generate.start: '<nope>' is not a token of the expert's vocabulary"
+    assert count_samplers == [] and not (tmp_path / "out").exists()
+    bare = SimpleNamespace(bos_token_id=None, eos_token_id=None, chat_template=None)
+    spec = SimpleNamespace(chat_template="off", start=None, prompts=None)
+    with pytest.raises(FeatCalError, match=r"^r.yaml: featcal.data.e.generate: the expert's tokenizer and config have neither a BOS "
+                                           r"nor an EOS token to start generation from; give prompts \(generate.prompts\) or a start"):
+        check_start(spec, bare, SimpleNamespace(bos_token_id=None), "r.yaml: featcal.data.e.generate")

@@ -38,7 +38,16 @@ def start_token(tokenizer: Any, config: Any, start: str | None = None, where: st
             value = value[0] if value else None
         if isinstance(value, int):
             return value
-    raise FeatCalError("the tokenizer has neither a BOS nor an EOS token to start generation from; give prompts")
+    raise FeatCalError(f"{where}: the expert's tokenizer and config have neither a BOS nor an EOS token to start generation "
+                       "from; give prompts (generate.prompts) or a start token (generate.start)")
+
+
+def check_start(spec: Any, tokenizer: Any, config: Any, where: str) -> None:
+    """What `resolve_start` would refuse of an expert's start, asked of every expert before any samples: a `start` not in
+    its vocabulary, a chat template asked for that it lacks, no token to begin at without prompts."""
+    chat = uses_chat_template(spec.chat_template, tokenizer, where)
+    if spec.start is not None or (spec.prompts is None and not chat):
+        start_token(tokenizer, config, spec.start, where)
 
 
 def uses_chat_template(setting: str, tokenizer: Any, where: str) -> bool:

@@ -21,7 +21,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
 from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
 from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
-from featcal_llm.generation.prompts import Start, candidate_starts, read_prompts, resolve_start
+from featcal_llm.generation.prompts import Start, candidate_starts, check_start, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
 from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, set_paths, store_choice, store_samples
 from featcal_llm.io.block import beside_recipe
@@ -231,12 +231,16 @@ def generated_sequences(
     names = [e.name for e in recipe.experts if featcal.data[e.name].generate is not None]
     labels = short_names([e.name for e in recipe.experts])
     base = resolve_source(recipe.base, f"{recipe.path}: base_model")
+    places = {name: f"{recipe.path}: featcal.data.{name}.generate" for name in names}
+    # every expert's tokenizer and start, before the first expert samples (minutes to hours): what validate cannot read
+    # without a tokenizer.json (a SentencePiece model, a vocab.json) is refused before any work, not after the others
+    tokenizers = {name: _expert_tokenizer(sources[name], name, places[name], featcal.trust_remote_code) for name in names}
+    for name in names:
+        check_start(featcal.data[name].generate, tokenizers[name], configs[name], places[name])
     result, written = {}, {}
     for name in names:
-        spec, source = featcal.data[name].generate, sources[name]
-        where = f"{recipe.path}: featcal.data.{name}.generate"
+        spec, source, tokenizer, where = featcal.data[name].generate, sources[name], tokenizers[name], places[name]
         settings = settings_of(recipe, name)
-        tokenizer = _expert_tokenizer(source, name, where, featcal.trust_remote_code)
         samples_path, record_path = set_paths(Path(featcal.output), labels[name])
         start, mode, choice, sampler = _start(recipe, name, sources, base, tokenizer, configs[name], settings, samples_path, device, dtypes[name], where)
         filled = [i for i, ids in enumerate(start.ids) if len(ids) >= featcal.max_length]

@@ -267,6 +267,10 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         spec = (data or {}).get(str(reference))
         if source is not None and spec is not None and spec.generate is not None:
             problems.extend(_writer_problems(path, str(reference), spec.generate, source.tokenizer_directory))
+            if spec.generate.start is not None and vocabulary_has(source.tokenizer_directory, spec.generate.start) is None:
+                report.notes.append(f"{path}: featcal.data.{reference}.generate.start: {spec.generate.start!r} not checked: validate "
+                                    "reads a vocabulary from tokenizer.json, and this expert's has none; run checks it, "
+                                    "with every generating expert's start, before any expert samples")
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))

@@ -71,13 +71,18 @@ def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
 def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
-    from featcal_llm.io.model_files import NO_TOKENIZER, has_tokenizer_files
+    from featcal_llm.io.model_files import NO_TOKENIZER, TOKENIZER_FILES, has_tokenizer_files
 
     if source.is_dir() and not has_tokenizer_files(source):  # validate says the same from the listing
         raise FeatCalError(f"{what}: {source}: {NO_TOKENIZER}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as error:
+        vocabulary = [name for name in TOKENIZER_FILES if name != "tokenizer_config.json" and (source / name).is_file()]
+        if source.is_dir() and not vocabulary:  # transformers' own message lists the files it tried as "one of: " and nothing
+            raise FeatCalError(f"{what}: {source}: cannot load a tokenizer: it has tokenizer_config.json but no vocabulary "
+                               f"file ({', '.join(name for name in TOKENIZER_FILES if name != 'tokenizer_config.json')}); copy "
+                               "the tokenizer's files there") from None
         raise FeatCalError(f"{what}: {source}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
     return tokenizer
 
@@ -257,6 +262,12 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
         featcal.max_length, featcal.shuffle, featcal.seed, recipe.path,
     )
+    for name, source in resolved.experts.items():  # before any expert generates: minutes to hours that a refusal would waste
+        directory = source.tokenizer_directory
+        if (directory / "tokenizer_config.json").is_file():
+            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
+        elif changes_tokenizer(recipe.merge_config):
+            raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
     dtypes = {name: resolve_dtype(featcal.dtype, resolved.device, stored_dtype(config)) for name, config in resolved.expert_configs.items()}
     sequences = with_generated(comm, recipe, sequences, resolved.experts, resolved.expert_configs, resolved.device, dtypes, progress)
     positions = getattr(base_config, "max_position_embeddings", None)
@@ -269,12 +280,6 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
     if not merged_path.exists() and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
         check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {resolved.base.directory}", {name: f"expert {name}" for name in sized})
-    for name, source in resolved.experts.items():
-        directory = source.tokenizer_directory
-        if (directory / "tokenizer_config.json").is_file():
-            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
-        elif changes_tokenizer(recipe.merge_config):
-            raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
     if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
         calibration, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
     else:
