@@ -126,7 +126,7 @@ def _name_dict_recipe(error: FeatCalError, path: Path) -> FeatCalError:
 
 def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os.PathLike | None = None,
               device: str | None = None, force: bool = False, progress: bool = True,
-              push_to_hub: str | None = None, public: bool = False) -> CalibrationResult:
+              push_to_hub: str | None = None, public: bool = False, keep_layers: bool = False) -> CalibrationResult:
     """Merge (if the merged model does not exist yet) and calibrate the model a recipe describes.
 
     `recipe`: a recipe file, or the same content as a dict. `output` overrides
@@ -134,7 +134,9 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     existing output; `progress=False` silences the progress bar and the stage
     lines. A run that stops is resumed by calling again with the same recipe.
     `push_to_hub`: upload the calibrated model to this Hub repository (created
-    private unless `public`) after the run succeeded. Errors in the input raise
+    private unless `public`) after the run succeeded. `keep_layers` keeps the
+    run's saved progress (the calibrated layers, refine's teachers), so that a
+    rerun with other `refine:` settings starts from them. Errors in the input raise
     `FeatCalError` with a one-line message.
     """
     from featcal_llm.startup import heavy_import
@@ -159,7 +161,8 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
                 raise RecipeProblems(refused)
             with quiet:
                 outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device,
-                                                                                  progress=progress, output=output)
+                                                                                  progress=progress, output=output,
+                                                                                  keep_layers=keep_layers)
                 if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
                     from featcal_llm.io.hub import push_folder
 

@@ -91,8 +91,11 @@ Examples:
               help="Upload the calibrated model to this Hugging Face Hub repository (created private); the login is checked "
                    "before the run, and nothing is pushed if the run fails.")
 @click.option("--public", is_flag=True, help="With --push-to-hub: create the repository public.")
+@click.option("--keep-layers", is_flag=True,
+              help="Keep the calibrated layers (and refine:'s teachers) after the run, so that rerunning into the same OUTPUT "
+                   "with other refine: settings refines again without calibrating the layers again.")
 def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
-        repo_id: str | None, public: bool) -> None:
+        repo_id: str | None, public: bool, keep_layers: bool) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE.
 
     OUTPUT, when given, replaces the recipe's featcal.output (as `mergekit-yaml CONFIG OUT` names its output).
@@ -124,7 +127,8 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
         try:
             with freezing_imports():
                 result = heavy_import("featcal_llm.api").calibrate(recipe, output=output, device=device, force=force,
-                                                                   progress=level > runlog.QUIET, push_to_hub=repo_id, public=public)
+                                                                   progress=level > runlog.QUIET, push_to_hub=repo_id, public=public,
+                                                                   keep_layers=keep_layers)
         except QuietExit:  # a torchrun rank whose error rank 0 reports
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:

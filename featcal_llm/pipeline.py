@@ -28,6 +28,7 @@ from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, o
 from featcal_llm.io.output_lock import OutputLock
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
+from featcal_llm.stages.keep_layers import kept_layers, say_kept
 from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs
 from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, open_merged, read_data, resolve, run_context
 
@@ -43,23 +44,25 @@ def _unwritable(comm: Single, error: OSError) -> RunFailure:
 
 
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
-               output: str | Path | None = None) -> Path:
+               output: str | Path | None = None, keep_layers: bool = False) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory (`output` overrides featcal.output)."""
-    return run_recipe_outcome(recipe_path, force, device, progress, timer, output).output
+    return run_recipe_outcome(recipe_path, force, device, progress, timer, output, keep_layers).output
 
 
 def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
-                       output: str | Path | None = None) -> RunOutcome:
+                       output: str | Path | None = None, keep_layers: bool = False) -> RunOutcome:
     """Calibrate the merge described by the recipe; returns what the run produced.
 
     Progress is kept in a hidden sibling of the output after every layer; rerunning
-    the same command after a crash resumes from it. Under torchrun (WORLD_SIZE > 1)
-    this process is one rank of a data-parallel run (engine/distributed.py).
+    the same command after a crash resumes from it (`keep_layers`: after a finished
+    run too, so that a rerun with other `refine:` settings starts from the closed form).
+    Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel run
+    (engine/distributed.py).
     """
     comm = communicator()
     QUIET["warnings"] = not comm.is_main
     try:
-        return _run(comm, recipe_path, force, device, progress, timer, output)
+        return _run(comm, recipe_path, force, device, progress, timer, output, keep_layers=keep_layers)
     except WorldError:
         raise
     except OSError as error:  # a full disk or a read-only directory: one line; saved layers stay for the rerun
@@ -79,7 +82,7 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
 
 
 def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer,
-         output_override: str | Path | None = None, locked: bool = False) -> RunOutcome:
+         output_override: str | Path | None = None, locked: bool = False, keep_layers: bool = False) -> RunOutcome:
     """resolve → data → merge → run context → weights → layers → outputs → `eval:` (a stack: two runs of this function,
     under the stack's lock: `locked`)."""
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
@@ -87,12 +90,16 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     if output_override is not None:
         recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
                          text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too
+    if keep_layers:
+        recipe = kept_layers(recipe)
     if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function, under one lock
         from featcal_llm.engine.stack import run_stack
 
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
             outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
+        if keep_layers and comm.is_main:
+            say_kept(recipe)
         # stage 2's start was the removed intermediate, which stage 1 had changed: the output is never the merge unchanged
         return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False, start=recipe.featcal.method[0])
     resolved = resolve(comm, recipe, force, device)
@@ -101,6 +108,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         if comm.is_main:  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
             release_memory()
             outcome = evaluate_outputs(recipe, outcome)  # under the lock: a --force run may not swap the output it reads
+    if keep_layers and comm.is_main:
+        say_kept(recipe)
     return outcome
 
 

@@ -357,6 +357,43 @@ def test_a_changed_refine_setting_keeps_the_layers_and_refines_again(far_scenari
     assert (resumed / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
 
 
+def test_keep_layers_lets_a_rerun_with_another_lr_refine_from_the_calibrated_layers(far_scenario, monkeypatch, capsys):
+    """`run --keep-layers`: the finished run keeps its saved progress and says so; the rerun into the same output with
+    another `lr` calibrates no layer and computes no teacher again, writes a fresh run's bytes and, without the flag,
+    removes the progress. Without `refine:` the flag is refused in one line, before any work."""
+    import featcal_llm.engine.calibrate as calibrate_module
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.api import calibrate
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.output_dir import partial_dir
+    from featcal_llm.pipeline import run_recipe
+
+    recipe = far_scenario.write_recipe(far_scenario.root / "kept.yaml", output=str(far_scenario.root / "kept"), refine=REFINE)
+    output = run_recipe(recipe, force=True, progress=False, keep_layers=True)
+    partial = partial_dir(output)
+    assert re.search(rf"kept {re.escape(str(partial))} \(\d+\.\d\d GiB\): rerunning this recipe into {re.escape(str(output))} "
+                     r"\(with --force, or after moving it aside\) with other refine: settings starts from its calibrated layers",
+                     " ".join(capsys.readouterr().err.split()))
+    assert (partial / "pass-refine-teachers.pt").is_file() and (output / "model.safetensors").is_file()
+    slower = {**REFINE, "lr": 1e-4}
+    again = far_scenario.write_recipe(far_scenario.root / "kept-slower.yaml", output=str(output), refine=slower)
+    layers, teachers = [], []
+    fit, teach = calibrate_module.calibrate_layer, refine_module.teach
+    with monkeypatch.context() as patch:
+        patch.setattr(calibrate_module, "calibrate_layer", lambda *a, **k: layers.append(1) or fit(*a, **k))
+        patch.setattr(refine_module, "teach", lambda *a, **k: teachers.append(1) or teach(*a, **k))
+        rerun = run_recipe(again, force=True, progress=False)
+    assert layers == [] and teachers == [] and not partial.exists()
+    assert json.loads((rerun / "featcal_refine.json").read_text())["lr"] == 1e-4
+    fresh = run(far_scenario, "kept-fresh", refine=slower)
+    assert (rerun / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    bare = far_scenario.write_recipe(far_scenario.root / "bare.yaml", output=str(far_scenario.root / "bare"))
+    with pytest.raises(FeatCalError) as error:
+        calibrate(bare, keep_layers=True, progress=False)
+    assert str(error.value).startswith(f"--keep-layers: {bare}: featcal has no refine: block;") and "\n" not in str(error.value)
+    assert not (far_scenario.root / "bare").exists()
+
+
 def test_teachers_saved_at_another_top_k_are_computed_again(far_scenario, monkeypatch, capsys):
     """The teachers' saved top-k distributions hold `top_k` tokens a position: a rerun asking for fewer computes them
     again (reusing them would train on a KL over other bins), to the bytes of a fresh run at the new top_k."""

@@ -90,6 +90,30 @@ def test_a_stack_whose_second_stage_failed_reruns_from_the_first_stages_saved_la
     assert_same(read_weights(stacked), read_weights(reference))
 
 
+def test_keep_layers_keeps_both_stages_and_a_rerun_with_another_refine_lr_calibrates_no_layer(merged_scenario, tmp_path, monkeypatch):
+    """`--keep-layers` on a stack: stage 1's output and both stages' saved layers stay; the rerun with another `lr`
+    replays every layer of both stages and refines again, writing what a fresh stack writes; then nothing is left."""
+    import featcal_llm.engine.calibrate as calibrate_module
+
+    refine = {"steps": 2, "eval_every": 1, "lr": 3e-4, "precision": "float32", "params": "full"}
+    path = recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                  reduction=0.5, refine=refine, **FEATCAL)
+    run_recipe(path, progress=False, keep_layers=True)
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert kept == ["..stack.regmean++.featcal-partial", ".stack.featcal-partial", ".stack.regmean++"]
+    slower = recipe(merged_scenario, tmp_path / "slower.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                    reduction=0.5, refine={**refine, "lr": 1e-4}, **FEATCAL)
+    layers, fit = [], calibrate_module.calibrate_layer
+    with monkeypatch.context() as patch:
+        patch.setattr(calibrate_module, "calibrate_layer", lambda *a, **k: layers.append(1) or fit(*a, **k))
+        stacked = run_recipe(slower, force=True, progress=False)
+    assert layers == [] and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert json.loads((stacked / "featcal_refine.json").read_text())["lr"] == 1e-4
+    fresh = recipe(merged_scenario, tmp_path / "fresh.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "fresh"),
+                   reduction=0.5, refine={**refine, "lr": 1e-4}, **FEATCAL)
+    assert_same(read_weights(stacked), read_weights(run_recipe(fresh, progress=False)))
+
+
 def test_tuned_stack_equals_two_recipes_and_replays_bit_for_bit(merged_scenario, tmp_path):
     """Both stages searched on held-out records: same as two tuned recipes; the saved recipe replays both choices."""
     regmean, featcal = {"reduction": [0.2, 0.9]}, {"lambda": [1e-4, 1e-1], "alpha": 0.5, "rho": 1.0}

@@ -55,7 +55,7 @@ def run_stack(recipe: Recipe, force: bool, run_stage: Callable[[Recipe, bool], P
     second = replace(recipe, featcal=featcal.stage(1, str(intermediate)), text=text,
                      merged_label=f"{featcal.merged} + {featcal.method[0]}", card_text=recipe.text)
     output = run_stage(second, force)
-    if is_main:  # only now: a failure before this keeps both for the rerun
+    if is_main and not featcal._keeps_progress:  # only now: a failure before this keeps both for the rerun (--keep-layers: always)
         from featcal_llm.io.output_dir import partial_dir
 
         shutil.rmtree(intermediate, ignore_errors=True)

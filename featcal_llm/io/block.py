@@ -289,7 +289,7 @@ class FeatCalConfig(RecipeModel):
         searched = stage.tuned or stage.per_layer
         stage = stage.model_copy(update={"tune": self.tune if searched or self.holds_out else None})
         stage._holds_out_for_stack = self.holds_out
-        stage._keeps_progress = index == 0
+        stage._keeps_progress = index == 0 or self._keeps_progress  # the run's own, kept with --keep-layers
         return stage
 
     @property
