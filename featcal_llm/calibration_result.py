@@ -22,6 +22,9 @@ class ExpertSummary:
     drift_calibrated: float | None
     kl_merged: float | None
     kl_calibrated: float | None
+    # the merge teaches this expert's records (trailing_experts: merge): every number above is to the merged model, the
+    # records' teacher, not to the expert (so the merged model's are 0)
+    taught_by_merge: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,19 +83,24 @@ class CalibrationResult:
         from featcal_llm.io.names import short_names
 
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
-        width = max([len("expert"), *(len(label) for label in labels.values())])
+        width = max([len("expert"), *(len(labels[name]) + 2 * summary.taught_by_merge for name, summary in self.experts.items())])
         ours = "closed form" if self.refined else "calibrated"  # measured before refine: changed the weights
         columns = [f"drift {self.start}", f"drift {ours}", f"KL {self.start}", f"KL {ours}"]
         header = "  ".join([f"{'expert':<{width}}", *columns])
         rows = [header, "-" * len(header)]
         for name, summary in self.experts.items():
             values = (summary.drift_merged, summary.drift_calibrated, summary.kl_merged, summary.kl_calibrated)
-            rows.append("  ".join([f"{labels[name]:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))]))
+            label = labels[name] + (" *" if summary.taught_by_merge else "")
+            rows.append("  ".join([f"{label:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))]))
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
         rows.append({"held-out records": "(drift and KL on each expert's held-out records, which the calibration did not fit)",
                      "calibration subsample": "(drift and KL on a sample of each expert's calibration records, not on held-out text)"}
                     .get(self.probe, "(drift and KL on each expert's probe records: featcal_drift.json says which)"))
+        taught = [labels[name] for name, summary in self.experts.items() if summary.taught_by_merge]
+        if taught:
+            rows.append(f"* the merge teaches {', '.join(taught)}'s records (trailing_experts: merge): drift and KL there are to the "
+                        "merged model, not to the expert")
         if self.refined:
             changes = ", ".join(f"{labels.get(name, name)} {number(before)} → {number(after)}"
                                 for name, (before, after) in self.refined.held_out_kl.items())
@@ -117,10 +125,11 @@ def summarize_report(report: Mapping[str, Any]) -> dict[str, ExpertSummary]:
     layers = report.get("layers") or []
     last = layers[-1] if layers else {}
     divergence = report.get("output_divergence") or {}
+    taught = set(report.get("taught_by_merge", []))
     return {
         name: ExpertSummary(
             last.get("merged", {}).get(name), last.get("calibrated", {}).get(name),
-            divergence.get("merged", {}).get(name), divergence.get("calibrated", {}).get(name),
+            divergence.get("merged", {}).get(name), divergence.get("calibrated", {}).get(name), name in taught,
         )
         for name in report.get("experts", [])
     }

@@ -8,6 +8,7 @@ to 1e-8, and be far from the brute force that keeps expert1 as its teacher.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -116,6 +117,17 @@ def test_the_merge_teaches_a_trailing_expert_s_records_layers_and_head(lead_and_
     assert abs(exact_weights(output)["taught_by_merge"]["expert1"] - leads[second]) < 1e-10
     readme = (output / "README.md").read_text()
     assert "`expert1`" in readme and "so its records were calibrated toward the merged model (`trailing_experts: merge`)" in readme
+    # the drift report measures expert1's records against their teacher, the merge (0 for the merge itself), and says so;
+    # the run's table marks the row
+    from featcal_llm.calibration_result import CalibrationResult, summarize_report
+
+    report = json.loads((output / "featcal_drift.json").read_text())
+    assert report["taught_by_merge"] == [second] and report["output_divergence"]["merged"][second] == 0.0
+    assert report["output_divergence"]["merged"][first] > 0
+    table = CalibrationResult(output, scenario.root / "merged", summarize_report(report)).table()
+    rows = table.splitlines()[2:4]
+    assert rows[0].split()[0] == "expert0" and rows[1].split()[:2] == ["expert1", "*"]
+    assert "* the merge teaches expert1's records (trailing_experts: merge): drift and KL there are to the merged model, not to the expert" in table
 
 
 def test_merge_is_the_default_and_keep_calibrates_toward_every_expert_and_leading_experts_change_nothing(

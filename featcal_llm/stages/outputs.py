@@ -103,6 +103,8 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         runlog.table(tuning_table(tuning))
     if not unchanged:
         report = drift_report(probe, records)
+        if taught:  # their probe's expert streams are the merge's: drift and KL to the records' teacher, not to the expert
+            report["taught_by_merge"] = [name for name in report["experts"] if name in taught]
         if refined is not None and refined["chosen_step"] > 0:  # measured in the layer loop, before the refinement
             report["measured_on"] = f"the closed form's output, before refine: changed the weights ({REFINE_FILE})"
         write_report(checkpoint, report)
