@@ -194,7 +194,7 @@ def test_refine_on_generated_records_is_warned_of_and_on_real_ones_not(small, tm
     recipe["featcal"]["data"][first] = {"generate": {"samples": 4}}
     recipe["featcal"]["data"][second] = {"generate": {"samples": 4}, "weight": 0}
     warned = [w for w in featcal_llm.validate(recipe).warnings if "featcal.refine" in w]
-    assert len(warned) == 1 and f"featcal.refine: {first} calibrate on generated records" in warned[0], warned
+    assert len(warned) == 1 and f"featcal.refine: {first} calibrates on generated records" in warned[0], warned
     del recipe["featcal"]["refine"]
     assert not [w for w in featcal_llm.validate(recipe).warnings if "featcal.refine" in w]
 

@@ -632,7 +632,7 @@ def test_data_free_records_refine_the_same_way(far_scenario, capsys):
     writer = sorted(data)[1]
     data[writer] = {"generate": {"samples": 8, "max_new_tokens": 24, "chat_template": "off", "temperature": 1.0}}
     output = run(far_scenario, "generated", data=data, refine={**REFINE, "steps": 2, "eval_every": 2})
-    assert capsys.readouterr().err.count(f"featcal.refine: {writer} calibrate on generated records") == 1
+    assert capsys.readouterr().err.count(f"featcal.refine: {writer} calibrates on generated records") == 1
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"]) == {"expert0", "expert1"} and report["per_expert"]["before"]["expert1"] > 0
 

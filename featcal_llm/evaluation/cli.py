@@ -81,7 +81,7 @@ Examples:
 @click.option("--max-model-len", type=int, default=None, help="Context length (default: the suite's, capped by the model).")
 @click.option("--device", default=None, help="hf backend device (cuda, cuda:N, cpu).")
 @click.option("--chat-template", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="auto = on for -Instruct/-chat models; recorded either way.")
+              help="auto = on for -Instruct/-chat/-it models; recorded either way.")
 @click.option("--allow-code-execution", is_flag=True,
               help="Run model-written code for HumanEval+/MBPP+ (one subprocess per sample, with a time limit).")
 @click.option("--limit", type=int, default=None, help="First N items per task (smoke runs; recorded).")

@@ -175,7 +175,7 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
         problems.append(Problem(str(path), "featcal.data", "every expert has weight 0: nothing to calibrate toward (give at least one a weight above 0)"))
     generated = [name for name, spec in featcal.data.items() if spec.generate is not None and spec.weight > 0]
     if featcal.refine is not None and generated:  # measured both ways: docs/data-free.md
-        warn(f"{path}: featcal.refine: {', '.join(generated)} calibrate on generated records, and refinement's held-out "
+        warn(f"{path}: featcal.refine: {', '.join(generated)} {'calibrates' if len(generated) == 1 else 'calibrate'} on generated records, and refinement's held-out "
              "records are generated too, so it cannot see a loss on real text; it helped where the experts led the merge "
              "by 0.3-0.6 nats a token and cost a kind where they led by 0.05-0.18 with 64-128 records each (docs/data-free.md)")
     for name, spec in featcal.data.items():  # a prompts file is read now: a bad one stops the run before any work
