@@ -634,3 +634,24 @@ def test_the_vocabulary_is_read_as_the_tokenizer_reads_it(scenario):
     for token in [*tokenizer.get_vocab(), tokenizer.eos_token, "<nope>", "zz"]:
         known = tokenizer.convert_tokens_to_ids(token) not in (None, tokenizer.unk_token_id) or token == tokenizer.unk_token
         assert vocabulary_has(Path(scenario.base), token) is known, token
+
+
+@pytest.mark.parametrize("key, value, token", [("extra_special_tokens", ["<x>"], "<x>"), ("additional_special_tokens", ["<y>"], "<y>"),
+                                               ("extra_special_tokens", {"image_token": "<img>"}, "<img>")])
+def test_a_token_the_tokenizer_config_adds_is_in_the_vocabulary(scenario, tmp_path, key, value, token):
+    """A token tokenizer_config.json names but tokenizer.json lacks: transformers adds it as it loads (a new id), so a
+    `generate.start` naming it runs, and validate may not refuse it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from featcal_llm.io.model_files import vocabulary_has
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(scenario.base) / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.convert_tokens_to_ids(token) == len(tokenizer) - 1 != tokenizer.unk_token_id
+    assert vocabulary_has(tmp_path, token) is True and vocabulary_has(tmp_path, "<absent>") is False
+

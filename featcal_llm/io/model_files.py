@@ -86,11 +86,33 @@ def vocabulary_has(directory: Path, token: str) -> bool | None:
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
     added = {entry.get("content") for entry in saved.get("added_tokens") or [] if isinstance(entry, dict)}
+    if token in added or token in _configured_tokens(directory):  # transformers adds a configured token missing from the vocabulary
+        return True
     if isinstance(vocabulary, dict):
-        return token in vocabulary or token in added
+        return token in vocabulary
     if isinstance(vocabulary, list):  # Unigram: [[piece, score], ...]
-        return token in added or any(isinstance(entry, list) and entry and entry[0] == token for entry in vocabulary)
+        return any(isinstance(entry, list) and entry and entry[0] == token for entry in vocabulary)
     return None
+
+
+def _configured_tokens(directory: Path) -> set[str]:
+    """The tokens tokenizer_config.json names (special tokens, additional or extra ones, its added tokens), which
+    transformers adds to the vocabulary as it loads the tokenizer where tokenizer.json lacks them."""
+    import json
+
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return set()
+    if not isinstance(config, dict):
+        return set()
+    values = [value for key, value in config.items() if key.endswith("_token")]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        listed = config.get(key)
+        values += list(listed.values()) if isinstance(listed, dict) else listed if isinstance(listed, list) else []
+    decoder = config.get("added_tokens_decoder")
+    values += list(decoder.values()) if isinstance(decoder, dict) else []
+    return {value.get("content") if isinstance(value, dict) else value for value in values} - {None}
 
 
 def saved_chat_template(directory: Path) -> str | None:
