@@ -111,7 +111,7 @@ def kinds_recipe(paths: dict[str, Path], root: Path, experts: tuple[str, ...] = 
         "featcal": {
             "merged": str(paths["base"].parent / ("merged-" + "-".join(experts))), "output": str(root / "featcal"),
             "data": {str(paths[e]): {"generate": {"samples": 8, "max_new_tokens": 24, "batch_size": 8, **generate}} for e in experts},
-            "max_length": 64, "lambda": 1e-3, "device": "cpu",
+            "max_length": 192, "lambda": 1e-3, "device": "cpu",  # the shipped seed prompts through the template: 62-118 tokens
         },
     }
     root.mkdir(parents=True, exist_ok=True)

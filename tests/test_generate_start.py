@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -93,6 +94,27 @@ def test_raw_text_experts_start_at_bos_and_chat_tuned_ones_answer_prompts(kinds,
     assert len(probes) == 2
     # the probe cost: at most 3 starts × 8 samples × min(64, max_new_tokens) tokens
     assert raw["start_choice"]["probe_tokens"] <= 3 * choose.PROBE_SAMPLES * 24
+
+
+def test_a_start_whose_prompts_fill_max_length_is_left_out_of_the_measurement(kinds, tmp_path, capsys, probes):
+    """At max_length 64 the seed prompts through the chat template (62-118 tokens) leave no room for what the expert
+    writes: the chat-tuned expert had chosen them all the same, and every record was prompt alone (a warning said so
+    after). The measurement now chooses among the starts that leave room, and says which it left out."""
+    path = kinds_recipe(kinds, tmp_path, experts=("chat",))
+    recipe = yaml.safe_load(path.read_text())
+    recipe["featcal"]["max_length"] = 64
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    sequences = _generate_only(path)
+    err = " ".join(capsys.readouterr().err.split())
+    chat = _record(tmp_path, "chat")
+    assert chat["start_mode"] in ("bos", "empty") and set(chat["start_choice"]["scores"]) == {"bos", "empty"}
+    left_out = re.search(rf"expert {re.escape(str(kinds['chat']))}: shipped seed prompts left out of the start's measurement: "
+                         r"(\d+) of its 60 prompts fill featcal.max_length 64, so their records would hold none of what the "
+                         r"expert writes", err)
+    assert left_out and int(left_out.group(1)) > 30
+    assert "fill featcal.max_length 64, so their records hold none" not in err  # the warning after the choice: not needed
+    prompt = 1 if chat["start_mode"] == "bos" else 23  # the BOS token, or the empty request through the template
+    assert all(len(s) > prompt for s in sequences[str(kinds["chat"])]) and len(probes) == 1
 
 
 def test_the_choice_is_cached_recorded_and_in_the_set_key(kinds, tmp_path, probes, monkeypatch):
@@ -193,7 +215,7 @@ def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
     warning = next(line for line in err.splitlines() if "warning" in line)
     assert f"the generated sets of {kinds['raw']} and {kinds['raw_twin']} are nearly the same text" in warning
     _generate_only(kinds_recipe(kinds, tmp_path / "kinds", experts=("raw", "chat"), samples=16))  # each from its own start
-    assert "nearly the same text" not in capsys.readouterr().err  # (the chat expert's seed prompts fill max_length 64: warned)
+    assert "nearly the same text" not in capsys.readouterr().err
 
 
 def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys):

@@ -169,6 +169,19 @@ def _references(recipe: Recipe, sources: dict[str, Any], base: Any, tokenizer: A
     return loaders
 
 
+def crowded_out(candidates: dict[str, Start], max_length: int, name: str) -> dict[str, Start]:
+    """The candidate starts whose records would hold some of what the expert writes: a start most of whose prompts fill
+    `max_length` (calibration reads a sample's first max_length tokens) is left out of the measurement, which scores
+    what the expert writes after the prompt, and says so."""
+    crowded = {mode: sum(len(ids) >= max_length for ids in start.ids) for mode, start in candidates.items()}
+    left_out = [mode for mode, count in crowded.items() if mode != "bos" and 2 * count > len(candidates[mode].ids)]
+    for mode in left_out:
+        runlog.stage(f"generation: expert {name}: {candidates[mode].source} left out of the start's measurement: "
+                     f"{crowded[mode]} of its {len(candidates[mode].ids)} prompts fill featcal.max_length {max_length}, so "
+                     "their records would hold none of what the expert writes")
+    return {mode: start for mode, start in candidates.items() if mode not in left_out}
+
+
 def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, config: Any, settings: dict,
            samples_path: Path, device: torch.device, dtype: torch.dtype, where: str) -> tuple[Start, str, Choice | None, Any]:
     """The start this expert's samples begin with, its mode, the measured choice (None when the recipe forces the
@@ -182,7 +195,7 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
     if spec.start is not None or spec.chat_template != "auto":
         start = resolve_start(None, "", spec.chat_template, tokenizer, config, where, spec.start)
         return start, "start token" if spec.start is not None else FORCED_MODES[spec.chat_template], None, None
-    candidates = candidate_starts(tokenizer, config, sources[name].directory, where)
+    candidates = crowded_out(candidate_starts(tokenizer, config, sources[name].directory, where), recipe.featcal.max_length, name)
     if len(candidates) == 1:
         return candidates["bos"], "bos", None, None
     key, path, sampler = _choice_key(recipe, name, sources, base, settings, candidates, device, dtype), choice_path(samples_path), None
