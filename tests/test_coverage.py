@@ -209,3 +209,12 @@ def test_an_expert_no_better_than_the_base_on_its_own_records_is_named(tmp_path,
     sampled = min(len(sequences[str(spoilt)]), 16)  # the records the pass read, not the sample's cap, where fewer
     assert sampled < 16 and f"nats a token, on {sampled} of them)" in err
     assert f"weighing the experts by coverage: {sampled} records per expert through the base" in err
+
+
+def test_an_expert_no_better_than_the_base_includes_one_exactly_as_good():
+    """`behind_the_base`: an expert whose NLL on its own records equals the base's learnt nothing of them either."""
+    from featcal_llm.maths.coverage import behind_the_base
+
+    losses = {"a": {"a": 3.0, "b": 4.0}, "b": {"a": 4.5, "b": 2.0}}
+    assert behind_the_base(losses, {"a": 3.0, "b": 2.5}) == {"a": (3.0, 3.0)}
+    assert behind_the_base(losses, {"a": 3.1, "b": 1.9}) == {"b": (2.0, 1.9)}

@@ -192,3 +192,48 @@ def test_a_chat_template_that_refuses_the_prompt_is_one_line():
         resolve_start(["hi"], "p.txt", "on", tokenizer, None, "w")
     with pytest.raises(FeatCalError, match=r"^w: the expert's chat template refused a prompt"):
         resolve_start(None, "", "empty", tokenizer, None, "w")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from featcal_llm.tiny import new_tiny_llama, tiny_llama_config
+
+    config = tiny_llama_config(64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8)
+    return new_tiny_llama(config, seed=3).double().eval()
+
+
+def test_the_start_probes_logits_are_those_that_predict_each_written_token(tiny_model):
+    """generation/choose.written_logits, rows of other lengths padded into one forward: row i's logits are the
+    unpadded forward's at positions len(prompt) − 1 … len(prompt) + len(continuation) − 2."""
+    from featcal_llm.generation.choose import written_logits
+
+    rows = [((1, 5, 9), [4, 4, 7, 2]), ((3,), [8, 1]), ((2, 6, 6, 6, 1), [9])]
+    found = written_logits(tiny_model, rows, torch.device("cpu"), chunk=3)
+    for (prompt, continuation), logits in zip(rows, found):
+        with torch.no_grad():
+            alone = tiny_model(torch.tensor([[*prompt, *continuation]])).logits[0]
+        assert torch.allclose(logits.double(), alone[len(prompt) - 1: len(prompt) - 1 + len(continuation)].float().double(), atol=1e-5)
+
+
+def test_replacement_rounds_continue_the_prompts_and_draw_new_seeds():
+    """Samples dropped by the quality rule are replaced by a new round that goes on through the prompts (sample i
+    continues prompt i mod n) with seeds of its own: the same prompts under the same seeds would redraw the same
+    degenerate samples."""
+    from featcal_llm.generation.prompts import Start
+    from featcal_llm.generation.run import _sample
+
+    calls = []
+
+    class Sampler:
+        def sample(self, prompts, settings, seed):
+            calls.append(([prompt[0] for prompt in prompts], seed))
+            return [[] if len(calls) == 1 and index < 2 else [10 + index, 11, 12] for index in range(len(prompts))]  # round 1: two empty
+
+    start = Start(tuple(f"p{i}" for i in range(5)), tuple((20 + i,) for i in range(5)), "prompts", chat=False)
+    settings = {"samples": 4, "batch_size": 4, "seed": 7, "stream": 0}
+    tally = _sample(Sampler(), "transformers", start, settings, build_char_tokenizer(), "e", False)
+    assert [prompts for prompts, _ in calls] == [[20, 21, 22, 23], [24, 20]]  # round 2 goes on from prompt 4, then wraps
+    assert calls[0][1] != calls[1][1]
+    assert len(tally.kept) == 4 and tally.dropped == {"empty": 2}
+    assert [sample["prompt"] for sample in tally.kept] == ["p2", "p3", "p4", "p0"]

@@ -83,7 +83,9 @@ def test_raw_text_experts_start_at_bos_and_chat_tuned_ones_answer_prompts(kinds,
     assert raw["start_mode"] == "bos" and raw["start"] == "BOS token"
     assert chat["start_mode"] == "chat" and chat["start"] == "shipped seed prompts"
     for record in (raw, chat):  # the winner scored highest, and the log line says so
-        scores = {mode: values["score"] for mode, values in record["start_choice"]["scores"].items()}
+        measured = record["start_choice"]["scores"]
+        assert all(values["score"] == min(values["base"], values["merged"]) for values in measured.values())  # departs from both
+        scores = {mode: values["score"] for mode, values in measured.items()}
         assert set(scores) == {"bos", "chat", "empty"} and max(scores, key=scores.get) == record["start_mode"]
         assert scores[record["start_mode"]] > 2 * min(scores.values())  # a clear margin, not a coin toss
     assert f"expert {kinds['raw']}: chose BOS token (KL vs base " in err and "; shipped seed prompts " in err

@@ -198,3 +198,26 @@ def test_validate_plans_a_head_the_closed_form_may_untie():
     assert "untied" not in kept and "untied" not in gemma
     # the head's float32 master, gradient and AdamW moments, and its bf16 autocast copy: 128256 × 3072 × 18 B = 7.1 GB
     assert peak(auto) - peak(kept) == pytest.approx(128256 * 3072 * 18 / 1e9, abs=0.1)
+
+
+def test_the_memory_models_choices_at_their_boundaries():
+    """`params: auto` is full exactly while 16 bytes a parameter fit a quarter of the memory; a step of few short
+    records holds only their tokens (validate's plan had counted the whole batch_tokens); a CPU's adapter run under
+    autocast casts its float32 frozen weights to bf16 as well as the trained ones."""
+    from featcal_llm.engine.refine_memory import Shape, refine_memory, resolve_params
+
+    memory = 64 * 10**9
+    assert resolve_params("auto", memory // 4 // 16, memory) == "full"
+    assert resolve_params("auto", memory // 4 // 16 + 1, memory) == "adapter"
+    assert resolve_params("full", 10**12, 1) == "full" and resolve_params("adapter", 1, 10**12) == "adapter"
+    small = Shape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, tied=True)
+    whole = refine_memory(small, "full", 16, 8192, 129, 64, 1000, 4, cpu=True, checkpointing=False)
+    few = refine_memory(small, "full", 16, 8192, 129, 64, 1000, 4, cpu=True, checkpointing=False, step_records=8)
+    assert few["activations"] * 8192 // (8 * 129) == pytest.approx(whole["activations"], rel=0.02)
+    assert few["logits"] == 5 * 8 * 129 * small.vocab * 4 < whole["logits"]
+    adapter = refine_memory(small, "adapter", 16, 1032, 129, 64, 1000, 4, cpu=True, autocast=True)
+    trained = small.lora_parameters(16) + small.one_dimensional() + small.embedding()
+    frozen = small.parameters() - small.embedding() - small.one_dimensional()
+    assert adapter["autocast copies"] == (trained + frozen) * 2
+    on_gpu = refine_memory(small, "adapter", 16, 1032, 129, 64, 1000, 2, cpu=False, autocast=True)
+    assert on_gpu["autocast copies"] == trained * 2  # bf16 frozen weights need no copy

@@ -207,6 +207,8 @@ def test_the_learning_rate_warms_up_linearly_then_falls_by_a_cosine_to_a_tenth()
         assert lr_factor(step, 10, 0.2) == pytest.approx(expected, abs=1e-15)
     assert lr_factor(10, 10, 0.2) == pytest.approx(0.1) and lr_factor(9, 10, 0.2) > 0.1  # the floor only after the last step
     assert lr_factor(0, 10, 0.0) == 1.0  # no warm-up still takes one step to reach the peak: the first step is at it
+    for step in range(1, 11):  # then the cosine over the 9 steps after it
+        assert lr_factor(step, 10, 0.0) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * (step - 1) / 9)) / 2, abs=1e-15)
 
 
 def test_the_resume_fingerprint_knows_where_each_response_starts():
