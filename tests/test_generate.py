@@ -426,3 +426,7 @@ def test_every_start_is_checked_before_any_expert_samples(merged_scenario, tmp_p
     with pytest.raises(FeatCalError, match=r"^r.yaml: featcal.data.e.generate: the expert's tokenizer and config have neither a BOS "
                                            r"nor an EOS token to start generation from; give prompts \(generate.prompts\) or a start"):
         check_start(spec, bare, SimpleNamespace(bos_token_id=None), "r.yaml: featcal.data.e.generate")
+    templated = SimpleNamespace(bos_token_id=None, eos_token_id=None, chat_template="{{ messages[0]['content'] }}")
+    with pytest.raises(FeatCalError, match="neither a BOS nor an EOS"):  # auto measures the BOS start among the others
+        check_start(SimpleNamespace(chat_template="auto", start=None, prompts=None), templated, SimpleNamespace(bos_token_id=None), "w")
+    check_start(SimpleNamespace(chat_template="on", start=None, prompts=None), templated, SimpleNamespace(bos_token_id=None), "w")

@@ -211,9 +211,14 @@ def test_no_improvement_leaves_the_closed_form_unchanged(far_scenario, closed_fo
         [losses[0], sum(losses[:every]) / every, sum(losses[every:]) / every], rel=1e-12)
     assert report["history"][-1]["train_kl"] > 10 * report["history"][0]["train_kl"]
     err = " ".join(capsys.readouterr().err.split())
-    assert re.search(r"so the closed form's output stands unchanged; the training KL rose as well, from [\d.e-]+ \(the closed form, "
-                     r"on the first step's records\) to [\d.e+]+ \(the steps before the last check\): the steps overshoot; a "
-                     r"smaller refine.lr \(say 0.1\) may help; \d+ s in all; progress saved at [12] of 2 checks \(\d+ s\)", err)
+    import statistics
+
+    assert [check.get("train_kl_sd") for check in report["history"][1:]] == pytest.approx(
+        [statistics.stdev(losses[:every]), statistics.stdev(losses[every:])], rel=1e-9)
+    assert [check["above_closed_form"] for check in report["history"][1:]] == [["expert0", "expert1"]] * 2
+    assert re.search(r"so the closed form's output stands unchanged; every check raised every expert's held-out KL above the "
+                     r"closed form's beyond two standard errors: the steps overshoot; a smaller refine.lr \(say 0.1\) may help; "
+                     r"\d+ s in all; progress saved at [12] of 2 checks \(\d+ s\)", err)
     assert "the steps overshoot; a smaller refine.lr (say 0.1) may help." in " ".join((refined / "README.md").read_text().split())
     assert (refined / "model.safetensors").read_bytes() == (closed / "model.safetensors").read_bytes()
     assert "measured_on" not in json.loads((refined / "featcal_drift.json").read_text())  # the weights it measured
@@ -375,6 +380,8 @@ def test_keep_layers_lets_a_rerun_with_another_lr_refine_from_the_calibrated_lay
                      r"\(with --force, or after moving it aside\) with other refine: settings starts from its calibrated layers",
                      " ".join(capsys.readouterr().err.split()))
     assert (partial / "pass-refine-teachers.pt").is_file() and (output / "model.safetensors").is_file()
+    # what no rerun with other settings reads is not kept: the refinement's progress, its best state, its tensors
+    assert not (partial / "pass-refine.pt").exists() and not list(partial.glob("pass-refine-best-*")) and not (partial / "refine").exists()
     slower = {**REFINE, "lr": 1e-4}
     again = far_scenario.write_recipe(far_scenario.root / "kept-slower.yaml", output=str(output), refine=slower)
     layers, teachers = [], []

@@ -47,6 +47,20 @@ def test_why_no_check_was_kept_reads_the_checks():
                     "before the last check): the steps overshoot; a smaller refine.lr (say 1e-05) may help")
     assert "rose as well" in why_none_kept([start, check(5, float("nan"), float("nan"))], 3e-4)  # diverged
     assert "say 3e-05" in why_none_kept([start, check(5, float("nan"), float("nan"))], 3e-4)
+    # each step draws other records: a change within two standard errors of the difference (sd · √(1 + 1/5)) is noise
+    noisy = {**check(10, 0.12, 0.03), "train_kl_sd": 0.01}
+    assert why_none_kept([start, check(5, 0.11, 0.02), noisy], 1e-4) == (
+        "the training KL did not move beyond its noise, from 0.02 (the closed form, on the first step's records) to 0.03 "
+        "(the steps before the last check; ± 0.022 is its noise): the checks do not tell why; a smaller refine.lr (say "
+        "1e-05) is the cheapest try")
+    assert why_none_kept([start, check(5, 0.11, 0.02), {**noisy, "train_kl_sd": 0.004}], 1e-4).startswith(
+        "the training KL rose as well, from 0.02 (the closed form, on the first step's records) to 0.03 (the steps before "
+        "the last check; ± 0.0088 is its noise): the steps overshoot")  # 0.01 > 2 · 0.004 · √1.2 = 0.0088
+    named = {**start, "per_expert": {"a": 0.1, "b": 0.1}}
+    assert why_none_kept([named, check(5, 0.2, 0.01, ["a", "b"]), check(10, 0.3, 0.01, ["b", "a"])], 1e-4) == (
+        "every check raised every expert's held-out KL above the closed form's beyond two standard errors: the steps "
+        "overshoot; a smaller refine.lr (say 1e-05) may help")  # a diverging run, whatever its training KL's noise
+    assert why_none_kept([named, check(5, 0.2, 0.01, ["a", "b"]), check(10, 0.3, 0.01, ["a"])], 1e-4).startswith("the training KL fell")
     fell = why_none_kept([start, check(5, 0.11, 0.03), check(10, 0.12, 0.019)], 1e-4)
     assert fell.startswith("the training KL fell, from 0.02") and fell.endswith(
         "while the held-out KL did not: the steps fit the training records without carrying to the held-out ones")

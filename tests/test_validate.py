@@ -188,6 +188,10 @@ def _eval_output_under_a_file(r, t):
     r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(t / "a-file" / "results")}
 
 
+def _eval_output_is_the_merge(r, _t):
+    r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": r["featcal"]["merged"]}
+
+
 def _eval_output_in_the_checkpoint(r, _t):
     """Had passed: the evaluation's cache and tables went into the published checkpoint, which a --force rerun deletes."""
     r["featcal"]["eval"] = {"tasks": ["gsm8k"], "output": str(Path(r["featcal"]["output"]) / "scores")}
@@ -259,6 +263,8 @@ CASES = {
         ["featcal.eval.data.gsm8k:", "gsm8k.txt: expected one of .json, .jsonl, .parquet, .csv, .arrow or a directory"],
         ["featcal.eval.nltk_data:", "a-file: directory not found"]]),
     "eval output under a file": (_eval_output_under_a_file, [["featcal.eval.output:", "a-file is not a directory"]]),
+    "eval output the merge": (_eval_output_is_the_merge, [["featcal.eval.output:", ": is featcal.merged ",
+                                                          ": the results would be written into a model's folder"]]),
     "eval output inside the calibrated checkpoint": (_eval_output_in_the_checkpoint, [
         ["featcal.eval.output:", "/scores: lies inside featcal.output", ": the results would be written into a model's folder; "
          "name a results directory of its own"]]),

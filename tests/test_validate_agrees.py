@@ -638,9 +638,10 @@ def test_the_vocabulary_is_read_as_the_tokenizer_reads_it(scenario):
 
 @pytest.mark.parametrize("key, value, token", [("extra_special_tokens", ["<x>"], "<x>"), ("additional_special_tokens", ["<y>"], "<y>"),
                                                ("extra_special_tokens", {"image_token": "<img>"}, "<img>")])
-def test_a_token_the_tokenizer_config_adds_is_in_the_vocabulary(scenario, tmp_path, key, value, token):
-    """A token tokenizer_config.json names but tokenizer.json lacks: transformers adds it as it loads (a new id), so a
-    `generate.start` naming it runs, and validate may not refuse it."""
+def test_a_token_the_tokenizer_config_adds_is_left_to_run(scenario, tmp_path, key, value, token):
+    """A token tokenizer_config.json names but tokenizer.json lacks: transformers adds it as it loads, with an id past
+    the vocabulary's. Validate had refused it as absent; whether the expert's embedding has that row is run's to tell
+    (`start_token` against the config's vocab_size), so validate says it cannot (None: a note)."""
     import json
 
     from transformers import AutoTokenizer
@@ -653,5 +654,17 @@ def test_a_token_the_tokenizer_config_adds_is_in_the_vocabulary(scenario, tmp_pa
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer.convert_tokens_to_ids(token) == len(tokenizer) - 1 != tokenizer.unk_token_id
-    assert vocabulary_has(tmp_path, token) is True and vocabulary_has(tmp_path, "<absent>") is False
+    assert vocabulary_has(tmp_path, token) is None and vocabulary_has(tmp_path, "<absent>") is False
+    assert vocabulary_has(tmp_path, tokenizer.eos_token) is True
+    from types import SimpleNamespace
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.generation.prompts import start_token
+
+    with pytest.raises(FeatCalError) as error:  # the scenario's embedding has 100 rows, the added token id 100
+        start_token(tokenizer, SimpleNamespace(vocab_size=len(tokenizer) - 1), token, "r.yaml: featcal.data.e.generate")
+    assert str(error.value) == (f"r.yaml: featcal.data.e.generate.start: {token!r} is token {len(tokenizer) - 1}, past the "
+                                f"expert's {len(tokenizer) - 1} embedding rows (its tokenizer adds it on loading); name a "
+                                "token the expert was trained with")
+    assert start_token(tokenizer, SimpleNamespace(vocab_size=len(tokenizer)), token) == len(tokenizer) - 1  # a padded embedding has it
 

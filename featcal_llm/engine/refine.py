@@ -46,13 +46,14 @@ from featcal_llm.io.checkpoint import checkpoint_tensors
 from featcal_llm.engine.refine_progress import (ProgressSaver, MissingBest, forget_progress, load_best, rng_state, saved_progress,
                                                 set_rng_state)
 from featcal_llm.io.names import short_names
-from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised, why_none_kept
+from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised, spread, why_none_kept
 from featcal_llm.engine.refine_schedule import lr_factor, record_order
 from featcal_llm.engine.refine_student import Student, student_names, student_parameters
 from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
 
 MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
 REFINED_FILE = "refined.safetensors"
+REFINED_FOLDER = "refine"  # in the staging area: the refined tensors the output is written from
 
 
 def device_memory(device: torch.device) -> int:
@@ -269,8 +270,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         check = heldout_kl(student, store, held_keys, records, job, autocast)
         value, per_expert = mean_kl(check), expert_kls(check)
         above = raised(check, progress["before"])
-        progress["history"].append({"step": step, "train_kl": sum(window) / len(window), "held_out_kl": value,
-                                    "per_expert": per_expert, "above_closed_form": above})
+        progress["history"].append({"step": step, "train_kl": sum(window) / len(window), "train_kl_sd": spread(window),
+                                    "held_out_kl": value, "per_expert": per_expert, "above_closed_form": above})
         window = []
         checks += 1
         if improves(value, above, progress["best_kl"]):
@@ -306,7 +307,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         return job.replacements, report
     student.load(progress["best"])
     tensors = student.written()
-    folder = job.staging.root / "refine"
+    folder = job.staging.root / REFINED_FOLDER
     folder.mkdir(exist_ok=True)
     path = folder / REFINED_FILE
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, path)  # each in its stored dtype
@@ -317,7 +318,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
 
 def _named(history: list[dict], names: dict[str, str]) -> list[dict]:
     """The checks with their raised experts by the short names the log uses."""
-    return [{**check, "above_closed_form": [names[task] for task in check.get("above_closed_form", [])]} for check in history]
+    return [{**check, "per_expert": {names[task]: value for task, value in check.get("per_expert", {}).items()},
+             "above_closed_form": [names[task] for task in check.get("above_closed_form", [])]} for check in history]
 
 
 def _note(bar, loss: float, best_kl: float) -> None:
@@ -334,4 +336,4 @@ def after_check(step: int, saved: bool) -> None:
     """Called after each held-out check, `saved` when its progress was saved (a test interrupts a run here)."""
 
 
-__all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]
+__all__ = ["REFINED_FOLDER", "RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]

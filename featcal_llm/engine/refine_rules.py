@@ -47,12 +47,22 @@ def improves(mean: float, above: list[str], best_kl: float) -> bool:
     return mean < best_kl and not above
 
 
+def spread(values: list[float]) -> float | None:
+    """The sample standard deviation of a check's step losses (None for one step): each step draws other records."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
+
+
 def why_none_kept(history: list[dict], lr: float) -> str:
     """Why no check was kept, read from the checks (`featcal_refine.json`'s history), with what to try: a user whose
     refinement kept the closed form had only "no check improved" to go on. A check that lowered the mean but raised
-    an expert trades one expert for the others; a training KL above the closed form's (step 0's: the first step's
-    records before any update) means the steps overshoot their own objective, which a smaller learning rate cures;
-    a training KL that fell while the held-out one did not means the steps fit records that do not carry."""
+    an expert trades one expert for the others; checks that raise every expert, or a training KL above the closed form's (step 0's: the first step's
+    records before any update) means the steps overshoot their own objective, which a smaller learning rate cures
+    (measured: docs/refine.md); one that fell while the held-out one did not means the steps fit records that do not
+    carry. Each step draws other records, so the training KL moves by itself: a change counts beyond two standard
+    errors of the difference, one batch against the last check's mean of n (sd · √(1 + 1/n), sd over those n steps)."""
     start, checks = history[0], history[1:]
     traded = [check for check in checks if check["held_out_kl"] < start["held_out_kl"] and check["above_closed_form"]]
     if traded:
@@ -60,15 +70,25 @@ def why_none_kept(history: list[dict], lr: float) -> str:
         steps = ", ".join(str(check["step"]) for check in traded)
         return (f"{'the checks at steps' if len(traded) > 1 else 'the check at step'} {steps} lowered the mean but raised "
                 f"{', '.join(raised_experts)}: here the steps fit some experts at another's cost")
+    smaller = f"a smaller refine.lr (say {lr / 10:g})"
+    experts = set(start.get("per_expert", {}))
+    if checks and experts and all(set(check["above_closed_form"]) == experts for check in checks):
+        return (f"every check raised every expert's held-out KL above the closed form's beyond two standard errors: the "
+                f"steps overshoot; {smaller} may help")
     first, last = start.get("train_kl"), checks[-1].get("train_kl") if checks else None
     if first is None or last is None:
         return "no check ran"
-    if not math.isfinite(last) or last > first:
-        return (f"the training KL rose as well, from {first:.4g} (the closed form, on the first step's records) to "
-                f"{last:.4g} (the steps before the last check): the steps overshoot; a smaller refine.lr (say {lr / 10:g}) may help")
-    return (f"the training KL fell, from {first:.4g} (the closed form, on the first step's records) to {last:.4g} (the steps "
-            "before the last check), while the held-out KL did not: the steps fit the training records without carrying to "
-            "the held-out ones")
+    window = checks[-1]["step"] - (checks[-2]["step"] if len(checks) > 1 else 0)
+    sd = checks[-1].get("train_kl_sd")
+    margin = 2 * sd * math.sqrt(1 + 1 / window) if sd is not None and math.isfinite(sd) else 0.0
+    moved = (f"from {first:.4g} (the closed form, on the first step's records) to {last:.4g} (the steps before the last "
+             f"check{f'; ± {margin:.2g} is its noise' if margin else ''})")
+    if not math.isfinite(last) or last - first > margin:
+        return f"the training KL rose as well, {moved}: the steps overshoot; {smaller} may help"
+    if first - last > margin:
+        return (f"the training KL fell, {moved}, while the held-out KL did not: the steps fit the training records "
+                "without carrying to the held-out ones")
+    return f"the training KL did not move beyond its noise, {moved}: the checks do not tell why; {smaller} is the cheapest try"
 
 
-__all__ = ["KEPT_RULE", "expert_kls", "improves", "mean_kl", "raised", "why_none_kept"]
+__all__ = ["KEPT_RULE", "expert_kls", "improves", "mean_kl", "raised", "spread", "why_none_kept"]

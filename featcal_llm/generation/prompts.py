@@ -32,6 +32,10 @@ def start_token(tokenizer: Any, config: Any, start: str | None = None, where: st
         token = tokenizer.convert_tokens_to_ids(start)
         if not isinstance(token, int) or token == tokenizer.unk_token_id and start != tokenizer.unk_token:
             raise FeatCalError(f"{where}.start: {start!r} is not a token of the expert's vocabulary")
+        rows = getattr(config, "vocab_size", None)
+        if isinstance(rows, int) and token >= rows:  # added on loading (tokenizer_config.json names it, tokenizer.json lacks it)
+            raise FeatCalError(f"{where}.start: {start!r} is token {token}, past the expert's {rows} embedding rows (its "
+                               "tokenizer adds it on loading); name a token the expert was trained with")
         return token
     for value in (getattr(tokenizer, "bos_token_id", None), getattr(config, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(value, list):
@@ -46,7 +50,7 @@ def check_start(spec: Any, tokenizer: Any, config: Any, where: str) -> None:
     """What `resolve_start` would refuse of an expert's start, asked of every expert before any samples: a `start` not in
     its vocabulary, a chat template asked for that it lacks, no token to begin at without prompts."""
     chat = uses_chat_template(spec.chat_template, tokenizer, where)
-    if spec.start is not None or (spec.prompts is None and not chat):
+    if spec.start is not None or (spec.prompts is None and (not chat or spec.chat_template == "auto")):  # auto measures BOS too
         start_token(tokenizer, config, spec.start, where)
 
 

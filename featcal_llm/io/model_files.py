@@ -86,13 +86,15 @@ def vocabulary_has(directory: Path, token: str) -> bool | None:
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
     added = {entry.get("content") for entry in saved.get("added_tokens") or [] if isinstance(entry, dict)}
-    if token in added or token in _configured_tokens(directory):  # transformers adds a configured token missing from the vocabulary
-        return True
     if isinstance(vocabulary, dict):
-        return token in vocabulary
-    if isinstance(vocabulary, list):  # Unigram: [[piece, score], ...]
-        return any(isinstance(entry, list) and entry and entry[0] == token for entry in vocabulary)
-    return None
+        found = token in vocabulary or token in added
+    elif isinstance(vocabulary, list):  # Unigram: [[piece, score], ...]
+        found = token in added or any(isinstance(entry, list) and entry and entry[0] == token for entry in vocabulary)
+    else:
+        return None
+    if not found and token in _configured_tokens(directory):  # transformers adds it on loading, with an id past the
+        return None  # vocabulary's, which the embedding may not have: run checks that id against the config
+    return found
 
 
 def _configured_tokens(directory: Path) -> set[str]:
@@ -112,7 +114,8 @@ def _configured_tokens(directory: Path) -> set[str]:
         values += list(listed.values()) if isinstance(listed, dict) else listed if isinstance(listed, list) else []
     decoder = config.get("added_tokens_decoder")
     values += list(decoder.values()) if isinstance(decoder, dict) else []
-    return {value.get("content") if isinstance(value, dict) else value for value in values} - {None}
+    names = (value.get("content") if isinstance(value, dict) else value for value in values)
+    return {name for name in names if isinstance(name, str)}
 
 
 def saved_chat_template(directory: Path) -> str | None:

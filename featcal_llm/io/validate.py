@@ -269,7 +269,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             problems.extend(_writer_problems(path, str(reference), spec.generate, source.tokenizer_directory))
             if spec.generate.start is not None and vocabulary_has(source.tokenizer_directory, spec.generate.start) is None:
                 report.notes.append(f"{path}: featcal.data.{reference}.generate.start: {spec.generate.start!r} not checked: validate "
-                                    "reads a vocabulary from tokenizer.json, and this expert's has none; run checks it, "
+                                    "reads a vocabulary from tokenizer.json, and this expert's has none or lacks it (a token "
+                                    "tokenizer_config.json adds on loading); run checks it, "
                                     "with every generating expert's start, before any expert samples")
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))

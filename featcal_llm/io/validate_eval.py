@@ -4,6 +4,7 @@ without torch and without importing any task's code. `report` is io/validate.Rep
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ def check_eval(path: Path, section: Any, report: Any, online: bool = False, mode
         report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: a file, not a results directory"))
     elif unwritable(results) is not None:
         report.problems.append(Problem(str(path), "featcal.eval.output", unwritable(results)))
+    elif results.is_dir() and not os.access(results, os.W_OK):
+        report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: directory is not writable"))
     for key, model in (models or {}).items():  # its files would go into a checkpoint, which a --force run replaces
         if same(results, model) or inside(results, model):
             report.problems.append(Problem(str(path), "featcal.eval.output", f"{section.output}: {'is' if same(results, model) else 'lies inside'} "
