@@ -212,3 +212,16 @@ def test_the_card_says_which_recipe_it_shows_and_which_replays(tmp_path):
     text = " ".join((output / "README.md").read_text().split())
     assert "The recipe as it was written (mergekit configuration plus the `featcal:` block)" in text
     assert "`featcal_recipe.yml` beside this card is the recipe as it ran" in text
+
+
+def test_the_settings_name_the_trailing_rule_and_coverage_only_where_it_weighed(tmp_path):
+    """The trailing rule in words (not the raw value), and "(coverage)" beside an expert's weight only where the
+    coverage pass gave it: under `expert_weights: equal` the weights are the recipe's own."""
+    from featcal_llm.io.card_settings import SETTING_TEXT
+
+    _, card = _card(tmp_path / "coverage")
+    assert f"- {SETTING_TEXT['trailing_experts']}: the merged model (`merge`)\n" in card
+    assert card.count(", weight 1.333 (coverage)") == 1
+    _, equal = _card(tmp_path / "equal", expert_weights="equal", trailing_experts="keep")
+    assert f"- {SETTING_TEXT['trailing_experts']}: the expert itself (`keep`)\n" in equal
+    assert ", weight 1.333" in equal and "(coverage)" not in equal

@@ -122,6 +122,12 @@ def test_saves_take_a_twentieth_of_the_time_and_write_each_best_once(tmp_path, m
             assert staging.load_pass("refine-best-4")["state"]["w"].tolist() == [4.0, 4.0]
     assert results == [True, False, True, True] and saver.saves == 3 and saver.seconds > 0  # the log line's saving time
     assert files() == ["pass-refine-best-8.pt", "pass-refine.pt"] and staging.load_pass("refine")["best"] is None
+    written, save = [], staging.save_pass
+    monkeypatch.setattr(staging, "save_pass", lambda name, result: written.append(name) or save(name, result))
+    monkeypatch.setattr(progress_module, "save_due", lambda since, cost, share=0.1: True)
+    for step in (10, 12):  # saves with the best unchanged: the best state (4 bytes a trained parameter) is not written again
+        saver.after_check({"step": step, "best_step": 8, "best": state(8)}, lambda: {"current": state(step)})
+    assert written == ["refine", "refine"] and files() == ["pass-refine-best-8.pt", "pass-refine.pt"]
 
 
 def test_judged_tokens_are_the_responses_or_every_token():
