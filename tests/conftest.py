@@ -80,3 +80,13 @@ def family_scenarios(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A two-layer Llama in float64 with a 64-token vocabulary, for pure pieces that need a real forward."""
+    from featcal_llm.tiny import new_tiny_llama, tiny_llama_config
+
+    config = tiny_llama_config(64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8)
+    return new_tiny_llama(config, seed=3).double().eval()

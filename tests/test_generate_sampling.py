@@ -194,15 +194,6 @@ def test_a_chat_template_that_refuses_the_prompt_is_one_line():
         resolve_start(None, "", "empty", tokenizer, None, "w")
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-    from featcal_llm.tiny import new_tiny_llama, tiny_llama_config
-
-    config = tiny_llama_config(64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=8)
-    return new_tiny_llama(config, seed=3).double().eval()
-
-
 def test_the_start_probes_logits_are_those_that_predict_each_written_token(tiny_model):
     """generation/choose.written_logits, rows of other lengths padded into one forward: row i's logits are the
     unpadded forward's at positions len(prompt) − 1 … len(prompt) + len(continuation) − 2."""

@@ -8,15 +8,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-    from featcal_llm.tiny import new_tiny_llama, tiny_llama_config
-
-    config = tiny_llama_config(64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=8)
-    return new_tiny_llama(config, seed=3).double().eval()
-
-
 def test_the_teachers_store_holds_each_records_top_k_and_rest_as_its_own_forward_gives_them(tiny_model):
     """Records of mixed lengths, several micro-batches, k (5) below the vocabulary (64): each record's rows are its own
     unpadded forward's top-k log-probabilities (float16), ids (int32) and rest log-mass (float32), at its judged
