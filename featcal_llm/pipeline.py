@@ -28,7 +28,7 @@ from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, o
 from featcal_llm.io.output_lock import OutputLock
 from featcal_llm.io.recipe import Recipe, with_output
 from featcal_llm.io.validate import check_before_run
-from featcal_llm.stages.keep_layers import keep_for_rerun, kept_layers
+from featcal_llm.stages.keep_layers import kept_layers, say_kept
 from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs
 from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, open_merged, read_data, resolve, run_context
 
@@ -98,8 +98,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
             outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
-        if keep_layers and comm.is_main:
-            keep_for_rerun(recipe)
+            if keep_layers and comm.is_main:
+                say_kept(recipe)
         # stage 2's start was the removed intermediate, which stage 1 had changed: the output is never the merge unchanged
         return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False, start=recipe.featcal.method[0])
     resolved = resolve(comm, recipe, force, device)
@@ -108,8 +108,8 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         if comm.is_main:  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
             release_memory()
             outcome = evaluate_outputs(recipe, outcome)  # under the lock: a --force run may not swap the output it reads
-    if keep_layers and comm.is_main:
-        keep_for_rerun(recipe)
+            if keep_layers:
+                say_kept(recipe)
     return outcome
 
 

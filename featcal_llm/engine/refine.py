@@ -43,8 +43,8 @@ from featcal_llm.engine.refine_data import Key, TeacherStore, final_hidden, judg
 from featcal_llm.engine.refine_memory import Shape, autocasts, refine_memory, resolve_checkpointing, resolve_params
 from featcal_llm.engine.refine_models import build_causal_lm, logits_of
 from featcal_llm.io.checkpoint import checkpoint_tensors
-from featcal_llm.engine.refine_progress import (ProgressSaver, MissingBest, forget_progress, load_best, rng_state, saved_progress,
-                                                set_rng_state)
+from featcal_llm.engine.refine_progress import (REFINED_FOLDER, ProgressSaver, MissingBest, forget_progress, load_best, rng_state,
+                                                saved_progress, set_rng_state)
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised, spread, why_none_kept
 from featcal_llm.engine.refine_schedule import lr_factor, record_order
@@ -53,7 +53,6 @@ from featcal_llm.maths.topk_kl import topk_kl, topk_kl_rows
 
 MICRO_BATCH_TOKENS = 8192  # at most this many padded tokens a forward (4 records of 2048): Llama-3.1-8B in 40 GB (docs/refine.md)
 REFINED_FILE = "refined.safetensors"
-REFINED_FOLDER = "refine"  # in the staging area: the refined tensors the output is written from
 
 
 def device_memory(device: torch.device) -> int:
@@ -336,4 +335,4 @@ def after_check(step: int, saved: bool) -> None:
     """Called after each held-out check, `saved` when its progress was saved (a test interrupts a run here)."""
 
 
-__all__ = ["REFINED_FOLDER", "RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]
+__all__ = ["RefineJob", "after_check", "lr_factor", "record_order", "refine", "resolve_params"]

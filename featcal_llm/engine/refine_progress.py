@@ -13,6 +13,7 @@ The best state is written once, in its own file, at the first save after a check
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Any
 
@@ -72,6 +73,17 @@ def drop_older_bests(staging, keep: int | None) -> None:
     for path in staging.root.glob(staging.pass_file(best_pass("*")).name):
         if path != kept:
             path.unlink()
+
+
+REFINED_FOLDER = "refine"  # in the staging area: the refined tensors the output is written from
+
+
+def forget_refinement(staging) -> None:
+    """What only this refinement reads: its progress, best states and refined tensors (at 8B with the adapter, a model's
+    size and 16 bytes a trained head parameter). A run that keeps its staging area for reruns with other `refine:`
+    settings (`run --keep-layers`) drops them once its output is written: those reruns refine again from the layers."""
+    forget_progress(staging)
+    shutil.rmtree(staging.root / REFINED_FOLDER, ignore_errors=True)
 
 
 def forget_progress(staging) -> None:

@@ -8,7 +8,6 @@ where `top_k` and the precision are unchanged, the teachers, and runs only the r
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,18 +39,9 @@ def kept_folders(recipe: Recipe) -> list[Path]:
     return [folder for folder in folders if folder.is_dir()]
 
 
-def keep_for_rerun(recipe: Recipe) -> None:
-    """Drop what no rerun with other `refine:` settings reads (the refinement's progress, best state and refined tensors:
-    at 8B with the adapter, a model's size and 16 bytes a trained head parameter), then say, as a warning (it is disk
-    the user must free, so `-q` shows it too), what was kept, its size, what reuses it and that it is theirs to remove."""
-    from featcal_llm.engine.refine import REFINED_FOLDER
-    from featcal_llm.engine.refine_progress import forget_progress
-    from featcal_llm.engine.resume import StagingReader
-
-    partial = partial_dir(Path(recipe.featcal.output))
-    if partial.is_dir():
-        forget_progress(StagingReader(partial, "", 0))
-        shutil.rmtree(partial / REFINED_FOLDER, ignore_errors=True)
+def say_kept(recipe: Recipe) -> None:
+    """A warning (it is disk the user must free, so `-q` shows it too): what was kept, its size, what reuses it and that it
+    is theirs to remove. The refinement's own progress was dropped as the output was written (stages/outputs.py)."""
     folders = kept_folders(recipe)
     size = sum(path.stat().st_size for folder in folders for path in folder.rglob("*") if path.is_file())
     warn(f"kept {', '.join(str(folder) for folder in folders)} ({size / 2**30:.2f} GiB): rerunning this recipe into "

@@ -23,6 +23,7 @@ from featcal_llm.io.checkpoint import (
     write_calibrated_checkpoint,
 )
 from featcal_llm.engine.drift import LM_HEAD, TUNING_JSON, Probe, drift_report, write_report
+from featcal_llm.engine.refine_progress import forget_refinement
 from featcal_llm.engine.resume import remove_staging
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.tuning import tuning_report, tuning_table
@@ -127,8 +128,10 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     if refined is not None:
         append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed
-    if not featcal._keeps_progress:  # a stack's first stage (the stack removes it once stage 2 has finished too), --keep-layers
+    if not featcal._keeps_progress:
         remove_staging(partial)
+    else:  # a stack's first stage (the stack removes it once stage 2 has finished too), or --keep-layers
+        forget_refinement(staging)
     changed = refined is not None and refined["chosen_step"] > 0
     return RunOutcome(output, merged_dir, unchanged=unchanged,
                       refined={key: refined[key] for key in ("chosen_step", "per_expert", "top_k")} if changed else None)
