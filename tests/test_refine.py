@@ -451,6 +451,7 @@ def test_a_steps_gradient_is_that_of_the_token_mean_kl_over_its_records(far_scen
     output = run(far_scenario, "gradient", refine={**REFINE, "steps": 1, "eval_every": 1, "batch_records": 4})
     report = json.loads((output / "featcal_refine.json").read_text())
     assert set(report["teachers"].values()) == {"own expert"}, report["teachers"]
+    assert report["top_k"] == 100  # top_k 128 asked of a 100-token vocabulary: the report names the top-k that ran
     assert len(compared) > 10 and max(compared) < 1e-2, max(compared)
 
 

@@ -82,6 +82,10 @@ def test_memory_model_at_8b_fits_40_gb():
     memory = refine_memory(shape, "adapter", 16, 8192, 2048, 64, 3 * 256 * 2048, 2, cpu=False)
     assert memory["peak"] <= 40 * 10**9
     assert round(memory["peak"] / 2**30, 1) == 32.2
+    tiny = Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=100, tied=True)
+    above = refine_memory(tiny, "full", 16, 512, 64, 128, 1000, 4, cpu=True)  # top_k above the vocabulary keeps 100
+    at_vocabulary = refine_memory(tiny, "full", 16, 512, 64, 100, 1000, 4, cpu=True)
+    assert above["teachers' store (host)"] == at_vocabulary["teachers' store (host)"] == 1000 * (100 * 6 + 4)
 
 
 def test_validate_plans_the_refine_stage():

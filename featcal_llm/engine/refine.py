@@ -184,13 +184,23 @@ def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> 
     return store
 
 
+def within_vocabulary(spec, vocab: int | None):
+    """The spec with `top_k` at most the vocabulary: a teacher has no more tokens to keep, so the log, the card and
+    featcal_refine.json name the top-k that ran (the KL is exact either way)."""
+    if not vocab or spec.top_k <= vocab:
+        return spec
+    runlog.stage(f"refine: top_k {spec.top_k} is more than the vocabulary's {vocab} tokens: every token is kept, "
+                 f"top_k {vocab}")
+    return spec.model_copy(update={"top_k": vocab})
+
+
 def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     """Refine the calibrated model; returns the replacements to write (the closed form's, with the refined tensors in
     place where a check improved on it) and what ran, for the card."""
     if not any(job.train.values()):  # every record left out: its expert trails the merge on it
         runlog.stage("refine: skipped, as no calibration record is left to train on; the closed form's output stands")
         return job.replacements, None
-    spec = job.spec
+    spec = job.spec = within_vocabulary(job.spec, job.config.vocab_size)
     job.batch_tokens = min(job.batch_tokens, MICRO_BATCH_TOKENS)  # micro-batches: the step's loss and gradient are the same
     parameters = student_parameters(job, student_names(job))
     params = resolve_params(spec.params, parameters, device_memory(job.device))

@@ -143,7 +143,7 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
     saved = 2 * trained * 4
     # the teachers' pass computes no gradient: its micro-batches hold `batch_tokens`, its logits one chunk
     teacher = total * compute_bytes + 2 * batch_tokens * shape.intermediate * 3 * compute_bytes + logits(min(chunk, batch_tokens))
-    store = judged_tokens * (top_k * 6 + 4)
+    store = judged_tokens * (min(top_k, shape.vocab or top_k) * 6 + 4)  # a teacher keeps no more tokens than it has
     training = sum(parts.values())
     peak = max(training + (saved if cpu else 0), teacher) + (store if cpu else 0)
     return {**parts, "saved states": saved, "teacher (its pass)": teacher, "teachers' store (host)": store,
