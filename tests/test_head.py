@@ -128,7 +128,7 @@ def test_regmean_refuses_the_head(family_scenarios, tmp_path):
 
 
 @pytest.mark.parametrize("crash_in", ["calibrate_head", "output_divergence"])  # before the head is staged, after it
-def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_path, monkeypatch, crash_in):
+def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_path, monkeypatch, capsys, crash_in):
     import featcal_llm.engine.calibrate as calibrate_module
     from test_reliability import tree_hash
 
@@ -146,7 +146,10 @@ def test_a_run_with_the_head_resumes_to_the_same_bytes(family_scenarios, tmp_pat
     monkeypatch.setattr(calibrate_module, crash_in, real)
     state = json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())
     assert state["completed_layers"] == (2 if crash_in == "calibrate_head" else 3)  # two layers, then the head
+    capsys.readouterr()
     run_recipe(recipe, force=True, progress=False)
+    kept = "2 of 2 layers" if crash_in == "calibrate_head" else "all 2 layers and the LM head"  # the head is no layer
+    assert f"resuming from {tmp_path / '.out.featcal-partial'}: {kept} already calibrated" in capsys.readouterr().err
     assert tree_hash(tmp_path / "out") == digest
 
 

@@ -83,7 +83,7 @@ def test_a_stack_whose_second_stage_failed_reruns_from_the_first_stages_saved_la
     assert kept == ["..stack.regmean++.featcal-partial", ".stack.featcal-partial", ".stack.regmean++"]
     capsys.readouterr()
     stacked = run_recipe(path, progress=False)
-    assert f"resuming from {tmp_path / '..stack.regmean++.featcal-partial'}: 3 layer(s) already calibrated" in capsys.readouterr().err
+    assert f"resuming from {tmp_path / '..stack.regmean++.featcal-partial'}: 3 of 3 layers already calibrated" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     reference = run_recipe(recipe(merged_scenario, tmp_path / "again.yaml", method=["regmean++", "featcal"],
                                   output=str(tmp_path / "again"), reduction=0.5, **FEATCAL), progress=False)

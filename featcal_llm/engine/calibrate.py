@@ -24,7 +24,8 @@ from featcal_llm.engine.record import record_task
 from featcal_llm.engine.streams import TokenBatch
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.engine.tuned import select_layer
-from featcal_llm.errors import RunFailure
+from featcal_llm.engine.resume import resuming_line
+from featcal_llm.errors import RunFailure, warn
 from featcal_llm.maths.objective import GroupSystem
 
 
@@ -112,6 +113,8 @@ def calibrate(ctx: RunContext, num_layers: int, progress: bool = True) -> dict[s
     prefetcher = LayerPrefetcher(
         models.merged, models.base, models.experts, plan.architecture.prefix, num_layers, pin=ctx.runner.device.type == "cuda"
     )
+    if ctx.staging.completed and ctx.comm.is_main:
+        warn(resuming_line(ctx.staging.root, ctx.staging.completed, num_layers))
     counted = progress or runlog.wants_notes()  # the log's per-layer lines come from the same counts, bar or no bar
     method = {"featcal": "FeatCal", "regmean": "RegMean", "regmean++": "RegMean++"}[plan.objective.name]
     ctx.progress = (TokenProgress(num_layers, total_tokens, min(ctx.staging.completed, num_layers), progress, method) if counted

@@ -106,6 +106,13 @@ def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
     return digest.hexdigest()
 
 
+def resuming_line(root: Path, completed: int, num_layers: int) -> str:
+    """What a resumed run says it keeps: the LM head's re-fit is staged as one more "layer", not counted as one."""
+    if completed > num_layers:
+        return f"resuming from {root}: all {num_layers} layers and the LM head already calibrated"
+    return f"resuming from {root}: {completed} of {num_layers} layers already calibrated"
+
+
 def remove_staging(root: Path) -> None:
     """Remove a run's saved progress, its state file first: a removal stopped half-way leaves no state that names
     layers already deleted (a rerun would resume from it and fail on the missing files), only files no state names."""
@@ -130,9 +137,7 @@ class StagingArea:
             self.completed = 0
             self._write_state()
         else:
-            self.completed = int(state["completed_layers"])
-            if self.completed:
-                warn(f"resuming from {root}: {self.completed} layer(s) already calibrated")
+            self.completed = int(state["completed_layers"])  # engine/calibrate says so, knowing the decoder's layer count
 
     def _read_state(self) -> dict | None:
         try:
