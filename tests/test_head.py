@@ -321,21 +321,25 @@ def test_a_tied_merge_that_stores_a_head_of_its_own_is_written_untied(family_sce
     assert torch.equal(model.get_output_embeddings().weight, head)  # what vLLM serves too: the config no longer ties it
 
 
-@pytest.mark.parametrize("refine", [False, True])
+@pytest.mark.parametrize("refine", [False, True, "unchanged"])
 def test_gemma2s_stored_head_is_written_as_the_embedding_it_stays_tied_to(family_scenarios, tmp_path, capsys, monkeypatch, refine):
     """vLLM serves Gemma-2 only tied (its loader asserts tie_word_embeddings and reads logits off the embedding), so a
     merge storing an `lm_head.weight` of its own is not untied as other families are: that tensor is written as the
-    output's embedding, which transformers then serves as well. Refined, the student trains tied, and the stored head
-    follows its refined embedding."""
+    output's embedding, which transformers then serves as well; also where every expert trails the merge and no layer is
+    re-fitted ("unchanged"), and the card says so. Refined, the student trains tied, and the stored head follows its
+    refined embedding."""
     from transformers import AutoModelForCausalLM
 
     import featcal_llm.engine.refine as refine_module
+    import featcal_llm.pipeline as pipeline
 
     scenario = family_scenarios("gemma2")
-    merged, head = merge_storing_a_head(scenario, tmp_path, "equal" if refine else "differs")
-    keys = {"refine": {"steps": 2, "eval_every": 1, "lr": 1e-3, "params": "full"}} if refine else {}
+    merged, head = merge_storing_a_head(scenario, tmp_path, "equal" if refine is True else "differs")
+    keys = {"refine": {"steps": 2, "eval_every": 1, "lr": 1e-3, "params": "full"}} if refine is True else {}
+    if refine == "unchanged":
+        monkeypatch.setattr(pipeline, "every_expert_taught_by_the_merge", lambda taught, weights: True)
     trained = []
-    if refine:  # every check kept, so that the refined embedding is written
+    if refine is True:  # every check kept, so that the refined embedding is written
         monkeypatch.setattr(refine_module, "improves", lambda value, above, best: True)
         student = refine_module.Student
         monkeypatch.setattr(refine_module, "Student", lambda *args: trained.append(student(*args)) or trained[-1])
@@ -347,13 +351,18 @@ def test_gemma2s_stored_head_is_written_as_the_embedding_it_stays_tied_to(family
     embedding = written["model.embed_tokens.weight"]
     assert json.loads((output / "config.json").read_text())["tie_word_embeddings"] is True
     assert torch.equal(written["lm_head.weight"], embedding) and written.keys() == before.keys()
-    if refine:
+    if refine is True:
         assert json.loads((output / "featcal_refine.json").read_text())["chosen_step"] > 0
         assert not torch.equal(embedding, before["model.embed_tokens.weight"])  # the tied head trained with it
         assert "model.embed_tokens.weight" in trained[0].trainable and "lm_head.weight" not in trained[0].trainable
     else:
         assert "its files store an lm_head.weight of its own; vLLM serves Gemma2ForCausalLM only tied, so the output's lm_head.weight is the input embedding" in log
-        assert not torch.equal(head, embedding) and "so that vLLM serves that head too" not in (output / "README.md").read_text()
+        card = (output / "README.md").read_text()
+        assert not torch.equal(head, embedding) and "so that vLLM serves that head too" not in card
+        assert "so the output's `lm_head.weight` is written as the input embedding, the head transformers then serves too." in card
+        if refine == "unchanged":
+            assert "this model is the merged model, unchanged, but for its LM head, as below." in card
+            assert all(torch.equal(written[name], before[name]) for name in before if name != "lm_head.weight")
     model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float64)
     assert torch.equal(model.get_output_embeddings().weight, embedding)
 

@@ -94,8 +94,9 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refin
     """What was re-fitted, in plain sentences; biases are named only for a model that has them. After a refinement
     that changed the weights, the sentences are the closed form's, and a last one says what the refinement trained."""
     if calibrated is not None and calibrated.get("unchanged"):
-        return ("Every expert predicts its own calibration records worse than the merged model (`trailing_experts: merge`), "
-                "so there was nothing to calibrate toward: no weight was re-fitted, and this model is the merged model, unchanged.")
+        return " ".join(["Every expert predicts its own calibration records worse than the merged model (`trailing_experts: merge`), "
+                         "so there was nothing to calibrate toward: no weight was re-fitted, and this model is the merged model, unchanged"
+                         + (", but for its LM head, as below." if _head_sentences(calibrated) else "."), *_head_sentences(calibrated)])
     if calibrated is None or calibrated["every_projection"]:
         sentences = ["Every linear projection of every decoder layer was re-fitted."]
     else:
@@ -117,10 +118,7 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refin
         if calibrated.get("untied_by_refine"):
             sentences.append("The refinement trained the LM head apart from the input embeddings: it is a tensor of its own, "
                              "config `tie_word_embeddings: false`.")
-        if calibrated.get("own_stored_head"):
-            sentences.append("The merge's config ties the LM head to the input embeddings, but its files store an `lm_head.weight` "
-                             "of its own, which the calibration used and transformers serves: the config now says "
-                             "`tie_word_embeddings: false`, so that vLLM serves that head too.")
+        sentences.extend(_head_sentences(calibrated))
     if refined is not None and refined.get("chosen_step", 0) > 0:
         trained = ("every parameter (the embeddings, norms and LM head included)" if refined["params"] == "full" else
                    adapter_trained(refined.get("rank"), biases, bool(refined.get("tied_head"))))
@@ -128,6 +126,19 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refin
         sentences.append(f"That is the closed form; the refinement after it (see Refinement) then trained {trained}, so "
                          "those too now differ from the merged model.")
     return " ".join(sentences)
+
+
+def _head_sentences(calibrated: dict) -> list[str]:
+    """What the output did with a head stored beside a tied config, so that transformers and vLLM serve one head."""
+    if calibrated.get("own_stored_head"):
+        return ["The merge's config ties the LM head to the input embeddings, but its files store an `lm_head.weight` of its "
+                "own, which the calibration used and transformers serves: the config now says `tie_word_embeddings: false`, "
+                "so that vLLM serves that head too."]
+    if calibrated.get("head_as_embedding"):
+        return ["The merge's config ties the LM head to the input embeddings, but its files store an `lm_head.weight` of its "
+                "own; vLLM serves this family only tied, off the input embeddings, so the output's `lm_head.weight` is "
+                "written as the input embedding, the head transformers then serves too."]
+    return []
 
 
 def _listed(names: list[str]) -> str:

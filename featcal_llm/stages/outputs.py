@@ -43,17 +43,19 @@ def _tokenizer_where_the_merge_has_none(featcal: Any, tokenizer: Any, checkpoint
     tokenizer.save_pretrained(checkpoint)
 
 
-def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> dict[str, str]:
+def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> tuple[dict[str, str], bool]:
     """A family vLLM serves only tied (Gemma-2: its loader asserts tie_word_embeddings and reads logits off the
     embedding) whose merge stores an lm_head.weight: that tensor is written as the input embedding the output keeps
-    (refined or not), so that transformers, which serves a stored head, serves the same head as vLLM."""
+    (refined or not), so that transformers, which serves a stored head, serves the same head as vLLM. Also returns
+    whether that changes the head transformers serves (the stored one differed from the embedding)."""
     if not (architecture.head_tied_only and ties and LM_HEAD in merged.weight_map):
-        return {}
-    if not torch.equal(merged.get(LM_HEAD), merged.get(architecture.embed_tokens)):
+        return {}, False
+    differs = not torch.equal(merged.get(LM_HEAD), merged.get(architecture.embed_tokens))
+    if differs:
         runlog.stage(f"the merge's config ties the LM head to the input embeddings, but its files store an lm_head.weight "
                      f"of its own; vLLM serves {architecture.name} only tied, so the output's lm_head.weight is the input "
                      "embedding, the head every runtime then serves")
-    return {LM_HEAD: architecture.embed_tokens}
+    return {LM_HEAD: architecture.embed_tokens}, differs
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     shutil.rmtree(checkpoint, ignore_errors=True)
     checkpoint.mkdir()
     ties = bool(getattr(opened.merged_config, "tie_word_embeddings", False))
-    copies = {} if unchanged else _tied_head_copy(models.merged, plan.architecture, ties)  # unchanged: the merge, as it is
+    copies, head_as_embedding = _tied_head_copy(models.merged, plan.architecture, ties)  # unchanged too: untied, vLLM refuses it
     write_calibrated_checkpoint(models.merged, replacements, checkpoint, copies)
     copy_side_files(merged_dir, checkpoint)
     _tokenizer_where_the_merge_has_none(featcal, data.tokenizer, checkpoint)
@@ -114,6 +116,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
                   "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged, "own_stored_head": own_stored_head,
+                  "head_as_embedding": head_as_embedding,
                   "untied_by_refine": untied and plan.head is None}
     from featcal_llm.generation.run import sampling_records, start_records
 
