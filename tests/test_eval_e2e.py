@@ -200,3 +200,24 @@ def test_the_git_hash_lm_eval_records_is_asked_quietly(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(subprocess, "run", no_git)
     assert quiet_git_hash() == full  # without git, lm-eval's own reading of .git, as it falls back itself
+
+
+def test_the_hf_backend_decodes_as_vllm_whatever_the_checkpoints_generation_config(tmp_path):
+    """vLLM, under lm-eval, takes only the stop ids from generation_config.json; lm-eval's hf backend calls `generate`,
+    which would take the file's repetition penalty and n-gram ban too. Two copies of one model, one whose file asks for
+    both, must answer alike (the plain copy's answers repeat a token, so the ban would change them)."""
+    plain = _tiny(tmp_path / "plain", seed=0)
+    banned = tmp_path / "banned"
+    shutil.copytree(plain, banned)
+    config = json.loads((banned / "generation_config.json").read_text())
+    (banned / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 10.0, "no_repeat_ngram_size": 1}))
+    answers = {}
+    for model in (plain, banned):
+        result = _eval(model, tmp_path / f"out-{model.name}", "--tasks", "gsm8k", "--max-gen-toks", "12", "--chat-template", "off")
+        assert result.exit_code == 0, result.output
+        summary = json.loads((tmp_path / f"out-{model.name}" / f"{model.name}.json").read_text())
+        samples = (tmp_path / f"out-{model.name}" / summary["tasks"]["gsm8k"]["samples"]).read_text().splitlines()
+        answers[model.name] = [json.loads(line)["resps"] for line in samples]
+    assert answers["banned"] == answers["plain"]
+    texts = [text for resps in answers["plain"] for text in (resps[0] if isinstance(resps[0], list) else resps)]
+    assert any(len(set(text)) < len(text) for text in texts), texts  # a repeated character: the ban would have changed it

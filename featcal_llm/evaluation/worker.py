@@ -117,6 +117,20 @@ def keep_prefix_whitespace(apply_chat_template):
     return apply
 
 
+def decode_as_vllm(model) -> None:
+    """lm-eval's hf backend calls `model.generate` with the task's settings only, so the checkpoint's
+    generation_config.json fills the rest (a repetition penalty, `no_repeat_ngram_size`, a top_k), and transformers'
+    defaults what it leaves unset (top_k 50); vLLM, under lm-eval, takes only the stop ids from that file and samples
+    from every token. The model's config is replaced by one that keeps its token ids alone, so that both backends decode
+    a task alike (greedy is greedy; top_k 0: every token, as vLLM)."""
+    from transformers import GenerationConfig
+
+    served = model.generation_config
+    neutral = GenerationConfig(bos_token_id=served.bos_token_id, eos_token_id=served.eos_token_id, pad_token_id=served.pad_token_id)
+    neutral.top_k = 0  # set after: built with it, a config that does not sample warns that top_k may be ignored
+    model.generation_config = neutral
+
+
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
@@ -221,6 +235,8 @@ def run(job: dict) -> None:
     backend = job["backend"]
     print(f"[featcal-eval] loading {job['model']['path']} with lm-eval backend {backend['name']}", flush=True)
     lm = get_model(backend["name"]).create_from_arg_obj(backend["model_args"], {"batch_size": backend["batch_size"]})
+    if backend["name"] == "hf":
+        decode_as_vllm(lm.model)
     chat_template = lm.chat_template(True) if job["chat"]["applied"] else None
     if job["chat"]["applied"]:
         lm.apply_chat_template = keep_prefix_whitespace(lm.apply_chat_template)
