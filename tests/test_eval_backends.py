@@ -52,6 +52,13 @@ def test_vllm_model_args():
     assert plan.batch_size == "auto"
     assert plan.identity() == {"name": "vllm", "batch_size": "auto", "model_args": {
         "dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "max_model_len": 4096, "seed": 1234}}
+    # auto asks each backend for the dtype the checkpoint names: vLLM's own auto serves a float32 one in bfloat16
+    for backend in ("vllm", "hf"):
+        args = plan_backend(backend, BackendSettings(device="cpu" if backend == "hf" else None), Path("/m"), 4096, None,
+                            model_dtype="float32").model_args
+        assert args["dtype"] == "float32", backend
+    assert plan_backend("vllm", BackendSettings(dtype="float16"), Path("/m"), 4096, None, model_dtype="float32").model_args["dtype"] == "float16"
+    assert plan_backend("vllm", BackendSettings(), Path("/m"), 4096, None).model_args["dtype"] == "auto"  # the config names none
     # capped at the model's positions unless the user sets it
     assert plan_backend("vllm", BackendSettings(), Path("/m"), 4096, 2048).model_args["max_model_len"] == 2048
     assert plan_backend("vllm", BackendSettings(max_model_len=8192), Path("/m"), 4096, 2048).model_args["max_model_len"] == 8192
@@ -180,7 +187,8 @@ def test_vllm_backend_plumbing_through_a_real_eval_run(tmp_path, monkeypatch, ti
     assert result.exit_code == 0, result.output
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls[0]["LLM"] == {
-        "model": str(tiny_instruct_model), "revision": None, "dtype": "auto", "tokenizer": None,
+        # "float32": the config's dtype, asked for by name (vLLM's own auto would serve this float32 model in bfloat16)
+        "model": str(tiny_instruct_model), "revision": None, "dtype": "float32", "tokenizer": None,
         "tokenizer_mode": "auto", "tokenizer_revision": None, "trust_remote_code": False,
         "tensor_parallel_size": 1, "max_model_len": 1024, "max_num_seqs": None, "quantization": None,
         "seed": 1234, "enable_lora": False, "max_lora_rank": 16, "gpu_memory_utilization": 0.5,
@@ -241,3 +249,13 @@ def test_engine_args_may_not_set_the_batch_size_vllms_max_length_or_its_model():
         backends.check_settings("vllm", BackendSettings(engine_args={"max_length": 8}))
     with pytest.raises(FeatCalError, match="backend.engine_args.model: set by its own option"):  # vllm.LLM's model: another one
         backends.check_settings("vllm", BackendSettings(engine_args={"model": "/another/model"}))
+
+
+@pytest.mark.parametrize("config, dtype", [({"dtype": "float32"}, "float32"), ({"torch_dtype": "bfloat16"}, "bfloat16"),
+                                           ({"text_config": {"dtype": "float16"}}, "float16"), ({}, None),
+                                           ({"dtype": "auto"}, None)])
+def test_the_stored_dtype_is_read_from_either_configs_key(tmp_path, config, dtype):
+    from featcal_llm.evaluation.modelinfo import stored_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert stored_dtype(tmp_path) == dtype

@@ -111,23 +111,27 @@ def check_settings(name: str, settings: BackendSettings) -> None:
 
 
 def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,
-                 model_max_positions: int | None, chat_template_args: dict | None = None) -> BackendPlan:
+                 model_max_positions: int | None, chat_template_args: dict | None = None,
+                 model_dtype: str | None = None) -> BackendPlan:
     """Build lm-eval `model_args` for one model.
 
     The context length is the suite's (or the user's) capped at the model's
     max_position_embeddings: vLLM refuses a longer max_model_len, and without a cap Llama-3.x's
     131,072 makes vLLM size its KV cache for sequences no task produces. `chat_template_args`
     (the suite's, e.g. a fixed `date_string` for Llama-3.x templates that print today's date) go to
-    lm-eval's chat templating; `engine_args` are passed through unchanged.
+    lm-eval's chat templating; `engine_args` are passed through unchanged. `auto` asks for the dtype the
+    checkpoint's config names (`model_dtype`), which each backend then serves: vLLM's own `auto` would run a float32
+    checkpoint in bfloat16, where hf keeps float32.
     """
     check_settings(name, settings)
+    dtype = model_dtype if settings.dtype == "auto" and model_dtype else settings.dtype
     length = settings.max_model_len or context_length
     if settings.max_model_len is None and model_max_positions:
         length = min(length, model_max_positions)
     if name == "vllm":
         args = {
             "pretrained": str(model_dir),
-            "dtype": settings.dtype,
+            "dtype": dtype,
             "tensor_parallel_size": settings.tensor_parallel_size,
             "gpu_memory_utilization": settings.gpu_memory_utilization,
             "max_model_len": length,
@@ -137,7 +141,7 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
             args["data_parallel_size"] = settings.data_parallel_size
         return BackendPlan("vllm", _extend(args, settings, chat_template_args), settings.batch_size or "auto")
     device = settings.device or ("cuda" if cuda_available() else "cpu")
-    args = {"pretrained": str(model_dir), "dtype": settings.dtype, "device": device, "max_length": length}
+    args = {"pretrained": str(model_dir), "dtype": dtype, "device": device, "max_length": length}
     batch = settings.batch_size or ("auto" if device.startswith("cuda") else 1)
     return BackendPlan("hf", _extend(args, settings, chat_template_args), batch)
 

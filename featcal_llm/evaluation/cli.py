@@ -70,7 +70,7 @@ Examples:
 @click.option("--tasks", default=None, help="Comma-separated task ids of the suite (default: all).")
 @click.option("--backend", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
               help="auto = vllm when CUDA is present, else lm-eval's hf.")
-@click.option("--dtype", default="auto", show_default=True, help="auto, bfloat16, float16 or float32.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (the checkpoint config's dtype, on either backend), bfloat16, float16 or float32.")
 @click.option("--batch-size", default=None, help="Integer or auto (default: vllm auto; hf auto on CUDA, 1 on CPU).")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="vLLM GPUs per model.")
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,

@@ -32,7 +32,8 @@ class BackendSettings(RecipeModel):
     model_config = ConfigDict(extra="forbid")
 
     name: BackendName = Field("auto", description="auto = vllm when CUDA is present, else hf")
-    dtype: str = Field("auto", description="auto keeps the checkpoint dtype (bfloat16 for Llama)")
+    dtype: str = Field("auto", description="auto = the dtype the checkpoint's config names, asked of either backend "
+                       "(vLLM's own auto would serve a float32 checkpoint in bfloat16)")
     batch_size: PositiveInt | Literal["auto"] | None = Field(
         None, description="None = vllm: auto; hf: auto on CUDA, 1 on CPU"
     )

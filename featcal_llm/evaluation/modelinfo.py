@@ -100,6 +100,14 @@ def max_positions(model_dir: Path) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def stored_dtype(model_dir: Path) -> str | None:
+    """The dtype the checkpoint's config names (transformers 5's `dtype`, or the older `torch_dtype`), None if it names none."""
+    config = _read_json(model_dir / "config.json")
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value if value in ("float32", "bfloat16", "float16") else None
+
+
 def _lineage_names(model_dir: Path) -> list[str]:
     """The model's own name, its recorded hub name and, for a merge, its merge base."""
     names = [model_dir.name, str(_read_json(model_dir / "config.json").get("_name_or_path") or "")]
