@@ -43,13 +43,13 @@ def _unwritable(comm: Single, error: OSError) -> RunFailure:
     return RunFailure(f"rank {comm.rank}: {message}" if comm.world > 1 else message)
 
 
-def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
+def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True,
                output: str | Path | None = None, keep_layers: bool = False) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory (`output` overrides featcal.output)."""
-    return run_recipe_outcome(recipe_path, force, device, progress, timer, output, keep_layers).output
+    return run_recipe_outcome(recipe_path, force, device, progress, output, keep_layers).output
 
 
-def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True, timer=None,
+def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True,
                        output: str | Path | None = None, keep_layers: bool = False) -> RunOutcome:
     """Calibrate the merge described by the recipe; returns what the run produced.
 
@@ -62,7 +62,7 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
     comm = communicator()
     QUIET["warnings"] = not comm.is_main
     try:
-        return _run(comm, recipe_path, force, device, progress, timer, output, keep_layers=keep_layers)
+        return _run(comm, recipe_path, force, device, progress, output, keep_layers=keep_layers)
     except WorldError:
         raise
     except OSError as error:  # a full disk or a read-only directory: one line; saved layers stay for the rerun
@@ -81,7 +81,7 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
         QUIET["warnings"] = False
 
 
-def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool, timer,
+def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: str | None, progress: bool,
          output_override: str | Path | None = None, locked: bool = False, keep_layers: bool = False) -> RunOutcome:
     """resolve → data → merge → run context → weights → layers → outputs → `eval:` (a stack: two runs of this function,
     under the stack's lock: `locked`)."""
@@ -95,7 +95,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     if recipe.featcal.stacked:  # RegMean first, then FeatCal on its result: two runs of this function, under one lock
         from featcal_llm.engine.stack import run_stack
 
-        stage = lambda part, part_force: _run(comm, part, part_force, device, progress, timer, locked=True)  # noqa: E731
+        stage = lambda part, part_force: _run(comm, part, part_force, device, progress, locked=True)  # noqa: E731
         with _output_lock(comm, recipe, Path(recipe.featcal.output), force):
             outcome = run_stack(recipe, force, stage, comm.is_main, comm.barrier)
             if keep_layers and comm.is_main:
@@ -104,7 +104,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False, start=recipe.featcal.method[0])
     resolved = resolve(comm, recipe, force, device)
     with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):
-        outcome = _calibrate(comm, resolved, progress, timer)
+        outcome = _calibrate(comm, resolved, progress)
         if comm.is_main:  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
             release_memory()
             outcome = evaluate_outputs(recipe, outcome)  # under the lock: a --force run may not swap the output it reads
@@ -126,13 +126,13 @@ def _output_lock(comm: Single, recipe: Recipe, output: Path, force: bool):
             lock.release()
 
 
-def _calibrate(comm: Single, resolved: Resolved, progress: bool, timer) -> RunOutcome:
+def _calibrate(comm: Single, resolved: Resolved, progress: bool) -> RunOutcome:
     """data → merge → run context → weights → layers → refine → the written output (rank 0; the others return once
     their layers are done)."""
     recipe = resolved.recipe
     data = read_data(comm, resolved, progress)
     opened = open_merged(comm, resolved, data)
-    context = run_context(comm, resolved, data, opened, timer)
+    context = run_context(comm, resolved, data, opened)
     lead_summary, coverage, taught, dropped = _weights(context, resolved, data, opened)
     if every_expert_taught_by_the_merge(taught, {task: context.plan.task_weight(task) for task in context.batches}):
         # nothing to calibrate toward (every expert with a weight above 0 trails): the output is the merge

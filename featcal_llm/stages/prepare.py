@@ -336,7 +336,7 @@ def resolved_settings(featcal) -> dict[str, Any]:
     return settings
 
 
-def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, timer) -> RunContext:
+def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened) -> RunContext:
     """Fingerprint everything that determines the weights, open (or resume) the staging area and the hidden-state store."""
     featcal = resolved.recipe.featcal
     partial = partial_dir(resolved.output)
@@ -346,6 +346,6 @@ def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened, ti
     staging = _staging(comm, partial, digest)
     spill = partial / "spill" if comm.world == 1 else partial / "spill" / f"rank-{comm.rank}"
     store = HostStore(stream_budget(featcal.host_memory_gb) // comm.world, spill, pin=resolved.device.type == "cuda")
-    return RunContext(opened.models, resolved.plan, opened.runner, store, staging, data.batches, data.probe, timer or NullTimer(), comm=comm)
+    return RunContext(opened.models, resolved.plan, opened.runner, store, staging, data.batches, data.probe, NullTimer(), comm=comm)
 
 
