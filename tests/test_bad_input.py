@@ -344,10 +344,10 @@ def test_a_tokenizer_folder_with_a_config_but_no_vocabulary_is_named_as_such(tmp
     import json
 
     from featcal_llm.errors import FeatCalError
-    from featcal_llm.stages.prepare import _tokenizer
+    from featcal_llm.io.tokenizers import load_tokenizer
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     with pytest.raises(FeatCalError) as error:
-        _tokenizer(tmp_path, "expert e", False)
+        load_tokenizer(tmp_path, "expert e", False)
     assert str(error.value) == (f"expert e: {tmp_path}: cannot load a tokenizer: it has tokenizer_config.json but no vocabulary "
                                 "file (tokenizer.json, tokenizer.model, vocab.json); copy the tokenizer's files there")

@@ -221,17 +221,11 @@ def _start(recipe: Recipe, name: str, sources: dict, base: Any, tokenizer: Any, 
 
 def _expert_tokenizer(source: Any, name: str, where: str, trust_remote_code: bool) -> Any:
     """The expert's own tokenizer (its EOS ids stop its samples); a missing or unreadable one is a one-line error."""
-    from transformers import AutoTokenizer
-
-    from featcal_llm.io.model_files import generating_expert_without_tokenizer, has_tokenizer_files
+    from featcal_llm.io.model_files import generating_expert_without_tokenizer
+    from featcal_llm.io.tokenizers import load_tokenizer
 
     directory = source.tokenizer_directory
-    if not has_tokenizer_files(directory):
-        raise FeatCalError(f"{where}: {generating_expert_without_tokenizer(directory, name)}")
-    try:
-        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except Exception as error:
-        raise FeatCalError(f"{where}: expert {name}: {directory}: cannot load its tokenizer ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+    return load_tokenizer(directory, where, trust_remote_code, generating_expert_without_tokenizer(directory, name))
 
 
 def generated_sequences(

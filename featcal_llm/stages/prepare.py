@@ -41,6 +41,7 @@ from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
+from featcal_llm.io.tokenizers import load_tokenizer
 from featcal_llm.engine.resume import (
     StagingArea,
     StagingReader,
@@ -66,25 +67,6 @@ def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
         raise FeatCalError(f"{what}: {directory / 'config.json'}: cannot be read ({str(error).splitlines()[0]})") from None
     check_unquantized(config, f"{what}: {directory / 'config.json'}")
     return config
-
-
-def _tokenizer(source: Path, what: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    from featcal_llm.io.model_files import NO_TOKENIZER, TOKENIZER_FILES, has_tokenizer_files
-
-    if source.is_dir() and not has_tokenizer_files(source):  # validate says the same from the listing
-        raise FeatCalError(f"{what}: {source}: {NO_TOKENIZER}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except Exception as error:
-        vocabulary = [name for name in TOKENIZER_FILES if name != "tokenizer_config.json" and (source / name).is_file()]
-        if source.is_dir() and not vocabulary:  # transformers' own message lists the files it tried as "one of: " and nothing
-            raise FeatCalError(f"{what}: {source}: cannot load a tokenizer: it has tokenizer_config.json but no vocabulary "
-                               f"file ({', '.join(name for name in TOKENIZER_FILES if name != 'tokenizer_config.json')}); copy "
-                               "the tokenizer's files there") from None
-        raise FeatCalError(f"{what}: {source}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
-    return tokenizer
 
 
 def check_output(recipe: Recipe, output: Path, force: bool) -> None:
@@ -257,7 +239,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     if not featcal.tokenizer and merge_makes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
         comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.merge_inputs, trust))
     tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
-    tokenizer = _tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
+    tokenizer = load_tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
     sequences = calibration_sequences(
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
         featcal.max_length, featcal.shuffle, featcal.seed, recipe.path,
@@ -265,7 +247,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     for name, source in resolved.experts.items():  # before any expert generates: minutes to hours that a refusal would waste
         directory = source.tokenizer_directory
         if (directory / "tokenizer_config.json").is_file():
-            check_tokenizer(tokenizer, _tokenizer(directory, f"expert {name}", trust), f"expert {name}")
+            check_tokenizer(tokenizer, load_tokenizer(directory, f"expert {name}", trust), f"expert {name}")
         elif changes_tokenizer(recipe.merge_config):
             raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
     dtypes = {name: resolve_dtype(featcal.dtype, resolved.device, stored_dtype(config)) for name, config in resolved.expert_configs.items()}
