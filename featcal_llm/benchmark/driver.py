@@ -24,9 +24,8 @@ from featcal_llm.benchmark import costs, machine
 from featcal_llm.benchmark.instruments import BenchReader, LayerTimer, ReadCounter
 from featcal_llm.benchmark.synthetic import SyntheticSpec, ensure_checkpoints
 from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.maths.solve import SOLVE_DTYPE
 
-PHASES = ("read", "load", "forward", "statistics", "solve", "write")  # the engine's phase names, in report order
-SOLVE_DTYPE = torch.float64  # featcal_llm.maths.solve.SOLVE_DTYPE
 
 
 @dataclass

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GiB = 2**30
 FULL_STATE_BYTES = 16  # a trained parameter: float32 master, gradient, AdamW's two moments
 ASSUMED_GPU = 80 * 10**9  # the GPU `validate` plans for when it cannot see one (the product's promise: one 80 GB GPU)
 
@@ -186,5 +185,5 @@ def plan_line(config: dict, refine: Any, batch_tokens: int, max_length: int, tok
             + "; docs/refine.md)")
 
 
-__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "GiB", "Shape", "autocasts", "plan_line", "refine_memory", "resolve_checkpointing",
+__all__ = ["ASSUMED_GPU", "FULL_STATE_BYTES", "Shape", "autocasts", "plan_line", "refine_memory", "resolve_checkpointing",
            "resolve_params"]
