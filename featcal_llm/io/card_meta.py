@@ -14,6 +14,7 @@ from typing import Any
 
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.references import hub_id
 
 TAGS = ["merge", "mergekit", "featcal"]
 PAPER_URL = "https://github.com/egangu/featcal"  # the paper's code page, which links the paper
@@ -23,14 +24,6 @@ CITATION = f"""@misc{{gu2026featcal,
   year   = {{2026}},
   url    = {{{PAPER_URL}}}
 }}"""
-
-
-def hub_id(path: str) -> str | None:
-    """`org/name` of a model or dataset path that is not on this machine (its `@revision` dropped), else None."""
-    name = path.split("@")[0]
-    if not name or name.startswith(("/", ".", "~")) or name.count("/") != 1 or Path(name).exists():
-        return None
-    return name
 
 
 def hub_models(recipe: Recipe) -> list[str]:

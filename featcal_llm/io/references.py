@@ -127,12 +127,17 @@ def _naming(what: str, model_path: Any) -> str:
     return what if what.endswith((f": {model_path}", f" {model_path}")) else f"{what}: {model_path}"
 
 
+def hub_id(path: str) -> str | None:
+    """`org/name` of a model or dataset path that is not on this machine (its `@revision` dropped), else None."""
+    name = path.split("@")[0]
+    if not name or name.startswith(("/", ".", "~")) or name.count("/") != 1 or Path(name).exists():
+        return None
+    return name
+
+
 def is_hub_reference(model_path: Any) -> bool:
     """A mergekit ModelPath that is not on disk and reads as `org/name`: what mergekit would fetch from the hub."""
-    path = Path(model_path.path)
-    if path.exists():
-        return False
-    return not (path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") != 1)
+    return hub_id(str(model_path.path)) is not None
 
 
 def _local_directory(model_path: Any, what: str) -> Path:
