@@ -21,12 +21,8 @@ COUNT_MAX_BYTES = 2**30  # CSV and JSON-lines files up to this size have their r
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
-    """The record fields the entry's format reads (alpaca's input is optional)."""
-    if spec.format == "text":
-        return [spec.text]
-    if spec.format == "alpaca":
-        return [spec.instruction, spec.response]
-    return [spec.messages] if spec.messages else [spec.prompt, spec.response]
+    """The record fields the entry's format reads (alpaca's input is optional): its text fields, or a chat's messages."""
+    return [spec.messages] if spec.messages and spec.format not in ("text", "alpaca") else text_fields(spec)
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
