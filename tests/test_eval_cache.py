@@ -229,13 +229,6 @@ def test_an_entry_this_cache_did_not_write_is_scored_again(tmp_path, fake_worker
     assert fake_worker == [["gsm8k"], ["gsm8k"]] and summary["tasks"]["gsm8k"]["value"] == 0.5
 
 
-def test_the_fingerprints_label_is_reserved(tmp_path, fake_worker):
-    """A model labelled `fingerprints` had its summary written over the folder's file-hash memo (and back)."""
-    with pytest.raises(FeatCalError, match=r"label 'fingerprints': reserved \(the results folder's file-hash memo is fingerprints.json\)"):
-        runner.evaluate_model(_fake_model(tmp_path / "m", b"w1"), "fingerprints", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
-    assert fake_worker == []
-
-
 @pytest.mark.parametrize("name", ["", "../../escape", "sub/board", ".hidden"])
 def test_the_leaderboards_name_is_a_file_stem(tmp_path, name):
     """`--name ../../escape` had written outside the results folder, `--name ''` a file named `.md`."""
@@ -250,14 +243,11 @@ def test_the_leaderboards_name_is_a_file_stem(tmp_path, name):
     assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path.parent / "escape.md").exists()
 
 
-def test_a_memo_or_config_of_another_shape_is_no_traceback(tmp_path):
-    """A `fingerprints.json` holding a list is no memo (files are hashed again); a config.json holding a list is refused
-    in one line (both had been AttributeErrors)."""
-    from featcal_llm.evaluation.modelinfo import FileHashMemo, max_positions
+def test_a_config_of_another_shape_is_no_traceback(tmp_path):
+    """A config.json holding a list is refused in one line (it had been an AttributeError)."""
+    from featcal_llm.evaluation.modelinfo import max_positions
 
-    (tmp_path / "fingerprints.json").write_text("[]")
     model = _fake_model(tmp_path / "m", b"w1")
-    assert FileHashMemo(tmp_path / "fingerprints.json").sha256(model / "model.safetensors") == __import__("hashlib").sha256(b"w1").hexdigest()
     (model / "config.json").write_text("[1, 2]")
     with pytest.raises(FeatCalError, match=r"config.json: expected a JSON object \(a model config\)$"):
         max_positions(model)

@@ -247,23 +247,22 @@ def test_a_full_disk_during_the_merge_leaves_no_merged_directory(small, tmp_path
 
 
 def test_the_evaluation_cache_key_follows_content_not_mtime_or_place(small, tmp_path):
-    from featcal_llm.evaluation.modelinfo import FileHashMemo, model_fingerprint
+    from featcal_llm.evaluation.modelinfo import model_fingerprint
 
     model = tmp_path / "model"
     shutil.copytree(small.experts["expert1"], model)
-    memo = FileHashMemo(tmp_path / "memo.json")
-    first = model_fingerprint(model, memo)
+    first = model_fingerprint(model)
     _touch(model)
-    assert model_fingerprint(model, memo) == first
+    assert model_fingerprint(model) == first
     moved = tmp_path / "moved"
     shutil.move(model, moved)
-    assert model_fingerprint(moved, memo) == first
+    assert model_fingerprint(moved) == first
     config = json.loads((moved / "config.json").read_text())
     (moved / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
-    assert model_fingerprint(moved, memo) != first
+    assert model_fingerprint(moved) != first
     (moved / "config.json").write_text(json.dumps(config))
     _perturb(moved)
-    assert model_fingerprint(moved, memo) != first
+    assert model_fingerprint(moved) != first
 
 
 # --- generated sample sets -----------------------------------------------------------------------------------------------

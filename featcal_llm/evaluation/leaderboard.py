@@ -18,7 +18,6 @@ import yaml
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation import uncertainty
-from featcal_llm.evaluation.modelinfo import FINGERPRINTS
 from featcal_llm.evaluation.suite import SHIPPED, Suite, load_suite
 
 REFERENCE_FILE = "reference/featcal_paper.yaml"
@@ -55,7 +54,7 @@ def load_summaries(paths: list[Path]) -> list[dict]:
     summaries, seen = [], set()
     for path in paths:
         if path.is_dir():
-            files = sorted(p for p in path.glob("*.json") if p.name != FINGERPRINTS)
+            files = sorted(path.glob("*.json"))  # those that are no summary are passed over
         elif path.is_file():
             files = [path]
         else:

@@ -19,7 +19,6 @@ from featcal_llm.io.model_files import saved_chat_template
 from featcal_llm.errors import FeatCalError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-FINGERPRINTS = "fingerprints.json"  # beside a results folder's summaries: each model file's digest, by path, size and time
 CONFIG_FILES = (
     "config.json", "generation_config.json", "model.safetensors.index.json",
     "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
@@ -41,46 +40,15 @@ def fingerprint_files(model_dir: Path) -> list[Path]:
     return sorted(files)
 
 
-class FileHashMemo:
-    """sha256 per file, remembered by (path, size, mtime) in a JSON file next to the results,
-    so an 8B checkpoint is hashed once, not on every `eval` call."""
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over (file name, file sha256) of the weights, config and tokenizer files; each file's digest is the one
+    the calibration remembers (io/identity), so an 8B checkpoint is hashed once, not on every `eval` call."""
+    from featcal_llm.io.identity import content_digest
 
-    def __init__(self, memo_path: Path):
-        self.path = memo_path
-        try:
-            self.entries: dict = json.loads(memo_path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-        if not isinstance(self.entries, dict) or not all(isinstance(e, dict) for e in self.entries.values()):
-            self.entries = {}  # not a memo this code wrote: every file is hashed again
-
-    def sha256(self, file: Path) -> str:
-        stat = file.stat()
-        key = str(file.resolve())
-        entry = self.entries.get(key)
-        if entry and entry["size"] == stat.st_size and entry["mtime_ns"] == stat.st_mtime_ns:
-            return entry["sha256"]
-        digest = hashlib.sha256()
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 24), b""):
-                digest.update(block)
-        self.entries[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
-        return self.entries[key]["sha256"]
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
-        tmp.replace(self.path)
-
-
-def model_fingerprint(model_dir: Path, memo: FileHashMemo) -> str:
-    """sha256 over (file name, file sha256) of the weights, config and tokenizer files."""
     files = fingerprint_files(model_dir)
     if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
         raise FeatCalError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    listing = [[f.name, memo.sha256(f)] for f in files]
-    memo.save()
+    listing = [[f.name, content_digest(f)] for f in files]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 

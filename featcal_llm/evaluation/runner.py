@@ -20,9 +20,7 @@ from featcal_llm.evaluation import cache, provenance, uncertainty
 from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import (
-    FINGERPRINTS,
     ChatDecision,
-    FileHashMemo,
     check_model_dir,
     decide_chat_template,
     max_positions,
@@ -41,8 +39,6 @@ def safe_label(label: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._")
     if not cleaned:
         raise FeatCalError(f"label '{label}': needs at least one letter or digit")
-    if cleaned == FINGERPRINTS.removesuffix(".json"):  # its summary would be written over the memo, then the memo over it
-        raise FeatCalError(f"label '{label}': reserved (the results folder's file-hash memo is {FINGERPRINTS}); name the model otherwise")
     return cleaned
 
 
@@ -157,7 +153,7 @@ def _evaluate_model(model_dir: Path, label: str, section: EvalSection, chat: Cha
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
     backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
                            suite.chat_template_args if chat.applied else None, stored_dtype(model_dir))
-    fingerprint = model_fingerprint(model_dir, FileHashMemo(output / FINGERPRINTS))
+    fingerprint = model_fingerprint(model_dir)
     label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)
 
