@@ -18,7 +18,7 @@ import yaml
 from featcal_llm.io.model_files import saved_chat_template
 from featcal_llm.errors import FeatCalError
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+HASHED_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILES = (
     "config.json", "generation_config.json", "model.safetensors.index.json",
     "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
@@ -36,7 +36,7 @@ def check_model_dir(path: Path) -> Path:
 
 def fingerprint_files(model_dir: Path) -> list[Path]:
     files = [p for p in model_dir.iterdir() if p.is_file() and (
-        p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES or p.suffix == ".jinja")]
+        p.suffix in HASHED_WEIGHT_SUFFIXES or p.name in CONFIG_FILES or p.suffix == ".jinja")]
     return sorted(files)
 
 
@@ -46,8 +46,8 @@ def model_fingerprint(model_dir: Path) -> str:
     from featcal_llm.io.identity import content_digest
 
     files = fingerprint_files(model_dir)
-    if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
-        raise FeatCalError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    if not any(f.suffix in HASHED_WEIGHT_SUFFIXES for f in files):
+        raise FeatCalError(f"{model_dir}: no weight files ({', '.join(HASHED_WEIGHT_SUFFIXES)})")
     listing = [[f.name, content_digest(f)] for f in files]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 CACHE_ENV = "FEATCAL_CACHE_DIR"  # where remembered digests live (default: $XDG_CACHE_HOME/featcal-llm)
 DIGESTS_FILE = "file-digests.json"
-TOKENIZER_FILES = (
+TOKENIZING_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
 )
@@ -88,7 +88,7 @@ def sampling_identity(model_directory: Path, tokenizer_directory: Path) -> list:
     """What decides how a model samples besides its weights: its generation config (EOS ids, defaults) and tokenizer files."""
     generation = model_directory / "generation_config.json"
     identity = [["generation_config.json", content_digest(generation) if generation.is_file() else None]]
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZING_FILES:
         item = tokenizer_directory / name
         identity.append([name, content_digest(item) if item.is_file() else None])
     return identity
