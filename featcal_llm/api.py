@@ -126,7 +126,8 @@ def _name_dict_recipe(error: FeatCalError, path: Path) -> FeatCalError:
 
 def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os.PathLike | None = None,
               device: str | None = None, force: bool = False, progress: bool = True,
-              push_to_hub: str | None = None, public: bool = False, keep_layers: bool = False) -> CalibrationResult:
+              push_to_hub: str | None = None, public: bool = False, keep_layers: bool = False,
+              eval_only: bool = False) -> CalibrationResult:
     """Merge (if the merged model does not exist yet) and calibrate the model a recipe describes.
 
     `recipe`: a recipe file, or the same content as a dict. `output` overrides
@@ -136,7 +137,9 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     `push_to_hub`: upload the calibrated model to this Hub repository (created
     private unless `public`) after the run succeeded. `keep_layers` keeps the
     run's saved progress (the calibrated layers, refine's teachers), so that a
-    rerun with other `refine:` settings starts from them. Errors in the input raise
+    rerun with other `refine:` settings starts from them. `eval_only` runs the recipe's
+    `eval:` on the output a finished run wrote, without calibrating again (its
+    evaluation had failed, say). Errors in the input raise
     `FeatCalError` with a one-line message.
     """
     from featcal_llm.startup import heavy_import
@@ -162,7 +165,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
             with quiet:
                 outcome = heavy_import("featcal_llm.pipeline").run_recipe_outcome(path, force=force, device=device,
                                                                                   progress=progress, output=output,
-                                                                                  keep_layers=keep_layers)
+                                                                                  keep_layers=keep_layers, eval_only=eval_only)
                 if push_to_hub is not None and os.environ.get("RANK", "0") == "0":
                     from featcal_llm.io.hub import push_folder
 

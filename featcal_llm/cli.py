@@ -81,7 +81,8 @@ Examples:
 {EXIT_CODES}""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("output", required=False, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+@click.option("--force", is_flag=True, help="Replace an existing output (an earlier featcal-llm output, or an empty folder); "
+                                             "also how a run stopped after its output was written resumes.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the run's messages, a line per layer and full errors to FILE (appended).")
@@ -94,8 +95,11 @@ Examples:
 @click.option("--keep-layers", is_flag=True,
               help="Keep the calibrated layers (and refine:'s teachers) after the run, so that rerunning into the same OUTPUT "
                    "with other refine: settings refines again without calibrating the layers again.")
+@click.option("--eval-only", is_flag=True,
+              help="Run the recipe's eval: on the output a finished run wrote, without calibrating again (its evaluation "
+                   "had failed, say), and add the table to its card.")
 def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
-        repo_id: str | None, public: bool, keep_layers: bool) -> None:
+        repo_id: str | None, public: bool, keep_layers: bool, eval_only: bool) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE.
 
     OUTPUT, when given, replaces the recipe's featcal.output (as `mergekit-yaml CONFIG OUT` names its output).
@@ -128,7 +132,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
             with freezing_imports():
                 result = heavy_import("featcal_llm.api").calibrate(recipe, output=output, device=device, force=force,
                                                                    progress=level > runlog.QUIET, push_to_hub=repo_id, public=public,
-                                                                   keep_layers=keep_layers)
+                                                                   keep_layers=keep_layers, eval_only=eval_only)
         except QuietExit:  # a torchrun rank whose error rank 0 reports
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:
@@ -144,7 +148,9 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
                 raise
             runlog.failure(failure)
             sys.exit(failure.exit_code)
-        if main_rank:
+        if main_rank and eval_only:
+            click.echo(f"{result.output}: evaluated; the table is in its card")
+        elif main_rank:
             if level > runlog.QUIET and result.experts:
                 click.echo(result.table(), err=True)
             click.echo(result.headline())
@@ -162,8 +168,8 @@ def _interrupted(recipe: Path, output: Path | None) -> str:
     from featcal_llm.io.output_dir import partial_dir
 
     if output is not None and (output / "featcal_recipe.yml").is_file() and not partial_dir(output).exists():
-        return (f"featcal-llm: interrupted; {output} was written whole before the stop: score it with `featcal-llm eval`, "
-                "or rerun with --force to make it again")
+        return (f"featcal-llm: interrupted; {output} was written whole before the stop: rerun with --eval-only to run the "
+                "recipe's eval: on it, or with --force to make it again")
     return ("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, refinement "
             "steps) is kept, and the same command resumes from there")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -44,13 +45,13 @@ def _unwritable(comm: Single, error: OSError) -> RunFailure:
 
 
 def run_recipe(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True,
-               output: str | Path | None = None, keep_layers: bool = False) -> Path:
+               output: str | Path | None = None, keep_layers: bool = False, eval_only: bool = False) -> Path:
     """Calibrate the merge described by the recipe; returns the output directory (`output` overrides featcal.output)."""
-    return run_recipe_outcome(recipe_path, force, device, progress, output, keep_layers).output
+    return run_recipe_outcome(recipe_path, force, device, progress, output, keep_layers, eval_only).output
 
 
 def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str | None = None, progress: bool = True,
-                       output: str | Path | None = None, keep_layers: bool = False) -> RunOutcome:
+                       output: str | Path | None = None, keep_layers: bool = False, eval_only: bool = False) -> RunOutcome:
     """Calibrate the merge described by the recipe; returns what the run produced.
 
     Progress is kept in a hidden sibling of the output after every layer; rerunning
@@ -59,6 +60,8 @@ def run_recipe_outcome(recipe_path: str | Path, force: bool = False, device: str
     Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel run
     (engine/distributed.py).
     """
+    if eval_only:
+        return _evaluate_only(recipe_path, output, device)
     comm = communicator()
     QUIET["warnings"] = not comm.is_main
     try:
@@ -111,6 +114,37 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
             if keep_layers:
                 say_kept(recipe)
     return outcome
+
+
+def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, device: str | None) -> RunOutcome:
+    """`run --eval-only`: the recipe's `eval:` on the output a finished run wrote (its evaluation had failed, or its
+    block changed), without calibrating again; under the output's lock, as a run evaluates."""
+    from featcal_llm.engine.stack import intermediate_dir
+    from featcal_llm.io.saved_recipe import RECIPE_FILE
+
+    recipe = check_before_run(recipe_path, output_override, device)
+    featcal, where = recipe.featcal, f"{recipe.path}: --eval-only"
+    if featcal.eval is None:
+        raise FeatCalError(f"{where}: featcal has no eval: block to run")
+    output = Path(output_override or featcal.output)
+    if not (output / RECIPE_FILE).is_file():
+        raise FeatCalError(f"{where}: {output} is no finished run's output (no {RECIPE_FILE}); run the recipe without --eval-only")
+    merged = intermediate_dir(output, featcal.method[0]) if featcal.stacked else Path(featcal.merged)
+    if not merged.is_dir():
+        what = f"the stack's first stage ({featcal.method[0]}), removed once its run finished" if featcal.stacked else "the merged model"
+        raise FeatCalError(f"{where}: {merged}, {what}, is not there to score beside the output")
+    lock = OutputLock.acquire(output, f"{recipe.path}: featcal.output", lambda: None)
+    try:
+        outcome = evaluate_outputs(recipe, RunOutcome(output, merged), after_run=False)
+        if featcal.stacked and not featcal._keeps_progress:  # what the stack's run leaves once its evaluation has run
+            from featcal_llm.engine.resume import remove_staging
+            from featcal_llm.io.output_dir import partial_dir
+
+            shutil.rmtree(merged, ignore_errors=True)
+            remove_staging(partial_dir(merged))
+        return replace(outcome, start=featcal.method[0] if featcal.stacked else "merged")
+    finally:
+        lock.release()
 
 
 @contextmanager

@@ -206,7 +206,7 @@ def test_an_interrupt_after_the_output_was_written_says_so(tmp_path, monkeypatch
     (tmp_path / "r.yaml").write_text(f"featcal:\n  output: {output}\n")
     result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
     assert result.exit_code == EXIT_INTERRUPTED and result.stderr.strip() == (
-        f"featcal-llm: interrupted; {output} was written whole before the stop: score it with `featcal-llm eval`, or rerun "
-        "with --force to make it again")
+        f"featcal-llm: interrupted; {output} was written whole before the stop: rerun with --eval-only to run the recipe's "
+        "eval: on it, or with --force to make it again")
     (tmp_path / ".out.featcal-partial").mkdir()  # a --force rerun stopped half-way: its progress resumes
     assert "the same command resumes from there" in CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")]).stderr

@@ -4,6 +4,7 @@ table after an `eval:` block) and `--push-to-hub` (tested against a stand-in of 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
 
     seen = []
 
-    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):  # the table, and the calibrated model's summary
+    def evaluated(section, merged_dir, calibrated_dir, recipe_dir, echo=None):  # the table, and the calibrated model's summary
         import json
 
         from featcal_llm.evaluation.compare import AfterCalibration
@@ -325,7 +326,7 @@ def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(sm
     release = pipeline.release_memory
     monkeypatch.setattr(pipeline, "release_memory", lambda: released.append(True) or release())
 
-    def evaluated(section, merged_dir, calibrated_dir, recipe_dir):
+    def evaluated(section, merged_dir, calibrated_dir, recipe_dir, echo=None):
         gc.collect()  # what is left is held by a reference, not waiting for a collection
         locked = (Path(calibrated_dir).parent / f".{Path(calibrated_dir).name}.featcal-lock").is_file()  # a --force run waits
         seen.append((len(released), [ref() is None for ref in contexts], (Path(calibrated_dir) / "config.json").is_file(), locked))
@@ -339,3 +340,53 @@ def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(sm
                                 eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
     assert featcal_llm.calibrate(recipe, progress=False).evaluation == TABLE
     assert seen == [(1, [True], True, True)]
+
+
+def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small, tmp_path, monkeypatch):
+    """The run's checkpoint is complete when its `eval:` fails (a missing package, a bad engine argument): the error says
+    so and names `run --eval-only`, which scores the output beside the merge and adds the table to its card without
+    calibrating again; refused in one line without an `eval:` block or a finished output."""
+    from click.testing import CliRunner
+
+    import featcal_llm.evaluation
+    import featcal_llm.pipeline as pipeline
+    from featcal_llm.cli import main
+    from featcal_llm.errors import RunFailure
+    from featcal_llm.evaluation.compare import AfterCalibration
+
+    def failing(section, merged_dir, calibrated_dir, recipe_dir, echo=lambda line: print(line, file=sys.stderr)):
+        echo("[featcal-eval] loading merged with lm-eval backend hf")  # the worker's log: not on the terminal under -q
+        raise RunFailure("merged: the evaluation worker failed (exit 1): ModuleNotFoundError: No module named 'x'")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", failing)
+    output = tmp_path / "out"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output), eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
+    failed = CliRunner().invoke(main, ["run", "-q", str(recipe)])
+    assert failed.exit_code == 1 and failed.stderr.strip().splitlines() == [
+        "featcal-llm: error: merged: the evaluation worker failed (exit 1): ModuleNotFoundError: No module named 'x'; the "
+        f"calibrated checkpoint is complete in {output} (its card without the evaluation): once that is mended, "
+        f"`featcal-llm run {recipe} --eval-only` scores it and the merged model (finished tasks are cached) and adds the "
+        "table to its card"]
+    weights = (output / "model.safetensors").read_bytes()
+    assert "## Evaluation" not in (output / "README.md").read_text()
+
+    scored = []
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration",
+                        lambda section, merged_dir, calibrated_dir, recipe_dir, echo=None:
+                        scored.append((Path(merged_dir), Path(calibrated_dir))) or AfterCalibration(TABLE, {}))
+    monkeypatch.setattr(pipeline, "calibrate", None)  # not called: no layer is calibrated again
+    again = CliRunner().invoke(main, ["run", str(recipe), "--eval-only"])
+    assert again.exit_code == 0, again.output
+    assert again.stdout.strip().splitlines()[-1] == f"{output}: evaluated; the table is in its card"
+    assert scored == [(small.root / "merged", output)] and (output / "model.safetensors").read_bytes() == weights
+    card = (output / "README.md").read_text()
+    assert card.index("## Evaluation") < card.index("## Recipe") and TABLE.rstrip() in card
+
+    bare = small.write_recipe(tmp_path / "bare.yaml", output=str(output))
+    refused = CliRunner().invoke(main, ["run", str(bare), "--eval-only"])
+    assert refused.exit_code == 2 and refused.stderr.strip() == f"featcal-llm: error: {bare}: --eval-only: featcal has no eval: block to run"
+    elsewhere = CliRunner().invoke(main, ["run", str(recipe), str(tmp_path / "none"), "--eval-only"])
+    assert elsewhere.exit_code == 2 and elsewhere.stderr.strip() == (
+        f"featcal-llm: error: {recipe}: --eval-only: {tmp_path / 'none'} is no finished run's output (no featcal_recipe.yml); "
+        "run the recipe without --eval-only")

@@ -13,7 +13,7 @@ from featcal_llm.evaluation.config import BackendSettings, EvalSection
 __all__ = ["BackendSettings", "EvalSection", "run_after_calibration"]
 
 
-def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path):
+def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir: Path, recipe_dir: Path, echo=None):
     """Score the merged and the calibrated model with one pipeline; return the comparison table and the calibrated
     model's summary (evaluation.compare.AfterCalibration).
 
@@ -21,4 +21,5 @@ def run_after_calibration(section: EvalSection, merged_dir: Path, calibrated_dir
     """
     from featcal_llm.evaluation.compare import compare_after_calibration
 
-    return compare_after_calibration(section, Path(merged_dir), Path(calibrated_dir), Path(recipe_dir))
+    return compare_after_calibration(section, Path(merged_dir), Path(calibrated_dir), Path(recipe_dir),
+                                     **({"echo": echo} if echo is not None else {}))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from featcal_llm import runlog
+from featcal_llm.errors import FeatCalError
 from featcal_llm.engine.context import RunContext
 from featcal_llm.io.card import append_evaluation, write_card
 from featcal_llm.io.refine_card import REFINE_FILE, append_refinement
@@ -140,16 +141,25 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
                       refined={key: refined[key] for key in ("chosen_step", "per_expert", "top_k")} if changed else None)
 
 
-def evaluate_outputs(recipe: Any, outcome: RunOutcome) -> RunOutcome:
+def evaluate_outputs(recipe: Any, outcome: RunOutcome, after_run: bool = True) -> RunOutcome:
     """`eval:`, once the run's models, streams and statistics are released (pipeline._run), so that the evaluation's
-    engine (vLLM asks for a share of the GPU's free memory) finds the memory the calibration held free again."""
+    engine (vLLM asks for a share of the GPU's free memory) finds the memory the calibration held free again. Where it
+    fails after a run, the checkpoint is complete: the error says how to score it without calibrating again."""
     featcal = recipe.featcal
     if featcal.eval is None:
         return outcome
     from featcal_llm.evaluation import run_after_calibration
 
     runlog.stage(f"evaluating the merged and the calibrated model on suite {featcal.eval.suite}")
-    scored = run_after_calibration(featcal.eval, outcome.merged, outcome.output, recipe.path.parent)  # as featcal.data paths are read
+    try:  # the worker's log goes where the run's stage lines go (not to the terminal under -q; always to --log)
+        scored = run_after_calibration(featcal.eval, outcome.merged, outcome.output, recipe.path.parent,  # as data paths are read
+                                       echo=runlog.stage)
+    except FeatCalError as error:
+        if after_run:
+            error.args = (f"{error}; the calibrated checkpoint is complete in {outcome.output} (its card without the "
+                          f"evaluation): once that is mended, `featcal-llm run {recipe.path} --eval-only` scores it and the "
+                          "merged model (finished tasks are cached) and adds the table to its card",)
+        raise
     append_evaluation(outcome.output, scored.table, scored.calibrated)  # its scores: the card's model-index
     print(scored.table)
     return replace(outcome, evaluation=scored.table)
