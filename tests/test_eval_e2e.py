@@ -221,3 +221,11 @@ def test_the_hf_backend_decodes_as_vllm_whatever_the_checkpoints_generation_conf
     assert answers["banned"] == answers["plain"]
     texts = [text for resps in answers["plain"] for text in (resps[0] if isinstance(resps[0], list) else resps)]
     assert any(len(set(text)) < len(text) for text in texts), texts  # a repeated character: the ban would have changed it
+
+
+def test_a_missing_nltk_data_directory_is_refused_before_any_model_loads(tmp_path):
+    model = _tiny(tmp_path / "tiny-Instruct", seed=0)
+    result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "ifeval", "--nltk-data", str(tmp_path / "nope"),
+                                       "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2 and result.stderr.strip() == f"featcal-llm: error: eval: --nltk-data {tmp_path / 'nope'}: directory not found"
+    assert not (tmp_path / "out").exists()

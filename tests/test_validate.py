@@ -529,6 +529,9 @@ EVAL_CASES = {
     "IFEval prompts that need punkt_tab": (
         lambda r, t: r["featcal"]["eval"].update(tasks=["ifeval"], data={"ifeval": str(FIXTURES / "ifeval_punkt.jsonl")}),
         "IFEval needs NLTK's punkt_tab data (for "),
+    "IFEval with an nltk_data that lacks punkt_tab": (  # the directory given is named, not an option of another command
+        lambda r, t: ((t / "nltk-empty").mkdir(), r["featcal"]["eval"].update(tasks=["ifeval"], nltk_data=str(t / "nltk-empty"))),
+        "nltk-empty; on a machine with internet run `python -m nltk.downloader -d DIR punkt_tab`, then copy it into that directory"),
     "IFEval prompts that do not need it": (
         lambda r, t: r["featcal"]["eval"].update(tasks=["ifeval"], data={"ifeval": str(FIXTURES / "ifeval.jsonl")}), None),
     "IFEval with punkt_tab in nltk_data": (

@@ -107,6 +107,8 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
     missing = [str(path) for _, path in _models(models) if not path.exists()]
     if missing:  # before the suite's own checks (code execution, data): a wrong path is the first thing to fix
         raise FeatCalError(f"eval: {', '.join(missing)}: model directory does not exist")
+    if nltk_data is not None and not Path(nltk_data).is_dir():
+        raise FeatCalError(f"eval: --nltk-data {nltk_data}: directory not found")
     unreadable = [str(path) for _, path in _models(models) if not (path / "config.json").is_file()]
     if unreadable:
         raise FeatCalError(f"{', '.join(unreadable)}: not a model directory (no config.json)")

@@ -60,10 +60,14 @@ def punkt_available(directory: str | None = None) -> bool:
     return True
 
 
-def missing_punkt(task_id: str, needs: list[str]) -> str:
-    return (f"{task_id}: IFEval needs NLTK's punkt_tab data (for {', '.join(needs)}) and it is not installed; "
-            "on a machine with internet run `python -m nltk.downloader -d DIR punkt_tab`, copy DIR here "
-            "and pass --nltk-data DIR (or set NLTK_DATA)")
+def missing_punkt(task_id: str, needs: list[str], given: str | None = None) -> str:
+    """The refusal, naming the directory given (`given`: eval's --nltk-data or the recipe's featcal.eval.nltk_data)
+    when punkt_tab is not in it, and else both ways to give one."""
+    where = f"not in {given}" if given else "not installed"
+    how = ("copy it into that directory" if given else
+           "copy DIR here and name it with eval's --nltk-data DIR or the recipe's featcal.eval.nltk_data (or set NLTK_DATA)")
+    return (f"{task_id}: IFEval needs NLTK's punkt_tab data (for {', '.join(needs)}) and it is {where}; on a machine "
+            f"with internet run `python -m nltk.downloader -d DIR punkt_tab`, then {how}")
 
 
 def preflight_ifeval(task_id: str, task) -> None:
@@ -71,7 +75,7 @@ def preflight_ifeval(task_id: str, task) -> None:
     before the model loads rather than after hours of generation."""
     needs = sorted({i for doc in task.eval_docs for i in doc.get("instruction_id_list", []) if i in PUNKT_INSTRUCTIONS})
     if needs and not punkt_available():
-        raise FeatCalError(missing_punkt(task_id, needs))
+        raise FeatCalError(missing_punkt(task_id, needs, os.environ.get("NLTK_DATA")))
 
 
 def punkt_refusal(task_id: str, data: str | None, nltk_data: str | None) -> str | None:
@@ -95,7 +99,7 @@ def punkt_refusal(task_id: str, data: str | None, nltk_data: str | None) -> str 
         available = punkt_available(nltk_data)
     except ImportError:
         return None  # lm-eval without its ifeval extra: the worker says so
-    return missing_punkt(task_id, needs) if needs and not available else None
+    return missing_punkt(task_id, needs, nltk_data) if needs and not available else None
 
 
 def keep_prefix_whitespace(apply_chat_template):
