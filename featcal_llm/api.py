@@ -157,7 +157,8 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         with collected_warnings() as warnings:
             from featcal_llm.io.validate import check_recipe
 
-            refused = check_recipe(path, plan=False, output=output, device=device).problems  # validate's problems, before torch and mergekit load
+            refused = check_recipe(path, plan=False, output=output, device=device, keep_layers=keep_layers,
+                                   eval_only=eval_only).problems  # validate's problems, before torch and mergekit load
             if refused:
                 if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports them for every rank
                     raise QuietExit()
@@ -260,13 +261,13 @@ class ValidationResult(list):
 
 
 def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = False, output: str | os.PathLike | None = None,
-             device: str | None = None) -> ValidationResult:
+             device: str | None = None, keep_layers: bool = False, eval_only: bool = False) -> ValidationResult:
     """Every problem of a recipe, found without loading any weights (as `featcal-llm validate`).
 
     `recipe`: a recipe file, or the same content as a dict (as `calibrate` takes it; its problems then
     name the file `<recipe>`). Checks the schema, recipe forms, calibration files and their fields, model
-    references and adapters, and the output location (`output`, `device`: as `calibrate` takes them, in place of
-    featcal.output and featcal.device). Hub model and dataset ids
+    references and adapters, and the output location (`output`, `device`, `keep_layers`, `eval_only`: as `calibrate`
+    takes them, in place of featcal.output and featcal.device). Hub model and dataset ids
     are looked up only with `online=True`; local paths never touch the network.
     """
     from featcal_llm.io.block import check_device
@@ -277,7 +278,8 @@ def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = Fa
     path, temporary = _recipe_file(recipe, "validate")
     try:
         with collected_warnings() as warnings:
-            report = check_recipe(path, online=online, plan=False, output=output, device=device)
+            report = check_recipe(path, online=online, plan=False, output=output, device=device, keep_layers=keep_layers,
+                                  eval_only=eval_only)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)

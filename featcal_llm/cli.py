@@ -165,9 +165,9 @@ def _interrupted(recipe: Path, output: Path | None) -> str:
             output = Path(yaml.safe_load(recipe.read_text(encoding="utf-8"))["featcal"]["output"])
         except Exception:  # noqa: BLE001 (a recipe that cannot say: the general line)
             output = None
-    from featcal_llm.io.output_dir import partial_dir
+    from featcal_llm.io.output_dir import RECIPE_FILE, partial_dir
 
-    if output is not None and (output / "featcal_recipe.yml").is_file() and not partial_dir(output).exists():
+    if output is not None and (output / RECIPE_FILE).is_file() and not partial_dir(output).exists():
         return (f"featcal-llm: interrupted; {output} was written whole before the stop: rerun with --eval-only to run the "
                 "recipe's eval: on it, or with --force to make it again")
     return ("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, refinement "
@@ -186,7 +186,9 @@ Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("output", required=False, type=click.Path(path_type=Path))
 @click.option("--device", default=None, help="As run's --device: check the run on this device instead of featcal.device.")
 @click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (without a network: a note, not an error).")
-def validate(recipe: Path, output: Path | None, device: str | None, online: bool) -> None:
+@click.option("--keep-layers", is_flag=True, help="Check the recipe as run --keep-layers takes it (it needs refine:).")
+@click.option("--eval-only", is_flag=True, help="Check the recipe as run --eval-only takes it (an eval: block, a finished output).")
+def validate(recipe: Path, output: Path | None, device: str | None, online: bool, keep_layers: bool, eval_only: bool) -> None:
     """Check RECIPE without loading any weights: every problem at once, one line each, and a memory estimate.
 
     The YAML, the featcal: block, the mergekit part (merge method and its parameters, as mergekit
@@ -199,7 +201,7 @@ def validate(recipe: Path, output: Path | None, device: str | None, online: bool
 
     if device is not None:
         check_device(device, "--device")
-    report = check_recipe(recipe, online=online, output=output, device=device)
+    report = check_recipe(recipe, online=online, output=output, device=device, keep_layers=keep_layers, eval_only=eval_only)
     for note in report.summary_notes():
         click.echo(f"featcal-llm: note: {note}", err=True)
     for problem in report.problems:

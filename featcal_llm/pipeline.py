@@ -28,7 +28,7 @@ from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, out_of_memory
 from featcal_llm.io.output_lock import OutputLock
 from featcal_llm.io.recipe import Recipe, with_output
-from featcal_llm.io.validate import check_before_run
+from featcal_llm.io.validate import EVAL_ONLY, check_before_run
 from featcal_llm.stages.keep_layers import kept_layers, say_kept
 from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs
 from featcal_llm.stages.prepare import Data, Opened, Resolved, check_output, open_merged, read_data, resolve, run_context
@@ -89,7 +89,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     """resolve → data → merge → run context → weights → layers → outputs → `eval:` (a stack: two runs of this function,
     under the stack's lock: `locked`)."""
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
-    recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override, device)
+    recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override, device, keep_layers)
     if output_override is not None:
         recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
                          text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too
@@ -120,15 +120,10 @@ def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, 
     """`run --eval-only`: the recipe's `eval:` on the output a finished run wrote (its evaluation had failed, or its
     block changed), without calibrating again; under the output's lock, as a run evaluates."""
     from featcal_llm.engine.stack import intermediate_dir
-    from featcal_llm.io.saved_recipe import RECIPE_FILE
 
-    recipe = check_before_run(recipe_path, output_override, device)
-    featcal, where = recipe.featcal, f"{recipe.path}: --eval-only"
-    if featcal.eval is None:
-        raise FeatCalError(f"{where}: featcal has no eval: block to run")
+    recipe = check_before_run(recipe_path, output_override, device, eval_only=True)  # an eval: block, a finished output
+    featcal, where = recipe.featcal, f"{recipe.path}: {EVAL_ONLY}"
     output = Path(output_override or featcal.output)
-    if not (output / RECIPE_FILE).is_file():
-        raise FeatCalError(f"{where}: {output} is no finished run's output (no {RECIPE_FILE}); run the recipe without --eval-only")
     merged = intermediate_dir(output, featcal.method[0]) if featcal.stacked else Path(featcal.merged)
     if not merged.is_dir():
         what = f"the stack's first stage ({featcal.method[0]}), removed once its run finished" if featcal.stacked else "the merged model"

@@ -384,9 +384,11 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
     assert card.index("## Evaluation") < card.index("## Recipe") and TABLE.rstrip() in card
 
     bare = small.write_recipe(tmp_path / "bare.yaml", output=str(output))
-    refused = CliRunner().invoke(main, ["run", str(bare), "--eval-only"])
-    assert refused.exit_code == 2 and refused.stderr.strip() == f"featcal-llm: error: {bare}: --eval-only: featcal has no eval: block to run"
-    elsewhere = CliRunner().invoke(main, ["run", str(recipe), str(tmp_path / "none"), "--eval-only"])
-    assert elsewhere.exit_code == 2 and elsewhere.stderr.strip() == (
-        f"featcal-llm: error: {recipe}: --eval-only: {tmp_path / 'none'} is no finished run's output (no featcal_recipe.yml); "
-        "run the recipe without --eval-only")
+    for command in ("run", "validate"):  # validate refuses what run refuses
+        refused = CliRunner().invoke(main, [command, str(bare), "--eval-only"])
+        assert refused.exit_code == 2 and f"{bare}: --eval-only (eval_only=True): featcal has no eval: block to run" in refused.output
+        elsewhere = CliRunner().invoke(main, [command, str(recipe), str(tmp_path / "none"), "--eval-only"])
+        assert elsewhere.exit_code == 2 and (
+            f"{recipe}: --eval-only (eval_only=True): {tmp_path / 'none'} is no finished run's output (no featcal_recipe.yml); "
+            "run the recipe without --eval-only") in elsewhere.output
+    assert CliRunner().invoke(main, ["validate", str(recipe), "--eval-only"]).exit_code == 0

@@ -397,8 +397,15 @@ def test_keep_layers_lets_a_rerun_with_another_lr_refine_from_the_calibrated_lay
     bare = far_scenario.write_recipe(far_scenario.root / "bare.yaml", output=str(far_scenario.root / "bare"))
     with pytest.raises(FeatCalError) as error:
         calibrate(bare, keep_layers=True, progress=False)
-    assert str(error.value).startswith(f"--keep-layers: {bare}: featcal has no refine: block;") and "\n" not in str(error.value)
+    line = f"{bare}: --keep-layers (keep_layers=True): featcal has no refine: block;"
+    assert str(error.value).startswith(line) and "\n" not in str(error.value)
     assert not (far_scenario.root / "bare").exists()
+    from click.testing import CliRunner
+
+    from featcal_llm.cli import main
+
+    checked = CliRunner().invoke(main, ["validate", str(bare), "--keep-layers"])  # what run refuses, validate refuses
+    assert checked.exit_code == 2 and line in checked.output, checked.output
 
 
 def test_teachers_saved_at_another_top_k_are_computed_again(far_scenario, monkeypatch, capsys):

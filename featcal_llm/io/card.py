@@ -23,7 +23,8 @@ from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, roun
 from featcal_llm.io.card_settings import SYMBOLS, adapter_trained, human, settings_lines
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
-from featcal_llm.io.saved_recipe import RECIPE_FILE, saved_recipe
+from featcal_llm.io.output_dir import RECIPE_FILE
+from featcal_llm.io.saved_recipe import saved_recipe
 
 METHOD_TEXT = {
     "featcal": "FeatCal feature calibration (Gu et al., 2026)",

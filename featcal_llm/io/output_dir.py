@@ -18,6 +18,8 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
+RECIPE_FILE = "featcal_recipe.yml"  # in every finished run's output: the recipe as it ran (io/saved_recipe.py)
+
 # hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out (folders),
 # and the lock the run holds (a file: io/output_lock.py)
 PARTIAL_SUFFIX = "featcal-partial"
@@ -52,9 +54,9 @@ def not_an_output(output: Path) -> str | None:
     lock = hidden_sibling(output, LOCK_SUFFIX)
     if lock.is_symlink() or (lock.exists() and not lock.is_file()):
         return f"{lock} is the lock file a run holds while it writes {output.name}, but it is not a file; remove it"
-    if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / "featcal_recipe.yml").is_file())):
+    if not output.exists() or (output.is_dir() and (not any(output.iterdir()) or (output / RECIPE_FILE).is_file())):
         return None
-    kind = "a file" if not output.is_dir() else "a folder that is no featcal-llm output (it has no featcal_recipe.yml)"
+    kind = "a file" if not output.is_dir() else f"a folder that is no featcal-llm output (it has no {RECIPE_FILE})"
     return f"{output} is {kind}: --force replaces only an earlier output; name another directory"
 
 

@@ -12,7 +12,6 @@ import yaml
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe, value_span
 
-RECIPE_FILE = "featcal_recipe.yml"
 REPLAY_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
     "# (featcal_tuning.json) and the precisions it resolved. Running it again replays them, without a search.\n"

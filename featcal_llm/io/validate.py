@@ -32,6 +32,7 @@ from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, 
 from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_outputs import check_output, check_writes
+from featcal_llm.io.output_dir import RECIPE_FILE
 from featcal_llm.io.references import is_hub_reference
 
 
@@ -59,21 +60,42 @@ def validate_recipe(path: str | Path, online: bool = False) -> list[Problem]:
     return check_recipe(path, online).problems
 
 
-def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None) -> Recipe:
+EVAL_ONLY = "--eval-only (eval_only=True)"  # the run's flags, as the CLI and the API name them
+KEEP_LAYERS = "--keep-layers (keep_layers=True)"
+NO_REFINE = ("featcal has no refine: block; the kept layers serve a rerun with other refine: settings (turning refine: "
+             "on changes the records the closed form fits, so it calibrates the layers again)")
+
+
+def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, eval_only: bool, problems: list[Problem]) -> None:
+    """What `run --keep-layers` and `run --eval-only` need of the recipe: a `refine:` block; an `eval:` block and a
+    finished run's output to score."""
+    if keep_layers and featcal.refine is None:
+        problems.append(Problem(str(path), KEEP_LAYERS, NO_REFINE))
+    if eval_only and featcal.eval is None:
+        problems.append(Problem(str(path), EVAL_ONLY, "featcal has no eval: block to run"))
+    elif eval_only and not (output / RECIPE_FILE).is_file():
+        problems.append(Problem(str(path), EVAL_ONLY, f"{output} is no finished run's output (no {RECIPE_FILE}); run the "
+                                                      "recipe without --eval-only"))
+
+
+def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None,
+                     keep_layers: bool = False, eval_only: bool = False) -> Recipe:
     """The recipe parsed by mergekit, once every local check passed; else `RecipeProblems` listing all of them."""
-    report = check_recipe(path, online=False, plan=False, mergekit=True, output=output, device=device)
+    report = check_recipe(path, online=False, plan=False, mergekit=True, output=output, device=device,
+                          keep_layers=keep_layers, eval_only=eval_only)
     if report.problems:
         raise RecipeProblems(report.problems)
     return report.recipe
 
 
 def check_recipe(path: str | Path, online: bool = False, plan: bool = True, mergekit: bool = False,
-                 output: str | Path | None = None, device: str | None = None) -> Report:
+                 output: str | Path | None = None, device: str | None = None, keep_layers: bool = False,
+                 eval_only: bool = False) -> Report:
     """Every problem of the recipe in one round: its text, then what the parts that parsed point at.
 
     Without torch unless `mergekit` (then a clean recipe's mergekit part is parsed by mergekit itself, for `run`).
     `output` (`run RECIPE OUTPUT`) is checked in place of featcal.output, which that run never writes; `device`
-    (`run --device`) in place of featcal.device.
+    (`run --device`) in place of featcal.device; `keep_layers` and `eval_only` as `run --keep-layers` / `--eval-only`.
     """
     parsed = read_recipe(path, mergekit=mergekit)
     path, recipe, problems = Path(path), parsed.recipe, parsed.problems
@@ -101,8 +123,10 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     output_key = "OUTPUT" if output is not None else "featcal.output"
     if parsed.merge_config is not None:
         check_writes(path, Path(output) if output else None, setting, parsed.merge_config, data, problems)
-    if (output or setting("output")) and not any(problem.key == output_key for problem in problems):  # one line for it
-        check_output(path, Path(output or setting("output")), problems, report.notes, output_key)
+    if featcal is not None:
+        check_run_flags(path, featcal, Path(output or setting("output")), keep_layers, eval_only, problems)
+    if (output or setting("output")) and not eval_only and not any(problem.key == output_key for problem in problems):
+        check_output(path, Path(output or setting("output")), problems, report.notes, output_key)  # one line for it
     if featcal is not None and featcal.eval is not None:
         written = {"OUTPUT" if output else "featcal.output": output or setting("output"), "featcal.merged": setting("merged")}
         check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})

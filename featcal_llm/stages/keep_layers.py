@@ -14,14 +14,14 @@ from pathlib import Path
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.output_dir import partial_dir
 from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.validate import KEEP_LAYERS, NO_REFINE
 
 
 def kept_layers(recipe: Recipe) -> Recipe:
-    """The recipe whose run keeps its saved progress; refused without `refine:`, where nothing a rerun may change reuses it."""
+    """The recipe whose run keeps its saved progress; refused without `refine:`, where nothing a rerun may change reuses
+    it (validate's check, io/validate.check_run_flags, says so first)."""
     if recipe.featcal.refine is None:
-        raise FeatCalError(f"--keep-layers: {recipe.path}: featcal has no refine: block; the kept layers serve a rerun with "
-                           "other refine: settings (turning refine: on changes the records the closed form fits, so it "
-                           "calibrates the layers again)")
+        raise FeatCalError(f"{recipe.path}: {KEEP_LAYERS}: {NO_REFINE}")
     featcal = recipe.featcal.model_copy()
     featcal._keeps_progress = True
     return replace(recipe, featcal=featcal)
