@@ -71,6 +71,14 @@ def _first_data_file(r, t, name: str, text: str) -> None:
     r["featcal"]["data"][_expert(r, 0)] = {"path": str(t / name)}
 
 
+def _dataset_directory(r, t, files: dict[str, str], **keys) -> None:
+    """The first expert's records from a local dataset directory, whose layout datasets reads from its file names."""
+    (t / "ds").mkdir()
+    for name, text in files.items():
+        (t / "ds" / name).write_text(text, encoding="utf-8")
+    r["featcal"]["data"][_expert(r, 0)] = {"path": str(t / "ds"), **keys}
+
+
 def _base_without_tokenizer(r, t):
     """A base directory with weights and config but no tokenizer: the records cannot be tokenised."""
     from featcal_llm.io.model_files import TOKENIZER_FILES
@@ -204,6 +212,11 @@ CASES = {
         ["quantized/config.json: quantization_config (bitsandbytes): featcal-llm merges and calibrates unquantized weights"]]),
     "a JSON file of columns": (lambda r, t: _first_data_file(r, t, "cal.json", json.dumps({"text": ["a b", "c d", "e f"]})), [
         ["cal.json: record 0: field 'text' is a list, not a string;", "a JSON file holding one object of lists (columns) is one record to datasets"]]),
+    "a dataset directory without data files": (lambda r, t: _dataset_directory(r, t, {}), [
+        ["ds: the directory holds no data file datasets reads (JSON lines, JSON, CSV, parquet, text, ...)"]]),
+    "a dataset directory without the split asked for": (lambda r, t: _dataset_directory(
+        r, t, {"train.jsonl": '{"text": "a b"}\n'}, split="validation"), [
+        [".split: validation: ", "ds has the split train (named by its files, as datasets reads them)"]]),
     "a base without tokenizer files": (_base_without_tokenizer, [
         ["featcal.tokenizer: ", "bare-base: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model or vocab.json)"]]),
     "chat without a chat template": (_chat_records_without_a_template, [

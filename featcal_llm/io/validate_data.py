@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,26 @@ COUNT_MAX_BYTES = 2**30  # CSV and JSON-lines files up to this size have their r
 def needed_fields(spec: DataSpec) -> list[str]:
     """The record fields the entry's format reads (alpaca's input is optional): its text fields, or a chat's messages."""
     return [spec.messages] if spec.messages and spec.format not in ("text", "alpaca") else text_fields(spec)
+
+
+def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
+    """A local dataset directory holds data files and the split asked for, as datasets reads its listing (its own
+    `get_data_patterns`: `train.jsonl` is split train, a lone `foo.jsonl` too); a directory that declares its layout
+    itself (a README's configs, a loading script, a `save_to_disk` folder) or a named config is left to the run."""
+    declared = ("README.md", "dataset_dict.json", "dataset_info.json", "state.json")
+    if spec.name or any((path / name).is_file() for name in declared) or any(path.glob("*.py")):
+        return
+    from datasets.data_files import EmptyDatasetError, get_data_patterns
+
+    try:
+        splits = [str(split) for split in get_data_patterns(str(path))]
+    except EmptyDatasetError:
+        raise FeatCalError(f"{where}.path: {spec.path}: the directory holds no data file datasets reads (JSON lines, JSON, "
+                           "CSV, parquet, text, ...)") from None
+    asked = re.match(r"[\w.-]+", spec.split)  # `train[:100]` slices split train
+    if asked is not None and asked.group(0) not in splits:
+        raise FeatCalError(f"{where}.split: {spec.split}: {spec.path} has the split{'s' if len(splits) > 1 else ''} "
+                           f"{', '.join(splits)} (named by its files, as datasets reads them)")
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
@@ -51,7 +72,8 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
             raise no_records(spec, where)
         return count
     if path.is_dir():
-        return None  # a local dataset directory: datasets decides its layout when the run loads it
+        check_dataset_directory(spec, where, path)
+        return None  # its record count: datasets decides the layout's files when the run loads it
     if not looks_like_hub_id(spec.path):
         raise file_not_found(path, where)
     if not online:
