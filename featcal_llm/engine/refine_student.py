@@ -4,7 +4,6 @@ adapter on the projections with norms, biases and the head in full), and the ten
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,12 +79,13 @@ class Student:
         else:
             from peft import LoraConfig, get_peft_model
 
+            from featcal_llm.io.lora import peft_quietly
+
             head = self.model.get_output_embeddings().weight
             head.data = head.data.to(master)  # trained in full (the tied embedding with it)
             suffixes = sorted({p.rsplit(".", 1)[-1] for p in job.projections})
             lora = LoraConfig(r=job.spec.rank, lora_alpha=job.spec.rank, lora_dropout=0.0, target_modules=suffixes, bias="none")
-            with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: its FutureWarning
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            with peft_quietly():
                 self.module = get_peft_model(self.model, lora)
             for name, parameter in self.model.named_parameters():
                 if parameter.dim() == 1 or parameter is head:

@@ -112,7 +112,10 @@ class TransformersSampler:
         if source.adapter is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, source.adapter).merge_and_unload()
+            from featcal_llm.io.lora import peft_quietly
+
+            with peft_quietly():
+                model = PeftModel.from_pretrained(model, source.adapter).merge_and_unload()
         self.eos_ids = eos_ids_of(model.config, model.generation_config, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids[0] if self.eos_ids else 0)
         # The checkpoint's generation_config.json would fill every setting we leave unset (a repetition

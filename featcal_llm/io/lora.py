@@ -14,6 +14,8 @@ refused by name.
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,15 @@ from safetensors import safe_open
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.checkpoint import CheckpointReader
+
+
+@contextmanager
+def peft_quietly():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: its FutureWarning is
+    transformers' word to peft, not to a user (`run -q` promised warnings of the run's own)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 from featcal_llm.io.lora_layout import ADAPTER_WEIGHTS, read_adapter_layout
 from featcal_llm.io.references import ADAPTER_CONFIG, NAMED_REFUSALS, adapter_config_problem
 
