@@ -259,3 +259,123 @@ def test_the_stored_dtype_is_read_from_either_configs_key(tmp_path, config, dtyp
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert stored_dtype(tmp_path) == dtype
+
+
+# what a Llama checkpoint's config.json says (the tiny model's keys, as save_pretrained writes them)
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 100,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "use_cache": True}
+# keys that load a Llama through lm-eval's HFLM: its own, the loaders' (parameters, popped from **kwargs, in a loop over
+# a list of names), attributes of the config (fields, settable properties, the base config's)
+HF_KEYS = {"attn_implementation": "eager", "low_cpu_mem_usage": True, "device_map": "cpu", "use_cache": False,
+           "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, "max_memory": {"cpu": "1GiB"},
+           "parallelize": False, "add_bos_token": True, "output_hidden_states": False, "revision": "main",
+           "variant": None, "use_safetensors": True, "tie_word_embeddings": False, "num_labels": 2,
+           "experts_implementation": None, "max_batch_size": 4}
+FOO = ("backend.engine_args.foo: not an argument of lm-eval's hf model, transformers' from_pretrained or the model's "
+       "config")
+
+
+def test_hf_engine_args_are_checked_against_the_installed_sources(tmp_path, monkeypatch):
+    """A key the hf model does not take fails in the evaluation worker, after the calibration, with the model's
+    TypeError: check_settings refuses it from lm-eval's, transformers' and the model config's sources (one line, the
+    nearest key), and plan_backend from the scored model's config.json, never importing transformers."""
+    import sys
+
+    from featcal_llm.evaluation import hf_arguments
+
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    heavy = {name for name in ("torch", "transformers", "lm_eval") if name in sys.modules}
+    for key, value in {**HF_KEYS, "peft": "/adapter", "delta": "/delta", "rope_parameters": None, "hidden_size": 64,
+                       "id2label": None, "code_revision": None, "key_mapping": None, "trust_remote_code": False}.items():
+        backends.check_settings("hf", BackendSettings(engine_args={key: value}), LLAMA_CONFIG)
+    backends.check_settings("hf", BackendSettings(engine_args=HF_KEYS), LLAMA_CONFIG)
+    with pytest.raises(FeatCalError) as refused:
+        backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), LLAMA_CONFIG)
+    assert str(refused.value) == FOO
+    with pytest.raises(FeatCalError) as refused:
+        backends.check_settings("hf", BackendSettings(engine_args={"attn_implementaton": "eager"}), LLAMA_CONFIG)
+    assert str(refused.value) == ("backend.engine_args.attn_implementaton: not an argument of lm-eval's hf model, "
+                                  "transformers' from_pretrained or the model's config (did you mean attn_implementation?)")
+    for key in ("lora_rnak", "rope_theta", "load_in_4bit", "use_return_dict"):  # a TypeError (a read-only property's
+        with pytest.raises(FeatCalError, match=rf"^backend\.engine_args\.{key}: not an argument of lm-eval's hf model"):
+            backends.check_settings("hf", BackendSettings(engine_args={key: 1}), LLAMA_CONFIG)  # AttributeError) there
+    with pytest.raises(FeatCalError) as refused:  # HFLM hands _create_model its own: "got multiple values"
+        backends.check_settings("hf", BackendSettings(engine_args={"quantization_config": None}), LLAMA_CONFIG)
+    assert str(refused.value) == ("backend.engine_args.quantization_config: lm-eval's hf model passes quantization_config "
+                                  "to its loader itself; it cannot be given in engine_args")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    with pytest.raises(FeatCalError) as refused:  # the eval command's check, before the worker starts
+        plan_backend("hf", BackendSettings(engine_args={"foo": 1}), model, 4096, None)
+    assert str(refused.value) == FOO
+    assert plan_backend("hf", BackendSettings(engine_args={"use_cache": False}), model, 4096, None).model_args["use_cache"] is False
+    # nothing is refused where the model's config cannot be read, or its model type's config class is not transformers'
+    backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}))
+    plan_backend("hf", BackendSettings(engine_args={"foo": 1}), tmp_path / "none", 4096, None)
+    backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), {**LLAMA_CONFIG, "model_type": "remote_code_model"})
+    backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), {**LLAMA_CONFIG, "foo": 1})  # config.json's own key
+    assert {name for name in ("torch", "transformers", "lm_eval") if name in sys.modules} == heavy
+
+    # a source laid out otherwise: no check
+    monkeypatch.setattr(hf_arguments, "_source_file", lambda module: tmp_path / "other.py")
+    (tmp_path / "other.py").write_text("class Other:\n    pass\n")
+    hf_arguments.hf_loader_names.cache_clear()
+    try:
+        backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), LLAMA_CONFIG)
+    finally:
+        monkeypatch.undo()
+        hf_arguments.hf_loader_names.cache_clear()
+
+
+def test_hf_loader_keys_are_read_from_kwargs_as_transformers_reads_them(tmp_path, monkeypatch):
+    """transformers 5 pops some keys in a loop over a list of names (`for name in [...]: kwargs.pop(name)`, and a
+    comprehension over a list it named): those keys are taken, the others of the list too, and none beside them."""
+    from featcal_llm.evaluation import hf_arguments
+
+    sources = {
+        "lm_eval.models.huggingface": "class HFLM:\n    def __init__(self, pretrained, peft=None, **kwargs):\n"
+                                      "        self._create_model(pretrained=pretrained, peft=peft, gpus=0, **kwargs)\n"
+                                      "    def _create_model(self, pretrained, peft=None, gpus=None, **kwargs):\n"
+                                      "        kwargs.get('device_map')\n",
+        "transformers.models.auto.auto_factory": "class _BaseAutoModelClass:\n"
+                                                 "    def from_pretrained(cls, path, *model_args, **kwargs):\n"
+                                                 "        hub = ['cache_dir', 'proxies']\n"
+                                                 "        hub_kwargs = {name: kwargs.pop(name) for name in hub if name in kwargs}\n",
+        "transformers.modeling_utils": "class PreTrainedModel:\n    def from_pretrained(cls, path, *, revision='main', **kwargs):\n"
+                                       "        for name in ['mirror', 'low_cpu_mem_usage']:\n            kwargs.pop(name, None)\n",
+        "transformers.configuration_utils": "class PreTrainedConfig:\n    def _get_config_dict(cls, path, **kwargs):\n"
+                                            "        kwargs.pop('_configuration_file', None)\n"}
+    for index, text in enumerate(sources.values()):
+        (tmp_path / f"source{index}.py").write_text(text)
+    files = {module: tmp_path / f"source{index}.py" for index, module in enumerate(sources)}
+    monkeypatch.setattr(hf_arguments, "_source_file", files.get)
+    hf_arguments.hf_loader_names.cache_clear()
+    try:
+        taken, repeated = hf_arguments.hf_loader_names()
+        assert taken == {"pretrained", "peft", "device_map", "cache_dir", "proxies", "revision", "mirror",
+                         "low_cpu_mem_usage", "_configuration_file"}
+        assert repeated == {"gpus"}
+    finally:
+        monkeypatch.undo()
+        hf_arguments.hf_loader_names.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
+def test_hf_engine_args_the_check_takes_load_and_those_it_refuses_fail_in_lm_eval(tiny_instruct_model):
+    """The check against what really happens: lm-eval's HFLM loads the tiny Llama with every key the check takes
+    (and with `delta`, another model of its shape), and raises the TypeError the worker would for each it refuses."""
+    from lm_eval.models.huggingface import HFLM
+
+    config = json.loads((tiny_instruct_model / "config.json").read_text())
+    accepted = {**HF_KEYS, "delta": str(tiny_instruct_model)}
+    backends.check_settings("hf", BackendSettings(engine_args=accepted), config)
+    model = HFLM(pretrained=str(tiny_instruct_model), device="cpu", batch_size=1, **accepted)
+    assert model.model.config.use_cache is False and model.model.config.rope_parameters["rope_type"] == "linear"
+    for key, value in (("foo", 1), ("lora_rnak", 8), ("rope_theta", 10000.0), ("quantization_config", None)):
+        with pytest.raises(FeatCalError, match=rf"^backend\.engine_args\.{key}: "):
+            backends.check_settings("hf", BackendSettings(engine_args={key: value}), config)
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{key}'|multiple values for keyword argument '{key}'"):
+            HFLM(pretrained=str(tiny_instruct_model), device="cpu", batch_size=1, **{key: value})

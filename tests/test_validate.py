@@ -647,3 +647,14 @@ def test_an_empty_eval_block_is_refused_not_read_as_no_evaluation(scenario, tmp_
     recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", None))
     assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == [
         "featcal.eval: empty; write its keys (tasks, backend, ...) or leave eval: out (got null)"]
+
+
+def test_hf_engine_args_are_checked_before_the_calibration_by_the_models_config(scenario, tmp_path, no_weights):
+    """hf hands engine_args to transformers, where the model's constructor refuses a key it does not take only when the
+    evaluation loads it, after the calibration: validate refuses it first, by the base's config.json (no merge yet)."""
+    for engine_args, expected in (({"use_cache": False, "attn_implementation": "eager", "low_cpu_mem_usage": True}, []), (
+            {"foo": 1}, ["featcal.eval.backend.engine_args.foo: not an argument of lm-eval's hf model, transformers' "
+                         "from_pretrained or the model's config"])):
+        recipe = _write(scenario, tmp_path, lambda r, _t, e=engine_args: r["featcal"].__setitem__(
+            "eval", {"tasks": ["arc_challenge"], "backend": {"name": "hf", "engine_args": e}}))
+        assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == expected

@@ -85,8 +85,9 @@ OWN_ARGS = {"vllm": ("pretrained", "dtype", "tensor_parallel_size", "gpu_memory_
             "hf": ("pretrained", "dtype", "device", "max_length", "chat_template_args", "batch_size")}
 
 
-def check_settings(name: str, settings: BackendSettings) -> None:
-    """What a backend refuses of its settings alone: asked by `validate` and again before a model is scored."""
+def check_settings(name: str, settings: BackendSettings, model_config: dict | None = None) -> None:
+    """What a backend refuses of its settings alone: asked by `validate` and again before a model is scored.
+    `model_config` (the scored model's config.json, where one can be read) lets hf check engine_args' keys."""
     if name == "vllm" and settings.device:
         raise FeatCalError("backend.device: not used by vllm; select GPUs with CUDA_VISIBLE_DEVICES")
     if name == "hf" and (settings.device or "").startswith("cuda"):
@@ -108,6 +109,10 @@ def check_settings(name: str, settings: BackendSettings) -> None:
         from featcal_llm.evaluation.vllm_arguments import check_vllm_engine_args
 
         check_vllm_engine_args(settings.engine_args, "backend.engine_args")
+    if name == "hf":
+        from featcal_llm.evaluation.hf_arguments import check_hf_engine_args
+
+        check_hf_engine_args(settings.engine_args, "backend.engine_args", model_config)
 
 
 def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_length: int,
@@ -119,11 +124,14 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
     max_position_embeddings: vLLM refuses a longer max_model_len, and without a cap Llama-3.x's
     131,072 makes vLLM size its KV cache for sequences no task produces. `chat_template_args`
     (the suite's, e.g. a fixed `date_string` for Llama-3.x templates that print today's date) go to
-    lm-eval's chat templating; `engine_args` are passed through unchanged. `auto` asks for the dtype the
+    lm-eval's chat templating; `engine_args` are passed through unchanged (a key the backend does not take refused
+    first: vllm's from its sources, hf's from lm-eval's, transformers' and the model's config's). `auto` asks for the dtype the
     checkpoint's config names (`model_dtype`), which each backend then serves: vLLM's own `auto` would run a float32
     checkpoint in bfloat16, where hf keeps float32.
     """
-    check_settings(name, settings)
+    from featcal_llm.evaluation.hf_arguments import read_model_config
+
+    check_settings(name, settings, read_model_config(model_dir))
     dtype = model_dtype if settings.dtype == "auto" and model_dtype else settings.dtype
     length = settings.max_model_len or context_length
     if settings.max_model_len is None and model_max_positions:

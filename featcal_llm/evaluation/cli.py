@@ -76,7 +76,7 @@ Examples:
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
               help="vLLM model replicas (needs ray; GPUs used = tensor x data parallel size).")
 @click.option("--engine-arg", "engine_args", multiple=True,
-              help="KEY=VALUE passed through to vllm.LLM / the hf model (repeatable), e.g. enforce_eager=true.")
+              help="KEY=VALUE passed through to vllm.LLM / the hf model (repeatable), e.g. enforce_eager=true; a key the backend does not take is refused before any model loads.")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="vLLM memory fraction (default 0.9; vllm only).")
 @click.option("--max-model-len", type=int, default=None, help="Context length (default: the suite's, capped by the model).")
 @click.option("--device", default=None, help="hf backend device (cuda, cuda:N, cpu).")

@@ -42,7 +42,9 @@ class BackendSettings(RecipeModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more lm-eval model_args, passed through to vllm.LLM (e.g. enforce_eager, "
-        "max_num_seqs) or to the hf model; may not repeat a key set above, and vllm refuses one it does not take",
+        "max_num_seqs) or to the hf model (e.g. attn_implementation, use_cache); may not repeat a key set above, and "
+        "a key the backend does not take is refused before any model loads (vllm: lm-eval's vllm model, vllm.LLM, "
+        "EngineArgs; hf: lm-eval's hf model, transformers' from_pretrained, the model's config)",
     )
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: share of GPU memory it may take")
     max_model_len: PositiveInt | None = Field(

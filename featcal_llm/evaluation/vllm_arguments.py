@@ -52,26 +52,60 @@ def _class_names(path: Path, name: str, kind: str) -> set[str] | None:
     return names
 
 
+def _strings(node: ast.AST) -> set[str] | None:
+    """The strings of a literal list, tuple or set of strings; None for anything else."""
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and node.elts and all(
+            isinstance(item, ast.Constant) and isinstance(item.value, str) for item in node.elts):
+        return {item.value for item in node.elts}
+    return None
+
+
+def _loop_names(function: ast.FunctionDef) -> dict[str, set[str]]:
+    """Names a function binds to each string of a literal list in turn: `for name in ["a", "b"]`, and a comprehension
+    over a name it assigned such a list (`names = [...]; {n: kwargs.pop(n) for n in names}`)."""
+    lists: dict[str, set[str]] = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            strings = _strings(node.value)
+            if strings is not None:
+                lists.setdefault(node.targets[0].id, set()).update(strings)
+    bound: dict[str, set[str]] = {}
+    for node in ast.walk(function):
+        comprehension = isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp))
+        loops = [node] if isinstance(node, ast.For) else node.generators if comprehension else []
+        for loop in loops:
+            if isinstance(loop.target, ast.Name):
+                strings = _strings(loop.iter) or (lists.get(loop.iter.id) if isinstance(loop.iter, ast.Name) else None)
+                if strings:
+                    bound.setdefault(loop.target.id, set()).update(strings)
+    return bound
+
+
 def _keys_read(function: ast.FunctionDef, kwargs: str) -> set[str]:
     """The string keys a constructor reads from its **kwargs itself: `kwargs.pop/get("k")`, `kwargs["k"]` (also in a
-    `del`) and `"k" in kwargs`; a key it handles there is one it takes, whatever it passes on."""
+    `del`) and `"k" in kwargs`, the key also a name bound to each string of a literal list (`for k in ["a", "b"]:
+    kwargs.pop(k)`); a key it handles there is one it takes, whatever it passes on."""
+    bound = _loop_names(function)
+
     def is_kwargs(node: ast.AST) -> bool:
         return isinstance(node, ast.Name) and node.id == kwargs
 
-    def text(node: ast.AST) -> str | None:
-        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+    def texts(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        return bound.get(node.id, set()) if isinstance(node, ast.Name) else set()
 
-    keys = set()
+    keys: set[str] = set()
     for node in ast.walk(function):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_kwargs(node.func.value) \
                 and node.func.attr in ("pop", "get", "setdefault") and node.args:
-            keys.add(text(node.args[0]))
+            keys |= texts(node.args[0])
         elif isinstance(node, ast.Subscript) and is_kwargs(node.value):
-            keys.add(text(node.slice))
+            keys |= texts(node.slice)
         elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
                 and is_kwargs(node.comparators[0]):
-            keys.add(text(node.left))
-    return {key for key in keys if key is not None}
+            keys |= texts(node.left)
+    return keys
 
 
 @lru_cache(maxsize=1)

@@ -47,6 +47,7 @@ class Report:
     unchecked: list[str] = field(default_factory=list)  # hub ids not looked up (offline)
     offline: list[str] = field(default_factory=list)  # hub ids `--online` could not look up: no network
     scored_tokenizer: Path | None = None  # where the evaluated models' tokenizer comes from, where known before the run
+    scored_config: dict | None = None  # the evaluated models' config.json (the merge's, else the base's), where read
 
     def summary_notes(self) -> list[str]:
         """The notes, with the hub ids left unchecked gathered into one."""
@@ -301,12 +302,13 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
             if not changes_tokenizer(merge_config) and not (merged and Path(merged).exists()):  # run's check before it merges
                 collect(problems, path, lambda: _same_vocabulary(base_config, config, f"{what}: {directory / 'config.json'}"))
+    merged_config = None
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
         if not merged.is_dir():
             problems.append(Problem(str(path), "featcal.merged", f"{merged}: expected the merged model's directory"))
         else:
-            config = collect(problems, path, lambda: _read_config(merged, what))
+            config = merged_config = collect(problems, path, lambda: _read_config(merged, what))
             unreadable = missing_weights(merged)  # what run's checkpoint reader refuses of it
             if unreadable is not None:
                 problems.append(Problem(str(path), "featcal.merged", f"{merged}: {unreadable}"))
@@ -329,6 +331,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     # the tokenizer the merge (and so the output, which `eval:` scores) carries: the merge's own, else the base's it copies
     report.scored_tokenizer = Path(merged) if merged and Path(merged).is_dir() else \
         base_source.tokenizer_directory if base_source is not None and not merge_makes_tokenizer(merge_config) else None
+    # the config the evaluated models carry (the merge's, which the calibration keeps): hf's engine_args are checked by it
+    report.scored_config = merged_config if merged_config is not None else base_config
     # the directory run tokenises the records with (prepare.read_data); a changed tokenizer is mergekit's, made first
     calibrating = Path(tokenizer) if tokenizer else None if base_source is None or merge_makes_tokenizer(merge_config) else \
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)

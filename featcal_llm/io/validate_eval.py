@@ -96,7 +96,7 @@ def _check_eval_settings(path: Path, section: Any, report: Any, online: bool = F
         name = planned_backend_name(section.backend, "featcal.eval.backend.name")  # None: auto, where torch decides
         try:
             if name is not None:
-                check_settings(name, section.backend)
+                check_settings(name, section.backend, report.scored_config)
             elif backends._installed("vllm"):  # auto on a machine that may have CUDA: vLLM's keys, as auto picks it once CUDA is seen
                 check_vllm_engine_args(section.backend.engine_args, "backend.engine_args")
         except FeatCalError as error:
