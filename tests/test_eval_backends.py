@@ -319,7 +319,7 @@ def test_hf_engine_args_are_checked_against_the_installed_sources(tmp_path, monk
     assert {name for name in ("torch", "transformers", "lm_eval") if name in sys.modules} == heavy
 
     # a source laid out otherwise: no check
-    monkeypatch.setattr(hf_arguments, "_source_file", lambda module: tmp_path / "other.py")
+    monkeypatch.setattr(hf_arguments, "source_file", lambda module: tmp_path / "other.py")
     (tmp_path / "other.py").write_text("class Other:\n    pass\n")
     hf_arguments.hf_loader_names.cache_clear()
     try:
@@ -350,7 +350,7 @@ def test_hf_loader_keys_are_read_from_kwargs_as_transformers_reads_them(tmp_path
     for index, text in enumerate(sources.values()):
         (tmp_path / f"source{index}.py").write_text(text)
     files = {module: tmp_path / f"source{index}.py" for index, module in enumerate(sources)}
-    monkeypatch.setattr(hf_arguments, "_source_file", files.get)
+    monkeypatch.setattr(hf_arguments, "source_file", files.get)
     hf_arguments.hf_loader_names.cache_clear()
     try:
         taken, repeated = hf_arguments.hf_loader_names()

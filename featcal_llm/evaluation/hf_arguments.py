@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.evaluation.vllm_arguments import _keys_read, _source_file
+from featcal_llm.evaluation.vllm_arguments import keys_read, source_file
 
 HFLM = ("lm_eval.models.huggingface", "HFLM")
 # (module, class, method, the positional parameters its callers fill: cls and the model's path; None: only the keys it
@@ -58,7 +58,7 @@ def _taken(function: ast.FunctionDef, filled: int) -> set[str]:
     positional = [*arguments.posonlyargs, *arguments.args][filled:]
     names = {a.arg for a in [*positional, *arguments.kwonlyargs]}
     if arguments.kwarg is not None:
-        names |= _keys_read(function, arguments.kwarg.arg)
+        names |= keys_read(function, arguments.kwarg.arg)
     return names
 
 
@@ -66,7 +66,7 @@ def _taken(function: ast.FunctionDef, filled: int) -> set[str]:
 def hf_loader_names() -> tuple[frozenset[str], frozenset[str]] | None:
     """The keys lm-eval's HFLM and transformers' from_pretrained take, and those HFLM.__init__ passes `_create_model`
     itself, which a key of engine_args would repeat; None where a source cannot be read."""
-    path = _source_file(HFLM[0])
+    path = source_file(HFLM[0])
     found = _class(_tree(path), HFLM[1]) if path is not None else None
     if found is None:
         return None
@@ -81,12 +81,12 @@ def hf_loader_names() -> tuple[frozenset[str], frozenset[str]] | None:
     repeated = {keyword.arg for keyword in calls[0].keywords if keyword.arg is not None} - own
     names = own | _taken(creates[0], 1)
     for module, name, method, filled in LOADERS:
-        path = _source_file(module)
+        path = source_file(module)
         found = _class(_tree(path), name) if path is not None else None
         loads = _methods(found, method) if found is not None else []
         if len(loads) != 1 or (filled is None and loads[0].args.kwarg is None):
             return None
-        names |= _taken(loads[0], filled) if filled is not None else _keys_read(loads[0], loads[0].args.kwarg.arg)
+        names |= _taken(loads[0], filled) if filled is not None else keys_read(loads[0], loads[0].args.kwarg.arg)
     return frozenset(names - repeated), frozenset(repeated)
 
 

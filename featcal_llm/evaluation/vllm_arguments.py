@@ -21,7 +21,7 @@ SOURCES = (("lm_eval.models.vllm_causallms", "VLLM", "parameters"), ("vllm.entry
            ("vllm.engine.arg_utils", "EngineArgs", "fields"))
 
 
-def _source_file(module: str) -> Path | None:
+def source_file(module: str) -> Path | None:
     """The module's file, found without importing its package (find_spec of a submodule imports the parents)."""
     top, *rest = module.split(".")
     spec = importlib.util.find_spec(top)
@@ -48,7 +48,7 @@ def _class_names(path: Path, name: str, kind: str) -> set[str] | None:
         arguments = init.args
         names |= {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs] if a.arg != "self"}
         if arguments.kwarg is not None:
-            names |= _keys_read(init, arguments.kwarg.arg)
+            names |= keys_read(init, arguments.kwarg.arg)
     return names
 
 
@@ -81,7 +81,7 @@ def _loop_names(function: ast.FunctionDef) -> dict[str, set[str]]:
     return bound
 
 
-def _keys_read(function: ast.FunctionDef, kwargs: str) -> set[str]:
+def keys_read(function: ast.FunctionDef, kwargs: str) -> set[str]:
     """The string keys a constructor reads from its **kwargs itself: `kwargs.pop/get("k")`, `kwargs["k"]` (also in a
     `del`) and `"k" in kwargs`, the key also a name bound to each string of a literal list (`for k in ["a", "b"]:
     kwargs.pop(k)`); a key it handles there is one it takes, whatever it passes on."""
@@ -113,7 +113,7 @@ def vllm_argument_names() -> frozenset[str] | None:
     """Every key lm-eval's vllm model, `vllm.LLM` or `EngineArgs` takes; None where a source cannot be read."""
     names: set[str] = set()
     for module, name, kind in SOURCES:
-        path = _source_file(module)
+        path = source_file(module)
         read = None if path is None else _class_names(path, name, kind)
         if read is None:
             return None
