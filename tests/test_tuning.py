@@ -313,3 +313,47 @@ def test_tuning_cost_benchmark_runs_every_mode(tmp_path):
     data = json.loads(result.stdout)
     assert set(data["factor"]) == {"fixed", "fixed+drift", "auto"} and data["factor"]["fixed"] == 1.0
     assert all(len(values) == 1 and values[0] > 0 for values in data["seconds"].values())
+
+
+def _featcal(values: dict, budget: int | None = None):
+    """What build_search reads of a featcal: block (its hyper-parameters as given, its tune: settings)."""
+    from types import SimpleNamespace
+
+    from featcal_llm.io.block_sections import TuneSpec
+
+    tune = TuneSpec() if budget is None else TuneSpec(budget=budget)
+    return SimpleNamespace(hyper_values=lambda: dict(values), tune_settings=lambda: tune, eps=1e-8)
+
+
+def test_the_default_budget_covers_an_all_auto_search_and_one_less_does_not():
+    """All three keys `auto` evaluate 12 settings a layer, the default budget: exactly enough, not refused."""
+    from featcal_llm.engine.tuning import build_search
+    from featcal_llm.errors import FeatCalError
+
+    auto = {"lambda": "auto", "alpha": "auto", "rho": "auto"}
+    assert build_search(_featcal(auto), "r.yaml").evaluations() == 12
+    with pytest.raises(FeatCalError, match="evaluates 12 settings per layer, more than the budget of 11"):
+        build_search(_featcal(auto, budget=11), "r.yaml")
+
+
+def test_candidates_are_searched_in_sorted_order_from_the_lower_middle():
+    from featcal_llm.engine.tuning import build_search
+
+    search = build_search(_featcal({"lambda": (1.0, 1e-3, 0.1, 1e-3), "alpha": 0.3, "rho": 0.5}), "r.yaml")
+    assert search.values["lambda"] == (1e-3, 0.1, 1.0) and search.start()["lambda"] == 0.1
+
+
+def test_ties_keep_the_earlier_candidate_and_nan_loses_to_every_score():
+    search = Search({"lambda": (1e-3, 1e-2, 1e-1), "alpha": (0.3,), "rho": (0.5,)}, 1e-8, 0.25, 12, "hidden")
+    winner, _ = coordinate_search(search, lambda h: 1.0)  # every candidate ties: the first in the list stays
+    assert winner.lam == 1e-3
+    # the first candidate scores NaN: a finite later score wins, and the table records the NaN as inf
+    winner, table = coordinate_search(search, lambda h: float("nan") if h.lam == 1e-3 else 5.0)
+    assert winner.lam == 1e-2 and [score for h, score in table if h.lam == 1e-3] == [float("inf")]
+
+
+def test_the_summary_breaks_ties_toward_the_smaller_value():
+    from featcal_llm.engine.tuning import summary
+
+    chosen = [{"lambda": 1.0, "alpha": 0.5, "rho": 1.0}, {"lambda": 0.1, "alpha": 0.5, "rho": 1.0}]
+    assert summary(chosen)["lambda"] == 0.1
