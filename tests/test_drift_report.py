@@ -44,6 +44,7 @@ def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_pa
                     assert abs(report["output_divergence"][kind][key] - kl) <= 1e-4 * kl, kind
                     checked += 1
     assert checked == 6
+    assert [row["layer"] for row in report["layers"]] == list(range(len(report["layers"])))  # layer 0 is the first
     merged_drift = [row["merged"][key] for row in report["layers"]]
     assert all(row["calibrated"][key] < row["merged"][key] for row in report["layers"]), merged_drift
 
@@ -112,3 +113,12 @@ def test_output_divergence_follows_gemma2_logit_softcapping(tmp_path):
                 total += float((log_p.exp() * (log_p - log_q)).sum())
                 tokens += len(sequence)
             assert abs(report["output_divergence"][kind][key] - total / tokens) <= 1e-4 * total / tokens, (kind, key)
+
+
+def test_the_probe_is_an_evenly_spaced_share_of_each_experts_records():
+    """spaced_sample takes records across the file (not its head), and the probe's share rounds up."""
+    from featcal_llm.engine.drift import SAMPLE_SHARE, drift_sample, spaced_sample
+
+    assert spaced_sample(list(range(32)), 2) == [0, 16] and spaced_sample(list(range(10)), 3) == [0, 3, 6]
+    count = 20
+    assert len(drift_sample({"a": [[i] for i in range(count)]})["a"]) == math.ceil(count * SAMPLE_SHARE) >= 2

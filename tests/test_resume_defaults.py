@@ -75,3 +75,23 @@ def test_progress_saved_by_other_weight_code_is_not_resumed(monkeypatch):
     digest = resume.source_digest()
     assert len(digest) == 64 and digest == resume.source_digest()
     assert {"maths", "engine", "family"} <= set(resume.WEIGHT_CODE)
+
+
+def test_where_a_records_response_starts_is_part_of_the_data_digest():
+    """Records of the same ids whose responses start elsewhere (a changed prompt template) are other data: saved
+    progress made on one does not resume the other."""
+    from featcal_llm.engine.resume import sequences_digest
+    from featcal_llm.io.records import Record
+
+    digest = lambda start: sequences_digest({"a": [Record([1, 2, 3, 4], start)]})  # noqa: E731
+    assert digest(1) != digest(2) != sequences_digest({"a": [[1, 2, 3, 4]]})
+
+
+def test_a_damaged_saved_pass_is_computed_again(tmp_path):
+    from featcal_llm.engine.resume import StagingArea
+
+    staging = StagingArea(tmp_path / "partial", "fingerprint")
+    staging.save_pass("lead", {"x": 1})
+    assert staging.load_pass("lead") == {"x": 1}
+    staging.pass_file("lead").write_bytes(b"not a torch file")
+    assert staging.load_pass("lead") is None
