@@ -253,12 +253,13 @@ def test_engine_args_may_not_set_the_batch_size_vllms_max_length_or_its_model():
 
 @pytest.mark.parametrize("config, dtype", [({"dtype": "float32"}, "float32"), ({"torch_dtype": "bfloat16"}, "bfloat16"),
                                            ({"text_config": {"dtype": "float16"}}, "float16"), ({}, None),
-                                           ({"dtype": "auto"}, None)])
-def test_the_stored_dtype_is_read_from_either_configs_key(tmp_path, config, dtype):
-    from featcal_llm.evaluation.modelinfo import stored_dtype
+                                           ({"dtype": "auto"}, None), ({"dtype": "float32", "text_config": {}}, "float32"),
+                                           ({"dtype": "float32", "text_config": None}, "float32")])
+def test_the_config_dtype_is_read_from_either_configs_key(tmp_path, config, dtype):
+    from featcal_llm.evaluation.modelinfo import config_dtype
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert stored_dtype(tmp_path) == dtype
+    assert config_dtype(tmp_path) == dtype
 
 
 # what a Llama checkpoint's config.json says (the tiny model's keys, as save_pretrained writes them)

@@ -63,16 +63,24 @@ def max_positions(model_dir: Path) -> int | None:
     config = _read_json(model_dir / "config.json")
     if not isinstance(config, dict):
         raise FeatCalError(f"{model_dir / 'config.json'}: expected a JSON object (a model config)")
-    config = config.get("text_config", config)
-    value = config.get("max_position_embeddings")
+    value = _config_value(config, "max_position_embeddings")
     return int(value) if isinstance(value, int) else None
 
 
-def stored_dtype(model_dir: Path) -> str | None:
+def _config_value(config: dict, *keys: str):
+    """The first of `keys` a config gives: its text model's (`text_config`, a multimodal config's), else its own."""
+    text = config.get("text_config")
+    for part in (text if isinstance(text, dict) else {}, config):
+        for key in keys:
+            if part.get(key) is not None:
+                return part[key]
+    return None
+
+
+def config_dtype(model_dir: Path) -> str | None:
     """The dtype the checkpoint's config names (transformers 5's `dtype`, or the older `torch_dtype`), None if it names none."""
     config = _read_json(model_dir / "config.json")
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
-    value = config.get("dtype") or config.get("torch_dtype")
+    value = _config_value(config, "dtype", "torch_dtype") if isinstance(config, dict) else None
     return value if value in ("float32", "bfloat16", "float16") else None
 
 

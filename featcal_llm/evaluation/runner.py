@@ -25,7 +25,7 @@ from featcal_llm.evaluation.modelinfo import (
     decide_chat_template,
     max_positions,
     model_fingerprint,
-    stored_dtype,
+    config_dtype,
 )
 from featcal_llm.evaluation.suite import Suite, checked_suite
 from featcal_llm.evaluation.worker import USER_ERROR_EXIT
@@ -152,7 +152,7 @@ def _evaluate_model(model_dir: Path, label: str, section: EvalSection, chat: Cha
     if suite.apply_chat_template == "never":  # `on` was refused with the suite (checked_suite)
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
     backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
-                           suite.chat_template_args if chat.applied else None, stored_dtype(model_dir))
+                           suite.chat_template_args if chat.applied else None, config_dtype(model_dir))
     fingerprint = model_fingerprint(model_dir)
     label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)
