@@ -144,6 +144,8 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
     """
     from featcal_llm.startup import heavy_import
 
+    if eval_only and force:
+        raise FeatCalError("--force (force=True): --eval-only (eval_only=True) replaces nothing; drop one of them")
     if push_to_hub is not None:
         from featcal_llm.io.hub import check_push
 

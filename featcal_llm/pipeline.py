@@ -119,21 +119,21 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
 def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, device: str | None) -> RunOutcome:
     """`run --eval-only`: the recipe's `eval:` on the output a finished run wrote (its evaluation had failed, or its
     block changed), without calibrating again; under the output's lock, as a run evaluates."""
-    from featcal_llm.engine.stack import intermediate_dir
+    from featcal_llm.io.output_dir import partial_dir, scored_merge
 
-    recipe = check_before_run(recipe_path, output_override, device, eval_only=True)  # an eval: block, a finished output
-    featcal, where = recipe.featcal, f"{recipe.path}: {EVAL_ONLY}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise FeatCalError(f"{recipe_path}: {EVAL_ONLY}: scores in one process; run it without torchrun (the evaluation "
+                           "takes the GPUs eval.backend names)")
+    # an eval: block, a finished output, the merge (a stack's first stage) beside it
+    recipe = check_before_run(recipe_path, output_override, device, eval_only=True)
+    featcal = recipe.featcal
     output = Path(output_override or featcal.output)
-    merged = intermediate_dir(output, featcal.method[0]) if featcal.stacked else Path(featcal.merged)
-    if not merged.is_dir():
-        what = f"the stack's first stage ({featcal.method[0]}), removed once its run finished" if featcal.stacked else "the merged model"
-        raise FeatCalError(f"{where}: {merged}, {what}, is not there to score beside the output")
+    merged = scored_merge(featcal, output)
     lock = OutputLock.acquire(output, f"{recipe.path}: featcal.output", lambda: None)
     try:
         outcome = evaluate_outputs(recipe, RunOutcome(output, merged), after_run=False)
-        if featcal.stacked and not featcal._keeps_progress:  # what the stack's run leaves once its evaluation has run
-            from featcal_llm.engine.resume import remove_staging
-            from featcal_llm.io.output_dir import partial_dir
+        if featcal.stacked and not partial_dir(output).exists():  # what the stack's run leaves once it has evaluated
+            from featcal_llm.engine.resume import remove_staging  # (not where --keep-layers kept its progress)
 
             shutil.rmtree(merged, ignore_errors=True)
             remove_staging(partial_dir(merged))

@@ -366,8 +366,8 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
     assert failed.exit_code == 1 and failed.stderr.strip().splitlines() == [
         "featcal-llm: error: merged: the evaluation worker failed (exit 1): ModuleNotFoundError: No module named 'x'; the "
         f"calibrated checkpoint is complete in {output} (its card without the evaluation): once that is mended, "
-        f"`featcal-llm run {recipe} --eval-only` scores it and the merged model (finished tasks are cached) and adds the "
-        "table to its card"]
+        f"`featcal-llm run {recipe} {output} --eval-only` (calibrate(..., eval_only=True) in Python) scores it and the "
+        "merge and adds the table to its card"]
     weights = (output / "model.safetensors").read_bytes()
     assert "## Evaluation" not in (output / "README.md").read_text()
 
@@ -382,6 +382,14 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
     assert scored == [(small.root / "merged", output)] and (output / "model.safetensors").read_bytes() == weights
     card = (output / "README.md").read_text()
     assert card.index("## Evaluation") < card.index("## Recipe") and TABLE.rstrip() in card
+    assert CliRunner().invoke(main, ["run", str(recipe), "--eval-only"]).exit_code == 0  # scored again: one table, replaced
+    assert (output / "README.md").read_text() == card
+
+    for flags, refusal in ((["--keep-layers"], "--eval-only (eval_only=True): calibrates nothing, so --keep-layers "
+                                               "(keep_layers=True) does not apply"),
+                           (["--force"], "--force (force=True): --eval-only (eval_only=True) replaces nothing")):
+        refused = CliRunner().invoke(main, ["run", str(recipe), "--eval-only", *flags])
+        assert refused.exit_code == 2 and refusal in refused.stderr and "\n" not in refused.stderr.strip(), refused.stderr
 
     bare = small.write_recipe(tmp_path / "bare.yaml", output=str(output))
     for command in ("run", "validate"):  # validate refuses what run refuses
@@ -392,3 +400,13 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
             f"{recipe}: --eval-only (eval_only=True): {tmp_path / 'none'} is no finished run's output (no featcal_recipe.yml); "
             "run the recipe without --eval-only") in elsewhere.output
     assert CliRunner().invoke(main, ["validate", str(recipe), "--eval-only"]).exit_code == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun every rank would score and take the lock
+    ranked = CliRunner().invoke(main, ["run", str(recipe), "--eval-only"])
+    assert ranked.exit_code == 2 and "--eval-only (eval_only=True): scores in one process; run it without torchrun" in ranked.stderr
+    monkeypatch.delenv("WORLD_SIZE")
+    elsewhere_merged = small.write_recipe(tmp_path / "gone.yaml", output=str(output), merged=str(tmp_path / "gone"),
+                                          eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}})
+    for command in ("run", "validate"):  # the merge to score beside it is not there
+        gone = CliRunner().invoke(main, [command, str(elsewhere_merged), "--eval-only"])
+        assert gone.exit_code == 2 and (f"--eval-only (eval_only=True): {tmp_path / 'gone'}, the merged model, is not there "
+                                        "to score beside the output") in gone.output, gone.output

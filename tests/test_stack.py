@@ -258,3 +258,32 @@ def test_a_stacks_table_names_its_first_stage_as_the_start_it_measured(merged_sc
         "drift", "regmean++", "drift", "calibrated", "KL", "regmean++", "KL", "calibrated"]
     first = next(iter(result.experts.values()))
     assert first.kl_merged == next(iter(report["output_divergence"]["merged"].values()))  # the report's start column
+
+
+@pytest.mark.parametrize("keep_layers", [False, True])
+def test_a_stacks_failed_evaluation_is_run_alone_and_leaves_what_keep_layers_kept(merged_scenario, tmp_path, monkeypatch, keep_layers):
+    """The stack's evaluation scores its first stage's merge beside the output, so a failed one leaves that merge for
+    `--eval-only`; once scored, it goes, as after a stack that evaluated at once, unless --keep-layers kept the run."""
+    import featcal_llm.evaluation
+    from featcal_llm.api import calibrate
+    from featcal_llm.errors import RunFailure
+    from featcal_llm.evaluation.compare import AfterCalibration
+
+    def failing(*args, **kwargs):
+        raise RunFailure("merged: the evaluation worker failed (exit 1): ImportError")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration", failing)
+    path = recipe(merged_scenario, tmp_path / "stack.yaml", method=["regmean++", "featcal"], output=str(tmp_path / "stack"),
+                  reduction=0.5, eval={"tasks": ["arc_challenge"], "backend": {"name": "hf"}},
+                  **({"refine": {"steps": 1, "eval_every": 1}} if keep_layers else {}), **FEATCAL)
+    with pytest.raises(RunFailure, match="--eval-only"):
+        calibrate(path, progress=False, keep_layers=keep_layers)
+    first_stage = tmp_path / ".stack.regmean++"
+    assert first_stage.is_dir()
+    scored = []
+    monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration",
+                        lambda section, merged, calibrated, recipe_dir, echo=None: scored.append(Path(merged)) or AfterCalibration("| t |", {}))
+    calibrate(path, progress=False, eval_only=True)
+    assert scored == [first_stage]
+    assert first_stage.is_dir() == keep_layers and (tmp_path / ".stack.featcal-partial").is_dir() == keep_layers

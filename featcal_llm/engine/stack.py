@@ -20,12 +20,8 @@ import yaml
 
 from featcal_llm.engine.drift import TUNING_JSON
 from featcal_llm.engine.resume import remove_staging
+from featcal_llm.io.output_dir import intermediate_dir
 from featcal_llm.io.recipe import Recipe
-
-
-def intermediate_dir(output: Path, first: str) -> Path:
-    """Where stage 1 writes its merge: a hidden sibling of the output, named after the method."""
-    return output.with_name(f".{output.name}.{first}")
 
 
 def with_chosen(text: str, tuning_file: Path) -> str:

@@ -119,8 +119,8 @@ def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]
             raise FeatCalError(json.loads(error_file.read_text())["message"])
         if returncode != 0:  # a failed run, not bad input: its logs stay
             raise RunFailure(
-                f"{label}: the evaluation worker failed (exit {returncode}): {last_line}; finished tasks "
-                f"are cached, rerun to resume; full log: {log_path}"
+                f"{label}: the evaluation worker failed (exit {returncode}): {last_line}; full log: {log_path}; "
+                "finished tasks are cached, and scoring again resumes after them"
             )
 
 

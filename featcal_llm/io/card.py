@@ -365,6 +365,10 @@ def append_evaluation(directory: Path, table: str, summary: dict[str, Any] | Non
     card = directory / "README.md"
     front, body = split_card(card.read_text(encoding="utf-8"))
     section = f"{EVAL_HEADING}\nThe merged and the calibrated model scored with one pipeline (featcal-llm `eval:`):\n\n{table.rstrip()}\n\n"
+    if EVAL_HEADING in body:  # scored again (run --eval-only): the new table replaces the old one
+        before, _, after = body.partition(EVAL_HEADING)
+        rest = after.find("\n## ")
+        body = before + (after[rest + 1:] if rest >= 0 else "")
     head, marker, tail = body.partition("## Recipe")
     body = head + section + marker + tail if marker else body.rstrip() + "\n\n" + section
     index = model_index(Path(directory).name, summary) if summary is not None else []

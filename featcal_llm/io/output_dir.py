@@ -27,6 +27,16 @@ SIBLINGS = {PARTIAL_SUFFIX: "its progress", "featcal-old": "an old output while 
 LOCK_SUFFIX = "featcal-lock"
 
 
+def intermediate_dir(output: Path, first: str) -> Path:
+    """Where a stack's stage 1 writes its merge: a hidden sibling of the output, named after the method."""
+    return output.with_name(f".{output.name}.{first}")
+
+
+def scored_merge(featcal, output: Path) -> Path:
+    """What an evaluation scores beside the output: the merged model, or a stack's first stage (engine/stack.py)."""
+    return intermediate_dir(output, featcal.method[0]) if featcal.stacked else Path(featcal.merged)
+
+
 def hidden_sibling(output: Path, suffix: str) -> Path:
     """`.NAME.suffix` beside the output NAME: where a run keeps what belongs to that output."""
     return output.with_name(f".{output.name}.{suffix}")

@@ -32,7 +32,7 @@ from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, 
 from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_outputs import check_output, check_writes
-from featcal_llm.io.output_dir import RECIPE_FILE
+from featcal_llm.io.output_dir import RECIPE_FILE, scored_merge
 from featcal_llm.io.references import is_hub_reference
 
 
@@ -70,13 +70,22 @@ NO_REFINE = ("featcal has no refine: block; the kept layers serve a rerun with o
 def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, eval_only: bool, problems: list[Problem]) -> None:
     """What `run --keep-layers` and `run --eval-only` need of the recipe: a `refine:` block; an `eval:` block and a
     finished run's output to score."""
-    if keep_layers and featcal.refine is None:
-        problems.append(Problem(str(path), KEEP_LAYERS, NO_REFINE))
-    if eval_only and featcal.eval is None:
+    if not eval_only:
+        if keep_layers and featcal.refine is None:
+            problems.append(Problem(str(path), KEEP_LAYERS, NO_REFINE))
+        return
+    scored = scored_merge(featcal, output)
+    if keep_layers:
+        problems.append(Problem(str(path), EVAL_ONLY, f"calibrates nothing, so {KEEP_LAYERS} does not apply"))
+    elif featcal.eval is None:
         problems.append(Problem(str(path), EVAL_ONLY, "featcal has no eval: block to run"))
-    elif eval_only and not (output / RECIPE_FILE).is_file():
+    elif not (output / RECIPE_FILE).is_file():
         problems.append(Problem(str(path), EVAL_ONLY, f"{output} is no finished run's output (no {RECIPE_FILE}); run the "
                                                       "recipe without --eval-only"))
+    elif not scored.is_dir():
+        what = (f"the stack's first stage ({featcal.method[0]}), removed once its run finished" if featcal.stacked
+                else "the merged model")
+        problems.append(Problem(str(path), EVAL_ONLY, f"{scored}, {what}, is not there to score beside the output"))
 
 
 def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None,

@@ -32,7 +32,7 @@ def kept_folders(recipe: Recipe) -> list[Path]:
     output = Path(recipe.featcal.output)
     folders = [partial_dir(output)]
     if recipe.featcal.stacked:
-        from featcal_llm.engine.stack import intermediate_dir
+        from featcal_llm.io.output_dir import intermediate_dir
 
         intermediate = intermediate_dir(output, recipe.featcal.method[0])
         folders += [intermediate, partial_dir(intermediate)]

@@ -157,8 +157,8 @@ def evaluate_outputs(recipe: Any, outcome: RunOutcome, after_run: bool = True) -
     except FeatCalError as error:
         if after_run:
             error.args = (f"{error}; the calibrated checkpoint is complete in {outcome.output} (its card without the "
-                          f"evaluation): once that is mended, `featcal-llm run {recipe.path} --eval-only` scores it and the "
-                          "merged model (finished tasks are cached) and adds the table to its card",)
+                          f"evaluation): once that is mended, `featcal-llm run {recipe.path} {outcome.output} --eval-only` "
+                          "(calibrate(..., eval_only=True) in Python) scores it and the merge and adds the table to its card",)
         raise
     append_evaluation(outcome.output, scored.table, scored.calibrated)  # its scores: the card's model-index
     print(scored.table)
