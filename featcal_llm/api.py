@@ -186,7 +186,7 @@ def calibrate(recipe: str | os.PathLike | Mapping[str, Any], *, output: str | os
         output=outcome.output, merged=outcome.merged, experts=summarize_report(report), seconds=time.perf_counter() - start,
         peak_host_memory=memory.host(), peak_gpu_memory=_gpu_peak(reset=False), evaluation=outcome.evaluation,
         warnings=tuple(_dict_named(warning, path) if temporary is not None else warning for warning in warnings),
-        unchanged=outcome.unchanged, probe=report.get("probe"), refined=refine_summary(outcome.refined), start=outcome.start,
+        unchanged=outcome.unchanged, head_changed=outcome.head_changed, probe=report.get("probe"), refined=refine_summary(outcome.refined), start=outcome.start,
     )
 
 

@@ -49,6 +49,7 @@ class CalibrationResult:
     evaluation: str | None = None  # the merged-vs-calibrated table of the recipe's `eval:` block
     warnings: tuple[str, ...] = ()  # every warning the run printed, in order
     unchanged: bool = False  # the output is the merged model, unchanged: every expert trails it on its own records
+    head_changed: bool = False  # unchanged but for its LM head (a tied merge's stored head, written as vLLM serves it)
     probe: str | None = None  # the records `experts` was measured on: "held-out records" or "calibration subsample"
     # `refine:` changed the weights after `experts` was measured (featcal_refine.json): the step it chose, and each
     # expert's held-out KL to its records' teacher before and after it
@@ -58,7 +59,8 @@ class CalibrationResult:
     def headline(self) -> str:
         """The run's last line: where the checkpoint is, and whether it is the merge unchanged."""
         if self.unchanged:
-            return (f"checkpoint written to {self.output}: the merged model, unchanged (every expert predicts its own "
+            but = " but for its LM head (see its card)" if self.head_changed else ""
+            return (f"checkpoint written to {self.output}: the merged model, unchanged{but} (every expert predicts its own "
                     "records worse than the merge; see the warning above)")
         return f"calibrated checkpoint written to {self.output}"
 

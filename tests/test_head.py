@@ -344,10 +344,18 @@ def test_gemma2s_stored_head_is_written_as_the_embedding_it_stays_tied_to(family
         student = refine_module.Student
         monkeypatch.setattr(refine_module, "Student", lambda *args: trained.append(student(*args)) or trained[-1])
     capsys.readouterr()
-    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"), head=False, **keys),
-                        progress=False)
+    from featcal_llm.calibration_result import CalibrationResult
+    from featcal_llm.pipeline import run_recipe_outcome
+
+    outcome = run_recipe_outcome(scenario.write_recipe(tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"),
+                                                       head=False, **keys), progress=False)
+    output = outcome.output
     log = capsys.readouterr().err
     written, before = read_weights(output), read_weights(merged)
+    assert outcome.head_changed == (refine == "unchanged")  # the run's last line says so (CalibrationResult.headline)
+    result = CalibrationResult(output, merged, {}, 0.0, 0, None, unchanged=outcome.unchanged, head_changed=outcome.head_changed)
+    assert result.headline().startswith(f"checkpoint written to {output}: the merged model, unchanged but for its LM head "
+                                        "(see its card)") == (refine == "unchanged")
     embedding = written["model.embed_tokens.weight"]
     assert json.loads((output / "config.json").read_text())["tie_word_embeddings"] is True
     assert torch.equal(written["lm_head.weight"], embedding) and written.keys() == before.keys()

@@ -67,6 +67,7 @@ class RunOutcome:
     merged: Path
     evaluation: str | None = None
     unchanged: bool = False  # the output is the merged model: every expert trails it on its own records
+    head_changed: bool = False  # unchanged but for the LM head a tied merge stored of its own (written as vLLM serves it)
     refined: dict | None = None  # where `refine:` changed the weights: its chosen step and per-expert held-out KL
     start: str = "merged"  # what the calibration started from, as the drift report measured it (a stack: its first method)
 
@@ -137,7 +138,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     else:  # a stack's first stage (the stack removes it once stage 2 has finished too), or --keep-layers
         forget_refinement(staging)
     changed = refined is not None and refined["chosen_step"] > 0
-    return RunOutcome(output, merged_dir, unchanged=unchanged,
+    return RunOutcome(output, merged_dir, unchanged=unchanged, head_changed=unchanged and (head_as_embedding or own_stored_head),
                       refined={key: refined[key] for key in ("chosen_step", "per_expert", "top_k")} if changed else None)
 
 
