@@ -127,6 +127,17 @@ def test_family_matches_brute_force(family_scenarios, family, tmp_path):
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
 
 
+@pytest.mark.parametrize("rho", [0.8, 1.5])
+def test_the_anchor_between_merge_and_base_matches_brute_force_away_from_the_midpoint(family_scenarios, tmp_path, rho):
+    """ρ = 0.5 is the midpoint, where swapping the merge and the base in the anchor changes nothing: at 0.8 and 1.5
+    (past the merge) weights, biases and norms against the family's full HF forward (Qwen2.5: biases)."""
+    scenario = family_scenarios("qwen2")
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), norms=True, batch_tokens=150,
+                                              dtype="float64", rho=rho), progress=False)
+    errors = check_against_brute_force(scenario, output, norms=True, samples=12, max_length=64, rho=rho)
+    assert any(n.endswith("q_proj.bias") for n in errors) and any("layernorm" in n for n in errors)
+
+
 def test_biases_through_the_per_projection_crosses_match_brute_force(family_scenarios, tmp_path, monkeypatch):
     """Qwen2's q/k/v are wider out than in, so with this many tokens their crosses go through the shared moment, whose
     crosses are bias-free by construction. With the moment refused, each projection's own output crosses are recorded:
