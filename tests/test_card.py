@@ -225,3 +225,29 @@ def test_the_settings_name_the_trailing_rule_and_coverage_only_where_it_weighed(
     _, equal = _card(tmp_path / "equal", expert_weights="equal", trailing_experts="keep")
     assert f"- {SETTING_TEXT['trailing_experts']}: the expert itself (`keep`)\n" in equal
     assert ", weight 1.333" in equal and "(coverage)" not in equal
+
+
+def test_hub_ids_local_paths_and_licence_keys_of_a_base_card(tmp_path, monkeypatch):
+    """What the front matter takes from the recipe and the base's card: `org/name` only where no such path is here (a
+    deeper path is local whatever it names); a data file found beside the recipe is no hub dataset, from any current
+    directory; `license_name`/`license_link` only under licence `other`."""
+    from types import SimpleNamespace
+
+    from featcal_llm.io.card_meta import base_license, hub_datasets
+    from featcal_llm.io.references import hub_id
+
+    monkeypatch.chdir(tmp_path)
+    assert hub_id("org/name@v2") == "org/name" and hub_id("models/org/name") is None and hub_id("./org/name") is None
+    (tmp_path / "recipes" / "data").mkdir(parents=True)
+    (tmp_path / "recipes" / "data" / "x.jsonl").write_text("{}\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    recipe = SimpleNamespace(path=tmp_path / "recipes" / "r.yaml", base=None, featcal=SimpleNamespace(data={
+        "a": SimpleNamespace(path="data/x.jsonl"), "b": SimpleNamespace(path="MergeBench/math_val"), "c": SimpleNamespace(path=None)}))
+    assert hub_datasets(recipe) == ["MergeBench/math_val"]
+    base = tmp_path / "base"
+    base.mkdir()
+    for licence, expected in (("apache-2.0", {"license": "apache-2.0"}),
+                              ("other", {"license": "other", "license_name": "custom", "license_link": "LICENSE"})):
+        (base / "README.md").write_text(f"---\nlicense: {licence}\nlicense_name: custom\nlicense_link: LICENSE\n---\n# base\n")
+        assert base_license(recipe, base) == expected

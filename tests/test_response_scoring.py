@@ -319,3 +319,10 @@ def test_the_log_says_on_its_responses_only_for_the_experts_judged_on_them(tmp_p
     first, second = line.split("; ")
     assert "expert0 ahead on" in first and "(net of where it trails, on its responses: " in first, line
     assert "expert1 ahead on" in second and "(net of where it trails: " in second, line
+
+
+def test_the_tokens_a_record_is_judged_on_are_those_whose_successor_is_scored():
+    """Plain text: every token but the last (a one-token record has none); prompt/response: from the response's start."""
+    from featcal_llm.maths.advantage import judged_tokens
+
+    assert (judged_tokens(1, 0), judged_tokens(5, 0), judged_tokens(5, 3), judged_tokens(3, 3)) == (0, 4, 2, 0)
