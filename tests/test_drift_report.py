@@ -15,16 +15,21 @@ from featcal_llm.pipeline import run_recipe
 SINGLE = {"lambda": [1e-3, 1e-2], "alpha": 0.3, "rho": 0.5}  # two candidates: a search (one would be a fixed value)
 
 
-def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_path):
-    """featcal_drift.json of a fixed run against transformers' own full models on the same probe records."""
+@pytest.mark.parametrize("head", [None, True])
+def test_drift_report_matches_whole_model_forward_passes(merged_scenario, tmp_path, head):
+    """featcal_drift.json of a fixed run against transformers' own full models on the same probe records; with the LM
+    head re-fitted, the calibrated model's divergence is through its own head."""
     from test_exactness import calibration_sequences, load
 
     from featcal_llm.engine.drift import drift_sample
 
-    output = run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out")), progress=False)
+    keys = {} if head is None else {"head": head}
+    output = run_recipe(merged_scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **keys), progress=False)
     report = json.loads((output / "featcal_drift.json").read_text())
     assert report["probe"] == "calibration subsample" and (output / "featcal_drift.png").stat().st_size > 0
     models = {"merged": load(merged_scenario.root / "merged"), "calibrated": load(output)}
+    heads = [model.get_output_embeddings().weight for model in models.values()]
+    assert torch.equal(*heads) != bool(head)  # head: true re-fits it
     checked = 0
     for name, sequences in drift_sample(calibration_sequences(merged_scenario, 16, 64)).items():
         key = str(merged_scenario.experts[name])
