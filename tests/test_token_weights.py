@@ -180,3 +180,15 @@ def test_trailing_records_keep_restores_every_record_and_the_card_names_the_rule
     output = run_recipe(recipe, progress=False)
     assert card_front(output)["featcal"]["settings"]["trailing_records"] == "keep"
     _check(scenario, output, norms=False, drop=False)
+
+
+def test_an_expert_with_one_record_has_no_spread_to_print(tmp_path, capsys):
+    """`samples: 1`: the lead's margin is counted over records, so one record has none; the log says so instead of
+    "± 0.000" (the sign alone decides whether the merge teaches it, as documented)."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4, dtype="float64")
+    path = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), samples=1, token_weights="expert_lead")
+    run_recipe(path, progress=False)
+    line = next(line for line in capsys.readouterr().err.splitlines() if "tokens weighed by the expert's lead" in line)
+    assert line.count("; one record, so no spread)") == 2 and "± 0.000" not in line, line

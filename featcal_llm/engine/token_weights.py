@@ -94,9 +94,10 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
     with_responses = ctx.comm.sum_floats([float(any(batch.response is not None for batch in batches[task])) for task in batches])
     on_responses = {task: flag > 0 for task, flag in zip(batches, with_responses)}
     sums, moments = ctx.comm.sum_floats(sums), ctx.comm.sum_floats(moments)
-    scales, summary, mean_leads, margins = {}, {}, {}, {}
+    scales, summary, mean_leads, margins, records = {}, {}, {}, {}, {}
     for index, task in enumerate(batches):
         total, ahead, tokens, scored, signed_sum, answered = sums[6 * index: 6 * index + 6]
+        records[task] = int(moments[6 * index])  # lead_moments' first: the records summed over
         mean_leads[task] = signed_sum / max(answered, 1.0)
         margins[task] = lead_margin(moments[6 * index: 6 * index + 6])
         scales[task] = mean_one_scale(total, int(tokens))
@@ -120,7 +121,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
                              f"(net of where it trails{', on its responses' if on_responses[task] else ''}: {mean_leads[task]:+.3f} "
-                             f"± {margins[task]:.3f})"
+                             + (f"± {margins[task]:.3f})" if records[task] >= 2 else "; one record, so no spread)")
                              + (f", behind on {s['records_dropped']} of its {s['records']} records, which weigh 0"
                                 if s.get("records_dropped") else "")
                              for task, s in summary.items()))
