@@ -163,3 +163,21 @@ def test_an_expert_whose_tokens_all_weigh_0_counts_for_nothing():
     assert task_weight(torch.zeros(d, d, dtype=torch.float64), 1e-8) == 0.0
     assert both.omega_sum == alone.omega_sum and torch.equal(both.lhs, alone.lhs)
     assert torch.equal(both.biases.at(0.5)["p"], alone.biases.at(0.5)["p"])
+
+
+def test_a_solution_that_misses_its_system_is_retried_whichever_projection_and_however_it_misses(monkeypatch, capsys):
+    """The residual check: a solve whose answer does not satisfy (W S = T) beyond 1e-6 (an ill-conditioned system in
+    practice; here the first solve is made to miss), or holds a NaN, is retried with a larger λ, for the first
+    projection of a group as for the last; the retry's answer is the exact one."""
+    import featcal_llm.maths.solve as solve
+
+    real = torch.cholesky_solve
+    lhs, anchors = 2.0 * torch.eye(3, dtype=torch.float64), {p: torch.zeros(2, 3, dtype=torch.float64) for p in "ab"}
+    rhs = {p: torch.ones(2, 3, dtype=torch.float64) for p in "ab"}
+    for miss in (lambda x: x + 1.0, lambda x: torch.full_like(x, float("nan"))):
+        calls = []
+        monkeypatch.setattr(solve.torch, "cholesky_solve", lambda b, f: (calls.append(1), miss(real(b, f)) if len(calls) == 1 else real(b, f))[1])
+        solution = ridge_solve(lhs.clone(), rhs, anchors, 1.0, 0.0, "layer 2 mlp_input")
+        assert "layer 2 mlp_input: solve " in capsys.readouterr().err and len(calls) == 4  # two projections, twice
+        for p in "ab":  # the retry at λ 10: W = T / (2 + 10)
+            assert torch.allclose(solution[p], torch.full((2, 3), 1 / 12, dtype=torch.float64), rtol=1e-12)
