@@ -447,3 +447,23 @@ def test_the_heads_float32_fallback_on_a_gpu_without_fast_float64_names_the_head
     assert devices.head_stats_dtype(1e-5, torch.float64, torch.device("cuda")) == torch.float64
     monkeypatch.setattr(devices, "fast_float64", lambda device: True)
     assert devices.head_stats_dtype(1.0, torch.bfloat16, torch.device("cuda")) == torch.float64
+
+
+def test_the_head_solved_in_row_blocks_is_the_head_solved_at_once_in_the_dtype_asked():
+    """A 128k-row head is solved in blocks of rows (one factor of lhs for all): a 7-row head in blocks of 3 equals the
+    one-block solve, every block's rows its own, and comes back in the dtype asked for (the checkpoint's)."""
+    from featcal_llm.maths.head import HeadStatistics, solve_head
+    from featcal_llm.maths.objective import Hyperparameters
+
+    generator = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    statistics = []
+    for _ in range(2):
+        x_cal, x_exp = rand(40, 5), rand(40, 5)
+        statistics.append(HeadStatistics(x_cal.T @ x_cal, x_exp.T @ x_cal, 40))
+    heads, merged, base = [rand(7, 5), rand(7, 5)], rand(7, 5), rand(7, 5)
+    hyper = Hyperparameters(lam=1e-2, alpha=0.3, rho=0.8, eps=1e-8)
+    whole = solve_head(statistics, heads, merged, base, hyper, rows=7)
+    assert torch.allclose(solve_head(statistics, heads, merged, base, hyper, rows=3), whole, rtol=1e-12, atol=1e-12)
+    single = solve_head(statistics, heads, merged, base, hyper, dtype=torch.float32, rows=3)
+    assert single.dtype == torch.float32 and torch.equal(single, whole.float())

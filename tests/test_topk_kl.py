@@ -65,3 +65,21 @@ def test_a_teacher_kept_in_float16_reads_no_kl_below_zero_against_itself():
     student = teacher + 0.3 * torch.randn(256, 1000, generator=generator)
     exact = topk_kl_rows(student.double(), top.double(), index, rest.double())
     assert torch.allclose(topk_kl_rows(student, stored, index, rest).double(), exact, rtol=2e-2, atol=1e-4)
+
+
+def test_bf16_logits_are_measured_in_float32():
+    """Under bf16 autocast the student's logits (and a GPU teacher's) are bf16: the KL and the teacher's store are
+    computed in float32 from them, as the float64 computation of the same values gives."""
+    from featcal_llm.maths.topk_kl import topk_kl_rows
+
+    generator = torch.Generator().manual_seed(3)
+    student = (4 * torch.randn(6, 50, generator=generator)).bfloat16()
+    teacher = (4 * torch.randn(6, 50, generator=generator)).bfloat16()
+    logp, ids, rest = topk_teacher(teacher, 8)
+    exact = topk_teacher(teacher.double(), 8)
+    assert logp.dtype == rest.dtype == torch.float32
+    assert torch.allclose(logp.double(), exact[0], atol=1e-6) and torch.allclose(rest.double(), exact[2], atol=1e-6)
+    rows = topk_kl_rows(student, logp, ids, rest)
+    reference = topk_kl_rows(student.double(), exact[0], exact[1], exact[2])
+    assert rows.dtype == torch.float32 and bool((rows >= 0).all())
+    assert torch.allclose(rows.double(), reference, rtol=1e-5, atol=1e-6)
