@@ -145,6 +145,23 @@ def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when
     _perturb(expert)
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     assert "(differs in models[0].model); merging again" in capsys.readouterr().err
+    base = tmp_path / "base"  # the base too is judged by its files, not by its path
+    shutil.copytree(small.base, base)
+    recipe.write_text(recipe.read_text().replace(str(small.base), str(base)))
+    ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
+    assert "reusing" in capsys.readouterr().err
+    getattr(merge_module, "_settled", {}).clear()
+    _perturb(base)
+    ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
+    assert "(differs in base_model); merging again" in capsys.readouterr().err
+
+
+def test_configurations_that_differ_in_how_many_models_differ():
+    from featcal_llm.io.merge import differing_keys
+
+    one, two = {"model": "a", "parameters": {"weight": 0.5}}, {"model": "b", "parameters": {"weight": 0.5}}
+    assert differing_keys({"models": [one, two]}, {"models": [one]}) == ["models"]
+    assert differing_keys({"models": [one, two]}, {"models": [one, {**two, "model": "c"}]}) == ["models[1].model"]
 
 
 # --- saved layers (resume) and spilled streams ---------------------------------------------------------------------
