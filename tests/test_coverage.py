@@ -34,6 +34,12 @@ def test_coverage_weights_by_hand():
     assert coverage_weights(losses, base) == pytest.approx({"a": 2.5, "b": 1.125, "c": 1.5})
     no_gain = {**base, "b": 2.4}  # b is no better than the base on its own records: nobody shares its gain
     assert coverage_weights(losses, no_gain)["a"] == pytest.approx(1.5)
+    # the base scores each expert's records differently: every share is against the base on *those* records
+    uneven = {"a": 2.0, "b": 4.0, "c": 3.0}
+    # (a's own gain is 0 now, so no one shares it; b's is 1.5 and c's 0.8)
+    assert coverage_weights(losses, uneven) == pytest.approx({"a": 1 + 1 + 0.5, "b": 1 + 0.1 / 0.8, "c": 1 + (4.0 - 3.0) / 1.5})
+    exactly = {**base, "b": 2.5}  # b's gain is exactly 0 (an unmodified copy of the base): no share, no division by 0
+    assert coverage_weights(losses, exactly)["a"] == pytest.approx(1.5)
 
 
 def full_model_nll(model, sequences: list[list[int]]) -> float:
