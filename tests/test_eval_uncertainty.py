@@ -169,3 +169,12 @@ def test_a_summary_of_another_suite_is_named_by_its_file(tmp_path):
         (tmp_path / folder / "merged.json").write_text(json.dumps(summary))
     with pytest.raises(FeatCalError, match=rf"^{tmp_path / '8b' / 'merged.json'}: scored with suite mergebench v1, not mergebench v"):
         build_leaderboard([tmp_path / "3b", tmp_path / "8b"], tmp_path / "board")
+
+
+def test_an_items_samples_are_averaged(tmp_path):
+    """n samples of one item (pass@1 over 10 samples) are its mean, whatever their order in the log."""
+    samples = tmp_path / "samples.jsonl"
+    rows = [{"doc_id": 0, "filter": "none", "acc": 0.0}, {"doc_id": 0, "filter": "none", "acc": 1.0},
+            {"doc_id": 1, "filter": "none", "acc": 1.0}, {"doc_id": 1, "filter": "other", "acc": 0.0}]
+    samples.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert uncertainty.per_item_scores(samples, "acc,none") == {0: 0.5, 1: 1.0}

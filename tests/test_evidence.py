@@ -57,6 +57,7 @@ def test_judged_tokens_are_those_whose_successor_is_a_response_token(length, sta
 
 def test_check_judged_names_the_expert_and_what_to_do():
     check_judged({"a": [Record([5, 6, 7], 2)], "b": [[4, 5]]}, "r.yaml: featcal", held_out=True)
+    check_judged({"b": [Record([4, 5], 2), Record([4, 5, 6, 7], 2)]}, "r.yaml: featcal", held_out=True)  # the second counts
     with pytest.raises(FeatCalError) as error:
         check_judged({"a": [Record([5, 6, 7], 2)], "b": [Record([4, 5], 2), Record([4, 5, 6], 3)]}, "r.yaml: featcal", held_out=True)
     assert str(error.value) == (

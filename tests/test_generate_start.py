@@ -273,3 +273,29 @@ def test_a_backend_that_fails_to_open_after_the_probe_is_reported_as_itself(kind
     with pytest.raises(FeatCalError, match="vllm could not start"):
         _generate_only(path)
     assert probes  # the start was measured, so a probe sampler was open when vLLM was asked for
+
+
+def test_the_probe_prompts_spread_over_the_starts_prompts():
+    from featcal_llm.generation.choose import probe_prompts
+    from featcal_llm.generation.prompts import Start
+
+    start = Start(tuple(str(i) for i in range(16)), tuple((i,) for i in range(16)), "prompts", False)
+    assert probe_prompts(start, 8) == [(i,) for i in range(0, 16, 2)]
+    assert probe_prompts(Start(("",), ((1,),), "BOS token", False), 3) == [(1,)] * 3
+
+
+def test_an_exact_tie_between_starts_goes_to_the_first_in_modes_order(monkeypatch):
+    """Two starts whose probes score alike (the same prompts, say): the earlier in MODES is chosen, as documented."""
+    from types import SimpleNamespace
+
+    import featcal_llm.generation.choose as choose
+    from featcal_llm.generation.prompts import Start
+
+    monkeypatch.setattr(choose, "written_logits", lambda model, rows, device: [torch.zeros(2, 5) for _ in rows])
+    monkeypatch.setattr(choose, "kl_rows", lambda log_probs, logits: torch.zeros(2))
+    sampler = SimpleNamespace(sample=lambda prompts, settings, seed: [[1, 2]] * len(prompts), model=None)
+    reference = {"merged": lambda: SimpleNamespace(model=None, close=lambda: None)}
+    starts = {mode: Start(("",), ((1,),), mode, mode == "chat") for mode in ("chat", "empty", "bos")}
+    settings = {"max_new_tokens": 8, "seed": 0, "stream": 0}
+    assert choose.choose_start(starts, sampler, reference, settings, torch.device("cpu")).mode == "bos"
+    assert choose.choose_start({m: starts[m] for m in ("empty", "chat")}, sampler, reference, settings, torch.device("cpu")).mode == "chat"

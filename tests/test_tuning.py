@@ -357,3 +357,18 @@ def test_the_summary_breaks_ties_toward_the_smaller_value():
 
     chosen = [{"lambda": 1.0, "alpha": 0.5, "rho": 1.0}, {"lambda": 0.1, "alpha": 0.5, "rho": 1.0}]
     assert summary(chosen)["lambda"] == 0.1
+
+
+def test_the_replay_recipe_pins_a_precision_written_as_auto_too():
+    """`stats_dtype: auto` written out, or left out, is what this machine chose (float64 here), so the replay on another
+    machine computes the same; a precision the recipe names stays as named."""
+    from types import SimpleNamespace
+
+    from featcal_llm.io.saved_recipe import replay_text
+
+    tuning = {"chosen": {"lambda": [1e-3]}, "search": {"holdout": 0.25}}
+    precisions = {"dtype": torch.float32, "stats_dtype": torch.float64}
+    for written in ("  stats_dtype: auto\n", ""):
+        recipe = SimpleNamespace(text=f"merge_method: task_arithmetic\nfeatcal:\n  dtype: bfloat16\n{written}")
+        block = yaml.safe_load(replay_text(recipe, tuning, precisions))["featcal"]
+        assert (block["stats_dtype"], block["dtype"], block["lambda"]) == ("float64", "bfloat16", {"per_layer": [1e-3]})
