@@ -146,7 +146,6 @@ class RegMean(LayerSettings):
                 weight = expert_weights[f"{projection}.weight"].to(device=gram.device, dtype=SOLVE_DTYPE)
                 system.targets.add(projection, weight @ gram, weight * diagonal, share)  # W_i G and W_i diag(G)
             system.gram.add(GRAM, gram, torch.diag(diagonal), share)
-            system.tasks += 1
 
     def solve_layer(
         self, plan: "CalibrationPlan", layer: int, systems: dict[str, RegMeanSystem], tensors: "LayerTensors",

@@ -70,4 +70,3 @@ class RegMeanSystem:
 
     gram: Targets
     targets: Targets
-    tasks: int = 0
