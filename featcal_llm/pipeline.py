@@ -137,7 +137,8 @@ def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, 
 
             shutil.rmtree(merged, ignore_errors=True)
             remove_staging(partial_dir(merged))
-        return replace(outcome, start=featcal.method[0] if featcal.stacked else "merged")
+        # as a stack's run reports it: from the recipe's merge, its first stage's output gone (pipeline._run)
+        return replace(outcome, merged=Path(featcal.merged), start=featcal.method[0] if featcal.stacked else "merged")
     finally:
         lock.release()
 

@@ -284,6 +284,6 @@ def test_a_stacks_failed_evaluation_is_run_alone_and_leaves_what_keep_layers_kep
     scored = []
     monkeypatch.setattr(featcal_llm.evaluation, "run_after_calibration",
                         lambda section, merged, calibrated, recipe_dir, echo=None: scored.append(Path(merged)) or AfterCalibration("| t |", {}))
-    calibrate(path, progress=False, eval_only=True)
-    assert scored == [first_stage]
+    result = calibrate(path, progress=False, eval_only=True)
+    assert scored == [first_stage] and result.merged == merged_scenario.root / "merged" and result.start == "regmean++"
     assert first_stage.is_dir() == keep_layers and (tmp_path / ".stack.featcal-partial").is_dir() == keep_layers
