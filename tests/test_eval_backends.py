@@ -105,6 +105,10 @@ def test_hf_model_args(monkeypatch):
     plan = plan_backend("hf", BackendSettings(), Path("/m"), 4096, 1024)
     assert plan.model_args == {"pretrained": "/m", "dtype": "auto", "device": "cpu", "max_length": 1024}
     assert plan.batch_size == 1
+    # how it decodes is part of what the cache is keyed by: answers cached under a checkpoint's own generation settings
+    # (before the worker set them aside) are scored again
+    assert plan.identity()["decoding"] == backends.HF_DECODING and "decoding" not in plan_backend(
+        "vllm", BackendSettings(), Path("/m"), 4096, None).identity()
     with pytest.raises(FeatCalError, match="only the vllm backend shards"):
         plan_backend("hf", BackendSettings(tensor_parallel_size=2), Path("/m"), 4096, None)
 

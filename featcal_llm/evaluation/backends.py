@@ -63,6 +63,9 @@ def _check_installed(name: str, asked: str, origin: str) -> None:
         raise FeatCalError(f"{origin}: hf needs torch and transformers; pip install 'featcal-llm[eval]'")
 
 
+HF_DECODING = "the task's settings; of generation_config.json only the token ids; top_k 0"  # as vLLM decodes under lm-eval
+
+
 @dataclass(frozen=True)
 class BackendPlan:
     """Everything the worker needs to build the lm-eval model; recorded in every result."""
@@ -72,9 +75,11 @@ class BackendPlan:
     batch_size: int | str
 
     def identity(self) -> dict:
-        """The part that can change scores: everything but the model path."""
+        """The part that can change scores: everything but the model path (hf: and how it decodes, worker.decode_as_vllm,
+        so that answers cached under the checkpoint's own generation settings are not taken for these)."""
         args = {k: v for k, v in self.model_args.items() if k != "pretrained"}
-        return {"name": self.name, "model_args": args, "batch_size": self.batch_size}
+        return {"name": self.name, "model_args": args, "batch_size": self.batch_size,
+                **({"decoding": HF_DECODING} if self.name == "hf" else {})}
 
 
 # lm-eval model_args each backend sets from an option of its own: engine_args may not repeat them
