@@ -95,9 +95,10 @@ def _calibrated_text(calibrated: dict | None, regmean: bool, biases: bool, refin
     """What was re-fitted, in plain sentences; biases are named only for a model that has them. After a refinement
     that changed the weights, the sentences are the closed form's, and a last one says what the refinement trained."""
     if calibrated is not None and calibrated.get("unchanged"):
+        head = _head_sentences(calibrated)
         return " ".join(["Every expert predicts its own calibration records worse than the merged model (`trailing_experts: merge`), "
                          "so there was nothing to calibrate toward: no weight was re-fitted, and this model is the merged model, unchanged"
-                         + (", but for its LM head, as below." if _head_sentences(calibrated) else "."), *_head_sentences(calibrated)])
+                         + (", but for its LM head, as below." if head else "."), *head])
     if calibrated is None or calibrated["every_projection"]:
         sentences = ["Every linear projection of every decoder layer was re-fitted."]
     else:
