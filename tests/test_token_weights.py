@@ -183,12 +183,14 @@ def test_trailing_records_keep_restores_every_record_and_the_card_names_the_rule
 
 
 def test_an_expert_with_one_record_has_no_spread_to_print(tmp_path, capsys):
-    """`samples: 1`: the lead's margin is counted over records, so one record has none; the log says so instead of
+    """`samples: 1`: the lead's margin is counted over records, so one record has none; the log and the card say so instead of
     "± 0.000" (the sign alone decides whether the merge teaches it, as documented)."""
     from scenario import build_scenario
 
     scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4, dtype="float64")
     path = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), samples=1, token_weights="expert_lead")
-    run_recipe(path, progress=False)
+    output = run_recipe(path, progress=False)
     line = next(line for line in capsys.readouterr().err.splitlines() if "tokens weighed by the expert's lead" in line)
     assert line.count("; one record, so no spread)") == 2 and "± 0.000" not in line, line
+    card = (output / "README.md").read_text()
+    assert card.count(" (one record, so no spread)") == 2 and "± 0;" not in card and "± 0\n" not in card

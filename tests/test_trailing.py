@@ -286,3 +286,21 @@ def test_refine_trains_on_the_records_the_closed_form_weighs(lead_and_trail, tmp
         assert job.train[task] == [s for i, s in enumerate(kept[task]) if i not in dropped[task]], task
         assert job.left_out[task] == len(dropped[task])
     assert f"{len(dropped[second])} of `expert1`'s records" in (output / "README.md").read_text()
+
+
+def test_an_expert_with_a_lead_of_exactly_zero_is_said_to_be_no_better_not_behind(capsys):
+    """A copy of the merge leads it by exactly 0 with no spread: `trails` counts it (the merge teaching its records is the
+    same pull), and the log says it is no better than the merge rather than "behind it by 0.000"."""
+    from types import SimpleNamespace
+
+    from featcal_llm.engine.context import Models
+    from featcal_llm.engine.teachers import let_the_merge_teach
+
+    ctx = SimpleNamespace(models=Models(merged="M", base="B", experts={"copy": "C", "lead": "L", "behind": "D"}), token_roots=None,
+                          plan=SimpleNamespace(task_weight=lambda task: 1.0))
+    behind = let_the_merge_teach(ctx, {"copy": 0.0, "lead": 0.2, "behind": -0.3}, "r.yaml: featcal.trailing_experts",
+                                 {"copy": 0.0, "lead": 0.05, "behind": 0.1})
+    assert behind == {"copy": 0.0, "behind": -0.3} and ctx.models.experts == {"copy": "M", "lead": "L", "behind": "M"}
+    err = capsys.readouterr().err
+    assert "copy (no better than it: a lead of exactly 0" in err and "behind (behind it by 0.300 nats a token)" in err
+    assert "behind it by 0.000" not in err

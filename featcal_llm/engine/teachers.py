@@ -109,8 +109,9 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     if ctx.token_roots is not None:
         ctx.token_roots = {task: alike(ctx.batches[task]) if task in behind else roots for task, roots in ctx.token_roots.items()}
     runlog.stage("trailing_experts: merge: the merged model teaches the records of "
-                 + ", ".join(f"{names[task]} (behind it by {abs(lead):.3f} nats a token)" for task, lead in behind.items())
-                 + ", as those experts predict their own records worse than the merge does, beyond two standard errors")
+                 + ", ".join(f"{names[task]} (behind it by {abs(lead):.3f} nats a token)" if lead < 0 else
+                             f"{names[task]} (no better than it: a lead of exactly 0, as a copy of the merge has)" for task, lead in behind.items())
+                 + ", as those experts predict their own records no better than the merge does, beyond two standard errors")
     if every_expert_taught_by_the_merge(behind, {task: ctx.plan.task_weight(task) for task in mean_leads}):
         warn(f"{where}: every expert predicts its own records worse than the merged model, so the output is the merged model, "
              "unchanged; check that each expert's data is its kind of text and that the expert learnt it (one that also "

@@ -102,7 +102,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
         margins[task] = lead_margin(moments[6 * index: 6 * index + 6])
         scales[task] = mean_one_scale(total, int(tokens))
         summary[task] = {"tokens_ahead": round(ahead / max(scored, 1.0), 4), "lead": round(total / max(scored, 1.0), 4),
-                         "net_lead": round(mean_leads[task], 4), "net_lead_margin": round(margins[task], 4)}
+                         "net_lead": round(mean_leads[task], 4), "net_lead_margin": round(margins[task], 4), "records": records[task]}
     if drop_trailing_records:  # an expert not behind beyond doubt (one that is is the merge's to teach, or kept whole)
         behind = trailing_experts(mean_leads, margins)
         leading = [task for task in batches if task not in behind]

@@ -277,7 +277,7 @@ def write_card(
         summary = advantage[name]
         return (f"; ahead of the merged model on {summary['tokens_ahead']:.0%} of its tokens, mean positive lead "
                 f"{summary['lead']:.3g} nats a token"
-                + (f", net lead {summary['net_lead']:+.3g} ± {summary['net_lead_margin']:.2g}" if "net_lead" in summary else "")
+                + (net_lead_text(summary) if "net_lead" in summary else "")
                 + (f", {summary['records_dropped']} of its {summary['records']} records weighed 0 (`trailing_records: drop`)"
                    if summary.get("records_dropped") else ""))
 
@@ -339,6 +339,13 @@ data written out: running it again makes this checkpoint.
     (directory / "README.md").write_text(text, encoding="utf-8")
     (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts, refined), encoding="utf-8")
     write_run_record(directory, run)
+
+
+def net_lead_text(summary: dict[str, Any]) -> str:
+    """The expert's signed lead with its margin; one record measures no spread, so it has none to show (not "± 0")."""
+    if summary.get("records", 2) < 2:
+        return f", net lead {summary['net_lead']:+.3g} (one record, so no spread)"
+    return f", net lead {summary['net_lead']:+.3g} ± {summary['net_lead_margin']:.2g}"
 
 
 def split_card(text: str) -> tuple[dict[str, Any], str]:
