@@ -334,6 +334,22 @@ def test_hf_engine_args_are_checked_against_the_installed_sources(tmp_path, monk
         hf_arguments.hf_loader_names.cache_clear()
 
 
+# an old Llama's config.json: rope_theta at the top (transformers 5 moves it into rope_parameters), a generation
+# parameter (dropped on loading), and a key of its own (kept as an attribute)
+OLD_LLAMA_CONFIG = {**{k: v for k, v in LLAMA_CONFIG.items() if k != "rope_parameters"}, "rope_theta": 500000.0,
+                    "temperature": 0.6, "top_k": 20, "my_own_key": 1}
+
+
+def test_hf_engine_args_config_keys_the_loader_consumes_are_refused(monkeypatch):
+    """A key of the model's config.json is taken (the loaded config keeps it as an attribute that engine_args sets),
+    except those the config's loader consumes: there the key reaches the model's constructor, a TypeError at load."""
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    backends.check_settings("hf", BackendSettings(engine_args={"my_own_key": 2, "use_cache": False}), OLD_LLAMA_CONFIG)
+    for key in ("rope_theta", "temperature", "top_k"):
+        with pytest.raises(FeatCalError, match=rf"^backend\.engine_args\.{key}: not an argument of lm-eval's hf model"):
+            backends.check_settings("hf", BackendSettings(engine_args={key: 1}), OLD_LLAMA_CONFIG)
+
+
 def test_hf_loader_keys_are_read_from_kwargs_as_transformers_reads_them(tmp_path, monkeypatch):
     """transformers 5 pops some keys in a loop over a list of names (`for name in [...]: kwargs.pop(name)`, and a
     comprehension over a list it named): those keys are taken, the others of the list too, and none beside them."""
@@ -384,3 +400,25 @@ def test_hf_engine_args_the_check_takes_load_and_those_it_refuses_fail_in_lm_eva
             backends.check_settings("hf", BackendSettings(engine_args={key: value}), config)
         with pytest.raises(TypeError, match=rf"unexpected keyword argument '{key}'|multiple values for keyword argument '{key}'"):
             HFLM(pretrained=str(tiny_instruct_model), device="cpu", batch_size=1, **{key: value})
+
+
+@pytest.mark.slow
+def test_hf_engine_args_an_old_config_s_consumed_keys_fail_in_lm_eval_and_its_own_key_loads(tiny_instruct_model, tmp_path):
+    """An old-style config.json (top-level rope_theta, generation parameters, a key of its own): HFLM loads it with its
+    own key set, and raises the TypeError for each consumed key the check refuses."""
+    import shutil
+
+    from lm_eval.models.huggingface import HFLM
+
+    model = shutil.copytree(tiny_instruct_model, tmp_path / "old")
+    config = json.loads((model / "config.json").read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    config.update(rope_theta=theta, temperature=0.6, top_k=20, my_own_key=1)
+    (model / "config.json").write_text(json.dumps(config))
+    backends.check_settings("hf", BackendSettings(engine_args={"my_own_key": 2}), config)
+    assert HFLM(pretrained=str(model), device="cpu", batch_size=1, my_own_key=2).model.config.my_own_key == 2
+    for key, value in (("rope_theta", 10000.0), ("temperature", 0.7), ("top_k", 5)):
+        with pytest.raises(FeatCalError, match=rf"^backend\.engine_args\.{key}: "):
+            backends.check_settings("hf", BackendSettings(engine_args={key: value}), config)
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{key}'"):
+            HFLM(pretrained=str(model), device="cpu", batch_size=1, **{key: value})

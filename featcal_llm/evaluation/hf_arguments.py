@@ -7,7 +7,7 @@ transformers and lm-eval to ask costs seconds, so the names are read from their 
 and `_create_model`, the auto class's and `PreTrainedModel`'s `from_pretrained` (their parameters and the keys they read
 from **kwargs) with the keys the config's loader reads, and the config class the model's config.json names by `model_type` (its fields, attributes and settable
 properties, with those of its bases down to `PreTrainedConfig`, `attribute_map`'s aliases and the config.json's own
-keys). Where a source is missing or its layout is not the expected one, or no config.json can be read, nothing is
+keys but those the config's loader consumes: an old top-level `rope_theta`, the generation parameters). Where a source is missing or its layout is not the expected one, or no config.json can be read, nothing is
 checked (the model's constructor still refuses the key when it loads).
 """
 
@@ -30,6 +30,12 @@ LOADERS = (("transformers.models.auto.auto_factory", "_BaseAutoModelClass", "fro
            ("transformers.modeling_utils", "PreTrainedModel", "from_pretrained", 2),
            ("transformers.configuration_utils", "PreTrainedConfig", "_get_config_dict", None))
 CONFIG_BASE = "PreTrainedConfig"  # in transformers/configuration_utils.py: every model config's base
+# where a config's loader consumes a config.json key instead of setting it on the config: (module, class, methods: the
+# first the class defines; a dataclass config's extra keys reach __post_init__); and the generation parameters it
+# drops, the keys of the dict this static method returns
+CONSUMERS = (("transformers.configuration_utils", CONFIG_BASE, ("__post_init__", "__init__")),
+             ("transformers.modeling_rope_utils", "RotaryEmbeddingConfigMixin", ("convert_rope_params_to_dict",)))
+GENERATION_DEFAULTS = ("transformers.generation.configuration_utils", "GenerationConfig", "_get_default_generation_params")
 WHAT = "lm-eval's hf model, transformers' from_pretrained or the model's config"
 
 
@@ -88,6 +94,30 @@ def hf_loader_names() -> tuple[frozenset[str], frozenset[str]] | None:
             return None
         names |= _taken(loads[0], filled) if filled is not None else keys_read(loads[0], loads[0].args.kwarg.arg)
     return frozenset(names - repeated), frozenset(repeated)
+
+
+@lru_cache(maxsize=1)
+def consumed_config_keys() -> frozenset[str]:
+    """The config.json keys a config's loader takes out instead of keeping as attributes: an old config's top-level
+    `rope_theta` or `rope_scaling` (moved into `rope_parameters`), `torch_dtype`, the generation parameters. Such a key
+    in the model's config.json is no attribute to set, so given in engine_args it reaches the model's constructor and
+    fails there. Empty where a source cannot be read (every config.json key is then taken, as before)."""
+    keys: set[str] = set()
+    for module, name, methods in CONSUMERS:
+        path = source_file(module)
+        found = _class(_tree(path), name) if path is not None else None
+        functions = next((each for each in (_methods(found, method) for method in methods) if each), []) if found is not None else []
+        if len(functions) != 1 or functions[0].args.kwarg is None:
+            return frozenset()
+        keys |= keys_read(functions[0], functions[0].args.kwarg.arg)
+    path = source_file(GENERATION_DEFAULTS[0])
+    found = _class(_tree(path), GENERATION_DEFAULTS[1]) if path is not None else None
+    functions = _methods(found, GENERATION_DEFAULTS[2]) if found is not None else []
+    returned = [node.value for node in ast.walk(functions[0]) if isinstance(node, ast.Return)] if len(functions) == 1 else []
+    if len(returned) != 1 or not isinstance(returned[0], ast.Dict):
+        return frozenset()
+    keys |= {key.value for key in returned[0].keys if isinstance(key, ast.Constant) and isinstance(key.value, str)}
+    return frozenset(keys)
 
 
 def _imported(name: str, path: Path, tree: ast.Module, depth: int = 0) -> tuple[ast.ClassDef, Path] | None:
@@ -211,7 +241,8 @@ def check_hf_engine_args(engine_args: dict, origin: str, config: dict | None) ->
     architectures = config.get("architectures") or []
     constructors = {name for architecture in architectures if isinstance(architecture, str)
                     for name in _model_init_names(config["model_type"], architecture)}
-    known = taken | attributes | constructors | {key for key in config if isinstance(key, str)}
+    own = {key for key in config if isinstance(key, str)} - consumed_config_keys()  # kept as attributes on loading
+    known = taken | attributes | constructors | own
     for key in sorted(engine_args):
         if key in repeated:
             raise FeatCalError(f"{origin}.{key}: lm-eval's hf model passes {key} to its loader itself; it cannot be "
