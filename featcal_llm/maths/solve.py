@@ -1,8 +1,9 @@
-"""The ridge solve shared by every objective, as pure functions: W*_p = (rhs_p + λ A_p)(lhs + (λ + eps) I)⁻¹.
+"""The ridge solve shared by every objective: W*_p = (rhs_p + λ A_p)(lhs + (λ + eps) I)⁻¹.
 
 One Cholesky factorisation per input group serves all of its projections;
 each solution is checked by a sketched residual, and a failed or inaccurate
-solve is retried with a larger λ, with a warning, never returned silently.
+solve is retried with a larger λ, with a warning (errors.warn: the one effect
+here besides the tensors returned), never returned silently.
 What goes into lhs and rhs is the objective's business (objective.py).
 """
 
