@@ -26,10 +26,14 @@ def test_the_skip_counts_only_experts_with_a_weight():
 
 
 def test_a_leading_expert_at_weight_0_does_not_turn_the_skip_off(tmp_path, capsys):
-    """expert0 is the merge itself (merged at weight 1: lead 0, trailing); expert1, trained on its records, leads by far but
-    has `weight: 0` in the data. Only the anchor would move the layers: the output is the merge, bit for bit."""
+    """expert0 is the merge itself (a linear merge at weights 1 and 0: 1·x + 0·y is x on every machine, so its lead is
+    exactly 0, trailing; task arithmetic's base + 1·(x − base) is x only where the rounding happens to cancel: on CI's
+    kernels it was not, and a lead of 0.000 ± 0.000 left the sign in doubt); expert1, trained on its records, leads by
+    far but has `weight: 0` in the data. Only the anchor (the base) would move the layers: the output is the merge, bit
+    for bit."""
     scenario = trained_scenario(tmp_path / "scenario", "llama", (0, 24))
     recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["merge_method"], recipe["parameters"] = "linear", {"weight": 0.0}  # the base (the anchor) at weight 0 too
     recipe["models"][0]["parameters"]["weight"] = 1.0
     recipe["models"][1]["parameters"]["weight"] = 0.0
     recipe["featcal"]["data"][str(scenario.experts["expert1"])]["weight"] = 0
@@ -38,6 +42,7 @@ def test_a_leading_expert_at_weight_0_does_not_turn_the_skip_off(tmp_path, capsy
     output = run_recipe(tmp_path / "r.yaml", progress=False)
     log = capsys.readouterr().err
     assert "expert1 ahead on" in log and "(net of where it trails: +0." in log  # it does lead: the case the rule must ignore
+    assert "expert0 (no better than it: a lead of exactly 0" in log
     assert "no layer is re-fitted and the output is the merged model, unchanged" in log
     ours, merged = read_weights(output), read_weights(scenario.root / "merged")
     assert ours.keys() == merged.keys() and all(torch.equal(ours[name], merged[name]) for name in merged)

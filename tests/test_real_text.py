@@ -191,7 +191,8 @@ def test_token_kl_by_hand():
 
 def test_record_nlls_match_a_float64_cross_entropy_per_record_on_a_large_vocabulary():
     """Each record's summed NLL and token count, padding ignored, to float32 accuracy against float64 (a 49k-wide
-    softmax summed along a strided axis drifted 1.5e-4 nats a token on SmolLM2)."""
+    softmax summed along a strided axis drifted 1.5e-4 nats a token on SmolLM2, 2.4-3.5e-5 here; the flattened one is
+    0.5e-6 with AVX-512 kernels and 4.1e-6 with AVX2's, as on CI: ATEN_CPU_CAPABILITY=avx2 shows it)."""
     import torch
 
     from studies.real_models import record_nlls
@@ -211,4 +212,4 @@ def test_record_nlls_match_a_float64_cross_entropy_per_record_on_a_large_vocabul
         logits = model(torch.tensor([ids]), None).logits[0].double()
         expected = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None]).sum()
         assert count == len(ids) - 1
-        assert abs(total - expected.item()) / count < 2e-6  # nats a token
+        assert abs(total - expected.item()) / count < 1e-5  # nats a token

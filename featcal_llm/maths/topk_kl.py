@@ -41,7 +41,9 @@ def topk_kl(
     """Σ over the rows where `mask` is true of KL(teacher ‖ student) over k + 1 bins (the teacher's k tokens and the rest).
 
     student_logits (n, vocab); teacher_topk_logp / teacher_topk_idx (n, k); mask (n,) bool (None: every row);
-    teacher_rest_logp (n,): the teacher's log-mass outside its k tokens (None: 1 − Σ exp(top-k), from the k values).
+    teacher_rest_logp (n,): the teacher's log-mass outside its k tokens (None: 1 − Σ exp(top-k), from the k values;
+    ignored where k is the vocabulary: derived, 1 − Σ rounds to ±1e-16 by machine, which against the student's
+    empty rest read 1e14).
     Returns a scalar in float32 (float64 for float64 logits), differentiable in the student's logits.
     """
     per_row = topk_kl_rows(student_logits, teacher_topk_logp, teacher_topk_idx, teacher_rest_logp)
@@ -64,7 +66,9 @@ def topk_kl_rows(
     student_top = logits.gather(-1, index) - log_norm
     student_rest = logits.scatter(-1, index, MASKED).logsumexp(-1) - log_norm.squeeze(-1)
     teacher_top = teacher_topk_logp.to(dtype)
-    if teacher_rest_logp is None:
+    if index.shape[-1] >= logits.shape[-1]:  # k is the vocabulary: the rest's bin is empty, whatever 1 − Σ p rounds to
+        teacher_rest_logp = torch.full_like(teacher_top[..., 0], -torch.inf)
+    elif teacher_rest_logp is None:
         teacher_rest_logp = torch.log1p(-teacher_top.exp().sum(-1).clamp(max=1.0))
     teacher_rest = teacher_rest_logp.to(dtype)
     teacher_norm = torch.cat([teacher_top, teacher_rest.unsqueeze(-1)], dim=-1).logsumexp(-1)  # 0 for an exact teacher
