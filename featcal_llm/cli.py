@@ -59,7 +59,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings=CONTEXT, epilog=f"""\b
 Examples:
-  featcal-llm validate recipe.yaml          check a recipe in under a second
+  featcal-llm validate recipe.yaml          check a recipe without loading a weight
   featcal-llm run recipe.yaml               merge (if needed) and calibrate
   featcal-llm run recipe.yaml out/my-model  the same, written to out/my-model
   featcal-llm recipes                       the shipped example recipes

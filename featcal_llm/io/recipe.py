@@ -3,7 +3,8 @@
 The mergekit part is checked against mergekit's schema without torch
 (``io/mergekit_config.py``, the same models as ``mergekit.config``, and the merge
 methods' parameters from ``io/mergekit_methods.py``), so ``validate`` answers in
-under a second; ``run`` then parses it with mergekit's own ``MergeConfiguration``
+under a second (an ``eval:`` block's task checks import lm-eval and NLTK: 10 s
+more); ``run`` then parses it with mergekit's own ``MergeConfiguration``
 (what ``mergekit-yaml`` accepts we accept). The ``featcal:`` block is ours
 (``featcal_llm.io.block``) and is strict: an unknown or misspelled key is an
 error that names it. YAML keys given twice are errors (YAML would keep the last
