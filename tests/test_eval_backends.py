@@ -422,3 +422,44 @@ def test_hf_engine_args_an_old_config_s_consumed_keys_fail_in_lm_eval_and_its_ow
             backends.check_settings("hf", BackendSettings(engine_args={key: value}), config)
         with pytest.raises(TypeError, match=rf"unexpected keyword argument '{key}'"):
             HFLM(pretrained=str(model), device="cpu", batch_size=1, **{key: value})
+
+
+def test_hf_engine_args_module_names_are_transformers_own():
+    """A model type whose folder under transformers/models/ is not its own name (gemma3_text lives in gemma3/, as every
+    text half of a multimodal family does) is found through transformers' own table, read from its source without an
+    import: the same table transformers' model_type_to_module_name looks up. Without it, such a type's engine_args were
+    not checked at all."""
+    from transformers.models.auto.configuration_auto import SPECIAL_MODEL_TYPE_TO_MODULE_NAME
+
+    from featcal_llm.evaluation import hf_arguments
+
+    assert hf_arguments._special_modules() == dict(SPECIAL_MODEL_TYPE_TO_MODULE_NAME)
+    names = hf_arguments.config_attribute_names("gemma3_text")
+    assert names is not None and {"query_pre_attn_scalar", "sliding_window", "final_logit_softcapping"} <= names
+
+
+@pytest.mark.slow
+def test_hf_engine_args_of_a_model_type_in_another_module_are_checked_as_lm_eval_loads_them(tmp_path):
+    """A tiny Gemma-3 text model (model_type gemma3_text, in transformers' gemma3 module): HFLM loads it with a key of
+    its config, and raises the TypeError for a key the check refuses."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from featcal_llm.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    model_dir = tmp_path / "gemma3"
+    Gemma3ForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    saved = json.loads((model_dir / "config.json").read_text())
+    assert saved["model_type"] == "gemma3_text"
+    backends.check_settings("hf", BackendSettings(engine_args={"query_pre_attn_scalar": 8}), saved)
+    assert HFLM(pretrained=str(model_dir), device="cpu", batch_size=1, query_pre_attn_scalar=8).model.config.query_pre_attn_scalar == 8
+    with pytest.raises(FeatCalError, match=r"^backend\.engine_args\.foo: not an argument of lm-eval's hf model"):
+        backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), saved)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+        HFLM(pretrained=str(model_dir), device="cpu", batch_size=1, foo=1)

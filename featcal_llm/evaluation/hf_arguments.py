@@ -29,6 +29,7 @@ HFLM = ("lm_eval.models.huggingface", "HFLM")
 LOADERS = (("transformers.models.auto.auto_factory", "_BaseAutoModelClass", "from_pretrained", 2),
            ("transformers.modeling_utils", "PreTrainedModel", "from_pretrained", 2),
            ("transformers.configuration_utils", "PreTrainedConfig", "_get_config_dict", None))
+SPECIAL_MODULES = "SPECIAL_MODEL_TYPE_TO_MODULE_NAME"  # in transformers/models/auto/: model type → its module, where they differ
 CONFIG_BASE = "PreTrainedConfig"  # in transformers/configuration_utils.py: every model config's base
 # where a config's loader consumes a config.json key instead of setting it on the config: (module, class, methods: the
 # first the class defines; a dataclass config's extra keys reach __post_init__); and the generation parameters it
@@ -174,6 +175,42 @@ def _transformers_models() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)), "models")
 
 
+def _string_pairs(node: ast.expr) -> dict[str, str]:
+    """A literal {"a": "b"} or [("a", "b"), ...] of strings (an OrderedDict's argument), as a dict."""
+    if isinstance(node, ast.Dict):
+        pairs = zip(node.keys, node.values)
+    elif isinstance(node, (ast.List, ast.Tuple)):
+        pairs = (item.elts for item in node.elts if isinstance(item, ast.Tuple) and len(item.elts) == 2)
+    else:
+        return {}
+    return {key.value: value.value for key, value in pairs if isinstance(key, ast.Constant) and isinstance(value, ast.Constant)
+            and isinstance(key.value, str) and isinstance(value.value, str)}
+
+
+@lru_cache(maxsize=1)
+def _special_modules() -> dict[str, str]:
+    """transformers' model types whose module is not named after them (gemma3_text → gemma3): its
+    SPECIAL_MODEL_TYPE_TO_MODULE_NAME, as assigned in auto/auto_mappings.py and updated in auto/configuration_auto.py,
+    read without importing transformers (what its model_type_to_module_name looks up)."""
+    models = _transformers_models()
+    found: dict[str, str] = {}
+    for name in ("auto_mappings.py", "configuration_auto.py"):
+        tree = _tree(models / "auto" / name) if models is not None else None
+        for node in ast.walk(tree) if tree is not None else ():
+            if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SPECIAL_MODULES for t in node.targets)
+                    and isinstance(node.value, ast.Call) and node.value.args):
+                found.update(_string_pairs(node.value.args[0]))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id == SPECIAL_MODULES and node.args):
+                found.update(_string_pairs(node.args[0]))
+    return found
+
+
+def _module(model_type: str) -> str:
+    """The folder under transformers/models/ that holds this model type's config and model classes."""
+    return _special_modules().get(model_type) or model_type.replace("-", "_")
+
+
 @lru_cache(maxsize=16)
 def config_attribute_names(model_type: str) -> frozenset[str] | None:
     """Every attribute transformers sets on the config of this model type from a from_pretrained keyword; None where
@@ -181,7 +218,7 @@ def config_attribute_names(model_type: str) -> frozenset[str] | None:
     models = _transformers_models()
     if models is None:
         return None
-    module = model_type.replace("-", "_")
+    module = _module(model_type)
     path = models / module / f"configuration_{module}.py"
     tree = _tree(path) if path.is_file() else None
     if tree is None:
@@ -210,7 +247,7 @@ def config_attribute_names(model_type: str) -> frozenset[str] | None:
 def _model_init_names(model_type: str, architecture: str) -> frozenset[str]:
     """The keywords the model class's own constructor takes beside its config (none for a Llama)."""
     models = _transformers_models()
-    module = model_type.replace("-", "_")
+    module = _module(model_type)
     path = None if models is None else models / module / f"modeling_{module}.py"
     found = _class(_tree(path), architecture) if path is not None and path.is_file() else None
     inits = _methods(found, "__init__") if found is not None else []
