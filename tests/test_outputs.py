@@ -309,6 +309,28 @@ def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path)
                "512; set max_length to 512 or less" in warning for warning in warnings), warnings
 
 
+
+@pytest.mark.parametrize("text, longest", [("a b " * 128, 512), ("a b " * 128 + "a", 513)])
+def test_records_as_long_as_the_models_positions_are_not_warned_of_and_one_more_token_is(small, tmp_path, text, longest):
+    """The bound is max_position_embeddings itself (512 here): a record of 512 tokens uses positions 0-511, all trained;
+    one of 513 does not."""
+    import json
+
+    import featcal_llm
+
+    raw = yaml.safe_load(small.recipe.read_text())
+    first = raw["models"][0]["model"]
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "c d"}) + "\n")
+    raw["featcal"]["data"][first] = {"path": str(tmp_path / "long.jsonl")}
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(small.root / "merged"), modules=["q_proj"], max_length=1024)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    warnings = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).warnings
+    said = [warning for warning in warnings if "max_position_embeddings" in warning]
+    if longest == 512:
+        assert said == [], said
+    else:
+        assert len(said) == 1 and "records of up to 513 tokens are longer than the base model's max_position_embeddings 512" in said[0]
+
 def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(small, tmp_path, monkeypatch):
     """vLLM asks for a share of the GPU's free memory: by the time `eval:` starts, the run's context (its readers, the
     hidden-state streams, the statistics workspace, the layer runner on the device) is no longer referenced and the
