@@ -101,7 +101,7 @@ def test_an_expert_left_without_a_response_token_by_the_split_is_refused_before_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["completion.jsonl", "r.yaml", "scenario"]
 
 
-def _fingerprint(recipe_path, merged_dir) -> str:
+def _fingerprint(recipe_path, merged_dir, probe=None) -> str:
     """The run fingerprint of a recipe with stand-ins for the opened models and the runner (what the pipeline records of them)."""
     from types import SimpleNamespace
 
@@ -110,7 +110,19 @@ def _fingerprint(recipe_path, merged_dir) -> str:
 
     models = SimpleNamespace(merged=SimpleNamespace(directory=merged_dir))
     runner = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, stats_dtype=torch.float64, head_stats_dtype=torch.float64)
-    return run_fingerprint(load_recipe(recipe_path), {"a": [[1, 2, 3]]}, {"a": [[4, 5]]}, models, runner, 256, {})
+    return run_fingerprint(load_recipe(recipe_path), {"a": [[1, 2, 3]]}, probe or {"a": [[4, 5]]}, models, runner, 256, {})
+
+
+def test_other_held_out_records_beside_the_same_calibration_records_change_the_fingerprint(tmp_path):
+    """The held-out records choose the hyper-parameters the saved layers were fitted with: a data file edited only in
+    a record the split holds out leaves the calibration records as they were, and must still not resume."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    (tmp_path / "merged").mkdir()
+    before = _fingerprint(scenario.recipe, tmp_path / "merged")
+    assert _fingerprint(scenario.recipe, tmp_path / "merged", {"a": [[4, 5]]}) == before
+    assert _fingerprint(scenario.recipe, tmp_path / "merged", {"a": [[4, 6]]}) != before
 
 
 @pytest.mark.parametrize("library", ["torch", "transformers", "mergekit", "safetensors", "peft"])
