@@ -292,6 +292,23 @@ def test_models_without_a_tokenizer_give_an_output_with_featcal_tokenizers(small
     AutoModelForCausalLM.from_pretrained(output)(input_ids=__import__("torch").tensor([ids]))
 
 
+
+def test_a_merge_with_its_own_tokenizer_keeps_it_beside_featcal_tokenizer(small, tmp_path):
+    """featcal.tokenizer reads the records; where the merge has tokenizer files (mergekit copied the base's), the output
+    keeps the merge's, not the recipe's (told apart here by model_max_length)."""
+    from transformers import AutoTokenizer
+
+    import featcal_llm
+
+    AutoTokenizer.from_pretrained(small.base, model_max_length=777).save_pretrained(tmp_path / "tokenizer")
+    raw = yaml.safe_load(small.recipe.read_text())
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"), tokenizer=str(tmp_path / "tokenizer"),
+                          modules=["q_proj"])
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    output = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).output
+    merged = AutoTokenizer.from_pretrained(tmp_path / "merged").model_max_length
+    assert merged != 777 and AutoTokenizer.from_pretrained(output).model_max_length == merged
+
 def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path):
     """A max_length above max_position_embeddings (512 here) lets records calibrate at positions the model never had."""
     import json
