@@ -50,6 +50,8 @@ def test_the_head_update_matches_the_brute_force_and_the_layers_are_unchanged(fa
     assert "the LM head was re-fitted" in card
     # the re-fit untied it, not a refinement; its statistics took the layers' float64, so the card names no precision of its own
     assert "The refinement trained the LM head" not in card and "the LM head's re-fit:" not in card
+    # neither merge is tied and stores a head of its own (llama stores one, untied; llama-tied stores none): no such sentence
+    assert "The merge's config ties the LM head" not in (plain / "README.md").read_text()
     head = read_run_record(output)["settings"]["head"]  # what the run resolved, beside the card
     assert {key: head[key] for key in ("lambda", "alpha", "rho")} == {"lambda": 0.001, "alpha": 0.7, "rho": 0.4}
     assert head["untied"] is (family == "llama-tied")  # tied in the merge, untied in the output
