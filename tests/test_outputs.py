@@ -292,7 +292,6 @@ def test_models_without_a_tokenizer_give_an_output_with_featcal_tokenizers(small
     AutoModelForCausalLM.from_pretrained(output)(input_ids=__import__("torch").tensor([ids]))
 
 
-
 def test_a_merge_with_its_own_tokenizer_keeps_it_beside_featcal_tokenizer(small, tmp_path):
     """featcal.tokenizer reads the records; where the merge has tokenizer files (mergekit copied the base's), the output
     keeps the merge's, not the recipe's (told apart here by model_max_length)."""
@@ -309,6 +308,7 @@ def test_a_merge_with_its_own_tokenizer_keeps_it_beside_featcal_tokenizer(small,
     merged = AutoTokenizer.from_pretrained(tmp_path / "merged").model_max_length
     assert merged != 777 and AutoTokenizer.from_pretrained(output).model_max_length == merged
 
+
 def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path):
     """A max_length above max_position_embeddings (512 here) lets records calibrate at positions the model never had."""
     import json
@@ -324,7 +324,6 @@ def test_records_longer_than_the_models_positions_are_warned_of(small, tmp_path)
     warnings = featcal_llm.calibrate(tmp_path / "r.yaml", progress=False).warnings
     assert any("featcal.max_length: records of up to 800 tokens are longer than the base model's max_position_embeddings "
                "512; set max_length to 512 or less" in warning for warning in warnings), warnings
-
 
 
 @pytest.mark.parametrize("text, longest", [("a b " * 128, 512), ("a b " * 128 + "a", 513)])
@@ -347,6 +346,7 @@ def test_records_as_long_as_the_models_positions_are_not_warned_of_and_one_more_
         assert said == [], said
     else:
         assert len(said) == 1 and "records of up to 513 tokens are longer than the base model's max_position_embeddings 512" in said[0]
+
 
 def test_the_evaluation_starts_after_the_runs_models_and_streams_are_released(small, tmp_path, monkeypatch):
     """vLLM asks for a share of the GPU's free memory: by the time `eval:` starts, the run's context (its readers, the
