@@ -449,3 +449,48 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
         gone = CliRunner().invoke(main, [command, str(elsewhere_merged), "--eval-only"])
         assert gone.exit_code == 2 and (f"--eval-only (eval_only=True): {tmp_path / 'gone'}, the merged model, is not there "
                                         "to score beside the output") in gone.output, gone.output
+
+
+@pytest.mark.parametrize("made_by_us", [True, False])
+def test_an_expert_of_another_vocabulary_beside_an_existing_merge_is_refused_by_validate_as_run_refuses_it(small, tmp_path, made_by_us):
+    """An expert resized for added tokens (8 more embedding rows) beside an existing merge. A merge featcal-llm made from
+    the previous expert is stale, so run merges again, and mergekit failed on the rows (exit 1, after validate had
+    passed the recipe): both refuse it before merging. A merge the user supplied (no marker, no mergekit_config.yml)
+    is used as it is, and run refused the expert's rows against the merge's once it opened them, where validate had
+    passed it: validate compares them too. One line each, exit 2, nothing merged."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import featcal_llm
+    from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG
+
+    raw = yaml.safe_load(small.recipe.read_text())
+    first = raw["models"][0]["model"]
+    wider = AutoModelForCausalLM.from_pretrained(first)
+    wider.resize_token_embeddings(wider.config.vocab_size + 8)
+    wider.save_pretrained(tmp_path / "wider")
+    for name in Path(first).iterdir():  # its tokenizer files: the records are read as before
+        if "token" in name.name and not (tmp_path / "wider" / name.name).exists():
+            shutil.copy(name, tmp_path / "wider" / name.name)
+    shutil.copytree(small.root / "merged", tmp_path / "merged")
+    assert (tmp_path / "merged" / MARKER).is_file()
+    if not made_by_us:
+        (tmp_path / "merged" / MARKER).unlink()
+        (tmp_path / "merged" / MERGEKIT_CONFIG).unlink()
+    weights = {path.name: path.stat().st_mtime_ns for path in (tmp_path / "merged").iterdir()}
+    raw["models"][0]["model"] = str(tmp_path / "wider")
+    raw["featcal"]["data"][str(tmp_path / "wider")] = raw["featcal"]["data"].pop(first)
+    raw["featcal"].update(output=str(tmp_path / "out"), merged=str(tmp_path / "merged"), modules=["q_proj"])
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    against = "the base model" if made_by_us else "the merged model"
+    wider_config = f"{tmp_path / 'wider'}: {tmp_path / 'wider' / 'config.json'}"
+    assert [str(problem) for problem in featcal_llm.validate(tmp_path / "r.yaml")] == [
+        f"{tmp_path / 'r.yaml'}: models: {wider_config}: vocabulary of 108 rows, {against} has 100: experts whose vocabulary "
+        "differs from the merge (added tokens, union tokenizers) are not supported; give every expert the base's vocabulary"]
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if "error" in line]
+    assert len(lines) == 1 and "vocabulary of 108 rows" in lines[0], result.output
+    assert "merging" not in result.output and not (tmp_path / "out").exists()
+    assert {path.name: path.stat().st_mtime_ns for path in (tmp_path / "merged").iterdir()} == weights

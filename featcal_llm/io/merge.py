@@ -258,6 +258,12 @@ def _supplied_refusal(recipe_path: Any, merged: Path, differing: list[str]) -> F
                         f"in {_listed(differing)}); remove it to merge again, or point featcal.merged elsewhere")
 
 
+def supplied_merge(merged: Path) -> bool:
+    """A merge directory featcal-llm did not make: run uses it as it is or refuses it, and never merges into it. One it
+    made is merged again where its inputs changed, so the checks made before a merge still apply there."""
+    return merged.exists() and not (merged / MARKER).is_file()
+
+
 def check_supplied_merge(recipe_path: Any, merge_config: Any, merged: Path) -> None:
     """Refuse, in run's words, a merged directory featcal-llm did not make whose configuration is not the recipe's
     merge (run would stop there before any layer). Without torch, for `validate`: the recipe's own schema parses the

@@ -32,6 +32,7 @@ from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, 
 from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_outputs import check_output, check_writes
+from featcal_llm.io.merge import supplied_merge
 from featcal_llm.io.output_dir import RECIPE_FILE, scored_merge
 from featcal_llm.io.references import is_hub_reference
 
@@ -283,6 +284,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
     experts = _experts_of(merge_config)
+    vocabularies: list[tuple[dict, str]] = []  # (config, what) of each expert, beside a merge the user supplied
     typos = misspelt_models(tuple(Expert(str(reference), reference) for reference in experts), data or {})
     for reference in experts:
         what = f"{path}: models: {reference}"
@@ -309,8 +311,11 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if base_config is not None:
             directory = source.directory if source is not None else Path(str(reference.model))
             collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
-            if not changes_tokenizer(merge_config) and not (merged and Path(merged).exists()):  # run's check before it merges
+            if not changes_tokenizer(merge_config) and not (merged and supplied_merge(Path(merged))):  # run's check before it merges
                 collect(problems, path, lambda: _same_vocabulary(base_config, config, f"{what}: {directory / 'config.json'}"))
+        if merged and supplied_merge(Path(merged)):  # nothing is merged: run compares each expert's rows with the merge's
+            directory = source.directory if source is not None else Path(str(reference.model))
+            vocabularies.append((config, f"{what}: {directory / 'config.json'}"))
     merged_config = None
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
@@ -323,6 +328,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                 problems.append(Problem(str(path), "featcal.merged", f"{merged}: {unreadable}"))
             if config is not None and base_config is not None:
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
+            for expert_config, expert_what in vocabularies if config is not None else ():
+                collect(problems, path, lambda: _same_vocabulary(config, expert_config, expert_what, "the merged model"))
             from featcal_llm.io.merge import check_supplied_merge
 
             collect(problems, path, lambda: check_supplied_merge(path, merge_config, merged))
@@ -391,12 +398,13 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
 
 
-def _same_vocabulary(base: dict, other: dict, what: str) -> None:
-    """An expert whose config counts another vocabulary than the base's, beside a merge that keeps the base's tokenizer:
-    run refuses it once merged (family/compat.check_vocabulary_sizes, on the tensors' rows), in these words."""
+def _same_vocabulary(base: dict, other: dict, what: str, against: str = "the base model") -> None:
+    """An expert whose config counts another vocabulary than the base's, beside a merge that keeps the base's tokenizer
+    (or than a supplied merge's): run refuses it once merged (family/compat.check_vocabulary_sizes, on the tensors'
+    rows), in these words."""
     mine, theirs = base.get("vocab_size"), other.get("vocab_size")
     if isinstance(mine, int) and isinstance(theirs, int) and mine != theirs:
-        check_vocabulary_sizes({"expert": theirs}, mine, "the base model", {"expert": what})
+        check_vocabulary_sizes({"expert": theirs}, mine, against, {"expert": what})
 
 
 def _as_transformers_reads(config: dict) -> Any:

@@ -32,7 +32,7 @@ from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
-from featcal_llm.io.merge import ensure_merged, merge_identity
+from featcal_llm.io.merge import ensure_merged, merge_identity, supplied_merge
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory
 from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
@@ -260,7 +260,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
     sized = {name: config.vocab_size for name, config in resolved.expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
-    if not merged_path.exists() and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
+    if not supplied_merge(merged_path) and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
         check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {resolved.base.directory}", {name: f"expert {name}" for name in sized})
     if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
         calibration, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
