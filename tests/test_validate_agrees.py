@@ -681,3 +681,34 @@ def test_a_token_the_tokenizer_config_adds_is_left_to_run(scenario, tmp_path, ke
                                 "token the expert was trained with")
     assert start_token(tokenizer, SimpleNamespace(vocab_size=len(tokenizer)), token) == len(tokenizer) - 1  # a padded embedding has it
 
+
+
+def test_an_output_argument_that_is_a_file_is_refused_alike(scenario, tmp_path):
+    """`run RECIPE FILE`, FILE an existing file: validate says its one line; run had answered click's usage error
+    ("Error: Invalid value for '[OUTPUT]': Directory ... is a file.") instead of the same line."""
+    recipe = _recipe(scenario, tmp_path)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    (tmp_path / "a-file").write_text("mine")
+    validated = CliRunner().invoke(main, ["validate", str(path), str(tmp_path / "a-file")])
+    ran = CliRunner().invoke(main, ["run", str(path), str(tmp_path / "a-file")])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(validated) == [f"{path}: OUTPUT: {tmp_path / 'a-file'} is a file: --force replaces only an earlier output; "
+                                  "name another directory"]
+    assert _errors(ran) == _errors(validated), ran.output
+    assert (tmp_path / "a-file").read_text() == "mine" and not (tmp_path / "merged").exists()
+
+
+def test_a_tokenizer_block_that_pads_the_vocabulary_is_refused_before_the_merge(scenario, tmp_path):
+    """`tokenizer: {source: base, pad_to_multiple_of: 64}`: the merge's vocabulary is the base's padded (100 -> 128 rows),
+    known without merging. Validate had passed it; run merged, then refused every expert's 100 rows."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["tokenizer"] = {"source": "base", "pad_to_multiple_of": 64}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated)
+    if ran.exit_code == 2:  # refused: before any work
+        assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
