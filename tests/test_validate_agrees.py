@@ -712,3 +712,22 @@ def test_a_tokenizer_block_that_pads_the_vocabulary_is_refused_before_the_merge(
     assert _errors(ran) == _errors(validated)
     if ran.exit_code == 2:  # refused: before any work
         assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenario, tmp_path):
+    """An expert that writes its own records (`generate:`), and a file named featcal_generated beside the output (where
+    the run keeps the generated sets): validate had passed it; run merged, then died in a traceback (FileExistsError,
+    exit 1) as it made the folder."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["data"][_expert(recipe, 1)] = {"generate": {"samples": 2, "max_new_tokens": 4}}
+    (tmp_path / "featcal_generated").write_text("mine")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert isinstance(ran.exception, SystemExit), repr(ran.exception)  # a one-line refusal, not a traceback
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and "featcal_generated" in _errors(validated)[0]
+    assert _errors(ran) == _errors(validated)
+    assert (tmp_path / "featcal_generated").read_text() == "mine"
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
