@@ -731,3 +731,38 @@ def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenar
     assert _errors(ran) == _errors(validated)
     assert (tmp_path / "featcal_generated").read_text() == "mine"
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_file_in_place_of_the_merge_s_staging_folder_is_refused_alike(scenario, tmp_path):
+    """A file `merged.merging` beside the merge the run makes (where mergekit's merge is staged): validate had passed it,
+    as it refuses a file at the output's `.out.featcal-partial`; run refused it with exit 1 ("cannot write the merge
+    (File exists)") after validate's exit 0."""
+    recipe = _recipe(scenario, tmp_path)
+    (tmp_path / "merged.merging").write_text("mine")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and "merged.merging" in _errors(validated)[0]
+    assert _errors(ran) == _errors(validated)
+    assert (tmp_path / "merged.merging").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
+def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_path):
+    """featcal_generated/<expert>.jsonl is a folder (where the run writes an expert's generated records): validate had
+    passed it; run sampled the expert's records, then died in a traceback (IsADirectoryError, exit 1) writing them."""
+    recipe = _recipe(scenario, tmp_path)
+    expert = _expert(recipe, 1)
+    recipe["featcal"]["data"][expert] = {"generate": {"samples": 2, "max_new_tokens": 4}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    from featcal_llm.generation.store import GENERATED_DIR
+
+    (tmp_path / GENERATED_DIR / f"{Path(expert).name}.jsonl").mkdir(parents=True)
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert isinstance(ran.exception, SystemExit), repr(ran.exception)  # a one-line refusal, not a traceback
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(validated)) == 1
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
