@@ -766,3 +766,18 @@ def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_pat
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert _errors(ran) == _errors(validated) and len(_errors(validated)) == 1
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_recipe_that_is_not_utf8_is_refused_in_one_line(scenario, tmp_path):
+    """A recipe saved in Latin-1/Windows-1252 (a comment `# café`): both commands died in a UnicodeDecodeError traceback
+    (exit 1) instead of one line naming the file, as a data file that is not UTF-8 gets."""
+    recipe = _recipe(scenario, tmp_path)
+    path = tmp_path / "r.yaml"
+    path.write_bytes(yaml.safe_dump(recipe, sort_keys=False).encode() + "# café\n".encode("latin-1"))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    for result in (validated, ran):
+        assert isinstance(result.exception, SystemExit) and result.exit_code == 2, repr(result.exception)
+    assert len(_errors(validated)) == 1 and _errors(validated)[0].startswith(f"{path}: ") and "UTF-8" in _errors(validated)[0]
+    assert _errors(ran) == _errors(validated)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
