@@ -781,3 +781,21 @@ def test_a_recipe_that_is_not_utf8_is_refused_in_one_line(scenario, tmp_path):
     assert len(_errors(validated)) == 1 and _errors(validated)[0].startswith(f"{path}: ") and "UTF-8" in _errors(validated)[0]
     assert _errors(ran) == _errors(validated)
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_config_that_is_not_json_is_refused_alike(scenario, tmp_path):
+    """The base's tokenizer_config.json cut short (`{oops`): validate reads that file (its chat template, its tokens) and
+    had passed the recipe, swallowing the JSON error; run refused it in one line ("cannot load a tokenizer")."""
+    recipe = _recipe(scenario, tmp_path)
+    base = tmp_path / "base"
+    shutil.copytree(recipe["base_model"], base, copy_function=os.symlink)
+    (base / "tokenizer_config.json").unlink()
+    (base / "tokenizer_config.json").write_text("{oops")
+    recipe["base_model"] = str(base)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
