@@ -799,3 +799,24 @@ def test_a_tokenizer_config_that_is_not_json_is_refused_alike(scenario, tmp_path
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
+    """An expert whose shard is a zero-byte file (a download cut short): validate had passed it (it reads the index and
+    adapters' headers, not the shards'); run started the merge and failed with exit 1, "mergekit failed to merge the
+    recipe: Error while deserializing header: header too small", naming no file."""
+    recipe = _recipe(scenario, tmp_path)
+    expert = tmp_path / "cut-short"
+    shutil.copytree(recipe["models"][1]["model"], expert, copy_function=os.symlink)
+    shard = sorted(expert.glob("*.safetensors"))[0]
+    shard.unlink()
+    shard.touch()
+    recipe["featcal"]["data"][str(expert)] = recipe["featcal"]["data"].pop(recipe["models"][1]["model"])
+    recipe["models"][1]["model"] = str(expert)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and shard.name in _errors(ran)[0]
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
