@@ -820,3 +820,20 @@ def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and shard.name in _errors(ran)[0]
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_data_path_missing_its_extension_is_caught_as_a_typo(scenario, tmp_path, monkeypatch):
+    """`path: data/code` where data/ is a local folder holding code.jsonl: validate took it for a hub dataset id (a note,
+    exit 0) where run refuses it ("cannot load calibration data (Couldn't reach 'data/code' on the Hub ...)" offline);
+    as for featcal.tokenizer, a path under a local directory is no hub id, and the close local name is the typo."""
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(scenario, tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copy(recipe["featcal"]["data"][_expert(recipe, 0)]["path"], tmp_path / "data" / "code.jsonl")
+    recipe["featcal"]["data"][_expert(recipe, 0)]["path"] = "data/code"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    assert validated.exit_code == 2, validated.output
+    assert len(_errors(validated)) == 1 and f"featcal.data.{_expert(recipe, 0)}.path: data/code" in _errors(validated)[0]
+    assert "data/code.jsonl" in _errors(validated)[0]
