@@ -837,3 +837,38 @@ def test_a_data_path_missing_its_extension_is_caught_as_a_typo(scenario, tmp_pat
     assert validated.exit_code == 2, validated.output
     assert len(_errors(validated)) == 1 and f"featcal.data.{_expert(recipe, 0)}.path: data/code" in _errors(validated)[0]
     assert "data/code.jsonl" in _errors(validated)[0]
+
+
+def test_a_file_in_place_of_a_stack_s_first_stage_is_refused_alike(scenario, tmp_path):
+    """`method: [regmean, featcal]` and a file at `.out.regmean` (where the stack's first stage is written): validate had
+    passed it, as it refuses a file at `.out.featcal-partial`; run refused it (".out.regmean is a file: --force replaces
+    only an earlier output")."""
+    recipe = _recipe(scenario, tmp_path)
+    for key in ("expert_weights", "token_weights", "trailing_experts"):
+        recipe["featcal"].pop(key, None)
+    recipe["featcal"]["method"] = ["regmean", "featcal"]
+    (tmp_path / ".out.regmean").write_text("mine")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
+    assert (tmp_path / ".out.regmean").read_text() == "mine"
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(scenario, tmp_path):
+    """A folder `merged.merging` holding the user's own files: validate passed the recipe and run deleted the folder
+    without a word (shutil.rmtree before mergekit stages the merge there), where an output folder of other things is
+    refused by both commands, --force or not."""
+    recipe = _recipe(scenario, tmp_path)
+    (tmp_path / "merged.merging").mkdir()
+    (tmp_path / "merged.merging" / "notes.txt").write_text("mine")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert (tmp_path / "merged.merging" / "notes.txt").read_text() == "mine"
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
