@@ -872,3 +872,25 @@ def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(sce
     assert (tmp_path / "merged.merging" / "notes.txt").read_text() == "mine"
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
+
+
+@pytest.mark.parametrize("where, value, key", [
+    (("eval", "backend"), {"batch_size": "max"}, "featcal.eval.backend.batch_size"),
+    (("merge_options",), {"out_shard_size": [1]}, "featcal.merge_options.out_shard_size"),
+])
+def test_a_wrong_value_of_a_union_key_is_one_line_naming_the_key(scenario, tmp_path, where, value, key):
+    """A key that takes one of two types (`batch_size: integer or auto`, `out_shard_size: integer or string`) given a
+    value of neither: both commands printed two lines, one per member of pydantic's union, with its name in the key
+    (`featcal.eval.backend.batch_size.constrained-int: ...`, `featcal.eval.backend.batch_size.literal['auto']: ...`)."""
+    recipe = _recipe(scenario, tmp_path)
+    block = recipe["featcal"]
+    if where[0] == "eval":
+        block["eval"] = {"tasks": ["arc_challenge"], "backend": {"name": "hf", **value}}
+    else:
+        block["merge_options"] = value
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2 and _errors(ran) == _errors(validated)
+    assert len(_errors(validated)) == 1 and _errors(validated)[0].startswith(f"{path}: {key}: "), _errors(validated)
