@@ -894,3 +894,25 @@ def test_a_wrong_value_of_a_union_key_is_one_line_naming_the_key(scenario, tmp_p
     ran = CliRunner().invoke(main, ["run", str(path)])
     assert validated.exit_code == ran.exit_code == 2 and _errors(ran) == _errors(validated)
     assert len(_errors(validated)) == 1 and _errors(validated)[0].startswith(f"{path}: {key}: "), _errors(validated)
+
+
+def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario, tmp_path):
+    """Chat records and a base whose chat_template.jinja does not parse (an unclosed for): validate, which parses a
+    mergekit `chat_template:` with transformers' Jinja environment, had passed it; run refused record 0 ("the
+    tokenizer's chat template refused it (Unexpected end of template ...)")."""
+    recipe = _recipe(scenario, tmp_path)
+    base = tmp_path / "base"
+    shutil.copytree(recipe["base_model"], base, copy_function=os.symlink)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    recipe["base_model"] = str(base)
+    turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo, fine"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(8)))
+    recipe["featcal"]["data"][_expert(recipe, 0)] = {"path": str(tmp_path / "chat.jsonl"), "format": "chat", "messages": "messages"}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
