@@ -916,3 +916,18 @@ def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scenario, tmp_path):
+    """A local dataset directory of train.jsonl and test.csv: validate reads its splits from the file names and had
+    passed it; run refused it as datasets does ("Couldn't infer the same data file format for all splits")."""
+    recipe = _recipe(scenario, tmp_path)
+    records = Path(recipe["featcal"]["data"][_expert(recipe, 0)]["path"]).read_text()
+    _dataset_directory(recipe, tmp_path, {"train.jsonl": records, "test.csv": "text\nhello there\n"})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
