@@ -931,3 +931,18 @@ def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scen
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_dataset_directory_without_the_field_asked_for_is_refused_alike(scenario, tmp_path):
+    """`text: body` for a local dataset directory whose train.jsonl has only `text`: validate checks the fields of a
+    data file and had passed the directory; run refused it ("record 0 has no field 'body' (fields: text)")."""
+    recipe = _recipe(scenario, tmp_path)
+    records = Path(recipe["featcal"]["data"][_expert(recipe, 0)]["path"]).read_text()
+    _dataset_directory(recipe, tmp_path, {"train.jsonl": records}, text="body")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and "no field 'body'" in _errors(ran)[0]
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
