@@ -775,7 +775,6 @@ def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_pat
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_recipe_that_is_not_utf8_is_refused_in_one_line(scenario, tmp_path):
     """A recipe saved in Latin-1/Windows-1252 (a comment `# café`): both commands died in a UnicodeDecodeError traceback
     (exit 1) instead of one line naming the file, as a data file that is not UTF-8 gets."""

@@ -83,11 +83,21 @@ def duplicate_keys(node: yaml.Node, where: str = "") -> list[tuple[str, int, int
     return found
 
 
+def recipe_text(path: Path) -> str:
+    """The recipe file's text: YAML files are UTF-8, and mergekit reads them so; another encoding is refused in one line."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise FeatCalError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} on line {line}); save the recipe "
+                           "as UTF-8") from None
+
+
 def _read_yaml_mapping(path: Path, problems: list[Problem] | None = None) -> dict:
     """The recipe's mapping; a key given twice is appended to `problems` (YAML keeps the last one without a word)."""
     if not path.is_file():
         raise FeatCalError(f"{path}: recipe file not found")
-    text = path.read_text(encoding="utf-8")
+    text = recipe_text(path)
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
@@ -354,7 +364,7 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
             problems.append(Problem(str(path), "", f"not a valid mergekit recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}"))
             return parsed
         experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
-    text = path.read_text(encoding="utf-8")
+    text = recipe_text(path)
     parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)
     return parsed
 
