@@ -738,7 +738,6 @@ def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenar
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_file_in_place_of_the_merge_s_staging_folder_is_refused_alike(scenario, tmp_path):
     """A file `merged.merging` beside the merge the run makes (where mergekit's merge is staged): validate had passed it,
     as it refuses a file at the output's `.out.featcal-partial`; run refused it with exit 1 ("cannot write the merge
@@ -869,7 +868,6 @@ def test_a_file_in_place_of_a_stack_s_first_stage_is_refused_alike(scenario, tmp
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(scenario, tmp_path):
     """A folder `merged.merging` holding the user's own files: validate passed the recipe and run deleted the folder
     without a word (shutil.rmtree before mergekit stages the merge there), where an output folder of other things is
@@ -962,3 +960,21 @@ def test_a_dataset_directory_without_the_field_asked_for_is_refused_alike(scenar
     assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
     assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and "no field 'body'" in _errors(ran)[0]
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_staging_folder_a_stopped_merge_left_is_emptied_and_the_merge_made(scenario, tmp_path):
+    """A merge stopped half-way leaves its staging folder with featcal-llm's mark in it: the next run empties it and
+    merges, and the merge it moves into place carries no staging mark."""
+    from featcal_llm.io.merge import MARKER, STAGING_MARKER
+
+    recipe = _recipe(scenario, tmp_path)
+    (tmp_path / "merged.merging").mkdir()
+    (tmp_path / "merged.merging" / STAGING_MARKER).write_text("")
+    (tmp_path / "merged.merging" / "model-00001-of-00002.safetensors").write_text("half")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert ran.exit_code == 0, ran.output
+    assert not (tmp_path / "merged.merging").exists() and (tmp_path / "merged" / MARKER).is_file()
+    assert not (tmp_path / "merged" / STAGING_MARKER).exists()

@@ -32,6 +32,7 @@ from featcal_llm.io.recipe import Recipe
 
 MERGEKIT_CONFIG = "mergekit_config.yml"
 MARKER = "featcal_merge.json"  # written by featcal-llm after a merge it made succeeded
+STAGING_MARKER = "featcal_merging"  # written into the staging folder before mergekit writes there: the folder is ours
 _settled: dict[str, Any] = {}  # merged directory → the configuration and seed it was found (or made) to match, in this process
 # mergekit's merge methods that draw random numbers: dare_* (Bernoulli masks, mergekit/sparsify.py), della* (magnitude-ranked
 # Bernoulli masks) and arcee_fusion (quantiles from a random sample of a tensor over 1M elements). Every other method
@@ -258,6 +259,23 @@ def _supplied_refusal(recipe_path: Any, merged: Path, differing: list[str]) -> F
                         f"in {_listed(differing)}); remove it to merge again, or point featcal.merged elsewhere")
 
 
+def staging_folder(merged: Path) -> Path:
+    """Where mergekit writes the merge before it is moved into place (a stopped merge leaves no half-merged `merged`)."""
+    return merged.with_name(merged.name + ".merging")
+
+
+def staging_in_the_way(merged: Path) -> str | None:
+    """Why the merge cannot be staged beside `merged`: a file, a link or a folder of things no merge of featcal-llm left
+    there is in the way (the folder is emptied before a merge: a user's folder would be deleted without a word)."""
+    partial = staging_folder(merged)
+    if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+        return f"{partial} is in the way: the merge is staged in a folder of that name; move it"
+    if partial.is_dir() and not (partial / STAGING_MARKER).is_file() and any(partial.iterdir()):
+        return (f"{partial} holds files that no merge of featcal-llm left there, and the merge is staged in a folder of "
+                "that name, emptied first; move it")
+    return None
+
+
 def supplied_merge(merged: Path) -> bool:
     """A merge directory featcal-llm did not make: run uses it as it is or refuses it, and never merges into it. One it
     made is merged again where its inputs changed, so the checks made before a merge still apply there."""
@@ -346,8 +364,11 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
 
     from featcal_llm import __version__
 
-    partial = merged.with_name(merged.name + ".merging")
+    partial = staging_folder(merged)
     lora_cache = merged.with_name(f".{merged.name}.lora-cache")
+    in_the_way = staging_in_the_way(merged)  # validate refuses it first; a caller that skipped it still loses nothing
+    if in_the_way is not None:
+        raise FeatCalError(f"{recipe.path}: featcal.merged: {in_the_way}")
     shutil.rmtree(partial, ignore_errors=True)
     settings = recipe.featcal.merge_options
     options = MergeOptions(
@@ -362,6 +383,8 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         lora_merge_cache=str(lora_cache),
     )
     try:
+        partial.mkdir(parents=True)
+        (partial / STAGING_MARKER).write_text("a merge featcal-llm stages here; removed once it is in place\n")
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         _check_tokenizer_written(recipe, partial, sources)
@@ -369,6 +392,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe, sources),
                   "random_seed": recipe.featcal.merge_seed}
         (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        (partial / STAGING_MARKER).unlink()
     except FeatCalError:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -54,7 +54,7 @@ def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: 
 def check_writes(path: Path, override: Path | None, setting: Any, merge_config: Any, data: dict[str, DataSpec], problems: list[Problem]) -> None:
     """What the run writes destroys nothing it reads: the output (OUTPUT, else featcal.output), the merge where the run
     makes it (missing, or one it made and may make again), and the generated records' folder beside the output."""
-    from featcal_llm.io.merge import MARKER
+    from featcal_llm.io.merge import MARKER, staging_in_the_way
 
     merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
     inputs = recipe_inputs(path, merge_config, merged, setting("tokenizer"), data)
@@ -80,6 +80,8 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
         others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
         problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
         if problem is not None:
+            problems.append(Problem(str(path), "featcal.merged", problem))
+        elif (problem := staging_in_the_way(Path(merged))) is not None:
             problems.append(Problem(str(path), "featcal.merged", problem))
 
 
