@@ -718,7 +718,6 @@ def test_a_tokenizer_block_that_pads_the_vocabulary_is_refused_before_the_merge(
         assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenario, tmp_path):
     """An expert that writes its own records (`generate:`), and a file named featcal_generated beside the output (where
     the run keeps the generated sets): validate had passed it; run merged, then died in a traceback (FileExistsError,
@@ -754,7 +753,6 @@ def test_a_file_in_place_of_the_merge_s_staging_folder_is_refused_alike(scenario
     assert (tmp_path / "merged.merging").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_path):
     """featcal_generated/<expert>.jsonl is a folder (where the run writes an expert's generated records): validate had
     passed it; run sampled the expert's records, then died in a traceback (IsADirectoryError, exit 1) writing them."""

@@ -70,6 +70,8 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
         problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
         if problem is not None:
             problems.append(Problem(str(path), key, problem))
+        elif generated:
+            problems.extend(_generated_in_the_way(path, output, merge_config, data))
     if merged and Path(merged).is_dir():  # a model the merge reads, named as the merge: its merge would be calibrated as it
         models = {label: where for label, where in inputs.items() if label.startswith(("base_model ", "the expert "))}
         same = [label for label, where in models.items() if where.is_dir() and where.resolve() == Path(merged).resolve()]
@@ -83,6 +85,28 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
             problems.append(Problem(str(path), "featcal.merged", problem))
         elif (problem := staging_in_the_way(Path(merged))) is not None:
             problems.append(Problem(str(path), "featcal.merged", problem))
+
+
+def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dict[str, DataSpec]) -> list[Problem]:
+    """A file where the generated records' folder goes, or a folder where an expert's set or its record is written:
+    run would sample (minutes on a GPU) and then fail in a traceback writing them."""
+    from featcal_llm.generation.store import set_paths
+    from featcal_llm.io.names import short_names
+
+    folder = output.parent / GENERATED_DIR
+    if folder.exists() and not folder.is_dir():
+        return [Problem(str(path), "featcal.data", f"{folder} is a file: the records that generate: writes are kept in a "
+                                                   "folder of that name beside the output; move it")]
+    labels = short_names([str(reference) for reference in _experts_of(merge_config)])
+    found = []
+    for name, spec in data.items():
+        if spec.generate is None or name not in labels:
+            continue
+        for written in set_paths(output, labels[name]):
+            if written.is_dir():
+                found.append(Problem(str(path), f"featcal.data.{name}.generate", f"{written} is a folder: the expert's "
+                                                                                 "generated records are written to a file of that name; move it"))
+    return found
 
 
 def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> None:
