@@ -846,7 +846,6 @@ def test_a_data_path_missing_its_extension_is_caught_as_a_typo(scenario, tmp_pat
     assert "data/code.jsonl" in _errors(validated)[0]
 
 
-@KNOWN_DISAGREEMENT
 def test_a_file_in_place_of_a_stack_s_first_stage_is_refused_alike(scenario, tmp_path):
     """`method: [regmean, featcal]` and a file at `.out.regmean` (where the stack's first stage is written): validate had
     passed it, as it refuses a file at `.out.featcal-partial`; run refused it (".out.regmean is a file: --force replaces

@@ -138,6 +138,8 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         check_run_flags(path, featcal, Path(output or setting("output")), keep_layers, eval_only, problems)
     if (output or setting("output")) and not eval_only and not any(problem.key == output_key for problem in problems):
         check_output(path, Path(output or setting("output")), problems, report.notes, output_key)  # one line for it
+        if featcal is not None and featcal.stacked and not any(problem.key == output_key for problem in problems):
+            _check_first_stage(path, Path(output or setting("output")), featcal, problems)
     if featcal is not None and featcal.eval is not None:
         written = {"OUTPUT" if output else "featcal.output": output or setting("output"), "featcal.merged": setting("merged")}
         check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})
@@ -396,6 +398,16 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def _check_first_stage(path: Path, output: Path, featcal: Any, problems: list[Problem]) -> None:
+    """A stack writes its first stage beside the output (`.NAME.regmean`, say) and replaces one an earlier run left: a
+    file or a folder of other things there is refused as run's first stage refuses it, in its words."""
+    from featcal_llm.io.output_dir import intermediate_dir, not_an_output
+
+    problem = not_an_output(intermediate_dir(output, featcal.method[0]))
+    if problem is not None:
+        problems.append(Problem(str(path), "featcal.output", problem))
 
 
 def _same_vocabulary(base: dict, other: dict, what: str, against: str = "the base model") -> None:
