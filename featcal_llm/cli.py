@@ -80,7 +80,7 @@ Examples:
 
 {EXIT_CODES}""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("output", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("output", required=False, type=click.Path(path_type=Path))  # a file: refused by the checks, in validate's words
 @click.option("--force", is_flag=True, help="Replace an existing output (an earlier featcal-llm output, or an empty folder); "
                                              "also how a run stopped after its output was written resumes.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")

@@ -685,7 +685,6 @@ def test_a_token_the_tokenizer_config_adds_is_left_to_run(scenario, tmp_path, ke
     assert start_token(tokenizer, SimpleNamespace(vocab_size=len(tokenizer)), token) == len(tokenizer) - 1  # a padded embedding has it
 
 
-@KNOWN_DISAGREEMENT
 def test_an_output_argument_that_is_a_file_is_refused_alike(scenario, tmp_path):
     """`run RECIPE FILE`, FILE an existing file: validate says its one line; run had answered click's usage error
     ("Error: Invalid value for '[OUTPUT]': Directory ... is a file.") instead of the same line."""
