@@ -805,7 +805,6 @@ def test_a_tokenizer_config_that_is_not_json_is_refused_alike(scenario, tmp_path
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
     """An expert whose shard is a zero-byte file (a download cut short): validate had passed it (it reads the index and
     adapters' headers, not the shards'); run started the merge and failed with exit 1, "mergekit failed to merge the
@@ -974,3 +973,26 @@ def test_a_staging_folder_a_stopped_merge_left_is_emptied_and_the_merge_made(sce
     assert ran.exit_code == 0, ran.output
     assert not (tmp_path / "merged.merging").exists() and (tmp_path / "merged" / MARKER).is_file()
     assert not (tmp_path / "merged" / STAGING_MARKER).exists()
+
+
+def test_a_damaged_shard_is_told_from_its_header():
+    """A safetensors file cut short, one of other bytes and a whole one, written by safetensors itself: the header
+    alone tells which can be read (a cut-short shard failed half-way through mergekit's merge)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from featcal_llm.io.model_files import damaged_shard
+
+    with tempfile.TemporaryDirectory() as folder:
+        whole = Path(folder) / "model.safetensors"
+        save_file({"a": torch.ones(64, 64), "b": torch.zeros(8)}, str(whole))
+        assert damaged_shard(whole) is None
+        size = whole.stat().st_size
+        cut = Path(folder) / "cut.safetensors"
+        cut.write_bytes(whole.read_bytes()[:-100])
+        assert damaged_shard(cut) == f"cut.safetensors: cut short ({size - 100} bytes; its header lists {size}); download it again"
+        other = Path(folder) / "other.safetensors"
+        other.write_bytes(b"<html>not found</html>" * 4)
+        assert damaged_shard(other).startswith("other.safetensors: not a safetensors file")

@@ -21,18 +21,41 @@ def index_weight_map(directory: Path) -> dict[str, str]:
         raise ValueError(f"{INDEX_FILE}: not a safetensors index (expected a 'weight_map' mapping)") from None
 
 
+def damaged_shard(path: Path) -> str | None:
+    """Why a safetensors file cannot be read (None: its header parses and its tensors fit in the file), from its header
+    alone: a download cut short or a file of something else fails here, not half-way through a merge in mergekit."""
+    import json
+
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            head = handle.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= size - 8:
+                return f"{path.name}: not a safetensors file (its {size} bytes hold no header); download it again"
+            header = json.loads(handle.read(length))
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"{path.name}: not a safetensors file ({type(error).__name__} reading its header); download it again"
+    if ends and 8 + length + max(ends) > size:
+        return f"{path.name}: cut short ({size} bytes; its header lists {8 + length + max(ends)}); download it again"
+    return None
+
+
 def missing_weights(directory: Path) -> str | None:
     """Why `directory` holds no safetensors weights featcal-llm can read (None: an index whose shards are all there, or
-    a single file), from the listing and the index alone."""
+    a single file, each with a header that parses), from the listing, the index and the shards' headers alone."""
     if (directory / INDEX_FILE).is_file():
         try:
             shards = sorted(set(index_weight_map(directory).values()))
         except ValueError as error:
             return str(error)
         missing = [shard for shard in shards if not (directory / shard).is_file()]
-        return f"{INDEX_FILE}: points at missing shard file {missing[0]}" if missing else None
+        if missing:
+            return f"{INDEX_FILE}: points at missing shard file {missing[0]}"
+        return next((problem for shard in shards if (problem := damaged_shard(directory / shard)) is not None), None)
     if (directory / SINGLE_FILE).is_file():
-        return None
+        return damaged_shard(directory / SINGLE_FILE)
     if any(directory.glob("*.bin")):
         return "only pickled .bin weights found; featcal-llm reads safetensors only (convert with transformers' save_pretrained)"
     return f"no {SINGLE_FILE} or {INDEX_FILE} found"
