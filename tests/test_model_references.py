@@ -146,7 +146,7 @@ def test_trust_remote_code_reaches_mergekit(refs, tmp_path, monkeypatch):
 
     def run_merge(config, out_path, options, config_source=None):
         seen["trust"], seen["cache"] = options.trust_remote_code, options.lora_merge_cache
-        (tmp_path / "merged.merging").mkdir()
+        (tmp_path / "merged.merging").mkdir(exist_ok=True)  # as mergekit makes it: the run made it first, with its mark
         (tmp_path / "merged.merging" / "tokenizer.json").write_text("{}")  # mergekit's copy of the base's
 
     monkeypatch.setattr(mergekit.merge, "run_merge", run_merge)
