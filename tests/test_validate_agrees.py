@@ -826,7 +826,6 @@ def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_data_path_missing_its_extension_is_caught_as_a_typo(scenario, tmp_path, monkeypatch):
     """`path: data/code` where data/ is a local folder holding code.jsonl: validate took it for a hub dataset id (a note,
     exit 0) where run refuses it ("cannot load calibration data (Couldn't reach 'data/code' on the Hub ...)" offline);

@@ -114,16 +114,24 @@ def file_builder(path: Path, where: str) -> str:
     return builder
 
 
-def file_not_found(path: Path, where: str) -> FeatCalError:
-    """The one line for a calibration file that is not there, with the nearest file of its folder where one is close."""
+def close_sibling(path: Path) -> str | None:
+    """The file of `path`'s folder it most likely means: the same name with a file type (`data/code` → code.jsonl),
+    else the nearest name; None where the folder holds none close, or is not there."""
     import difflib
 
     try:
         siblings = sorted(item.name for item in path.parent.iterdir() if item.is_file())
     except OSError:  # no such folder, or one that cannot be listed
-        siblings = []
-    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
-    hint = f"; did you mean {str(path.parent / close[0])!r}?" if close else ""
+        return None
+    typed = [name for name in siblings if Path(name).stem == path.name and FILE_SUFFIX.fullmatch(Path(name).suffix)]
+    close = typed or difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def file_not_found(path: Path, where: str) -> FeatCalError:
+    """The one line for a calibration file that is not there, with the nearest file of its folder where one is close."""
+    close = close_sibling(path)
+    hint = f"; did you mean {str(path.parent / close)!r}?" if close else ""
     return FeatCalError(f"{where}.path: {path}: calibration file not found{hint}")
 
 

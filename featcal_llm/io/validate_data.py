@@ -13,7 +13,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, chat_messages, data_path, file_builder, looks_like_hub_id, no_records,
-                                 not_utf8, text_field, text_fields, alpaca_input, file_not_found)
+                                 not_utf8, text_field, text_fields, alpaca_input, close_sibling, file_not_found)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -74,7 +74,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     if path.is_dir():
         check_dataset_directory(spec, where, path)
         return None  # its record count: datasets decides the layout's files when the run loads it
-    if not looks_like_hub_id(spec.path):
+    if not looks_like_hub_id(spec.path) or (path.parent.is_dir() and close_sibling(path) is not None):  # a local typo
         raise file_not_found(path, where)
     if not online:
         unchecked.append(f"{spec.path} (dataset)")
