@@ -241,6 +241,21 @@ def _errors(result) -> list[str]:
     return [line.removeprefix("featcal-llm: error: ") for line in result.stderr.splitlines() if line.startswith("featcal-llm: error: ")]
 
 
+def _refused_alike(recipe: dict | None, tmp_path: Path) -> list[str]:
+    """Writes `recipe` to r.yaml (None: it is written already), then asks validate and run: both refuse it, exit 2,
+    in the same one line and no traceback, writing no output. Returns that line, as a list."""
+    path = tmp_path / "r.yaml"
+    if recipe is not None:
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert isinstance(ran.exception, SystemExit), repr(ran.exception)  # a one-line refusal, not a traceback
+    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+    assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated), (validated.output, ran.output)
+    assert not (tmp_path / "out").exists()
+    return _errors(validated)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_validate_and_run_refuse_alike(scenario, tmp_path, case):
     mutate, expected = CASES[case]
@@ -724,14 +739,7 @@ def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenar
     recipe = _recipe(scenario, tmp_path)
     recipe["featcal"]["data"][_expert(recipe, 1)] = {"generate": {"samples": 2, "max_new_tokens": 4}}
     (tmp_path / "featcal_generated").write_text("mine")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert isinstance(ran.exception, SystemExit), repr(ran.exception)  # a one-line refusal, not a traceback
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert len(_errors(validated)) == 1 and "featcal_generated" in _errors(validated)[0]
-    assert _errors(ran) == _errors(validated)
+    assert "featcal_generated" in _refused_alike(recipe, tmp_path)[0]
     assert (tmp_path / "featcal_generated").read_text() == "mine"
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
@@ -742,14 +750,8 @@ def test_a_file_in_place_of_the_merge_s_staging_folder_is_refused_alike(scenario
     (File exists)") after validate's exit 0."""
     recipe = _recipe(scenario, tmp_path)
     (tmp_path / "merged.merging").write_text("mine")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert len(_errors(validated)) == 1 and "merged.merging" in _errors(validated)[0]
-    assert _errors(ran) == _errors(validated)
-    assert (tmp_path / "merged.merging").read_text() == "mine" and not (tmp_path / "out").exists()
+    assert "merged.merging" in _refused_alike(recipe, tmp_path)[0]
+    assert (tmp_path / "merged.merging").read_text() == "mine"
 
 
 def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_path):
@@ -763,12 +765,8 @@ def test_a_folder_in_place_of_a_generated_set_is_refused_alike(scenario, tmp_pat
     from featcal_llm.generation.store import GENERATED_DIR
 
     (tmp_path / GENERATED_DIR / f"{Path(expert).name}.jsonl").mkdir(parents=True)
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert isinstance(ran.exception, SystemExit), repr(ran.exception)  # a one-line refusal, not a traceback
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(validated)) == 1
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    _refused_alike(None, tmp_path)
+    assert not (tmp_path / "merged").exists()
 
 
 def test_a_recipe_that_is_not_utf8_is_refused_in_one_line(scenario, tmp_path):
@@ -796,13 +794,8 @@ def test_a_tokenizer_config_that_is_not_json_is_refused_alike(scenario, tmp_path
     (base / "tokenizer_config.json").unlink()
     (base / "tokenizer_config.json").write_text("{oops")
     recipe["base_model"] = str(base)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    _refused_alike(recipe, tmp_path)
+    assert not (tmp_path / "merged").exists()
 
 
 def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
@@ -817,13 +810,8 @@ def test_an_empty_weight_shard_is_refused_alike(scenario, tmp_path):
     shard.touch()
     recipe["featcal"]["data"][str(expert)] = recipe["featcal"]["data"].pop(recipe["models"][1]["model"])
     recipe["models"][1]["model"] = str(expert)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and shard.name in _errors(ran)[0]
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    assert shard.name in _refused_alike(recipe, tmp_path)[0]
+    assert not (tmp_path / "merged").exists()
 
 
 def test_a_data_path_missing_its_extension_is_caught_as_a_typo(scenario, tmp_path, monkeypatch):
@@ -852,14 +840,8 @@ def test_a_file_in_place_of_a_stack_s_first_stage_is_refused_alike(scenario, tmp
         recipe["featcal"].pop(key, None)
     recipe["featcal"]["method"] = ["regmean", "featcal"]
     (tmp_path / ".out.regmean").write_text("mine")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
-    assert (tmp_path / ".out.regmean").read_text() == "mine"
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    _refused_alike(recipe, tmp_path)
+    assert (tmp_path / ".out.regmean").read_text() == "mine" and not (tmp_path / "merged").exists()
 
 
 def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(scenario, tmp_path):
@@ -869,13 +851,8 @@ def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(sce
     recipe = _recipe(scenario, tmp_path)
     (tmp_path / "merged.merging").mkdir()
     (tmp_path / "merged.merging" / "notes.txt").write_text("mine")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
+    _refused_alike(recipe, tmp_path)
     assert (tmp_path / "merged.merging" / "notes.txt").read_text() == "mine"
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1
 
 
 @pytest.mark.parametrize("where, value, key", [
@@ -915,13 +892,8 @@ def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario
     turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo, fine"}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(8)))
     recipe["featcal"]["data"][_expert(recipe, 0)] = {"path": str(tmp_path / "chat.jsonl"), "format": "chat", "messages": "messages"}
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    _refused_alike(recipe, tmp_path)
+    assert not (tmp_path / "merged").exists()
 
 
 @KNOWN_DISAGREEMENT
@@ -931,13 +903,8 @@ def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scen
     recipe = _recipe(scenario, tmp_path)
     records = Path(recipe["featcal"]["data"][_expert(recipe, 0)]["path"]).read_text()
     _dataset_directory(recipe, tmp_path, {"train.jsonl": records, "test.csv": "text\nhello there\n"})
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert len(_errors(validated)) == 1 and _errors(ran) == _errors(validated)
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    _refused_alike(recipe, tmp_path)
+    assert not (tmp_path / "merged").exists()
 
 
 @KNOWN_DISAGREEMENT
@@ -947,13 +914,8 @@ def test_a_dataset_directory_without_the_field_asked_for_is_refused_alike(scenar
     recipe = _recipe(scenario, tmp_path)
     records = Path(recipe["featcal"]["data"][_expert(recipe, 0)]["path"]).read_text()
     _dataset_directory(recipe, tmp_path, {"train.jsonl": records}, text="body")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    validated = CliRunner().invoke(main, ["validate", str(path)])
-    ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated) and len(_errors(ran)) == 1 and "no field 'body'" in _errors(ran)[0]
-    assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    assert "no field 'body'" in _refused_alike(recipe, tmp_path)[0]
+    assert not (tmp_path / "merged").exists()
 
 
 def test_a_staging_folder_a_stopped_merge_left_is_emptied_and_the_merge_made(scenario, tmp_path):
