@@ -784,7 +784,6 @@ def test_a_recipe_that_is_not_utf8_is_refused_in_one_line(scenario, tmp_path):
     assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_tokenizer_config_that_is_not_json_is_refused_alike(scenario, tmp_path):
     """The base's tokenizer_config.json cut short (`{oops`): validate reads that file (its chat template, its tokens) and
     had passed the recipe, swallowing the JSON error; run refused it in one line ("cannot load a tokenizer")."""

@@ -70,6 +70,20 @@ def calibration_tokenizer_directory(tokenizer: str | None, merged: Path | None, 
     return Path(tokenizer) if tokenizer else merged if merged is not None and merged.exists() else base
 
 
+def unparsable_tokenizer_config(directory: Path) -> str | None:
+    """JSON's reason where the folder's tokenizer_config.json does not parse (None: it does, or there is none): what
+    transformers' tokenizer loader, which reads it with `json`, fails with."""
+    import json
+
+    try:
+        json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None
+
+
 def has_tokenizer_files(directory: Path) -> bool:
     return any((directory / name).is_file() for name in TOKENIZER_FILES)
 

@@ -22,7 +22,8 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
-                                        has_chat_template, has_tokenizer_files, missing_weights, vocabulary_has)
+                                        has_chat_template, has_tokenizer_files, missing_weights, unparsable_tokenizer_config,
+                                        vocabulary_has)
 from featcal_llm.io.data import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
@@ -356,6 +357,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         calibration_tokenizer_directory(None, Path(merged) if merged else None, base_source.directory)
     if calibrating is not None and calibrating.is_dir() and not has_tokenizer_files(calibrating):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{calibrating}: {NO_TOKENIZER}"))
+    elif calibrating is not None and calibrating.is_dir() and (reason := unparsable_tokenizer_config(calibrating)) is not None:
+        problems.append(Problem(str(path), "featcal.tokenizer", f"{calibrating}: cannot load a tokenizer ({reason})"))  # run's words
     elif calibrating is not None and calibrating.is_dir() and not has_chat_template(calibrating):
         for name, spec in (data or {}).items():  # io/data.py's refusal, from the saved tokenizer's files
             if spec.path is not None and spec.format == "chat":
