@@ -895,7 +895,6 @@ def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario
     assert not (tmp_path / "merged").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scenario, tmp_path):
     """A local dataset directory of train.jsonl and test.csv: validate reads its splits from the file names and had
     passed it; run refused it as datasets does ("Couldn't infer the same data file format for all splits")."""
@@ -906,7 +905,6 @@ def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scen
     assert not (tmp_path / "merged").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_dataset_directory_without_the_field_asked_for_is_refused_alike(scenario, tmp_path):
     """`text: body` for a local dataset directory whose train.jsonl has only `text`: validate checks the fields of a
     data file and had passed the directory; run refused it ("record 0 has no field 'body' (fields: text)")."""

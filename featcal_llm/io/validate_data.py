@@ -36,14 +36,48 @@ def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
     from datasets.data_files import EmptyDatasetError, get_data_patterns
 
     try:
-        splits = [str(split) for split in get_data_patterns(str(path))]
+        patterns = {str(split): found for split, found in get_data_patterns(str(path)).items()}
     except EmptyDatasetError:
         raise FeatCalError(f"{where}.path: {spec.path}: the directory holds no data file datasets reads (JSON lines, JSON, "
                            "CSV, parquet, text, ...)") from None
+    splits = list(patterns)
     asked = re.match(r"[\w.-]+", spec.split)  # `train[:100]` slices split train
     if asked is not None and asked.group(0) not in splits:
         raise FeatCalError(f"{where}.split: {spec.split}: {spec.path} has the split{'s' if len(splits) > 1 else ''} "
                            f"{', '.join(splits)} (named by its files, as datasets reads them)")
+    files = {split: _split_files(found, path) for split, found in patterns.items()}
+    _check_split_files(spec, where, files, files.get(asked.group(0), []) if asked is not None else [])
+
+
+def _split_files(patterns: list[str], directory: Path) -> list[Path]:
+    """The files of one split, as datasets resolves its patterns (a pattern that matches nothing adds none)."""
+    from datasets.data_files import resolve_pattern
+
+    found: set[str] = set()
+    for pattern in patterns:
+        try:
+            found.update(resolve_pattern(pattern, str(directory)))
+        except FileNotFoundError:
+            continue
+    return sorted(Path(name) for name in found)
+
+
+def _check_split_files(spec: DataSpec, where: str, files: dict[str, list[Path]], asked: list[Path]) -> None:
+    """What datasets refuses of a directory's files, and the fields the entry reads in the asked split's first file:
+    one builder for every split (train.jsonl beside test.csv: "Couldn't infer the same data file format for all
+    splits"), and record 0's fields where the file's head tells them."""
+    from datasets.packaged_modules import _EXTENSION_TO_MODULE
+
+    kinds = {_EXTENSION_TO_MODULE[file.suffix.lower()][0] for found in files.values() for file in found
+             if file.suffix.lower() in _EXTENSION_TO_MODULE}
+    if len(kinds) > 1:
+        raise FeatCalError(f"{where}.path: {spec.path}: its splits are files of different types ({', '.join(sorted(kinds))}), "
+                           "and datasets reads one type for every split; keep files of one type there, or name the file")
+    first = next((file for file in asked if file.suffix.lower() in (".jsonl", ".json")), None)
+    fields = file_head(first, f"{where}.path: {spec.path}")[0] if first is not None else None
+    for name in needed_fields(spec) if fields is not None else []:
+        if name not in fields:
+            raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
