@@ -25,6 +25,7 @@ from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_dire
                                         has_chat_template, has_tokenizer_files, missing_weights, unparsable_tokenizer_config,
                                         vocabulary_has)
 from featcal_llm.io.data import looks_like_hub_id
+from featcal_llm.io.merge import check_supplied_merge, supplied_merge
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 
@@ -32,8 +33,7 @@ from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.recipe import Expert, Recipe, _experts_of, misspelt_models, read_recipe
 from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
-from featcal_llm.io.validate_outputs import check_output, check_writes
-from featcal_llm.io.merge import supplied_merge
+from featcal_llm.io.validate_outputs import check_first_stage, check_output, check_writes
 from featcal_llm.io.output_dir import RECIPE_FILE, scored_merge
 from featcal_llm.io.references import is_hub_reference
 
@@ -140,7 +140,7 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if (output or setting("output")) and not eval_only and not any(problem.key == output_key for problem in problems):
         check_output(path, Path(output or setting("output")), problems, report.notes, output_key)  # one line for it
         if featcal is not None and featcal.stacked and not any(problem.key == output_key for problem in problems):
-            _check_first_stage(path, Path(output or setting("output")), featcal, problems)
+            check_first_stage(path, Path(output or setting("output")), featcal, problems)
     if featcal is not None and featcal.eval is not None:
         written = {"OUTPUT" if output else "featcal.output": output or setting("output"), "featcal.merged": setting("merged")}
         check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})
@@ -288,6 +288,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
     experts = _experts_of(merge_config)
     vocabularies: list[tuple[dict, str]] = []  # (config, what) of each expert, beside a merge the user supplied
+    supplied = bool(merged) and supplied_merge(Path(merged))  # run merges nothing: it compares each expert with the merge
     typos = misspelt_models(tuple(Expert(str(reference), reference) for reference in experts), data or {})
     for reference in experts:
         what = f"{path}: models: {reference}"
@@ -311,14 +312,13 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                                     "reads a vocabulary from tokenizer.json, and this expert's has none or lacks it (a token "
                                     "tokenizer_config.json adds on loading); run checks it, "
                                     "with every generating expert's start, before any expert samples")
+        named = f"{what}: {(source.directory if source is not None else Path(str(reference.model))) / 'config.json'}"
         if base_config is not None:
-            directory = source.directory if source is not None else Path(str(reference.model))
-            collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {directory / 'config.json'}"))
-            if not changes_tokenizer(merge_config) and not (merged and supplied_merge(Path(merged))):  # run's check before it merges
-                collect(problems, path, lambda: _same_vocabulary(base_config, config, f"{what}: {directory / 'config.json'}"))
-        if merged and supplied_merge(Path(merged)):  # nothing is merged: run compares each expert's rows with the merge's
-            directory = source.directory if source is not None else Path(str(reference.model))
-            vocabularies.append((config, f"{what}: {directory / 'config.json'}"))
+            collect(problems, path, lambda: check_same_shapes(base_config, config, named))
+            if not changes_tokenizer(merge_config) and not supplied:  # run's check before it merges
+                collect(problems, path, lambda: _same_vocabulary(base_config, config, named))
+        if supplied:
+            vocabularies.append((config, named))
     merged_config = None
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
@@ -333,8 +333,6 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
             for expert_config, expert_what in vocabularies if config is not None else ():
                 collect(problems, path, lambda: _same_vocabulary(config, expert_config, expert_what, "the merged model"))
-            from featcal_llm.io.merge import check_supplied_merge
-
             collect(problems, path, lambda: check_supplied_merge(path, merge_config, merged))
     if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
@@ -401,16 +399,6 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
-
-
-def _check_first_stage(path: Path, output: Path, featcal: Any, problems: list[Problem]) -> None:
-    """A stack writes its first stage beside the output (`.NAME.regmean`, say) and replaces one an earlier run left: a
-    file or a folder of other things there is refused as run's first stage refuses it, in its words."""
-    from featcal_llm.io.output_dir import intermediate_dir, not_an_output
-
-    problem = not_an_output(intermediate_dir(output, featcal.method[0]))
-    if problem is not None:
-        problems.append(Problem(str(path), "featcal.output", problem))
 
 
 def _same_vocabulary(base: dict, other: dict, what: str, against: str = "the base model") -> None:

@@ -12,7 +12,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.generation.store import GENERATED_DIR
 from featcal_llm.io.data import data_path, looks_like_hub_id
-from featcal_llm.io.output_dir import inside, not_an_output, overwrites_input, same, unwritable
+from featcal_llm.io.output_dir import inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
 from featcal_llm.io.recipe import _experts_of, read_recipe
 from featcal_llm.io.references import is_hub_reference
@@ -29,6 +29,14 @@ def check_output(path: Path, output: Path, problems: list[Problem], notes: list[
     problem = unwritable(output)
     if problem is not None:
         problems.append(Problem(str(path), key, problem))
+
+
+def check_first_stage(path: Path, output: Path, featcal: Any, problems: list[Problem]) -> None:
+    """A stack writes its first stage beside the output (`.NAME.regmean`, say) and replaces one an earlier run left: a
+    file or a folder of other things there is refused as run's first stage refuses it, in its words."""
+    problem = not_an_output(intermediate_dir(output, featcal.method[0]))
+    if problem is not None:
+        problems.append(Problem(str(path), "featcal.output", problem))
 
 
 def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, data: dict[str, DataSpec]) -> dict[str, Path]:
