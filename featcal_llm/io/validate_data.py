@@ -26,6 +26,13 @@ def needed_fields(spec: DataSpec) -> list[str]:
     return [spec.messages] if spec.messages and spec.format not in ("text", "alpaca") else text_fields(spec)
 
 
+def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> None:
+    """Record 0 holds every field the entry reads (None: only datasets can tell, nothing is checked)."""
+    for name in needed_fields(spec) if fields is not None else []:
+        if name not in fields:
+            raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+
+
 def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
     """A local dataset directory holds data files and the split asked for, as datasets reads its listing (its own
     `get_data_patterns`: `train.jsonl` is split train, a lone `foo.jsonl` too); a directory that declares its layout
@@ -66,18 +73,16 @@ def _check_split_files(spec: DataSpec, where: str, files: dict[str, list[Path]],
     """What datasets refuses of a directory's files, and the fields the entry reads in the asked split's first file:
     one builder for every split (train.jsonl beside test.csv: "Couldn't infer the same data file format for all
     splits"), and record 0's fields where the file's head tells them."""
-    from datasets.packaged_modules import _EXTENSION_TO_MODULE
-
-    kinds = {_EXTENSION_TO_MODULE[file.suffix.lower()][0] for found in files.values() for file in found
-             if file.suffix.lower() in _EXTENSION_TO_MODULE}
+    try:  # datasets' own table of file types → builders (private: where it moved, no type is judged)
+        from datasets.packaged_modules import _EXTENSION_TO_MODULE as builders
+    except ImportError:
+        builders = {}
+    kinds = {builders[file.suffix.lower()][0] for found in files.values() for file in found if file.suffix.lower() in builders}
     if len(kinds) > 1:
         raise FeatCalError(f"{where}.path: {spec.path}: its splits are files of different types ({', '.join(sorted(kinds))}), "
                            "and datasets reads one type for every split; keep files of one type there, or name the file")
     first = next((file for file in asked if file.suffix.lower() in (".jsonl", ".json")), None)
-    fields = file_head(first, f"{where}.path: {spec.path}")[0] if first is not None else None
-    for name in needed_fields(spec) if fields is not None else []:
-        if name not in fields:
-            raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+    check_fields(spec, where, file_head(first, f"{where}.path: {spec.path}")[0] if first is not None else None)
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
@@ -91,9 +96,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     if path.is_file():
         file_builder(path, where)
         fields, records, complete = file_head(path, f"{where}.path: {spec.path}")
-        for name in needed_fields(spec) if fields is not None else []:
-            if name not in fields:
-                raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+        check_fields(spec, where, fields)
         for index, record in enumerate(records[:taken]):
             for name in text_fields(spec):  # a field some records lack is null to run's reader (datasets)
                 text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)
