@@ -25,7 +25,7 @@ from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_dire
                                         has_chat_template, has_tokenizer_files, missing_weights, unparsable_tokenizer_config,
                                         vocabulary_has)
 from featcal_llm.io.data import looks_like_hub_id
-from featcal_llm.io.merge import check_supplied_merge, supplied_merge
+from featcal_llm.io.merge import supplied_merge
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 
@@ -333,7 +333,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
             for expert_config, expert_what in vocabularies if config is not None else ():
                 collect(problems, path, lambda: _same_vocabulary(config, expert_config, expert_what, "the merged model"))
-            collect(problems, path, lambda: check_supplied_merge(path, merge_config, merged))
+            from featcal_llm.io import merge  # looked up when called: tests set it aside to reach run's own check
+
+            collect(problems, path, lambda: merge.check_supplied_merge(path, merge_config, merged))
     if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
     elif tokenizer and Path(tokenizer).is_file():  # transformers would read it as a hub id
