@@ -343,8 +343,10 @@ def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, 
         featcal_llm.evaluate([tmp_path / "a" / "m", tmp_path / "b" / "m"])
     with pytest.raises(FeatCalError, match=r"^evaluate\(\) limit: Input should be greater than 0"):  # the argument, not a flag
         featcal_llm.evaluate(model, limit=0)
-    with pytest.raises(FeatCalError, match=r"^evaluate\(\) limitt: Extra inputs are not permitted"):
+    with pytest.raises(FeatCalError, match=r"^evaluate\(\) limitt: unknown argument; did you mean 'limit'\?$"):
         featcal_llm.evaluate(model, limitt=2)
+    with pytest.raises(FeatCalError, match=r"^evaluate\(\) backend.batch_size: Input should be a valid integer or 'auto' \(got 'max'\)$"):
+        featcal_llm.evaluate(model, backend={"name": "hf", "batch_size": "max"})  # one line for the union, not one per member
 
 
 def test_a_resumed_bar_names_its_method_and_never_counts_past_the_last_layer():

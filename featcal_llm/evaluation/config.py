@@ -157,17 +157,17 @@ def section_from_options(options: dict, caller: str = "eval") -> EvalSection:
     from pydantic import ValidationError
 
     from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.problems import pydantic_problems
 
     try:
         section = EvalSection.model_validate(options)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
+        first = pydantic_problems("", error, "", EvalSection)[0]
+        where, message = first.key, first.message
         if not where:
             raise FeatCalError(f"{caller}: {message}") from None
-        if caller != "eval":
-            raise FeatCalError(f"{caller} {where}: {message}") from None
+        if caller != "eval":  # a keyword argument, not a recipe key
+            raise FeatCalError(f"{caller} {where}: {message.replace('unknown key', 'unknown argument', 1)}") from None
         option = _OPTION_NAMES.get(where) or "--" + where.split(".")[-1].replace("_", "-")
         raise FeatCalError(f"eval {option}: {message}") from None
     return section.resolve()

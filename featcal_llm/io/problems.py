@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,10 +123,43 @@ def _yaml_words(text: str) -> str:
     return re.sub(r"\b(True|False|None)\b", lambda found: {"True": "true", "False": "false", "None": "null"}[found.group()], text)
 
 
+def _union_members(root: type[BaseModel] | None, location: tuple) -> bool:
+    """Whether `location` ends in the tag pydantic gives one member of a union key (`batch_size.literal['auto']`)."""
+    if root is None or len(location) < 2 or not isinstance(location[-2], str) or not isinstance(location[-1], str):
+        return False
+    holder = model_at(root, location[:-1])
+    field = _field(holder, location[-2]) if holder is not None else None
+    if field is None or typing.get_origin(field.annotation) not in (typing.Union, types.UnionType):
+        return False
+    members = [member for member in typing.get_args(field.annotation) if member is not type(None)]
+    return len(members) > 1 and not any(_model_class(member) is not None and _field(_model_class(member), location[-1]) for member in members)
+
+
+def one_error_per_key(errors: list[dict], root: type[BaseModel] | None) -> list[dict]:
+    """A union key's value that fits no member as one error: pydantic gives one per member, tagged with its type's name.
+
+    The members' messages are joined (`Input should be a valid integer or 'auto'`), so the key reads as the recipe names it.
+    """
+    merged: list[dict] = []
+    by_key: dict[tuple, dict] = {}
+    for item in errors:
+        if not _union_members(root, item["loc"]):
+            merged.append(item)
+            continue
+        key = tuple(item["loc"][:-1])
+        wanted = item["msg"].removeprefix("Value error, ").removeprefix("Input should be ").split(", ")[0]
+        if key in by_key:
+            by_key[key]["msg"] += f" or {wanted}"
+            continue
+        by_key[key] = {**item, "loc": key, "type": "union", "msg": f"Input should be {wanted}"}
+        merged.append(by_key[key])
+    return merged
+
+
 def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, root: type[BaseModel] | None) -> list[Problem]:
-    """Every error of one `model_validate` call, one problem each."""
+    """Every error of one `model_validate` call, one problem each (a union key's members' errors as one)."""
     problems = []
-    for item in error.errors():
+    for item in one_error_per_key(error.errors(), root):
         location = ".".join(str(part) for part in item["loc"])
         key = f"{prefix}.{location}" if prefix and location else (prefix or location)
         if item["type"] == "extra_forbidden":
