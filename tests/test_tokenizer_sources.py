@@ -59,17 +59,22 @@ def test_union_tokenizer_calibrates_exactly_with_the_identity_mapping(tok, tmp_p
 
 
 def test_an_added_token_in_an_expert_without_it_is_refused(tok, tmp_path):
-    """<x> in expert0's calibration text: id 100 of the union has no row in expert0's embedding."""
+    """<x> in expert0's calibration text, beside an expert that adds it (the union: 101 rows, expert0 100): id 100 has
+    no row in expert0's embedding, which the vocabulary's size says before any record is tokenised or merged."""
     recipe, experts = recipe_with(tok, tmp_path, "union", "expert_x", ("with_x", "plain"))
     line = refused(recipe)
-    assert f"expert {experts[0]}" in line and "cannot embed calibration token id 100" in line
+    assert f"{experts[0]}/config.json: vocabulary of 100 rows, the merge mergekit makes" in line and "has 101" in line
+    assert not (tmp_path / "merged_union").exists()
 
 
 def test_an_expert_vocabulary_other_than_the_merges_is_refused(tok, tmp_path):
-    """The union has 101 rows, expert0 100: refused by name after the merge (the union is mergekit's to build)."""
+    """The union has 101 rows, expert0 100: refused by name before the merge (mergekit's own builder makes the union
+    first, as validate does), in the words run used after it."""
     recipe, experts = recipe_with(tok, tmp_path, "union", "expert_x", ("plain", "with_x"))
     line = refused(recipe)
-    assert f"expert {experts[0]}: vocabulary of 100 rows, the merged model" in line and "has 101" in line
+    assert (f"{experts[0]}/config.json: vocabulary of 100 rows, the merge mergekit makes (its tokenizer's vocabulary from "
+            "tokenizer source union) has 101") in line
+    assert not (tmp_path / "merged_union").exists() and not (tmp_path / "merged_union.merging").exists()
 
 
 def test_an_expert_with_added_tokens_is_refused_before_the_merge(tok, tmp_path):
@@ -85,14 +90,73 @@ def test_an_expert_with_added_tokens_is_refused_before_the_merge(tok, tmp_path):
     [problem] = [str(p) for p in featcal_llm.validate(recipe)]
     assert problem.startswith(f"{recipe}: models: {experts[1]}: {experts[1]}/config.json: vocabulary of 101 rows, the "
                               "base model has 100: experts whose vocabulary differs from the merge"), problem
-    merge["tokenizer_source"] = "union"  # the union's size is mergekit's to build: left to run
-    assert not any("vocabulary" in str(p) for p in featcal_llm.validate(write_recipe(tok, tmp_path, "added-union", merge, experts)))
+    merge["tokenizer_source"] = "union"  # the union's size, from mergekit's own builder: expert0 is the one short of it
+    [problem] = [str(p) for p in featcal_llm.validate(write_recipe(tok, tmp_path, "added-union", merge, experts))]
+    assert f"{experts[0]}/config.json: vocabulary of 100 rows, the merge mergekit makes" in problem and "has 101" in problem
 
 
 def test_experts_that_give_a_token_another_id_are_refused(tok, tmp_path):
-    """expert_x says <x> = 100, expert_y says <y> = 100: the union cannot match both."""
+    """expert_x says <x> = 100, expert_y says <y> = 100: the merge's tokenizer (expert_x's, 101 rows as each expert
+    has) cannot match both."""
     experts = [str(tok.root / "expert_x"), str(tok.root / "expert_y")]
-    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer_source": "union",
+    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer_source": experts[0],
              "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
     line = refused(write_recipe(tok, tmp_path, "clash", merge, experts))
     assert "tokenizer maps '<" in line and "the calibration tokenizer to 10" in line
+
+
+@pytest.fixture(scope="module")
+def padded(tok):
+    """The base and expert0 with 128 embedding rows for their tokenizer's 100 tokens (as Qwen2 keeps 151,936 rows for
+    151,665 tokens): mergekit re-lays such an embedding out over the tokenizer it builds."""
+    for name, source in (("padded_base", tok.base), ("padded_expert0", tok.experts["expert0"]), ("padded_expert1", tok.experts["expert1"])):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float64)
+        model.resize_token_embeddings(128, mean_resizing=False)
+        model.save_pretrained(tok.root / name)
+        AutoTokenizer.from_pretrained(source).save_pretrained(tok.root / name)
+    return tok.root
+
+
+@pytest.mark.parametrize("tokenizer, expected", [
+    ({}, 128),  # the base's rows, copied
+    ({"tokenizer_source": "base"}, 100),  # the base's tokenizer: its 100 tokens, whatever its config counts
+    ({"tokenizer": {"source": "base", "pad_to_multiple_of": 48}}, 144),
+    ({"tokenizer_source": "union"}, 101),  # expert_x's <x> joins
+    ({"tokenizer": {"source": "base", "tokens": {"<z>": {"source": {"kind": "zero"}}}}}, 101),
+])
+def test_the_merge_s_vocabulary_is_known_before_merging_as_mergekit_writes_it(padded, tmp_path, tokenizer, expected):
+    """merge_vocabulary's rows against the embedding a real mergekit merge writes, for each way a recipe sets the
+    tokenizer: validate and run refuse an expert of another size before the merge on these numbers."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+    from safetensors import safe_open
+
+    from featcal_llm.io.merge_vocabulary import merge_vocabulary
+
+    experts = [str(padded / "padded_expert0"), str(padded / ("expert_x" if tokenizer else "padded_expert1"))]  # mergekit
+    # copies rows only where every model has as many
+    config = MergeConfiguration.model_validate({
+        "merge_method": "task_arithmetic", "base_model": str(padded / "padded_base"), "dtype": "float32", **tokenizer,
+        "models": [{"model": expert, "parameters": {"weight": 0.5}} for expert in experts]})
+    predicted = merge_vocabulary(config, None, 128, trust_remote_code=False)
+    run_merge(config, str(tmp_path / "merged"), options=MergeOptions(copy_tokenizer=True, write_model_card=False, quiet=True))
+    [shard] = (tmp_path / "merged").glob("*.safetensors")
+    with safe_open(shard, "pt") as weights:
+        rows = weights.get_slice("model.embed_tokens.weight").get_shape()[0]
+    assert predicted.rows == rows == expected
+    assert predicted.what == "the base model" if not tokenizer else "the merge mergekit makes" in predicted.what
+
+
+def test_run_refuses_an_expert_short_of_the_merge_s_tokenizer_before_merging_on_its_own(tok, tmp_path, monkeypatch):
+    """run's own check (for a caller past validate): `tokenizer: {source: base, pad_to_multiple_of: 64}` makes 128
+    rows, each expert has 100; refused by expert before mergekit writes anything, validate's check set aside."""
+    from featcal_llm.io import validate
+
+    monkeypatch.setattr(validate, "merge_vocabulary", lambda *args: None)  # validate: not known
+    experts = [str(tok.experts["expert0"]), str(tok.experts["expert1"])]
+    merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer": {"source": "base", "pad_to_multiple_of": 64},
+             "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}
+    line = refused(write_recipe(tok, tmp_path, "padded", merge, experts))
+    assert f"error: expert {experts[0]}: vocabulary of 100 rows, the merge mergekit makes" in line and "has 128" in line
+    assert not (tmp_path / "merged_padded").exists() and not (tmp_path / "merged_padded.merging").exists()

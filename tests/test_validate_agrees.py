@@ -22,7 +22,6 @@ from featcal_llm.io.problems import RecipeProblems
 
 # a disagreement between validate and run found by probing (stop 79), not fixed yet: each test says what should happen
 # and fails today; strict, so a fix that makes one pass is told to drop its mark
-KNOWN_DISAGREEMENT = pytest.mark.xfail(strict=True, reason="a known disagreement between validate and run, not fixed yet")
 HEAVY = ("torch", "mergekit", "transformers", "peft", "datasets", "safetensors")
 
 
@@ -716,20 +715,22 @@ def test_an_output_argument_that_is_a_file_is_refused_alike(scenario, tmp_path):
     assert (tmp_path / "a-file").read_text() == "mine" and not (tmp_path / "merged").exists()
 
 
-@KNOWN_DISAGREEMENT
 def test_a_tokenizer_block_that_pads_the_vocabulary_is_refused_before_the_merge(scenario, tmp_path):
     """`tokenizer: {source: base, pad_to_multiple_of: 64}`: the merge's vocabulary is the base's padded (100 -> 128 rows),
-    known without merging. Validate had passed it; run merged, then refused every expert's 100 rows."""
+    known without merging (mergekit's own tokenizer builder). Validate had passed it; run merged, then refused every
+    expert's 100 rows."""
     recipe = _recipe(scenario, tmp_path)
     recipe["tokenizer"] = {"source": "base", "pad_to_multiple_of": 64}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     validated = CliRunner().invoke(main, ["validate", str(path)])
     ran = CliRunner().invoke(main, ["run", str(path)])
-    assert validated.exit_code == ran.exit_code, (validated.output, ran.output)
-    assert _errors(ran) == _errors(validated)
-    if ran.exit_code == 2:  # refused: before any work
-        assert not (tmp_path / "merged").exists() and not (tmp_path / "out").exists()
+    assert validated.exit_code == ran.exit_code == 2 and _errors(ran) == _errors(validated), (validated.output, ran.output)
+    assert len(_errors(ran)) == 3 and "Building tokenizer" not in ran.stderr  # one line per expert; mergekit's bar unshown
+    for line in _errors(ran):
+        assert ("vocabulary of 100 rows, the merge mergekit makes (its tokenizer's vocabulary from tokenizer source base, "
+                "padded to a multiple of 64) has 128") in line
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.merging").exists()
 
 
 def test_a_file_in_place_of_the_generated_records_folder_is_refused_alike(scenario, tmp_path):
@@ -877,11 +878,10 @@ def test_a_wrong_value_of_a_union_key_is_one_line_naming_the_key(scenario, tmp_p
     assert _errors(validated)[0].endswith(says), _errors(validated)  # every member the key takes, in one line
 
 
-@KNOWN_DISAGREEMENT
 def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario, tmp_path):
-    """Chat records and a base whose chat_template.jinja does not parse (an unclosed for): validate, which parses a
-    mergekit `chat_template:` with transformers' Jinja environment, had passed it; run refused record 0 ("the
-    tokenizer's chat template refused it (Unexpected end of template ...)")."""
+    """Chat records and a base whose chat_template.jinja does not parse (an unclosed for): validate, which parsed only
+    a mergekit `chat_template:` with transformers' Jinja environment, had passed it; run refused record 0 ("the
+    tokenizer's chat template refused it (Unexpected end of template ...)"). Now one line for the entry, from both."""
     recipe = _recipe(scenario, tmp_path)
     base = tmp_path / "base"
     shutil.copytree(recipe["base_model"], base, copy_function=os.symlink)
@@ -891,8 +891,13 @@ def test_a_tokenizer_chat_template_that_does_not_parse_is_refused_alike(scenario
     turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo, fine"}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(8)))
     recipe["featcal"]["data"][_expert(recipe, 0)] = {"path": str(tmp_path / "chat.jsonl"), "format": "chat", "messages": "messages"}
-    _refused_alike(recipe, tmp_path)
+    [line] = _refused_alike(recipe, tmp_path)
+    assert line.endswith(f"featcal.data.{_expert(recipe, 0)}.format: chat: the tokenizer's chat template does not parse "
+                         "(line 1: Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. "
+                         "The innermost block that needs to be closed is 'for'.)"), line
     assert not (tmp_path / "merged").exists()
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    assert CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")]).exit_code == 0  # transformers' own tag parses
 
 
 def test_a_dataset_directory_whose_splits_differ_in_format_is_refused_alike(scenario, tmp_path):

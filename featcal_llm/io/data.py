@@ -27,7 +27,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.records import Record
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.model_files import carries_chat_template
+from featcal_llm.io.model_files import carries_chat_template, chat_template_syntax_error
 from featcal_llm.startup import heavy_import
 
 # MergeBench formats its *_val sets with this template (the response included).
@@ -264,6 +264,21 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
     return None
 
 
+def check_chat_template_parses(tokenizer: Any, where: str) -> None:
+    """A chat template that does not parse fails every record alike: one line for the entry, as validate words it
+    from the tokenizer's files (the template transformers applies: of named ones, the default)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    problem = chat_template_syntax_error(template) if isinstance(template, str) else None
+    if problem is not None:
+        raise FeatCalError(f"{where}.format: {chat_template_unparsable(problem)}")
+
+
+def chat_template_unparsable(problem: str) -> str:
+    return f"chat: the tokenizer's chat template does not parse ({problem})"
+
+
 def render_chat(tokenizer: Any, messages: list[dict], refused: str, add_generation_prompt: bool = False) -> str:
     """The messages through the tokenizer's chat template; a template that refuses them (Gemma's refuses a system turn,
     Mistral's turns that do not alternate) or cannot render is one line: `refused`, then the template's own words."""
@@ -354,6 +369,8 @@ def calibration_sequences(
             warn(f"{where}: {len(records)} records, fewer than the {wanted} requested; using all of them")
         records = records[: min(wanted, len(records))] if isinstance(records, list) else records.select(range(min(wanted, len(records))))
         numbers = numbers[: len(records)]
+        if spec.format == "chat":
+            check_chat_template_parses(tokenizer, where)
         try:  # datasets decodes a text file's bytes while they are read
             texts = [record_to_text(record, spec, tokenizer, where, i) for i, record in zip(numbers, records)]
         except UnicodeDecodeError as error:

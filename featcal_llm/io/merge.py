@@ -40,11 +40,12 @@ _settled: dict[str, Any] = {}  # merged directory → the configuration and seed
 RANDOM_METHODS = frozenset({"dare_ties", "dare_linear", "della", "della_linear", "arcee_fusion"})
 
 
-def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> Any:
+def spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> Any:
     """A copy of the configuration in which plain PEFT adapter directories read `base+adapter`, mergekit's spelling.
 
     mergekit cannot load an adapter directory as a model; featcal-llm applies such an
-    adapter to the recipe's base model, so the merge must see the same expert.
+    adapter to the recipe's base model, so the merge must see the same expert. Always mergekit's own models
+    (validate's copy of its schema, io/mergekit_config.py, is read back through mergekit).
     """
     from mergekit.config import MergeConfiguration
 
@@ -53,7 +54,7 @@ def _spell_out_adapters(merge_config: Any, sources: dict[str, Any] | None) -> An
         for name, source in (sources or {}).items()
         if source.adapter is not None and "+" not in source.reference
     }
-    if not plain:
+    if not plain and isinstance(merge_config, MergeConfiguration):
         return merge_config.model_copy(deep=True)  # run_merge rewrites the configuration it is given
 
     def rewrite(node: Any) -> Any:
@@ -386,7 +387,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         partial.mkdir(parents=True)
         (partial / STAGING_MARKER).write_text("a merge featcal-llm stages here; removed once it is in place\n")
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
-            run_merge(_spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
+            run_merge(spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         _check_tokenizer_written(recipe, partial, sources)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
         marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe, sources),

@@ -32,22 +32,10 @@ def chat_template_problem(template: str | None) -> str | None:
         return None
     if len(template) < 20 or "{" not in template:
         return f"{template}: mergekit takes auto, a template it ships ({', '.join(names)}) or a Jinja template"
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from featcal_llm.io.model_files import chat_template_syntax_error
 
-    class Generation(Extension):  # transformers' `{% generation %}…{% endgeneration %}` (its AssistantTracker), parsed alike
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]).parse(template)
-    except jinja2.TemplateSyntaxError as error:
-        return f"not a Jinja template transformers can render (line {error.lineno}: {error.message})"
-    return None
+    problem = chat_template_syntax_error(template)
+    return None if problem is None else f"not a Jinja template transformers can render ({problem})"
 
 
 def merge_setting_problems(path: Path, merge_config: Any) -> list[Problem]:

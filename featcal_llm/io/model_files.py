@@ -180,5 +180,27 @@ def saved_chat_template(directory: Path) -> str | None:
     return None
 
 
+def chat_template_syntax_error(template: str) -> str | None:
+    """Where a chat template fails to parse (`line 1: Unexpected end of template ...`), or None: parsed in the
+    environment transformers renders chat templates in, its `{% generation %}` tag included, so a template it renders
+    passes and one it cannot fails here first, before any record is read or model merged."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # transformers' `{% generation %}…{% endgeneration %}` (its AssistantTracker), parsed alike
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        return f"line {error.lineno}: {error.message}"
+    return None
+
+
 def has_chat_template(directory: Path) -> bool:
     return saved_chat_template(directory) is not None

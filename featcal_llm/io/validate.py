@@ -21,11 +21,12 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
-from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, generating_expert_without_tokenizer,
-                                        has_chat_template, has_tokenizer_files, missing_weights, unparsable_tokenizer_config,
-                                        vocabulary_has)
-from featcal_llm.io.data import looks_like_hub_id
+from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
+                                        generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
+                                        missing_weights, saved_chat_template, unparsable_tokenizer_config, vocabulary_has)
+from featcal_llm.io.data import chat_template_unparsable, looks_like_hub_id
 from featcal_llm.io.merge import supplied_merge
+from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 
@@ -269,7 +270,7 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                   data: dict[str, DataSpec] | None = None, featcal: Any = None) -> dict[str, dict]:
     """Base, experts, an existing merge and the tokenizer: resolvable, with config.json files whose shapes agree, of an
     architecture featcal-llm calibrates."""
-    from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
+    from featcal_llm.io.forms import check_slice_depth, merge_makes_tokenizer
     from featcal_llm.io.references import check_override_architecture
 
     problems, configs = report.problems, {}
@@ -287,7 +288,8 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
     experts = _experts_of(merge_config)
-    vocabularies: list[tuple[dict, str]] = []  # (config, what) of each expert, beside a merge the user supplied
+    vocabularies: list[tuple[dict, str]] = []  # (config, what) of each expert whose config could be read
+    sources = {str(base_reference): base_source} if base_source is not None else {}
     supplied = bool(merged) and supplied_merge(Path(merged))  # run merges nothing: it compares each expert with the merge
     typos = misspelt_models(tuple(Expert(str(reference), reference) for reference in experts), data or {})
     for reference in experts:
@@ -315,10 +317,15 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         named = f"{what}: {(source.directory if source is not None else Path(str(reference.model))) / 'config.json'}"
         if base_config is not None:
             collect(problems, path, lambda: check_same_shapes(base_config, config, named))
-            if not changes_tokenizer(merge_config) and not supplied:  # run's check before it merges
-                collect(problems, path, lambda: _same_vocabulary(base_config, config, named))
-        if supplied:
-            vocabularies.append((config, named))
+        vocabularies.append((config, named))
+        if source is not None:
+            sources[str(reference)] = source
+    builds_tokenizer = merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
+    local = len(sources) == len(experts) + 1  # mergekit builds its tokenizer from every model's files: here, all local
+    if base_config is not None and not supplied and (local or not builds_tokenizer):  # run's check before it merges
+        expected = merge_vocabulary(merge_config, sources, base_config.get("vocab_size"), bool(getattr(featcal, "trust_remote_code", False)))
+        for expert_config, expert_what in vocabularies if expected is not None else ():
+            collect(problems, path, lambda: _same_vocabulary(expected, expert_config, expert_what))
     merged_config = None
     if merged and Path(merged).exists():
         what, merged = f"{path}: featcal.merged", Path(merged)
@@ -331,8 +338,9 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
                 problems.append(Problem(str(path), "featcal.merged", f"{merged}: {unreadable}"))
             if config is not None and base_config is not None:
                 collect(problems, path, lambda: check_same_shapes(base_config, config, f"{what}: {merged / 'config.json'}"))
-            for expert_config, expert_what in vocabularies if config is not None else ():
-                collect(problems, path, lambda: _same_vocabulary(config, expert_config, expert_what, "the merged model"))
+            rows = config.get("vocab_size") if config is not None and supplied else None
+            for expert_config, expert_what in vocabularies if isinstance(rows, int) else ():
+                collect(problems, path, lambda: _same_vocabulary(MergeVocabulary(rows, "the merged model"), expert_config, expert_what))
             from featcal_llm.io import merge  # looked up when called: tests set it aside to reach run's own check
 
             collect(problems, path, lambda: merge.check_supplied_merge(path, merge_config, merged))
@@ -363,6 +371,12 @@ def _check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: 
         for name, spec in (data or {}).items():  # io/data.py's refusal, from the saved tokenizer's files
             if spec.path is not None and spec.format == "chat":
                 problems.append(Problem(str(path), f"featcal.data.{name}.format", "chat needs a tokenizer with a chat template"))
+    elif calibrating is not None and calibrating.is_dir():
+        chat = [name for name in map(str, experts) if (spec := (data or {}).get(name)) is not None and spec.path is not None
+                and spec.format == "chat"]
+        unparsable = chat_template_syntax_error(saved_chat_template(calibrating)) if chat else None
+        if unparsable is not None:  # run refuses the first chat entry it reads (the recipe's order), before any record
+            problems.append(Problem(str(path), f"featcal.data.{chat[0]}.format", chat_template_unparsable(unparsable)))
     return configs
 
 
@@ -403,13 +417,12 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
 
 
-def _same_vocabulary(base: dict, other: dict, what: str, against: str = "the base model") -> None:
-    """An expert whose config counts another vocabulary than the base's, beside a merge that keeps the base's tokenizer
-    (or than a supplied merge's): run refuses it once merged (family/compat.check_vocabulary_sizes, on the tensors'
-    rows), in these words."""
-    mine, theirs = base.get("vocab_size"), other.get("vocab_size")
-    if isinstance(mine, int) and isinstance(theirs, int) and mine != theirs:
-        check_vocabulary_sizes({"expert": theirs}, mine, against, {"expert": what})
+def _same_vocabulary(expected: MergeVocabulary, expert: dict, what: str) -> None:
+    """An expert whose config counts another vocabulary than the merge will have (the base's, the tokenizer mergekit
+    builds, or a supplied merge's): run refuses it (family/compat.check_vocabulary_sizes), in these words."""
+    theirs = expert.get("vocab_size")
+    if isinstance(theirs, int) and theirs != expected.rows:
+        check_vocabulary_sizes({"expert": theirs}, expected.rows, expected.what, {"expert": what})
 
 
 def _as_transformers_reads(config: dict) -> Any:

@@ -39,6 +39,7 @@ from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
+from featcal_llm.io.merge_vocabulary import merge_vocabulary
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.io.tokenizers import load_tokenizer
@@ -236,6 +237,11 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     """Tokenised (or generated) records, checked against every tokenizer and vocabulary, split and batched."""
     recipe, featcal, base_config = resolved.recipe, resolved.recipe.featcal, resolved.base_config
     trust, merged_path = featcal.trust_remote_code, resolved.merged_path
+    sized = {name: config.vocab_size for name, config in resolved.expert_configs.items() if getattr(config, "vocab_size", None) is not None}
+    expected = None if supplied_merge(merged_path) else \
+        merge_vocabulary(recipe.merge_config, resolved.merge_inputs, base_config.vocab_size, trust)  # the rows mergekit writes
+    if expected is not None:  # an expert of another size is refused before the merge, as validate refuses it
+        check_vocabulary_sizes(sized, expected.rows, expected.what, {name: f"expert {name}" for name in sized})
     if not featcal.tokenizer and merge_makes_tokenizer(recipe.merge_config):  # calibrate with the tokenizer mergekit builds
         comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.merge_inputs, trust))
     tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
@@ -258,10 +264,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         warn(f"{recipe.path}: featcal.max_length: records of up to {longest} tokens are longer than the base model's "
              f"max_position_embeddings {positions}; set max_length to {positions} or less")
     # Before any merging: each expert's configured vocabulary must embed its own calibration tokens (rows are re-checked after).
-    sized = {name: config.vocab_size for name, config in resolved.expert_configs.items() if getattr(config, "vocab_size", None) is not None}
     check_embedding_rows(sequences, sized, {name: f"expert {name}" for name in sized})
-    if not supplied_merge(merged_path) and not changes_tokenizer(recipe.merge_config):  # mergekit keeps the base's vocabulary
-        check_vocabulary_sizes(sized, base_config.vocab_size, f"the base model {resolved.base.directory}", {name: f"expert {name}" for name in sized})
     if featcal.holds_out:  # held-out records select the hyper-parameters and never enter the statistics
         calibration, probe_sequences = split_holdout(sequences, featcal.tune_settings().holdout, featcal.seed, str(recipe.path))
     else:

@@ -1,0 +1,82 @@
+"""How many embedding rows the merge mergekit makes will have, known before it merges.
+
+Every expert must have as many (family/compat.check_vocabulary_sizes: the features are fed the same
+token ids everywhere, the drift compares one vocabulary). Where the recipe keeps the base's tokenizer,
+mergekit copies the base's rows. Where it names a tokenizer (`tokenizer_source`, a `tokenizer:` block,
+`tokenizer_source: base` included), mergekit re-lays the embedding out over the tokenizer it builds: as
+many rows as that tokenizer's vocabulary, padded to `pad_to_multiple_of`. That tokenizer is built here
+with mergekit's own builder, so `validate` and `run` refuse an expert of another size before the merge,
+in the words run used after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MergeVocabulary:
+    """The merge's embedding rows and how the refusal names where they come from."""
+
+    rows: int
+    what: str
+
+
+def merge_vocabulary(merge_config: Any, sources: dict[str, Any] | None, base_rows: int | None,
+                     trust_remote_code: bool) -> MergeVocabulary | None:
+    """The rows mergekit will write, or None where they are not known before merging (a tokenizer mergekit cannot
+    build from the files here: the merge reports why, and run checks the rows it wrote)."""
+    block = merge_config.tokenizer
+    source = block.source if block is not None else merge_config.tokenizer_source
+    if source is None:
+        return MergeVocabulary(base_rows, "the base model") if isinstance(base_rows, int) else None
+    pad = block.pad_to_multiple_of if block is not None else None
+    try:
+        rows = len(_merge_tokenizer(merge_config, sources, source, trust_remote_code).get_vocab())
+    except Exception:  # mergekit's merge raises it, naming the tokenizer: one place to report it
+        return None
+    if pad and rows % pad:  # mergekit's PermutedEmbeddings rounds up the same way
+        rows = (rows // pad + 1) * pad
+    padded = f", padded to a multiple of {pad}" if pad else ""
+    return MergeVocabulary(rows, f"the merge mergekit makes (its tokenizer's vocabulary from tokenizer source {_named(source)}{padded})")
+
+
+def _merge_tokenizer(merge_config: Any, sources: dict[str, Any] | None, source: Any, trust_remote_code: bool) -> Any:
+    """The tokenizer mergekit's merge builds (its `BuildTokenizer` task), from the configuration the merge is given."""
+    from mergekit.tokenizer.build import build_tokenizer
+    from mergekit.tokenizer.config import TokenizerConfig
+
+    from featcal_llm.io.merge import spell_out_adapters
+
+    config = spell_out_adapters(merge_config, sources)  # mergekit's own models, adapters as the merge reads them
+    source = config.tokenizer.source if config.tokenizer is not None else config.tokenizer_source
+    tokens = (config.tokenizer or TokenizerConfig()).tokens or {}
+    with _quiet():
+        return build_tokenizer(base_model=config.base_model, referenced_models=list(config.referenced_models()),
+                               tokenizer_source=source, trust_remote_code=trust_remote_code, add_tokens=list(tokens)).tokenizer
+
+
+def _named(source: Any) -> str:
+    return source if isinstance(source, str) else str(getattr(source, "model", source))
+
+
+def _quiet() -> Any:
+    """mergekit logs each tokenizer it loads, warns of each it cannot and draws a bar of its permutations: the merge
+    itself says it all again."""
+    import contextlib
+    import io
+    import logging
+
+    @contextlib.contextmanager
+    def silenced():
+        logger = logging.getLogger("mergekit")
+        level = logger.level
+        logger.setLevel(logging.ERROR + 1)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                yield
+        finally:
+            logger.setLevel(level)
+
+    return silenced()
