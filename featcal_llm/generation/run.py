@@ -23,7 +23,7 @@ from featcal_llm.generation.backends import TransformersSampler, batch_seed, cho
 from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
 from featcal_llm.generation.prompts import Start, candidate_starts, check_start, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
-from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, set_paths, store_choice, store_samples
+from featcal_llm.generation.store import FORMAT, cached_choice, cached_samples, choice_path, generated_set_paths, store_choice, store_samples
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe
 
@@ -236,7 +236,8 @@ def generated_sequences(
 
     featcal = recipe.featcal
     names = [e.name for e in recipe.experts if featcal.data[e.name].generate is not None]
-    labels = short_names([e.name for e in recipe.experts])
+    labels = short_names([e.name for e in recipe.experts])  # what the progress bar calls each expert
+    set_paths = generated_set_paths(Path(featcal.output), [e.name for e in recipe.experts])
     base = resolve_source(recipe.base, f"{recipe.path}: base_model")
     places = {name: f"{recipe.path}: featcal.data.{name}.generate" for name in names}
     # every expert's tokenizer and start, before the first expert samples (minutes to hours): what validate cannot read
@@ -248,7 +249,7 @@ def generated_sequences(
     for name in names:
         spec, source, tokenizer, where = featcal.data[name].generate, sources[name], tokenizers[name], places[name]
         settings = settings_of(recipe, name)
-        samples_path, record_path = set_paths(Path(featcal.output), labels[name])
+        samples_path, record_path = set_paths[name]
         start, mode, choice, sampler = _start(recipe, name, sources, base, tokenizer, configs[name], settings, samples_path, device, dtypes[name], where)
         filled = [i for i, ids in enumerate(start.ids) if len(ids) >= featcal.max_length]
         if filled:  # calibration reads the first max_length tokens of a sample: all prompt, none of the expert's text
@@ -309,13 +310,13 @@ def start_records(recipe: Recipe) -> dict[str, dict]:
     """Expert name → how its generated set began ({"start", "mode", "chosen_by", "scores"}), from the sets' records."""
     import json
 
-    labels = short_names([e.name for e in recipe.experts])
+    set_paths = generated_set_paths(Path(recipe.featcal.output), [e.name for e in recipe.experts])
     found = {}
     for expert in recipe.experts:
         if recipe.featcal.data[expert.name].generate is None:
             continue
         try:
-            record = json.loads(set_paths(Path(recipe.featcal.output), labels[expert.name])[1].read_text(encoding="utf-8"))
+            record = json.loads(set_paths[expert.name][1].read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         choice = record.get("start_choice")

@@ -21,11 +21,21 @@ GENERATED_DIR = "featcal_generated"
 FORMAT = 2  # bump when what a key covers or what a record holds changes
 
 
-def set_paths(output: Path, label: str) -> tuple[Path, Path]:
-    """(samples, record) paths for one expert; the label is made file-safe."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "expert"
-    directory = output.parent / GENERATED_DIR
-    return directory / f"{safe}.jsonl", directory / f"{safe}.json"
+def generated_folder(output: Path) -> Path:
+    """Where the sets of experts that write their own records are kept: beside the output, so a re-run finds them."""
+    return output.parent / GENERATED_DIR
+
+
+def generated_set_paths(output: Path, experts: list[str]) -> dict[str, tuple[Path, Path]]:
+    """Expert name → its (samples, record) paths, for every expert of the recipe (in its order: the short labels
+    depend on all of them); a label is made file-safe."""
+    from featcal_llm.io.names import short_names
+
+    paths = {}
+    for name, label in short_names(experts).items():
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "expert"
+        paths[name] = (generated_folder(output) / f"{safe}.jsonl", generated_folder(output) / f"{safe}.json")
+    return paths
 
 
 def file_digest(path: Path) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.generation.store import GENERATED_DIR
+from featcal_llm.generation.store import generated_folder, generated_set_paths
 from featcal_llm.io.data import data_path, looks_like_hub_id
 from featcal_llm.io.output_dir import inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
@@ -74,7 +74,7 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
     if output is not None:
         key = "OUTPUT" if override is not None else "featcal.output"
         generated = {} if not any(spec.generate is not None for spec in data.values()) else \
-            {f"the generated records' folder {output.parent / GENERATED_DIR}": output.parent / GENERATED_DIR}
+            {f"the generated records' folder {generated_folder(output)}": generated_folder(output)}
         problem = overwrites_input(output, {**inputs, **generated}, Path(merged) if merged else None)
         if problem is not None:
             problems.append(Problem(str(path), key, problem))
@@ -98,19 +98,16 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
 def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dict[str, DataSpec]) -> list[Problem]:
     """A file where the generated records' folder goes, or a folder where an expert's set or its record is written:
     run would sample (minutes on a GPU) and then fail in a traceback writing them."""
-    from featcal_llm.generation.store import set_paths
-    from featcal_llm.io.names import short_names
-
-    folder = output.parent / GENERATED_DIR
+    folder = generated_folder(output)
     if folder.exists() and not folder.is_dir():
         return [Problem(str(path), "featcal.data", f"{folder} is a file: the records that generate: writes are kept in a "
                                                    "folder of that name beside the output; move it")]
-    labels = short_names([str(reference) for reference in _experts_of(merge_config)])
+    set_paths = generated_set_paths(output, [str(reference) for reference in _experts_of(merge_config)])
     found = []
     for name, spec in data.items():
-        if spec.generate is None or name not in labels:
+        if spec.generate is None or name not in set_paths:
             continue
-        for written in set_paths(output, labels[name]):
+        for written in set_paths[name]:
             if written.is_dir():
                 found.append(Problem(str(path), f"featcal.data.{name}.generate", f"{written} is a folder: the expert's "
                                                                                  "generated records are written to a file of that name; move it"))
