@@ -403,7 +403,7 @@ def test_every_start_is_checked_before_any_expert_samples(merged_scenario, tmp_p
     there, and run refuses it before the first expert samples, not after every expert before it has generated."""
     from types import SimpleNamespace
 
-    import featcal_llm.io.validate as validate_module
+    import featcal_llm.io.validate_models as validate_module
     from featcal_llm.errors import FeatCalError
     from featcal_llm.generation.prompts import check_start
     from featcal_llm.io.validate import check_recipe

@@ -151,9 +151,9 @@ def test_the_merge_s_vocabulary_is_known_before_merging_as_mergekit_writes_it(pa
 def test_run_refuses_an_expert_short_of_the_merge_s_tokenizer_before_merging_on_its_own(tok, tmp_path, monkeypatch):
     """run's own check (for a caller past validate): `tokenizer: {source: base, pad_to_multiple_of: 64}` makes 128
     rows, each expert has 100; refused by expert before mergekit writes anything, validate's check set aside."""
-    from featcal_llm.io import validate
+    from featcal_llm.io import validate_models
 
-    monkeypatch.setattr(validate, "merge_vocabulary", lambda *args: None)  # validate: not known
+    monkeypatch.setattr(validate_models, "merge_vocabulary", lambda *args: None)  # validate: not known
     experts = [str(tok.experts["expert0"]), str(tok.experts["expert1"])]
     merge = {"merge_method": "task_arithmetic", "base_model": str(tok.base), "tokenizer": {"source": "base", "pad_to_multiple_of": 64},
              "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]}

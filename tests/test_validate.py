@@ -593,8 +593,8 @@ def test_the_evaluation_s_hub_datasets_are_noted_offline_and_looked_up_online(sc
     """The data an `eval:` task downloads after the calibration is a hub id like the calibration's: named among those not
     looked up, looked up with --online (not for a task given local data)."""
     pytest.importorskip("lm_eval")
-    import featcal_llm.io.validate as validate
     import featcal_llm.io.validate_eval as validate_eval
+    import featcal_llm.io.validate_models as validate_models
 
     recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {
         "tasks": ["arc_challenge", "gsm8k"], "backend": {"name": "hf"}, "data": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}}))
@@ -603,7 +603,7 @@ def test_the_evaluation_s_hub_datasets_are_noted_offline_and_looked_up_online(sc
     assert not any("gsm8k (dataset" in note for note in result.notes)
     looked = []
     monkeypatch.setattr(validate_eval, "hub_lookup", lambda kind, repo, revision, where, offline: looked.append((kind, repo, where)))
-    monkeypatch.setattr(validate, "hub_config", lambda model_path, online: None)
+    monkeypatch.setattr(validate_models, "hub_config", lambda model_path, online: None)
     assert featcal_llm.validate(recipe, online=True).ok
     assert ("dataset", "allenai/ai2_arc", "featcal.eval.tasks.arc_challenge") in looked and not any("gsm8k" in repo for _, repo, _ in looked)
 

@@ -517,6 +517,7 @@ def test_run_reads_every_config_with_the_same_quantization_check(scenario, tmp_p
 def test_validate_reads_a_hub_models_cached_config_for_quantization_too(scenario, tmp_path, monkeypatch):
     """A hub expert whose config.json (from the local cache) declares quantized weights: validate refuses it as run does."""
     import featcal_llm.io.validate as validate
+    import featcal_llm.io.validate_models as validate_models
 
     recipe = _recipe(scenario, tmp_path)
     config = json.loads((Path(recipe["base_model"]) / "config.json").read_text())
@@ -525,7 +526,7 @@ def test_validate_reads_a_hub_models_cached_config_for_quantization_too(scenario
     path = tmp_path / "hub.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     cached = {"org/quant": {**config, "quantization_config": {"quant_method": "gptq"}}}
-    monkeypatch.setattr(validate, "hub_config", lambda model_path, online: cached.get(model_path.path))
+    monkeypatch.setattr(validate_models, "hub_config", lambda model_path, online: cached.get(model_path.path))
     assert [str(problem) for problem in validate.validate_recipe(path)] == [
         f"{path}: models: org/quant: org/quant/config.json: quantization_config (gptq): featcal-llm merges and calibrates "
         "unquantized weights; give the unquantized checkpoint (where the block is a leftover over plain weights, as peft's "
@@ -556,7 +557,7 @@ def test_files_opening_with_a_utf8_bom_are_read_as_datasets_reads_them(scenario,
 def test_a_tokenizer_named_like_a_hub_id_is_noted_or_caught_as_a_typo(scenario, tmp_path, monkeypatch):
     """`featcal.tokenizer: org/name` is a hub id to run (transformers fetches it): validate notes it as unchecked, as it
     notes hub models, looks it up with --online, and a close local name is a typo, refused at once."""
-    import featcal_llm.io.validate as validate
+    import featcal_llm.io.validate_models as validate_models
     from featcal_llm.io.validate import check_recipe
 
     monkeypatch.chdir(tmp_path)
@@ -570,7 +571,7 @@ def test_a_tokenizer_named_like_a_hub_id_is_noted_or_caught_as_a_typo(scenario, 
         if expected is None:
             assert report.problems == [] and "someorg/sometok (tokenizer)" in " ".join(report.summary_notes())
             looked = []
-            monkeypatch.setattr(validate, "hub_lookup", lambda kind, repo, *a: looked.append((kind, repo)))
+            monkeypatch.setattr(validate_models, "hub_lookup", lambda kind, repo, *a: looked.append((kind, repo)))
             assert check_recipe(path, online=True, plan=False).problems == [] and looked[-1] == ("model", "someorg/sometok")
         else:
             assert [(p.key, p.message) for p in report.problems] == [("featcal.tokenizer", expected + " (toks/ is a local directory, so it is no hub id); did you mean 'toks/base'?")]

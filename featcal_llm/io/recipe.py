@@ -229,7 +229,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     if featcal is None:
         return experts
     names = [expert.name for expert in experts]
-    typos = misspelt_models(experts, featcal.data)  # a model path typo: io/validate.py reports it once, as the path's
+    typos = misspelt_models(experts, featcal.data)  # a model path typo: io/validate_models.py reports it once, as the path's
     without = [name for name in names if name not in featcal.data and name not in typos]
     named = set()
     for key in featcal.data:
@@ -246,7 +246,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
 def misspelt_models(experts: tuple[Expert, ...], data: dict[str, Any]) -> dict[str, str]:
     """Expert → data key, where the expert's local path does not exist and the unmatched data key is a close spelling that does.
 
-    The model path is the typo then (one error, io/validate.py names it), not the data key.
+    The model path is the typo then (one error, io/validate_models.py names it), not the data key.
     """
     import difflib
 
