@@ -1101,3 +1101,16 @@ def test_a_tokenizer_source_that_is_no_local_model_is_not_looked_up_without_onli
     validated = CliRunner().invoke(main, ["validate", str(path)])
     assert validated.exit_code == (2 if refused else 0), validated.output
     assert asked == [], asked
+
+
+@KNOWN
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), 1e300])
+def test_a_merge_weight_that_is_not_finite_is_refused_alike(scenario, tmp_path, weight):
+    """`weight: .nan`, `.inf` or 1e300 for one expert: validate passed it (a number); run merged a model of NaN/Inf into
+    featcal.merged and then refused it (exit 2 after the merge, naming no key): "merged model: the embedding of a
+    calibration token contains NaN or Inf". featcal: refuses rho: .inf before any work, in one line naming the key."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["models"][1]["parameters"]["weight"] = weight
+    [line] = _refused_alike(recipe, tmp_path)
+    assert "models.1.parameters.weight" in line, line
+    assert not (tmp_path / "merged").exists()
