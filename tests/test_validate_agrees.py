@@ -1114,3 +1114,30 @@ def test_a_merge_weight_that_is_not_finite_is_refused_alike(scenario, tmp_path, 
     [line] = _refused_alike(recipe, tmp_path)
     assert "models.1.parameters.weight" in line, line
     assert not (tmp_path / "merged").exists()
+
+
+@KNOWN
+def test_a_parquet_file_whose_text_column_holds_numbers_is_refused_alike(scenario, tmp_path):
+    """A parquet file whose `text` column is int64: validate passed it (it checks a JSON or CSV file's fields, not a
+    parquet file's); run refused it before the merge, "p.parquet: record 0: field 'text' is a int, not a string;
+    format: text reads it as text"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    recipe = _recipe(scenario, tmp_path)
+    pq.write_table(pa.table({"text": list(range(20))}), tmp_path / "p.parquet")
+    recipe["featcal"]["data"][_expert(recipe, 0)] = {"path": str(tmp_path / "p.parquet")}
+    [line] = _refused_alike(recipe, tmp_path)
+    assert "p.parquet: record 0: field 'text'" in line, line
+
+
+@KNOWN
+def test_a_csv_row_with_more_cells_than_the_header_is_refused_alike(scenario, tmp_path):
+    """A CSV file whose row 10 has three cells under a one-column header: validate passed it; run refused it before the
+    merge in words naming neither row nor cause: "c.csv: cannot load calibration data (An error occurred while
+    generating the dataset)"."""
+    recipe = _recipe(scenario, tmp_path)
+    rows = [f"hello {i}" for i in range(20)]
+    _first_data_file(recipe, tmp_path, "c.csv", "text\n" + "\n".join(rows[:10] + ["x,y,z"] + rows[10:]) + "\n")
+    [line] = _refused_alike(recipe, tmp_path)
+    assert "c.csv" in line and "An error occurred while generating the dataset" not in line, line
