@@ -967,18 +967,18 @@ def test_a_damaged_shard_is_told_from_its_header():
 KNOWN = pytest.mark.xfail(strict=True, reason="a known disagreement between validate and run, not fixed yet")
 
 
-@KNOWN
 @pytest.mark.parametrize("where, rho", [("rho", 1e300), ("rho", -1e300), ("rho", 1e30), ("head.rho", 1e300)])
 def test_a_rho_the_weights_cannot_hold_is_refused_alike(scenario, tmp_path, where, rho):
     """`rho: 1e300` (docs: "any real"): validate passed it; run merged, calibrated, then stopped with exit 1 ("layer 0:
-    calibrated layer produced NaN/Inf hidden states"; for head.rho "LM head: the solution has NaN/Inf"). rho 1e20 runs."""
+    calibrated layer produced NaN/Inf hidden states"; for head.rho "LM head: the solution has NaN/Inf"). rho 1e20 ran.
+    Now |rho| is at most 100 (the anchor extrapolates the task vector rho times: past that it is no anchor)."""
     recipe = _recipe(scenario, tmp_path)
     if where == "rho":
         recipe["featcal"]["rho"] = rho
     else:
         recipe["featcal"]["head"] = {"rho": rho}
     [line] = _refused_alike(recipe, tmp_path)
-    assert f"featcal.{where}" in line, line
+    assert f"featcal.{where}: " in line and "100" in line, line
     assert not (tmp_path / "merged").exists()
 
 
@@ -1078,7 +1078,6 @@ def test_a_jsonl_record_with_a_key_given_twice_is_refused_alike(scenario, tmp_pa
     assert "twice.jsonl: record 10" in error and "twice" in error.split("record 10")[1], error
 
 
-@pytest.mark.xfail(strict=True, reason="validate reaches the Hub without --online (a slow refusal offline), not fixed yet")
 @pytest.mark.parametrize("source, refused", [("Base", True), ("someorg/sometok", False)])
 def test_a_tokenizer_source_that_is_no_local_model_is_not_looked_up_without_online(scenario, tmp_path, monkeypatch, source, refused):
     """`tokenizer_source: Base` (a capital B: no such directory) or a hub id: validate refuses the first in one line

@@ -40,10 +40,12 @@ class PerLayer(RecipeModel):
 
 # a fixed value, a candidate list, the documented default set, or one value per layer
 Tunable = float | tuple[float, ...] | Literal["auto"] | PerLayer
+# |rho| past this is no anchor: the merge's task vector scaled so far overflows the weights (1e30 gives NaN at layer 0)
+RHO_LIMIT = 100.0
 _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
     "lambda": (0.0, False, None),
     "alpha": (0.0, True, 1.0),
-    "rho": (None, True, None),
+    "rho": (-RHO_LIMIT, True, RHO_LIMIT),
     "reduction": (0.0, True, 1.0),
 }
 METHODS = ("featcal", "regmean", "regmean++")
@@ -151,7 +153,7 @@ class FeatCalConfig(RecipeModel):
     max_length: int = Field(2048, ge=2, le=MAX_TOKENS, description="tokens per record; longer records are truncated")
     lambda_: Tunable = Field(1e-5, alias="lambda", description="ridge strength of the re-fit (> 0); a number, a list of candidates, auto, or {per_layer: [...]}")
     alpha: Tunable = Field(0.15, description="target input mix: alpha times the expert's input plus (1 - alpha) times the calibrated model's (0 to 1); tunable like lambda")
-    rho: Tunable = Field(0.5, description="ridge anchor rho * merged + (1 - rho) * base (any real; above 1 extrapolates past the merge); tunable like lambda")
+    rho: Tunable = Field(0.5, description="ridge anchor rho * merged + (1 - rho) * base (-100 to 100; above 1 extrapolates past the merge); tunable like lambda")
     tune: TuneSpec | None = Field(None, description="how auto or candidate-list hyper-parameters are chosen (see tune:)")
     eps: float = Field(1e-8, gt=0, description="floor of each task's Gram norm in its weight 1 / max(norm, eps), also added to the ridge")
     shuffle: bool = Field(False, description="shuffle each expert's records (with seed) before taking the first samples")

@@ -144,7 +144,7 @@ class HeadSpec(RecipeModel):
     )
     lambda_: float = Field(1e-5, alias="lambda", gt=0, description="ridge strength of the head's re-fit")
     alpha: float = Field(1.0, ge=0, le=1, description="target input mix at the head (1: each expert's own logits)")
-    rho: float = Field(0.5, description="anchor rho * merged head + (1 - rho) * base head")
+    rho: float = Field(0.5, ge=-100, le=100, description="anchor rho * merged head + (1 - rho) * base head (-100 to 100, as featcal.rho)")
 
 
 # bounds far above any use, for a clear line instead of a run that cannot end (at 8B a step of 8 records takes about

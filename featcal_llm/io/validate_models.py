@@ -177,7 +177,9 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         if source is not None:
             sources[str(reference)] = source
     builds_tokenizer = merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
-    local = len(sources) == len(experts) + 1  # mergekit builds its tokenizer from every model's files: here, all local
+    # mergekit builds its tokenizer from every model's files and the source's: here, all local (else left to run, which
+    # checks it before merging; validate asks the Hub nothing without --online)
+    local = len(sources) == len(experts) + 1 and _local_source(merge_config)
     if base_config is not None and not supplied and (local or not builds_tokenizer):  # run's check before it merges
         expected = merge_vocabulary(merge_config, sources, base_config.get("vocab_size"), bool(getattr(featcal, "trust_remote_code", False)))
         for expert_config, expert_what in vocabularies if expected is not None else ():
@@ -271,6 +273,14 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
         mine, theirs = _shape(base, key), _shape(other, key)
         if mine is not None and theirs is not None and mine != theirs:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
+
+
+def _local_source(merge_config: Any) -> bool:
+    """Whether the tokenizer source the recipe names is `base`, `union` or a model in a local directory."""
+    source = merge_config.tokenizer.source if merge_config.tokenizer is not None else merge_config.tokenizer_source
+    if source is None or isinstance(source, str):
+        return True
+    return all(path is None or Path(path.path).is_dir() for path in (source.model, source.lora))
 
 
 def _same_vocabulary(expected: MergeVocabulary, expert: dict, what: str) -> None:
