@@ -74,8 +74,12 @@ def _leaves(setting: Any) -> Iterator[Any]:
         yield setting
 
 
-def _bad_value(schema: dict, setting: Any) -> Any:
-    """The first value of `setting` mergekit's validation of this parameter's type would refuse (None when all pass)."""
+# far past any merge weight, density or scale; mergekit multiplies tensors by such a value and writes inf or NaN
+LARGEST_VALUE = 1e6
+
+
+def _bad_value(schema: dict, setting: Any) -> tuple[Any, str] | None:
+    """The first value of `setting` mergekit would refuse or merge into inf/NaN, and what is expected (None when all pass)."""
     from pydantic import TypeAdapter, ValidationError
 
     adapter = TypeAdapter(_python_type(schema))
@@ -83,24 +87,41 @@ def _bad_value(schema: dict, setting: Any) -> Any:
         try:
             adapter.validate_python(value)
         except ValidationError:
-            return value if value is not None else "null"
+            return (value if value is not None else "null"), _type_words(schema)
+        if isinstance(value, float) and value != value or isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and abs(value) > LARGEST_VALUE:  # .nan, .inf, 1e300: a number mergekit takes, and a merge of NaN
+            return value, f"a finite number between -{LARGEST_VALUE:.0f} and {LARGEST_VALUE:.0f}"
     return None
 
 
-def _inputs(config: Any) -> list[tuple[str, Any, list[dict | None]]]:
-    """Each input model of the merge: (its key in the recipe, its reference, its settings from the most specific).
+def covers_every_tensor(setting: Any) -> bool:
+    """Whether a parameter setting gives every tensor a value: a number, a gradient, or a conditional list (or entry)
+    with an entry that has no filter. A setting whose every entry has a filter leaves the tensors none matches to the
+    next level (mergekit's model → slice → top-level parameters), and without one there, "Missing required parameter"."""
+    if isinstance(setting, list):
+        if not setting:
+            return False
+        return any(covers_every_tensor(item) for item in setting) if any(hasattr(item, "filter") for item in setting) else True
+    if hasattr(setting, "filter"):
+        return setting.filter is None
+    return True
+
+
+def merge_inputs(config: Any) -> list[tuple[str, Any, list[tuple[str, dict | None]]]]:
+    """Each input model of the merge: (its key in the recipe, its reference, (key, settings) from the most specific).
 
     As mergekit's planner reads them: a base model not listed among the inputs is added without parameters.
     """
     base, found = config.base_model, []
-    top = [config.parameters]
+    top = [("parameters", config.parameters)]
     if config.models:
-        found = [(f"models.{i}", entry.model, [entry.parameters, *top]) for i, entry in enumerate(config.models)]
+        found = [(f"models.{i}", entry.model, [(f"models.{i}.parameters", entry.parameters), *top]) for i, entry in enumerate(config.models)]
         if base is not None and all(entry.model != base for entry in config.models):
             found.append(("base_model", base, top))
     for i, output_slice in enumerate(config.slices or []):
-        chain = [output_slice.parameters, *top]
-        found += [(f"slices.{i}.sources.{j}", source.model, [source.parameters, *chain]) for j, source in enumerate(output_slice.sources)]
+        chain = [(f"slices.{i}.parameters", output_slice.parameters), *top]
+        found += [(f"slices.{i}.sources.{j}", source.model, [(f"slices.{i}.sources.{j}.parameters", source.parameters), *chain])
+                  for j, source in enumerate(output_slice.sources)]
         if base is not None and all(source.model != base for source in output_slice.sources):
             found.append(("base_model", base, chain))
     return found
@@ -144,12 +165,20 @@ def parameter_problems(config: Any, file: str) -> list[Problem]:
                 continue
             bad = _bad_value(spec[parameter]["type"], setting)
             if bad is not None:
-                problems.append(Problem(file, where, f"expected {_type_words(spec[parameter]['type'])} (got {bad!r})"))
+                problems.append(Problem(file, where, f"expected {bad[1]} (got {bad[0]!r})"))
     base = config.base_model if method["base"] != "ignored" else None
-    for key, reference, chain in _inputs(config):
+    for key, reference, chain in merge_inputs(config):
         for parameter, entry in spec.items():
             needed = entry["required"] and (entry["scope"] == "input" or (entry["scope"] == "non_base" and reference != base))
-            if needed and not any(parameter in (settings or {}) for settings in chain):
+            given = [(site, settings[parameter]) for site, settings in chain if parameter in (settings or {})]
+            if needed and given and not any(covers_every_tensor(setting) for _, setting in given):
+                where = f"{given[0][0]}.{parameter}"  # the most specific: where the filters are written
+                gap = "an empty list gives no tensor" if given[0][1] == [] else "every entry has a filter, so a tensor none matches has no"
+                if not any(problem.key == where for problem in problems):
+                    problems.append(Problem(file, where, f"{gap} {parameter} (mergekit: \"Missing required parameter\"); add an "
+                                                         f"entry without a filter, or set {parameter} under the top-level parameters:"))
+                continue
+            if needed and not given:
                 site = f"{key}.parameters" if key != "base_model" else "parameters"
                 if (site, f"; did you mean {parameter!r}?") in hinted:
                     continue  # the misspelt name is the problem, reported above
@@ -174,7 +203,7 @@ def _count_problems(config: Any, method: dict, base: Any, file: str) -> list[Pro
         return []  # io/recipe.py: FeatCal needs a base model in every case
     if method["base"] == "forbidden" and config.base_model is not None:
         return [Problem(file, "base_model", f"merge method {name} does not take a base model")]
-    references = {str(reference) for _, reference, _ in _inputs(config)}
+    references = {str(reference) for _, reference, _ in merge_inputs(config)}
     count = len(references)
     non_base = count - (base is not None and str(base) in references)
     for what, value, low, high in (("models", count, method["min_inputs"], method["max_inputs"]),

@@ -25,6 +25,7 @@ from featcal_llm.io.block import FEATCAL_ONLY, REGMEAN_ONLY, FeatCalConfig, besi
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.forms import check_forms
 from featcal_llm.io.mergekit_config import MergeConfiguration
+from featcal_llm.io.merge_values import value_problems
 from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.merge_settings import merge_setting_problems
 from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
@@ -213,6 +214,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     if len(problems) > before:  # a form FeatCal cannot calibrate: what follows would only repeat it
         return ()
     problems.extend(parameter_problems(merge_config, str(path)))
+    problems.extend(value_problems(merge_config, str(path)))
     if merge_config.base_model is None:
         problems.append(Problem(str(path), "base_model", "FeatCal needs the base model the experts were fine-tuned from"))
     experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))

@@ -117,7 +117,13 @@ def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dic
 def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> None:
     """`run --log FILE` appends to FILE from the start, before any check: it may not be a file the run reads (a
     recipe or calibration file would be corrupted), nor lie inside the output or a merge the run writes (it would
-    create that folder first, and be deleted with it). A recipe that does not parse is left to the run's own checks."""
+    create that folder first, and be deleted with it), nor be a folder or lie under a file (the log could not be
+    opened). A recipe that does not parse is left to the run's own checks."""
+    if log.is_dir():
+        raise FeatCalError(f"--log: {log} is a folder; name a file (the run appends its messages to it)")
+    nearest = next((parent for parent in log.parents if parent.exists()), None)  # the folder the log's own are made in
+    if nearest is not None and not nearest.is_dir():
+        raise FeatCalError(f"--log: {log} lies under {nearest}, which is a file; name a file in a folder")
     parsed = read_recipe(path)
     if parsed.merge_config is None:
         return
