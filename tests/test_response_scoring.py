@@ -168,7 +168,7 @@ def test_completion_reads_trl_s_field_names_by_default():
 @pytest.mark.parametrize("field, value, kind", [
     ("prompt", [{"role": "user", "content": "2+3="}], "a list of messages (TRL's conversational form)"),
     ("completion", [{"role": "assistant", "content": "5"}], "a list of messages (TRL's conversational form)"),
-    ("completion", 5, "a int"),
+    ("completion", 5, "a number (int)"),
 ])
 def test_completion_refuses_a_field_that_is_not_a_string_in_one_line(field, value, kind):
     tokenizer = build_char_tokenizer()
@@ -205,7 +205,7 @@ def test_a_conversational_completion_file_is_refused_before_anything_is_written(
 @pytest.mark.parametrize("spec, record, field, kind", [
     (DataSpec(path="cal.jsonl"), {"text": None}, "text", "null (or missing: datasets fills a field some records lack with null)"),
     (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": ["a", "b"], "response": "c"}, "instruction", "a list"),
-    (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": "a", "input": 3, "response": "c"}, "input", "a int"),
+    (DataSpec(path="cal.jsonl", format="alpaca"), {"instruction": "a", "input": 3, "response": "c"}, "input", "a number (int)"),
     (DataSpec(path="cal.jsonl", format="chat"), {"prompt": "hi", "response": {"text": "yo"}}, "response", "a dict"),
 ])
 def test_every_format_refuses_a_text_field_that_is_not_text(spec, record, field, kind):

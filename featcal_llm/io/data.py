@@ -144,6 +144,47 @@ def not_utf8(error: UnicodeDecodeError) -> str:
     return f"cannot load calibration data (not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset {error.start})"
 
 
+class RepeatedKey(ValueError):
+    """A JSON object that gives one key twice: `json` keeps the last value, Arrow (datasets' reader) refuses the file."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json` object hook that refuses a repeated key, as the run's reader does."""
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise RepeatedKey(repeated)
+    return dict(pairs)
+
+
+def repeated_key(where: str, record: int, key: str) -> FeatCalError:
+    return FeatCalError(f"{where}: record {record} gives the key {key!r} twice; keep one (datasets refuses a repeated key)")
+
+
+def _first_repeated_key(path: Path) -> tuple[int, str] | None:
+    """(record, key) of the first JSON-lines record that repeats a key, for a load datasets refused."""
+    record = 0
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line, object_pairs_hook=distinct_keys)
+                except RepeatedKey as error:
+                    return record, error.key
+                except ValueError:
+                    return None
+                record += 1
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None
+
+
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
     datasets = heavy_import("datasets")
@@ -152,7 +193,8 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     path = data_path(spec, base_dir)
     try:
         if path.is_file():
-            return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
+            with _datasets_errors_unlogged():  # refused below in one line of ours
+                return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         if not looks_like_hub_id(spec.path):
@@ -161,8 +203,30 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     except FeatCalError:
         raise
     except Exception as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        repeated = _first_repeated_key(path) if path.is_file() and path.suffix.lower() in (".jsonl", ".json") else None
+        if repeated is not None:
+            raise repeated_key(f"{where}.path: {spec.path}", *repeated) from None
+        cause = error.__cause__ if type(error).__name__ == "DatasetGenerationError" and error.__cause__ else error
+        message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__  # the reader's words
         raise FeatCalError(f"{where}.path: {spec.path}: cannot load calibration data ({message})") from None
+
+
+def _datasets_errors_unlogged() -> Any:
+    """datasets logs a reader's error before raising it; the raise is reported, once."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def quiet():
+        logger = logging.getLogger("datasets")
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+    return quiet()
 
 
 def _field(record: dict, key: str, where: str, index: int) -> Any:
@@ -179,7 +243,7 @@ def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -
         raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is empty; drop the record or fill it")
     if isinstance(value, str):
         return value
-    kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else f"a {type(value).__name__}"
+    kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else {"int": "a number (int)", "float": "a number (float)", "bool": "true or false"}.get(type(value).__name__, f"a {type(value).__name__}")
     hint = f"format: {spec.format} reads it as text" + ("; for a list of messages, use format: chat with messages" if isinstance(value, list) else "")
     if spec.format == "completion":
         messages = isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)

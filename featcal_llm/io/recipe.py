@@ -117,6 +117,23 @@ def _read_yaml_mapping(path: Path, problems: list[Problem] | None = None) -> dic
     return raw
 
 
+def _one_model_two_ways(merge_config: Any) -> list[str]:
+    """Local models written two ways that are one folder (a link and its target, a trailing slash): mergekit merges
+    each as an input of its own, so the model counts twice (and an expert that is the base is calibrated toward it)."""
+    import os
+
+    written = [entry.model for entry in merge_config.models or ()]
+    written += [merge_config.base_model] if merge_config.base_model is not None else []
+    folders: dict[str, list[str]] = {}
+    for reference in written:
+        if reference.lora is None and Path(reference.model.path).is_dir():
+            spellings = folders.setdefault(os.path.realpath(reference.model.path), [])
+            if str(reference) not in spellings:
+                spellings.append(str(reference))
+    return [f"{' and '.join(spellings)} are one model (the folder {folder}); list each model once, written one way"
+            for folder, spellings in folders.items() if len(spellings) > 1]
+
+
 def _experts_of(merge_config: Any) -> list[Any]:
     """Every input model except the base, in recipe order, from `models:` or `slices:`."""
     references: list[Any] = []
@@ -225,6 +242,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
     base = str(merge_config.base_model) if merge_config.base_model is not None else None
+    problems.extend(Problem(str(path), "models", message) for message in _one_model_two_ways(merge_config))
     if base in listed and featcal is not None and base in featcal.data:
         problems.append(Problem(str(path), f"featcal.data.{base}", "this is the base_model, not an expert: calibrating toward "
                                 "the base would pull the merge back to it; remove its data entry"))

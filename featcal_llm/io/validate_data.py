@@ -12,8 +12,9 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, chat_messages, data_path, file_builder, looks_like_hub_id, no_records,
-                                 not_utf8, text_field, text_fields, alpaca_input, close_sibling, file_not_found)
+from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, chat_messages, data_path, distinct_keys, file_builder,
+                                 looks_like_hub_id, no_records, not_utf8, repeated_key, text_field, text_fields, alpaca_input,
+                                 close_sibling, file_not_found)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -180,12 +181,15 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
             raise FeatCalError(f"{where}: {not_utf8(error)}") from None
         if not header:
             raise FeatCalError(f"{unreadable} (no header row)")
+        _pandas_reads_head(path, unreadable)
         return header, rows, False
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet
 
-            return list(parquet.read_schema(path).names), [], False
+            table = parquet.ParquetFile(path)
+            first = next(table.iter_batches(batch_size=FIELD_SCAN_LINES), None)  # the run's values, as datasets hands them
+            return list(table.schema_arrow.names), first.to_pylist() if first is not None else [], False
         except ImportError:
             return None, [], False
         except Exception as error:
@@ -214,7 +218,9 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line, object_pairs_hook=distinct_keys))
+            except RepeatedKey as error:
+                raise repeated_key(where, len(records), error.key) from None
             except ValueError:
                 if suffix == ".jsonl" and number == 1 and whole and _is_json(path):
                     return None, [], False  # a whole JSON document in a .jsonl file: datasets reads it
@@ -241,6 +247,21 @@ def csv_rows(reader: Any, header: list[str]) -> list[dict]:
         if cells:  # a blank line is no row to pandas
             rows.append({name: (None if cell in CSV_MISSING else cell) for name, cell in zip(header, cells)})
     return rows
+
+
+def _pandas_reads_head(path: Path, unreadable: str) -> None:
+    """The first rows of a CSV file through pandas, datasets' CSV reader: a row of more cells than the header (past
+    pandas' implicit index) is its ParserError, which the run reports in the same words."""
+    try:
+        import pandas
+    except ImportError:
+        return
+    try:
+        pandas.read_csv(path, nrows=FIELD_SCAN_LINES, encoding="utf-8")
+    except pandas.errors.ParserError as error:
+        raise FeatCalError(f"{unreadable} ({str(error).strip().splitlines()[0]})") from None
+    except (ValueError, OSError, UnicodeDecodeError):
+        return  # the checks above and the run's own say it
 
 
 def _is_json(path: Path) -> bool:
