@@ -83,3 +83,50 @@ def test_bf16_logits_are_measured_in_float32():
     reference = topk_kl_rows(student.double(), exact[0], exact[1], exact[2])
     assert rows.dtype == torch.float32 and bool((rows >= 0).all())
     assert torch.allclose(rows.double(), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_k_above_the_vocabulary_keeps_the_whole_vocabulary():
+    """refine's `top_k` may exceed a small model's vocabulary: the teacher keeps every token, and the KL is the full one."""
+    generator = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(3, 8, generator=generator, dtype=torch.float64), torch.randn(3, 8, generator=generator, dtype=torch.float64)
+    top, index, rest = topk_teacher(teacher, 20)
+    assert top.shape == index.shape == (3, 8)
+    assert sorted(index[0].tolist()) == list(range(8))
+    assert float(topk_kl(student, top, index, None, rest)) == pytest.approx(float(full_kl(student, teacher)), rel=1e-10)
+
+
+def test_k_at_the_vocabulary_without_the_rest_reads_the_full_kl_in_float32():
+    """At k = vocab in float32, 1 − Σ exp(top-k) rounds to ±1e-7 (above 0 on some rows of this teacher): the rest's bin
+    is empty whatever it rounds to, and the KL is the full-vocabulary one, not 1e-7 · 1e30."""
+    from featcal_llm.maths.topk_kl import topk_kl_rows
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(64, 8, generator=generator) * 3
+    student = torch.randn(64, 8, generator=generator) * 3
+    top, index, _ = topk_teacher(teacher, 8)
+    assert bool(((1 - top.exp().sum(-1)) > 0).any())  # the case this guards
+    p_log, q_log = torch.log_softmax(teacher.double(), -1), torch.log_softmax(student.double(), -1)
+    by_hand = (p_log.exp() * (p_log - q_log)).sum(-1)
+    assert torch.allclose(topk_kl_rows(student, top, index).double(), by_hand, rtol=1e-4, atol=1e-5)
+
+
+def test_float16_top_k_summing_past_one_leave_the_rest_empty():
+    """A float16 teacher whose k tokens hold nearly all its mass: their probabilities can sum past 1 by rounding, and
+    without the rest given, the rest's bin is then empty (log1p(−1)), not log1p of a negative number (NaN): the KL is
+    over the k tokens alone, the teacher's normalised."""
+    from featcal_llm.maths.topk_kl import topk_kl_rows
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(64, 50, generator=generator) * 3
+    teacher[:, :4] += 40
+    student = torch.randn(64, 50, generator=generator)
+    top, index, _ = topk_teacher(teacher, 4)
+    stored = top.to(torch.float16)
+    past_one = stored.double().exp().sum(-1) > 1
+    assert int(past_one.sum()) > 10  # the case this guards
+    rows = topk_kl_rows(student, stored, index)
+    assert bool(torch.isfinite(rows).all())
+    p_log = torch.log_softmax(stored.double(), -1)  # the k tokens normalised, the rest empty
+    q_top = torch.log_softmax(student.double(), -1).gather(-1, index)
+    by_hand = (p_log.exp() * (p_log - q_top)).sum(-1)
+    assert torch.allclose(rows.double()[past_one], by_hand[past_one], rtol=1e-5, atol=1e-6)
