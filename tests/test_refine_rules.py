@@ -256,3 +256,29 @@ def test_refines_saved_generators_are_the_cpus_and_its_own_gpus(monkeypatch):
     refine_progress.set_rng_state(saved, torch.device("cuda", 0))  # resumed where one GPU is visible
     assert calls[-1] == ("set", torch.device("cuda", 0), 7)
     assert set(refine_progress.rng_state(torch.device("cpu"))) == {"cpu"}
+
+
+def test_the_warm_up_rounds_its_share_of_the_steps_to_the_nearest_step():
+    """warm-up 0.3 of 9 steps is 2.7: 3 steps (1/3, 2/3, 1), then the cosine over the 6 after them; not 2 (truncated)."""
+    import math
+
+    from featcal_llm.engine.refine_schedule import lr_factor
+
+    assert [lr_factor(step, 9, 0.3) for step in (0, 1, 2)] == pytest.approx([1 / 3, 2 / 3, 1.0], abs=1e-15)
+    for step in range(3, 10):
+        assert lr_factor(step, 9, 0.3) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * (step - 3) / 6)) / 2, abs=1e-15)
+
+
+def test_the_scheduler_can_read_past_a_warm_up_that_fills_every_step():
+    """torch's LambdaLR reads the factor once more after the last step (step = steps). Where the warm-up rounds to
+    every step (one step; or 0.75 of 2 steps, 1.5 → 2), no cosine steps remain: the factor there is the peak's, not a
+    division by zero that would end a finished refinement with a traceback."""
+    from featcal_llm.engine.refine_schedule import lr_factor
+
+    assert lr_factor(0, 1, 0.1) == 1.0 and lr_factor(1, 1, 0.1) == pytest.approx(1.0, abs=1e-15)
+    assert [lr_factor(step, 2, 0.75) for step in (0, 1)] == [0.5, 1.0] and lr_factor(2, 2, 0.75) == pytest.approx(1.0, abs=1e-15)
+    scheduled = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0),
+                                                  lambda step: lr_factor(step, 1, 0.1))
+    scheduled.optimizer.step()
+    scheduled.step()  # after the only step: reads lr_factor(1, 1, 0.1)
+    assert scheduled.get_last_lr() == pytest.approx([2.0])
