@@ -282,3 +282,56 @@ def test_the_scheduler_can_read_past_a_warm_up_that_fills_every_step():
     scheduled.optimizer.step()
     scheduled.step()  # after the only step: reads lr_factor(1, 1, 0.1)
     assert scheduled.get_last_lr() == pytest.approx([2.0])
+
+
+def test_an_expert_with_no_judged_tokens_reads_zero_and_is_never_raised():
+    """Held-out records can judge no token (a record of one token predicts nothing): the expert's KL is 0 / 1, not a
+    ZeroDivisionError, and with no token there is no rise to judge. No expert at all: a mean of 0."""
+    from featcal_llm.engine.refine_rules import expert_kls, mean_kl, raised
+
+    empty = {"sums": [0.0, 0.0], "counts": [0, 0]}
+    assert expert_kls({"a": empty, "b": _one_record(0.3)}) == {"a": 0.0, "b": pytest.approx(0.3)}
+    assert mean_kl({"a": empty, "b": _one_record(0.3)}) == pytest.approx(0.15)
+    assert mean_kl({}) == 0.0
+    assert raised({"a": {"sums": [0.5, 0.0], "counts": [0, 0]}}, {"a": empty}) == []
+
+
+def test_an_unchanged_expert_is_not_raised_by_rounding():
+    """A check that leaves an expert's records as they were (sums 1.3, 2.7: not float32 numbers) finds no rise: the
+    difference is taken in float64, where it is 0, not 4.8e-8 from a float32 copy of the sums before (one record: any
+    rise counts)."""
+    from featcal_llm.engine.refine_rules import raised
+
+    same = {"a": {"sums": [1.3], "counts": [10]}, "b": {"sums": [1.3, 2.7], "counts": [10, 20]}}
+    assert raised(same, same) == []
+    assert raised({"a": {"sums": [1.3 + 1e-9], "counts": [10]}}, same) == ["a"]  # a real rise, however small, on one record
+
+
+def test_the_spread_of_a_checks_step_losses_is_the_sample_standard_deviation():
+    import statistics
+
+    from featcal_llm.engine.refine_rules import spread
+
+    assert spread([0.3]) is None and spread([]) is None
+    losses = [0.12, 0.15, 0.11, 0.19]
+    assert spread(losses) == pytest.approx(statistics.stdev(losses), rel=1e-12)
+    assert spread([1.0, 3.0]) == pytest.approx(2 ** 0.5, rel=1e-12)  # √(((1 − 2)² + (3 − 2)²) / (2 − 1))
+
+
+def test_why_no_check_was_kept_at_the_edges():
+    """A check that ties the closed form's held-out KL did not lower it (no trade); a training KL that did not move at
+    all, with no spread measured, moved neither way; a diverged run's spread (NaN) is no noise to quote; no check: says so."""
+    from featcal_llm.engine.refine_rules import why_none_kept
+
+    def check(step, held, train, above=(), sd=None):
+        return {"step": step, "held_out_kl": held, "train_kl": train, "above_closed_form": list(above), "train_kl_sd": sd}
+
+    start = {"step": 0, "held_out_kl": 0.10, "train_kl": 0.02, "per_expert": {}}
+    assert why_none_kept([start], 1e-4) == "no check ran"
+    assert why_none_kept([start, check(5, 0.10, 0.02, ["b"])], 1e-4) == (
+        "the training KL did not move beyond its noise, from 0.02 (the closed form, on the first step's records) to 0.02 "
+        "(the steps before the last check): the checks do not tell why; a smaller refine.lr (say 1e-05) is the cheapest try")
+    nan = float("nan")
+    assert why_none_kept([start, check(5, nan, nan, sd=nan)], 1e-4) == (
+        "the training KL rose as well, from 0.02 (the closed form, on the first step's records) to nan (the steps before "
+        "the last check): the steps overshoot; a smaller refine.lr (say 1e-05) may help")
