@@ -121,6 +121,7 @@ def padded(tok):
     ({}, 128),  # the base's rows, copied
     ({"tokenizer_source": "base"}, 100),  # the base's tokenizer: its 100 tokens, whatever its config counts
     ({"tokenizer": {"source": "base", "pad_to_multiple_of": 48}}, 144),
+    ({"tokenizer": {"source": "base", "pad_to_multiple_of": 50}}, 100),  # a multiple already: not padded a further 50
     ({"tokenizer_source": "union"}, 101),  # expert_x's <x> joins
     ({"tokenizer": {"source": "base", "tokens": {"<z>": {"source": {"kind": "zero"}}}}}, 101),
 ])
@@ -160,3 +161,37 @@ def test_run_refuses_an_expert_short_of_the_merge_s_tokenizer_before_merging_on_
     line = refused(write_recipe(tok, tmp_path, "padded", merge, experts))
     assert f"error: expert {experts[0]}: vocabulary of 100 rows, the merge mergekit makes" in line and "has 128" in line
     assert not (tmp_path / "merged_padded").exists() and not (tmp_path / "merged_padded.merging").exists()
+
+
+def test_the_merge_s_vocabulary_is_not_known_from_a_base_config_without_its_size():
+    """The base's config.json without `vocab_size` and the base's tokenizer kept: no rows to check the experts against
+    (None), not a vocabulary of None rows that every expert would differ from."""
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.merge_vocabulary import merge_vocabulary
+
+    config = MergeConfiguration.model_validate({"merge_method": "task_arithmetic", "base_model": "/nowhere/base",
+                                                "models": [{"model": "/nowhere/expert", "parameters": {"weight": 0.5}}]})
+    assert merge_vocabulary(config, None, None, trust_remote_code=False) is None
+    assert merge_vocabulary(config, None, 100, trust_remote_code=False).rows == 100
+
+
+def test_building_the_merge_s_tokenizer_leaves_mergekit_s_logging_as_it_was(padded):
+    """mergekit's logger is silenced while its builder runs, and set back to the caller's level after."""
+    import logging
+
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.merge_vocabulary import merge_vocabulary
+
+    config = MergeConfiguration.model_validate({
+        "merge_method": "task_arithmetic", "base_model": str(padded / "padded_base"), "tokenizer_source": "union",
+        "models": [{"model": str(padded / name), "parameters": {"weight": 0.5}} for name in ("padded_expert0", "expert_x")]})
+    logger = logging.getLogger("mergekit")
+    level = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        assert merge_vocabulary(config, None, 128, trust_remote_code=False).rows == 101
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(level)
