@@ -658,3 +658,62 @@ def test_hf_engine_args_are_checked_before_the_calibration_by_the_models_config(
         recipe = _write(scenario, tmp_path, lambda r, _t, e=engine_args: r["featcal"].__setitem__(
             "eval", {"tasks": ["arc_challenge"], "backend": {"name": "hf", "engine_args": e}}))
         assert [str(problem).removeprefix(f"{recipe}: ") for problem in featcal_llm.validate(recipe)] == expected
+
+
+def test_a_block_s_pydantic_errors_read_as_a_recipe_spells_them():
+    """io/problems.pydantic_problems on a block of its own: a long value cut at 60 characters (57 and "..."), a
+    literal's choices as YAML spells them (true/false, not Python's True/False), and a validator's "was renamed" message
+    without the value appended."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+    from featcal_llm.io.problems import pydantic_problems
+
+    class Block(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        samples: int = 1
+        shuffle: Literal["auto", True, False] = "auto"
+        name: str = "x"
+
+        @field_validator("name")
+        @classmethod
+        def _renamed(cls, value):
+            if value == "old":
+                raise ValueError("'old' was renamed to 'new'")
+            return value
+
+    with pytest.raises(ValidationError) as caught:
+        Block.model_validate({"samples": "x" * 80, "shuffle": "sometimes", "name": "old"})
+    assert [str(problem) for problem in pydantic_problems("r.yaml", caught.value, "featcal.block", Block)] == [
+        "r.yaml: featcal.block.samples: Input should be a valid integer, unable to parse string as an integer (got '"
+        + "x" * 56 + "...)",
+        "r.yaml: featcal.block.shuffle: Input should be 'auto', true or false (got 'sometimes')",
+        "r.yaml: featcal.block.name: 'old' was renamed to 'new'"]
+
+
+def test_problems_keep_their_file_and_their_order_in_the_document():
+    """A check's error text becomes a problem with its key only where the text starts with one (no spaces); a check that
+    raises RecipeProblems keeps each problem's own file; problems sort as their keys appear in the block, a key the
+    block lacks after every key it has."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order
+
+    assert Problem.from_error("r.yaml", "r.yaml: featcal.samples: must be positive") == Problem("r.yaml", "featcal.samples", "must be positive")
+    assert Problem.from_error("r.yaml", "the data file is empty: add records") == Problem("r.yaml", "", "the data file is empty: add records")
+    problems: list[Problem] = []
+
+    def data_problems():
+        raise RecipeProblems([Problem("data.jsonl", "", "line 3: not JSON"), Problem("data.jsonl", "text", "missing")])
+
+    def one_line():
+        raise FeatCalError("r.yaml: featcal.seed: not an integer")
+
+    assert collect(problems, "r.yaml", data_problems) is None and collect(problems, "r.yaml", one_line) is None
+    assert collect(problems, "r.yaml", lambda: 7) == 7
+    assert problems == [Problem("data.jsonl", "", "line 3: not JSON"), Problem("data.jsonl", "text", "missing"),
+                        Problem("r.yaml", "featcal.seed", "not an integer")]
+    block = {"merged": "m", "data": {"path": "d", "samples": 4}, "seed": 1}
+    unsorted = [Problem("r", "featcal.seed", "a"), Problem("r", "featcal.nowhere", "b"), Problem("r", "featcal.data.samples.0", "c"),
+                Problem("r", "featcal.merged", "d")]
+    assert [problem.message for problem in in_document_order(unsorted, block, "featcal")] == ["d", "c", "a", "b"]
