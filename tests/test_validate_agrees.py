@@ -1194,3 +1194,18 @@ def test_one_model_written_two_ways_is_refused_alike(scenario, tmp_path, spellin
         line.endswith(f"r.yaml: models: {other} and {target} are one model (the folder {os.path.realpath(target)}); "
                       "list each model once, written one way"), line
     assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("weight, says", [
+    (None, "expected {value, filter}, a list of {value, filter}, true or false, an integer, a number, a string or a list "
+           "of values (got null)"),
+    ([{"filter": "mlp"}], "expected {value, filter}, a list of {value, filter}, true or false, an integer, a number, a "
+                          "string or a list of values; 0.value is missing"),
+])
+def test_a_merge_parameter_of_no_form_mergekit_takes_is_one_line(scenario, tmp_path, weight, says):
+    """`weight: null`, or a filtered entry without its value: both commands printed 7 and 10 lines, one per member of
+    mergekit's parameter union (`models.1.parameters.weight.list[union[bool,int,float,str]].0.bool: ...`)."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["models"][1]["parameters"]["weight"] = weight
+    [line] = _refused_alike(recipe, tmp_path)
+    assert line.endswith(f"r.yaml: models.1.parameters.weight: {says}"), line

@@ -123,36 +123,90 @@ def _yaml_words(text: str) -> str:
     return re.sub(r"\b(True|False|None)\b", lambda found: {"True": "true", "False": "false", "None": "null"}[found.group()], text)
 
 
-def _union_members(root: type[BaseModel] | None, location: tuple) -> bool:
-    """Whether `location` ends in the tag pydantic gives one member of a union key (`batch_size.literal['auto']`)."""
-    if root is None or len(location) < 2 or not isinstance(location[-2], str) or not isinstance(location[-1], str):
-        return False
-    holder = model_at(root, location[:-1])
-    field = _field(holder, location[-2]) if holder is not None else None
-    if field is None or typing.get_origin(field.annotation) not in (typing.Union, types.UnionType):
-        return False
-    members = [member for member in typing.get_args(field.annotation) if member is not type(None)]
-    return len(members) > 1 and not any(_model_class(member) is not None and _field(_model_class(member), location[-1]) for member in members)
+def _members(annotation: Any) -> list[Any]:
+    """The members of a union annotation besides None (Annotated and Optional unwrapped); [] for any other."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    return [member for member in typing.get_args(annotation) if member is not type(None)]
+
+
+def _union_at(root: type[BaseModel] | None, location: tuple) -> tuple[int, Any] | None:
+    """(index, union annotation) where `location` reaches a key of several types and pydantic adds a member's tag
+    (`batch_size.literal['auto']`, `weight.list[ConditionalParameter].0.value`); None where it does not."""
+    current: Any = root
+    for index, part in enumerate(location):
+        members = _members(current)
+        if len(members) > 1:
+            return (index, current) if isinstance(part, str) else None
+        current = members[0] if members else current
+        model = _model_class(current) if isinstance(current, type) else None
+        if model is not None:
+            field = _field(model, part) if isinstance(part, str) else None
+            if field is None:
+                return None
+            current = field.annotation
+            continue
+        current = _container_item(current)
+        if current is None:
+            return None
+    return None
+
+
+def _described(annotation: Any) -> list[str]:
+    """A union member in a recipe's words: `{value, filter}`, a list of them, a number, true or false, 'auto'."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    members = _members(annotation)
+    if members:
+        return [words for member in members for words in _described(member)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return ["{" + ", ".join(known_keys(annotation)) + "}"]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return [_yaml_words(repr(value)) for value in typing.get_args(annotation)]
+    if origin in (list, tuple):
+        item = typing.get_args(annotation)[0] if typing.get_args(annotation) else None
+        inner = _described(item) if item is not None else []
+        return [f"a list of {inner[0]}" if len(inner) == 1 else "a list of values"]
+    return [{bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(annotation, getattr(annotation, "__name__", str(annotation)))]
 
 
 def one_error_per_key(errors: list[dict], root: type[BaseModel] | None) -> list[dict]:
-    """A union key's value that fits no member as one error: pydantic gives one per member, tagged with its type's name.
-
-    The members' messages are joined (`Input should be a valid integer or 'auto'`), so the key reads as the recipe names it.
-    """
-    merged: list[dict] = []
-    by_key: dict[tuple, dict] = {}
+    """A union key's value that fits no member as one error: pydantic gives one per member (and per error inside a
+    member), each tagged with the member's type. Two plain members' messages are joined (`Input should be a valid
+    integer or 'auto'`); a wider union is described by its members (`{value, filter}, a list of {value, filter}, ...`)."""
+    groups: dict[tuple, list[dict]] = {}
+    order: list[Any] = []
     for item in errors:
-        if not _union_members(root, item["loc"]):
-            merged.append(item)
+        found = _union_at(root, tuple(item["loc"]))
+        if found is None:
+            order.append(item)
             continue
-        key = tuple(item["loc"][:-1])
-        wanted = item["msg"].removeprefix("Value error, ").removeprefix("Input should be ").split(", ")[0]
-        if key in by_key:
-            by_key[key]["msg"] += f" or {wanted}"
+        key = tuple(item["loc"][: found[0]])
+        if key not in groups:
+            groups[key] = []
+            order.append((key, found[1]))
+        groups[key].append(item)
+    merged = []
+    for entry in order:
+        if isinstance(entry, dict):
+            merged.append(entry)
             continue
-        by_key[key] = {**item, "loc": key, "type": "union", "msg": f"Input should be {wanted}"}
-        merged.append(by_key[key])
+        key, annotation = entry
+        items = groups[key]
+        plain = all(len(item["loc"]) == len(key) + 1 for item in items)
+        if plain and len(items) <= 2:
+            wanted = [item["msg"].removeprefix("Value error, ").removeprefix("Input should be ").split(", ")[0] for item in items]
+            message = "Input should be " + " or ".join(dict.fromkeys(wanted))
+        else:
+            kinds = list(dict.fromkeys(_described(annotation)))
+            message = "expected " + (", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0])
+            missing = [".".join(str(part) for part in item["loc"][len(key) + 1:]) for item in items if item["type"] == "missing"]
+            if missing:  # the mapping form was meant, short of a key: say which
+                message += "; " + ", ".join(dict.fromkeys(f"{where} is missing" for where in missing))
+        merged.append({**items[0], "loc": key, "type": "union", "msg": message})
     return merged
 
 

@@ -28,7 +28,8 @@ from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.merge_values import value_problems
 from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.merge_settings import merge_setting_problems
-from featcal_llm.io.problems import Problem, RecipeProblems, collect, in_document_order, known_keys, pydantic_problems, suggestion
+from featcal_llm.io.problems import (Problem, RecipeProblems, collect, in_document_order, known_keys, one_error_per_key,
+                                     pydantic_problems, suggestion)
 from featcal_llm.startup import heavy_import
 
 @dataclass(frozen=True)
@@ -346,7 +347,7 @@ def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | Non
 def _mergekit_problems(path: Path, error: ValidationError) -> list[Problem]:
     """pydantic's errors of the mergekit part, one line each; a whole-recipe rule (exactly one of models/slices) without the recipe echoed."""
     problems = pydantic_problems(path, error, "", MergeConfiguration)
-    for index, item in enumerate(error.errors()):
+    for index, item in enumerate(one_error_per_key(error.errors(), MergeConfiguration)):  # one per problem, in order
         if isinstance(item.get("input"), (dict, list)) and item["type"] not in ("missing", "extra_forbidden"):
             problems[index] = Problem(str(path), problems[index].key, item["msg"].removeprefix("Value error, "))
     return problems
