@@ -1209,3 +1209,29 @@ def test_a_merge_parameter_of_no_form_mergekit_takes_is_one_line(scenario, tmp_p
     recipe["models"][1]["parameters"]["weight"] = weight
     [line] = _refused_alike(recipe, tmp_path)
     assert line.endswith(f"r.yaml: models.1.parameters.weight: {says}"), line
+
+
+@pytest.mark.parametrize("key, value", [("split", "validation"), ("split", "train[:4]"), ("name", "main")])
+def test_a_split_or_name_for_a_single_data_file_is_refused_alike(scenario, tmp_path, key, value):
+    """`split: validation` (or a slice, or a configuration `name:`) on an entry whose path is one file: both commands
+    had read the whole file as train without a word, so the records calibrated on were not the ones asked for."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["data"][_expert(recipe, 0)][key] = value
+    [line] = _refused_alike(recipe, tmp_path)
+    assert f"featcal.data.{_expert(recipe, 0)}.{key}: {value}: a single data file has no" in line, line
+    recipe["featcal"]["data"][_expert(recipe, 0)][key] = "train" if key == "split" else None  # as datasets reads it: fine
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")]).exit_code == 0
+
+
+def test_run_s_own_reader_refuses_a_split_for_a_single_file(tmp_path):
+    """run's reader, past validate, on both of its paths (the plain JSON-lines reader and datasets')."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data import calibration_sequences
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(4)))
+    spec = DataSpec(path=str(tmp_path / "d.jsonl"), split="test")
+    for shuffle in (False, True):
+        with pytest.raises(FeatCalError, match=r"featcal\.data\.e\.split: test: a single data file has no splits"):
+            calibration_sequences({"e": spec}, ["e"], None, 4, 16, shuffle, 0, tmp_path / "r.yaml")

@@ -144,6 +144,17 @@ def not_utf8(error: UnicodeDecodeError) -> str:
     return f"cannot load calibration data (not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset {error.start})"
 
 
+def check_file_options(spec: DataSpec, where: str) -> None:
+    """A single data file is one split of one configuration (datasets reads it as `train`): a `split:` other than
+    train or a `name:` would be ignored without a word, so each is refused."""
+    if spec.split != "train":
+        raise FeatCalError(f"{where}.split: {spec.split}: a single data file has no splits (it is read whole, as train); "
+                           "split applies to a dataset directory or a hub dataset")
+    if spec.name is not None:
+        raise FeatCalError(f"{where}.name: {spec.name}: a single data file has no configurations; name applies to a hub "
+                           "dataset or a dataset directory")
+
+
 class RepeatedKey(ValueError):
     """A JSON object that gives one key twice: `json` keeps the last value, Arrow (datasets' reader) refuses the file."""
 
@@ -193,6 +204,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     path = data_path(spec, base_dir)
     try:
         if path.is_file():
+            check_file_options(spec, where)
             with _datasets_errors_unlogged():  # refused below in one line of ours
                 return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
         if path.is_dir():
@@ -419,6 +431,8 @@ def calibration_sequences(
     for expert in experts:
         spec = data[expert]
         where = f"{recipe_path}: featcal.data.{expert}"
+        if data_path(spec, recipe_path.parent).is_file():
+            check_file_options(spec, where)
         records = None if shuffle else plain_jsonl_records(data_path(spec, recipe_path.parent))
         if records is None:
             records = load_records(spec, where, recipe_path.parent)

@@ -12,7 +12,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, chat_messages, data_path, distinct_keys, file_builder,
+from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, chat_messages, check_file_options, data_path, distinct_keys, file_builder,
                                  looks_like_hub_id, no_records, not_utf8, repeated_key, text_field, text_fields, alpaca_input,
                                  close_sibling, file_not_found)
 from featcal_llm.io.hub_lookup import hub_lookup
@@ -96,6 +96,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
     path = data_path(spec, base_dir)
     if path.is_file():
         file_builder(path, where)
+        check_file_options(spec, where)
         fields, records, complete = file_head(path, f"{where}.path: {spec.path}")
         check_fields(spec, where, fields)
         for index, record in enumerate(records[:taken]):
