@@ -1235,3 +1235,20 @@ def test_run_s_own_reader_refuses_a_split_for_a_single_file(tmp_path):
     for shuffle in (False, True):
         with pytest.raises(FeatCalError, match=r"featcal\.data\.e\.split: test: a single data file has no splits"):
             calibration_sequences({"e": spec}, ["e"], None, 4, 16, shuffle, 0, tmp_path / "r.yaml")
+
+
+@pytest.mark.parametrize("refine, key, says", [
+    ({"params": "full", "rank": 8}, "rank", "rank applies to params: adapter (or auto, which may choose it); params: full "
+                                            "trains every weight (got 8)"),
+    ({"lr": 2.0}, "lr", "Input should be less than or equal to 1 (got 2.0)"),
+])
+def test_a_refine_setting_the_run_would_ignore_or_diverge_on_is_refused_alike(scenario, tmp_path, refine, key, says):
+    """`refine: {params: full, rank: 8}`: the rank was ignored without a word; `lr: 1e300` ran, its KL NaN, and the
+    summary advised "a smaller refine.lr (say 1e+299)". Both commands now refuse each in one line."""
+    recipe = _recipe(scenario, tmp_path)
+    recipe["featcal"]["refine"] = refine
+    [line] = _refused_alike(recipe, tmp_path)
+    assert line.endswith(f"r.yaml: featcal.refine.{key}: {says}"), line
+    recipe["featcal"]["refine"] = {**refine, "params": "adapter"} if key == "rank" else {"lr": 1.0}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")]).exit_code == 0

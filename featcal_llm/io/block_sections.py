@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from featcal_llm.io.recipe_model import RecipeModel
 
@@ -164,7 +164,7 @@ class RefineSpec(RecipeModel):
     steps: int = Field(40, ge=1, le=MAX_REFINE_STEPS, description="at most this many optimizer steps (the held-out records may stop it sooner); "
                        "a small model can gain from more at as much more time (a 135M model on a CPU: 160 steps 0.87 of "
                        "the gap against 40's 0.84), while 40 already take 6-7 minutes at 8B on one H200")
-    lr: float | None = Field(None, gt=0, description="peak AdamW learning rate; default 1e-4 for params full, 3e-4 for adapter",
+    lr: float | None = Field(None, gt=0, le=1, description="peak AdamW learning rate (at most 1: past it every step diverges); default 1e-4 for params full, 3e-4 for adapter",
                              json_schema_extra={"shown_default": "1e-4 (full), 3e-4 (adapter)"})
     batch_records: int = Field(8, ge=1, le=MAX_BATCH_RECORDS, description="records per optimizer step, drawn in a seeded order across every expert")
     eval_every: int = Field(5, ge=1, description="steps between held-out checks")
@@ -187,6 +187,13 @@ class RefineSpec(RecipeModel):
         "auto", description="recompute each decoder layer (and each chunk of logits) in the backward pass instead of "
         "keeping its activations; auto: off when the stage's peak without it fits half the device's memory (a small model "
         "on a CPU: 5-20% less time a step), else on (8B on one GPU)")
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_is_the_adapter_s(cls, rank: int, info: ValidationInfo) -> int:
+        if info.data.get("params") == "full":  # a rank written beside params: full was ignored without a word
+            raise ValueError("rank applies to params: adapter (or auto, which may choose it); params: full trains every weight")
+        return rank
 
     def learning_rate(self, params: str) -> float:
         """The peak learning rate for the resolved `params` (full or adapter)."""
