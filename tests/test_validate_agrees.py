@@ -1252,3 +1252,17 @@ def test_a_refine_setting_the_run_would_ignore_or_diverge_on_is_refused_alike(sc
     recipe["featcal"]["refine"] = {**refine, "params": "adapter"} if key == "rank" else {"lr": 1.0}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     assert CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")]).exit_code == 0
+
+
+def test_a_rank_beside_params_auto_resolved_to_full_is_dropped_from_the_saved_recipe_so_it_replays():
+    """`refine: {rank: 8}` (params auto) on a machine where auto chose full: the saved recipe pins params: full, which
+    refuses a rank beside it; the rank applied to nothing there, so the pinned recipe leaves it out and parses."""
+    from featcal_llm.io.block_sections import RefineSpec
+    from featcal_llm.io.saved_recipe import with_refine_pinned
+
+    text = yaml.safe_dump({"featcal": {"output": "o", "refine": {"rank": 8, "steps": 5}}}, sort_keys=False)
+    pinned = yaml.safe_load(with_refine_pinned(text, {"params": "full", "autocast": None}))["featcal"]["refine"]
+    assert pinned == {"steps": 5, "params": "full", "precision": "float32"}
+    RefineSpec.model_validate(pinned)
+    kept = yaml.safe_load(with_refine_pinned(text, {"params": "adapter", "autocast": None}))["featcal"]["refine"]
+    assert kept == {"rank": 8, "steps": 5, "params": "adapter", "precision": "float32"}  # the adapter's rank stays

@@ -182,8 +182,9 @@ def measure(hidden: int = 512, layers: int = 4, vocab: int = 8192, intermediate:
             sequences = {name: [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(records)] for name in names}
             train = {name: rows[: records * 3 // 4] for name, rows in sequences.items()}
             held = {name: rows[records * 3 // 4:] for name, rows in sequences.items()}
-            spec = RefineSpec(steps=steps, eval_every=eval_every, patience=steps + 1, params=params, rank=rank, top_k=top_k,
-                              batch_records=4 if cpu else 8, lr=1e-4, gradient_checkpointing=gradient_checkpointing)
+            spec = RefineSpec(steps=steps, eval_every=eval_every, patience=steps + 1, params=params, top_k=top_k,
+                              batch_records=4 if cpu else 8, lr=1e-4, gradient_checkpointing=gradient_checkpointing,
+                              **({"rank": rank} if params == "adapter" else {}))
             projections = frozenset(f"{part}.{p}" for part, ps in (("self_attn", "q_proj k_proj v_proj o_proj"),
                                                                    ("mlp", "gate_proj up_proj down_proj")) for p in ps.split())
             job = RefineJob(spec, 0, batch_tokens, config,

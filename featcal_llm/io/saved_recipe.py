@@ -146,6 +146,8 @@ def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
     unset = {key: value for key, value in resolved.items() if spec.get(key, "auto") == "auto"}
     if not unset:
         return text
+    if unset.get("params") == "full":  # a rank written beside params: auto applied to nothing, and refine: refuses it beside full
+        spec.pop("rank", None)
     raw["featcal"]["refine"] = {**spec, **unset}
     lines = text.splitlines(keepends=True)
     comment = lambda line: line.startswith("#")  # noqa: E731
