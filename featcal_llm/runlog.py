@@ -99,6 +99,24 @@ class _Tee:
 
 
 @contextmanager
+def library_silenced(logger: str, printed: bool = False) -> Iterator[None]:
+    """A library's own log lines (and, with `printed`, what it writes to stderr: a progress bar) hidden while it works:
+    featcal-llm reports the outcome in a line of its own."""
+    import contextlib
+    import io
+    import logging
+
+    handle = logging.getLogger(logger)
+    level = handle.level
+    handle.setLevel(logging.CRITICAL + 1)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if printed else contextlib.nullcontext():
+            yield
+    finally:
+        handle.setLevel(level)
+
+
+@contextmanager
 def session(log_path: Path | None = None, level: int = NORMAL) -> Iterator[IO[str] | None]:
     """Inside: the run's verbosity is `level`, and with `log_path` its output is copied to that file (appended)."""
     previous = dict(_state)

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.records import Record
 from featcal_llm.io.block import beside_recipe
@@ -205,7 +206,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     try:
         if path.is_file():
             check_file_options(spec, where)
-            with _datasets_errors_unlogged():  # refused below in one line of ours
+            with runlog.library_silenced("datasets"):  # a reader's error is logged, then raised: refused below in one line
                 return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
@@ -221,24 +222,6 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
         cause = error.__cause__ if type(error).__name__ == "DatasetGenerationError" and error.__cause__ else error
         message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__  # the reader's words
         raise FeatCalError(f"{where}.path: {spec.path}: cannot load calibration data ({message})") from None
-
-
-def _datasets_errors_unlogged() -> Any:
-    """datasets logs a reader's error before raising it; the raise is reported, once."""
-    import contextlib
-    import logging
-
-    @contextlib.contextmanager
-    def quiet():
-        logger = logging.getLogger("datasets")
-        level = logger.level
-        logger.setLevel(logging.CRITICAL)
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
-
-    return quiet()
 
 
 def _field(record: dict, key: str, where: str, index: int) -> Any:

@@ -48,35 +48,15 @@ def _merge_tokenizer(merge_config: Any, sources: dict[str, Any] | None, source: 
     from mergekit.tokenizer.config import TokenizerConfig
 
     from featcal_llm.io.merge import spell_out_adapters
+    from featcal_llm.runlog import library_silenced
 
     config = spell_out_adapters(merge_config, sources)  # mergekit's own models, adapters as the merge reads them
     source = config.tokenizer.source if config.tokenizer is not None else config.tokenizer_source
     tokens = (config.tokenizer or TokenizerConfig()).tokens or {}
-    with _quiet():
+    with library_silenced("mergekit", printed=True):  # each tokenizer it loads, and its permutations' bar: the merge says it again
         return build_tokenizer(base_model=config.base_model, referenced_models=list(config.referenced_models()),
                                tokenizer_source=source, trust_remote_code=trust_remote_code, add_tokens=list(tokens)).tokenizer
 
 
 def _named(source: Any) -> str:
     return source if isinstance(source, str) else str(getattr(source, "model", source))
-
-
-def _quiet() -> Any:
-    """mergekit logs each tokenizer it loads, warns of each it cannot and draws a bar of its permutations: the merge
-    itself says it all again."""
-    import contextlib
-    import io
-    import logging
-
-    @contextlib.contextmanager
-    def silenced():
-        logger = logging.getLogger("mergekit")
-        level = logger.level
-        logger.setLevel(logging.ERROR + 1)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                yield
-        finally:
-            logger.setLevel(level)
-
-    return silenced()
