@@ -244,7 +244,7 @@ def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):
 def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, path):
     """One rule for what reads as a hub dataset id: a missing `~/…`, `./…` or absolute path is a missing local file to
     both `validate` and the loader `run` calls (the loader used to send `~/nowhere` to the hub)."""
-    from featcal_llm.io.data import load_records
+    from featcal_llm.io.data_files import load_records
     from featcal_llm.io.validate_data import check_data
 
     spec = DataSpec(path=path)
@@ -256,7 +256,7 @@ def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, pa
 
 def test_a_dotted_hub_id_is_an_id_and_a_file_type_is_a_file():
     """The one hub-id rule: dots inside a repository name (a version) do not make it a file; a file type does."""
-    from featcal_llm.io.data import looks_like_hub_id
+    from featcal_llm.io.data_files import looks_like_hub_id
 
     for value in ("teknium/OpenHermes-2.5", "meta-llama/Llama-3.1-8B-Instruct", "someone/calibration-set"):
         assert looks_like_hub_id(value), value

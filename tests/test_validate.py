@@ -579,7 +579,7 @@ def test_the_memory_plan_is_for_the_device_the_run_will_use(scenario, tmp_path, 
 
 
 def test_a_missing_calibration_file_in_a_folder_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):
-    from featcal_llm.io.data import file_not_found
+    from featcal_llm.io.data_files import file_not_found
 
     def refuse(self):
         raise PermissionError(13, "Permission denied", str(self))

@@ -536,7 +536,7 @@ def test_validate_reads_a_hub_models_cached_config_for_quantization_too(scenario
 def test_files_opening_with_a_utf8_bom_are_read_as_datasets_reads_them(scenario, tmp_path):
     """Excel's "CSV UTF-8" and editors that write a BOM: validate reads the fields and counts as run's reader does."""
     from featcal_llm.io.block_sections import DataSpec
-    from featcal_llm.io.data import load_records
+    from featcal_llm.io.data_files import load_records
     from featcal_llm.io.validate import check_recipe
 
     recipe = _recipe(scenario, tmp_path)
@@ -1167,7 +1167,7 @@ def test_run_s_own_reader_gives_the_csv_reader_s_words(tmp_path):
     occurred while generating the dataset"; the line gives pandas' own words, as validate does."""
     from featcal_llm.errors import FeatCalError
     from featcal_llm.io.block_sections import DataSpec
-    from featcal_llm.io.data import load_records
+    from featcal_llm.io.data_files import load_records
 
     (tmp_path / "c.csv").write_text("text\nhello\nthere\nx,y,z\nagain\n")
     with pytest.raises(FeatCalError, match=r"^w\.path: .*c\.csv: cannot load calibration data \(Error tokenizing data\. "

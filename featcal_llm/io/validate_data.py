@@ -12,9 +12,10 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, chat_messages, check_file_options, data_path, distinct_keys, file_builder,
-                                 looks_like_hub_id, no_records, not_utf8, repeated_key, text_field, text_fields, alpaca_input,
-                                 close_sibling, file_not_found)
+from featcal_llm.io.data import alpaca_input, chat_messages, text_field, text_fields
+from featcal_llm.io.data_files import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options, close_sibling, data_path,
+                                       distinct_keys, file_builder, file_not_found, looks_like_hub_id, no_records, not_utf8,
+                                       repeated_key)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 

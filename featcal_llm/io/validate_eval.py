@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.data import looks_like_hub_id
+from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.model_files import has_chat_template
 from featcal_llm.io.output_dir import inside, same, unwritable

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import chat_template_unparsable, looks_like_hub_id
+from featcal_llm.io.data import chat_template_unparsable
+from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.merge import supplied_merge
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary

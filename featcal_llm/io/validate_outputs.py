@@ -11,7 +11,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.generation.store import generated_folder, generated_set_paths
-from featcal_llm.io.data import data_path, looks_like_hub_id
+from featcal_llm.io.data_files import data_path, looks_like_hub_id
 from featcal_llm.io.output_dir import inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
 from featcal_llm.io.recipe import _experts_of, read_recipe
