@@ -27,8 +27,7 @@ def merge_vocabulary(merge_config: Any, sources: dict[str, Any] | None, base_row
                      trust_remote_code: bool) -> MergeVocabulary | None:
     """The rows mergekit will write, or None where they are not known before merging (a tokenizer mergekit cannot
     build from the files here: the merge reports why, and run checks the rows it wrote)."""
-    block = merge_config.tokenizer
-    source = block.source if block is not None else merge_config.tokenizer_source
+    block, source = merge_config.tokenizer, tokenizer_source(merge_config)
     if source is None:
         return MergeVocabulary(base_rows, "the base model") if isinstance(base_rows, int) else None
     pad = block.pad_to_multiple_of if block is not None else None
@@ -51,11 +50,16 @@ def _merge_tokenizer(merge_config: Any, sources: dict[str, Any] | None, source: 
     from featcal_llm.runlog import library_silenced
 
     config = spell_out_adapters(merge_config, sources)  # mergekit's own models, adapters as the merge reads them
-    source = config.tokenizer.source if config.tokenizer is not None else config.tokenizer_source
+    source = tokenizer_source(config)
     tokens = (config.tokenizer or TokenizerConfig()).tokens or {}
     with library_silenced("mergekit", printed=True):  # each tokenizer it loads, and its permutations' bar: the merge says it again
         return build_tokenizer(base_model=config.base_model, referenced_models=list(config.referenced_models()),
                                tokenizer_source=source, trust_remote_code=trust_remote_code, add_tokens=list(tokens)).tokenizer
+
+
+def tokenizer_source(merge_config: Any) -> Any:
+    """The tokenizer source the recipe names (a `tokenizer:` block's, else `tokenizer_source`), or None."""
+    return merge_config.tokenizer.source if merge_config.tokenizer is not None else merge_config.tokenizer_source
 
 
 def _named(source: Any) -> str:

@@ -123,10 +123,16 @@ def _yaml_words(text: str) -> str:
     return re.sub(r"\b(True|False|None)\b", lambda found: {"True": "true", "False": "false", "None": "null"}[found.group()], text)
 
 
-def _members(annotation: Any) -> list[Any]:
-    """The members of a union annotation besides None (Annotated and Optional unwrapped); [] for any other."""
+def _unannotated(annotation: Any) -> Any:
+    """The type under `Annotated[...]` (PositiveInt is Annotated[int, Gt(0)])."""
     while typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The members of a union annotation besides None (Annotated and Optional unwrapped); [] for any other."""
+    annotation = _unannotated(annotation)
     if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
         return []
     return [member for member in typing.get_args(annotation) if member is not type(None)]
@@ -156,8 +162,7 @@ def _union_at(root: type[BaseModel] | None, location: tuple) -> tuple[int, Any] 
 
 def _described(annotation: Any) -> list[str]:
     """A union member in a recipe's words: `{value, filter}`, a list of them, a number, true or false, 'auto'."""
-    while typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
+    annotation = _unannotated(annotation)
     members = _members(annotation)
     if members:
         return [words for member in members for words in _described(member)]

@@ -19,7 +19,7 @@ from featcal_llm.io.data import chat_template_unparsable
 from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.merge import supplied_merge
-from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary
+from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
                                         missing_weights, saved_chat_template, unparsable_tokenizer_config, vocabulary_has)
@@ -177,7 +177,7 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         vocabularies.append((config, named))
         if source is not None:
             sources[str(reference)] = source
-    builds_tokenizer = merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
+    builds_tokenizer = tokenizer_source(merge_config) is not None
     # mergekit builds its tokenizer from every model's files and the source's: here, all local (else left to run, which
     # checks it before merging; validate asks the Hub nothing without --online)
     local = len(sources) == len(experts) + 1 and _local_source(merge_config)
@@ -278,7 +278,7 @@ def check_same_shapes(base: dict, other: dict, what: str) -> None:
 
 def _local_source(merge_config: Any) -> bool:
     """Whether the tokenizer source the recipe names is `base`, `union` or a model in a local directory."""
-    source = merge_config.tokenizer.source if merge_config.tokenizer is not None else merge_config.tokenizer_source
+    source = tokenizer_source(merge_config)
     if source is None or isinstance(source, str):
         return True
     return all(path is None or Path(path.path).is_dir() for path in (source.model, source.lora))
