@@ -49,10 +49,19 @@ def recipe_with(tok, tmp_path, name: str, second: str, data: tuple[str, str]):
     return path, experts
 
 
-def test_union_tokenizer_calibrates_exactly_with_the_identity_mapping(tok, tmp_path):
-    """Experts with the base's vocabulary: the union is that vocabulary, ids map to themselves, the run is exact."""
+def test_union_tokenizer_calibrates_exactly_with_the_identity_mapping(tok, tmp_path, monkeypatch):
+    """Experts with the base's vocabulary: the union is that vocabulary, ids map to themselves, the run is exact. The
+    merge's tokenizer is built once before the merge, though run checks its rows as validate does and again before
+    merging."""
+    from featcal_llm.io import merge_vocabulary
+
+    builds = []
+    build = merge_vocabulary._merge_tokenizer
+    monkeypatch.setattr(merge_vocabulary, "_BUILT", {})
+    monkeypatch.setattr(merge_vocabulary, "_merge_tokenizer", lambda *args: builds.append(args) or build(*args))
     recipe, experts = recipe_with(tok, tmp_path, "union", "expert1", ("plain", "plain"))
     output = run_recipe(recipe, progress=False)
+    assert len(builds) == 1
     assert len(AutoTokenizer.from_pretrained(tmp_path / "merged_union")) == 100
     worst = assert_matches_brute_force(tok, recipe, output, {e: tok.root / e.rsplit("/", 1)[-1] for e in experts})
     print(f"union tokenizer: worst ΔW relative error {worst:.1e}")
@@ -195,3 +204,28 @@ def test_building_the_merge_s_tokenizer_leaves_mergekit_s_logging_as_it_was(padd
         assert logger.level == logging.INFO
     finally:
         logger.setLevel(level)
+
+
+def test_the_merge_s_tokenizer_is_built_again_once_its_files_change(padded, tmp_path, monkeypatch):
+    """The rows are remembered by the configuration and the models' files: the same files, no second build; a token
+    added to the base's tokenizer since, the new count."""
+    import shutil
+
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io import merge_vocabulary
+
+    monkeypatch.setattr(merge_vocabulary, "_BUILT", {})
+    for name in ("padded_base", "padded_expert0", "padded_expert1"):
+        shutil.copytree(padded / name, tmp_path / name)
+    config = MergeConfiguration.model_validate({
+        "merge_method": "task_arithmetic", "base_model": str(tmp_path / "padded_base"), "tokenizer_source": "base",
+        "models": [{"model": str(tmp_path / name), "parameters": {"weight": 0.5}} for name in ("padded_expert0", "padded_expert1")]})
+    assert merge_vocabulary.merge_vocabulary(config, None, 128, trust_remote_code=False).rows == 100
+    assert merge_vocabulary.merge_vocabulary(config, None, 128, trust_remote_code=False).rows == 100
+    assert len(merge_vocabulary._BUILT) == 1
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "padded_base")
+    tokenizer.add_tokens(["<w>"])
+    tokenizer.save_pretrained(tmp_path / "padded_base")
+    assert merge_vocabulary.merge_vocabulary(config, None, 128, trust_remote_code=False).rows == 101
+    assert len(merge_vocabulary._BUILT) == 2

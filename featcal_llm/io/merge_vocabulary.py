@@ -12,6 +12,7 @@ in the words run used after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -32,7 +33,7 @@ def merge_vocabulary(merge_config: Any, sources: dict[str, Any] | None, base_row
         return MergeVocabulary(base_rows, "the base model") if isinstance(base_rows, int) else None
     pad = block.pad_to_multiple_of if block is not None else None
     try:
-        rows = len(_merge_tokenizer(merge_config, sources, source, trust_remote_code).get_vocab())
+        rows = _tokenizer_rows(merge_config, sources, trust_remote_code)
     except Exception:  # mergekit's merge raises it, naming the tokenizer: one place to report it
         return None
     if pad and rows % pad:  # mergekit's PermutedEmbeddings rounds up the same way
@@ -41,15 +42,40 @@ def merge_vocabulary(merge_config: Any, sources: dict[str, Any] | None, base_row
     return MergeVocabulary(rows, f"the merge mergekit makes (its tokenizer's vocabulary from tokenizer source {_named(source)}{padded})")
 
 
-def _merge_tokenizer(merge_config: Any, sources: dict[str, Any] | None, source: Any, trust_remote_code: bool) -> Any:
+_BUILT: dict[tuple, int] = {}  # the rows of each tokenizer built in this process, by its configuration and files
+
+
+def _tokenizer_rows(merge_config: Any, sources: dict[str, Any] | None, trust_remote_code: bool) -> int:
+    """The vocabulary of the tokenizer mergekit's merge builds: built once for one configuration and unchanged files
+    (`run` checks the recipe as `validate` does, then again before it merges, for a caller past validate: seconds
+    each at 128k tokens)."""
+    from featcal_llm.io.merge import spell_out_adapters
+
+    config = spell_out_adapters(merge_config, sources)  # mergekit's own models, adapters as the merge reads them
+    key = (config.model_dump_json(), trust_remote_code, _files_signature(config))
+    if key not in _BUILT:
+        _BUILT[key] = len(_merge_tokenizer(config, trust_remote_code).get_vocab())
+    return _BUILT[key]
+
+
+def _files_signature(config: Any) -> tuple:
+    """Each local model folder's files (name, size, modification time): a tokenizer rewritten since is built again."""
+    source = tokenizer_source(config)
+    references = [config.base_model, *config.referenced_models(), source]  # a source model outside the merge too
+    folders = {Path(str(path.path)) for reference in references if hasattr(reference, "model")
+               for path in (reference.model, reference.lora) if path is not None}
+    return tuple((str(folder), tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                                             for entry in folder.iterdir() if entry.is_file())))
+                 for folder in sorted(folders) if folder.is_dir())
+
+
+def _merge_tokenizer(config: Any, trust_remote_code: bool) -> Any:
     """The tokenizer mergekit's merge builds (its `BuildTokenizer` task), from the configuration the merge is given."""
     from mergekit.tokenizer.build import build_tokenizer
     from mergekit.tokenizer.config import TokenizerConfig
 
-    from featcal_llm.io.merge import spell_out_adapters
     from featcal_llm.runlog import library_silenced
 
-    config = spell_out_adapters(merge_config, sources)  # mergekit's own models, adapters as the merge reads them
     source = tokenizer_source(config)
     tokens = (config.tokenizer or TokenizerConfig()).tokens or {}
     with library_silenced("mergekit", printed=True):  # each tokenizer it loads, and its permutations' bar: the merge says it again
