@@ -100,15 +100,18 @@ def model_at(root: type[BaseModel], location: tuple) -> type[BaseModel] | None:
     """The block (pydantic model) holding the last key of `location`, or None where it is not one."""
     current: Any = root
     for part in location[:-1]:
-        model = _model_class(current)
-        field = _field(model, part) if model is not None and isinstance(part, str) else None
-        if field is not None:
-            current = field.annotation
-            continue
-        current = _container_item(current)
+        current = _inside(current, part)
         if current is None:
             return None
     return _model_class(current)
+
+
+def _inside(annotation: Any, part: Any) -> Any:
+    """The annotation one location part deeper: a block's field, a mapping's value or a list's item; None where
+    `part` leads nowhere the annotation knows."""
+    model = _model_class(annotation)
+    field = _field(model, part) if model is not None and isinstance(part, str) else None
+    return field.annotation if field is not None else _container_item(annotation)
 
 
 def _shown(value: Any) -> str:
@@ -146,15 +149,7 @@ def _union_at(root: type[BaseModel] | None, location: tuple) -> tuple[int, Any] 
         members = _members(current)
         if len(members) > 1:
             return (index, current) if isinstance(part, str) else None
-        current = members[0] if members else current
-        model = _model_class(current) if isinstance(current, type) else None
-        if model is not None:
-            field = _field(model, part) if isinstance(part, str) else None
-            if field is None:
-                return None
-            current = field.annotation
-            continue
-        current = _container_item(current)
+        current = _inside(current, part)
         if current is None:
             return None
     return None
