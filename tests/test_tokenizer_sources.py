@@ -229,3 +229,15 @@ def test_the_merge_s_tokenizer_is_built_again_once_its_files_change(padded, tmp_
     tokenizer.save_pretrained(tmp_path / "padded_base")
     assert merge_vocabulary.merge_vocabulary(config, None, 128, trust_remote_code=False).rows == 101
     assert len(merge_vocabulary._BUILT) == 2
+
+
+def test_a_tokenizer_source_is_named_as_the_recipe_wrote_it():
+    """A model reference with a LoRA keeps its `+adapter` in the refusal's words (the model alone named another
+    source); 'base' and 'union' as written."""
+    from mergekit.common import ModelReference
+
+    from featcal_llm.io.merge_vocabulary import _named
+
+    assert _named(ModelReference.parse("/models/base+/adapters/chat")) == "/models/base+/adapters/chat"
+    assert _named(ModelReference.parse("/models/base")) == "/models/base"
+    assert [_named(word) for word in ("base", "union")] == ["base", "union"]

@@ -89,4 +89,5 @@ def tokenizer_source(merge_config: Any) -> Any:
 
 
 def _named(source: Any) -> str:
-    return source if isinstance(source, str) else str(getattr(source, "model", source))
+    """The source as the recipe wrote it: 'base', 'union' or a model reference, an adapter's `+lora` included."""
+    return str(source)
