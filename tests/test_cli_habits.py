@@ -210,3 +210,101 @@ def test_an_interrupt_after_the_output_was_written_says_so(tmp_path, monkeypatch
         "eval: on it, or with --force to make it again")
     (tmp_path / ".out.featcal-partial").mkdir()  # a --force rerun stopped half-way: its progress resumes
     assert "the same command resumes from there" in CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")]).stderr
+
+
+# ------------------------------------------------------------------ audit: eval, bench and demo arguments
+
+def _model_dir(path: Path) -> Path:
+    """Enough of a model folder for eval's checks that run before any model loads."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 1024}')
+    (path / "model.safetensors").write_bytes(b"w")
+    return path
+
+
+def _one_line(result, *names: str, code: int = EXIT_USAGE) -> None:
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featcal-llm: error: "), result.output
+    assert all(name in lines[0] for name in names), lines[0]
+
+
+@pytest.mark.xfail(strict=True, reason="eval --engine-arg KEY=<malformed YAML> (x=[1): a yaml ScannerError traceback, "
+                                       "exit 1, not the one-line '--engine-arg x=[1: expected KEY=VALUE'")
+def test_eval_refuses_an_engine_arg_value_that_is_not_yaml_in_one_line(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "gsm8k", "--engine-arg", "x=[1"])
+    _one_line(result, "--engine-arg")
+
+
+@pytest.mark.xfail(strict=True, reason="eval's errors from the section's own checks (unknown suite, unknown task, code "
+                                       "tasks without --allow-code-execution) end with '(got {...})': a dump of every "
+                                       "option as a Python dict, and name no option (--suite / --tasks)")
+@pytest.mark.parametrize("arguments, option", [
+    (["--suite", "nosuch", "--tasks", "gsm8k"], "--suite"),
+    (["--tasks", "nosuch"], "--tasks"),
+    ([], "--allow-code-execution"),
+])
+def test_eval_section_errors_name_the_option_without_dumping_every_option(tmp_path, arguments, option):
+    model = _model_dir(tmp_path / "m")
+    result = CliRunner().invoke(main, ["eval", str(model), *arguments])
+    _one_line(result, option)
+    assert "(got {" not in result.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="eval's backend refusals name the recipe key (backend.tensor_parallel_size, "
+                                       "backend.engine_args.KEY), not the option the command line was given")
+@pytest.mark.parametrize("arguments, option", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--engine-arg", "no_such_key=1"], "--engine-arg"),
+])
+def test_eval_backend_refusals_name_the_command_line_option(tmp_path, monkeypatch, arguments, option):
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _model_dir(tmp_path / "m")
+    gsm8k = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mergebench" / "gsm8k.jsonl"
+    result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "gsm8k", "--backend", "hf", "--device", "cpu",
+                                       "--chat-template", "off", "--data", f"gsm8k={gsm8k}", "--output",
+                                       str(tmp_path / "out"), *arguments])
+    _one_line(result, option)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="eval MODEL_DIR --check-graders: the model is silently not scored (exit 0); "
+                                       "--check-graders runs no model, so the two exclude each other")
+def test_eval_check_graders_refuses_models_it_would_not_score(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    fixtures = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "evalplus"
+    result = CliRunner().invoke(main, ["eval", str(model), "--check-graders",
+                                       "--data", f"humaneval_plus={fixtures / 'humaneval_plus.jsonl'}",
+                                       "--data", f"mbpp_plus={fixtures / 'mbpp_plus.jsonl'}"])
+    assert result.exit_code == EXIT_USAGE and "--check-graders" in result.stderr, result.output
+
+
+@pytest.mark.xfail(strict=True, reason="demo/bench --workdir FILE/sub (a path under a file): a NotADirectoryError "
+                                       "traceback from mkdir, exit 1 (--workdir FILE itself is refused by click)")
+@pytest.mark.parametrize("command", [
+    ["demo", "--quick"],
+    ["bench", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--tokens", "256",
+     "--layers", "1", "--no-generation"],
+])
+def test_a_workdir_under_a_file_is_refused_in_one_line(tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(main, [*command, "--workdir", str(tmp_path / "afile" / "sub")])
+    _one_line(result, "--workdir")
+
+
+@pytest.mark.xfail(strict=True, reason="bench --host-memory-gb -1 (or 0) is accepted: the run goes on with a budget of "
+                                       "-1e9 bytes (reported as such), where a RAM budget must be positive")
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_bench_refuses_a_non_positive_host_memory_budget(tmp_path, monkeypatch, value):
+    from featcal_llm.benchmark import driver
+
+    def not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(driver, "run_benchmark", not_run)
+    result = CliRunner().invoke(main, ["bench", "--layers", "1", "--host-memory-gb", value,
+                                       "--workdir", str(tmp_path / "w")])
+    assert result.exit_code == EXIT_USAGE and "--host-memory-gb" in result.output, result.output
