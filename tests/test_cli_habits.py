@@ -229,17 +229,12 @@ def _one_line(result, *names: str, code: int = EXIT_USAGE) -> None:
     assert all(name in lines[0] for name in names), lines[0]
 
 
-@pytest.mark.xfail(strict=True, reason="eval --engine-arg KEY=<malformed YAML> (x=[1): a yaml ScannerError traceback, "
-                                       "exit 1, not the one-line '--engine-arg x=[1: expected KEY=VALUE'")
 def test_eval_refuses_an_engine_arg_value_that_is_not_yaml_in_one_line(tmp_path):
     model = _model_dir(tmp_path / "m")
     result = CliRunner().invoke(main, ["eval", str(model), "--tasks", "gsm8k", "--engine-arg", "x=[1"])
     _one_line(result, "--engine-arg")
 
 
-@pytest.mark.xfail(strict=True, reason="eval's errors from the section's own checks (unknown suite, unknown task, code "
-                                       "tasks without --allow-code-execution) end with '(got {...})': a dump of every "
-                                       "option as a Python dict, and name no option (--suite / --tasks)")
 @pytest.mark.parametrize("arguments, option", [
     (["--suite", "nosuch", "--tasks", "gsm8k"], "--suite"),
     (["--tasks", "nosuch"], "--tasks"),
@@ -252,8 +247,6 @@ def test_eval_section_errors_name_the_option_without_dumping_every_option(tmp_pa
     assert "(got {" not in result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="eval's backend refusals name the recipe key (backend.tensor_parallel_size, "
-                                       "backend.engine_args.KEY), not the option the command line was given")
 @pytest.mark.parametrize("arguments, option", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--engine-arg", "no_such_key=1"], "--engine-arg"),

@@ -463,3 +463,25 @@ def test_hf_engine_args_of_a_model_type_in_another_module_are_checked_as_lm_eval
         backends.check_settings("hf", BackendSettings(engine_args={"foo": 1}), saved)
     with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
         HFLM(pretrained=str(model_dir), device="cpu", batch_size=1, foo=1)
+
+
+def test_a_generation_budget_is_refused_where_it_leaves_the_prompt_no_room():
+    """lm-eval's hf model asserts `max_length − max_gen_toks > 0` after loading the model (and its vLLM model would keep
+    a nonsense slice of the prompt): a budget one below the context runs, the context itself is refused; the context
+    is --max-model-len, else the suite's capped at the model's positions; a task that does not set a budget is not asked."""
+    from featcal_llm.evaluation.backends import check_generation_room, context_tokens
+    from featcal_llm.evaluation.suite import load_suite
+
+    suite = load_suite("mergebench")
+    assert suite.tasks["gsm8k"].generation_kwargs["max_gen_toks"] == 1024 and suite.context_length == 4096
+    assert context_tokens(BackendSettings(), 4096, 1024) == 1024
+    assert context_tokens(BackendSettings(), 4096, None) == context_tokens(BackendSettings(), 4096, 8192) == 4096
+    assert context_tokens(BackendSettings(max_model_len=2048), 4096, 1024) == 2048
+    check_generation_room(suite, ["gsm8k"], None, 1025)
+    with pytest.raises(FeatCalError, match=r"^gsm8k: generates up to 1024 tokens .* a context of 1024 tokens"):
+        check_generation_room(suite, ["gsm8k"], None, 1024)
+    check_generation_room(suite, ["gsm8k"], 1023, 1024)  # --max-gen-toks replaces the suite's
+    with pytest.raises(FeatCalError, match=r"^arc_challenge: .*--max-gen-toks \(eval.max_gen_toks\)"):
+        check_generation_room(suite, ["arc_challenge", "gsm8k"], 4096, 1024)
+    scored = suite.model_copy(update={"tasks": {"loglikelihood": suite.tasks["gsm8k"].model_copy(update={"generation_kwargs": {}})}})
+    check_generation_room(scored, ["loglikelihood"], 4096, 1024)  # lm-eval's default budget (256) is not ours to check

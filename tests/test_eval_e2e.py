@@ -119,7 +119,8 @@ def test_ifeval_without_punkt_fails_before_the_model_loads(tmp_path, monkeypatch
     monkeypatch.setenv("NLTK_DATA", str(tmp_path / "empty-nltk"))
     model = _tiny(tmp_path / "tiny-Instruct", seed=0)
     result = CliRunner().invoke(main, ["eval", str(model), "--backend", "hf", "--tasks", "ifeval", "--output",
-                                       str(tmp_path / "out"), "--data", f"ifeval={FIXTURES / 'ifeval_punkt.jsonl'}"])
+                                       str(tmp_path / "out"), "--data", f"ifeval={FIXTURES / 'ifeval_punkt.jsonl'}",
+                                       "--max-gen-toks", "16"])  # IFEval's 1280 would not fit the model's 1024
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1].startswith(
         "featcal-llm: error: ifeval: IFEval needs NLTK's punkt_tab data (for length_constraints:number_sentences)")
@@ -173,7 +174,7 @@ def test_a_metric_lm_eval_does_not_report_fails_before_the_model_loads(tmp_path)
     (tmp_path / "suites" / "bad.yaml").write_text(yaml.safe_dump(suite, sort_keys=False))
     model = _tiny(tmp_path / "m", seed=0)
     result = CliRunner().invoke(main, ["eval", str(model), "--suite", str(tmp_path / "suites" / "bad.yaml"), "--backend", "hf",
-                                       "--tasks", "gsm8k", "--output", str(tmp_path / "out"),
+                                       "--tasks", "gsm8k", "--output", str(tmp_path / "out"), "--max-gen-toks", "16",
                                        "--data", f"gsm8k={FIXTURES / 'gsm8k.jsonl'}"])
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1].endswith(
@@ -232,10 +233,6 @@ def test_a_missing_nltk_data_directory_is_refused_before_any_model_loads(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a task whose max_gen_toks (GSM8K: 1024) fills the model's whole context "
-                                       "(max_position_embeddings 1024) is not refused before the model loads: lm-eval's "
-                                       "hf model asserts after loading, exit 1, and the one-line error quotes the last "
-                                       "log line, a progress bar ('Running generate_until requests: 0%|...'), not the cause")
 def test_a_generation_budget_that_fills_the_context_is_refused_before_the_model_loads(tmp_path):
     model = _tiny(tmp_path / "m", seed=0)
     result = CliRunner().invoke(main, ["eval", str(model), "--backend", "hf", "--tasks", "gsm8k", "--quiet",

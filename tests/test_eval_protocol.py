@@ -60,7 +60,7 @@ def test_protocol_suite_scores_without_the_chat_template(tmp_path, monkeypatch):
         FeatCalError("stop")))
     model = tmp_path / "tiny-Instruct"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (model / "model.safetensors").write_bytes(b"w")
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     section = EvalSection.model_validate({"suite": "mergebench-protocol", "tasks": ["gsm8k"], "output": str(tmp_path / "o"),

@@ -537,6 +537,11 @@ EVAL_CASES = {
     "IFEval with punkt_tab in nltk_data": (
         lambda r, t: ((t / "nltk" / "tokenizers" / "punkt_tab" / "english").mkdir(parents=True),
                       r["featcal"]["eval"].update(tasks=["ifeval"], nltk_data=str(t / "nltk"))), None),
+    "a task's generation budget that fills the model's positions": (
+        lambda r, t: (r["featcal"]["eval"].pop("max_gen_toks"), r["featcal"]["eval"].update(
+            tasks=["gsm8k"], data={"gsm8k": str(FIXTURES / "gsm8k.jsonl")})),
+        "featcal.eval.tasks.gsm8k: generates up to 1024 tokens (the suite's max_gen_toks for gsm8k) in a context of 512 "
+        "tokens"),
     "chat_template on, but the merge's tokenizer has none": (
         lambda r, t: (_base_without_chat_template(r, t), r["featcal"]["eval"].update(chat_template="on")),
         "featcal.eval.chat_template: on, but the merged model's tokenizer ("),
@@ -555,7 +560,8 @@ def test_what_the_evaluation_refuses_before_it_generates_validate_refuses_first(
     edit, expected = EVAL_CASES[case]
 
     def mutate(recipe, tmp):
-        recipe["featcal"]["eval"] = {"tasks": ["arc_challenge"], "backend": {"name": "hf"}}
+        recipe["featcal"]["eval"] = {"tasks": ["arc_challenge"], "backend": {"name": "hf"}, "max_gen_toks": 64}  # the
+        # tiny models' 512 positions hold no task's own budget
         edit(recipe, tmp)
 
     recipe = _write(scenario, tmp_path, mutate)
@@ -597,7 +603,8 @@ def test_the_evaluation_s_hub_datasets_are_noted_offline_and_looked_up_online(sc
     import featcal_llm.io.validate_models as validate_models
 
     recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].__setitem__("eval", {
-        "tasks": ["arc_challenge", "gsm8k"], "backend": {"name": "hf"}, "data": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")}}))
+        "tasks": ["arc_challenge", "gsm8k"], "backend": {"name": "hf"}, "data": {"gsm8k": str(FIXTURES / "gsm8k.jsonl")},
+        "max_gen_toks": 64}))
     result = featcal_llm.validate(recipe)
     assert result.ok and any("allenai/ai2_arc (dataset, eval task arc_challenge)" in note for note in result.notes), result.notes
     assert not any("gsm8k (dataset" in note for note in result.notes)

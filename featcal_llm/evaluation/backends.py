@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.evaluation.config import BackendSettings
 from featcal_llm.hardware import installed as _installed  # one name, so that tests can stand in for the machine
+
+if TYPE_CHECKING:
+    from featcal_llm.evaluation.suite import Suite
 
 
 def cuda_available() -> bool:
@@ -138,9 +142,7 @@ def plan_backend(name: str, settings: BackendSettings, model_dir: Path, context_
 
     check_settings(name, settings, read_model_config(model_dir))
     dtype = model_dtype if settings.dtype == "auto" and model_dtype else settings.dtype
-    length = settings.max_model_len or context_length
-    if settings.max_model_len is None and model_max_positions:
-        length = min(length, model_max_positions)
+    length = context_tokens(settings, context_length, model_max_positions)
     if name == "vllm":
         args = {
             "pretrained": str(model_dir),
@@ -163,3 +165,27 @@ def _extend(args: dict, settings: BackendSettings, chat_template_args: dict | No
     if chat_template_args:
         args = {**args, "chat_template_args": dict(chat_template_args)}
     return {**args, **settings.engine_args}
+
+
+def context_tokens(settings: BackendSettings, suite_context: int, model_max_positions: int | None) -> int:
+    """The context each request gets: --max-model-len, else the suite's capped at the model's positions."""
+    if settings.max_model_len is not None:
+        return settings.max_model_len
+    return min(suite_context, model_max_positions) if model_max_positions else suite_context
+
+
+def check_generation_room(suite: "Suite", task_ids: list[str], max_gen_toks: int | None, context: int) -> None:
+    """A generation budget that fills the whole context leaves the prompt no room: lm-eval's hf model asserts
+    `context − max_gen_toks > 0` after loading the model, and its vLLM model would keep a nonsense slice of each
+    prompt. Refused before any model loads (by `validate` too), with the numbers to change."""
+    for task_id in task_ids:
+        budget = suite.tasks[task_id].generation_kwargs.get("max_gen_toks")
+        if budget is None:  # not a generation task, or lm-eval's default (256)
+            continue
+        budget = max_gen_toks or budget
+        if budget >= context:
+            said = "--max-gen-toks (eval.max_gen_toks)" if max_gen_toks else f"the suite's max_gen_toks for {task_id}"
+            raise FeatCalError(f"{task_id}: generates up to {budget} tokens ({said}) in a context of {context} tokens "
+                               f"(the model's max_position_embeddings or --max-model-len): no room is left for its "
+                               f"prompt; pass --max-gen-toks below {context} (recipe: eval.max_gen_toks) or a longer "
+                               "--max-model-len where the model takes one")

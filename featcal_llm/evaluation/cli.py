@@ -48,8 +48,32 @@ def _engine_args(values: tuple[str, ...]) -> dict:
         key, sep, raw = value.partition("=")
         if not sep or not key.isidentifier():
             raise FeatCalError(f"--engine-arg {value}: expected KEY=VALUE")
-        parsed[key] = yaml.safe_load(raw) if raw else ""
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as error:
+            raise FeatCalError(f"--engine-arg {value}: expected KEY=VALUE with VALUE a YAML value ({str(error).splitlines()[0]})") from None
     return parsed
+
+
+# the backend's settings as the recipe's eval: block names them, and the option that sets each on the command line
+_BACKEND_OPTIONS = {"device": "--device", "gpu_memory_utilization": "--gpu-memory-utilization",
+                    "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
+                    "max_model_len": "--max-model-len"}
+
+
+def _in_option_words(error: FeatCalError) -> FeatCalError:
+    """A backend refusal (`backend.tensor_parallel_size: ...`, `backend.engine_args.KEY: ...`, worded for a recipe's
+    eval: block) in the words of the option given: `--tensor-parallel-size: ...`, `--engine-arg KEY: ...`."""
+    text = str(error)
+    if text.startswith("backend.engine_args."):
+        key, _, rest = text.removeprefix("backend.engine_args.").partition(": ")
+        text = f"--engine-arg {key}: {rest.replace('not through engine_args', 'not through --engine-arg')}"
+    elif text.removeprefix("backend.").partition(": ")[0] in _BACKEND_OPTIONS and text.startswith("backend."):
+        key, _, rest = text.removeprefix("backend.").partition(": ")
+        text = f"{_BACKEND_OPTIONS[key]}: {rest}"
+    else:
+        return error
+    return type(error)(text)
 
 
 def _batch_size(value: str | None):
@@ -138,7 +162,10 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
     echo = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     summaries = []
     for label, path in _models(models):
-        summaries.append(evaluate_model(path, label, section, echo=echo))
+        try:
+            summaries.append(evaluate_model(path, label, section, echo=echo))
+        except FeatCalError as error:
+            raise _in_option_words(error) from None
         click.echo(f"{label}: summary written to {Path(section.output) / (summaries[-1]['label'] + '.json')}")
     files = [Path(section.output) / f"{s['label']}.json" for s in summaries]
     markdown, _ = build_leaderboard(files, Path(section.output), stem="last-eval")

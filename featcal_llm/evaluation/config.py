@@ -120,8 +120,11 @@ class EvalSection(RecipeModel):
             return self
         try:
             suite = load_suite(self.suite)
-            problem = code_opt_in_problem(suite, suite.select(self.tasks, "tasks"), self.allow_code_execution)
         except FeatCalError as error:
+            raise ValueError(f"suite: {error}") from None
+        try:
+            problem = code_opt_in_problem(suite, suite.select(self.tasks, "tasks"), self.allow_code_execution)
+        except FeatCalError as error:  # "tasks: unknown task ..."
             raise ValueError(str(error)) from None
         if problem:
             raise ValueError(problem)
@@ -164,7 +167,10 @@ def section_from_options(options: dict, caller: str = "eval") -> EvalSection:
     except ValidationError as error:
         first = pydantic_problems("", error, "", EvalSection)[0]
         where, message = first.key, first.message
-        if not where:
+        if not where:  # the whole section's check: its message opens with the key it is about, where one is
+            key, _, rest = message.partition(": ")
+            if caller == "eval" and key in ("suite", "tasks"):
+                raise FeatCalError(f"eval --{key}: {rest}") from None
             raise FeatCalError(f"{caller}: {message}") from None
         if caller != "eval":  # a keyword argument, not a recipe key
             raise FeatCalError(f"{caller} {where}: {message.replace('unknown key', 'unknown argument', 1)}") from None

@@ -29,8 +29,19 @@ _INSTRUCT = re.compile(r"instruct|chat|(^|[-_/])it($|[-_/])", re.IGNORECASE)
 
 
 def check_model_dir(path: Path) -> Path:
-    if not (path / "config.json").is_file():
+    """A folder transformers and vLLM can open as a model: refused here in one line, not in the worker after it
+    started (which read a config.json that is not JSON as no config at all)."""
+    config = path / "config.json"
+    if not config.is_file():
         raise FeatCalError(f"{path}: not a model directory (no config.json)")
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise FeatCalError(f"{config}: not a readable JSON file ({str(error).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise FeatCalError(f"{config}: expected a JSON object (a model config)")
+    if not isinstance(values.get("model_type"), str):
+        raise FeatCalError(f"{config}: no model_type, so no runtime knows which model family to load")
     return path.resolve()
 
 
@@ -63,8 +74,13 @@ def max_positions(model_dir: Path) -> int | None:
     config = _read_json(model_dir / "config.json")
     if not isinstance(config, dict):
         raise FeatCalError(f"{model_dir / 'config.json'}: expected a JSON object (a model config)")
+    return config_positions(config)
+
+
+def config_positions(config: dict) -> int | None:
+    """The positions a model config gives its text model (None where it names none)."""
     value = _config_value(config, "max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _config_value(config: dict, *keys: str):

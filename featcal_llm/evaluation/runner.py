@@ -17,7 +17,7 @@ from typing import Callable
 
 from featcal_llm.errors import EXIT_USAGE, FeatCalError, RunFailure, warn
 from featcal_llm.evaluation import cache, provenance, uncertainty
-from featcal_llm.evaluation.backends import plan_backend, resolve_backend_name
+from featcal_llm.evaluation.backends import check_generation_room, context_tokens, plan_backend, resolve_backend_name
 from featcal_llm.evaluation.config import EvalSection
 from featcal_llm.evaluation.modelinfo import (
     ChatDecision,
@@ -29,6 +29,7 @@ from featcal_llm.evaluation.modelinfo import (
 )
 from featcal_llm.evaluation.suite import Suite, checked_suite
 from featcal_llm.evaluation.worker import USER_ERROR_EXIT
+from featcal_llm.io.output_dir import unwritable
 from featcal_llm.startup import child_environment
 
 SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # lm-eval's defaults
@@ -147,12 +148,17 @@ def _evaluate_model(model_dir: Path, label: str, section: EvalSection, chat: Cha
     output = Path(section.output)
     if output.exists() and not output.is_dir():
         raise FeatCalError(f"eval output {output}: a file, not a results directory")
+    problem = unwritable(output)
+    if problem is not None:
+        raise FeatCalError(f"eval output {problem}")
     backend_name = resolve_backend_name(section.backend)
     chat = chat or decide_chat_template(model_dir, section.chat_template)
     if suite.apply_chat_template == "never":  # `on` was refused with the suite (checked_suite)
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
     backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
                            suite.chat_template_args if chat.applied else None, config_dtype(model_dir))
+    check_generation_room(suite, task_ids, section.max_gen_toks, context_tokens(section.backend, suite.context_length,
+                                                                                max_positions(model_dir)))
     fingerprint = model_fingerprint(model_dir)
     label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)

@@ -231,7 +231,8 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "literal_error":  # the choices, as YAML spells them: 'auto', true or false
             message = _yaml_words(message)
-        if "got " not in message and "renamed" not in message and "input" in item:
+        if "got " not in message and "renamed" not in message and "input" in item and not isinstance(item["input"], dict):
+            # (a whole block's check names what it is about: its mapping, shown, is noise)
             message += f" (got {_shown(item['input'])})"
         if item["type"] == "literal_error" and isinstance(item.get("input"), str):  # `format: txt`: did you mean 'text'?
             message += suggestion(item["input"], re.findall(r"'([^']*)'", str((item.get("ctx") or {}).get("expected", ""))))

@@ -80,7 +80,8 @@ def _check_eval_tasks(path: Path, section: Any, suite: Any, task_ids: list[str],
 def _check_eval_settings(path: Path, section: Any, report: Any, online: bool = False) -> None:
     """What the evaluation after the run would refuse of the block alone, asked before the calibration's hours."""
     from featcal_llm.evaluation import backends
-    from featcal_llm.evaluation.backends import check_settings, planned_backend_name
+    from featcal_llm.evaluation.backends import check_generation_room, check_settings, context_tokens, planned_backend_name
+    from featcal_llm.evaluation.modelinfo import config_positions
     from featcal_llm.evaluation.vllm_arguments import check_vllm_engine_args
     from featcal_llm.evaluation.leaderboard import reference_rows
     from featcal_llm.evaluation.suite import checked_suite, load_suite
@@ -88,6 +89,17 @@ def _check_eval_settings(path: Path, section: Any, report: Any, online: bool = F
     checked = collect(report.problems, path, lambda: checked_suite(section, "featcal.eval"))
     if checked is not None:
         _check_eval_tasks(path, section, *checked, report, online)
+    if checked is not None and isinstance(report.scored_config, dict):  # the scored model's positions, as run reads them
+
+        def room() -> None:
+            suite, task_ids = checked
+            context = context_tokens(section.backend, suite.context_length, config_positions(report.scored_config))
+            try:
+                check_generation_room(suite, task_ids, section.max_gen_toks, context)
+            except FeatCalError as error:
+                raise FeatCalError(f"featcal.eval.tasks.{error}") from None
+
+        collect(report.problems, path, room)
     if section.chat_template == "on" and report.scored_tokenizer is not None and not has_chat_template(report.scored_tokenizer):
         report.problems.append(Problem(str(path), "featcal.eval.chat_template", f"on, but the merged model's tokenizer "
                                                                                f"({report.scored_tokenizer}) has no chat template"))
