@@ -241,3 +241,40 @@ def test_a_tokenizer_source_is_named_as_the_recipe_wrote_it():
     assert _named(ModelReference.parse("/models/base+/adapters/chat")) == "/models/base+/adapters/chat"
     assert _named(ModelReference.parse("/models/base")) == "/models/base"
     assert [_named(word) for word in ("base", "union")] == ["base", "union"]
+def test_library_silenced_hides_a_library_s_log_lines_its_children_s_and_its_bar_then_restores_them(capsys):
+    """Every record of the library's logger tree (CRITICAL included) is dropped inside, reaches its handler after
+    (its level set back even when the work raises); with `printed`, what it writes to stderr is dropped too."""
+    import logging
+    import sys
+
+    import pytest
+
+    from featcal_llm import runlog
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    root, child = logging.getLogger("featcal_probe_lib"), logging.getLogger("featcal_probe_lib.builder")
+    handler = Keep(level=logging.DEBUG)
+    root.addHandler(handler)
+    try:
+        root.setLevel(logging.INFO)
+        with pytest.raises(RuntimeError):
+            with runlog.library_silenced("featcal_probe_lib", printed=True):
+                root.critical("inside critical")
+                child.error("inside child")
+                print("inside bar", file=sys.stderr)
+                raise RuntimeError("the library's own error")
+        assert root.level == logging.INFO
+        with runlog.library_silenced("featcal_probe_lib"):
+            print("not a bar", file=sys.stderr)
+        root.warning("after")
+        child.warning("child after")
+        assert seen == ["after", "child after"]
+        assert capsys.readouterr().err == "not a bar\n"
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(logging.NOTSET)
