@@ -1266,3 +1266,112 @@ def test_a_rank_beside_params_auto_resolved_to_full_is_dropped_from_the_saved_re
     RefineSpec.model_validate(pinned)
     kept = yaml.safe_load(with_refine_pinned(text, {"params": "adapter", "autocast": None}))["featcal"]["refine"]
     assert kept == {"rank": 8, "steps": 5, "params": "adapter", "precision": "float32"}  # the adapter's rank stays
+
+
+def test_one_model_two_ways_is_only_one_local_folder_without_an_adapter(tmp_path):
+    """mergekit merges each distinct reference as an input of its own: a folder and a link to it (or the same path with
+    a trailing slash) are one model twice; a folder and that folder with a LoRA applied are two models, and references
+    that are no local folder (hub ids) name none."""
+    import os
+
+    from mergekit.common import ModelReference
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.recipe import _one_model_two_ways
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "lora").mkdir()
+    os.symlink(tmp_path / "e1", tmp_path / "link")
+
+    def found(models, base=str(tmp_path / "base")):
+        return _one_model_two_ways(MergeConfiguration.model_validate({"merge_method": "task_arithmetic", "base_model": base,
+                                                                      "models": [{"model": m} for m in models]}))
+
+    e1, adapted = str(tmp_path / "e1"), f"{tmp_path / 'e1'}+{tmp_path / 'lora'}"
+    assert ModelReference.model_validate(adapted) != ModelReference.model_validate(e1)  # two inputs to mergekit
+    assert found([e1, adapted]) == []
+    assert found(["org/model", "org/model/"], base="org/base") == []
+    assert found([e1, str(tmp_path / "base")]) == []  # the base listed as it is written: mergekit's one input
+    [line] = found([e1, str(tmp_path / "link")])
+    assert line.startswith(f"{e1} and {tmp_path / 'link'} are one model (the folder {os.path.realpath(e1)})")
+    [line] = found([e1, e1 + "/"])
+    assert line.startswith(f"{e1} and {e1}/ are one model")
+    os.symlink(tmp_path / "base", tmp_path / "base-link")
+    [line] = found([e1, str(tmp_path / "base-link")])
+    assert line.startswith(f"{tmp_path / 'base-link'} and {tmp_path / 'base'} are one model")
+
+
+CHAT_TEMPLATES = [
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "{% for m in messages %}\n{% generation %}\n{{ m.content }}\n{% endfor %}",
+    "{% for m in messages %}\n  {{ m.content }}\n{% endfor %}\n{% if add_generation_prompt %}\n{{ 'x' }",
+    "{% for m in messages %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "line one\nline two\n{% for m in messages %}{{ m.content }}",
+    "{% set x = namespace(a=1) %}{% do x %}",
+]
+
+
+@pytest.mark.parametrize("template", CHAT_TEMPLATES)
+def test_a_chat_template_parses_exactly_where_transformers_compiles_it(template):
+    """transformers' own chat-template compiler (its sandbox, loop controls and `{% generation %}` tag) against
+    chat_template_syntax_error: None where it compiles, else its line and words."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from featcal_llm.io.model_files import chat_template_syntax_error
+
+    try:
+        _compile_jinja_template(template)
+        expected = None
+    except jinja2.TemplateSyntaxError as error:
+        expected = f"line {error.lineno}: {error.message}"
+    assert chat_template_syntax_error(template) == expected
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_run_s_own_reader_counts_the_repeated_key_s_record_as_datasets_counts_records(tmp_path, suffix):
+    """Blank lines are no records to datasets: the record named is the one datasets hands out at that index once the
+    key is given once; in a .json file of JSON lines alike. A line that is no JSON before it is the reader's refusal."""
+    import datasets
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data_files import load_records
+
+    lines = ['{"text": "r0"}', "", '{"text": "r1"}', "   ", "", '{"text": "r2"}', '{"text": "a", "id": "x", "id": "y"}', '{"text": "r4"}']
+    path = tmp_path / f"d{suffix}"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FeatCalError) as refused:
+        load_records(DataSpec(path=str(path), format="text"), "w")
+    assert "gives the key 'id' twice" in str(refused.value), refused.value
+    record = int(str(refused.value).split(": record ")[1].split()[0])
+    path.write_text("\n".join(line.replace('"id": "x", ', "") for line in lines) + "\n")
+    assert datasets.load_dataset("json", data_files=str(path), split="train")[record]["text"] == "a"
+    path.write_text("\n".join(['{"text": "r0"}', "{not json", *lines[2:]]) + "\n")
+    with pytest.raises(FeatCalError) as refused:
+        load_records(DataSpec(path=str(path), format="text"), "w")
+    assert "cannot load calibration data" in str(refused.value) and "twice" not in str(refused.value)
+
+
+def test_validate_s_first_rows_of_a_csv_or_parquet_file_are_those_datasets_hands_the_run(tmp_path):
+    """file_head reads a CSV file's first rows without datasets (a BOM skipped, blank lines no rows, pandas' missing
+    markers null) and a parquet file's through pyarrow: the same rows datasets gives the run."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from featcal_llm.io.validate_data import file_head
+
+    csv_path = tmp_path / "c.csv"
+    csv_path.write_bytes("\ufefftext,label\nhello,NA\n\nworld,\nNULL,x\nNone,y\nn/a,z\nplain,#N/A\nlast,w\n".encode())
+    header, rows, whole = file_head(csv_path, "w")
+    expected = datasets.load_dataset("csv", data_files=str(csv_path), split="train").to_list()
+    assert header == ["text", "label"] and rows == expected and not whole
+    parquet_path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(7)], "n": list(range(7))}), parquet_path, row_group_size=3)
+    header, rows, _ = file_head(parquet_path, "w")
+    assert header == ["text", "n"] and rows == datasets.load_dataset("parquet", data_files=str(parquet_path), split="train").to_list()
