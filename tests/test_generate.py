@@ -448,9 +448,6 @@ def test_generated_set_paths_are_the_short_labels_made_file_safe_beside_the_outp
     assert all(samples.parent == record.parent == tmp_path / "runs" / GENERATED_DIR for samples, record in paths.values())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: generated_set_paths makes distinct labels file-safe without keeping them "
-                                       "distinct, so experts `math v1` and `math_v1` (or `/x/a` beside `/y/a`, labelled x/a, and "
-                                       "`/z/x_a`) share one set file: the second generating expert overwrites the first's, so a re-run finds neither set and samples both again")
 def test_every_expert_gets_a_generated_set_of_its_own(tmp_path):
     from featcal_llm.generation.store import generated_set_paths
 

@@ -88,8 +88,6 @@ def _linear_merge_is_finite(weights, normalize=True) -> bool:
     return bool(torch.isfinite(merged).all())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: merge_values._plain skips booleans, but mergekit's parameter validation reads "
-                                       "weight: false as 0.0, so linear weights of false sum to 0 and merge into NaN")
 def test_linear_weights_of_false_are_refused_as_mergekit_reads_them_as_zero():
     from mergekit.config import MergeConfiguration
 
@@ -110,10 +108,6 @@ def test_linear_weights_with_a_negative_sum_merge_finite_and_pass():
         assert value_problems(config, "r.yaml") == [], weights
 
 
-@pytest.mark.xfail(strict=True, reason="bug: value_problems leaves the base model out of linear's weight sum, but mergekit's "
-                                       "planner adds a base_model not listed under models as one more linear input (with the "
-                                       "top-level weight), so its weight is in the divisor: a NaN merge passes, a finite one "
-                                       "is refused")
 def test_linear_s_weight_sum_counts_the_base_model_as_mergekit_merges_it(scenario, tmp_path):
     import yaml
     from mergekit.config import MergeConfiguration

@@ -121,10 +121,6 @@ def test_covers_every_tensor_is_whether_mergekit_finds_a_value_for_each_tensor(s
         assert mergekit_methods.covers_every_tensor(parsed) == all(value is not None for value in found), (setting, found)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: covers_every_tensor counts only an entry without a filter as a catch-all, but "
-                                       "mergekit's evaluate_setting also matches every tensor with filter '*' (and with '', "
-                                       "a substring of every name): validate and run refuse such a recipe with a 'Missing "
-                                       "required parameter' mergekit never raises")
 @pytest.mark.parametrize("setting", [{"filter": "*", "value": 0.3}, [{"filter": "mlp", "value": 0.1}, {"filter": "*", "value": 0.3}],
                                      [{"filter": "", "value": 0.3}]], ids=str)
 def test_a_filter_mergekit_matches_to_every_tensor_covers_every_tensor(setting):

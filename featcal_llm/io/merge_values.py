@@ -3,7 +3,8 @@
 The types come from mergekit's registry (io/mergekit_methods.py); these ranges are in its merge code instead:
 DARE's random drop draws `torch.bernoulli(density)`, which refuses a density below 0; DELLA's magnitude-ranked
 drop needs density ± epsilon inside (0, 1) wherever 0 < density < 1 (epsilon 0.15 unless set); `linear` divides by
-the weights' sum unless `normalize: false`, so weights that sum to 0 merge into NaN. Only plain numbers are judged
+the weights' sum unless `normalize: false` (a base not listed among the models counts as one more input, at the
+top level's weight), so weights that sum to 0 merge into NaN. Only plain numbers are judged
 (a gradient or a filtered value is left to mergekit). tests/test_validate_agrees.py runs mergekit on each.
 """
 
@@ -24,7 +25,8 @@ def _plain(chain: list[tuple[str, dict | None]], parameter: str) -> tuple[str, f
     for site, settings in chain:
         if settings and parameter in settings:
             value = settings[parameter]
-            plain = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= LARGEST_VALUE  # else: io/mergekit_methods
+            # a boolean is the number mergekit's validation makes of it (false: 0.0); else: io/mergekit_methods
+            plain = isinstance(value, (int, float)) and abs(value) <= LARGEST_VALUE
             return (f"{site}.{parameter}", float(value)) if plain else None
     return None
 
@@ -57,7 +59,7 @@ def value_problems(config: Any, file: str) -> list[Problem]:
                            "epsilon is in (0, 1)\")")
     normalize = (config.parameters or {}).get("normalize", True)
     if name == "linear" and normalize is not False:
-        weights = [_plain(chain, "weight") for key, _, chain in inputs if key != "base_model"]  # linear ignores the base
+        weights = [_plain(chain, "weight") for _, _, chain in inputs]  # a base not among the models is one more input
         if weights and all(weight is not None for weight in weights) and sum(weight[1] for weight in weights) == 0:
             add("parameters" if config.parameters and "weight" in config.parameters else "models",
                 "the weights sum to 0, and linear divides by their sum (normalize, on by default): the merge would be "

@@ -96,15 +96,18 @@ def _bad_value(schema: dict, setting: Any) -> tuple[Any, str] | None:
 
 def covers_every_tensor(setting: Any) -> bool:
     """Whether a parameter setting gives every tensor a value: a number, a gradient, or a conditional list (or entry)
-    with an entry that has no filter. A setting whose every entry has a filter leaves the tensors none matches to the
+    with an entry whose filter matches every tensor (none, '*' or ''). A setting whose every entry has a filter leaves the tensors none matches to the
     next level (mergekit's model → slice → top-level parameters), and without one there, "Missing required parameter"."""
     if isinstance(setting, list):
         if not setting:
             return False
         return any(covers_every_tensor(item) for item in setting) if any(hasattr(item, "filter") for item in setting) else True
     if hasattr(setting, "filter"):
-        return setting.filter is None
+        return setting.filter in CATCH_ALL_FILTERS
     return True
+
+
+CATCH_ALL_FILTERS = (None, "*", "")  # mergekit's evaluate_setting: no filter, '*', or a substring of every name
 
 
 def merge_inputs(config: Any) -> list[tuple[str, Any, list[tuple[str, dict | None]]]]:
