@@ -263,8 +263,6 @@ def test_eval_backend_refusals_name_the_command_line_option(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="eval MODEL_DIR --check-graders: the model is silently not scored (exit 0); "
-                                       "--check-graders runs no model, so the two exclude each other")
 def test_eval_check_graders_refuses_models_it_would_not_score(tmp_path):
     model = _model_dir(tmp_path / "m")
     fixtures = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "evalplus"

@@ -45,7 +45,7 @@ def load_rows(task: str, data: str | None, revision: str | None = None) -> list[
         path = Path(data)
         if not path.is_file() or path.suffix != ".jsonl":
             raise FeatCalError(f"--data {task}={data}: expected a .jsonl file of the hub rows")
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return local_rows(task, path)
     from datasets import load_dataset
 
     try:
@@ -53,6 +53,28 @@ def load_rows(task: str, data: str | None, revision: str | None = None) -> list[
     except Exception as error:  # noqa: BLE001 - no network, no cache: say which data is missing
         raise FeatCalError(f"--check-graders: could not load {DATASETS[task][0]} ({type(error).__name__}); "
                            f"pass --data {task}=FILE.jsonl with a local copy") from None
+
+
+def local_rows(task: str, path: Path) -> list[dict]:
+    """A local copy's rows, each a problem as the hub (a `test`) or EvalPlus's release (`base_input`) gives it: a
+    canary that read no row, or rows of another dataset, would check nothing and report success."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise FeatCalError(f"--data {task}={path}: line {number} is not JSON ({error})") from None
+        missing = [key for key in ("task_id", "entry_point" if task == "humaneval_plus" else "prompt")
+                   if not isinstance(row, dict) or key not in row]
+        if missing or not ("test" in row or "base_input" in row):
+            raise FeatCalError(f"--data {task}={path}: line {number} is not a {DATASETS[task][0]} row (expected its "
+                               f"task_id, {'entry_point' if task == 'humaneval_plus' else 'prompt'} and test)")
+        rows.append(row)
+    if not rows:
+        raise FeatCalError(f"--data {task}={path}: no rows, so no grader would be checked")
+    return rows
 
 
 def _stub(entry_point: str) -> str:

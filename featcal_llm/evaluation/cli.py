@@ -124,6 +124,11 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
                  nltk_data, code_workers, quiet, check_graders) -> None:
     """Score MODEL_DIR... (or LABEL=MODEL_DIR) on a suite, one subprocess per model, with a cache."""
     if check_graders:
+        if models:
+            raise FeatCalError(f"eval --check-graders runs no model, so {models[0]} would not be scored: check the graders "
+                               "and score models in two commands")
+        if code_workers is not None and code_workers < 1:
+            raise FeatCalError(f"eval --code-workers {code_workers}: expected a positive number of programs graded at once")
         _check_graders(_parse_pairs(data, "--data"), code_workers)
         return
     if not models:
