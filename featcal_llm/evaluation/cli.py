@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.output_dir import unwritable
 
 
 def _parse_pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
@@ -213,6 +214,8 @@ def leaderboard(results, output, references, suite, stem, comparisons, experts) 
     target = Path(output) if output else (paths[0] if paths[0].is_dir() else paths[0].parent)
     if target.exists() and not target.is_dir():
         raise FeatCalError(f"--output {target}: a file, not a directory")
+    if unwritable(target) is not None:
+        raise FeatCalError(f"--output {unwritable(target)}")
     pairs = []
     for value in comparisons:
         base, sep, other = value.partition(":")

@@ -69,6 +69,7 @@ def load_summaries(paths: list[Path]) -> list[dict]:
                 raise FeatCalError(f"{file}: not a JSON file") from None
             if isinstance(data, dict) and str(data.get("schema", "")).startswith("featcal-llm/eval-summary/"):
                 wrong = [key for key, kind in SUMMARY_KEYS.items() if not isinstance(data.get(key), kind)]
+                wrong += _damaged_tasks(data["tasks"]) if "tasks" not in wrong else []
                 if wrong or not {"name", "version"} <= set(data["suite"]):
                     raise FeatCalError(f"{file}: an evaluation summary without {', '.join(wrong) or 'suite.name, suite.version'} "
                                        "(damaged, or written by another featcal-llm release; score the model again)")
@@ -80,7 +81,26 @@ def load_summaries(paths: list[Path]) -> list[dict]:
     for summary in summaries:
         if labels.count(summary["label"]) > 1:
             summary["label"] = f"{summary['label']} ({summary['_dir']})"
+    labels = [summary["label"] for summary in summaries]
+    for summary in summaries:  # one folder, two summaries of one label (a file copied or renamed): told by its file
+        if labels.count(summary["label"]) > 1:
+            summary["label"] = f"{summary['label'].rpartition(' (')[0]} ({summary['_file']})"
     return summaries
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _damaged_tasks(tasks: dict) -> list[str]:
+    """The task entries a table cannot read: not a mapping, or a score or standard error that is not a number."""
+    wrong = []
+    for task, entry in tasks.items():
+        if not isinstance(entry, dict):
+            wrong.append(f"tasks.{task} as a mapping")
+            continue
+        wrong += [f"a number at tasks.{task}.{key}" for key in ("score", "stderr") if entry.get(key) is not None and not _number(entry[key])]
+    return wrong
 
 
 def _settings(summary: dict) -> str:
@@ -114,6 +134,10 @@ def _items(summary: dict, task: str) -> dict[int, float] | None:
     entry = summary["tasks"].get(task)
     if not entry:
         return None
+    if not isinstance(entry.get("samples"), str) or not isinstance(entry.get("metric"), str):
+        raise FeatCalError(f"{summary.get('_file', summary['label'] + '.json')}: tasks.{task} names no samples file and "
+                           "metric, so --compare has no items to pair (damaged, or written by another featcal-llm "
+                           "release; score the model again)")
     samples = Path(summary.get("_dir", ".")) / entry["samples"]
     return uncertainty.per_item_scores(samples, entry["metric"]) if samples.is_file() else None
 
@@ -331,9 +355,19 @@ def build_leaderboard(result_paths: list[Path], output: Path, *, references: lis
     normalized = normalized_rows(ours, experts, suite) if experts else []
     rows = reference_rows(list(references), suite) + ours + normalized + deltas
     markdown = render_markdown(rows, suite)
-    output.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": output / f"{stem}.md", "csv": output / f"{stem}.csv", "png": output / f"{stem}.png"}
-    paths["markdown"].write_text(markdown)
-    write_csv(rows, suite, paths["csv"])
-    write_png([row for row in rows if row not in normalized], suite, paths["png"])
+    taken = [path for path in paths.values() if path.exists() and not path.is_file()]
+    if taken:
+        raise FeatCalError(f"{taken[0]}: not a file the leaderboard can replace; remove it or pass another --name")
+    output.mkdir(parents=True, exist_ok=True)
+    drafts = {key: path.with_name(f".{path.stem}.draft{path.suffix}") for key, path in paths.items()}  # the suffix
+    try:  # tells matplotlib the format; all three written, then each put in place: no table without its chart
+        drafts["markdown"].write_text(markdown)
+        write_csv(rows, suite, drafts["csv"])
+        write_png([row for row in rows if row not in normalized], suite, drafts["png"])
+        for key, draft in drafts.items():
+            draft.replace(paths[key])
+    finally:
+        for draft in drafts.values():
+            draft.unlink(missing_ok=True)
     return markdown, paths
