@@ -6,9 +6,13 @@ Thin command; the work is in `featcal_llm.benchmark`. Heavy imports stay inside 
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import click
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.output_dir import unwritable
 
 POSITIVE = click.IntRange(min=1)  # a count of 0 would build checkpoints for seconds before failing
 # what only the layer loop reads, and what only a whole run reads: given to the other, an option would be ignored
@@ -37,6 +41,11 @@ def _check_shapes(options: dict) -> None:
         raise FeatCalError(f"--kv-heads {options['kv_heads']}: expected a divisor of --heads {options['heads']}")
     if not options["lam"] > 0:
         raise FeatCalError(f"--lam {options['lam']:g}: expected a ridge above 0, as featcal.lambda")
+    budget = options.get("host_memory_gb")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise FeatCalError(f"--host-memory-gb {budget:g}: expected a positive number of GB (the streams' RAM before they spill)")
+    if options.get("workdir") and unwritable(Path(options["workdir"])) is not None:
+        raise FeatCalError(f"--workdir {unwritable(Path(options['workdir']))}")
     check_device(options["device"], "--device")
 
 
