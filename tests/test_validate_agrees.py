@@ -1237,6 +1237,20 @@ def test_run_s_own_reader_refuses_a_split_for_a_single_file(tmp_path):
             calibration_sequences({"e": spec}, ["e"], None, 4, 16, shuffle, 0, tmp_path / "r.yaml")
 
 
+def test_a_dataset_directory_is_read_at_the_split_the_entry_names(tmp_path):
+    """A dataset directory's `split:` picks its file, as datasets names splits by file (the mutation round found no
+    test that failed when the split was read as train)."""
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data_files import load_records
+
+    (tmp_path / "ds").mkdir()
+    for split in ("train", "validation"):
+        (tmp_path / "ds" / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"{split} {i}"}) + "\n" for i in range(3)))
+    for split in ("train", "validation", "validation[:2]"):
+        rows = load_records(DataSpec(path=str(tmp_path / "ds"), split=split), "featcal.data.e")
+        assert [row["text"] for row in rows] == [f"{split.split('[')[0]} {i}" for i in range(3 if "[" not in split else 2)]
+
+
 @pytest.mark.parametrize("refine, key, says", [
     ({"params": "full", "rank": 8}, "rank", "rank applies to params: adapter (or auto, which may choose it); params: full "
                                             "trains every weight (got 8)"),
