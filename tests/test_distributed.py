@@ -303,7 +303,7 @@ def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops
         comms[rank] = comm
     comms[0]._start_heartbeat()
     try:
-        threading.Timer(0.8, lambda: master.set("featcal/step/1", "null")).start()  # rank 0 finishes its step after 0.8 s
+        threading.Timer(0.8, master.set, ("featcal/step/1", "null")).start()  # rank 0 finishes its step after 0.8 s
         comms[1]._wait_for_main("merge", "featcal/step/1")
         assert "featcal-llm: rank 1: waiting for rank 0's merge" in capsys.readouterr().err
         comms[0]._stop.set()  # rank 0's heartbeat stops during the next step

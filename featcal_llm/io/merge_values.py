@@ -5,7 +5,8 @@ DARE's random drop draws `torch.bernoulli(density)`, which refuses a density bel
 drop needs density ± epsilon inside (0, 1) wherever 0 < density < 1 (epsilon 0.15 unless set); `linear` divides by
 the weights' sum unless `normalize: false` (a base not listed among the models counts as one more input, at the
 top level's weight), so weights that sum to 0 merge into NaN. Only plain numbers are judged
-(a gradient or a filtered value is left to mergekit). tests/test_validate_agrees.py runs mergekit on each.
+(a gradient or a filtered value is left to mergekit). tests/test_merge_values.py and tests/test_agree_settings.py run
+mergekit on each.
 """
 
 from __future__ import annotations
