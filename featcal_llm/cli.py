@@ -57,6 +57,15 @@ class _Group(click.Group):
             sys.exit(EXIT_INTERRUPTED)
 
 
+def _output_argument(value: str | None) -> Path | None:
+    """OUTPUT as a path; an empty one is refused as `featcal.output: ""` is (as a path it would be the current folder)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise FeatCalError(f"OUTPUT {value!r}: empty; name the directory the calibrated model is written to")
+    return Path(value)
+
+
 @click.group(cls=_Group, context_settings=CONTEXT, epilog=f"""\b
 Examples:
   featcal-llm validate recipe.yaml          check a recipe without loading a weight
@@ -80,7 +89,8 @@ Examples:
 
 {EXIT_CODES}""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("output", required=False, type=click.Path(path_type=Path))  # a file: refused by the checks, in validate's words
+@click.argument("output", required=False, callback=lambda ctx, param, value: _output_argument(value))  # a file: refused
+# by the checks, in validate's words
 @click.option("--force", is_flag=True, help="Replace an existing output (an earlier featcal-llm output, or an empty folder); "
                                              "also how a run stopped after its output was written resumes.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
@@ -183,7 +193,7 @@ Examples:
 \b
 Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("output", required=False, type=click.Path(path_type=Path))
+@click.argument("output", required=False, callback=lambda ctx, param, value: _output_argument(value))
 @click.option("--device", default=None, help="As run's --device: check the run on this device instead of featcal.device.")
 @click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (without a network: a note, not an error).")
 @click.option("--keep-layers", is_flag=True, help="Check the recipe as run --keep-layers takes it (it needs refine:).")

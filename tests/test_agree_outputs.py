@@ -101,6 +101,17 @@ def test_the_output_argument_is_checked_in_place_of_featcal_output(scenario, tmp
     assert ran.exit_code == 2 and error_lines(ran) == [f"{path}: OUTPUT: {tmp_path / 'a-file' / 'there'}: {tmp_path / 'a-file'} is not a directory"]
 
 
+@pytest.mark.parametrize("output", ["", " "])
+def test_an_empty_output_argument_is_refused_as_an_empty_featcal_output_is(scenario, tmp_path, output):
+    """`run RECIPE ""` named the current folder (a path of ""), and was refused as the folder holding the recipe;
+    both commands now say it is empty, in one line, as they say of `featcal.output: ""`."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_of(scenario, tmp_path), sort_keys=False))
+    said = [CliRunner().invoke(main, [command, str(path), output]) for command in ("validate", "run")]
+    assert [result.exit_code for result in said] == [2, 2]
+    assert error_lines(said[0]) == error_lines(said[1]) == [f"OUTPUT {output!r}: empty; name the directory the calibrated model is written to"]
+
+
 @pytest.mark.parametrize("arguments, fragment", [
     (["~/calibrated"], "OUTPUT: ~/calibrated: run takes a path as written"),
     (["{tmp}/recipe-folder"], None),  # a fine OUTPUT for a recipe whose own output is not
