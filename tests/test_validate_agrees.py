@@ -130,6 +130,8 @@ CASES = {
     "an alpaca input that is a number": (_alpaca_with_a_number_for_input, [
         ["alpaca.jsonl: record 0: field 'input' is a number (int), not a string; format: alpaca reads it as text"]]),
     "a JSON file holding an empty list": (lambda r, t: first_data_file(r, t, "cal.json", "[]"), [["cal.json: no records"]]),
+    "a text of whitespace only": (lambda r, t: first_data_file(r, t, "cal.jsonl", '{"text": "ok"}\n{"text": " \\n\\t"}\n'), [
+        ["cal.jsonl: record 1: field 'text' is only whitespace; drop the record or fill it"]]),
     "a CSV file with an empty cell": (lambda r, t: first_data_file(r, t, "cal.csv", "text\nhello there\n\"\"\n"), [
         ["cal.csv: record 1: field 'text' is null"]]),
     "a chat template mergekit cannot use": (_set(lambda r: r.update(chat_template="{{ bogus")), [

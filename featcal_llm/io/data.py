@@ -49,8 +49,10 @@ def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -
     """A field the record's format reads as text: a string, or refused (a list, a number or null would otherwise be
     calibrated on as its Python repr). `validate` applies the same check to the records it reads."""
     value = _field(record, key, where, index)
-    if value == "" and spec.format == "text":  # nothing to calibrate on (with some tokenizers not even a token)
-        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is empty; drop the record or fill it")
+    if isinstance(value, str) and not value.strip() and spec.format == "text":  # nothing to calibrate on (with some
+        # tokenizers not even a token; with others, blanks the features of no expert's text would be fitted to)
+        said = "empty" if value == "" else "only whitespace"
+        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: field {key!r} is {said}; drop the record or fill it")
     if isinstance(value, str):
         return value
     kind = "null (or missing: datasets fills a field some records lack with null)" if value is None else {"int": "a number (int)", "float": "a number (float)", "bool": "true or false"}.get(type(value).__name__, f"a {type(value).__name__}")
