@@ -610,3 +610,13 @@ def test_evaluate_refuses_output_none(small, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "evaluate_model", scoring)
     with pytest.raises(featcal_llm.FeatCalError, match="output"):
         featcal_llm.evaluate(small.base, tasks=["arc_challenge"], output=None, quiet=True)
+
+
+@pytest.mark.xfail(strict=True, reason="validate(device='tpu') raises a FeatCalError (no .problems) where validate(device='cuda') "
+                                      "without CUDA returns a problem, and calibrate(device='tpu') lists it as '--device'")
+def test_validate_returns_a_bad_device_as_a_problem_as_it_does_an_unavailable_one(small, tmp_path, monkeypatch):
+    import featcal_llm
+
+    monkeypatch.chdir(tmp_path)
+    result = featcal_llm.validate(_recipe_dict(small, tmp_path), device="tpu")
+    assert [problem.key for problem in result] == ["--device"]
