@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping
 from featcal_llm import runlog
 from featcal_llm.calibration_result import CalibrationResult, ExpertSummary, RefineSummary, refine_summary, summarize_report
 from featcal_llm.errors import FeatCalError, QuietExit, collected_warnings
+from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem
 from featcal_llm.io.problems import Problem, RecipeProblems
 
 __all__ = ["CalibrationResult", "EvaluationResult", "ExpertSummary", "FeatCalError", "Problem", "RefineSummary", "ValidationResult", "calibrate",
@@ -81,8 +82,12 @@ def _recipe_file(recipe: str | os.PathLike | Mapping[str, Any], caller: str) -> 
             value = error.args[1] if len(error.args) > 1 else error
             raise FeatCalError(f"{DICT_RECIPE}: a value YAML cannot write ({type(value).__name__} {value!r}); give strings, "
                                "numbers, lists and mappings") from None
-        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=".featcal-recipe-", dir=Path.cwd(), delete=False,
-                                             encoding="utf-8")
+        try:  # in the working directory, so that relative paths in it mean what they would in a recipe file there
+            handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=TEMPORARY_RECIPE_PREFIX, dir=Path.cwd(),
+                                                 delete=False, encoding="utf-8")
+        except OSError as error:
+            raise FeatCalError(f"{DICT_RECIPE}: the working directory cannot take the recipe's temporary file "
+                               f"({error.strerror}); run from a folder you can write to, or give a recipe file") from None
         with handle:
             handle.write(text)
         return Path(handle.name), Path(handle.name)
@@ -97,7 +102,7 @@ DICT_RECIPE = "<recipe>"  # how errors and notes name a recipe given as a dict (
 def _plain(value: Any) -> Any:
     """A dict recipe's values as YAML writes them: a path as its string, a numpy scalar as its Python number."""
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
+        return {_plain_key(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     if isinstance(value, os.PathLike):
@@ -105,6 +110,15 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy or torch scalar
         return value.item()
     return value
+
+
+def _plain_key(key: Any) -> Any:
+    """A dict recipe's key as YAML writes it: a path as its string; a key a recipe file could not hold, refused."""
+    if isinstance(key, os.PathLike):
+        return os.fspath(key)
+    if key is None or isinstance(key, (str, int, float, bool)):
+        return key
+    raise FeatCalError(f"{DICT_RECIPE}: key {key!r}: a {type(key).__name__}, which no recipe file holds; keys are strings")
 
 
 def _dict_named(text: str, path: Path) -> str:
@@ -218,17 +232,34 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
     from featcal_llm.evaluation.leaderboard import build_leaderboard
     from featcal_llm.evaluation.runner import evaluate_model
 
+    from featcal_llm.evaluation.modelinfo import check_model_dirs
+
+    wanted = "a model directory (a string or os.PathLike), a list of them, or {label: directory}"
     if isinstance(models, Mapping):
-        labelled = [(str(label), Path(path)) for label, path in models.items()]
+        entries = list(models.items())
+    elif isinstance(models, (str, os.PathLike)) and not isinstance(os.fspath(models), bytes):
+        entries = [(None, models)]
+    elif isinstance(models, Iterable) and not isinstance(models, (str, bytes)):
+        entries = [(None, path) for path in models]
     else:
-        paths = [models] if isinstance(models, (str, os.PathLike)) else list(models)
-        labelled = [(Path(path).resolve().name, Path(path)) for path in paths]
+        raise FeatCalError(f"evaluate: models: expected {wanted}, got {type(models).__name__} {models!r}")
+    for _, path in entries:
+        if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+            raise FeatCalError(f"evaluate: models: expected {wanted}; an entry is {type(path).__name__} {path!r}")
+    labelled = [(str(label) if label is not None else Path(path).resolve().name, Path(path)) for label, path in entries]
     if not labelled:
         raise FeatCalError("evaluate: give at least one model directory")
     if len({label for label, _ in labelled}) < len(labelled):
         raise FeatCalError("evaluate: two models have the same label; pass {label: directory}")
+    check_model_dirs([path for _, path in labelled], "evaluate")  # every one, before the suite's checks and any scoring
+    if not isinstance(backend, (str, Mapping)):
+        raise FeatCalError(f"evaluate: backend: expected 'auto', 'vllm', 'hf' or a mapping of backend settings, got "
+                           f"{type(backend).__name__} {backend!r}")
+    if argument_problem(output) is not None:
+        said = argument_problem(output).replace("the output directory", "the results directory")
+        raise FeatCalError(f"evaluate: output: {said.replace('the directory the calibrated model is written to', 'the results directory')}")
     options = {"suite": suite, "tasks": tasks, "backend": {"name": backend} if isinstance(backend, str) else dict(backend),
-               "output": str(output), **settings}
+               "output": os.fspath(output), **settings}
     section = section_from_options(options, "evaluate()")
     echo = (lambda line: None) if quiet else (lambda line: print(line, file=__import__("sys").stderr))
     summaries = {}
@@ -272,12 +303,14 @@ def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = Fa
     takes them, in place of featcal.output and featcal.device). Hub model and dataset ids
     are looked up only with `online=True`; local paths never touch the network.
     """
-    from featcal_llm.io.block import check_device
     from featcal_llm.io.validate import check_recipe
 
-    if device is not None:
-        check_device(device, "device")
-    path, temporary = _recipe_file(recipe, "validate")
+    try:
+        path, temporary = _recipe_file(recipe, "validate")
+    except FeatCalError as refused:  # a dict no recipe file could hold: its one problem (another type: a caller's error)
+        if not isinstance(recipe, Mapping):
+            raise
+        return ValidationResult([Problem.from_error(DICT_RECIPE, refused)])
     try:
         with collected_warnings() as warnings:
             report = check_recipe(path, online=online, plan=False, output=output, device=device, keep_layers=keep_layers,

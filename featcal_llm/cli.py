@@ -57,15 +57,6 @@ class _Group(click.Group):
             sys.exit(EXIT_INTERRUPTED)
 
 
-def _output_argument(value: str | None) -> Path | None:
-    """OUTPUT as a path; an empty one is refused as `featcal.output: ""` is (as a path it would be the current folder)."""
-    if value is None:
-        return None
-    if not value.strip():
-        raise FeatCalError(f"OUTPUT {value!r}: empty; name the directory the calibrated model is written to")
-    return Path(value)
-
-
 @click.group(cls=_Group, context_settings=CONTEXT, epilog=f"""\b
 Examples:
   featcal-llm validate recipe.yaml          check a recipe without loading a weight
@@ -89,8 +80,7 @@ Examples:
 
 {EXIT_CODES}""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("output", required=False, callback=lambda ctx, param, value: _output_argument(value))  # a file: refused
-# by the checks, in validate's words
+@click.argument("output", required=False)  # as given: the checks judge it (a file, an empty name), in validate's words
 @click.option("--force", is_flag=True, help="Replace an existing output (an earlier featcal-llm output, or an empty folder); "
                                              "also how a run stopped after its output was written resumes.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
@@ -108,7 +98,7 @@ Examples:
 @click.option("--eval-only", is_flag=True,
               help="Run the recipe's eval: on the output a finished run wrote, without calibrating again (its evaluation "
                    "had failed, say), and add the table to its card.")
-def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
+def run(recipe: Path, output: str | None, force: bool, device: str | None, log_file: Path | None, quiet: bool, verbose: bool,
         repo_id: str | None, public: bool, keep_layers: bool, eval_only: bool) -> None:
     """Merge (if needed) and calibrate the model described by RECIPE.
 
@@ -147,7 +137,7 @@ def run(recipe: Path, output: Path | None, force: bool, device: str | None, log_
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:
             if main_rank:
-                click.echo(_interrupted(recipe, output), err=True)
+                click.echo(_interrupted(recipe, Path(output) if output else None), err=True)
             sys.exit(EXIT_INTERRUPTED)
         except FeatCalError as error:
             runlog.failure(error)
@@ -193,12 +183,12 @@ Examples:
 \b
 Exit codes: 0 the recipe is clean; 2 it has problems (each on its own line).""")
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("output", required=False, callback=lambda ctx, param, value: _output_argument(value))
+@click.argument("output", required=False)
 @click.option("--device", default=None, help="As run's --device: check the run on this device instead of featcal.device.")
 @click.option("--online", is_flag=True, help="Also look up hub model and dataset ids (without a network: a note, not an error).")
 @click.option("--keep-layers", is_flag=True, help="Check the recipe as run --keep-layers takes it (it needs refine:).")
 @click.option("--eval-only", is_flag=True, help="Check the recipe as run --eval-only takes it (an eval: block, a finished output).")
-def validate(recipe: Path, output: Path | None, device: str | None, online: bool, keep_layers: bool, eval_only: bool) -> None:
+def validate(recipe: Path, output: str | None, device: str | None, online: bool, keep_layers: bool, eval_only: bool) -> None:
     """Check RECIPE without loading any weights: every problem at once, one line each, and a memory estimate.
 
     The YAML, the featcal: block, the mergekit part (merge method and its parameters, as mergekit

@@ -91,7 +91,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
     # every problem `validate` finds, before any model is resolved (a stack's stages arrive already checked)
     recipe = recipe_path if isinstance(recipe_path, Recipe) else check_before_run(recipe_path, output_override, device, keep_layers)
     if output_override is not None:
-        recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}),
+        recipe = replace(recipe, featcal=recipe.featcal.model_copy(update={"output": str(output_override)}), output_key="OUTPUT",
                          text=with_output(recipe.text, str(output_override)))  # the saved replay recipe writes here too
     if keep_layers:
         recipe = kept_layers(recipe)
@@ -129,7 +129,7 @@ def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, 
     featcal = recipe.featcal
     output = Path(output_override or featcal.output)
     merged = scored_merge(featcal, output)
-    lock = OutputLock.acquire(output, f"{recipe.path}: featcal.output", lambda: None)
+    lock = OutputLock.acquire(output, f"{recipe.path}: {recipe.output_key}", lambda: None)
     try:
         outcome = evaluate_outputs(recipe, RunOutcome(output, merged), after_run=False)
         if featcal.stacked and not partial_dir(output).exists():  # what the stack's run leaves once it has evaluated
@@ -147,7 +147,7 @@ def _evaluate_only(recipe_path: str | Path, output_override: str | Path | None, 
 def _output_lock(comm: Single, recipe: Recipe, output: Path, force: bool):
     """Rank 0 holds the output's lock (io/output_lock.py) from before the run writes anything until it has evaluated the
     output; the output is checked again once the lock is held."""
-    lock = comm.run_on_main("the output's lock", lambda: OutputLock.acquire(output, f"{recipe.path}: featcal.output",
+    lock = comm.run_on_main("the output's lock", lambda: OutputLock.acquire(output, f"{recipe.path}: {recipe.output_key}",
                                                                             lambda: check_output(recipe, output, force)))
     try:
         yield

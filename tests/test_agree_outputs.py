@@ -109,7 +109,7 @@ def test_an_empty_output_argument_is_refused_as_an_empty_featcal_output_is(scena
     path.write_text(yaml.safe_dump(recipe_of(scenario, tmp_path), sort_keys=False))
     said = [CliRunner().invoke(main, [command, str(path), output]) for command in ("validate", "run")]
     assert [result.exit_code for result in said] == [2, 2]
-    assert error_lines(said[0]) == error_lines(said[1]) == [f"OUTPUT {output!r}: empty; name the directory the calibrated model is written to"]
+    assert error_lines(said[0]) == error_lines(said[1]) == [f"{path}: OUTPUT: {output!r} is empty; name the directory the calibrated model is written to"]
 
 
 @pytest.mark.parametrize("arguments, fragment", [

@@ -31,13 +31,20 @@ def _models(arguments: tuple[str, ...]) -> list[tuple[str, Path]]:
     models, labels = [], set()
     for argument in arguments:
         label, sep, path = argument.partition("=")
-        if not sep or Path(argument).is_dir():  # a model folder whose name holds `=` (alpha=0.3) is a folder
+        if not sep or _is_dir(argument):  # a model folder whose name holds `=` (alpha=0.3) is a folder
             label, path = Path(argument).resolve().name, argument
         if label in labels:
             raise FeatCalError(f"{argument}: label '{label}' is used twice; name models with LABEL=MODEL_DIR")
         labels.add(label)
         models.append((label, Path(path)))
     return models
+
+
+def _is_dir(argument: str) -> bool:
+    try:
+        return Path(argument).is_dir()
+    except (OSError, ValueError):  # a name past the file system's limit, a NUL byte: check_model_dirs says which
+        return False
 
 
 def _engine_args(values: tuple[str, ...]) -> dict:
@@ -134,14 +141,11 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
         return
     if not models:
         raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
-    missing = [str(path) for _, path in _models(models) if not path.exists()]
-    if missing:  # before the suite's own checks (code execution, data): a wrong path is the first thing to fix
-        raise FeatCalError(f"eval: {', '.join(missing)}: model directory does not exist")
+    from featcal_llm.evaluation.modelinfo import check_model_dirs
+
+    check_model_dirs([path for _, path in _models(models)], "eval")  # before the suite's own checks (code execution, data)
     if nltk_data is not None and not Path(nltk_data).is_dir():
         raise FeatCalError(f"eval: --nltk-data {nltk_data}: directory not found")
-    unreadable = [str(path) for _, path in _models(models) if not (path / "config.json").is_file()]
-    if unreadable:
-        raise FeatCalError(f"{', '.join(unreadable)}: not a model directory (no config.json)")
     from featcal_llm.evaluation.config import section_from_options
     from featcal_llm.evaluation.leaderboard import build_leaderboard
     from featcal_llm.evaluation.runner import evaluate_model

@@ -45,6 +45,22 @@ def check_model_dir(path: Path) -> Path:
     return path.resolve()
 
 
+def check_model_dirs(paths: list[Path], caller: str) -> None:
+    """Every model to score, before any is scored: each path there (a wrong path is the first thing to fix), then
+    each a model folder (check_model_dir)."""
+    from featcal_llm.io.output_dir import name_problem, shown
+
+    for path in paths:
+        unusable = name_problem(Path(path))
+        if unusable is not None:
+            raise FeatCalError(f"{caller}: {shown(Path(path))}: {unusable}")
+    missing = [str(path) for path in paths if not Path(path).exists()]
+    if missing:
+        raise FeatCalError(f"{caller}: {', '.join(missing)}: model directory does not exist")
+    for path in paths:
+        check_model_dir(Path(path))
+
+
 def fingerprint_files(model_dir: Path) -> list[Path]:
     files = [p for p in model_dir.iterdir() if p.is_file() and (
         p.suffix in HASHED_WEIGHT_SUFFIXES or p.name in CONFIG_FILES or p.suffix == ".jinja")]

@@ -18,6 +18,43 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
+TEMPORARY_RECIPE_PREFIX = ".featcal-recipe-"  # a recipe given to the API as a dict, written for the run and removed after
+
+
+def name_problem(path: Path) -> str | None:
+    """Why `path` cannot name a file at all (line breaks: text given for a path; a name past the file system's
+    limit, on which Python 3.11's path tests raise), or None."""
+    text = str(path)
+    if "\n" in text:
+        return "a file name with line breaks: recipe text given in place of a path? give the file's path, or the text read by yaml.safe_load (a mapping)"
+    longest = max(path.parts or [text], key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX:
+        return f"a name of {len(longest.encode())} bytes ({longest[:24]}...), past the {NAME_MAX} a file system takes"
+    return None
+
+
+def shown(path: Path) -> str:
+    """A path as an error names it: its first line, cut short where it is long."""
+    text = str(path).splitlines()[0] if str(path).strip() else str(path)
+    return text if len(text) <= 80 and "\n" not in str(path) else text[:60] + "..."
+
+
+NAME_MAX = 255  # bytes in one name: ext4, XFS, btrfs, APFS and NTFS alike (Linux's NAME_MAX)
+
+
+def argument_problem(value: object) -> str | None:
+    """Why an output given as an argument (`run RECIPE OUTPUT`, `calibrate(output=...)`) is no path a run can write,
+    before any path test: pathlib would raise on a number or a NUL byte, and on a name past the file system's limit."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+        return f"expected the output directory as a path (a string or os.PathLike), got {type(value).__name__} {value!r}"
+    text = os.fspath(value)
+    if not text.strip():
+        return f"{text!r} is empty; name the directory the calibrated model is written to"
+    if "\0" in text:
+        return f"{text!r} holds a NUL character, which no file system takes in a name"
+    return name_problem(Path(text))
+
+
 RECIPE_FILE = "featcal_recipe.yml"  # in every finished run's output: the recipe as it ran (io/saved_recipe.py)
 
 # hidden siblings a run keeps beside its output: its progress, and an old output while --force swaps it out (folders),

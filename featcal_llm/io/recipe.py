@@ -28,6 +28,7 @@ from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.merge_values import value_problems
 from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.merge_settings import merge_setting_problems
+from featcal_llm.io.output_dir import name_problem, shown
 from featcal_llm.io.problems import (Problem, RecipeProblems, collect, in_document_order, known_keys, one_error_per_key,
                                      pydantic_problems, suggestion)
 from featcal_llm.startup import heavy_import
@@ -50,6 +51,7 @@ class Recipe:
     experts: tuple[Expert, ...]
     merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
     card_text: str | None = None  # the recipe the card shows, where `text` is a stage's (a stack's second, with the first's choices)
+    output_key: str = "featcal.output"  # how refusals name the output: OUTPUT where the command line (output=) gave it
 
 
 def _yaml_reason(error: yaml.YAMLError) -> str:
@@ -361,6 +363,9 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
     """
     path = Path(path)
     problems: list[Problem] = []
+    unusable = name_problem(path)
+    if unusable is not None:  # no file could have this name
+        return Parsed(None, [Problem(shown(path), "", unusable)])
     raw = collect(problems, path, lambda: _read_yaml_mapping(path, problems))
     if raw is None:
         return Parsed(None, problems)

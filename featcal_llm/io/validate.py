@@ -24,7 +24,7 @@ from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_models import check_models
 from featcal_llm.io.validate_outputs import check_first_stage, check_output, check_writes
-from featcal_llm.io.output_dir import RECIPE_FILE, scored_merge
+from featcal_llm.io.output_dir import argument_problem, RECIPE_FILE, scored_merge
 
 
 @dataclass
@@ -122,16 +122,20 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     if parsed.merge_config is not None:
         configs = check_models(path, parsed.merge_config, setting("merged"), setting("tokenizer"), online, report, data, featcal)
     output_key = "OUTPUT" if output is not None else "featcal.output"
-    if parsed.merge_config is not None:
-        check_writes(path, Path(output) if output else None, setting, parsed.merge_config, data, problems)
-    if featcal is not None:
-        check_run_flags(path, featcal, Path(output or setting("output")), keep_layers, eval_only, problems)
-    if (output or setting("output")) and not eval_only and not any(problem.key == output_key for problem in problems):
-        check_output(path, Path(output or setting("output")), problems, report.notes, output_key)  # one line for it
+    unusable = argument_problem(output) if output is not None else None  # no path to test: the checks of it wait
+    if unusable is not None:
+        problems.append(Problem(str(path), "OUTPUT", unusable))
+    written_to = Path(output) if output is not None and unusable is None else (Path(setting("output")) if setting("output") else None)
+    if parsed.merge_config is not None and unusable is None:
+        check_writes(path, Path(output) if output is not None else None, setting, parsed.merge_config, data, problems)
+    if featcal is not None and written_to is not None and unusable is None:
+        check_run_flags(path, featcal, written_to, keep_layers, eval_only, problems)
+    if written_to is not None and unusable is None and not eval_only and not any(problem.key == output_key for problem in problems):
+        check_output(path, written_to, problems, report.notes, output_key)  # one line for it
         if featcal is not None and featcal.stacked and not any(problem.key == output_key for problem in problems):
-            check_first_stage(path, Path(output or setting("output")), featcal, problems)
+            check_first_stage(path, written_to, featcal, problems)
     if featcal is not None and featcal.eval is not None:
-        written = {"OUTPUT" if output else "featcal.output": output or setting("output"), "featcal.merged": setting("merged")}
+        written = {output_key: written_to if unusable is None else None, "featcal.merged": setting("merged")}
         check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})
     if featcal is not None:
         _check_device(path, device, featcal, report)

@@ -12,7 +12,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.generation.store import generated_folder, generated_set_paths
 from featcal_llm.io.data_files import data_path, looks_like_hub_id
-from featcal_llm.io.output_dir import inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
+from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem, inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
 from featcal_llm.io.recipe import _experts_of, read_recipe
 from featcal_llm.io.references import is_hub_reference
@@ -42,7 +42,8 @@ def check_first_stage(path: Path, output: Path, featcal: Any, problems: list[Pro
 def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, data: dict[str, DataSpec]) -> dict[str, Path]:
     """The local files and directories a run reads, each named as the recipe names it: the recipe, its models, the
     merge, the tokenizer and the calibration files (hub ids are not on this disk)."""
-    inputs = {f"the recipe {path}": path}
+    inputs = {} if path.name.startswith(TEMPORARY_RECIPE_PREFIX) else {f"the recipe {path}": path}  # the API's copy of
+    # a dict recipe is written for the run and removed after it: no input of the user's
     references = [("base_model", merge_config.base_model)] if merge_config.base_model is not None else []
     references += [("the expert", reference) for reference in _experts_of(merge_config)]
     for key, reference in references:
@@ -131,7 +132,7 @@ def check_log_file(path: str | Path, output: str | Path | None, log: Path) -> No
     for label, read in recipe_inputs(Path(path), parsed.merge_config, setting("merged"), setting("tokenizer"), parsed.data_entries()).items():
         if same(log, read) or inside(log, read):
             raise FeatCalError(f"--log: {log} is {'also' if same(log, read) else 'inside'} {label}, which the run reads; name another file")
-    written = {"OUTPUT": output} if output is not None else {"featcal.output": setting("output")}
+    written = {"OUTPUT": output if argument_problem(output) is None else None} if output is not None else {"featcal.output": setting("output")}
     written["featcal.merged"] = setting("merged")
     for key, folder in written.items():
         if folder and inside(log, Path(folder)):

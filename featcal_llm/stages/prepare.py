@@ -71,7 +71,7 @@ def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
 
 
 def check_output(recipe: Recipe, output: Path, force: bool) -> None:
-    where = f"{recipe.path}: featcal.output"
+    where = f"{recipe.path}: {recipe.output_key}"
     problem = not_an_output(output)
     if problem is not None:
         raise FeatCalError(f"{where}: {problem}")
