@@ -300,7 +300,8 @@ def validate(recipe: str | os.PathLike | Mapping[str, Any], *, online: bool = Fa
     `recipe`: a recipe file, or the same content as a dict (as `calibrate` takes it; its problems then
     name the file `<recipe>`). Checks the schema, recipe forms, calibration files and their fields, model
     references and adapters, and the output location (`output`, `device`, `keep_layers`, `eval_only`: as `calibrate`
-    takes them, in place of featcal.output and featcal.device). Hub model and dataset ids
+    takes them, in place of featcal.output and featcal.device; a problem with either, or with a dict no recipe file could
+    hold, is returned as `calibrate` refuses it). Hub model and dataset ids
     are looked up only with `online=True`; local paths never touch the network.
     """
     from featcal_llm.io.validate import check_recipe
