@@ -249,8 +249,10 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
     labelled = [(str(label) if label is not None else Path(path).resolve().name, Path(path)) for label, path in entries]
     if not labelled:
         raise FeatCalError("evaluate: give at least one model directory")
-    if len({label for label, _ in labelled}) < len(labelled):
-        raise FeatCalError("evaluate: two models have the same label; pass {label: directory}")
+    from featcal_llm.evaluation.runner import safe_label
+
+    if len({safe_label(label) for label, _ in labelled}) < len(labelled):  # as the summary files name them
+        raise FeatCalError("evaluate: two models have the same label (as a file name: 'a b' is 'a_b'); pass {label: directory}")
     check_model_dirs([path for _, path in labelled], "evaluate")  # every one, before the suite's checks and any scoring
     if not isinstance(backend, (str, Mapping)):
         raise FeatCalError(f"evaluate: backend: expected 'auto', 'vllm', 'hf' or a mapping of backend settings, got "

@@ -343,6 +343,8 @@ def test_evaluate_scores_models_and_returns_their_summaries_and_table(tmp_path, 
 
     with pytest.raises(FeatCalError, match="two models have the same label"):
         featcal_llm.evaluate([tmp_path / "a" / "m", tmp_path / "b" / "m"])
+    with pytest.raises(FeatCalError, match="two models have the same label"):  # one summary file, a_b.json, for both
+        featcal_llm.evaluate({"a b": model, "a_b": model})
     with pytest.raises(FeatCalError, match=r"^evaluate\(\) limit: Input should be greater than 0"):  # the argument, not a flag
         featcal_llm.evaluate(model, limit=0)
     with pytest.raises(FeatCalError, match=r"^evaluate\(\) limitt: unknown argument; did you mean 'limit'\?$"):

@@ -295,3 +295,10 @@ def test_bench_refuses_a_non_positive_host_memory_budget(tmp_path, monkeypatch, 
     result = CliRunner().invoke(main, ["bench", "--layers", "1", "--host-memory-gb", value,
                                        "--workdir", str(tmp_path / "w")])
     assert result.exit_code == EXIT_USAGE and "--host-memory-gb" in result.output, result.output
+
+
+def test_eval_labels_that_make_one_file_name_are_refused(tmp_path):
+    """`a b` and `a_b` would both write a_b.json: the second model's summary would replace (or hide) the first's."""
+    model = _model_dir(tmp_path / "m")
+    result = CliRunner().invoke(main, ["eval", f"a b={model}", f"a_b={model}", "--tasks", "gsm8k"])
+    _one_line(result, "a_b=", "used twice", "'a_b'")

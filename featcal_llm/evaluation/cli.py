@@ -28,14 +28,17 @@ def _parse_pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
 
 def _models(arguments: tuple[str, ...]) -> list[tuple[str, Path]]:
     """MODEL_DIR or LABEL=MODEL_DIR; the label defaults to the directory name."""
+    from featcal_llm.evaluation.runner import safe_label
+
     models, labels = [], set()
     for argument in arguments:
         label, sep, path = argument.partition("=")
         if not sep or _is_dir(argument):  # a model folder whose name holds `=` (alpha=0.3) is a folder
             label, path = Path(argument).resolve().name, argument
-        if label in labels:
-            raise FeatCalError(f"{argument}: label '{label}' is used twice; name models with LABEL=MODEL_DIR")
-        labels.add(label)
+        if safe_label(label) in labels:  # as its summary file names it: `a b` and `a_b` would share one
+            raise FeatCalError(f"{argument}: label '{label}' is used twice (as a file name, {safe_label(label)!r}); name "
+                               "models with LABEL=MODEL_DIR")
+        labels.add(safe_label(label))
         models.append((label, Path(path)))
     return models
 
