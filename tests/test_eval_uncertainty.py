@@ -12,7 +12,7 @@ import pytest
 
 from featcal_llm.evaluation import uncertainty
 from featcal_llm.errors import FeatCalError
-from featcal_llm.evaluation.leaderboard import build_leaderboard, comparison_row, reference_rows
+from featcal_llm.evaluation.leaderboard import build_leaderboard, comparison_row, fmt, reference_rows
 from featcal_llm.evaluation.suite import load_suite
 
 SUITE = load_suite("mergebench")
@@ -178,3 +178,110 @@ def test_an_items_samples_are_averaged(tmp_path):
             {"doc_id": 1, "filter": "none", "acc": 1.0}, {"doc_id": 1, "filter": "other", "acc": 0.0}]
     samples.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert uncertainty.per_item_scores(samples, "acc,none") == {0: 0.5, 1: 1.0}
+
+
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+def test_table_numbers_round_half_up_from_their_decimal_text_and_carry_one_sign():
+    """Hand-rounded: 62.25 -> 62.3 (half-even would print 62.2), 2.675 -> 2.68 (its binary float is 2.67499..., which
+    f-strings print as 2.67); a signed cell is +x or -x, never +-x."""
+    assert f"{62.25:.1f}" == "62.2" and f"{2.675:.2f}" == "2.67"  # what the float formatting would print
+    assert (fmt(62.25, 1), fmt(2.675, 2), fmt(0.125, 2), fmt(-1.25, 1)) == ("62.3", "2.68", "0.13", "-1.3")
+    assert (fmt(1.25, 1, signed=True), fmt(-1.25, 1, signed=True), fmt(0.0, 1, signed=True)) == ("+1.3", "-1.3", "+0.0")
+    assert fmt(None, 1) == "–"
+
+
+def test_a_normalized_average_with_a_task_the_model_lacks_is_no_number():
+    """Hand-computed: the expert scores 80 and 50; a model's 40 and 25 are 50% and 50% of them (average 50); a model
+    without the second task has no normalized average (not 50 / 2 = 25, nor 50 over the one task it has)."""
+    from featcal_llm.evaluation.leaderboard import Row, normalized_rows
+    from featcal_llm.evaluation.suite import load_suite
+
+    suite = load_suite("mergebench")
+    def row(name, gsm8k, ifeval):
+        return Row(name, {t: {"gsm8k": gsm8k, "ifeval": ifeval}.get(t) for t in suite.tasks}, None, "this harness")
+    rows = [row("e", 80.0, 50.0), row("m", 40.0, 25.0), row("part", 40.0, None)]
+    normalized = normalized_rows(rows, {"gsm8k": "e", "ifeval": "e"}, suite)
+    assert [r.name for r in normalized] == ["m ÷ expert", "part ÷ expert"]
+    assert (normalized[0].scores["gsm8k"], normalized[0].scores["ifeval"], normalized[0].average) == (50.0, 50.0, 50.0)
+    assert (normalized[1].scores["gsm8k"], normalized[1].scores["ifeval"], normalized[1].average) == (50.0, None, None)
+
+
+def test_an_expert_for_a_task_the_suite_lacks_is_refused_in_one_line():
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.leaderboard import Row, normalized_rows
+    from featcal_llm.evaluation.suite import load_suite
+
+    suite = load_suite("mergebench")
+    rows = [Row("e", {t: 50.0 for t in suite.tasks}, 50.0, "this harness")]
+    with pytest.raises(FeatCalError, match=r"^--expert: expected TASK=LABEL .*\(nosuch not found\)"):
+        normalized_rows(rows, {"nosuch": "e"}, suite)
+
+
+def test_the_average_s_standard_error_is_that_of_a_mean_of_independent_task_scores():
+    """k tasks, each with standard error 2: the mean of k independent scores has standard error 2 / sqrt(k)
+    (Var(mean) = sum of variances / k^2), not 2."""
+    import math
+
+    from featcal_llm.evaluation.leaderboard import summary_rows
+    from featcal_llm.evaluation.suite import load_suite
+
+    suite = load_suite("mergebench")
+    k = len(suite.tasks)
+    assert k > 1
+    summary = {"label": "m", "suite": {"name": suite.name, "version": suite.version}, "backend": {"name": "hf"},
+               "chat_template": {"applied": False}, "complete": True, "average": 50.0,
+               "tasks": {t: {"score": 50.0, "stderr": 2.0} for t in suite.tasks}}
+    [row] = summary_rows([summary], suite)
+    assert row.stderr["average"] == pytest.approx(2.0 / math.sqrt(k))
+    summary["tasks"][next(iter(suite.tasks))]["stderr"] = None  # one task without one: the average has none
+    assert "average" not in summary_rows([summary], suite)[0].stderr
+
+
+@pytest.mark.parametrize("gained, lost", [(1, 1), (3, 3), (0, 5), (2, 7), (10, 4), (6, 0)])
+def test_mcnemar_p_is_scipy_s_exact_binomial_test_on_the_discordant_items(gained, lost):
+    """McNemar's exact test is the two-sided binomial test of `gained` of the gained + lost discordant items at 1/2;
+    concordant items (both right, both wrong) do not count. With gained == lost the doubled tail passes 1: p is 1."""
+    import numpy as np
+
+    from featcal_llm.evaluation import uncertainty
+
+    stats = pytest.importorskip("scipy.stats")
+    base = np.array([0.0] * gained + [1.0] * lost + [1.0] * 4 + [0.0] * 3)
+    other = np.array([1.0] * gained + [0.0] * lost + [1.0] * 4 + [0.0] * 3)
+    expected = stats.binomtest(gained, gained + lost, 0.5).pvalue
+    assert uncertainty.mcnemar_p(base, other) == pytest.approx(expected, rel=1e-12)
+    assert uncertainty.mcnemar_p(base, other) <= 1.0
+
+
+def test_mcnemar_p_needs_both_models_scored_zero_or_one():
+    import numpy as np
+
+    from featcal_llm.evaluation import uncertainty
+
+    binary = np.array([1.0, 0.0, 1.0])
+    assert uncertainty.mcnemar_p(binary, np.array([1.0, 0.5, 1.0])) is None  # pass@1 over n samples
+    assert uncertainty.mcnemar_p(np.array([1.0, 0.5, 1.0]), binary) is None
+
+
+def test_items_are_paired_by_doc_id_and_only_where_both_were_scored():
+    from featcal_llm.evaluation import uncertainty
+
+    base, other = uncertainty.paired({2: 1.0, 0: 1.0, 1: 0.0}, {3: 0.0, 1: 1.0, 2: 0.5})
+    assert (base.tolist(), other.tolist()) == ([0.0, 1.0], [1.0, 0.5])
+
+
+def test_a_comparison_without_items_is_none_and_an_average_has_no_mcnemar_p():
+    """McNemar's test is one task's: the average column's interval pools tasks, and has no p-value."""
+    import numpy as np
+
+    from featcal_llm.evaluation import uncertainty
+
+    empty = np.array([], dtype=float)
+    assert uncertainty.compare([(empty, empty)]) is None and uncertainty.compare([]) is None
+    one = (np.array([0.0, 1.0, 0.0, 0.0]), np.array([1.0, 1.0, 1.0, 0.0]))
+    two = (np.array([1.0, 1.0, 0.0]), np.array([1.0, 0.0, 0.0]))
+    assert uncertainty.compare([one]).p_mcnemar == pytest.approx(0.5)  # 2 gained, 0 lost: 2 * 1/4
+    pooled = uncertainty.compare([one, two, (empty, empty)], iterations=200)
+    assert pooled.p_mcnemar is None and pooled.n == 7
+    assert pooled.delta == pytest.approx(((2 / 4) + (-1 / 3)) / 2)  # the mean of the tasks' mean differences
