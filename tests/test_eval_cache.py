@@ -360,3 +360,84 @@ def test_an_unreadable_config_json_is_refused_before_the_worker(tmp_path, fake_w
     with pytest.raises(FeatCalError, match="config.json"):
         runner.evaluate_model(model, "m", _section(tmp_path, ["gsm8k"]), echo=lambda line: None)
     assert fake_worker == [] and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), True])
+def test_a_summary_with_a_nan_infinite_or_boolean_score_is_refused_in_one_line(tmp_path, fake_worker, value):
+    """json reads NaN and Infinity as floats and true as a bool (an int): none is a score a table can print."""
+    out = _scored(tmp_path, fake_worker)
+    _edit(out / "b.json", lambda data: data["tasks"]["gsm8k"].update(stderr=value))
+    _one_line_refusal(_board(out), "b.json", "tasks.gsm8k.stderr")
+    assert not (out / "leaderboard.md").exists()
+
+
+def test_two_summaries_with_one_label_in_one_folder_are_named_by_their_files(tmp_path, fake_worker):
+    out = _scored(tmp_path, fake_worker)
+    _edit(out / "b.json", lambda data: data.update(label="a"))
+    result = _board(out)
+    assert result.exit_code == 0, result.output
+    names = sorted(line.split("|")[1].strip() for line in (out / "leaderboard.md").read_text().splitlines()[2:4])
+    assert names == [f"a ({out / 'a.json'})", f"a ({out / 'b.json'})"]
+
+
+def test_a_comparison_whose_samples_file_is_gone_leaves_its_cell_empty(tmp_path, fake_worker):
+    out = _scored(tmp_path, fake_worker)
+    summary = json.loads((out / "b.json").read_text())
+    (out / summary["tasks"]["gsm8k"]["samples"]).unlink()
+    result = _board(out, "--compare", "a:b")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in (out / "leaderboard.md").read_text().splitlines() if line.startswith("| Δ b − a"))
+    assert row.split("|")[2].strip() == "–"
+
+
+def test_the_chart_leaves_out_the_normalized_rows(tmp_path, fake_worker, monkeypatch):
+    """÷ expert rows are percentages of another model's score, not scores: the table has them, the chart does not."""
+    from featcal_llm.evaluation import leaderboard
+
+    out = _scored(tmp_path, fake_worker)
+    charted = []
+    real = leaderboard.write_png
+    monkeypatch.setattr(leaderboard, "write_png", lambda rows, suite, path: (charted.extend(r.name for r in rows),
+                                                                            real(rows, suite, path)))
+    markdown, _ = leaderboard.build_leaderboard([out], out, experts={"gsm8k": "b"})
+    assert "| a ÷ expert |" in markdown and charted == ["a", "b"]
+
+
+def test_a_model_label_given_twice_is_refused(tmp_path, monkeypatch):
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.cli import _models
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FeatCalError, match=r"^a/merged: label 'merged' is used twice"):
+        _models(("merged=b/x", "a/merged"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", r"config.json: expected a JSON object \(a model config\)$"),
+    ('"llama"', r"config.json: expected a JSON object \(a model config\)$"),
+    ("{}", r"config.json: no model_type, so no runtime knows which model family to load$"),
+])
+def test_a_model_directory_whose_config_is_no_model_config_is_refused_in_one_line(tmp_path, text, message):
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.modelinfo import check_model_dir
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(FeatCalError, match=message):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert check_model_dir(tmp_path) == tmp_path.resolve()
+
+
+def test_a_model_s_positions_are_its_text_model_s_and_an_integer():
+    """A config with a text_config (a multimodal model's) gives the text model's positions there: those are the ones a
+    prompt uses, whatever the outer config says. A boolean or a float is no count of positions."""
+    from featcal_llm.evaluation.modelinfo import config_positions
+
+    assert config_positions({"max_position_embeddings": 2048}) == 2048
+    assert config_positions({"max_position_embeddings": 1024, "text_config": {"max_position_embeddings": 131072}}) == 131072
+    assert config_positions({"max_position_embeddings": 1024, "text_config": {"hidden_size": 8}}) == 1024
+    assert config_positions({"max_position_embeddings": True}) is None
+    assert config_positions({"max_position_embeddings": 2048.0}) is None
+    assert config_positions({}) is None
