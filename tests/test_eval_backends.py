@@ -485,3 +485,31 @@ def test_a_generation_budget_is_refused_where_it_leaves_the_prompt_no_room():
         check_generation_room(suite, ["arc_challenge", "gsm8k"], 4096, 1024)
     scored = suite.model_copy(update={"tasks": {"loglikelihood": suite.tasks["gsm8k"].model_copy(update={"generation_kwargs": {}})}})
     check_generation_room(scored, ["loglikelihood"], 4096, 1024)  # lm-eval's default budget (256) is not ours to check
+
+
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+def test_hf_on_a_cuda_device_is_refused_where_this_machine_cannot_run_cuda(monkeypatch):
+    from featcal_llm import hardware
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.backends import check_settings
+    from featcal_llm.evaluation.config import BackendSettings
+
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: "CUDA is not available (torch is a CPU-only build)")
+    with pytest.raises(FeatCalError, match=r"^backend\.device: cuda:1, but CUDA is not available \(torch is a CPU-only build\); use cpu$"):
+        check_settings("hf", BackendSettings(device="cuda:1"))
+    check_settings("hf", BackendSettings(device="cpu"))  # the CPU needs no CUDA
+    monkeypatch.setattr(hardware, "cuda_refusal", lambda: None)
+    check_settings("hf", BackendSettings(device="cuda:1"))
+
+
+def test_hf_without_a_device_runs_on_cuda_where_it_is_present_with_lm_evals_auto_batch(monkeypatch):
+    from featcal_llm.evaluation import backends
+    from featcal_llm.evaluation.config import BackendSettings
+
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    plan = backends.plan_backend("hf", BackendSettings(), Path("/m"), 4096, None)
+    assert (plan.model_args["device"], plan.batch_size) == ("cuda", "auto")
+    plan = backends.plan_backend("hf", BackendSettings(device="cpu"), Path("/m"), 4096, None)
+    assert (plan.model_args["device"], plan.batch_size) == ("cpu", 1)
+    assert backends.plan_backend("hf", BackendSettings(batch_size=4), Path("/m"), 4096, None).batch_size == 4
