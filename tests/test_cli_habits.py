@@ -302,3 +302,51 @@ def test_eval_labels_that_make_one_file_name_are_refused(tmp_path):
     model = _model_dir(tmp_path / "m")
     result = CliRunner().invoke(main, ["eval", f"a b={model}", f"a_b={model}", "--tasks", "gsm8k"])
     _one_line(result, "a_b=", "used twice", "'a_b'")
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+def test_batch_size_option_is_a_positive_integer_or_auto():
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.cli import _batch_size
+
+    assert (_batch_size(None), _batch_size("auto"), _batch_size("8"), _batch_size("1")) == (None, "auto", 8, 1)
+    assert isinstance(_batch_size("8"), int)
+    for value in ("0", "-1", "x", "2.5", "auto:4"):
+        with pytest.raises(FeatCalError, match=rf"^--batch-size {value}: expected a positive integer or auto$"):
+            _batch_size(value)
+
+
+def test_task_pairs_need_a_task_and_a_value():
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.cli import _parse_pairs
+
+    assert _parse_pairs(("gsm8k=a.jsonl", "ifeval=b=c.jsonl"), "--data") == {"gsm8k": "a.jsonl", "ifeval": "b=c.jsonl"}
+    for value in ("gsm8k=", "=a.jsonl", "gsm8k"):
+        with pytest.raises(FeatCalError, match=rf"^--data {value}: expected TASK=PATH$"):
+            _parse_pairs((value,), "--data")
+    with pytest.raises(FeatCalError, match=r"^--expert gsm8k=: expected TASK=LABEL$"):
+        _parse_pairs(("gsm8k=",), "--expert")
+
+
+def test_an_engine_arg_key_must_be_a_python_keyword_name():
+    """vllm.LLM and lm-eval's hf model take keyword arguments: `max-num-seqs=8` can name none of them."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.cli import _engine_args
+
+    with pytest.raises(FeatCalError, match=r"^--engine-arg max-num-seqs=8: expected KEY=VALUE$"):
+        _engine_args(("max-num-seqs=8",))
+    assert _engine_args(("max_num_seqs=8", "revision=")) == {"max_num_seqs": 8, "revision": ""}
+
+
+def test_only_backend_refusals_are_put_in_option_words():
+    from featcal_llm.errors import FeatCalError, RunFailure
+    from featcal_llm.evaluation.cli import _in_option_words
+
+    said = lambda text, kind=FeatCalError: (type(e := _in_option_words(kind(text))).__name__, str(e))  # noqa: E731
+    assert said("backend.tensor_parallel_size: only the vllm backend shards a model") == (
+        "FeatCalError", "--tensor-parallel-size: only the vllm backend shards a model")
+    assert said("backend.engine_args.dtype: set by its own option, not through engine_args") == (
+        "FeatCalError", "--engine-arg dtype: set by its own option, not through --engine-arg")
+    assert said("backend.device: x", RunFailure) == ("RunFailure", "--device: x")
+    # the same words elsewhere (a recipe key, a task's) are not the backend's
+    for text in ("device: cuda:3 is busy", "max_model_len: x", "backend.name: x"):
+        assert said(text) == ("FeatCalError", text)
