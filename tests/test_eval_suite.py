@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,45 @@ def test_one_reader_of_a_saved_chat_template_for_validate_and_the_evaluation(tmp
     (tmp_path / "chat_template.json").write_text('{"chat_template": ""}')
     assert not has_chat_template(tmp_path) and saved_chat_template(tmp_path) is None
     assert not decide_chat_template(tmp_path, "auto").applied
+
+
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+def _chat_model(path: Path, name_or_path: str = "", merge_base=None) -> Path:
+    import yaml
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": name_or_path}))
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    if merge_base is not None:
+        (path / "mergekit_config.yml").write_text(yaml.safe_dump({"merge_method": "ties", "base_model": merge_base}))
+    return path
+
+
+@pytest.mark.parametrize("name, applied", [
+    ("Llama-3.2-3B-Instruct", True), ("gemma-2-2b-it", True), ("vicuna-7b-chat", True), ("it-model", True),
+    ("Llama-3.2-3B", False), ("llama-7b-summit", False), ("gemma-2-2b-italian", False), ("dolphin-kit", False),
+])
+def test_auto_chat_template_follows_an_instruct_chat_or_it_name(tmp_path, name, applied):
+    from featcal_llm.evaluation.modelinfo import decide_chat_template
+
+    assert decide_chat_template(_chat_model(tmp_path / name), "auto").applied is applied
+
+
+def test_forced_off_chat_template_holds_for_an_instruct_model(tmp_path):
+    from featcal_llm.evaluation.modelinfo import decide_chat_template
+
+    model = _chat_model(tmp_path / "Llama-3.2-3B-Instruct")
+    decision = decide_chat_template(model, "off")
+    assert (decision.applied, decision.reason) == (False, "forced off") and decision.template_sha256 is not None
+
+
+@pytest.mark.parametrize("base", ["meta-llama/Llama-3.2-3B-Instruct", {"model": "meta-llama/Llama-3.2-3B-Instruct"}])
+def test_auto_chat_template_follows_a_merge_s_instruct_base(tmp_path, base):
+    """A merge saved as `merged/` with no hub name is an instruct model when its mergekit base is one (either form
+    mergekit writes base_model in)."""
+    from featcal_llm.evaluation.modelinfo import decide_chat_template
+
+    decision = decide_chat_template(_chat_model(tmp_path / "merged", merge_base=base), "auto")
+    assert (decision.applied, decision.reason) == (True, "auto: 'meta-llama/Llama-3.2-3B-Instruct' is an instruct/chat model")
+    assert not decide_chat_template(_chat_model(tmp_path / "plain", merge_base="meta-llama/Llama-3.2-3B"), "auto").applied
