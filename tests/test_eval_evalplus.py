@@ -210,3 +210,52 @@ def test_check_graders_refuses_an_empty_local_copy(tmp_path):
 def test_check_graders_refuses_a_non_positive_worker_count(tmp_path, workers):
     result = _check_graders(tmp_path, None, "--code-workers", workers)
     assert result.exit_code == 2 and "--code-workers" in result.stderr, result.output
+
+
+# ------------------------------------------------------------------ mutation round 8: tests a surviving mutation showed missing
+
+EVALPLUS = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "evalplus"
+
+
+def _rows(task):
+    return [json.loads(line) for line in (EVALPLUS / f"{task}.jsonl").read_text().splitlines()]
+
+
+def test_a_local_copy_may_hold_blank_lines_and_each_task_s_rows_are_its_own(tmp_path):
+    """A blank line (an editor's trailing one) is no row; a HumanEval+ row names its entry_point, an MBPP+ row its
+    prompt, and either its test (the hub's) or base_input (EvalPlus's release): another dataset's rows are refused."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.canary import local_rows
+
+    humaneval = _rows("humaneval_plus")
+    path = tmp_path / "he.jsonl"
+    path.write_text("\n" + json.dumps(humaneval[0]) + "\n\n  \n" + json.dumps(humaneval[1]) + "\n\n")
+    assert local_rows("humaneval_plus", path) == humaneval
+    released = {key: value for key, value in humaneval[0].items() if key != "test"} | {"base_input": [[[1, 2]]]}
+    path.write_text(json.dumps(released) + "\n")
+    assert local_rows("humaneval_plus", path) == [released]
+    for task, row, number in (
+        ("humaneval_plus", {key: value for key, value in humaneval[0].items() if key != "test"}, 1),  # no test at all
+        ("humaneval_plus", {key: value for key, value in humaneval[0].items() if key != "entry_point"}, 1),
+        ("mbpp_plus", {key: value for key, value in _rows("mbpp_plus")[0].items() if key != "prompt"}, 1),
+    ):
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(FeatCalError, match=rf"^--data {task}={path}: line {number} is not a evalplus/"):
+            local_rows(task, path)
+    mbpp = _rows("mbpp_plus")[0]
+    assert "entry_point" not in mbpp
+    path.write_text(json.dumps(mbpp) + "\n")
+    assert local_rows("mbpp_plus", path) == [mbpp]
+
+
+def test_a_canonical_solution_that_fails_is_counted_and_named():
+    from featcal_llm.evaluation import canary
+
+    rows = _rows("humaneval_plus")
+    broken = dict(rows[1], canonical_solution="    return None\n")
+    report = canary.check_task("humaneval_plus", [rows[0], broken], workers=1)
+    assert (report.problems, report.canonical_passed, report.wrong_checked, report.wrong_failed) == (2, 1, 2, 2)
+    assert not report.ok and len(report.failures) == 1
+    assert report.failures[0].startswith(f"{broken['task_id']} canonical solution fails (")
+    assert report.line().startswith("humaneval_plus: canonical solutions pass 1/2; known-wrong solutions fail 2/2; "
+                                    f"1 problem(s): {broken['task_id']} canonical solution fails (")
