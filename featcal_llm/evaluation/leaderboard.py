@@ -50,7 +50,8 @@ SUMMARY_KEYS = {"label": str, "model": dict, "suite": dict, "tasks": dict, "back
 
 def load_summaries(paths: list[Path]) -> list[dict]:
     """Summary files, or directories holding them (`<label>.json` written by `eval`), each read once; a label that
-    two results folders share (the 3B and the 8B runs' `merged`, say) is told apart by its folder's name."""
+    two results folders share (the 3B and the 8B runs' `merged`, say) is told apart by its folder's shortest distinct tail
+    (`3b`, or `3b/eval-results` beside `8b/eval-results`), and two in one folder by their files' names."""
     summaries, seen = [], set()
     for path in paths:
         if path.is_dir():
@@ -77,14 +78,17 @@ def load_summaries(paths: list[Path]) -> list[dict]:
                 summaries.append(data)
             elif path.is_file():
                 raise FeatCalError(f"{file}: not an evaluation summary written by `featcal_llm eval`")
+    from featcal_llm.io.names import short_names
+
     labels = [summary["label"] for summary in summaries]
+    folders = short_names(sorted({summary["_dir"] for summary in summaries}))  # `3b/eval-results`, not the whole path
     for summary in summaries:
         if labels.count(summary["label"]) > 1:
-            summary["label"] = f"{summary['label']} ({summary['_dir']})"
+            summary["label"] = f"{summary['label']} ({folders[summary['_dir']]})"
     labels = [summary["label"] for summary in summaries]
     for summary in summaries:  # one folder, two summaries of one label (a file copied or renamed): told by its file
         if labels.count(summary["label"]) > 1:
-            summary["label"] = f"{summary['label'].rpartition(' (')[0]} ({summary['_file']})"
+            summary["label"] = f"{summary['label'].rpartition(' (')[0]} ({folders[summary['_dir']]}/{Path(summary['_file']).name})"
     return summaries
 
 
