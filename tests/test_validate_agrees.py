@@ -187,6 +187,11 @@ CASES = {
     "chat without a chat template": (_chat_records_without_a_template, [
         ["format: chat needs a tokenizer with a chat template"],
         ["plain-expert.generate.chat_template: empty, but the expert's tokenizer has no chat template"]]),
+    "a base model that is a number": (_set(lambda r: r.update(base_model=5)), [
+        ["bad.yaml: base_model: expected a model path or hub id (a string: path, or path+lora for an adapter) (got 5)"]]),
+    "a data entry that is a number": (_set(lambda r: r["featcal"]["data"].update({expert_of(r, 0): 3})), [
+        ["bad.yaml: featcal.data.", ": expected a mapping of path, generate, split, name, format, text, instruction, input, response, "
+                           "prompt, messages, samples, weight (got 3)"]]),
     "model path typo": (model_path_typo, [["models: ", "x: model directory does not exist; did you mean", "(featcal.data names it)?"]]),
 }
 

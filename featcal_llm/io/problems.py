@@ -210,6 +210,15 @@ def one_error_per_key(errors: list[dict], root: type[BaseModel] | None) -> list[
     return merged
 
 
+def _expected_block(item: dict, root: type[BaseModel] | None) -> str:
+    """`Input should be a valid dictionary or instance of DataSpec` in a recipe's words: the keys the mapping takes
+    (a model reference: the path or hub id a recipe writes)."""
+    if (item.get("ctx") or {}).get("class_name") == "ModelReference":
+        return "expected a model path or hub id (a string: path, or path+lora for an adapter)"
+    model = model_at(root, (*item["loc"], "")) if root is not None else None
+    return f"expected a mapping of {', '.join(known_keys(model))}" if model is not None else item["msg"]
+
+
 def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, root: type[BaseModel] | None) -> list[Problem]:
     """Every error of one `model_validate` call, one problem each (a union key's members' errors as one)."""
     problems = []
@@ -229,6 +238,8 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
             problems.append(Problem(str(file), key, "required key is missing"))
             continue
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] in ("model_type", "dataclass_type"):  # pydantic names the class: say what a recipe writes
+            message = _expected_block(item, root)
         if item["type"] == "literal_error":  # the choices, as YAML spells them: 'auto', true or false
             message = _yaml_words(message)
         if "got " not in message and "renamed" not in message and "input" in item and not isinstance(item["input"], dict):
