@@ -230,9 +230,8 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
     """
     from featcal_llm.evaluation.config import section_from_options
     from featcal_llm.evaluation.leaderboard import build_leaderboard
-    from featcal_llm.evaluation.runner import evaluate_model
-
     from featcal_llm.evaluation.modelinfo import check_model_dirs
+    from featcal_llm.evaluation.runner import evaluate_model, safe_label
 
     wanted = "a model directory (a string or os.PathLike), a list of them, or {label: directory}"
     if isinstance(models, Mapping):
@@ -249,16 +248,14 @@ def evaluate(models: str | os.PathLike | Iterable[str | os.PathLike] | Mapping[s
     labelled = [(str(label) if label is not None else Path(path).resolve().name, Path(path)) for label, path in entries]
     if not labelled:
         raise FeatCalError("evaluate: give at least one model directory")
-    from featcal_llm.evaluation.runner import safe_label
-
     if len({safe_label(label) for label, _ in labelled}) < len(labelled):  # as the summary files name them
         raise FeatCalError("evaluate: two models have the same label (as a file name: 'a b' is 'a_b'); pass {label: directory}")
     check_model_dirs([path for _, path in labelled], "evaluate")  # every one, before the suite's checks and any scoring
     if not isinstance(backend, (str, Mapping)):
         raise FeatCalError(f"evaluate: backend: expected 'auto', 'vllm', 'hf' or a mapping of backend settings, got "
                            f"{type(backend).__name__} {backend!r}")
-    if argument_problem(output) is not None:
-        said = argument_problem(output).replace("the output directory", "the results directory")
+    if (problem := argument_problem(output)) is not None:  # worded for a calibration's output: here, the results'
+        said = problem.replace("the output directory", "the results directory")
         raise FeatCalError(f"evaluate: output: {said.replace('the directory the calibrated model is written to', 'the results directory')}")
     options = {"suite": suite, "tasks": tasks, "backend": {"name": backend} if isinstance(backend, str) else dict(backend),
                "output": os.fspath(output), **settings}

@@ -44,8 +44,8 @@ def _check_shapes(options: dict) -> None:
     budget = options.get("host_memory_gb")
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise FeatCalError(f"--host-memory-gb {budget:g}: expected a positive number of GB (the streams' RAM before they spill)")
-    if options.get("workdir") and unwritable(Path(options["workdir"])) is not None:
-        raise FeatCalError(f"--workdir {unwritable(Path(options['workdir']))}")
+    if options.get("workdir") and (problem := unwritable(Path(options["workdir"]))) is not None:
+        raise FeatCalError(f"--workdir {problem}")
     check_device(options["device"], "--device")
 
 

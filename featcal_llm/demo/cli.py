@@ -32,11 +32,10 @@ def demo(workdir: Path, quick: bool, device: str, threads: int | None, auto: boo
     from featcal_llm.errors import FeatCalError
     from featcal_llm.hardware import cuda_refusal
     from featcal_llm.io.block import check_device
-
     from featcal_llm.io.output_dir import unwritable
 
-    if unwritable(workdir) is not None:
-        raise FeatCalError(f"--workdir {unwritable(workdir)}")
+    if (problem := unwritable(workdir)) is not None:
+        raise FeatCalError(f"--workdir {problem}")
     if check_device(device, "--device") == "auto":  # before the data and the experts are built
         raise FeatCalError("--device auto: the demo takes cpu, cuda or cuda:N")
     if device.startswith("cuda") and (refusal := cuda_refusal()) is not None:

@@ -79,11 +79,11 @@ def _in_option_words(error: FeatCalError) -> FeatCalError:
     if text.startswith("backend.engine_args."):
         key, _, rest = text.removeprefix("backend.engine_args.").partition(": ")
         text = f"--engine-arg {key}: {rest.replace('not through engine_args', 'not through --engine-arg')}"
-    elif text.removeprefix("backend.").partition(": ")[0] in _BACKEND_OPTIONS and text.startswith("backend."):
-        key, _, rest = text.removeprefix("backend.").partition(": ")
-        text = f"{_BACKEND_OPTIONS[key]}: {rest}"
     else:
-        return error
+        key, _, rest = text.removeprefix("backend.").partition(": ")
+        if not text.startswith("backend.") or key not in _BACKEND_OPTIONS:
+            return error
+        text = f"{_BACKEND_OPTIONS[key]}: {rest}"
     return type(error)(text)
 
 
@@ -146,7 +146,8 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
         raise FeatCalError("eval: give at least one MODEL_DIR (or --check-graders)")
     from featcal_llm.evaluation.modelinfo import check_model_dirs
 
-    check_model_dirs([path for _, path in _models(models)], "eval")  # before the suite's own checks (code execution, data)
+    labelled = _models(models)
+    check_model_dirs([path for _, path in labelled], "eval")  # before the suite's own checks (code execution, data)
     if nltk_data is not None and not Path(nltk_data).is_dir():
         raise FeatCalError(f"eval: --nltk-data {nltk_data}: directory not found")
     from featcal_llm.evaluation.config import section_from_options
@@ -174,7 +175,7 @@ def eval_command(models, suite, tasks, backend, dtype, batch_size, tensor_parall
     )
     echo = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     summaries = []
-    for label, path in _models(models):
+    for label, path in labelled:
         try:
             summaries.append(evaluate_model(path, label, section, echo=echo))
         except FeatCalError as error:
@@ -221,8 +222,8 @@ def leaderboard(results, output, references, suite, stem, comparisons, experts) 
     target = Path(output) if output else (paths[0] if paths[0].is_dir() else paths[0].parent)
     if target.exists() and not target.is_dir():
         raise FeatCalError(f"--output {target}: a file, not a directory")
-    if unwritable(target) is not None:
-        raise FeatCalError(f"--output {unwritable(target)}")
+    if (problem := unwritable(target)) is not None:
+        raise FeatCalError(f"--output {problem}")
     pairs = []
     for value in comparisons:
         base, sep, other = value.partition(":")

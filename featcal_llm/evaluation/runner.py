@@ -155,10 +155,10 @@ def _evaluate_model(model_dir: Path, label: str, section: EvalSection, chat: Cha
     chat = chat or decide_chat_template(model_dir, section.chat_template)
     if suite.apply_chat_template == "never":  # `on` was refused with the suite (checked_suite)
         chat = ChatDecision(False, f"suite {suite.name}: never", chat.template_sha256)
-    backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, max_positions(model_dir),
+    positions = max_positions(model_dir)
+    backend = plan_backend(backend_name, section.backend, model_dir, suite.context_length, positions,
                            suite.chat_template_args if chat.applied else None, config_dtype(model_dir))
-    check_generation_room(suite, task_ids, section.max_gen_toks, context_tokens(section.backend, suite.context_length,
-                                                                                max_positions(model_dir)))
+    check_generation_room(suite, task_ids, section.max_gen_toks, context_tokens(section.backend, suite.context_length, positions))
     fingerprint = model_fingerprint(model_dir)
     label = _own_label(output, label, model_dir, fingerprint, echo)
     plans = _task_plans(suite, task_ids, section, fingerprint, backend.identity(), chat, output)

@@ -64,8 +64,8 @@ def _files_signature(config: Any) -> tuple:
     references = [config.base_model, *config.referenced_models(), source]  # a source model outside the merge too
     folders = {Path(str(path.path)) for reference in references if hasattr(reference, "model")
                for path in (reference.model, reference.lora) if path is not None}
-    return tuple((str(folder), tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                                             for entry in folder.iterdir() if entry.is_file())))
+    return tuple((str(folder), tuple(sorted((entry.name, stat.st_size, stat.st_mtime_ns)
+                                             for entry in folder.iterdir() if entry.is_file() for stat in [entry.stat()])))
                  for folder in sorted(folders) if folder.is_dir())
 
 

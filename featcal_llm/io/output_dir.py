@@ -18,6 +18,9 @@ def unwritable(output: Path) -> str | None:
     return None
 
 
+NAME_MAX = 255  # bytes in one name: ext4, XFS, btrfs, APFS and NTFS alike (Linux's NAME_MAX)
+
+
 TEMPORARY_RECIPE_PREFIX = ".featcal-recipe-"  # a recipe given to the API as a dict, written for the run and removed after
 
 
@@ -37,9 +40,6 @@ def shown(path: Path) -> str:
     """A path as an error names it: its first line, cut short where it is long."""
     text = str(path).splitlines()[0] if str(path).strip() else str(path)
     return text if len(text) <= 80 and "\n" not in str(path) else text[:60] + "..."
-
-
-NAME_MAX = 255  # bytes in one name: ext4, XFS, btrfs, APFS and NTFS alike (Linux's NAME_MAX)
 
 
 def argument_problem(value: object) -> str | None:

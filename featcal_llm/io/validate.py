@@ -125,17 +125,18 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
     unusable = argument_problem(output) if output is not None else None  # no path to test: the checks of it wait
     if unusable is not None:
         problems.append(Problem(str(path), "OUTPUT", unusable))
-    written_to = Path(output) if output is not None and unusable is None else (Path(setting("output")) if setting("output") else None)
+    written_to = None if unusable is not None else Path(output) if output is not None else \
+        (Path(setting("output")) if setting("output") else None)
     if parsed.merge_config is not None and unusable is None:
         check_writes(path, Path(output) if output is not None else None, setting, parsed.merge_config, data, problems)
-    if featcal is not None and written_to is not None and unusable is None:
+    if featcal is not None and written_to is not None:
         check_run_flags(path, featcal, written_to, keep_layers, eval_only, problems)
-    if written_to is not None and unusable is None and not eval_only and not any(problem.key == output_key for problem in problems):
+    if written_to is not None and not eval_only and not any(problem.key == output_key for problem in problems):
         check_output(path, written_to, problems, report.notes, output_key)  # one line for it
         if featcal is not None and featcal.stacked and not any(problem.key == output_key for problem in problems):
             check_first_stage(path, written_to, featcal, problems)
     if featcal is not None and featcal.eval is not None:
-        written = {output_key: written_to if unusable is None else None, "featcal.merged": setting("merged")}
+        written = {output_key: written_to, "featcal.merged": setting("merged")}
         check_eval(path, featcal.eval, report, online, {key: Path(value) for key, value in written.items() if value})
     if featcal is not None:
         _check_device(path, device, featcal, report)
