@@ -375,3 +375,29 @@ def test_a_chat_template_parses_exactly_where_transformers_compiles_it(template)
         expected = f"line {error.lineno}: {error.message}"
     assert chat_template_syntax_error(template) == expected
 
+
+
+@pytest.mark.parametrize(("contents", "why"), [
+    (None, "{folder}: not a model directory (no config.json)"),
+    ("{oops", "{folder}/config.json: not a readable JSON file (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("[1, 2]", "{folder}/config.json: expected a JSON object (a model config)"),
+])
+def test_an_experts_unreadable_config_json_is_refused_in_the_words_eval_uses(scenario, tmp_path, contents, why):
+    """One reader of a model folder's config.json (io/model_files.read_config_json) for validate, run and eval: the
+    same three refusals, named by the recipe's key."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.evaluation.modelinfo import check_model_dir
+
+    recipe = recipe_of(scenario, tmp_path)
+    folder = tmp_path / "odd"
+    shutil.copytree(expert_of(recipe, 1), folder, copy_function=os.symlink)
+    (folder / "config.json").unlink()
+    if contents is not None:
+        (folder / "config.json").write_text(contents)
+    recipe["featcal"]["data"][str(folder)] = recipe["featcal"]["data"].pop(expert_of(recipe, 1))
+    recipe["models"][1]["model"] = str(folder)
+    expected = why.format(folder=folder)
+    assert refused_alike(recipe, tmp_path) == [f"{tmp_path / 'r.yaml'}: models: {folder}: {expected}"]
+    with pytest.raises(FeatCalError) as refused:
+        check_model_dir(folder)
+    assert str(refused.value) == expected

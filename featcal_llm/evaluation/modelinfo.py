@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from featcal_llm.io.model_files import saved_chat_template
+from featcal_llm.io.model_files import read_config_json, saved_chat_template
 from featcal_llm.errors import FeatCalError
 
 HASHED_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -31,17 +31,12 @@ _INSTRUCT = re.compile(r"instruct|chat|(^|[-_/])it($|[-_/])", re.IGNORECASE)
 def check_model_dir(path: Path) -> Path:
     """A folder transformers and vLLM can open as a model: refused here in one line, not in the worker after it
     started (which read a config.json that is not JSON as no config at all)."""
-    config = path / "config.json"
-    if not config.is_file():
-        raise FeatCalError(f"{path}: not a model directory (no config.json)")
     try:
-        values = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise FeatCalError(f"{config}: not a readable JSON file ({str(error).splitlines()[0]})") from None
-    if not isinstance(values, dict):
-        raise FeatCalError(f"{config}: expected a JSON object (a model config)")
+        values = read_config_json(path)
+    except ValueError as error:
+        raise FeatCalError(str(error)) from None
     if not isinstance(values.get("model_type"), str):
-        raise FeatCalError(f"{config}: no model_type, so no runtime knows which model family to load")
+        raise FeatCalError(f"{path / 'config.json'}: no model_type, so no runtime knows which model family to load")
     return path.resolve()
 
 

@@ -21,6 +21,23 @@ def index_weight_map(directory: Path) -> dict[str, str]:
         raise ValueError(f"{INDEX_FILE}: not a safetensors index (expected a 'weight_map' mapping)") from None
 
 
+def read_config_json(directory: Path) -> dict:
+    """A model folder's config.json as a mapping: ValueError naming the folder or file and why it is none (missing,
+    not JSON, not an object), for `validate`, `run` and `eval` to refuse in the same words."""
+    import json
+
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{directory}: not a model directory (no config.json)")
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config}: not a readable JSON file ({str(error).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{config}: expected a JSON object (a model config)")
+    return values
+
+
 def damaged_shard(path: Path) -> str | None:
     """Why a safetensors file cannot be read (None: its header parses and its tensors fit in the file), from its header
     alone: a download cut short or a file of something else fails here, not half-way through a merge in mergekit."""

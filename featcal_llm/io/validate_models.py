@@ -7,7 +7,6 @@ the merge will have (io/merge_vocabulary.py), and the tokenizer files the run re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,8 @@ from featcal_llm.io.merge import supplied_merge
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
-                                        missing_weights, saved_chat_template, unparsable_tokenizer_config, vocabulary_has)
+                                        missing_weights, read_config_json, saved_chat_template, unparsable_tokenizer_config,
+                                        vocabulary_has)
 from featcal_llm.io.problems import Problem, collect
 from featcal_llm.io.recipe import Expert, _experts_of, misspelt_models
 from featcal_llm.io.references import is_hub_reference
@@ -46,16 +46,11 @@ def _refuse_local_typo(path: str, what: str, kind: str = "model") -> None:
 
 
 def _read_config(directory: Path, what: str) -> dict:
-    config = directory / "config.json"
-    if not config.is_file():
-        raise FeatCalError(f"{what}: {directory}: config.json is missing")
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise FeatCalError(f"{what}: {config}: cannot be read ({str(error).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise FeatCalError(f"{what}: {config}: cannot be read (not a JSON object)")
-    check_unquantized(data, f"{what}: {config}")
+        data = read_config_json(directory)
+    except ValueError as error:
+        raise FeatCalError(f"{what}: {error}") from None
+    check_unquantized(data, f"{what}: {directory / 'config.json'}")
     return data
 
 

@@ -34,7 +34,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged, merge_identity, supplied_merge
 from featcal_llm.io.mergekit_config import merge_config_dict
-from featcal_llm.io.model_files import calibration_tokenizer_directory
+from featcal_llm.io.model_files import calibration_tokenizer_directory, read_config_json
 from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.profiling import NullTimer
@@ -60,8 +60,10 @@ from featcal_llm.engine.tuning import split_holdout
 def _load_config(directory: Path, what: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
-    if not (directory / "config.json").is_file():
-        raise FeatCalError(f"{what}: {directory}: config.json is missing")
+    try:
+        read_config_json(directory)  # refused in validate's words before transformers reads it
+    except ValueError as error:
+        raise FeatCalError(f"{what}: {error}") from None
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception as error:
