@@ -27,7 +27,8 @@ from featcal_llm.engine.devices import release_memory
 from featcal_llm.engine.distributed import Single, WorldError, communicator
 from featcal_llm.errors import QUIET, REFINE_REMEDY, FeatCalError, RunFailure, out_of_memory
 from featcal_llm.io.output_lock import OutputLock
-from featcal_llm.io.recipe import Recipe, with_output
+from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.recipe_yaml import with_output
 from featcal_llm.io.validate import EVAL_ONLY, check_before_run
 from featcal_llm.stages.keep_layers import kept_layers, say_kept
 from featcal_llm.stages.outputs import RunOutcome, evaluate_outputs, write_outputs

@@ -78,7 +78,7 @@ def test_push_to_hub_checks_the_login_before_any_work(scenario, tmp_path, monkey
 
 
 def test_the_output_argument_is_written_into_the_replay_recipe_with_comments_kept():
-    from featcal_llm.io.recipe import with_output
+    from featcal_llm.io.recipe_yaml import with_output
 
     text = "merge_method: ties  # keep\nfeatcal:\n  output: old/out   # where\n  samples: 4\n"
     assert with_output(text, "new dir/x: y") == "merge_method: ties  # keep\nfeatcal:\n  output: 'new dir/x: y'   # where\n  samples: 4\n"

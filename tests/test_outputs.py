@@ -247,7 +247,7 @@ def test_found_paths_cover_prompts_and_the_eval_blocks_files_and_nothing_else(tm
 def test_found_paths_keep_anchors_and_follow_merge_keys(tmp_path, monkeypatch):
     """An anchored path keeps its anchor (its aliases still name it), a merge key's path is found through it, and the
     result parses to what the run read; `run RECIPE OUTPUT` keeps an anchor on `output` the same way."""
-    from featcal_llm.io.recipe import with_output
+    from featcal_llm.io.recipe_yaml import with_output
     from featcal_llm.io.saved_recipe import with_found_paths
 
     monkeypatch.chdir(tmp_path)

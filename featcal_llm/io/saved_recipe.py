@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from featcal_llm.io.block import beside_recipe
-from featcal_llm.io.recipe import Recipe, value_span
+from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.recipe_yaml import value_span
 
 REPLAY_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
