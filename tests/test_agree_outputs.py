@@ -218,7 +218,8 @@ def test_a_folder_of_other_things_at_the_merge_s_staging_path_is_not_deleted(sce
 def test_a_staging_folder_a_stopped_merge_left_is_emptied_and_the_merge_made(scenario, tmp_path):
     """A merge stopped half-way leaves its staging folder with featcal-llm's mark in it: the next run empties it and
     merges, and the merge it moves into place carries no staging mark."""
-    from featcal_llm.io.merge import MARKER, STAGING_MARKER
+    from featcal_llm.io.merge import STAGING_MARKER
+    from featcal_llm.io.merge_identity import MARKER
 
     recipe = recipe_of(scenario, tmp_path)
     (tmp_path / "merged.merging").mkdir()

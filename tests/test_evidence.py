@@ -164,7 +164,7 @@ def test_the_random_merge_methods_are_those_that_draw_random_numbers_in_mergekit
     import mergekit.sparsify as sparsify
     from mergekit.merge_methods import registry
 
-    from featcal_llm.io.merge import RANDOM_METHODS
+    from featcal_llm.io.merge_identity import RANDOM_METHODS
 
     drawing = re.compile(r"torch\.(rand\w*|bernoulli|multinomial|normal)\b|\brandom\.")
     draws = {method: bool(drawing.search(inspect.getsource(function))) for method, function in (

@@ -10,7 +10,8 @@ import yaml
 from test_exactness import read_weights
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.merge import MARKER, ensure_merged
+from featcal_llm.io.merge import ensure_merged
+from featcal_llm.io.merge_identity import MARKER
 from featcal_llm.io.recipe import load_recipe
 
 

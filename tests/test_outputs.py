@@ -463,7 +463,7 @@ def test_an_expert_of_another_vocabulary_beside_an_existing_merge_is_refused_by_
     from transformers import AutoModelForCausalLM
 
     import featcal_llm
-    from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG
+    from featcal_llm.io.merge_identity import MARKER, MERGEKIT_CONFIG
 
     raw = yaml.safe_load(small.recipe.read_text())
     first = raw["models"][0]["model"]

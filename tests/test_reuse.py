@@ -157,7 +157,7 @@ def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when
 
 
 def test_configurations_that_differ_in_how_many_models_differ():
-    from featcal_llm.io.merge import differing_keys
+    from featcal_llm.io.merge_identity import differing_keys
 
     one, two = {"model": "a", "parameters": {"weight": 0.5}}, {"model": "b", "parameters": {"weight": 0.5}}
     assert differing_keys({"models": [one, two]}, {"models": [one]}) == ["models"]
@@ -383,7 +383,8 @@ def test_a_merge_of_hub_models_is_judged_by_their_snapshots_files(tmp_path, caps
 
     from mergekit.config import MergeConfiguration
 
-    from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG, _stale, input_identities
+    from featcal_llm.io.merge import _stale
+    from featcal_llm.io.merge_identity import MARKER, MERGEKIT_CONFIG, input_identities
 
     def snapshot(name: str, content: bytes) -> SimpleNamespace:
         folder = tmp_path / "hub" / name

@@ -17,10 +17,11 @@ import yaml
 from click.testing import CliRunner
 
 import featcal_llm.io.merge as merge_module
+import featcal_llm.io.merge_identity as merge_identity
 import featcal_llm.io.validate as validate_module
 from featcal_llm.cli import main
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.merge import MARKER, MERGEKIT_CONFIG
+from featcal_llm.io.merge_identity import MARKER, MERGEKIT_CONFIG
 from featcal_llm.io.validate import check_recipe
 
 
@@ -70,7 +71,7 @@ def test_a_supplied_merge_of_another_configuration(merged_scenario, tmp_path, mo
     errors = _both_refuse(path)
     assert errors == [f"{path}: featcal.merged: {supplied} was merged from another configuration (its {MERGEKIT_CONFIG} differs in "
                       "models[0].parameters.weight); remove it to merge again, or point featcal.merged elsewhere"]
-    monkeypatch.setattr(merge_module, "check_supplied_merge", lambda *args: None)  # run's own check, after the data
+    monkeypatch.setattr(merge_identity, "check_supplied_merge", lambda *args: None)  # run's own check, after the data
     assert check_recipe(path, plan=False).problems == []
     ran = CliRunner().invoke(main, ["run", str(path)])
     assert ran.exit_code == 2 and _errors(ran) == errors, ran.output
@@ -81,7 +82,7 @@ def test_a_supplied_merge_whose_configuration_file_is_not_mergekits(merged_scena
     path = _write(merged_scenario, tmp_path)
     errors = _both_refuse(path)
     assert len(errors) == 1 and errors[0].startswith(f"{path}: featcal.merged: {tmp_path / 'merged' / MERGEKIT_CONFIG}: not a mergekit configuration (")
-    monkeypatch.setattr(merge_module, "check_supplied_merge", lambda *args: None)
+    monkeypatch.setattr(merge_identity, "check_supplied_merge", lambda *args: None)
     assert _errors(CliRunner().invoke(main, ["run", str(path)])) == errors
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from featcal_llm.io.card_meta import rounded
-from featcal_llm.io.merge import RANDOM_METHODS
+from featcal_llm.io.merge_identity import RANDOM_METHODS
 
 SYMBOLS = {"lambda": "λ", "alpha": "α", "rho": "ρ", "reduction": "r", "eps": "eps"}
 # what the card's settings list calls each resolved setting (featcal_weights.json keeps the keys)

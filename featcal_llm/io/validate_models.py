@@ -17,7 +17,7 @@ from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import chat_template_unparsable
 from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
-from featcal_llm.io.merge import supplied_merge
+from featcal_llm.io.merge_identity import supplied_merge
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
@@ -195,9 +195,9 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
             rows = config.get("vocab_size") if config is not None and supplied else None
             for expert_config, expert_what in vocabularies if isinstance(rows, int) else ():
                 collect(problems, path, lambda: _same_vocabulary(MergeVocabulary(rows, "the merged model"), expert_config, expert_what))
-            from featcal_llm.io import merge  # looked up when called: tests set it aside to reach run's own check
+            from featcal_llm.io import merge_identity  # looked up when called: tests set it aside to reach run's own check
 
-            collect(problems, path, lambda: merge.check_supplied_merge(path, merge_config, merged))
+            collect(problems, path, lambda: merge_identity.check_supplied_merge(path, merge_config, merged))
     if tokenizer and not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
         problems.append(Problem(str(path), "featcal.tokenizer", f"{tokenizer}: tokenizer directory does not exist"))
     elif tokenizer and Path(tokenizer).is_file():  # transformers would read it as a hub id

@@ -63,7 +63,8 @@ def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: 
 def check_writes(path: Path, override: Path | None, setting: Any, merge_config: Any, data: dict[str, DataSpec], problems: list[Problem]) -> None:
     """What the run writes destroys nothing it reads: the output (OUTPUT, else featcal.output), the merge where the run
     makes it (missing, or one it made and may make again), and the generated records' folder beside the output."""
-    from featcal_llm.io.merge import MARKER, staging_in_the_way
+    from featcal_llm.io.merge import staging_in_the_way
+    from featcal_llm.io.merge_identity import MARKER
 
     merged, output = setting("merged"), override or (Path(setting("output")) if setting("output") else None)
     inputs = recipe_inputs(path, merge_config, merged, setting("tokenizer"), data)

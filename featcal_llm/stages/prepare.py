@@ -32,7 +32,8 @@ from featcal_llm.generation.rank import with_generated
 from featcal_llm.engine.drift import Probe, drift_sample
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
-from featcal_llm.io.merge import ensure_merged, merge_identity, supplied_merge
+from featcal_llm.io.merge import ensure_merged
+from featcal_llm.io.merge_identity import merge_identity, supplied_merge
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory, read_config_json
 from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
