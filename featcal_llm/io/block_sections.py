@@ -27,7 +27,7 @@ class GenerateSpec(RecipeModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    samples: int | None = Field(None, ge=1, description="texts kept after filtering; default featcal.samples")
+    samples: int | None = Field(None, ge=1, description="texts kept after filtering; default the data entry's samples (beside generate), else featcal.samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default min(512, featcal.max_length); calibration sees no token past featcal.max_length, so a larger value only costs time")
     prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: no prompts, the start set by chat_template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else the config's bos_token_id, else EOS)")
