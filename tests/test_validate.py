@@ -619,11 +619,27 @@ def test_a_refine_batch_larger_than_every_record_is_noted_before_the_run(scenari
     """run warns only once the closed form is done; validate says it first (a note: the run is valid, only wasteful)."""
     recipe = _write(scenario, tmp_path, lambda r, _t: r["featcal"].update(refine={"batch_records": 4096}))
     result = featcal_llm.validate(recipe)
-    at_most = sum(min(16, sum(1 for _ in open(path))) for path in scenario.data.values())
+    read = [min(16, sum(1 for _ in open(path))) for path in scenario.data.values()]
+    at_most = sum(n - round(0.25 * n) for n in read)  # less tune.holdout's default share, held out to stop it
     assert result.ok and any(f"featcal.refine.batch_records: 4096 is more than the at most {at_most} records" in note
                              for note in result.notes), result.notes
     assert not any("batch_records" in note for note in featcal_llm.validate(_write(
         scenario, tmp_path, lambda r, _t: r["featcal"].update(refine={"batch_records": 2}))).notes)
+
+
+def test_the_refine_batch_note_counts_what_run_trains_on(scenario, tmp_path, no_weights):
+    """The training records run counts: each expert's records less its held-out share, an expert at weight 0 none
+    (tests/test_refine.py sees run's own count). At exactly that many records a step repeats none: no note."""
+    def edit(r, _t, batch):
+        r["featcal"]["data"][next(iter(r["featcal"]["data"]))]["weight"] = 0  # the first expert's, as scenario.data's first
+        r["featcal"].update(refine={"batch_records": batch}, tune={"holdout": 0.5})
+
+    read = [min(16, sum(1 for _ in open(path))) for path in scenario.data.values()]
+    trained = sum(n - round(0.5 * n) for n in read[1:])
+    noted = featcal_llm.validate(_write(scenario, tmp_path, lambda r, t: edit(r, t, trained + 1))).notes
+    assert any(f"batch_records: {trained + 1} is more than the at most {trained} records" in note for note in noted), noted
+    assert not any("batch_records" in note for note in featcal_llm.validate(_write(
+        scenario, tmp_path, lambda r, t: edit(r, t, trained))).notes)
 
 
 def test_vllm_engine_args_are_checked_before_the_calibration_under_auto(scenario, tmp_path, no_weights, monkeypatch):
