@@ -240,7 +240,7 @@ def test_a_local_copy_may_hold_blank_lines_and_each_task_s_rows_are_its_own(tmp_
         ("mbpp_plus", {key: value for key, value in _rows("mbpp_plus")[0].items() if key != "prompt"}, 1),
     ):
         path.write_text(json.dumps(row) + "\n")
-        with pytest.raises(FeatCalError, match=rf"^--data {task}={path}: line {number} is not a evalplus/"):
+        with pytest.raises(FeatCalError, match=rf"^--data {task}={path}: line {number} is not a row of evalplus/"):
             local_rows(task, path)
     mbpp = _rows("mbpp_plus")[0]
     assert "entry_point" not in mbpp

@@ -24,7 +24,7 @@ CASES = {
     "reduction above one": (_regmean(reduction=1.5), ["bad.yaml: featcal.reduction:", "less than or equal to 1"]),
     "reduction below zero": (_regmean(reduction=-0.1), ["bad.yaml: featcal.reduction:", "greater than or equal to 0"]),
     "reduction candidate outside [0, 1]": (_regmean(reduction=[0.5, 2.0]), ["featcal.reduction:", "less than or equal to 1"]),
-    "reduction with featcal": (_regmean("featcal", drop=(), reduction=0.5), ["bad.yaml: featcal.reduction: only method regmean and regmean++ reads it (method is featcal)"]),
+    "reduction with featcal": (_regmean("featcal", drop=(), reduction=0.5), ["bad.yaml: featcal.reduction: only methods regmean and regmean++ read it (method is featcal)"]),
     "lambda with regmean": (_regmean(drop=("alpha", "rho")), ["bad.yaml: featcal.lambda: only method featcal reads it (method is regmean)"]),
     "alpha with regmean++": (_regmean("regmean++", drop=("lambda", "rho")), ["bad.yaml: featcal.alpha: only method featcal reads it (method is regmean++)"]),
     "norms with regmean": (_regmean(norms=True), ["bad.yaml: featcal.norms: only method featcal reads it"]),

@@ -153,7 +153,7 @@ def test_stack_takes_both_methods_keys_and_one_method_still_refuses_the_other(sc
     first, second = stack.featcal.stage(0, "x"), stack.featcal.stage(1, "x")
     assert (first.method, first.output, first.hyper_values()) == ("regmean", "x", {"reduction": 0.3})
     assert (second.method, second.merged, second.hyper_values()) == ("featcal", "x", {"lambda": 1e-3, "alpha": 0.5, "rho": 1.0})
-    with pytest.raises(FeatCalError, match="featcal.reduction: only method regmean and regmean"):
+    with pytest.raises(FeatCalError, match="featcal.reduction: only methods regmean and regmean"):
         load_recipe(recipe(scenario, tmp_path / "f.yaml", reduction=0.3))
 
 

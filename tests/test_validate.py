@@ -233,7 +233,7 @@ CASES = {
     ]),
     "expert of another shape": (_other_shape, [["odd-expert/config.json: config hidden_size", "differs from the base model's"]]),
     "keys of another method": (_method_keys, [
-        ["featcal.reduction: only method regmean and regmean++ reads it (method is featcal)"],
+        ["featcal.reduction: only methods regmean and regmean++ read it (method is featcal)"],
         ["featcal.tune: nothing to tune"],
     ]),
     "data for a misspelled expert": (_data_key_typo, [  # one typo, one error (the expert it names has no other line)

@@ -69,7 +69,7 @@ def local_rows(task: str, path: Path) -> list[dict]:
         missing = [key for key in ("task_id", "entry_point" if task == "humaneval_plus" else "prompt")
                    if not isinstance(row, dict) or key not in row]
         if missing or not ("test" in row or "base_input" in row):
-            raise FeatCalError(f"--data {task}={path}: line {number} is not a {DATASETS[task][0]} row (expected its "
+            raise FeatCalError(f"--data {task}={path}: line {number} is not a row of {DATASETS[task][0]} (expected its "
                                f"task_id, {'entry_point' if task == 'humaneval_plus' else 'prompt'} and test)")
         rows.append(row)
     if not rows:

@@ -109,8 +109,8 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
                                         and not (key == "head" and featcal.head is None)  # `head: false` is what RegMean does
                                         and not (key == "trailing_experts" and featcal.trailing_experts == "keep")]  # so is keep
     for key in wrong:
-        owner = "regmean and regmean++" if not featcal.regmean else "featcal"
-        problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only method {owner} reads it (method is {featcal.method})"))
+        owner = "methods regmean and regmean++ read" if not featcal.regmean else "method featcal reads"
+        problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only {owner} it (method is {featcal.method})"))
     if featcal.regmean and featcal.token_weights == "expert_lead":
         problems.append(Problem(str(path), "featcal.token_weights", f"expert_lead is FeatCal's; {featcal.method} weighs every token alike (equal)"))
     elif not featcal.regmean and "trailing_records" in featcal.model_fields_set and featcal.token_weighting != "expert_lead":
