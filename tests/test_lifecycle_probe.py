@@ -1,0 +1,52 @@
+"""The run's lifecycle as a user stumbles into it: progress and outputs beside one another, and files rewritten under
+the digests the saved progress is keyed by."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import featcal_llm
+from featcal_llm.errors import FeatCalError
+from featcal_llm.pipeline import run_recipe
+from scenario import build_scenario
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return build_scenario(tmp_path_factory.mktemp("lifecycle"), experts=2, layers=1, samples=4)
+
+
+@pytest.mark.xfail(strict=True, reason="the digest cache is keyed by path, size, inode and mtime only: a file rewritten "
+                                       "in place at its old size, its mtime set back (cp -p, tar or rsync -t from files "
+                                       "of one fixed mtime), keeps its old digest, so a rerun resumes saved layers of "
+                                       "the old expert")
+def test_a_file_rewritten_in_place_at_its_size_and_mtime_is_read_again(tmp_path, monkeypatch):
+    from featcal_llm.io import identity
+
+    monkeypatch.setenv(identity.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(identity, "_memory", {})
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"a" * 64)
+    before = os.stat(path)
+    first = identity.content_digest(path)
+    with open(path, "r+b") as handle:  # the same inode and size
+        handle.write(b"b" * 64)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_ino == before.st_ino
+    monkeypatch.setattr(identity, "_memory", {})  # a later run: only the on-disk cache remembers
+    assert identity.content_digest(path) != first
+
+
+@pytest.mark.parametrize("where", [".out.featcal-partial", ".out.featcal-partial/inner", ".out.featcal-old/inner"])
+@pytest.mark.xfail(strict=True, reason="an OUTPUT that is or lies inside another output's progress or swap folder is "
+                                       "accepted; that output's next run empties the folder (starting over, or "
+                                       "finishing), deleting the checkpoint written there")
+def test_an_output_in_another_outputs_progress_folder_is_refused(small, tmp_path, where):
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    output = tmp_path / where
+    problems = [str(problem) for problem in featcal_llm.validate(recipe, output=output)]
+    assert any("OUTPUT" in problem and "featcal-" in problem for problem in problems), problems
+    with pytest.raises(FeatCalError, match="OUTPUT"):
+        run_recipe(recipe, progress=False, output=output)
