@@ -18,10 +18,6 @@ def small(tmp_path_factory):
     return build_scenario(tmp_path_factory.mktemp("lifecycle"), experts=2, layers=1, samples=4)
 
 
-@pytest.mark.xfail(strict=True, reason="the digest cache is keyed by path, size, inode and mtime only: a file rewritten "
-                                       "in place at its old size, its mtime set back (cp -p, tar or rsync -t from files "
-                                       "of one fixed mtime), keeps its old digest, so a rerun resumes saved layers of "
-                                       "the old expert")
 def test_a_file_rewritten_in_place_at_its_size_and_mtime_is_read_again(tmp_path, monkeypatch):
     from featcal_llm.io import identity
 

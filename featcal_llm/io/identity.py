@@ -4,10 +4,12 @@ Reuse (saved progress, generated samples, the merge) must survive what does not
 change a model (a `touch`, a moved or copied directory) and must not survive what
 does (any changed byte). Files are therefore identified by a sha256 of their
 content. Hashing a large checkpoint takes a while, so each digest is remembered in
-a small cache keyed by the file's path, size, inode and modification time: a file
-whose metadata is unchanged is not read again, and one whose metadata changed
-(touched, moved, copied) is read once more and gives the same digest if its bytes
-are the same.
+a small cache keyed by the file's path, size, inode, modification time and status
+change time: a file whose metadata is unchanged is not read again, and one whose
+metadata changed (touched, moved, copied) is read once more and gives the same digest
+if its bytes are the same. The change time is the one a write always moves: a file
+rewritten in place at its old size with its mtime set back (`cp -p`, `tar`, `rsync -t`
+from files of one fixed mtime) is read again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def cache_dir() -> Path:
 
 def _stat_key(path: Path) -> str:
     stat = path.stat()
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_ino}|{stat.st_mtime_ns}"
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_ino}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
 
 
 def _remembered() -> dict[str, str]:
@@ -59,7 +61,7 @@ def _remember(entries: dict[str, str]) -> None:
 
 
 def content_digest(path: Path) -> str:
-    """sha256 of the file's bytes, read again only when its path, size, inode or mtime changed."""
+    """sha256 of the file's bytes, read again only when its path, size, inode, mtime or ctime changed."""
     key = _stat_key(path)
     if key in _memory:
         return _memory[key]
