@@ -46,3 +46,16 @@ def test_an_output_in_another_outputs_progress_folder_is_refused(small, tmp_path
     assert any("OUTPUT" in problem and "featcal-" in problem for problem in problems), problems
     with pytest.raises(FeatCalError, match="OUTPUT"):
         run_recipe(recipe, progress=False, output=output)
+
+
+@pytest.mark.xfail(strict=True, reason="a featcal.merged inside the output's own progress folder is accepted: the run "
+                                       "merges into it, its staging area then empties the folder, and the run fails "
+                                       "in a traceback when it writes the output, after every layer")
+def test_a_merge_in_the_outputs_progress_folder_is_refused_before_any_work(small, tmp_path):
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"),
+                                merged=str(tmp_path / ".out.featcal-partial" / "merged"))
+    problems = [str(problem) for problem in featcal_llm.validate(recipe)]
+    assert any("featcal.merged" in problem and ".out.featcal-partial" in problem for problem in problems), problems
+    with pytest.raises(FeatCalError, match="featcal.merged"):
+        run_recipe(recipe, progress=False)
+    assert not (tmp_path / ".out.featcal-partial").exists()
