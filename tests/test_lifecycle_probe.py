@@ -36,9 +36,6 @@ def test_a_file_rewritten_in_place_at_its_size_and_mtime_is_read_again(tmp_path,
 
 
 @pytest.mark.parametrize("where", [".out.featcal-partial", ".out.featcal-partial/inner", ".out.featcal-old/inner"])
-@pytest.mark.xfail(strict=True, reason="an OUTPUT that is or lies inside another output's progress or swap folder is "
-                                       "accepted; that output's next run empties the folder (starting over, or "
-                                       "finishing), deleting the checkpoint written there")
 def test_an_output_in_another_outputs_progress_folder_is_refused(small, tmp_path, where):
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
     output = tmp_path / where
@@ -48,9 +45,6 @@ def test_an_output_in_another_outputs_progress_folder_is_refused(small, tmp_path
         run_recipe(recipe, progress=False, output=output)
 
 
-@pytest.mark.xfail(strict=True, reason="a featcal.merged inside the output's own progress folder is accepted: the run "
-                                       "merges into it, its staging area then empties the folder, and the run fails "
-                                       "in a traceback when it writes the output, after every layer")
 def test_a_merge_in_the_outputs_progress_folder_is_refused_before_any_work(small, tmp_path):
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"),
                                 merged=str(tmp_path / ".out.featcal-partial" / "merged"))

@@ -92,6 +92,9 @@ def not_an_output(output: Path) -> str | None:
     and the hidden folders beside it are folders."""
     if output.name in ("", ".", ".."):
         return f"{output} names no folder of its own: the run writes beside its output and renames it into place; name a new folder"
+    problem = in_a_kept_sibling(output)
+    if problem is not None:
+        return problem
     if output.is_symlink() and not output.exists():
         return f"{output} is a link to {os.readlink(output)}, which does not exist; name a folder"
     for suffix, what in SIBLINGS.items():
@@ -105,6 +108,21 @@ def not_an_output(output: Path) -> str | None:
         return None
     kind = "a file" if not output.is_dir() else f"a folder that is no featcal-llm output (it has no {RECIPE_FILE})"
     return f"{output} is {kind}: --force replaces only an earlier output; name another directory"
+
+
+def in_a_kept_sibling(target: Path) -> str | None:
+    """Why a folder the run writes may not be `target` (None: it may): it is or lies inside a hidden folder
+    `.NAME.featcal-partial` or `.NAME.featcal-old`, which a run of the output NAME empties (when it starts over,
+    finishes or swaps its output), deleting what was written there."""
+    for path in _spellings(target):
+        for folder in (path, *path.parents):
+            for suffix, what in SIBLINGS.items():
+                if folder.name.startswith(".") and folder.name.endswith(f".{suffix}") and len(folder.name) > len(suffix) + 2:
+                    owner = folder.with_name(folder.name[1:-len(suffix) - 1])
+                    where = "is" if same(target, folder) else f"lies inside {folder},"
+                    return (f"{target} {where} the hidden folder featcal-llm keeps beside the output {owner} ({what}), "
+                            "which that output's runs empty; name a folder outside it")
+    return None
 
 
 def overwrites_input(target: Path, inputs: dict[str, Path], merged: Path | None = None, what: str = "output") -> str | None:

@@ -12,7 +12,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.generation.store import generated_folder, generated_set_paths
 from featcal_llm.io.data_files import data_path, looks_like_hub_id
-from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem, inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
+from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem, in_a_kept_sibling, inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
 from featcal_llm.io.recipe import _experts_of, read_recipe
 from featcal_llm.io.references import is_hub_reference
@@ -88,7 +88,9 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
         if same:
             problems.append(Problem(str(path), "featcal.merged", f"{merged} is {same[0]}, not the merge of the recipe's "
                                                                "models; name the merge's directory, or a new one for mergekit to write"))
-    if merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
+    if merged and (problem := in_a_kept_sibling(Path(merged))) is not None:  # a run of that output would delete it
+        problems.append(Problem(str(path), "featcal.merged", problem))
+    elif merged and (not Path(merged).exists() or (Path(merged) / MARKER).is_file()):  # the merge run may (re)write
         others = {label: where for label, where in inputs.items() if label != f"featcal.merged {merged}"}
         problem = overwrites_input(Path(merged), others, what="merge") or (None if Path(merged).exists() else unwritable(Path(merged)))
         if problem is not None:
