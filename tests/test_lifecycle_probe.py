@@ -53,3 +53,18 @@ def test_a_merge_in_the_outputs_progress_folder_is_refused_before_any_work(small
     with pytest.raises(FeatCalError, match="featcal.merged"):
         run_recipe(recipe, progress=False)
     assert not (tmp_path / ".out.featcal-partial").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="--force swaps an output that is a link to a folder out as the link itself, "
+                                       "which rmtree cannot remove: .out.featcal-old stays, and every later run of that "
+                                       "output is refused (it is not a folder; remove it)")
+def test_an_output_given_as_a_link_can_be_replaced_again_and_again(small, tmp_path):
+    earlier = tmp_path / "earlier"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(earlier))
+    run_recipe(recipe, progress=False)
+    (tmp_path / "out").symlink_to(earlier, target_is_directory=True)
+    for _ in range(2):
+        run_recipe(recipe, progress=False, force=True, output=tmp_path / "out")
+        assert (tmp_path / "out" / "featcal_recipe.yml").is_file()
+        assert not os.path.lexists(tmp_path / ".out.featcal-old")
+    assert (earlier / "featcal_recipe.yml").is_file()  # the link's folder is swapped out, not deleted
