@@ -55,9 +55,6 @@ def test_a_merge_in_the_outputs_progress_folder_is_refused_before_any_work(small
     assert not (tmp_path / ".out.featcal-partial").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="--force swaps an output that is a link to a folder out as the link itself, "
-                                       "which rmtree cannot remove: .out.featcal-old stays, and every later run of that "
-                                       "output is refused (it is not a folder; remove it)")
 def test_an_output_given_as_a_link_can_be_replaced_again_and_again(small, tmp_path):
     earlier = tmp_path / "earlier"
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(earlier))

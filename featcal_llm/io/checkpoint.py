@@ -239,7 +239,16 @@ def move_into_place(finished: Path, target: Path, trash_suffix: str) -> None:
     with_umask_mode(finished)
     trash = target.with_name(f".{target.name}.{trash_suffix}")
     if target.exists():
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
         target.rename(trash)
     finished.rename(target)
-    shutil.rmtree(trash, ignore_errors=True)  # also what a run killed between the two renames left there
+    _remove(trash)  # also what a run killed between the two renames left there
+
+
+def _remove(path: Path) -> None:
+    """A swapped-out target: a folder, removed, or a link to one (an output given as a link), itself unlinked and the
+    folder it names left as it is (rmtree refuses a link, which would stay and block the next run)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
