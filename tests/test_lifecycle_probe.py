@@ -65,3 +65,44 @@ def test_an_output_given_as_a_link_can_be_replaced_again_and_again(small, tmp_pa
         assert (tmp_path / "out" / "featcal_recipe.yml").is_file()
         assert not os.path.lexists(tmp_path / ".out.featcal-old")
     assert (earlier / "featcal_recipe.yml").is_file()  # the link's folder is swapped out, not deleted
+
+
+def _generating_recipe(small, tmp_path, reads_the_set_as: str):
+    """expert0 writes its own records; the set's file, where the run writes it, is also read (`reads_the_set_as`:
+    expert1's calibration file, or expert0's own prompts)."""
+    import shutil
+
+    import yaml
+
+    from featcal_llm.generation.store import generated_set_paths
+
+    output = tmp_path / "out"
+    experts = [str(path) for path in small.experts.values()]
+    samples_path = generated_set_paths(output, experts)[experts[0]][0]
+    samples_path.parent.mkdir()
+    shutil.copy(small.data["expert1"], samples_path)
+    if reads_the_set_as == "prompts":
+        samples_path.write_text("".join(f'{{"prompt": "the merge {i}"}}\n' for i in range(2)))
+    recipe = yaml.safe_load(small.recipe.read_text())
+    generate = {"samples": 2, "max_new_tokens": 4, "chat_template": "off"}
+    if reads_the_set_as == "prompts":
+        generate = {"samples": 2, "max_new_tokens": 4, "prompts": str(samples_path)}
+    recipe["featcal"]["data"][experts[0]] = {"generate": generate}
+    if reads_the_set_as == "data":
+        recipe["featcal"]["data"][experts[1]] = {"path": str(samples_path), "format": "text"}
+    recipe["featcal"]["output"] = str(output)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return tmp_path / "r.yaml", samples_path
+
+
+@pytest.mark.parametrize("reads_the_set_as", ["data", "prompts"])
+@pytest.mark.xfail(strict=True, reason="a calibration or prompts file where an expert's generated set is written is not "
+                                       "counted among the run's inputs: validate says ok and the run overwrites it")
+def test_a_file_the_run_reads_where_a_generated_set_goes_is_refused_and_kept(small, tmp_path, reads_the_set_as):
+    recipe, samples_path = _generating_recipe(small, tmp_path, reads_the_set_as)
+    before = samples_path.read_bytes()
+    problems = [str(problem) for problem in featcal_llm.validate(recipe)]
+    assert any(str(samples_path) in problem and "generate" in problem for problem in problems), problems
+    with pytest.raises(FeatCalError, match="generate"):
+        run_recipe(recipe, progress=False)
+    assert samples_path.read_bytes() == before
