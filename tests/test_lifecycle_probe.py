@@ -96,8 +96,6 @@ def _generating_recipe(small, tmp_path, reads_the_set_as: str):
 
 
 @pytest.mark.parametrize("reads_the_set_as", ["data", "prompts"])
-@pytest.mark.xfail(strict=True, reason="a calibration or prompts file where an expert's generated set is written is not "
-                                       "counted among the run's inputs: validate says ok and the run overwrites it")
 def test_a_file_the_run_reads_where_a_generated_set_goes_is_refused_and_kept(small, tmp_path, reads_the_set_as):
     recipe, samples_path = _generating_recipe(small, tmp_path, reads_the_set_as)
     before = samples_path.read_bytes()

@@ -10,7 +10,8 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.generation.store import generated_folder, generated_set_paths
+from featcal_llm.generation.store import choice_path, generated_folder, generated_set_paths
+from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.data_files import data_path, looks_like_hub_id
 from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem, in_a_kept_sibling, inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
@@ -57,6 +58,9 @@ def recipe_inputs(path: Path, merge_config: Any, merged: str | None, tokenizer: 
     for name, spec in data.items():
         if spec.path is not None and data_path(spec, path.parent).exists():
             inputs[f"featcal.data.{name}.path {spec.path}"] = data_path(spec, path.parent)
+        prompts = spec.generate.prompts if spec.generate is not None else None
+        if prompts is not None and beside_recipe(prompts, path.parent).exists():  # found as the run reads them
+            inputs[f"featcal.data.{name}.generate.prompts {prompts}"] = beside_recipe(prompts, path.parent)
     return inputs
 
 
@@ -81,7 +85,7 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
         if problem is not None:
             problems.append(Problem(str(path), key, problem))
         elif generated:
-            problems.extend(_generated_in_the_way(path, output, merge_config, data))
+            problems.extend(_generated_in_the_way(path, output, merge_config, data, inputs))
     if merged and Path(merged).is_dir():  # a model the merge reads, named as the merge: its merge would be calibrated as it
         models = {label: where for label, where in inputs.items() if label.startswith(("base_model ", "the expert "))}
         same = [label for label, where in models.items() if where.is_dir() and where.resolve() == Path(merged).resolve()]
@@ -99,7 +103,8 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
             problems.append(Problem(str(path), "featcal.merged", problem))
 
 
-def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dict[str, DataSpec]) -> list[Problem]:
+def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dict[str, DataSpec],
+                          inputs: dict[str, Path]) -> list[Problem]:
     """A file where the generated records' folder goes, or a folder where an expert's set or its record is written:
     run would sample (minutes on a GPU) and then fail in a traceback writing them."""
     folder = generated_folder(output)
@@ -111,8 +116,12 @@ def _generated_in_the_way(path: Path, output: Path, merge_config: Any, data: dic
     for name, spec in data.items():
         if spec.generate is None or name not in set_paths:
             continue
-        for written in set_paths[name]:
-            if written.is_dir():
+        for written in (*set_paths[name], choice_path(set_paths[name][0])):
+            read = next((label for label, where in inputs.items() if same(written, where)), None)
+            if read is not None:  # the run would overwrite it, calibrating on (or prompting with) what it replaced
+                found.append(Problem(str(path), f"featcal.data.{name}.generate", f"{written} is also {read}, and the "
+                                                                                 "expert's generated records are written there; move it"))
+            elif written.is_dir():
                 found.append(Problem(str(path), f"featcal.data.{name}.generate", f"{written} is a folder: the expert's "
                                                                                  "generated records are written to a file of that name; move it"))
     return found
