@@ -176,6 +176,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
     if in_the_way is not None:
         raise FeatCalError(f"{recipe.path}: featcal.merged: {in_the_way}")
     shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(lora_cache, ignore_errors=True)  # a killed merge's: mergekit takes any folder there as the merged expert
     settings = recipe.featcal.merge_options
     options = MergeOptions(
         cuda=device.startswith("cuda"),
