@@ -159,8 +159,8 @@ def test_an_existing_output_with_progress_beside_it_says_so(small, tmp_path):
         run_recipe(recipe, progress=False)
     assert str(error.value).endswith(f"already exists (pass --force, or force=True to calibrate(), to replace it); "
                                      f"{tmp_path}/.out.featcal-partial beside it holds the saved progress of a run that did "
-                                     "not finish or clean up, or that kept it (--keep-layers), which --force resumes (remove it "
-                                     "otherwise)")
+                                     "not finish or clean up, or that kept it (--keep-layers), which --force resumes as far as it "
+                                     "matches the recipe (remove it to start over)")
 
 
 def test_the_written_model_and_merge_have_the_umasks_mode(small, tmp_path):

@@ -81,7 +81,7 @@ def check_output(recipe: Recipe, output: Path, force: bool) -> None:
     if output.exists() and not force:
         partial = partial_dir(output)
         beside = (f"; {partial} beside it holds the saved progress of a run that did not finish or clean up, or "
-                  "that kept it (--keep-layers), which --force resumes (remove it otherwise)") if partial.is_dir() else ""
+                  "that kept it (--keep-layers), which --force resumes as far as it matches the recipe (remove it to start over)") if partial.is_dir() else ""
         raise FeatCalError(f"{where}: {output} already exists (pass --force, or force=True to calibrate(), to replace it){beside}")
     problem = unwritable(output)
     if problem is not None:
