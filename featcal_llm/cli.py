@@ -3,24 +3,25 @@
 Sub-package commands (demo, eval, leaderboard, bench) are imported only when
 they are invoked (or listed by --help), so `run` starts without them.
 Exit codes (featcal_llm.errors): 0 done, 1 the run failed, 2 bad command line or
-input, 130 interrupted.
+input, 130 interrupted, 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
 
 import click
 
-from featcal_llm.errors import EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError
+from featcal_llm.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, FeatCalError, Terminated
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}  # sub-commands inherit it
 EXIT_CODES = """\b
 Exit codes: 0 done; 1 the run started and failed (non-finite values, an upload,
 out of memory, a library error, a full disk); 2 bad command line or input
-(recipe, data, models); 130 interrupted."""
+(recipe, data, models); 130 interrupted (Ctrl-C); 143 stopped by SIGTERM."""
 
 # command name → "module:attribute" of its click command
 LAZY_COMMANDS = {
@@ -47,14 +48,46 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with stopping_on_sigterm():
+                return super().invoke(ctx)
         except FeatCalError as error:
             for line in str(error).splitlines():  # several problems: one error line each
                 click.echo(f"featcal-llm: error: {line}", err=True)
             sys.exit(error.exit_code)
-        except KeyboardInterrupt:
-            click.echo("featcal-llm: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except KeyboardInterrupt as stop:
+            click.echo(f"featcal-llm: {stopped(stop)}", err=True)
+            sys.exit(stop_code(stop))
+
+
+@contextlib.contextmanager
+def stopping_on_sigterm():
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the command's main thread, so a run a scheduler stops
+    cleans up as after Ctrl-C; the handler before is restored after. Not under torchrun, whose agent stops its
+    ranks itself, nor off the main thread (where Python takes no handler)."""
+    import os
+    import signal
+    import threading
+
+    if "LOCAL_RANK" in os.environ or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def stopped(stop: KeyboardInterrupt) -> str:
+    return "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+
+
+def stop_code(stop: KeyboardInterrupt) -> int:
+    return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
 
 
 @click.group(cls=_Group, context_settings=CONTEXT, epilog=f"""\b
@@ -135,10 +168,10 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
                                                                    keep_layers=keep_layers, eval_only=eval_only)
         except QuietExit:  # a torchrun rank whose error rank 0 reports
             sys.exit(EXIT_USAGE)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             if main_rank:
-                click.echo(_interrupted(recipe, Path(output) if output else None), err=True)
-            sys.exit(EXIT_INTERRUPTED)
+                click.echo(_interrupted(recipe, Path(output) if output else None, stopped(stop)), err=True)
+            sys.exit(stop_code(stop))
         except FeatCalError as error:
             runlog.failure(error)
             sys.exit(error.exit_code)
@@ -156,7 +189,7 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
             click.echo(result.headline())
 
 
-def _interrupted(recipe: Path, output: Path | None) -> str:
+def _interrupted(recipe: Path, output: Path | None, how: str = "interrupted") -> str:
     """What a stopped `run` leaves: progress the same command resumes, or (stopped in `eval:` or the push) the output."""
     if output is None:
         try:
@@ -168,9 +201,9 @@ def _interrupted(recipe: Path, output: Path | None) -> str:
     from featcal_llm.io.output_dir import RECIPE_FILE, partial_dir
 
     if output is not None and (output / RECIPE_FILE).is_file() and not partial_dir(output).exists():
-        return (f"featcal-llm: interrupted; {output} was written whole before the stop: rerun with --eval-only to run the "
+        return (f"featcal-llm: {how}; {output} was written whole before the stop: rerun with --eval-only to run the "
                 "recipe's eval: on it, or with --force to make it again")
-    return ("featcal-llm: interrupted; what the run finished (a merge, generated records, calibrated layers, refinement "
+    return (f"featcal-llm: {how}; what the run finished (a merge, generated records, calibrated layers, refinement "
             "steps) is kept, and the same command resumes from there")
 
 

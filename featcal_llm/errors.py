@@ -10,6 +10,12 @@ from typing import Iterator
 EXIT_FAILED = 1  # the run started and failed: non-finite values, an upload, a library error, out of memory, a full disk
 EXIT_USAGE = 2  # the command line or the input (recipe, data, models) is wrong
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15): a scheduler's stop (SLURM, `docker stop`, `kill`)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in the command-line process: the run stops as Ctrl-C stops it (its locks released, its temporary
+    files removed, its progress kept), not at once with nothing cleaned up."""
 
 
 class FeatCalError(Exception):

@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
-from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError, RunFailure
+from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError, RunFailure, Terminated
 
 COMMANDS = ["run", "validate", "eval", "leaderboard", "bench", "demo", "recipes"]
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -41,7 +41,7 @@ def test_the_readme_documents_the_exit_codes_the_code_uses():
 
 @pytest.mark.parametrize("raised, code", [(FeatCalError("r.yaml: featcal.samples: expected an integer"), EXIT_USAGE),
                                           (RunFailure("layer 3: calibrated layer produced NaN/Inf hidden states"), EXIT_FAILED),
-                                          (KeyboardInterrupt(), EXIT_INTERRUPTED)])
+                                          (KeyboardInterrupt(), EXIT_INTERRUPTED), (Terminated(), 143)])
 def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, raised, code):
     import featcal_llm.api
 
@@ -55,7 +55,8 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, rais
     if str(raised):
         assert result.stderr.strip().splitlines()[0] == f"featcal-llm: error: {raised}"
     else:  # interrupted: what happens to the work, and how to go on
-        assert result.stderr.strip() == ("featcal-llm: interrupted; what the run finished (a merge, generated records, "
+        how = "terminated (SIGTERM)" if isinstance(raised, Terminated) else "interrupted"
+        assert result.stderr.strip() == (f"featcal-llm: {how}; what the run finished (a merge, generated records, "
                                          "calibrated layers, refinement steps) is kept, and the same command resumes from there")
 
 

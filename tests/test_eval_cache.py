@@ -441,3 +441,28 @@ def test_a_model_s_positions_are_its_text_model_s_and_an_integer():
     assert config_positions({"max_position_embeddings": True}) is None
     assert config_positions({"max_position_embeddings": 2048.0}) is None
     assert config_positions({}) is None
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_a_stopped_evaluation_stops_its_worker(tmp_path, monkeypatch, ignores_sigterm):
+    """SIGTERM reaches the `eval`/`run` process alone (Ctrl-C reaches the terminal's whole group): the worker, which
+    holds the model (on a GPU, its memory), is terminated with it, and killed where it does not exit in time."""
+    import subprocess
+    import sys
+
+    started, real_popen = [], subprocess.Popen
+    ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignores_sigterm else ""
+
+    def worker(command, **kwargs):  # a worker that writes a line a second, for a minute
+        started.append(real_popen([sys.executable, "-c", ignore + "import time\nfor i in range(60): print(i, flush=True); "
+                                   "time.sleep(1)"], **kwargs))
+        return started[-1]
+
+    def stop(line):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(runner.subprocess, "Popen", worker)
+    monkeypatch.setattr(runner, "stop_worker", lambda process, grace_s=30.0, stop=runner.stop_worker: stop(process, 1.0))
+    with pytest.raises(KeyboardInterrupt):
+        runner._run_worker({"model": {"path": "m"}}, tmp_path / "out", "m", stop)
+    assert started[0].poll() == (-9 if ignores_sigterm else -15)

@@ -152,3 +152,31 @@ def test_nan_in_expert_weights_names_layer_and_module(merged_scenario, tmp_path)
     last = result.stderr.strip().splitlines()[-1]
     assert "layer 1 mlp.down_proj.weight contains NaN or Inf" in last and "merged" in last, last
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_the_rerun_resumes(slow_scenario, tmp_path):
+    """SIGTERM (SLURM's stop, `docker stop`, `kill`) mid-calibration: exit 143 and the one line that says the work is
+    kept, the output's lock released (not merely dropped with the process), the saved layers resumed by the rerun.
+    Python's default for SIGTERM ends the process at once: exit -15, no line, nothing cleaned up."""
+    from featcal_llm.io.output_lock import lock_path
+
+    recipe = slow_scenario.write_recipe(tmp_path / "recipe.yaml", output=str(tmp_path / "out"))
+    state = tmp_path / ".out.featcal-partial" / "state.json"
+    process = subprocess.Popen([sys.executable, "-m", "featcal_llm", "run", str(recipe)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if state.exists() and json.loads(state.read_text() or "{}").get("completed_layers", 0) >= 1:
+            break
+        assert process.poll() is None, "the run ended before a layer was done"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "featcal-llm: terminated (SIGTERM); what the run finished (a merge, generated records, calibrated layers, "
+        "refinement steps) is kept, and the same command resumes from there")
+    assert not lock_path(tmp_path / "out").exists() and not (tmp_path / "out").exists()
+    completed = json.loads(state.read_text())["completed_layers"]
+    resumed = run_cli(recipe)
+    assert resumed.returncode == 0 and f"{completed} of 4 layers already calibrated" in resumed.stderr, resumed.stderr[-2000:]

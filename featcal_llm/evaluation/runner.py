@@ -92,6 +92,17 @@ def _task_plans(suite: Suite, task_ids: list[str], section: EvalSection, fingerp
     return plans
 
 
+def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Terminate the evaluation worker, then kill it if it has not exited within `grace_s` (vLLM shuts its engine
+    down on SIGTERM)."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]) -> None:
     logs = output / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -110,11 +121,15 @@ def _run_worker(job: dict, output: Path, label: str, echo: Callable[[str], None]
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1,
             )
             assert process.stdout is not None
-            for line in process.stdout:
-                log.write(line)
-                if line.strip():
-                    last_line = line.strip()[-300:]
-                echo(line.rstrip("\n"))
+            try:
+                for line in process.stdout:
+                    log.write(line)
+                    if line.strip():
+                        last_line = line.strip()[-300:]
+                    echo(line.rstrip("\n"))
+            except BaseException:  # stopped (SIGTERM reaches this process only): the worker must not go on holding the GPU
+                stop_worker(process)
+                raise
             returncode = process.wait()
         if returncode == USER_ERROR_EXIT and error_file.is_file():
             raise FeatCalError(json.loads(error_file.read_text())["message"])
