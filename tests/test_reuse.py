@@ -359,17 +359,19 @@ def test_generating_expert_without_tokenizer_files_is_one_line(small, tmp_path):
     assert "\n" not in message and "expert " + str(expert) in message and "no tokenizer files" in message
 
 
-def test_a_full_disk_while_storing_samples_leaves_no_set_and_no_temporary_file(small, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), KeyboardInterrupt()])
+def test_a_full_disk_while_storing_samples_leaves_no_set_and_no_temporary_file(small, tmp_path, monkeypatch, stop):
+    """A full disk, and Ctrl-C or SIGTERM (a KeyboardInterrupt in the CLI) at the same point, alike."""
     from featcal_llm.generation import store
 
     real = Path.replace
 
     def full(self, target):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise stop
 
     monkeypatch.setattr(Path, "replace", full)
     samples, record = tmp_path / "g" / "e.jsonl", tmp_path / "g" / "e.json"
-    with pytest.raises(OSError):
+    with pytest.raises(type(stop)):
         store.store_samples(samples, record, [{"token_ids": [1, 2]}], {"key": "k"})
     monkeypatch.setattr(Path, "replace", real)
     assert list((tmp_path / "g").iterdir()) == []

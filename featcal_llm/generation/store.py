@@ -68,7 +68,7 @@ def _write_atomically(path: Path, text: str) -> None:
     try:
         temporary.write_text(text, encoding="utf-8")
         temporary.replace(path)
-    except OSError:  # a full disk: leave nothing half-written behind
+    except BaseException:  # a full disk, Ctrl-C, SIGTERM: leave nothing half-written behind
         temporary.unlink(missing_ok=True)
         raise
 
