@@ -418,6 +418,8 @@ def test_a_model_label_given_twice_is_refused(tmp_path, monkeypatch):
     ("[1, 2]", r"config.json: expected a JSON object \(a model config\)$"),
     ('"llama"', r"config.json: expected a JSON object \(a model config\)$"),
     ("{}", r"config.json: no model_type, so no runtime knows which model family to load$"),
+    ('{"model_type": null}', r"config.json: no model_type, so no runtime knows which model family to load$"),
+    ('{"model_type": 7}', r"config.json: no model_type, so no runtime knows which model family to load$"),
 ])
 def test_a_model_directory_whose_config_is_no_model_config_is_refused_in_one_line(tmp_path, text, message):
     from featcal_llm.errors import FeatCalError

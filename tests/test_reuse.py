@@ -282,6 +282,21 @@ def test_the_evaluation_cache_key_follows_content_not_mtime_or_place(small, tmp_
     assert model_fingerprint(moved) != first
 
 
+def test_the_evaluation_cache_key_follows_a_saved_chat_template_file(small, tmp_path):
+    """transformers saves a tokenizer's template as chat_template.jinja: a new template there is another model to
+    score (the key records only whether a template was applied), a README beside the weights is not."""
+    from featcal_llm.evaluation.modelinfo import model_fingerprint
+
+    model = tmp_path / "model"
+    shutil.copytree(small.experts["expert1"], model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    first = model_fingerprint(model)
+    (model / "README.md").write_text("notes")
+    assert model_fingerprint(model) == first
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert model_fingerprint(model) != first
+
+
 # --- generated sample sets -----------------------------------------------------------------------------------------------
 
 
