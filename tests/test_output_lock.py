@@ -118,16 +118,50 @@ def test_a_lock_file_replaced_while_it_was_opened_is_not_trusted(tmp_path, monke
      ".out.featcal-old is where featcal-llm keeps an old output while --force replaces it, but it is not a folder; remove it"),
     (lambda d: (d / ".out.featcal-lock").mkdir(),
      ".out.featcal-lock is the lock file a run holds while it writes out, but it is not a file; remove it"),
+    (lambda d: ((d / "elsewhere").mkdir(), (d / ".out.featcal-partial").symlink_to(d / "elsewhere")),
+     ".out.featcal-partial is where featcal-llm keeps its progress, but it is not a folder; remove it"),
+    (lambda d: ((d / "out" / "sub").mkdir(parents=True), (d / "out" / "sub" / "..")),
+     "out/sub/.. names no folder of its own: the run writes beside its output and renames it into place; name a new folder"),
 ])
 def test_an_output_the_run_could_not_write_is_refused_by_validate_and_run(small, tmp_path, make, message):
-    make(tmp_path)
-    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    made = make(tmp_path)
+    output = made[-1] if isinstance(made, tuple) and isinstance(made[-1], Path) else tmp_path / "out"  # `x/..` as written
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output))
     expected = message.format(d=tmp_path)
     problems = [str(problem) for problem in __import__("featcal_llm").validate(recipe)]
     assert len(problems) == 1 and problems[0].endswith(expected), problems
     with pytest.raises(FeatCalError, match="featcal.output") as error:
         run_recipe(recipe, progress=False, force=True)
     assert str(error.value).endswith(expected)
+
+
+def test_an_empty_folder_is_an_output_force_may_write(small, tmp_path):
+    """A folder made ready for the output (mkdir, then run) is replaced with --force, as an earlier output is; validate
+    has only its note for it."""
+    import featcal_llm
+
+    output = tmp_path / "out"
+    output.mkdir()
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output))
+    assert featcal_llm.validate(recipe) == []
+    assert (run_recipe(recipe, progress=False, force=True) / "featcal_recipe.yml").is_file()
+
+
+def test_an_output_that_is_the_merge_through_a_link_is_refused(small, tmp_path):
+    """featcal.merged real/m (not yet made) and the output link/m, with link -> real: one folder, which the run would
+    write its merge into and then replace with its output. The paths compare with links followed."""
+    import featcal_llm
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    merged, output = tmp_path / "real" / "m", tmp_path / "link" / "m"
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(output), merged=str(merged))
+    line = (f"{recipe}: featcal.output: {output} is also featcal.merged {merged}: the run replaces its output as a "
+            "whole; name another directory")
+    assert [str(problem) for problem in featcal_llm.validate(recipe)] == [line]
+    with pytest.raises(FeatCalError, match="is also featcal.merged"):
+        run_recipe(recipe, progress=False)
+    assert not merged.exists()
 
 
 def test_the_current_folder_is_no_output(small, tmp_path, monkeypatch):
