@@ -463,8 +463,6 @@ def test_a_name_of_255_bytes_is_one_a_file_system_takes(small, tmp_path, monkeyp
     assert len(said) == 1 and "a name of 256 bytes (éééééééééééééééééééééééé...), past the 255 a file system takes" in str(said[0]), str(said)
 
 
-@pytest.mark.xfail(strict=True, reason="an output named in 239-255 bytes passes the name check, but .NAME.featcal-partial "
-                                       "beside it is past NAME_MAX: validate and calibrate raised OSError 'File name too long'")
 def test_an_output_name_leaves_room_for_the_folders_the_run_keeps_beside_it(small, tmp_path, monkeypatch):
     """The run keeps .NAME.featcal-partial (its progress) beside the output NAME: 17 bytes more, so an output's name
     may take 238 of a file system's 255 bytes; one longer is one problem from validate and one error from calibrate."""

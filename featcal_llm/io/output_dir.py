@@ -95,6 +95,11 @@ def not_an_output(output: Path) -> str | None:
     problem = in_a_kept_sibling(output)
     if problem is not None:
         return problem
+    size, room = len(output.name.encode()), NAME_MAX - len(f"..{PARTIAL_SUFFIX}")  # .NAME.featcal-partial, its longest sibling
+    if size > room:
+        return (f"{shown(output)}: a name of {size} bytes ({output.name[:24]}...), past the {room} an output's name may "
+                f"take: the run keeps .NAME.{PARTIAL_SUFFIX} beside it, in the {NAME_MAX} bytes a file system takes; "
+                "name a shorter directory")
     if output.is_symlink() and not output.exists():
         return f"{output} is a link to {os.readlink(output)}, which does not exist; name a folder"
     for suffix, what in SIBLINGS.items():
