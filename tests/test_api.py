@@ -285,6 +285,32 @@ def test_log_keeps_lines_and_drops_progress_bar_redraws(tmp_path):
     assert len(lines) == 3 and sys.stderr is not None and not hasattr(sys.stderr, "log")  # the streams are restored
 
 
+def test_a_second_run_appends_to_the_log_and_a_cause_the_error_does_not_name_is_shown(tmp_path, capsys):
+    """--log FILE is appended to: a rerun with the same log keeps the first run's lines. A failure's cause whose text
+    the error line does not hold is printed under it (its type and first line); one the line repeats is not."""
+    from featcal_llm import runlog
+    from featcal_llm.errors import FeatCalError
+
+    log = tmp_path / "run.log"
+    for line in ("first run", "second run"):
+        with runlog.session(log, runlog.QUIET):
+            runlog.stage(line)
+    assert [line.split(" ", 1)[1] for line in log.read_text().splitlines()] == ["first run", "second run"]
+
+    def failed(cause: Exception, said: str) -> str:
+        try:
+            try:
+                raise cause
+            except Exception as error:
+                raise FeatCalError(said) from error
+        except FeatCalError as error:
+            runlog.failure(error)
+        return capsys.readouterr().err
+
+    assert failed(ValueError("disk quota exceeded"), "merge failed") == "featcal-llm: error: merge failed\n  ValueError: disk quota exceeded\n"
+    assert failed(ValueError("disk quota exceeded"), "merge failed: disk quota exceeded") == "featcal-llm: error: merge failed: disk quota exceeded\n"
+
+
 def test_quiet_run_prints_only_the_result(small, tmp_path):
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
     result = CliRunner().invoke(main, ["run", str(recipe), "--quiet"])
