@@ -4,7 +4,6 @@ generation, its cache and what calibration sees; what samples are made of is in 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -457,24 +456,6 @@ def test_experts_whose_labels_differ_only_in_case_get_sets_a_case_blind_folder_k
     paths = generated_set_paths(tmp_path / "out", ["/m/Math", "/m/math", "/m/code"])
     assert {name: samples.name for name, (samples, _) in paths.items()} == {
         "/m/Math": "Math-727ba811.jsonl", "/m/math": "math-3fb20899.jsonl", "/m/code": "code.jsonl"}
-
-
-def test_a_set_whose_writing_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
-    """A full disk while the set is written: the error reaches the user, and neither a half-written temporary nor a
-    record is left in featcal_generated/."""
-    import errno
-
-    from featcal_llm.generation.store import store_samples
-
-    folder = tmp_path / GENERATED_DIR
-
-    def full(self, target):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(Path, "replace", full)
-    with pytest.raises(OSError, match="No space left on device"):
-        store_samples(folder / "a.jsonl", folder / "a.json", [{"prompt": "p", "response": "r"}], {"key": "k"})
-    assert list(folder.iterdir()) == []
 
 
 def test_every_expert_gets_a_generated_set_of_its_own(tmp_path):

@@ -427,6 +427,38 @@ def test_a_merge_of_hub_models_is_judged_by_their_snapshots_files(tmp_path, caps
     assert _stale(recipe, merged, {**sources, "org/expert": snapshot("expert-v2", b"expert, trained on")}) == ["models[0].model"]
 
 
+@pytest.mark.parametrize("method, stale", [("task_arithmetic", None), ("dare_ties", ["featcal.merge_options.random_seed"])])
+def test_another_merge_seed_merges_again_only_for_a_random_method(tmp_path, capsys, method, stale):
+    """A merge featcal-llm drew with seed 1, a recipe now at seed 2: a deterministic method gives the same weights under
+    any seed (the merge is reused), a random one (dare_ties) draws other masks (merged again)."""
+    from types import SimpleNamespace
+
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.merge import _stale
+    from featcal_llm.io.merge_identity import MARKER, MERGEKIT_CONFIG
+
+    models = {}
+    for name in ("base", "expert"):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        (models[name] / "config.json").write_text("{}")
+        (models[name] / "model.safetensors").write_bytes(name.encode())
+    density = ", density: 0.5" if method == "dare_ties" else ""
+    text = (f"merge_method: {method}\nbase_model: {models['base']}\nmodels:\n  - model: {models['expert']}\n"
+            f"    parameters: {{weight: 0.5{density}}}\n")
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    recipe = SimpleNamespace(merge_config=config, featcal=SimpleNamespace(merge_seed=2), path="r.yaml", base=config.base_model,
+                             experts=[SimpleNamespace(reference=config.models[0].model)])
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / MERGEKIT_CONFIG).write_text(text)
+    (merged / MARKER).write_text(json.dumps({"made_by": "featcal-llm", "random_seed": 1}))
+    merge_module._settled.clear()
+    assert _stale(recipe, merged, None) == stale
+    merge_module._settled.clear()
+
+
 def test_the_merge_s_lines_are_time_stamped_in_a_log_file_as_every_other_line(small, tmp_path):
     import re
 
