@@ -216,6 +216,24 @@ def test_validate_and_run_refuse_alike(scenario, tmp_path, case):
     assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
 
 
+def test_a_key_given_twice_in_a_list_item_and_a_recipe_not_utf8_name_their_lines(tmp_path):
+    """An expert's entry with `model:` twice (models.0.model, lines 3 and 4); a recipe saved as Latin-1 names the byte
+    and the line it stands on (the third)."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.recipe_yaml import read_yaml_mapping
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("merge_method: linear\nmodels:\n  - model: a\n    model: b\n")
+    problems = []
+    read_yaml_mapping(recipe, problems)
+    assert [str(problem) for problem in problems] == [
+        f"{recipe}: models.0.model: given twice (lines 3 and 4); YAML would keep the second silently: keep one"]
+    recipe.write_bytes(b"merge_method: linear\nmodels: []\n# caf\xe9\n")
+    with pytest.raises(FeatCalError) as error:
+        read_yaml_mapping(recipe, [])
+    assert str(error.value) == f"{recipe}: not UTF-8 text (byte 0xe9 on line 3); save the recipe as UTF-8"
+
+
 def test_duplicate_keys_name_both_lines(scenario, tmp_path):
     recipe = write_edited(scenario, tmp_path, _duplicates)
     lines = recipe.read_text().splitlines()
