@@ -311,6 +311,16 @@ def test_a_second_run_appends_to_the_log_and_a_cause_the_error_does_not_name_is_
     assert failed(ValueError("disk quota exceeded"), "merge failed: disk quota exceeded") == "featcal-llm: error: merge failed: disk quota exceeded\n"
 
 
+def test_eval_only_with_force_is_refused_before_any_work(small, tmp_path):
+    import featcal_llm
+
+    recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
+    with pytest.raises(featcal_llm.FeatCalError) as error:
+        featcal_llm.calibrate(recipe, eval_only=True, force=True, progress=False)
+    assert str(error.value) == "--force (force=True): --eval-only (eval_only=True) replaces nothing; drop one of them"
+    assert not (tmp_path / "out").exists()
+
+
 def test_quiet_run_prints_only_the_result(small, tmp_path):
     recipe = small.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
     result = CliRunner().invoke(main, ["run", str(recipe), "--quiet"])
