@@ -184,8 +184,8 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
         if main_rank and eval_only:
             click.echo(f"{result.output}: evaluated; the table is in its card")
         elif main_rank:
-            if level > runlog.QUIET and result.experts:
-                click.echo(result.table(), err=True)
+            if result.experts:  # on the terminal unless quiet, always in the log
+                runlog.table(result.table())
             click.echo(result.headline())
 
 

@@ -29,7 +29,6 @@ def _errors(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: error:")]
 
 
-@pytest.mark.xfail(strict=True, reason="run -q --log: the drift table went to neither the terminal nor the log")
 def test_a_quiet_logged_run_keeps_the_summary_table_in_the_log(small, tmp_path):
     """`run -q --log run.log` (a batch job: a quiet terminal, a full log): the log held every stage and layer line but
     not the drift table nor the time line that end a normal run, which the terminal does not show under -q either."""
