@@ -42,7 +42,6 @@ def test_a_quiet_logged_run_keeps_the_summary_table_in_the_log(small, tmp_path):
     assert "drift merged" in text and "drift calibrated" in text and "\ntime " in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="featcal keys at the recipe's top level were ignored without a word, or hinted at a mergekit key")
 def test_a_featcal_key_at_the_top_level_is_named_as_one(small, tmp_path):
     """`samples:` or `refine: true` written at the top level instead of under `featcal:`: validate said 'ok' (or, for
     `samples`, "not a mergekit or featcal key; did you mean 'slices'?"), and the run went on without them."""

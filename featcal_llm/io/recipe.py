@@ -97,7 +97,12 @@ def _stages(featcal: FeatCalConfig) -> list[FeatCalConfig]:
 def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
     """mergekit ignores keys it does not know; a misspelled one (`base_modle`) would silently change the merge."""
     known = [*known_keys(merge_model), "featcal"]
+    ours = known_keys(FeatCalConfig)
     for key in raw:
+        if key not in known and key in ours:  # `samples:` or `refine: true` one indent too far left: read by no one
+            warn(f"{path}: {key}: is a featcal key, read only under featcal: (indent it there); here mergekit ignores it "
+                 "and the run does not read it")
+            continue
         hint = suggestion(str(key), known)
         if key not in known and hint:
             warn(f"{path}: {key}: not a mergekit or featcal key (mergekit ignores it){hint}")
