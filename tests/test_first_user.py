@@ -68,7 +68,6 @@ def _data_recipe(small, tmp_path, records: list[dict], entry: dict) -> "Path":  
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="a record without the field a format reads by default: the error named no key to set")
 @pytest.mark.parametrize("records, entry, hint", [
     ([{"instruction": "add 2 and 3", "input": "", "output": "5"}] * 12, {"format": "alpaca"}, "response: output"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 12, {"format": "chat"},

@@ -39,16 +39,33 @@ ALPACA_NO_INPUT = (
 # Llama-3.x chat templates print today's date unless given one; a fixed date keeps the tokens (and the
 # resume fingerprint) the same across midnight. This is the default the Llama-3.1 template itself uses.
 CHAT_DATE = "26 Jul 2024"
-def _field(record: dict, key: str, where: str, index: int) -> Any:
+def _field(record: dict, spec: DataSpec, key: str, where: str, index: int) -> Any:
     if key not in record:
-        raise FeatCalError(f"{where}: record {index} has no field {key!r} (fields: {', '.join(record)})")
+        raise missing_field(spec, key, list(record), where, index)
     return record[key]
+
+
+# Where common datasets keep what an entry's key reads (Stanford Alpaca's `output`, TRL's `completion`, ...).
+FIELD_ALIASES = {"text": ("content", "document", "body"), "instruction": ("prompt", "query", "question"),
+                 "response": ("output", "completion", "answer"), "prompt": ("question", "query", "instruction")}
+
+
+def missing_field(spec: DataSpec, key: str, fields: list[str], where: str, index: int) -> FeatCalError:
+    """A record without the field the entry reads, with the entry's key to set where the record has a likely one."""
+    hint = ""
+    if "messages" in fields and not spec.messages and spec.format in ("text", "chat"):  # chat records
+        hint = f"; write `{'' if spec.format == 'chat' else 'format: chat, '}messages: messages` in this entry"
+    else:
+        role = next((name for name in FIELD_ALIASES if getattr(spec, name) == key), None)
+        alias = next((name for name in FIELD_ALIASES.get(role, ()) if name in fields), None)
+        hint = f"; write `{role}: {alias}` in this entry" if alias else ""
+    return FeatCalError(f"{where}: record {index} has no field {key!r} (fields: {', '.join(fields)}){hint}")
 
 
 def text_field(record: dict, spec: DataSpec, key: str, where: str, index: int) -> str:
     """A field the record's format reads as text: a string, or refused (a list, a number or null would otherwise be
     calibrated on as its Python repr). `validate` applies the same check to the records it reads."""
-    value = _field(record, key, where, index)
+    value = _field(record, spec, key, where, index)
     if isinstance(value, str) and not value.strip() and spec.format == "text":  # nothing to calibrate on (with some
         # tokenizers not even a token; with others, blanks the features of no expert's text would be fitted to)
         said = "empty" if value == "" else "only whitespace"
@@ -88,7 +105,7 @@ def _chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list
 def chat_messages(record: dict, spec: DataSpec, where: str, index: int) -> list[dict]:
     """A record's `messages`: a non-empty list of {role, content} turns with text in both, or refused in one line (the
     chat template would fail with a traceback). `validate` applies the same check to the records it reads."""
-    value = _field(record, spec.messages, where, index)
+    value = _field(record, spec, spec.messages, where, index)
     if not isinstance(value, list) or not value or not all(
             isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str) for turn in value):
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."

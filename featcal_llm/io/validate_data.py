@@ -12,7 +12,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import alpaca_input, chat_messages, text_field, text_fields
+from featcal_llm.io.data import alpaca_input, chat_messages, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options, close_sibling, data_path,
                                        distinct_keys, file_builder, file_not_found, looks_like_hub_id, no_records, not_utf8,
                                        repeated_key)
@@ -32,7 +32,7 @@ def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> None:
     """Record 0 holds every field the entry reads (None: only datasets can tell, nothing is checked)."""
     for name in needed_fields(spec) if fields is not None else []:
         if name not in fields:
-            raise FeatCalError(f"{where}: record 0 has no field {name!r} (fields: {', '.join(fields)})")
+            raise missing_field(spec, name, fields, where, 0)
 
 
 def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
