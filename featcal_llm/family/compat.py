@@ -54,20 +54,28 @@ def check_family_settings(reference: Any, other: Any, what: str) -> None:
             raise FeatCalError(f"{what}: config {key} = {theirs} differs from the base model's {mine}")
 
 
-def check_tokenizer(calibration: Any, other: Any, what: str) -> None:
-    """`other` (an expert's own tokenizer) gives no token another id than the calibration tokenizer, and has its special ids.
+SAME_IDS = ("every model reads the calibration tokenizer's ids, so each expert's tokenizer must give its tokens the same "
+            "ids (the base's tokenizer, as fine-tuning keeps it)")
+
+
+def check_tokenizer(calibration: Any, other: Any, what: str, source: str = "") -> None:
+    """`other` (an expert's own tokenizer) gives no token another id than the calibration tokenizer (read from
+    `source`), and has its special ids.
 
     Tokens only one side has (one appended a pad token, say) are allowed: ids
     beyond an embedding are caught by `check_embedding_rows`.
     """
+    read = f" (read from {source})" if source else ""
     for key in SPECIAL_IDS:
         if getattr(calibration, key, None) != getattr(other, key, None):
-            raise FeatCalError(f"{what}: tokenizer {key} = {getattr(other, key, None)} differs from the calibration tokenizer's {getattr(calibration, key, None)}")
+            raise FeatCalError(f"{what}: tokenizer {key} = {getattr(other, key, None)} differs from the calibration tokenizer's "
+                               f"{getattr(calibration, key, None)}{read}: {SAME_IDS}")
     theirs = other.get_vocab()
     token_at = {index: token for token, index in theirs.items()}
     for token, index in calibration.get_vocab().items():
         if theirs.get(token, index) != index or token_at.get(index, token) != token:
-            raise FeatCalError(f"{what}: tokenizer maps {token!r} to {theirs.get(token)}, the calibration tokenizer to {index}")
+            raise FeatCalError(f"{what}: tokenizer maps {token!r} to {theirs.get(token)}, the calibration tokenizer to {index}"
+                               f"{read}: {SAME_IDS}")
 
 
 def check_embedding_rows(sequences: dict[str, list[list[int]]], rows: dict[str, int], what: dict[str, str]) -> None:

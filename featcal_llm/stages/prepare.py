@@ -256,7 +256,8 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
     for name, source in resolved.experts.items():  # before any expert generates: minutes to hours that a refusal would waste
         directory = source.tokenizer_directory
         if (directory / "tokenizer_config.json").is_file():
-            check_tokenizer(tokenizer, load_tokenizer(directory, f"expert {name}", trust), f"expert {name}")
+            check_tokenizer(tokenizer, load_tokenizer(directory, f"expert {name}", trust), f"{recipe.path}: expert {name}",
+                            str(tokenizer_source))
         elif changes_tokenizer(recipe.merge_config):
             raise FeatCalError(f"expert {name}: {directory}: no tokenizer files, so its token ids cannot be checked against the merged tokenizer (tokenizer_source/tokenizer)")
     dtypes = {name: resolve_dtype(featcal.dtype, resolved.device, stored_dtype(config)) for name, config in resolved.expert_configs.items()}
