@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
-from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, FeatCalError, RunFailure, Terminated
+from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, FeatCalError, RunFailure, Terminated
 
 COMMANDS = ["run", "validate", "eval", "leaderboard", "bench", "demo", "recipes"]
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -36,7 +36,7 @@ def test_run_help_names_the_output_argument_and_the_exit_codes():
 def test_the_readme_documents_the_exit_codes_the_code_uses():
     section = README.read_text(encoding="utf-8").split("### Exit codes", 1)[1].split("\n#", 1)[0]
     codes = dict(re.findall(r"^\| `(\d+)` \| (.+?) \|$", section, flags=re.M))
-    assert set(codes) == {"0", str(EXIT_FAILED), str(EXIT_USAGE), str(EXIT_INTERRUPTED)}, codes
+    assert set(codes) == {"0", str(EXIT_FAILED), str(EXIT_USAGE), str(EXIT_INTERRUPTED), str(EXIT_TERMINATED)}, codes
 
 
 @pytest.mark.parametrize("raised, code", [(FeatCalError("r.yaml: featcal.samples: expected an integer"), EXIT_USAGE),
