@@ -113,3 +113,29 @@ def test_an_expert_with_another_tokenizer_is_refused_with_the_recipe_and_the_fix
     (line,) = _errors(result)
     assert line.startswith(f"featcal-llm: error: {path}: expert {alien}: tokenizer maps "), line
     assert "(read from " in line and "must give its tokens the same ids" in line, line
+
+
+@pytest.mark.xfail(strict=True, reason="an expert's data entry left of data:, or a featcal key inside a data entry: 'unknown key' alone")
+def test_a_key_one_level_off_is_told_where_it_goes(small, tmp_path):
+    """Two indentation slips: the data entries written level with `data:` (validate said "featcal.data: Input should be
+    a valid dictionary (got null)" and "featcal.EXPERT: unknown key"), and `lambda:` inside a data entry ("unknown key")."""
+    recipe = yaml.safe_load(small.recipe.read_text())
+    entries = recipe["featcal"].pop("data")
+    recipe["featcal"]["data"] = None
+    recipe["featcal"].update(entries)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    errors = _errors(result)
+    for name in entries:
+        (line,) = [e for e in errors if f": featcal.{name}: " in e]
+        assert "an expert of models:" in line and "under featcal.data:" in line, line
+    (data,) = [e for e in errors if ": featcal.data: " in e]
+    assert "valid dictionary" not in data and "one entry per expert" in data, data
+    recipe = yaml.safe_load(small.recipe.read_text())
+    next(iter(recipe["featcal"]["data"].values()))["lambda"] = 0.1
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    (misplaced,) = _errors(result)
+    assert ".lambda: unknown key" in misplaced and "a featcal key" in misplaced and "not in a data entry" in misplaced, misplaced
