@@ -115,7 +115,6 @@ def test_an_expert_with_another_tokenizer_is_refused_with_the_recipe_and_the_fix
     assert "(read from " in line and "must give its tokens the same ids" in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="an expert's data entry left of data:, or a featcal key inside a data entry: 'unknown key' alone")
 def test_a_key_one_level_off_is_told_where_it_goes(small, tmp_path):
     """Two indentation slips: the data entries written level with `data:` (validate said "featcal.data: Input should be
     a valid dictionary (got null)" and "featcal.EXPERT: unknown key"), and `lambda:` inside a data entry ("unknown key")."""

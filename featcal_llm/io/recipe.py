@@ -279,10 +279,28 @@ def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | Non
         # a default computed from another key (data.X.response from its format) is not computed once that key is wrong: the
         # wrong key is the one problem
         found = [problem for problem, item in zip(found, error.errors()) if item["type"] != "default_factory_not_called"]
-        problems.extend(in_document_order(found, block, "featcal"))
+        problems.extend(in_document_order(_placed(found, raw), block, "featcal"))
         return None
     _block_checks(path, featcal, problems)
     return featcal
+
+
+def _placed(found: list[Problem], raw: dict | None) -> list[Problem]:
+    """An unknown key one indentation level off, told where it goes: an expert's data entry level with `data:` (which
+    is then empty), a featcal key inside a data entry."""
+    models = (raw or {}).get("models")
+    experts = {str(item.get("model")) for item in models if isinstance(item, dict)} if isinstance(models, list) else set()
+    ours, placed = known_keys(FeatCalConfig), []
+    for problem in found:
+        key, message = problem.key, problem.message
+        if message.startswith("unknown key") and key.removeprefix("featcal.") in experts:
+            message = "unknown key: an expert of models:, so its data entry goes under featcal.data: (indent it there)"
+        elif message.startswith("unknown key") and key.startswith("featcal.data.") and key.rpartition(".")[2] in ours:
+            message = "unknown key: a featcal key, read under featcal:, not in a data entry"
+        elif key == "featcal.data" and message.startswith("Input should be a valid dictionary") and message.endswith("(got null)"):
+            message = "empty: one entry per expert goes under it, indented (EXPERT: {path: ..., format: ...})"
+        placed.append(Problem(problem.file, key, message))
+    return placed
 
 
 def _mergekit_problems(path: Path, error: ValidationError) -> list[Problem]:
