@@ -105,11 +105,15 @@ def close_sibling(path: Path) -> str | None:
     return close[0] if close else None
 
 
-def file_not_found(path: Path, where: str) -> FeatCalError:
-    """The one line for a calibration file that is not there, with the nearest file of its folder where one is close."""
+def file_not_found(path: Path, where: str, base_dir: Path | None = None) -> FeatCalError:
+    """The one line for a calibration file that is not there, with the nearest file of its folder where one is close,
+    and the two places a relative path is looked for where the recipe is not in the current directory."""
     close = close_sibling(path)
     hint = f"; did you mean {str(path.parent / close)!r}?" if close else ""
-    return FeatCalError(f"{where}.path: {path}: calibration file not found{hint}")
+    looked = ""
+    if not path.is_absolute() and base_dir is not None and base_dir.resolve() != Path.cwd().resolve():
+        looked = f" in the current directory nor beside the recipe ({base_dir})"
+    return FeatCalError(f"{where}.path: {path}: calibration file not found{looked}{hint}")
 
 
 def no_records(spec: DataSpec, where: str) -> FeatCalError:
@@ -187,7 +191,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         if not looks_like_hub_id(spec.path):
-            raise file_not_found(path, where)
+            raise file_not_found(path, where, base_dir)
         return datasets.load_dataset(spec.path, spec.name, split=spec.split)
     except FeatCalError:
         raise

@@ -115,7 +115,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         check_dataset_directory(spec, where, path)
         return None  # its record count: datasets decides the layout's files when the run loads it
     if not looks_like_hub_id(spec.path) or (path.parent.is_dir() and close_sibling(path) is not None):  # a local typo
-        raise file_not_found(path, where)
+        raise file_not_found(path, where, base_dir)
     if not online:
         unchecked.append(f"{spec.path} (dataset)")
         return None
