@@ -138,8 +138,9 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
     OUTPUT, when given, replaces the recipe's featcal.output (as `mergekit-yaml CONFIG OUT` names its output).
     """
     import os
+    import time
 
-    from featcal_llm import runlog
+    from featcal_llm import __version__, runlog
     from featcal_llm.errors import QuietExit, out_of_memory
     from featcal_llm.io.block import check_device
     from featcal_llm.startup import freezing_imports, heavy_import
@@ -160,7 +161,9 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
         except FeatCalError as error:
             runlog.failure(error)
             sys.exit(error.exit_code)
-    with runlog.session(log_file if main_rank else None, level):
+    with runlog.session(log_file if main_rank else None, level) as log:
+        if log is not None:  # appended: where this run starts, on which day, and what it ran
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} featcal-llm {__version__}: {_command_line()}\n")
         try:
             with freezing_imports():
                 result = heavy_import("featcal_llm.api").calibrate(recipe, output=output, device=device, force=force,
@@ -187,6 +190,19 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
             if result.experts:  # on the terminal unless quiet, always in the log
                 runlog.table(result.table())
             click.echo(result.headline())
+
+
+def _command_line() -> str:
+    """The command as given (its arguments, then the options set), for the log's first line of a run."""
+    context = click.get_current_context()
+    words = [context.info_name]
+    for param in context.command.params:
+        value = context.params.get(param.name)
+        if isinstance(param, click.Argument):
+            words += [str(value)] if value is not None else []
+        elif value not in (None, False):
+            words += [max(param.opts, key=len)] + ([] if value is True else [str(value)])
+    return " ".join(words)
 
 
 def _interrupted(recipe: Path, output: Path | None, how: str = "interrupted") -> str:
