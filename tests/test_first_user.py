@@ -173,3 +173,19 @@ def test_each_logged_run_starts_with_a_dated_line_naming_the_command(small, tmp_
     assert re.match(r"=== \d{4}-\d\d-\d\d \d\d:\d\d:\d\d featcal-llm \S+: run .*r\.yaml", starts[0]), starts
     assert "--force" not in starts[0] and " --force" in starts[1], starts
 
+
+@pytest.mark.xfail(strict=True, reason="the card's recipe kept a relative output path while it shortened every other local path")
+def test_the_card_s_recipe_shortens_a_relative_output_as_it_does_merged(small, tmp_path, monkeypatch):
+    """`merged: out/merged, output: out/featcal` (relative, as the README writes them): the card's Recipe section,
+    "local paths shortened to their names", showed `merged: merged` but `output: out/featcal` (the folder did not exist
+    yet when the card was written)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(small.root / "merged", tmp_path / "out" / "merged")
+    recipe = small.write_recipe(tmp_path / "r.yaml", merged="out/merged", output="out/featcal")
+    result = CliRunner().invoke(main, ["run", str(recipe), "-q"])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "out" / "featcal" / "README.md").read_text()
+    section = card.split("## Recipe", 1)[1]
+    assert "  merged: merged\n" in section and "  output: featcal\n" in section, section
