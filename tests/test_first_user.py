@@ -174,7 +174,6 @@ def test_each_logged_run_starts_with_a_dated_line_naming_the_command(small, tmp_
     assert "--force" not in starts[0] and " --force" in starts[1], starts
 
 
-@pytest.mark.xfail(strict=True, reason="the card's recipe kept a relative output path while it shortened every other local path")
 def test_the_card_s_recipe_shortens_a_relative_output_as_it_does_merged(small, tmp_path, monkeypatch):
     """`merged: out/merged, output: out/featcal` (relative, as the README writes them): the card's Recipe section,
     "local paths shortened to their names", showed `merged: merged` but `output: out/featcal` (the folder did not exist

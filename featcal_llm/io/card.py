@@ -58,9 +58,12 @@ def public_names(references: list[str]) -> dict[str, str]:
     return {reference: "+".join(short.get(part, part) for part in reference.split("+")) for reference in references}
 
 
-def _public_recipe(text: str, names: dict[str, str]) -> str:
-    """The recipe's YAML with every local path (a string holding a path separator that exists or is absolute) shortened."""
+def _public_recipe(text: str, names: dict[str, str], output: str = "") -> str:
+    """The recipe's YAML with every local path (a string holding a path separator that exists or is absolute, and the
+    output, not written yet) shortened."""
     def walk(node: Any) -> Any:
+        if isinstance(node, str) and output and node == output:
+            return Path(node).name
         if isinstance(node, dict):
             return {walk(key): walk(value) for key, value in node.items()}
         if isinstance(node, list):
@@ -327,7 +330,7 @@ names. `{RECIPE_FILE}` beside this card is the recipe as it ran, with what `auto
 data written out: running it again makes this checkpoint.
 
 ```yaml
-{_public_recipe(recipe.card_text or recipe.text, names).rstrip()}
+{_public_recipe(recipe.card_text or recipe.text, names, featcal.output).rstrip()}
 ```
 
 ## Citation
