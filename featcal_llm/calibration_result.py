@@ -94,6 +94,8 @@ class CalibrationResult:
             values = (summary.drift_merged, summary.drift_calibrated, summary.kl_merged, summary.kl_calibrated)
             label = labels[name] + (" *" if summary.taught_by_merge else "")
             rows.append("  ".join([f"{label:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))]))
+        rows.append("drift: ‖h − h_expert‖ / ‖h_expert‖ after the last layer; KL: the next-token KL divergence to the expert; "
+                    "lower is closer to the expert")
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
         rows.append({"held-out records": "(drift and KL on each expert's held-out records, which the calibration did not fit)",

@@ -190,7 +190,6 @@ def test_the_card_s_recipe_shortens_a_relative_output_as_it_does_merged(small, t
     assert "  merged: merged\n" in section and "  output: featcal\n" in section, section
 
 
-@pytest.mark.xfail(strict=True, reason="the run's table did not say what drift and KL are, nor which way is better")
 def test_the_summary_table_says_what_its_columns_measure(small, tmp_path):
     """The table a run ends with, "expert  drift merged  drift calibrated  KL merged  KL calibrated", said on what
     records it measured but not what drift is or that lower is better: a first reader could not tell a row that got
