@@ -203,7 +203,6 @@ def test_the_summary_table_says_what_its_columns_measure(small, tmp_path):
     assert legend and "lower is closer to the expert" in legend[0], lines[start:]
 
 
-@pytest.mark.xfail(strict=True, reason="a required featcal key left out: 'required key is missing', without what it is for")
 def test_a_missing_required_key_says_what_it_is_for(small, tmp_path):
     """`featcal.merged` forgotten (a mergekit user has no such folder yet): validate said "featcal.merged: required key
     is missing", where the README's one-line answer is that it is where the run writes mergekit's merge."""

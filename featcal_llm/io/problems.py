@@ -234,8 +234,11 @@ def pydantic_problems(file: Path | str, error: ValidationError, prefix: str, roo
             hint = suggestion(item["loc"][-1], keys_at(root, item["loc"])) if root is not None else ""
             problems.append(Problem(str(file), key, f"unknown key{hint}"))
             continue
-        if item["type"] == "missing":
-            problems.append(Problem(str(file), key, "required key is missing"))
+        if item["type"] == "missing":  # with what the key is for (featcal.merged: the folder of mergekit's merge)
+            model = model_at(root, tuple(item["loc"])) if root is not None else None
+            field = _field(model, item["loc"][-1]) if model is not None and isinstance(item["loc"][-1], str) else None
+            about = f": {field.description}" if field is not None and field.description else ""
+            problems.append(Problem(str(file), key, f"required key is missing{about}"))
             continue
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] in ("model_type", "dataclass_type"):  # pydantic names the class: say what a recipe writes
