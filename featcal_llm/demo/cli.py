@@ -14,7 +14,9 @@ Examples:
   featcal-llm demo --auto      FeatCal chooses lambda, alpha and rho itself""")
 @click.option("--workdir", default="demo-work", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where the scenario, models and results are built and cached.")
-@click.option("--quick", is_flag=True, help="A seconds-long reduced scenario (used by the test suite).")
+@click.option("--quick", is_flag=True, help="A seconds-long reduced scenario that checks every step runs (used by the test "
+                                           "suite); its experts train for seconds, so its scores (often 0.0 for every model) "
+                                           "say nothing of what FeatCal recovers: run without --quick for that.")
 @click.option("--device", default="cpu", show_default=True, help="Device for training, calibration and scoring.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch threads of the main process (default min(cores, 4); --quick: 1); the experts train in one-thread workers, one per expert (at most THREADS).")
 @click.option("--auto", "auto", is_flag=True, help="Let FeatCal choose lambda, alpha and rho on held-out cal records (featcal-llm recipes demo-auto).")
