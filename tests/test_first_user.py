@@ -225,7 +225,6 @@ def test_demo_quick_says_it_checks_the_pipeline_not_the_method():
     assert "--quick" in text and "often 0.0" in text and "without --quick" in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="a data key written as the expert's folder name: two errors, no suggestion")
 def test_a_data_key_written_as_the_folder_name_names_the_expert(small, tmp_path):
     """`models: [{model: models/wiki}]` with `data: {wiki: ...}` (the card and the table call the expert `wiki`):
     validate said "featcal.data.wiki: not an expert of this recipe (experts: ...)" and, for the same slip, "featcal.data:

@@ -197,6 +197,8 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     for key in featcal.data:
         if key not in names and key not in typos.values() and not (key == base and base in listed):
             hint = suggestion(key, without)
+            folder = [name for name in without if Path(name).name == key]  # `wiki:` for models/wiki, as the card names it
+            hint = hint or (f"; did you mean {folder[0]!r}?" if len(folder) == 1 else "")
             named.update(name for name in without if hint == f"; did you mean {name!r}?")
             problems.append(Problem(str(path), f"featcal.data.{key}", f"not an expert of this recipe (experts: {', '.join(names)}){hint}"))
     for name in without:
