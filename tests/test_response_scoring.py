@@ -12,6 +12,7 @@ prefix rule) and the leads from each whole HF model's forward (tests/reference.p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,18 +241,22 @@ def test_validate_refuses_what_run_refuses_in_the_records_run_reads(tmp_path):
         check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, [], taken=4)
 
 
-@pytest.mark.parametrize("path", ["~/nowhere", "./nowhere/x", "/abs/nowhere"])
-def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, path):
+@pytest.mark.parametrize("path, looked", [
+    ("~/nowhere", ": run takes a path as written, so `~` would be a folder of that name here; write the path out in full"),
+    ("./nowhere/x", " in the current directory nor beside the recipe ({tmp_path})"), ("/abs/nowhere", "")])
+def test_validate_and_the_loader_take_the_same_paths_for_local_ones(tmp_path, path, looked):
     """One rule for what reads as a hub dataset id: a missing `~/…`, `./…` or absolute path is a missing local file to
-    both `validate` and the loader `run` calls (the loader used to send `~/nowhere` to the hub)."""
+    both `validate` and the loader `run` calls (the loader used to send `~/nowhere` to the hub), in one line saying
+    where it was looked for: `~` is not expanded (as for featcal.output), a relative path in two places."""
     from featcal_llm.io.data_files import load_records
     from featcal_llm.io.validate_data import check_data
 
     spec = DataSpec(path=path)
     for check in (lambda: check_data(spec, "r.yaml: featcal.data.e", tmp_path, False, []),
                   lambda: load_records(spec, "r.yaml: featcal.data.e", tmp_path)):
-        with pytest.raises(FeatCalError, match=r"^r\.yaml: featcal\.data\.e\.path: .*nowhere.*: calibration file not found$"):
+        with pytest.raises(FeatCalError) as refused:
             check()
+        assert str(refused.value) == f"r.yaml: featcal.data.e.path: {Path(path)}: calibration file not found" + looked.format(tmp_path=tmp_path)
 
 
 def test_a_dotted_hub_id_is_an_id_and_a_file_type_is_a_file():

@@ -111,7 +111,9 @@ def file_not_found(path: Path, where: str, base_dir: Path | None = None) -> Feat
     close = close_sibling(path)
     hint = f"; did you mean {str(path.parent / close)!r}?" if close else ""
     looked = ""
-    if not path.is_absolute() and base_dir is not None and base_dir.resolve() != Path.cwd().resolve():
+    if str(path).startswith("~"):  # as featcal.output says it: mergekit and datasets take paths as written
+        looked = ": run takes a path as written, so `~` would be a folder of that name here; write the path out in full"
+    elif not path.is_absolute() and base_dir is not None and base_dir.resolve() != Path.cwd().resolve():
         looked = f" in the current directory nor beside the recipe ({base_dir})"
     return FeatCalError(f"{where}.path: {path}: calibration file not found{looked}{hint}")
 
