@@ -401,3 +401,32 @@ def test_an_experts_unreadable_config_json_is_refused_in_the_words_eval_uses(sce
     with pytest.raises(FeatCalError) as refused:
         check_model_dir(folder)
     assert str(refused.value) == expected
+
+
+def test_an_expert_tokenizer_of_other_ids_is_refused_by_validate_as_run_refuses_it(scenario, tmp_path):
+    """An expert whose tokenizer.json gives its tokens other ids (the same tokens, class and special tokens, in another
+    order): validate read it from the files as run reads it from the loaded tokenizers, and names the same token: the
+    calibration token of lowest id that the expert's tokenizer gives another id. Before, validate said ok and run
+    refused it, naming whichever token the loaded vocabulary listed first."""
+    import featcal_llm.tiny as tiny
+    from transformers import AutoTokenizer
+
+    recipe = recipe_of(scenario, tmp_path)
+    expert = expert_of(recipe, 0)
+    alien = tmp_path / "alien"
+    shutil.copytree(expert, alien)
+    characters = tiny.CHARACTERS
+    try:
+        tiny.CHARACTERS = characters[::-1]
+        tiny.build_char_tokenizer().save_pretrained(alien)
+    finally:
+        tiny.CHARACTERS = characters
+    recipe["models"][0]["model"] = str(alien)
+    recipe["featcal"]["data"] = {str(alien) if key == str(expert) else key: value for key, value in recipe["featcal"]["data"].items()}
+    calibrating = Path(recipe["base_model"])
+    ours, theirs = AutoTokenizer.from_pretrained(calibrating).get_vocab(), AutoTokenizer.from_pretrained(alien).get_vocab()
+    token, index = min(((t, i) for t, i in ours.items() if theirs.get(t, i) != i), key=lambda pair: pair[1])
+    assert refused_alike(recipe, tmp_path) == [
+        f"{tmp_path / 'r.yaml'}: expert {alien}: tokenizer maps {token!r} to {theirs[token]}, the calibration tokenizer to "
+        f"{index} (read from {calibrating}): every model reads the calibration tokenizer's ids, so each expert's tokenizer "
+        "must give its tokens the same ids (the base's tokenizer, as fine-tuning keeps it)"]

@@ -70,12 +70,26 @@ def check_tokenizer(calibration: Any, other: Any, what: str, source: str = "") -
         if getattr(calibration, key, None) != getattr(other, key, None):
             raise FeatCalError(f"{what}: tokenizer {key} = {getattr(other, key, None)} differs from the calibration tokenizer's "
                                f"{getattr(calibration, key, None)}{read}: {SAME_IDS}")
-    theirs = other.get_vocab()
-    token_at = {index: token for token, index in theirs.items()}
-    for token, index in calibration.get_vocab().items():
-        if theirs.get(token, index) != index or token_at.get(index, token) != token:
-            raise FeatCalError(f"{what}: tokenizer maps {token!r} to {theirs.get(token)}, the calibration tokenizer to {index}"
-                               f"{read}: {SAME_IDS}")
+    clash = first_id_clash(calibration.get_vocab(), other.get_vocab())
+    if clash is not None:
+        raise FeatCalError(id_clash_message(what, clash, source))
+
+
+def first_id_clash(calibration: dict[str, int], other: dict[str, int]) -> tuple[str, int | None, int] | None:
+    """(token, its id in `other` or None, its calibration id) of the calibration token of lowest id that `other` gives
+    another id, or whose id `other` gives another token; None where none. By id, so `validate` (from tokenizer.json)
+    and `run` (from the loaded tokenizers, whose vocabularies come in no set order) name the same token."""
+    token_at = {index: token for token, index in other.items()}
+    for token, index in sorted(calibration.items(), key=lambda item: (item[1], item[0])):
+        if other.get(token, index) != index or token_at.get(index, token) != token:
+            return token, other.get(token), index
+    return None
+
+
+def id_clash_message(what: str, clash: tuple[str, int | None, int], source: str = "") -> str:
+    token, theirs, index = clash
+    read = f" (read from {source})" if source else ""
+    return f"{what}: tokenizer maps {token!r} to {theirs}, the calibration tokenizer to {index}{read}: {SAME_IDS}"
 
 
 def check_embedding_rows(sequences: dict[str, list[list[int]]], rows: dict[str, int], what: dict[str, str]) -> None:

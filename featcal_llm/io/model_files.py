@@ -151,6 +151,44 @@ def vocabulary_has(directory: Path, token: str) -> bool | None:
     return found
 
 
+def saved_vocabulary(directory: Path) -> dict[str, int] | None:
+    """tokenizer.json's vocabulary with its added tokens, as a fast tokenizer's `get_vocab()` gives it; None where
+    loading could give another (no tokenizer.json, a vocabulary that is not a mapping, a token tokenizer_config.json
+    names that transformers would add on loading)."""
+    import json
+
+    try:
+        saved = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        vocabulary = saved["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(vocabulary, dict):
+        return None
+    ids = {str(token): index for token, index in vocabulary.items() if isinstance(index, int)}
+    for entry in saved.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int):
+            ids[entry["content"]] = entry["id"]
+    return None if _configured_tokens(directory) - set(ids) else ids
+
+
+def special_tokens(directory: Path) -> dict[str, Any] | None:
+    """The tokenizer class and special tokens a saved tokenizer names (tokenizer_config.json, special_tokens_map.json),
+    as written: two tokenizers that name the same ones get the same special ids from the same vocabulary."""
+    import json
+
+    named: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            values = json.loads((directory / name).read_text(encoding="utf-8")) if (directory / name).is_file() else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(values, dict):
+            return None
+        named[name] = {key: value.get("content") if isinstance(value, dict) else value for key, value in values.items()
+                       if key in ("tokenizer_class", "bos_token", "eos_token", "unk_token")}
+    return named
+
+
 def _configured_tokens(directory: Path) -> set[str]:
     """The tokens tokenizer_config.json names (special tokens, additional or extra ones, its added tokens), which
     transformers adds to the vocabulary as it loads the tokenizer where tokenizer.json lacks them."""

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.family.compat import FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes
+from featcal_llm.family.compat import (FAMILY_KEYS, SHAPE_KEYS, check_compatible, check_unquantized, check_vocabulary_sizes,
+                                       first_id_clash, id_clash_message)
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import chat_template_unparsable
 from featcal_llm.io.data_files import looks_like_hub_id
@@ -21,8 +22,8 @@ from featcal_llm.io.merge_identity import supplied_merge
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
-                                        missing_weights, read_config_json, saved_chat_template, unparsable_tokenizer_config,
-                                        vocabulary_has)
+                                        missing_weights, read_config_json, saved_chat_template, saved_vocabulary, special_tokens,
+                                        unparsable_tokenizer_config, vocabulary_has)
 from featcal_llm.io.problems import Problem, collect
 from featcal_llm.io.recipe import Expert, _experts_of, misspelt_models
 from featcal_llm.io.references import is_hub_reference
@@ -52,6 +53,27 @@ def _read_config(directory: Path, what: str) -> dict:
         raise FeatCalError(f"{what}: {error}") from None
     check_unquantized(data, f"{what}: {directory / 'config.json'}")
     return data
+
+
+def _first_tokenizer_clash(path: Path, calibrating: Path, experts: dict[str, Any]) -> Problem | None:
+    """run's refusal of the first expert whose tokenizer gives a token another id than the calibration tokenizer
+    (stages/prepare.read_data, family/compat.check_tokenizer), from the saved files; only where they decide what the
+    loaded tokenizers give (tokenizer.json vocabularies, the same class and special tokens at the same ids on both
+    sides), the rest left to run."""
+    ours, named = saved_vocabulary(calibrating), special_tokens(calibrating)
+    for name, source in experts.items() if ours is not None and named is not None else ():
+        directory = source.tokenizer_directory
+        if not (directory / "tokenizer_config.json").is_file() or special_tokens(directory) != named:
+            continue
+        theirs = saved_vocabulary(directory)
+        specials = {value for values in named.values() for value in values.values() if isinstance(value, str)}
+        if theirs is None or any(ours.get(token) != theirs.get(token) for token in specials):
+            continue  # run's special-id check speaks first there, in its own words
+        clash = first_id_clash(ours, theirs)
+        if clash is not None:
+            what, _, message = id_clash_message(f"expert {name}", clash, str(calibrating)).partition(": ")
+            return Problem(str(path), what, message)
+    return None
 
 
 def _model_config(reference: Any, what: str, online: bool, report: Report, base: Any = None,
@@ -226,6 +248,9 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
             if spec.path is not None and spec.format == "chat":
                 problems.append(Problem(str(path), f"featcal.data.{name}.format", "chat needs a tokenizer with a chat template"))
     elif calibrating is not None and calibrating.is_dir():
+        clash = _first_tokenizer_clash(path, calibrating, {str(r): sources[str(r)] for r in experts if str(r) in sources})
+        if clash is not None:
+            problems.append(clash)
         chat = [name for name in map(str, experts) if (spec := (data or {}).get(name)) is not None and spec.path is not None
                 and spec.format == "chat"]
         unparsable = chat_template_syntax_error(saved_chat_template(calibrating)) if chat else None
