@@ -90,12 +90,18 @@ class CalibrationResult:
         columns = [f"drift {self.start}", f"drift {ours}", f"KL {self.start}", f"KL {ours}"]
         header = "  ".join([f"{'expert':<{width}}", *columns])
         rows = [header, "-" * len(header)]
+        farther = [name for name, summary in self.experts.items() if summary.kl_merged is not None
+                   and summary.kl_calibrated is not None and summary.kl_calibrated > summary.kl_merged]
         for name, summary in self.experts.items():
             values = (summary.drift_merged, summary.drift_calibrated, summary.kl_merged, summary.kl_calibrated)
             label = labels[name] + (" *" if summary.taught_by_merge else "")
-            rows.append("  ".join([f"{label:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))]))
+            rows.append("  ".join([f"{label:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))])
+                        + ("  !" if name in farther else ""))
         rows.append("drift: ‖h − h_expert‖ / ‖h_expert‖ after the last layer; KL: the next-token KL divergence to the expert; "
                     "lower is closer to the expert")
+        if farther:  # the broad setting's harm: a kind of text the calibration made worse than the merge
+            rows.append(f"! KL {ours} above KL {self.start}: on these records the {ours} model predicts this expert's next "
+                        f"tokens worse than the {self.start} model did")
         memory = [f"host {_gib(self.peak_host_memory)}"] if self.peak_host_memory is not None else []
         memory += [f"GPU {_gib(self.peak_gpu_memory)}"] if self.peak_gpu_memory is not None else []
         rows.append({"held-out records": "(drift and KL on each expert's held-out records, which the calibration did not fit)",

@@ -5,6 +5,7 @@ tokenizer, a quiet run logged to a file)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -239,3 +240,19 @@ def test_a_data_key_written_as_the_folder_name_names_the_expert(small, tmp_path)
     result = CliRunner().invoke(main, ["validate", str(path)])
     (line,) = _errors(result)
     assert f"featcal.data.{short}: not an expert of this recipe" in line and f"did you mean {first!r}?" in line, line
+
+
+def test_the_table_marks_an_expert_the_calibration_took_the_model_farther_from():
+    """A row whose KL rose above the merge's (the broad setting's harm: a kind of text made worse than the merge) is
+    marked `!` and the mark explained; a row that fell, or equal, or unmeasured, is not."""
+    from featcal_llm.calibration_result import CalibrationResult, ExpertSummary
+
+    experts = {"models/up": ExpertSummary(0.40, 0.45, 0.30, 0.31), "models/down": ExpertSummary(0.40, 0.20, 0.30, 0.10),
+               "models/same": ExpertSummary(0.40, 0.40, 0.30, 0.30), "models/none": ExpertSummary(None, None, None, None)}
+    rows = CalibrationResult(Path("out"), Path("merged"), experts).table().splitlines()
+    marked = [row.split()[0] for row in rows[2:6] if row.endswith("  !")]
+    assert marked == ["up"], rows
+    assert ("! KL calibrated above KL merged: on these records the calibrated model predicts this expert's next tokens "
+            "worse than the merged model did") in rows
+    assert not any(row.startswith("! ") for row in CalibrationResult(Path("out"), Path("merged"), {
+        "models/down": experts["models/down"]}).table().splitlines())
