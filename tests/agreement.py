@@ -83,3 +83,20 @@ def refused_alike(recipe: dict | None, tmp_path: Path) -> list[str]:
     assert not (tmp_path / "out").exists()
     return error_lines(validated)
 
+
+def expert_of_other_token_ids(recipe: dict, index: int, folder: Path) -> Path:
+    """Expert `index` copied to `folder` with a tokenizer of the same characters at other ids (the tiny character
+    tokenizer built over the reversed alphabet), named so in the recipe's models and data."""
+    import featcal_llm.tiny as tiny
+
+    expert = recipe["models"][index]["model"]
+    shutil.copytree(expert, folder)
+    characters = tiny.CHARACTERS
+    try:
+        tiny.CHARACTERS = characters[::-1]
+        tiny.build_char_tokenizer().save_pretrained(folder)
+    finally:
+        tiny.CHARACTERS = characters
+    recipe["models"][index]["model"] = str(folder)
+    recipe["featcal"]["data"] = {str(folder) if key == str(expert) else key: value for key, value in recipe["featcal"]["data"].items()}
+    return folder

@@ -408,21 +408,12 @@ def test_an_expert_tokenizer_of_other_ids_is_refused_by_validate_as_run_refuses_
     order): validate read it from the files as run reads it from the loaded tokenizers, and names the same token: the
     calibration token of lowest id that the expert's tokenizer gives another id. Before, validate said ok and run
     refused it, naming whichever token the loaded vocabulary listed first."""
-    import featcal_llm.tiny as tiny
     from transformers import AutoTokenizer
 
+    from agreement import expert_of_other_token_ids
+
     recipe = recipe_of(scenario, tmp_path)
-    expert = expert_of(recipe, 0)
-    alien = tmp_path / "alien"
-    shutil.copytree(expert, alien)
-    characters = tiny.CHARACTERS
-    try:
-        tiny.CHARACTERS = characters[::-1]
-        tiny.build_char_tokenizer().save_pretrained(alien)
-    finally:
-        tiny.CHARACTERS = characters
-    recipe["models"][0]["model"] = str(alien)
-    recipe["featcal"]["data"] = {str(alien) if key == str(expert) else key: value for key, value in recipe["featcal"]["data"].items()}
+    alien = expert_of_other_token_ids(recipe, 0, tmp_path / "alien")
     calibrating = Path(recipe["base_model"])
     ours, theirs = AutoTokenizer.from_pretrained(calibrating).get_vocab(), AutoTokenizer.from_pretrained(alien).get_vocab()
     token, index = min(((t, i) for t, i in ours.items() if theirs.get(t, i) != i), key=lambda pair: pair[1])

@@ -90,22 +90,10 @@ def test_a_missing_default_field_names_the_key_to_set(small, tmp_path, records, 
 def test_an_expert_with_another_tokenizer_is_refused_with_the_recipe_and_the_fix(small, tmp_path):
     """An expert whose tokenizer gives its tokens other ids: run answered "expert X: tokenizer maps 'V' to 42, the
     calibration tokenizer to 61", without the recipe every other error starts with, or what to do."""
-    import shutil
+    from agreement import expert_of_other_token_ids
 
-    import featcal_llm.tiny as tiny
-
-    expert = next(iter(small.experts.values()))
-    alien = tmp_path / "alien"
-    shutil.copytree(expert, alien)
-    characters = tiny.CHARACTERS
-    try:
-        tiny.CHARACTERS = characters[::-1]
-        tiny.build_char_tokenizer().save_pretrained(alien)
-    finally:
-        tiny.CHARACTERS = characters
     recipe = yaml.safe_load(small.recipe.read_text())
-    recipe["models"][0]["model"] = str(alien)
-    recipe["featcal"]["data"] = {str(alien) if key == str(expert) else key: value for key, value in recipe["featcal"]["data"].items()}
+    alien = expert_of_other_token_ids(recipe, 0, tmp_path / "alien")
     recipe["featcal"]["output"] = str(tmp_path / "out")
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

@@ -59,6 +59,19 @@ def run_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "featcal_llm", "run", str(recipe), *extra], capture_output=True, text=True, timeout=600)
 
 
+def past_its_first_layer(recipe: Path, state: Path) -> subprocess.Popen:
+    """`featcal-llm run recipe` in a process of its own, returned once its saved progress (`state`) counts a layer."""
+    process = subprocess.Popen([sys.executable, "-m", "featcal_llm", "run", str(recipe)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if state.exists() and json.loads(state.read_text() or "{}").get("completed_layers", 0) >= 1:
+            return process
+        assert process.poll() is None, "the run ended before a layer was done"
+        time.sleep(0.01)
+    raise AssertionError("no layer done in 300 s")
+
+
 @pytest.fixture(scope="module")
 def slow_scenario(tmp_path_factory):
     """Enough layers and tokens that a layer takes a noticeable fraction of a second."""
@@ -74,13 +87,7 @@ def test_kill_and_rerun_gives_the_same_bytes_as_an_uninterrupted_run(slow_scenar
     (tmp_path / "out").rename(tmp_path / "reference")
 
     state = tmp_path / ".out.featcal-partial" / "state.json"
-    process = subprocess.Popen([sys.executable, "-m", "featcal_llm", "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if state.exists() and json.loads(state.read_text() or "{}").get("completed_layers", 0) >= 1:
-            break
-        assert process.poll() is None, "the run ended before a layer was done"
-        time.sleep(0.01)
+    process = past_its_first_layer(recipe, state)
     process.send_signal(signal.SIGKILL)
     process.wait()
     completed = json.loads(state.read_text())["completed_layers"]
@@ -162,14 +169,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_the_rerun_resumes(slow_scenario,
 
     recipe = slow_scenario.write_recipe(tmp_path / "recipe.yaml", output=str(tmp_path / "out"))
     state = tmp_path / ".out.featcal-partial" / "state.json"
-    process = subprocess.Popen([sys.executable, "-m", "featcal_llm", "run", str(recipe)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if state.exists() and json.loads(state.read_text() or "{}").get("completed_layers", 0) >= 1:
-            break
-        assert process.poll() is None, "the run ended before a layer was done"
-        time.sleep(0.01)
+    process = past_its_first_layer(recipe, state)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr[-2000:]
