@@ -165,6 +165,10 @@ CASES = {
         lambda r, t: (r["featcal"].__setitem__("merged", str(t / "merge")), r["featcal"].__setitem__("output", str(t / "merge" / "out"))),
         ["featcal.output:", "lies inside featcal.merged", "name a directory outside it"],
     ),
+    "output where the merge is staged": (
+        lambda r, t: (r["featcal"].__setitem__("merged", str(t / "merge")), r["featcal"].__setitem__("output", str(t / "merge.merging"))),
+        ["featcal.output:", "merge.merging is where a merge into featcal.merged", "is staged", "name another directory"],
+    ),
     "no projection to re-fit": (_set("featcal", "modules", value=[]), ["bad.yaml: featcal.modules:", "at least 1 item"]),
     "lambda infinite": (_set("featcal", "lambda", value=float("inf")), ["bad.yaml: featcal.lambda: expected a finite number"]),
     "eps infinite": (_set("featcal", "eps", value=float("inf")), ["bad.yaml: featcal.eps: Input should be a finite number"]),

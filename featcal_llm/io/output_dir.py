@@ -138,6 +138,13 @@ def overwrites_input(target: Path, inputs: dict[str, Path], merged: Path | None 
     the next run calibrated that output again as if it were the merge."""
     if merged is not None and inside(target, merged):
         return f"{target} lies inside featcal.merged {merged}, which a new merge replaces; name a directory outside it"
+    if merged is not None:
+        from featcal_llm.io.merge import staging_folder
+
+        staging = staging_folder(merged)
+        if same(target, staging) or inside(target, staging):
+            return (f"{target} is where a merge into featcal.merged {merged} is staged ({staging}, emptied before mergekit "
+                    "writes there); name another directory")
     for label, path in inputs.items():
         if same(target, path):
             return f"{target} is also {label}: the run replaces its {what} as a whole; name another directory"
