@@ -740,3 +740,10 @@ def test_problems_keep_their_file_and_their_order_in_the_document():
     unsorted = [Problem("r", "featcal.seed", "a"), Problem("r", "featcal.nowhere", "b"), Problem("r", "featcal.data.samples.0", "c"),
                 Problem("r", "featcal.merged", "d")]
     assert [problem.message for problem in in_document_order(unsorted, block, "featcal")] == ["d", "c", "a", "b"]
+
+
+def test_the_memory_plan_counts_a_tiny_models_parameters_in_thousands():
+    """A test model of 71,000 parameters was planned as '0 M parameters'."""
+    from featcal_llm.io.names import parameter_count
+
+    assert [parameter_count(n) for n in (8_030_261_248, 134_515_008, 71_232, 999)] == ["8,030 M", "135 M", "71 k", "999"]

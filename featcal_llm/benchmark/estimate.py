@@ -26,6 +26,7 @@ from typing import Any
 
 from featcal_llm.benchmark.costs import Group, LayerShape, statistics_bytes
 from featcal_llm.hardware import machine_ram, stream_budget
+from featcal_llm.io.names import parameter_count
 
 GB = 1e9  # `host_memory_gb` counts these too
 PROCESS_ALLOWANCE = 1.5 * GB  # Python, torch and the libraries, resident
@@ -51,7 +52,7 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         """The plan as printed by `featcal-llm validate`, labelled as an estimate."""
         gb = size_text
-        lines = [f"memory plan (estimate from the configs, not a measurement): {self.parameters / 1e6:,.0f} M parameters, {self.layers} layers, {self.device}"]
+        lines = [f"memory plan (estimate from the configs, not a measurement): {parameter_count(self.parameters)} parameters, {self.layers} layers, {self.device}"]
         if self.gpu_bytes is not None:
             lines.append(f"  GPU memory  ~{gb(self.gpu_bytes)}")
         lines.append(f"  host RAM    ~{gb(self.host_bytes)}")

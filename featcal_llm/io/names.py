@@ -23,6 +23,11 @@ def short_names(names: list[str]) -> dict[str, str]:
     return labels
 
 
+def parameter_count(count: int) -> str:
+    """A parameter count in the unit that gives it whole digits: 8,030 M, 135 M, 71 k (a tiny model is not 0 M)."""
+    return f"{count / 1e6:,.0f} M" if count >= 10**6 else f"{count / 1e3:,.0f} k" if count >= 10**3 else f"{count}"
+
+
 def parse_parameter_count(value: int | str) -> int:
     """A parameter count as mergekit spells it (`5B`, `500M`, `1000K` or a number); ValueError naming the form."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
