@@ -52,10 +52,9 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]], starts:
         return text
     raw = yaml.safe_load(text)
     for name, settings in sampling.items():
-        spec = raw["featcal"]["data"][name]
-        if not isinstance(spec.get("generate"), dict):  # `generate:` written bare
-            spec["generate"] = {}
-        generate = spec["generate"]
+        # copies: a YAML anchor (`generate: *shared`) is one dict for every expert naming it, and each pins its own start
+        spec = raw["featcal"]["data"][name] = dict(raw["featcal"]["data"][name])
+        generate = spec["generate"] = dict(spec["generate"]) if isinstance(spec.get("generate"), dict) else {}  # `generate:` bare
         for key in PINNED_SAMPLING:
             generate.setdefault(key, settings[key])
         start = (starts or {}).get(name, {})
