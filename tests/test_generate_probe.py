@@ -20,3 +20,25 @@ def test_a_shared_generate_block_pins_each_experts_own_measured_start():
     data = yaml.safe_load(with_sampling_pinned(text, dict.fromkeys("abcd", settings), starts))["featcal"]["data"]
     assert {name: data[name]["generate"]["chat_template"] for name in "abcd"} == {"a": "off", "b": "empty", "c": "on", "d": "off"}
     assert data["a"]["generate"]["samples"] == 4 and data["d"]["generate"]["samples"] == 2
+
+
+@pytest.mark.xfail(strict=True, reason="generation/prompts.resolve_start encodes prompts with the tokenizer's special tokens, "
+                   "so a tokenizer that appends EOS ends every prompt with it and the expert writes after the end of the document")
+def test_a_prompt_does_not_end_with_the_eos_a_tokenizer_appends():
+    """A tokenizer whose post-processor appends EOS (`add_eos_token`) must not close the prompt the expert continues:
+    the sample continues the prompt's text (BOS kept at the front, once)."""
+    from tokenizers import processors
+    from transformers import LlamaConfig
+
+    from featcal_llm.generation.prompts import resolve_start
+    from featcal_llm.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2)
+    assert tokenizer("hi")["input_ids"] == [1, *tokenizer.convert_tokens_to_ids(["h", "i"]), 2]  # the tokenizer appends EOS
+    raw = resolve_start(["hi"], "prompts", "off", tokenizer, config, "generate")
+    assert raw.ids == ((1, *tokenizer.convert_tokens_to_ids(["h", "i"])),)
+    for start in (resolve_start(["hi"], "prompts", "on", tokenizer, config, "generate"),
+                  resolve_start(None, "", "empty", tokenizer, config, "generate")):
+        assert start.ids[0][-1] != tokenizer.eos_token_id and start.ids[0].count(tokenizer.bos_token_id) == 1
