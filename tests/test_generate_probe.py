@@ -22,8 +22,6 @@ def test_a_shared_generate_block_pins_each_experts_own_measured_start():
     assert data["a"]["generate"]["samples"] == 4 and data["d"]["generate"]["samples"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="generation/prompts.resolve_start encodes prompts with the tokenizer's special tokens, "
-                   "so a tokenizer that appends EOS ends every prompt with it and the expert writes after the end of the document")
 def test_a_prompt_does_not_end_with_the_eos_a_tokenizer_appends():
     """A tokenizer whose post-processor appends EOS (`add_eos_token`) must not close the prompt the expert continues:
     the sample continues the prompt's text (BOS kept at the front, once)."""
