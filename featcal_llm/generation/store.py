@@ -66,7 +66,7 @@ def cached_samples(samples_path: Path, record_path: Path, key: str) -> tuple[lis
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        temporary.write_text(text, encoding="utf-8")
+        temporary.write_bytes(text.encode("utf-8"))  # bytes: no newline translation, so the digest is the file's
         temporary.replace(path)
     except BaseException:  # a full disk, Ctrl-C, SIGTERM: leave nothing half-written behind
         temporary.unlink(missing_ok=True)
@@ -77,8 +77,10 @@ def store_samples(samples_path: Path, record_path: Path, samples: list[dict], re
     """Write the samples, then the record (with the samples' digest); returns the record written."""
     samples_path.parent.mkdir(parents=True, exist_ok=True)
     record_path.unlink(missing_ok=True)  # no record describes a half-replaced set
-    _write_atomically(samples_path, "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples))
-    record = {**record, "sha256": file_digest(samples_path)}
+    text = "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples)
+    _write_atomically(samples_path, text)
+    # the digest of what this run wrote, not of the file now there: another run sharing the folder may have replaced it
+    record = {**record, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
     _write_atomically(record_path, json.dumps(record, indent=1) + "\n")
     return record
 
