@@ -63,8 +63,6 @@ def test_a_set_replaced_while_its_record_is_written_is_not_reused_under_this_key
     assert cached is None or cached[0] == mine
 
 
-@pytest.mark.xfail(strict=True, reason="generation/run writes `samples` identical records without a word when temperature 0 "
-                   "(greedy) continues one start (BOS, start, the empty request): calibration then sees one text, N times")
 def test_greedy_sampling_from_one_start_says_its_samples_are_copies(merged_scenario, tmp_path, capsys):
     from test_generate import _generate_only, _generate_recipe
 

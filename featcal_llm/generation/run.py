@@ -285,6 +285,11 @@ def generated_sequences(
             if sampler is not None:
                 sampler.close()
         runlog.stage(_summary(name, record, samples_path, cached is not None))
+        copies = len(samples) - len({tuple(sample["token_ids"]) for sample in samples})
+        if copies and settings["temperature"] == 0:  # greedy: one continuation per prompt, whatever the seed
+            warn(f"{where}: {copies} of {len(samples)} samples are copies of others: temperature 0 (greedy) writes one text "
+                 f"per prompt, and {len(start.ids)} {'prompt begins' if len(start.ids) == 1 else 'prompts begin'} them here ({start.source}); "
+                 "raise temperature, or give as many prompts as samples")
         result[name] = [sample["token_ids"] for sample in samples]
         written[name] = [sample["token_ids"][sample.get("prompt_length", 0) : featcal.max_length] for sample in samples]
     _warn_look_alike(recipe, written)  # what the experts wrote: a prompt every expert shares says nothing about them
