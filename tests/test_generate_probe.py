@@ -73,8 +73,6 @@ def test_greedy_sampling_from_one_start_says_its_samples_are_copies(merged_scena
     assert "temperature 0" in err and "3 of 4 samples" in err
 
 
-@pytest.mark.xfail(strict=True, reason="io/prompts.read_prompts reads UTF-8 without skipping a BOM: a .jsonl prompts file saved with "
-                   "one is refused (line 1 is not JSON) and a .txt one keeps U+FEFF in its first prompt; data files skip it")
 @pytest.mark.parametrize("suffix, text", [(".txt", "hello\nworld\n"), (".jsonl", '{"prompt": "hello"}\n{"prompt": "world"}\n')])
 def test_a_prompts_file_saved_with_a_bom_reads_as_without(tmp_path, suffix, text):
     from featcal_llm.io.prompts import read_prompts

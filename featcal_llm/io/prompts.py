@@ -17,7 +17,7 @@ def read_prompts(path: Path, where: str) -> list[str]:
     if path.suffix.lower() not in PROMPT_SUFFIXES:
         raise FeatCalError(f"{where}: {path}: expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Notepad, Excel) skipped, as data files skip it
     except UnicodeDecodeError:
         raise FeatCalError(f"{where}: {path}: not UTF-8 text") from None
     if path.suffix.lower() == ".txt":
