@@ -82,8 +82,6 @@ def test_a_prompts_file_saved_with_a_bom_reads_as_without(tmp_path, suffix, text
     assert read_prompts(path, "generate.prompts") == ["hello", "world"]
 
 
-@pytest.mark.xfail(strict=True, reason="generation/store.generated_set_paths keeps experts' stems apart, not their files: expert m's "
-                   "start choice (m.start.json) is expert m.start's record (m.start.json)")
 def test_no_file_of_one_expert_is_a_file_of_another(tmp_path):
     from featcal_llm.generation.store import choice_path, generated_set_paths
 

@@ -32,10 +32,13 @@ def generated_set_paths(output: Path, experts: list[str]) -> dict[str, tuple[Pat
     from featcal_llm.io.names import short_names
 
     safe = {name: re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "expert" for name, label in short_names(experts).items()}
-    taken = [stem.lower() for stem in safe.values()]  # a folder on a case-blind file system holds one of Math and math
+    def files(stem: str) -> set[str]:  # a folder on a case-blind file system holds one of Math and math
+        return {f"{stem}.jsonl".lower(), f"{stem}.json".lower(), f"{stem}.start.json".lower()}
+
     paths = {}
     for name, stem in safe.items():
-        if taken.count(stem.lower()) > 1:  # `math v1` and `math_v1` made alike: each keeps a digest of its own name
+        # `math v1` and `math_v1` made alike, or `m`'s start choice named as `m.start`'s record: each keeps a digest of its name
+        if any(files(stem) & files(other) for n, other in safe.items() if n != name):
             stem = f"{stem}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
         paths[name] = (generated_folder(output) / f"{stem}.jsonl", generated_folder(output) / f"{stem}.json")
     return paths
