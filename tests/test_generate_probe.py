@@ -88,3 +88,17 @@ def test_no_file_of_one_expert_is_a_file_of_another(tmp_path):
     paths = generated_set_paths(tmp_path / "out", ["org/m", "org/m.start"])
     files = [str(p).lower() for samples, record in paths.values() for p in (samples, record, choice_path(samples))]
     assert len(files) == len(set(files)), sorted(files)
+
+
+@pytest.mark.xfail(strict=True, reason="generation/backends.sampling_processors samples at any temperature above 0: at 1e-44 the "
+                   "scores overflow to ±inf and min-p/top-p turn them into NaN (garbage tokens), where vLLM takes any temperature "
+                   "below 1e-5 as greedy")
+def test_a_temperature_vllm_takes_as_greedy_is_greedy_with_transformers_too():
+    import torch
+
+    from featcal_llm.generation import backends
+
+    scores = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    for temperature in (1e-6, 1e-44):
+        processors = backends.sampling_processors({"temperature": temperature, "top_p": 0.5, "min_p": 0.1}, torch.Generator().manual_seed(0))
+        assert int(processors(torch.zeros((1, 1), dtype=torch.long), scores.clone()).argmax()) == 1, temperature
