@@ -90,9 +90,6 @@ def test_no_file_of_one_expert_is_a_file_of_another(tmp_path):
     assert len(files) == len(set(files)), sorted(files)
 
 
-@pytest.mark.xfail(strict=True, reason="generation/backends.sampling_processors samples at any temperature above 0: at 1e-44 the "
-                   "scores overflow to ±inf and min-p/top-p turn them into NaN (garbage tokens), where vLLM takes any temperature "
-                   "below 1e-5 as greedy")
 def test_a_temperature_vllm_takes_as_greedy_is_greedy_with_transformers_too():
     import torch
 

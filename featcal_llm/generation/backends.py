@@ -80,11 +80,14 @@ class GumbelSampling:
         return scores.float() - exponential.log_()  # −log E is Gumbel(0, 1); −inf (filtered) stays −inf
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy there (and would overflow the scores here)
+
+
 def sampling_processors(settings: dict, generator: torch.Generator):
-    """Temperature, then min-p, then top-p (vLLM's order), then the Gumbel draw (none for temperature 0: greedy)."""
+    """Temperature, then min-p, then top-p (vLLM's order), then the Gumbel draw (none below GREEDY_BELOW: greedy)."""
     from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
 
-    if settings["temperature"] == 0:
+    if settings["temperature"] < GREEDY_BELOW:
         return LogitsProcessorList()
     processors = [TemperatureLogitsWarper(settings["temperature"])]
     if settings["min_p"] > 0.0:
