@@ -99,3 +99,17 @@ def test_a_temperature_vllm_takes_as_greedy_is_greedy_with_transformers_too():
     for temperature in (1e-6, 1e-44):
         processors = backends.sampling_processors({"temperature": temperature, "top_p": 0.5, "min_p": 0.1}, torch.Generator().manual_seed(0))
         assert int(processors(torch.zeros((1, 1), dtype=torch.long), scores.clone()).argmax()) == 1, temperature
+
+
+@pytest.mark.xfail(strict=True, reason="io/prompts.read_prompts says only 'prompts file not found' for a path written with ~, where a "
+                   "calibration path gets told that ~ is not expanded")
+def test_a_prompts_path_written_with_a_tilde_says_it_is_not_expanded():
+    from pathlib import Path
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.prompts import read_prompts
+
+    with pytest.raises(FeatCalError) as refused:
+        read_prompts(Path("~/featcal-no-such-prompts.txt"), "generate.prompts")
+    assert str(refused.value).startswith("generate.prompts: ~/featcal-no-such-prompts.txt: prompts file not found")
+    assert "`~` would be a folder of that name here" in str(refused.value)
