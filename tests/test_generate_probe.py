@@ -101,8 +101,6 @@ def test_a_temperature_vllm_takes_as_greedy_is_greedy_with_transformers_too():
         assert int(processors(torch.zeros((1, 1), dtype=torch.long), scores.clone()).argmax()) == 1, temperature
 
 
-@pytest.mark.xfail(strict=True, reason="io/prompts.read_prompts says only 'prompts file not found' for a path written with ~, where a "
-                   "calibration path gets told that ~ is not expanded")
 def test_a_prompts_path_written_with_a_tilde_says_it_is_not_expanded():
     from pathlib import Path
 

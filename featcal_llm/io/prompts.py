@@ -12,8 +12,9 @@ PROMPT_SUFFIXES = (".txt", ".jsonl")
 
 def read_prompts(path: Path, where: str) -> list[str]:
     """The prompts of a `.txt` file (one per non-blank line) or a `.jsonl` file (a string field `prompt` per record)."""
-    if not path.is_file():
-        raise FeatCalError(f"{where}: {path}: prompts file not found")
+    if not path.is_file():  # `~` as a calibration path's message (io/data_files.file_not_found) says it
+        tilde = ": run takes a path as written, so `~` would be a folder of that name here; write the path out in full"
+        raise FeatCalError(f"{where}: {path}: prompts file not found" + (tilde if str(path).startswith("~") else ""))
     if path.suffix.lower() not in PROMPT_SUFFIXES:
         raise FeatCalError(f"{where}: {path}: expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
     try:
