@@ -113,8 +113,6 @@ def test_a_prompts_path_written_with_a_tilde_says_it_is_not_expanded():
     assert "`~` would be a folder of that name here" in str(refused.value)
 
 
-@pytest.mark.xfail(strict=True, reason="io/block_sections.DataSpec reads a bare `generate:` (YAML null) as no generate at all and "
-                   "refuses it as 'not neither', though featcal_recipe.yml's writer pins a bare generate: as the defaults")
 def test_a_bare_generate_key_generates_with_the_defaults():
     from featcal_llm.io.block_sections import DataSpec, GenerateSpec
 

@@ -81,6 +81,12 @@ class DataSpec(RecipeModel):
                           "the ridge λ, which stays as set, so scaling every weight alike leans the fit from the anchor (×10) or "
                           "to it (÷10); 0: merged in, not calibrated toward")
 
+    @field_validator("generate", mode="before")
+    @classmethod
+    def _bare_generate(cls, value: Any) -> Any:
+        """`generate:` written bare (YAML null) is `generate: {}`: the expert writes with the defaults."""
+        return {} if value is None else value
+
     def records(self, default: int) -> int:
         """How many calibration records this expert contributes (generated ones included); `default`: featcal.samples."""
         return (self.generate.samples if self.generate is not None else None) or self.samples or default
