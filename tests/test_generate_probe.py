@@ -120,9 +120,6 @@ def test_a_bare_generate_key_generates_with_the_defaults():
     assert spec.generate == GenerateSpec() and spec.weight == 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="generation/run.start_records calls a start `chosen by recipe` whenever nothing was measured, "
-                   "also where the recipe says auto and BOS was the only start left (the others fill max_length), and "
-                   "featcal_recipe.yml then leaves it to a later version's measurement")
 def test_the_only_start_left_is_not_said_to_be_the_recipes_choice_and_is_pinned(merged_scenario, tmp_path):
     from test_generate import _generate_only, _generate_recipe
 

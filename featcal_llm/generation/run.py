@@ -29,6 +29,7 @@ from featcal_llm.io.recipe import Recipe
 
 MAX_ROUNDS = 3  # a round replaces the samples the quality rule dropped in the one before
 DEFAULT_NEW_TOKENS = 512  # capped at featcal.max_length: calibration never sees tokens past it
+ONLY_START = "default, the only start left to measure"  # auto, and no other candidate (no chat template, or it fills max_length)
 FORCED_MODES = {"on": "chat", "off": "bos", "empty": "empty"}  # chat_template → the mode it forces (the measured ones' names)
 
 
@@ -324,8 +325,9 @@ def start_records(recipe: Recipe) -> dict[str, dict]:
             record = json.loads(set_paths[expert.name][1].read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        choice = record.get("start_choice")
+        choice, spec = record.get("start_choice"), recipe.featcal.data[expert.name].generate
+        forced = spec.prompts is not None or spec.start is not None or spec.chat_template != "auto"
         found[expert.name] = {"start": record.get("start"), "mode": record.get("start_mode"),
-                              "chosen_by": "measurement" if choice else "recipe",
+                              "chosen_by": "measurement" if choice else "recipe" if forced else ONLY_START,
                               **({"scores": {m: v["score"] for m, v in choice["scores"].items()}} if choice else {})}
     return found

@@ -58,7 +58,7 @@ def with_sampling_pinned(text: str, sampling: dict[str, dict[str, Any]], starts:
         for key in PINNED_SAMPLING:
             generate.setdefault(key, settings[key])
         start = (starts or {}).get(name, {})
-        if start.get("chosen_by") == "measurement" and start.get("mode") in MEASURED_STARTS and generate.get("chat_template", "auto") == "auto":
+        if start.get("chosen_by") not in (None, "recipe") and start.get("mode") in MEASURED_STARTS and generate.get("chat_template", "auto") == "auto":
             generate["chat_template"] = MEASURED_STARTS[start["mode"]]
     if text.startswith(REPLAY_HEADER):  # a tuned run's replay: its header stays (loading the YAML drops comments)
         header = REPLAY_HEADER + "# The sampling settings of each `generate:` expert are written out as well.\n"
