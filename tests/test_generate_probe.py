@@ -90,8 +90,6 @@ def test_no_file_of_one_expert_is_a_file_of_another(tmp_path):
     assert len(files) == len(set(files)), sorted(files)
 
 
-@pytest.mark.xfail(strict=True, reason="generation/backends takes a temperature below 1e-5 as greedy, but vLLM raises any temperature "
-                   "between 0 and 0.01 to 0.01 (its _MAX_TEMP) and samples there: the backends disagree below 0.01")
 def test_a_temperature_under_vllms_floor_samples_at_the_floor_with_transformers_too():
     """vLLM samples a temperature in (0, 0.01) at 0.01 (SamplingParams.__post_init__); transformers must too, and never at
     a temperature that overflows the scores (1e-44: ±inf, then NaN through min-p and top-p); 0 stays greedy."""

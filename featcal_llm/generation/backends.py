@@ -80,16 +80,17 @@ class GumbelSampling:
         return scores.float() - exponential.log_()  # −log E is Gumbel(0, 1); −inf (filtered) stays −inf
 
 
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy there (and would overflow the scores here)
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: it samples a temperature in (0, 0.01) at 0.01 (lower overflows the scores)
 
 
 def sampling_processors(settings: dict, generator: torch.Generator):
-    """Temperature, then min-p, then top-p (vLLM's order), then the Gumbel draw (none below GREEDY_BELOW: greedy)."""
+    """Temperature (at least MIN_TEMPERATURE, as vLLM), then min-p, then top-p (vLLM's order), then the Gumbel draw
+    (none for temperature 0: greedy)."""
     from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
 
-    if settings["temperature"] < GREEDY_BELOW:
+    if settings["temperature"] == 0:
         return LogitsProcessorList()
-    processors = [TemperatureLogitsWarper(settings["temperature"])]
+    processors = [TemperatureLogitsWarper(max(settings["temperature"], MIN_TEMPERATURE))]
     if settings["min_p"] > 0.0:
         processors.append(MinPLogitsWarper(settings["min_p"]))
     if settings["top_p"] < 1.0:

@@ -19,7 +19,7 @@ from featcal_llm.io.identity import sampling_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
-from featcal_llm.generation.backends import GREEDY_BELOW, TransformersSampler, batch_seed, choose_backend, open_sampler
+from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
 from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
 from featcal_llm.generation.prompts import Start, candidate_starts, check_start, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
@@ -287,8 +287,8 @@ def generated_sequences(
                 sampler.close()
         runlog.stage(_summary(name, record, samples_path, cached is not None))
         copies = len(samples) - len({tuple(sample["token_ids"]) for sample in samples})
-        if copies and settings["temperature"] < GREEDY_BELOW:  # greedy: one continuation per prompt, whatever the seed
-            warn(f"{where}: {copies} of {len(samples)} samples are copies of others: temperature {settings['temperature']:g} (greedy) writes one text "
+        if copies and settings["temperature"] == 0:  # greedy: one continuation per prompt, whatever the seed
+            warn(f"{where}: {copies} of {len(samples)} samples are copies of others: temperature 0 (greedy) writes one text "
                  f"per prompt, and {len(start.ids)} {'prompt begins' if len(start.ids) == 1 else 'prompts begin'} them here ({start.source}); "
                  "raise temperature, or give as many prompts as samples")
         result[name] = [sample["token_ids"] for sample in samples]
