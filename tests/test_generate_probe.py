@@ -142,3 +142,16 @@ def test_the_only_start_left_is_not_said_to_be_the_recipes_choice_and_is_pinned(
     assert start["mode"] == "bos" and start["chosen_by"] != "recipe"
     saved = yaml.safe_load(with_sampling_pinned(recipe.text, sampling_records(recipe), start_records(recipe)))
     assert saved["featcal"]["data"][name]["generate"]["chat_template"] == "off"
+
+
+def test_a_set_drawn_under_the_temperature_floor_is_keyed_by_the_temperature_it_samples_at(merged_scenario, tmp_path):
+    """The resolved settings (the cache key, the record) hold 0.01 for a temperature below it: a set drawn before the
+    floor, at the temperature as written, is not reused; 0 stays 0."""
+    from test_generate import _generate_recipe
+
+    from featcal_llm.generation.run import settings_of
+    from featcal_llm.io.recipe import load_recipe
+
+    for written, resolved in ((1e-44, 0.01), (0.005, 0.01), (0, 0), (0.7, 0.7)):
+        recipe = load_recipe(_generate_recipe(merged_scenario, tmp_path / str(written), which=(0,), temperature=written))
+        assert settings_of(recipe, recipe.experts[0].name)["temperature"] == resolved, written

@@ -19,7 +19,7 @@ from featcal_llm.io.identity import sampling_identity
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.generation.alike import look_alike
-from featcal_llm.generation.backends import TransformersSampler, batch_seed, choose_backend, open_sampler
+from featcal_llm.generation.backends import MIN_TEMPERATURE, TransformersSampler, batch_seed, choose_backend, open_sampler
 from featcal_llm.generation.choose import PROBE_SAMPLES, PROBE_STREAM, PROBE_TOKENS, Choice, choose_start
 from featcal_llm.generation.prompts import Start, candidate_starts, check_start, read_prompts, resolve_start
 from featcal_llm.generation.quality import REASONS, degeneracy
@@ -56,7 +56,7 @@ def settings_of(recipe: Recipe, name: str) -> dict[str, Any]:
         "stream": position,
         "samples": spec.records(featcal.samples),
         "max_new_tokens": generate.max_new_tokens or min(DEFAULT_NEW_TOKENS, featcal.max_length),
-        "temperature": generate.temperature,
+        "temperature": generate.temperature and max(generate.temperature, MIN_TEMPERATURE),  # as it samples: sets made otherwise are not reused
         "top_p": generate.top_p,
         "min_p": generate.min_p,
         "seed": featcal.seed if generate.seed is None else generate.seed,
