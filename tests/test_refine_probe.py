@@ -7,7 +7,6 @@ import pytest
 import yaml
 
 
-@pytest.mark.xfail(strict=True, reason="saved_recipe.with_refine_pinned pins precision: float32 for a float64 run, which refined in float64")
 def test_a_float64_runs_saved_recipe_does_not_say_its_refinement_ran_in_float32():
     """`dtype: float64` refines in float64 whatever `precision` says (engine/refine.refine_dtypes): the report's master
     is float64, the card says "in float64 throughout". The saved recipe ("the recipe as run") pinned `precision:

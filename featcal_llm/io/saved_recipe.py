@@ -132,7 +132,8 @@ REFINE_NOTE = "# refine's automatic choices (params, precision) are written out,
 
 def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
     """The saved recipe with `refine:`'s `auto` choices that depend on the machine (params: its memory; precision: whether
-    it computes bf16 natively) written out as this run resolved them, so that a replay elsewhere refines alike.
+    it computes bf16 natively, not on a float64 run, which refines in float64) written out as this run resolved them,
+    so that a replay elsewhere refines alike.
     The comment lines before and after the YAML (the headers, the `generate:` starts) stay where they were; the YAML
     between them is written out again (its inline comments dropped), as a tuned run's replay is."""
     if refined is None:
@@ -143,6 +144,8 @@ def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
         return text
     spec = {} if spec is True else dict(spec)
     resolved = {"params": refined["params"], "precision": "bfloat16" if refined.get("autocast") == "torch.bfloat16" else "float32"}
+    if refined.get("master") == "torch.float64":  # a float64 run refines in float64 whatever precision says: nothing to pin
+        del resolved["precision"]
     unset = {key: value for key, value in resolved.items() if spec.get(key, "auto") == "auto"}
     if not unset:
         return text
