@@ -21,8 +21,6 @@ def test_a_float64_runs_saved_recipe_does_not_say_its_refinement_ran_in_float32(
     assert pinned["params"] == "full"  # the memory's choice is still pinned
 
 
-@pytest.mark.xfail(strict=True, reason="engine/refine._teachers builds each teacher in the layers' dtype: with precision: "
-                   "float32 over bf16 layers the student computes in float32 and its teachers in bf16")
 def test_the_teachers_run_in_the_students_precision_over_half_precision_layers(far_scenario, monkeypatch):
     """docs/refine.md: "The teachers' pass runs in the same precision as the student". Layers in bf16 (a GPU's default,
     or a bf16 checkpoint on a CPU with native bf16) and `precision: float32`: the student is float32 throughout, so

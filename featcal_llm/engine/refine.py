@@ -160,12 +160,13 @@ def train_step(student: Student, store: TeacherStore, keys: list[Key], records, 
     return total / count
 
 
-def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> TeacherStore:
+def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast, dtype: torch.dtype) -> TeacherStore:
     """Each expert's records through their teacher, one whole model on the device at a time, in the precision the student
-    computes in (bf16 autocast where it trains under it: a CPU's teachers as a GPU's, whose weights are bf16); kept in
-    the staging area."""
+    computes in (bf16 autocast where it trains under it: a CPU's teachers as a GPU's, whose weights are bf16; without
+    it, weights in `dtype`, the student's master dtype, not bf16 layers' dtype); kept in the staging area."""
     saved = job.staging.load_pass("refine-teachers")
-    if saved is not None and saved.get("top_k") == job.spec.top_k and saved.get("autocast") == str(autocast):
+    if (saved is not None and saved.get("top_k") == job.spec.top_k and saved.get("autocast") == str(autocast)
+            and saved.get("dtype") == str(dtype)):
         runlog.stage("refine: the teachers' distributions reused from the saved progress")
         return TeacherStore.from_dict(saved)
     store = TeacherStore(job.spec.top_k, {}, {}, {})
@@ -173,12 +174,12 @@ def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast) -> 
     for task, task_keys in keys.items():
         reader = job.teachers[task]
         names, get = checkpoint_tensors(reader)
-        model = build_causal_lm(job.config, names, get, job.device, job.compute_dtype, reader.what, job.trust_remote_code)
+        model = build_causal_lm(job.config, names, get, job.device, dtype, reader.what, job.trust_remote_code)
         teach(store, model, task_keys, records, job.batch_tokens, job.device, autocast)
         del model
         if job.device.type == "cuda":
             torch.cuda.empty_cache()
-    job.staging.save_pass("refine-teachers", {**store.as_dict(), "autocast": str(autocast)})
+    job.staging.save_pass("refine-teachers", {**store.as_dict(), "autocast": str(autocast), "dtype": str(dtype)})
     runlog.stage(f"refine: the teachers' top-{job.spec.top_k} next-token distributions in {time.perf_counter() - started:.0f} s "
                  f"({store.nbytes() / 2**20:.1f} MiB on the host)")
     return store
@@ -225,7 +226,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         warn(f"featcal.refine.batch_records: {spec.batch_records} is more than the {len(train_keys)} training records, so "
              f"every step repeats records (each one about {spec.batch_records / len(train_keys):.1f} times); a step "
              f"costs that many more forwards for about the same gradient as one of {len(train_keys)}")
-    store = _teachers(job, teacher_keys, records, autocast)
+    store = _teachers(job, teacher_keys, records, autocast, job.compute_dtype if autocast is not None else master)
     torch.manual_seed(job.seed)
     student = Student(job, params, master, checkpointing, autocast)
     trainable = list(student.trainable.values())

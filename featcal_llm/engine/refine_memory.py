@@ -16,8 +16,8 @@ run at small shapes. Every part is an upper estimate of what PyTorch allocates f
   and its attention scores, and one layer's gradients;
 - logits: one chunk of the judged tokens' logits in float32 and four buffers of its size (log-softmax, the masked copy
   for the rest's mass, their gradients); without checkpointing, every chunk of the micro-batch's judged tokens;
-- teacher: during the teachers' pass (before the student exists), one whole teacher in the compute dtype with one
-  micro-batch's activations;
+- teacher: during the teachers' pass (before the student exists), one whole teacher in the student's precision (the
+  compute dtype under autocast, else the master dtype) with one micro-batch's activations;
 - teachers' store: the top-k log-probs (float16), ids (int32) and rest (float32) of every judged token, on the host.
 """
 
@@ -141,7 +141,8 @@ def refine_memory(shape: Shape, params: str, rank: int, batch_tokens: int, recor
     }
     saved = 2 * trained * 4
     # the teachers' pass computes no gradient: its micro-batches hold `batch_tokens`, its logits one chunk
-    teacher = total * compute_bytes + 2 * batch_tokens * shape.intermediate * 3 * compute_bytes + logits(min(chunk, batch_tokens))
+    teacher_bytes = compute_bytes if autocast else master_bytes  # engine/refine._teachers: the student's precision
+    teacher = total * teacher_bytes + 2 * batch_tokens * shape.intermediate * 3 * teacher_bytes + logits(min(chunk, batch_tokens))
     store = judged_tokens * (min(top_k, shape.vocab or top_k) * 6 + 4)  # a teacher keeps no more tokens than it has
     training = sum(parts.values())
     peak = max(training + (saved if cpu else 0), teacher) + (store if cpu else 0)
