@@ -251,3 +251,13 @@ def test_hub_ids_local_paths_and_licence_keys_of_a_base_card(tmp_path, monkeypat
                               ("other", {"license": "other", "license_name": "custom", "license_link": "LICENSE"})):
         (base / "README.md").write_text(f"---\nlicense: {licence}\nlicense_name: custom\nlicense_link: LICENSE\n---\n# base\n")
         assert base_license(recipe, base) == expected
+
+
+def test_the_replay_sentence_names_the_backend_a_generated_set_needs(tmp_path):
+    """`featcal_recipe.yml` pins each generated set's sampling but not its backend (pinning vLLM would refuse a replay on
+    a CPU): the card says on what machine running it again makes this checkpoint; without generated data, anywhere."""
+    _, body = _card(tmp_path / "a")
+    assert "running it again makes this checkpoint on a machine where each `generate:` expert's `backend` resolves as it " \
+           "did here (transformers and vLLM draw other samples from one seed)." in body
+    _, body = _card(tmp_path / "b", data={"org/code+org/code-lora": {"path": str(tmp_path / "b" / "code.jsonl")}})
+    assert "running it again makes this checkpoint." in body and "`backend` resolves" not in body

@@ -58,6 +58,15 @@ def public_names(references: list[str]) -> dict[str, str]:
     return {reference: "+".join(short.get(part, part) for part in reference.split("+")) for reference in references}
 
 
+def _where_generated_again(featcal: Any) -> str:
+    """The condition a replay of generated records needs: its backend resolved as this run's (auto: vLLM on a GPU with
+    vLLM, else transformers), as the two draw other samples from one seed."""
+    if not any(spec.generate is not None for spec in featcal.data.values()):
+        return ""
+    return (" on a machine where each `generate:` expert's `backend` resolves as it did here (transformers and vLLM draw "
+            "other samples from one seed)")
+
+
 def _public_recipe(text: str, names: dict[str, str], output: str = "") -> str:
     """The recipe's YAML with every local path (a string holding a path separator that exists or is absolute, and the
     output, not written yet) shortened."""
@@ -327,7 +336,7 @@ Beside this card: {"; ".join(files)}.
 ## Recipe
 The recipe as it was written (mergekit configuration plus the `featcal:` block), local paths shortened to their
 names. `{RECIPE_FILE}` beside this card is the recipe as it ran, with what `auto` chose and the settings of generated
-data written out: running it again makes this checkpoint.
+data written out: running it again makes this checkpoint{_where_generated_again(featcal)}.
 
 ```yaml
 {_public_recipe(recipe.card_text or recipe.text, names, featcal.output).rstrip()}
