@@ -90,6 +90,7 @@ BAD = {
     "min_p of one": ({"generate": {"min_p": 1.0}}, ["generate.min_p", "less than 1"]),
     "unknown generate key": ({"generate": {"sample": 4}}, ["generate.sample: unknown key"]),
     "prompts file missing": ({"generate": {"prompts": "/nonexistent/prompts.txt"}}, ["generate.prompts: /nonexistent/prompts.txt: prompts file not found"]),
+    "prompts path empty": ({"generate": {"prompts": ""}}, ["generate.prompts: String should have at least 1 character"]),
     "prompts file empty": (_prompts_file("p.txt", "\n \n"), ["generate.prompts", "p.txt: no prompts (the file is empty)"]),
     "prompts wrong type": (_prompts_file("p.csv", "a,b\n"), ["generate.prompts", "expected a .txt file"]),
     "start with prompts": ({"generate": {"start": "</s>", "prompts": "p.txt"}}, ["generate: start is the first token of prompt-less samples"]),

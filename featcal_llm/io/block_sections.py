@@ -29,7 +29,7 @@ class GenerateSpec(RecipeModel):
 
     samples: int | None = Field(None, ge=1, description="texts kept after filtering; default the data entry's samples (beside generate), else featcal.samples")
     max_new_tokens: int | None = Field(None, ge=1, description="default min(512, featcal.max_length); calibration sees no token past featcal.max_length, so a larger value only costs time")
-    prompts: str | None = Field(None, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: no prompts, the start set by chat_template")
+    prompts: str | None = Field(None, min_length=1, description=".txt (one prompt per line) or .jsonl (field `prompt`); default: no prompts, the start set by chat_template")
     start: str | None = Field(None, description="without prompts: the token every sample begins with (default the tokenizer's BOS, else the config's bos_token_id, else EOS)")
     temperature: float = Field(0.7, ge=0.0, description="0: greedy; 1: the expert's own distribution; between 0 and 0.01 samples at 0.01, as vLLM does")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the smallest set of tokens with this much probability (1: no cut)")
