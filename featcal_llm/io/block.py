@@ -22,6 +22,11 @@ except ImportError:  # pragma: no cover - only while the evaluation package is a
     EvalSection = dict[str, Any]  # type: ignore[misc,assignment]
 
 
+# what a path written with `~` is told: mergekit, datasets and the run take paths as written (only the eval: block, lm-eval's,
+# expands it)
+TILDE_NOT_EXPANDED = "run takes a path as written, so `~` would be a folder of that name here; write the path out in full"
+
+
 def beside_recipe(path: str, base_dir: Path | None) -> Path:
     """`path` as given (relative to the current directory, as mergekit reads paths), or under the recipe's directory where only that one exists."""
     given = Path(path)

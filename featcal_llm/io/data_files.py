@@ -17,7 +17,7 @@ from typing import Any
 
 from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.block import beside_recipe
+from featcal_llm.io.block import TILDE_NOT_EXPANDED, beside_recipe
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.startup import heavy_import
 
@@ -112,7 +112,7 @@ def file_not_found(path: Path, where: str, base_dir: Path | None = None) -> Feat
     hint = f"; did you mean {str(path.parent / close)!r}?" if close else ""
     looked = ""
     if str(path).startswith("~"):  # as featcal.output says it: mergekit and datasets take paths as written
-        looked = ": run takes a path as written, so `~` would be a folder of that name here; write the path out in full"
+        looked = f": {TILDE_NOT_EXPANDED}"
     elif not path.is_absolute() and base_dir is not None and base_dir.resolve() != Path.cwd().resolve():
         looked = f" in the current directory nor beside the recipe ({base_dir})"
     return FeatCalError(f"{where}.path: {path}: calibration file not found{looked}{hint}")

@@ -6,15 +6,16 @@ import json
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
+from featcal_llm.io.block import TILDE_NOT_EXPANDED
 
 PROMPT_SUFFIXES = (".txt", ".jsonl")
 
 
 def read_prompts(path: Path, where: str) -> list[str]:
     """The prompts of a `.txt` file (one per non-blank line) or a `.jsonl` file (a string field `prompt` per record)."""
-    if not path.is_file():  # `~` as a calibration path's message (io/data_files.file_not_found) says it
-        tilde = ": run takes a path as written, so `~` would be a folder of that name here; write the path out in full"
-        raise FeatCalError(f"{where}: {path}: prompts file not found" + (tilde if str(path).startswith("~") else ""))
+    if not path.is_file():
+        tilde = f": {TILDE_NOT_EXPANDED}" if str(path).startswith("~") else ""
+        raise FeatCalError(f"{where}: {path}: prompts file not found{tilde}")
     if path.suffix.lower() not in PROMPT_SUFFIXES:
         raise FeatCalError(f"{where}: {path}: expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
     try:

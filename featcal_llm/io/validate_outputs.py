@@ -11,7 +11,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.generation.store import choice_path, generated_folder, generated_set_paths
-from featcal_llm.io.block import beside_recipe
+from featcal_llm.io.block import TILDE_NOT_EXPANDED, beside_recipe
 from featcal_llm.io.data_files import data_path, looks_like_hub_id
 from featcal_llm.io.output_dir import TEMPORARY_RECIPE_PREFIX, argument_problem, in_a_kept_sibling, inside, intermediate_dir, not_an_output, overwrites_input, same, unwritable
 from featcal_llm.io.problems import Problem
@@ -75,8 +75,7 @@ def check_writes(path: Path, override: Path | None, setting: Any, merge_config: 
     written = [("featcal.merged", merged), ("OUTPUT", str(override)) if override is not None else ("featcal.output", setting("output"))]
     for name, value in written:
         if isinstance(value, str) and value.startswith("~"):
-            problems.append(Problem(str(path), name, f"{value}: run takes a path as written, so `~` would be a folder "
-                                                     "of that name here; write the path out in full"))
+            problems.append(Problem(str(path), name, f"{value}: {TILDE_NOT_EXPANDED}"))
     if output is not None:
         key = "OUTPUT" if override is not None else "featcal.output"
         generated = {} if not any(spec.generate is not None for spec in data.values()) else \
