@@ -72,7 +72,7 @@ def check_tokenizer(calibration: Any, other: Any, what: str, source: str = "") -
                                f"{getattr(calibration, key, None)}{read}: {SAME_IDS}")
     clash = first_id_clash(calibration.get_vocab(), other.get_vocab())
     if clash is not None:
-        raise FeatCalError(id_clash_message(what, clash, source))
+        raise FeatCalError(f"{what}: {id_clash_message(clash, source)}")
 
 
 def first_id_clash(calibration: dict[str, int], other: dict[str, int]) -> tuple[str, int | None, int] | None:
@@ -86,10 +86,10 @@ def first_id_clash(calibration: dict[str, int], other: dict[str, int]) -> tuple[
     return None
 
 
-def id_clash_message(what: str, clash: tuple[str, int | None, int], source: str = "") -> str:
+def id_clash_message(clash: tuple[str, int | None, int], source: str = "") -> str:
     token, theirs, index = clash
     read = f" (read from {source})" if source else ""
-    return f"{what}: tokenizer maps {token!r} to {theirs}, the calibration tokenizer to {index}{read}: {SAME_IDS}"
+    return f"tokenizer maps {token!r} to {theirs}, the calibration tokenizer to {index}{read}: {SAME_IDS}"
 
 
 def check_embedding_rows(sequences: dict[str, list[list[int]]], rows: dict[str, int], what: dict[str, str]) -> None:

@@ -129,9 +129,9 @@ def renders_something(template: Any) -> bool:
     return any(isinstance(text, str) and text.strip() for text in templates)
 
 
-def vocabulary_has(directory: Path, token: str) -> bool | None:
-    """Whether `token` is a token of the tokenizer saved in `directory` (tokenizer.json's vocabulary or its added
-    tokens), as `convert_tokens_to_ids` finds it; None where no tokenizer.json says (a SentencePiece model file)."""
+def _saved_tokenizer(directory: Path) -> tuple[Any, list[dict]] | None:
+    """tokenizer.json's model vocabulary (a mapping, or Unigram's [[piece, score], ...]) and its added-token entries;
+    None where there is no readable one (a SentencePiece model file alone)."""
     import json
 
     try:
@@ -139,7 +139,17 @@ def vocabulary_has(directory: Path, token: str) -> bool | None:
         vocabulary = saved["model"]["vocab"]
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
-    added = {entry.get("content") for entry in saved.get("added_tokens") or [] if isinstance(entry, dict)}
+    return vocabulary, [entry for entry in saved.get("added_tokens") or [] if isinstance(entry, dict)]
+
+
+def vocabulary_has(directory: Path, token: str) -> bool | None:
+    """Whether `token` is a token of the tokenizer saved in `directory` (tokenizer.json's vocabulary or its added
+    tokens), as `convert_tokens_to_ids` finds it; None where no tokenizer.json says (a SentencePiece model file)."""
+    saved = _saved_tokenizer(directory)
+    if saved is None:
+        return None
+    vocabulary, added_tokens = saved
+    added = {entry.get("content") for entry in added_tokens}
     if isinstance(vocabulary, dict):
         found = token in vocabulary or token in added
     elif isinstance(vocabulary, list):  # Unigram: [[piece, score], ...]
@@ -155,18 +165,12 @@ def saved_vocabulary(directory: Path) -> dict[str, int] | None:
     """tokenizer.json's vocabulary with its added tokens, as a fast tokenizer's `get_vocab()` gives it; None where
     loading could give another (no tokenizer.json, a vocabulary that is not a mapping, a token tokenizer_config.json
     names that transformers would add on loading)."""
-    import json
-
-    try:
-        saved = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
-        vocabulary = saved["model"]["vocab"]
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+    saved = _saved_tokenizer(directory)
+    if saved is None or not isinstance(saved[0], dict):
         return None
-    if not isinstance(vocabulary, dict):
-        return None
-    ids = {str(token): index for token, index in vocabulary.items() if isinstance(index, int)}
-    for entry in saved.get("added_tokens") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int):
+    ids = {str(token): index for token, index in saved[0].items() if isinstance(index, int)}
+    for entry in saved[1]:
+        if isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int):
             ids[entry["content"]] = entry["id"]
     return None if _configured_tokens(directory) - set(ids) else ids
 

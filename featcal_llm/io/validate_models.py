@@ -71,8 +71,7 @@ def _first_tokenizer_clash(path: Path, calibrating: Path, experts: dict[str, Any
             continue  # run's special-id check speaks first there, in its own words
         clash = first_id_clash(ours, theirs)
         if clash is not None:
-            what, _, message = id_clash_message(f"expert {name}", clash, str(calibrating)).partition(": ")
-            return Problem(str(path), what, message)
+            return Problem(str(path), f"expert {name}", id_clash_message(clash, str(calibrating)))
     return None
 
 
