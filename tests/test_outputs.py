@@ -424,6 +424,28 @@ def test_an_evaluation_that_failed_after_the_run_is_run_alone_by_eval_only(small
     assert CliRunner().invoke(main, ["run", str(recipe), "--eval-only"]).exit_code == 0  # scored again: one table, replaced
     assert (output / "README.md").read_text() == card
 
+    # Scored only under the settings it was made from: an edit outside `eval:` is named, by run and validate alike.
+    assert {"featcal.lambda", "featcal.refine", "merge_method", "models"} <= read_run_record(output)["made_from"].keys()
+    edited = yaml.safe_load(recipe.read_text())
+    edited["featcal"]["eval"]["limit"] = 3  # the eval: block may change between the two runs
+    edited["featcal"]["output"] = str(output)
+    (tmp_path / "eval_edit.yaml").write_text(yaml.safe_dump(edited))
+    assert CliRunner().invoke(main, ["validate", str(tmp_path / "eval_edit.yaml"), "--eval-only"]).exit_code == 0
+    edited["featcal"]["lambda"] = 0.5
+    edited["featcal"]["seed"] = 7
+    edited["parameters"] = {"weight": 0.25}
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(edited))
+    for command in ("run", "validate"):
+        stale = CliRunner().invoke(main, [command, str(tmp_path / "edited.yaml"), "--eval-only"])
+        assert stale.exit_code == 2 and "featcal-llm: error: " + (
+            f"{tmp_path / 'edited.yaml'}: --eval-only (eval_only=True): {output} was made from other settings than the "
+            "recipe's now (featcal.lambda, featcal.seed, parameters); run the recipe without --eval-only to calibrate "
+            "with them, or put them back") in stale.stderr.splitlines(), stale.output
+    assert (output / "README.md").read_text() == card and len(scored) == 2
+    for command in ("validate", "run"):  # the output's own recipe, which pins what the run chose, scores it (it was refused)
+        assert CliRunner().invoke(main, [command, str(output / "featcal_recipe.yml"), "--eval-only"]).exit_code == 0
+    assert (output / "README.md").read_text() == card and len(scored) == 3
+
     for flags, refusal in ((["--keep-layers"], "--eval-only (eval_only=True): calibrates nothing, so --keep-layers "
                                                "(keep_layers=True) does not apply"),
                            (["--force"], "--force (force=True): --eval-only (eval_only=True) replaces nothing")):

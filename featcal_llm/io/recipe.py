@@ -29,6 +29,7 @@ from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.merge_settings import merge_setting_problems
 from featcal_llm.io.output_dir import name_problem, shown
 from featcal_llm.io.recipe_yaml import read_yaml_mapping, recipe_text
+from featcal_llm.io.run_settings import made_from
 from featcal_llm.io.problems import (Problem, RecipeProblems, collect, in_document_order, known_keys, one_error_per_key,
                                      pydantic_problems, suggestion)
 from featcal_llm.startup import heavy_import
@@ -52,6 +53,7 @@ class Recipe:
     merged_label: str | None = None  # how the model card names the start of calibration (default featcal.merged)
     card_text: str | None = None  # the recipe the card shows, where `text` is a stage's (a stack's second, with the first's choices)
     output_key: str = "featcal.output"  # how refusals name the output: OUTPUT where the command line (output=) gave it
+    made_from: dict | None = None  # the user's settings (io/run_settings.made_from), a stack's stages keep them; its run record keeps them
 
 
 def _one_model_two_ways(merge_config: Any) -> list[str]:
@@ -236,6 +238,7 @@ class Parsed:
     merge_config: Any = None  # io/mergekit_config.MergeConfiguration (torch-free), whatever `mergekit` says
     featcal: FeatCalConfig | None = None
     block: dict | None = None
+    mergekit_part: dict | None = None  # the recipe's mergekit part, as written
 
     def setting(self, key: str) -> Any:
         """A `featcal:` key's value: from the parsed block, or (when the block has errors) a string value as written."""
@@ -329,7 +332,7 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
     if raw is None:
         return Parsed(None, problems)
     block = raw.pop("featcal", None)
-    parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None)
+    parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None, mergekit_part=raw)
     block_problems: list[Problem] = []
     parsed.featcal = _read_block(path, block, block_problems, raw)
     _unknown_top_keys(path, raw, MergeConfiguration)
@@ -350,7 +353,8 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
             return parsed
         experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     text = recipe_text(path)
-    parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model, experts=experts)
+    parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model,
+                           experts=experts, made_from=made_from(parsed.featcal, raw))
     return parsed
 
 

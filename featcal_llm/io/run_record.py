@@ -25,6 +25,9 @@ ABOUT = {
     "coverage_nll": "model (the base under base) -> expert whose records -> mean NLL in nats: what the coverage expert "
                     "weights came from",
     "expert_weights": "each expert's weight in the objective as the run used it",
+    "made_from": "per setting the weights follow from (the featcal block's, its defaults filled in; the mergekit part's, "
+                 "as written), a digest of its value: run --eval-only scores this output only under a recipe that still "
+                 "says them",
 }
 
 
@@ -61,6 +64,8 @@ def run_record(recipe: Recipe, merged: str, names: dict[str, str], hyper: dict, 
         run["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
     if unchanged:
         run["unchanged"] = True
+    if recipe.made_from is not None:
+        run["made_from"] = recipe.made_from
     run["about"] = {key: text for key, text in ABOUT.items() if key in run}
     return run
 

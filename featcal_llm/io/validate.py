@@ -25,6 +25,8 @@ from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_models import check_models
 from featcal_llm.io.validate_outputs import check_first_stage, check_output, check_writes
 from featcal_llm.io.output_dir import argument_problem, RECIPE_FILE, scored_merge
+from featcal_llm.io.run_record import read_run_record
+from featcal_llm.io.run_settings import changed_settings, made_from
 
 
 @dataclass
@@ -58,9 +60,10 @@ NO_REFINE = ("featcal has no refine: block; the kept layers serve a rerun with o
              "on changes the records the closed form fits, so it calibrates the layers again)")
 
 
-def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, eval_only: bool, problems: list[Problem]) -> None:
+def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, eval_only: bool, problems: list[Problem],
+                    settings: dict | None = None) -> None:
     """What `run --keep-layers` and `run --eval-only` need of the recipe: a `refine:` block; an `eval:` block and a
-    finished run's output to score."""
+    finished run's output to score, made from the recipe's `settings` as they are now (io/run_settings.made_from)."""
     if not eval_only:
         if keep_layers and featcal.refine is None:
             problems.append(Problem(str(path), KEEP_LAYERS, NO_REFINE))
@@ -77,6 +80,25 @@ def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, e
         what = (f"the stack's first stage ({featcal.method[0]}), removed once its run finished" if featcal.stacked
                 else "the merged model")
         problems.append(Problem(str(path), EVAL_ONLY, f"{scored}, {what}, is not there to score beside the output"))
+    elif settings is not None:
+        changed = settings_since(path, output, settings)
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            problems.append(Problem(str(path), EVAL_ONLY, f"{output} was made from other settings than the recipe's now "
+                                                          f"({shown}); run the recipe without --eval-only to calibrate with "
+                                                          "them, or put them back"))
+
+
+def settings_since(path: Path, output: Path, settings: dict) -> list[str]:
+    """The recipe's settings that differ from those the output was made from; none where the recipe is the output's own
+    (its featcal_recipe.yml, which pins the tuned values) or the output does not say (one an earlier version wrote)."""
+    if path.resolve() == (output / RECIPE_FILE).resolve():
+        return []
+    try:
+        recorded = read_run_record(output).get("made_from")
+    except (OSError, ValueError):
+        return []
+    return [] if recorded is None else changed_settings(recorded, settings)
 
 
 def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None,
@@ -127,10 +149,11 @@ def check_recipe(path: str | Path, online: bool = False, plan: bool = True, merg
         problems.append(Problem(str(path), "OUTPUT", unusable))
     written_to = None if unusable is not None else Path(output) if output is not None else \
         (Path(setting("output")) if setting("output") else None)
-    if parsed.merge_config is not None and unusable is None:
+    if parsed.merge_config is not None and unusable is None and not eval_only:  # --eval-only writes the card alone
         check_writes(path, Path(output) if output is not None else None, setting, parsed.merge_config, data, problems)
     if featcal is not None and written_to is not None:
-        check_run_flags(path, featcal, written_to, keep_layers, eval_only, problems)
+        settings = made_from(featcal, parsed.mergekit_part) if eval_only and parsed.mergekit_part is not None else None
+        check_run_flags(path, featcal, written_to, keep_layers, eval_only, problems, settings)
     if written_to is not None and not eval_only and not any(problem.key == output_key for problem in problems):
         check_output(path, written_to, problems, report.notes, output_key)  # one line for it
         if featcal is not None and featcal.stacked and not any(problem.key == output_key for problem in problems):

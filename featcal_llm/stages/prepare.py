@@ -42,6 +42,7 @@ from featcal_llm.engine.profiling import NullTimer
 from featcal_llm.io.forms import changes_tokenizer, check_slice_depth, merge_makes_tokenizer
 from featcal_llm.io.merge_vocabulary import merge_vocabulary
 from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.run_settings import resolved_settings
 from featcal_llm.io.references import ModelSource, check_override_architecture, resolve_source
 from featcal_llm.io.tokenizers import load_tokenizer
 from featcal_llm.engine.resume import (
@@ -307,22 +308,6 @@ def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
     head = resolved.plan.head
     head_dtype = None if head is None else head_stats_dtype(head.lam, compute_dtype, resolved.device)
     return Opened(models, merged_config, LayerRunner(architecture, merged_config, resolved.device, compute_dtype, stats_dtype, head_dtype))
-
-
-def resolved_settings(featcal) -> dict[str, Any]:
-    """The block as the run uses it: every default filled in (a default changed between a crash and its resume must not
-    resume under the other setting), minus what does not change the weights.
-
-    Of `refine:` only whether it runs counts (it holds records out of the closed form): its keys change the refinement
-    alone, which checks them against its own saved progress and teachers (engine/refine.py). So a run interrupted in
-    its refinement (out of memory, say) and rerun with `gradient_checkpointing: true` or `params: adapter` keeps
-    its calibrated layers, 15-18 minutes at 8B, and refines again from them.
-    """
-    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license", "refine"})
-    settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, trailing_experts=featcal.trailing,
-                    tune=featcal.tune_settings().model_dump(mode="json"),
-                    holds_out=featcal.holds_out, refine=featcal.refine is not None)
-    return settings
 
 
 def run_context(comm: Single, resolved: Resolved, data: Data, opened: Opened) -> RunContext:
