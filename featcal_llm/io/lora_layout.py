@@ -7,6 +7,7 @@ adapter trained for another base in run's words, before anything is loaded.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def _parse(keys: list[str], names: set[str], weights: Path, base_directory: Path
                 raise FeatCalError(f"{what}: {weights}: tensor {key} is not a LoRA tensor featcal-llm supports")
             target = rest.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
             if target not in names:
-                raise FeatCalError(f"{what}: {weights}: tensor {key} has no counterpart {target} in the base model {base_directory}")
+                raise FeatCalError(f"{what}: {weights}: tensor {key}" + (_tied_head(target, base_directory) or f" has no counterpart {target} in the base model {base_directory}"))
             layout.replacements[target] = key
     for module, roles in pairs.items():
         embedding = "EA" in roles or "EB" in roles
@@ -108,9 +109,26 @@ def _parse(keys: list[str], names: set[str], weights: Path, base_directory: Path
             raise FeatCalError(f"{what}: {weights}: {module} has only one of the LoRA matrices A and B")
         target = f"{module}.weight"
         if target not in names:
-            raise FeatCalError(f"{what}: {weights}: LoRA on {module}, which the base model {base_directory} does not have")
+            tied = _tied_head(target, base_directory)
+            raise FeatCalError(f"{what}: {weights}: LoRA on {module}" + (tied or f", which the base model {base_directory} does not have"))
         layout.deltas.setdefault(target, []).append(DeltaKeys(module, a, b, embedding))
     return layout
+
+
+def _tied_head(target: str, base_directory: Path) -> str | None:
+    """Why a base lacks `lm_head.weight` where its config ties the head (Gemma-2, Llama-3.2-1B): peft's modules_to_save
+    or a LoRA on lm_head trains a head of its own, untying it, which the layers' shared embedding cannot hold."""
+    if target != "lm_head.weight":
+        return None
+    try:
+        tied = json.loads((base_directory / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings", True)  # no lm_head.weight and no key: tied, the default
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not tied:
+        return None
+    return (f": the base model {base_directory} ties its LM head to its input embeddings (tie_word_embeddings) and "
+            "stores no lm_head.weight; an adapter that trains lm_head unties it, which featcal-llm does not read (train "
+            "embed_tokens, which the tie shares, instead)")
 
 
 def _check_shapes(layout: AdapterLayout, shape: dict, base_shapes: dict, weights: Path, what: str) -> None:
