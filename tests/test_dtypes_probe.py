@@ -17,8 +17,6 @@ def _digests(directory) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.glob("*.safetensors"))}
 
 
-@pytest.mark.xfail(strict=True, reason="featcal_recipe.yml of a run without a search leaves dtype/stats_dtype: auto, "
-                                       "which another machine resolves otherwise: the replay writes other weights")
 def test_the_saved_recipe_pins_the_precisions_auto_resolved_so_another_machine_replays_the_same_bytes(tmp_path, monkeypatch):
     """A bf16 checkpoint with `dtype: auto` computes in float32 on a CPU without bf16 units and in bf16 on one with
     them (engine/devices.resolve_dtype). featcal_recipe.yml must write out what this run resolved (as it does for a
@@ -74,3 +72,17 @@ def test_float16_overflow_is_refused_naming_featcal_dtype_and_writes_no_output(t
     assert len(errors) == 1, result.stderr
     assert "NaN/Inf in float16 (featcal.dtype: float16 holds at most 65504; set featcal.dtype: bfloat16 or float32)" in errors[0], errors
     assert not (tmp_path / "featcal").exists()
+
+
+def test_featcal_values_are_written_in_place_keeping_comments_or_the_block_is_written_out_again():
+    """A key written `auto` has its value replaced, a missing one goes above the block's first key at its indentation;
+    a flow-style block, or a key given as an alias, is written out again (parsing to the same values)."""
+    from featcal_llm.io.recipe_yaml import with_featcal_values
+
+    text = "merge_method: ties  # keep\nfeatcal:\n    # mine\n    output: out   # where\n    dtype: auto  # hw\n"
+    assert with_featcal_values(text, {"dtype": "float32", "stats_dtype": "float64"}) == (
+        "merge_method: ties  # keep\nfeatcal:\n    # mine\n    stats_dtype: float64\n    output: out   # where\n    dtype: float32  # hw\n")
+    for other in ("featcal: {output: o}\n", "x: &a auto\nfeatcal:\n  dtype: *a\n"):
+        rewritten = with_featcal_values(other, {"dtype": "bfloat16"})
+        assert yaml.safe_load(rewritten)["featcal"] == {**yaml.safe_load(other)["featcal"], "dtype": "bfloat16"}
+    assert yaml.safe_load(with_featcal_values("x: &a auto\nfeatcal:\n  dtype: *a\n", {"dtype": "bfloat16"}))["x"] == "auto"

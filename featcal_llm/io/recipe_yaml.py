@@ -92,15 +92,39 @@ def value_span(text: str, node: yaml.Node) -> tuple[int, int]:
 def with_output(text: str, output: str) -> str:
     """The recipe text with `featcal.output` set to `output` (`run RECIPE OUTPUT`), so the saved replay recipe writes
     where this run wrote. Only the value is replaced: comments and layout stay as the user wrote them."""
+    return with_featcal_values(text, {"output": str(output)})
+
+
+def with_featcal_values(text: str, values: dict[str, str]) -> str:
+    """The recipe text with these `featcal:` keys set to these strings, comments and layout kept: a key written in the
+    block has its value replaced, a missing one is written above the block's first key at its indentation. A block
+    this cannot edit in place (flow style, a key written as an alias) is written out again, its comments lost."""
     node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     block = next((value for key, value in node.value if key.value == "featcal"), None) if isinstance(node, yaml.MappingNode) else None
-    if not isinstance(block, yaml.MappingNode):
+    if not isinstance(block, yaml.MappingNode) or not values:
         return text
-    value = yaml.safe_dump(str(output), default_flow_style=True).removesuffix("\n...\n").strip()
+    edits: dict[tuple[int, int], str] = {}
+    missing, aliased = dict(values), False
     for key, current in block.value:
-        if key.value == "output" and isinstance(current, yaml.ScalarNode):
-            start, end = value_span(text, current)
-            return text[:start] + value + text[end:]
-    raw = yaml.safe_load(text)  # no output key (a block in flow style, say): written out again
-    raw["featcal"]["output"] = str(output)
-    return yaml.safe_dump(raw, sort_keys=False)
+        if isinstance(key, yaml.ScalarNode) and key.value in missing:
+            aliased |= not (isinstance(current, yaml.ScalarNode) and current.start_mark.index > key.end_mark.index)
+            edits[value_span(text, current)] = _scalar(missing.pop(key.value))
+    first = block.value[0][0] if block.value else None
+    line_start = text.rfind("\n", 0, first.start_mark.index) + 1 if first is not None else 0
+    in_place = not aliased and (not missing or (
+        first is not None and not block.flow_style and text[line_start:first.start_mark.index].strip() == ""))
+    if not in_place:
+        raw = yaml.safe_load(text)
+        raw["featcal"].update(values)
+        return yaml.safe_dump(raw, sort_keys=False)
+    if missing:
+        indent = " " * first.start_mark.column
+        edits[(line_start, line_start)] = "".join(f"{indent}{key}: {_scalar(value)}\n" for key, value in missing.items())
+    for (start, end), value in sorted(edits.items(), reverse=True):
+        text = text[:start] + value + text[end:]
+    return text
+
+
+def _scalar(value: str) -> str:
+    """`value` as a YAML scalar that reads back as this string (quoted where it must be)."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()

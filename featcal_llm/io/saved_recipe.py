@@ -11,7 +11,7 @@ import yaml
 
 from featcal_llm.io.block import beside_recipe
 from featcal_llm.io.recipe import Recipe
-from featcal_llm.io.recipe_yaml import value_span
+from featcal_llm.io.recipe_yaml import value_span, with_featcal_values
 
 REPLAY_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
@@ -26,12 +26,16 @@ def replay_text(recipe: Recipe, tuning: dict, precisions: dict[str, torch.dtype]
     for key in tuning["chosen"]:
         block[key] = {"per_layer": list(tuning["chosen"][key])}
     block["tune"] = {**(block.get("tune") or {}), "holdout": tuning["search"]["holdout"]}
-    for key, dtype in precisions.items():
-        if key == "head_stats_dtype":  # not a key: the head's statistics are float64 whatever the layers' (stages/prepare.py)
-            continue
-        if block.get(key, "auto") == "auto":
-            block[key] = str(dtype).removeprefix("torch.")
+    block.update(pinned_precisions(block, precisions))
     return REPLAY_HEADER + yaml.safe_dump(raw, sort_keys=False)
+
+
+def pinned_precisions(block: dict, precisions: dict[str, torch.dtype]) -> dict[str, str]:
+    """The precision keys (`dtype`, `stats_dtype`) the `featcal:` block leaves `auto`, as this run resolved them: `auto`
+    depends on the machine (a GPU, a CPU's bf16 units, a GPU's float64 rate), so a replay elsewhere would compute
+    otherwise. Not the head's: its statistics are float64 whatever the layers' (stages/prepare.py)."""
+    return {key: str(dtype).removeprefix("torch.") for key, dtype in precisions.items()
+            if key != "head_stats_dtype" and block.get(key, "auto") == "auto"}
 
 
 PINNED_SAMPLING = ("max_new_tokens", "temperature", "top_p", "min_p", "seed", "batch_size")  # what a default change could move
@@ -114,11 +118,14 @@ def with_found_paths(text: str, recipe_dir: Path) -> str:
 
 def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torch.dtype], sampling: dict[str, dict[str, Any]],
                  starts: dict[str, dict], refined: dict[str, Any] | None = None) -> str:
-    """The recipe as run: input files found beside the recipe written as found, a tuned run's choices replayed
-    (replay_text), each `generate:` expert's sampling pinned, a comment naming where each began its samples, and
+    """The recipe as run: input files found beside the recipe written as found, `auto` precisions pinned, a tuned run's
+    choices replayed (replay_text), each `generate:` expert's sampling pinned, a comment naming where each began its samples, and
     `refine:`'s machine-dependent choices written out (`refined`: the stage's report)."""
     recipe = replace(recipe, text=with_found_paths(recipe.text, recipe.path.parent))
-    saved = recipe.text if tuning is None else replay_text(recipe, tuning, precisions)
+    if tuning is None:  # the text as written, comments kept, with the precisions `auto` resolved written in
+        saved = with_featcal_values(recipe.text, pinned_precisions(yaml.safe_load(recipe.text)["featcal"], precisions))
+    else:
+        saved = replay_text(recipe, tuning, precisions)
     saved = with_sampling_pinned(saved, sampling, starts)
     if starts:
         saved = saved.rstrip("\n") + "\n" + "".join(
