@@ -30,6 +30,14 @@ class RunFailure(FeatCalError):
     exit_code = EXIT_FAILED
 
 
+def float16_cause(dtype: object) -> str:
+    """What a NaN/Inf error adds where the run computes in float16 (`dtype`, a torch dtype): its likely cause and the key
+    to change, since finite weights and activations that float32 and bfloat16 hold overflow float16 (65504 at most)."""
+    if str(dtype) != "torch.float16":
+        return ""
+    return " in float16 (featcal.dtype: float16 holds at most 65504; set featcal.dtype: bfloat16 or float32)"
+
+
 LAYERS_REMEDY = ("`featcal-llm validate RECIPE` prints what the run needs: lower featcal.batch_tokens, or run on a larger device, "
                  "then rerun the same command to resume")
 REFINE_REMEDY = ("in the refinement: set featcal.refine.gradient_checkpointing: true (or featcal.refine.params: adapter where it "

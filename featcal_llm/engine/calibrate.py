@@ -25,7 +25,7 @@ from featcal_llm.engine.streams import TokenBatch
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.engine.tuned import select_layer
 from featcal_llm.engine.resume import resuming_line
-from featcal_llm.errors import RunFailure, warn
+from featcal_llm.errors import RunFailure, float16_cause, warn
 from featcal_llm.maths.objective import GroupSystem
 
 
@@ -42,14 +42,15 @@ def initial_streams(ctx: RunContext, batches: dict[str, list[TokenBatch]]) -> tu
     return cal, experts
 
 
-def advance(ctx: RunContext, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor]) -> None:
-    """Replace the stream, batch by batch and in place, by `layer` applied to it."""
+def advance(ctx: RunContext, layer: torch.nn.Module, batches: list[TokenBatch], stream: list[torch.Tensor],
+            what: str = "calibrated layer") -> None:
+    """Replace the stream, batch by batch and in place, by `layer` applied to it (`what`: whose layer, for the error)."""
     runner = ctx.runner
     with ctx.timer.phase("forward"):
         for index, (batch, (hidden,)) in enumerate(zip(batches, on_device(runner.device, stream))):
             output = runner.forward(layer, hidden, runner.context(batch, hidden))
             if not bool(torch.isfinite(output[batch.keep.to(output.device)]).all()):  # caught where it appears, not a layer later
-                raise RunFailure(f"layer {getattr(layer, 'featcal_index', '?')}: calibrated layer produced NaN/Inf hidden states")
+                raise RunFailure(f"layer {getattr(layer, 'featcal_index', '?')}: {what} produced NaN/Inf hidden states{float16_cause(output.dtype)}")
             stream[index] = ctx.store.store(output, batch.keep)
 
 
@@ -60,14 +61,14 @@ def replay_layer(ctx: RunContext, layer: int, tensors: LayerTensors, calibrated:
     for task, task_batches in ctx.batches.items():
         advance(ctx, cal_layer, task_batches, ctx.cal[task])
         expert_layer = runner.build(layer, tensors.experts[task], f"expert {task}")
-        advance(ctx, expert_layer, task_batches, ctx.expert[task])
+        advance(ctx, expert_layer, task_batches, ctx.expert[task], f"expert {task}")
         if probe is not None:
-            advance(ctx, expert_layer, probe.batches[task], probe.expert[task])
+            advance(ctx, expert_layer, probe.batches[task], probe.expert[task], f"expert {task}")
             advance(ctx, cal_layer, probe.batches[task], probe.cal[task])
     if probe is not None:
         merged_layer = runner.build(layer, tensors.merged, "merged model")
         for task, task_batches in probe.batches.items():
-            advance(ctx, merged_layer, task_batches, probe.merged[task])
+            advance(ctx, merged_layer, task_batches, probe.merged[task], "merged model")
 
 
 def start_probe(ctx: RunContext) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from featcal_llm.engine.plan import CalibrationPlan
 from featcal_llm.engine.transfer import on_device
-from featcal_llm.errors import RunFailure
+from featcal_llm.errors import RunFailure, float16_cause
 from featcal_llm.family.layers import LayerRunner, hooked, norm_epsilon
 from featcal_llm.maths.advantage import weighted_rows
 from featcal_llm.maths.stats import (
@@ -152,7 +152,7 @@ def record_task(ctx: "RunContext", task: str, cal_layer: torch.nn.Module, expert
 def _advance_expert(ctx: "RunContext", task: str, layer: int, stream: list, index: int, output: torch.Tensor, batch, keep: torch.Tensor) -> None:
     """Expert i's layer output replaces its input in the stream (h_exp for the next layer), once checked finite."""
     if not bool(torch.isfinite(output[keep]).all()):
-        raise RunFailure(f"layer {layer}: expert {task} produced NaN/Inf hidden states")
+        raise RunFailure(f"layer {layer}: expert {task} produced NaN/Inf hidden states{float16_cause(output.dtype)}")
     stream[index] = ctx.store.store(output, batch.keep)
 
 

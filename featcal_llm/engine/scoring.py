@@ -40,7 +40,7 @@ def final_hidden(ctx: "RunContext", runs: Runs, num_layers: int) -> Streams:
             for role, (reader, tasks) in runs.items():
                 module = ctx.runner.build(layer, tensors.experts[role], reader.what)
                 for task, batches in tasks.items():
-                    advance(ctx, module, batches, streams[role][task])
+                    advance(ctx, module, batches, streams[role][task], reader.what)
                 del module
             del tensors
     finally:

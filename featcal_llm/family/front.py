@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from featcal_llm.errors import FeatCalError
+from featcal_llm.errors import FeatCalError, float16_cause
 
 
 def materialise_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -134,5 +134,5 @@ class ModelFront:
         finally:
             module.weight, module.padding_idx = original
         if not bool(torch.isfinite(per_token.sum())):  # one pass; a sum of finite embeddings cannot overflow
-            raise FeatCalError(f"{what}: the embedding of a calibration token contains NaN or Inf")
+            raise FeatCalError(f"{what}: the embedding of a calibration token contains NaN or Inf{float16_cause(dtype)}")
         return per_token[local.to(self.device)]
