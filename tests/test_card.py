@@ -261,3 +261,18 @@ def test_the_replay_sentence_names_the_backend_a_generated_set_needs(tmp_path):
            "did here (transformers and vLLM draw other samples from one seed)." in body
     _, body = _card(tmp_path / "b", data={"org/code+org/code-lora": {"path": str(tmp_path / "b" / "code.jsonl")}})
     assert "running it again makes this checkpoint." in body and "`backend` resolves" not in body
+
+
+def test_the_refinement_section_says_why_it_stopped_before_its_last_step():
+    """A refinement that stopped early names `patience` and how often it checked; one that ran every step, or whose
+    report predates the keys, says nothing more."""
+    from featcal_llm.io.refine_card import refine_text
+
+    report = {"params": "full", "lr": 1e-4, "top_k": 64, "steps_run": 12, "max_steps": 40, "chosen_step": 4,
+              "eval_every": 4, "patience": 2, "teachers": {"a": "own expert"}, "held_out_kl": {"before": 0.5, "after": 0.25},
+              "autocast": "None", "master": "torch.float32"}
+    assert ("It ran 12 of at most 40 steps, stopping once 2 checks in a row (one every 4 steps) kept no better state "
+            "(`patience`). The held-out KL") in refine_text(report)
+    assert "stopping once a check (one every 4 steps) kept no better state" in refine_text({**report, "patience": 1})
+    for finished in ({**report, "steps_run": 40}, {key: value for key, value in report.items() if key != "patience"}):
+        assert f"It ran {finished['steps_run']} of at most 40 steps. The held-out KL" in refine_text(finished)

@@ -302,7 +302,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
               "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
-              "top_k": spec.top_k, "max_steps": spec.steps, "history": progress["history"],
+              "top_k": spec.top_k, "max_steps": spec.steps, "eval_every": spec.eval_every, "patience": spec.patience,
+              "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
               "held_out_records": {task: len(job.held_out.get(task, [])) for task in job.train}}
     # no wall times in the report, which the output holds (a resumed run writes the same bytes): the log line says them

@@ -48,7 +48,15 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     return (f"## Refinement\nAfter the closed form, `refine:` trained {params} (AdamW, peak learning rate {refined['lr']:g}, warm-up "
             f"then cosine, {precision}) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
             f"kept as their top-{refined['top_k']} tokens. Teachers: {teachers}. It ran {refined['steps_run']} of at most "
-            f"{refined['max_steps']} steps. {outcome} Every held-out check: `{REFINE_FILE}`.\n\n")
+            f"{refined['max_steps']} steps{_why_it_stopped(refined)}. {outcome} Every held-out check: `{REFINE_FILE}`.\n\n")
+
+
+def _why_it_stopped(refined: dict[str, Any]) -> str:
+    """Where the stage stopped before its last step: `patience` checks in a row found no better state to keep."""
+    if refined["steps_run"] >= refined["max_steps"] or "patience" not in refined:
+        return ""
+    checks = "a check" if refined["patience"] == 1 else f"{refined['patience']} checks in a row"
+    return f", stopping once {checks} (one every {refined['eval_every']} steps) kept no better state (`patience`)"
 
 
 def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
