@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -181,3 +182,20 @@ def test_a_solution_that_misses_its_system_is_retried_whichever_projection_and_h
         assert "layer 2 mlp_input: solve " in capsys.readouterr().err and len(calls) == 4  # two projections, twice
         for p in "ab":  # the retry at λ 10: W = T / (2 + 10)
             assert torch.allclose(solution[p], torch.full((2, 3), 1 / 12, dtype=torch.float64), rtol=1e-12)
+
+
+def test_a_solution_beyond_the_merges_dtype_is_refused_naming_the_tensor_and_dtype():
+    """Finite as solved (float64), infinite as a float16 merge stores it: refused before anything is written, naming the
+    tensor, the dtype and the lever; one in range is stored in the merge's dtype."""
+    from featcal_llm.engine.objectives import LAMBDA_REMEDY, stored_solutions
+    from featcal_llm.errors import RunFailure
+
+    merged = {"mlp.down_proj.weight": torch.zeros(2, 2, dtype=torch.float16)}
+    fine = stored_solutions(3, {"mlp.down_proj.weight": torch.full((2, 2), 6.0e4, dtype=torch.float64)}, merged)
+    assert fine["mlp.down_proj.weight"].dtype == torch.float16 and torch.isfinite(fine["mlp.down_proj.weight"]).all()
+    huge = torch.tensor([[1.0, -1.0e6], [0.0, 2.0]], dtype=torch.float64)
+    with pytest.raises(RunFailure) as error:
+        stored_solutions(3, {"mlp.down_proj.weight": huge}, merged, LAMBDA_REMEDY)
+    assert str(error.value) == ("layer 3: solution for mlp.down_proj.weight reaches 1e+06, beyond float16, the merged "
+                                "model's dtype, which stores it; a larger featcal.lambda keeps the solution nearer its anchor")
+    assert stored_solutions(3, {"w": huge}, {"w": torch.zeros(2, 2, dtype=torch.bfloat16)})["w"].dtype == torch.bfloat16

@@ -108,11 +108,26 @@ class FeatCal(LayerSettings):
                         solved[f"{projection}.bias"] = solve_bias(system, bias_sums[projection], weight, anchored(f"{projection}.bias"), hyper.lam)
             if plan.norms and group.norm:
                 solved[f"{group.norm}.weight"] = solve_norm(system, anchored(f"{group.norm}.weight"), hyper.lam)
-        for name, tensor in solved.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise RunFailure(f"layer {layer}: solution for {name} has NaN/Inf")
-            solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
-        return solved
+        return stored_solutions(layer, solved, merged, LAMBDA_REMEDY)
+
+
+LAMBDA_REMEDY = "a larger featcal.lambda keeps the solution nearer its anchor"
+
+
+def stored_solutions(layer: int, solved: dict[str, torch.Tensor], merged: dict[str, torch.Tensor],
+                     remedy: str = "") -> dict[str, torch.Tensor]:
+    """Each solution in its merged tensor's dtype, on the CPU: refused where it is not finite, as solved or as stored (a
+    float16 merge holds at most 65504), so that no infinite weight is ever written."""
+    stored = {}
+    for name, tensor in solved.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise RunFailure(f"layer {layer}: solution for {name} has NaN/Inf")
+        stored[name] = tensor.to(dtype=merged[name].dtype).cpu()
+        if not bool(torch.isfinite(stored[name]).all()):
+            raise RunFailure(f"layer {layer}: solution for {name} reaches {tensor.abs().max().item():.3g}, beyond "
+                             f"{str(stored[name].dtype).removeprefix('torch.')}, the merged model's dtype, which stores it"
+                             + (f"; {remedy}" if remedy else ""))
+    return stored
 
 
 class RegMean(LayerSettings):
@@ -171,8 +186,4 @@ class RegMean(LayerSettings):
                                             where=f"layer {layer} {group.name}")
             for projection, weight in solutions.items():
                 solved[f"{projection}.weight"] = weight
-        for name, tensor in solved.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise RunFailure(f"layer {layer}: solution for {name} has NaN/Inf")
-            solved[name] = tensor.to(dtype=merged[name].dtype).cpu()
-        return solved
+        return stored_solutions(layer, solved, merged)
