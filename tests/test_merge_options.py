@@ -42,6 +42,9 @@ def test_a_random_merge_is_merged_again_to_the_same_weights_and_another_seed_mer
 
 @pytest.mark.parametrize("options, message", [
     ({"out_shard_size": "lots"}, r"featcal\.merge_options\.out_shard_size: .*expected a positive parameter count such as 5B"),
+    ({"out_shard_size": 0}, r"featcal\.merge_options\.out_shard_size: .*expected a positive parameter count such as 5B.*got 0"),
+    ({"out_shard_size": -5}, r"featcal\.merge_options\.out_shard_size: .*expected a positive parameter count such as 5B.*got -5"),
+    ({"out_shard_size": "0M"}, r"featcal\.merge_options\.out_shard_size: .*expected a positive parameter count such as 5B.*got '0M'"),
     ({"random_seed": "x"}, r"featcal\.merge_options\.random_seed"),
     ({"seed": 3}, r"featcal\.merge_options\.seed"),
 ])
@@ -49,3 +52,15 @@ def test_bad_merge_options_are_one_line(scenario, tmp_path, options, message):
     with pytest.raises(FeatCalError, match=message) as error:
         _dare(scenario, tmp_path / "r.yaml", tmp_path / "m", **options)
     assert "\n" not in str(error.value).strip()
+
+
+def test_a_shard_size_is_counted_as_mergekit_counts_it():
+    """featcal-llm reads `out_shard_size` itself (to refuse a bad one before the merge): the count it gives mergekit is
+    the count mergekit's own parser makes of what the recipe wrote, in each unit and case."""
+    from mergekit.common import parse_kmb
+
+    from featcal_llm.io.names import parse_parameter_count
+
+    for value in ("20K", "20k", "500M", "5B", "5b", "1000000", 7, 300):
+        assert parse_parameter_count(value) == parse_kmb(value), value
+    assert parse_parameter_count(" 2m ") == 2 * 10**6 and parse_parameter_count("1.5B") == 1_500_000_000

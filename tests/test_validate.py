@@ -747,3 +747,4 @@ def test_the_memory_plan_counts_a_tiny_models_parameters_in_thousands():
     from featcal_llm.io.names import parameter_count
 
     assert [parameter_count(n) for n in (8_030_261_248, 134_515_008, 71_232, 999)] == ["8,030 M", "135 M", "71 k", "999"]
+    assert [parameter_count(n) for n in (10**6, 10**6 - 1, 10**3, 10**3 - 1)] == ["1 M", "1,000 k", "1 k", "999"]  # each unit from its first whole one
