@@ -234,6 +234,21 @@ def test_a_key_given_twice_in_a_list_item_and_a_recipe_not_utf8_name_their_lines
     assert str(error.value) == f"{recipe}: not UTF-8 text (byte 0xe9 on line 3); save the recipe as UTF-8"
 
 
+def test_merge_keys_are_no_key_given_twice_and_a_shared_mappings_repeat_is_named_once(tmp_path):
+    """Two `<<:` merge keys in one mapping are both merged (PyYAML keeps both mappings' keys), so neither is a key given
+    twice; a key the shared mapping repeats is named where it is written, not again where each alias brings it in."""
+    from featcal_llm.io.recipe_yaml import read_yaml_mapping
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("a: &a {x: 1}\nb: &b {y: 2}\nc:\n  <<: *a\n  <<: *b\n  z: 3\n")
+    problems = []
+    assert read_yaml_mapping(recipe, problems)["c"] == {"x": 1, "y": 2, "z": 3} and problems == []
+    recipe.write_text("shared: &s\n  x: 1\n  x: 2\nc:\n  <<: *s\nd:\n  <<: *s\n")
+    read_yaml_mapping(recipe, problems)
+    assert [str(problem) for problem in problems] == [
+        f"{recipe}: shared.x: given twice (lines 2 and 3); YAML would keep the second silently: keep one"]
+
+
 def test_duplicate_keys_name_both_lines(scenario, tmp_path):
     recipe = write_edited(scenario, tmp_path, _duplicates)
     lines = recipe.read_text().splitlines()
