@@ -265,6 +265,10 @@ def test_a_damaged_shard_is_told_from_its_header():
         other = Path(folder) / "other.safetensors"
         other.write_bytes(b"<html>not found</html>" * 4)
         assert damaged_shard(other).startswith("other.safetensors: not a safetensors file")
+        empty = Path(folder) / "empty.safetensors"  # a header and no tensor bytes: whole, its header ends the file
+        save_file({"e": torch.zeros(0)}, str(empty))
+        assert damaged_shard(empty) is None
+        assert damaged_shard(cut.with_name("gone.safetensors")).startswith("gone.safetensors: not a safetensors file (FileNotFoundError")
 
 
 @pytest.mark.parametrize("source, refused", [("Base", True), ("someorg/sometok", False)])
@@ -421,3 +425,31 @@ def test_an_expert_tokenizer_of_other_ids_is_refused_by_validate_as_run_refuses_
         f"{tmp_path / 'r.yaml'}: expert {alien}: tokenizer maps {token!r} to {theirs[token]}, the calibration tokenizer to "
         f"{index} (read from {calibrating}): every model reads the calibration tokenizer's ids, so each expert's tokenizer "
         "must give its tokens the same ids (the base's tokenizer, as fine-tuning keeps it)"]
+
+
+@pytest.mark.parametrize("special, expected", [
+    ({"eos_token": "<unk>"}, "eos_token_id = 3 differs from the calibration tokenizer's 2"),
+    ({"unk_token": "</s>"}, "unk_token_id = 2 differs from the calibration tokenizer's 3"),
+    (["<pad>", "<s>", "<unk>", "</s>"], "eos_token_id = 3 differs from the calibration tokenizer's 2"),  # the same names, other ids
+], ids=["another eos named", "another unk named", "specials at other ids"])
+def test_an_expert_of_other_special_ids_is_left_to_runs_special_id_line(scenario, tmp_path, monkeypatch, special, expected):
+    """An expert whose tokenizer gives its characters other ids and whose special tokens differ (another token named
+    in tokenizer_config.json, or the same names at other ids): run refuses it by the special id it checks first;
+    validate, which reads only where the files decide what loading gives, names no token clash that contradicts it."""
+    import featcal_llm.tiny as tiny
+    from agreement import expert_of_other_token_ids
+    from featcal_llm.family.compat import SAME_IDS
+
+    recipe = recipe_of(scenario, tmp_path)
+    if isinstance(special, list):
+        monkeypatch.setattr(tiny, "SPECIAL_TOKENS", special)
+    alien = expert_of_other_token_ids(recipe, 0, tmp_path / "alien")
+    if isinstance(special, dict):
+        config = json.loads((alien / "tokenizer_config.json").read_text())
+        (alien / "tokenizer_config.json").write_text(json.dumps({**config, **special}))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    assert not any("tokenizer maps" in line for line in error_lines(validated)), validated.output
+    assert error_lines(CliRunner().invoke(main, ["run", str(path)])) == [
+        f"{path}: expert {alien}: tokenizer {expected} (read from {recipe['base_model']}): {SAME_IDS}"]
