@@ -60,6 +60,31 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, rais
                                          "calibrated layers, refinement steps) is kept, and the same command resumes from there")
 
 
+def test_sigterm_raises_terminated_only_inside_a_command_and_not_under_torchrun(monkeypatch):
+    """Inside a command SIGTERM raises Terminated (the handler that makes exit 143); after it, the handler that was
+    there is back (a caller of `main` keeps its own); under torchrun (LOCAL_RANK set) none is installed, as its agent
+    stops the ranks itself."""
+    import os
+    import signal
+
+    from featcal_llm.cli import stopping_on_sigterm
+
+    def before(signum, frame):
+        raise AssertionError("the caller's handler ran inside the command")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        with pytest.raises(Terminated), stopping_on_sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is before
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        with stopping_on_sigterm():
+            assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_out_of_memory_is_one_line_and_exit_1_and_other_errors_are_not_hidden(tmp_path, monkeypatch):
     import featcal_llm.api
 
