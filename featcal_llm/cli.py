@@ -62,13 +62,13 @@ class _Group(click.Group):
 @contextlib.contextmanager
 def stopping_on_sigterm():
     """SIGTERM raises Terminated (a KeyboardInterrupt) in the command's main thread, so a run a scheduler stops
-    cleans up as after Ctrl-C; the handler before is restored after. Not under torchrun, whose agent stops its
-    ranks itself, nor off the main thread (where Python takes no handler)."""
-    import os
+    cleans up as after Ctrl-C; the handler before is restored after. Under torchrun too: its agent stops the ranks
+    left with SIGTERM once one dies or it is stopped itself, and Python's default had ended them at once, without a
+    line or their lock released. Not off the main thread (where Python takes no handler)."""
     import signal
     import threading
 
-    if "LOCAL_RANK" in os.environ or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -172,6 +172,11 @@ def run(recipe: Path, output: str | None, force: bool, device: str | None, log_f
         except QuietExit:  # a torchrun rank whose error rank 0 reports
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt as stop:
+            if isinstance(stop.__context__, QuietExit):  # stopped on its way out (by torchrun's agent, once a rank has exited)
+                sys.exit(EXIT_USAGE)
+            if isinstance(stop.__context__, FeatCalError):  # the error it was leaving with is why it stopped
+                runlog.failure(stop.__context__)
+                sys.exit(stop.__context__.exit_code)
             if main_rank:
                 click.echo(_interrupted(recipe, Path(output) if output else None, stopped(stop)), err=True)
             sys.exit(stop_code(stop))

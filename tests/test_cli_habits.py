@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from featcal_llm.cli import main
-from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, FeatCalError, RunFailure, Terminated
+from featcal_llm.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, FeatCalError, QuietExit, RunFailure, Terminated
 
 COMMANDS = ["run", "validate", "eval", "leaderboard", "bench", "demo", "recipes"]
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -60,10 +60,10 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(tmp_path, monkeypatch, rais
                                          "calibrated layers, refinement steps) is kept, and the same command resumes from there")
 
 
-def test_sigterm_raises_terminated_only_inside_a_command_and_not_under_torchrun(monkeypatch):
+def test_sigterm_raises_terminated_only_inside_a_command_under_torchrun_too(monkeypatch):
     """Inside a command SIGTERM raises Terminated (the handler that makes exit 143); after it, the handler that was
-    there is back (a caller of `main` keeps its own); under torchrun (LOCAL_RANK set) none is installed, as its agent
-    stops the ranks itself."""
+    there is back (a caller of `main` keeps its own); under torchrun (LOCAL_RANK set) too, as its agent stops the ranks
+    left with SIGTERM."""
     import os
     import signal
 
@@ -79,10 +79,32 @@ def test_sigterm_raises_terminated_only_inside_a_command_and_not_under_torchrun(
             os.kill(os.getpid(), signal.SIGTERM)
         assert signal.getsignal(signal.SIGTERM) is before
         monkeypatch.setenv("LOCAL_RANK", "0")
-        with stopping_on_sigterm():
-            assert signal.getsignal(signal.SIGTERM) is before
+        with pytest.raises(Terminated), stopping_on_sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("leaving, code, line", [(FeatCalError("r.yaml: featcal.alpha: expected at most 1"), EXIT_USAGE,
+                                                   "featcal-llm: error: r.yaml: featcal.alpha: expected at most 1"),
+                                                  (QuietExit(), EXIT_USAGE, None)])
+def test_a_stop_on_the_way_out_of_an_error_reports_the_error(tmp_path, monkeypatch, leaving, code, line):
+    """torchrun's agent SIGTERMs the ranks left once one has exited: a rank still cleaning up after its error (leaving
+    the world) reports that error, not a stop that would say the run was merely interrupted."""
+    import featcal_llm.api
+
+    def calibrate(*args, **kwargs):
+        try:
+            raise leaving
+        finally:
+            raise Terminated()
+
+    monkeypatch.setattr(featcal_llm.api, "calibrate", calibrate)
+    (tmp_path / "r.yaml").write_text("x: 1\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "r.yaml")])
+    assert result.exit_code == code, (result.output, result.exception)
+    assert result.stderr.strip().splitlines() == ([line] if line else [])
 
 
 def test_out_of_memory_is_one_line_and_exit_1_and_other_errors_are_not_hidden(tmp_path, monkeypatch):

@@ -418,7 +418,6 @@ def test_a_gpu_named_by_index_under_torchrun_is_refused_before_any_model_loads(m
     assert rank_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # one process: the GPU it names
 
 
-@pytest.mark.xfail(strict=True, reason="under torchrun SIGTERM kills the ranks at once: no line, the lock file left")
 def test_under_torchrun_the_ranks_the_agent_stops_say_so_and_release_the_lock(uneven, tmp_path):
     """torchrun's agent SIGTERMs the ranks left once one dies (or once it is stopped itself: `scancel`, `kill`): rank 0
     stops as a SIGTERM'd one-process run does, with the one line and its lock released, its saved layers kept."""
