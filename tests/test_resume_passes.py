@@ -126,3 +126,28 @@ def test_records_go_back_to_the_same_rows_on_any_sharding():
                 assert batch.input_ids[row, 0] == 10 + index  # the row is the record it is said to be
                 assert torch.equal(batch_values[row][batch.keep[row]], values[index])
                 assert not batch_values[row][~batch.keep[row]].any()
+
+
+@pytest.mark.xfail(strict=True, reason="the start-over warning does not say the thread count differs, nor how to resume")
+def test_progress_saved_on_another_thread_count_names_it_and_how_to_resume(tmp_path, monkeypatch):
+    """torchrun gives each rank one thread (OMP_NUM_THREADS=1) unless told otherwise, and one process takes every core:
+    a one-process rerun of a stopped torchrun run starts over (the thread count rounds the CPU's sums otherwise), and
+    the warning says so and how to resume instead of naming only 'a different recipe, data, models or settings'."""
+    import torch
+
+    from featcal_llm.engine.resume import StagingArea
+    from featcal_llm.errors import collected_warnings
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    staging = StagingArea(tmp_path / "partial", "under torchrun")
+    staging.commit(0, {"w": torch.zeros(2)})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with collected_warnings() as found:
+        again = StagingArea(tmp_path / "partial", "in one process")
+    assert again.completed == 0
+    assert found == [f"saved progress in {tmp_path / 'partial'} was made with 1 thread a process, this run has 2; starting "
+                     "over (to resume it instead, stop this run and rerun with OMP_NUM_THREADS=1)"]
+    with collected_warnings() as found:  # the same thread count: the general line
+        StagingArea(tmp_path / "partial", "another recipe")
+    assert found == [f"saved progress in {tmp_path / 'partial'} was made with a different recipe, data, models or settings; "
+                     "starting over"]
