@@ -128,7 +128,6 @@ def test_records_go_back_to_the_same_rows_on_any_sharding():
                 assert not batch_values[row][~batch.keep[row]].any()
 
 
-@pytest.mark.xfail(strict=True, reason="the start-over warning does not say the thread count differs, nor how to resume")
 def test_progress_saved_on_another_thread_count_names_it_and_how_to_resume(tmp_path, monkeypatch):
     """torchrun gives each rank one thread (OMP_NUM_THREADS=1) unless told otherwise, and one process takes every core:
     a one-process rerun of a stopped torchrun run starts over (the thread count rounds the CPU's sums otherwise), and

@@ -127,9 +127,10 @@ class StagingArea:
         self.root = root
         self.layers = root / "layers"
         self.fingerprint = run_fingerprint
+        self.threads = torch.get_num_threads()  # in the fingerprint (CPU sums round by it): kept to say so when it differs
         state = self._read_state()
         if state is not None and state.get("fingerprint") != run_fingerprint:
-            warn(f"saved progress in {root} was made with a different recipe, data, models or settings; starting over")
+            warn(self._starting_over(state.get("threads")))
             state = None
         if state is None:
             remove_staging(root)
@@ -139,6 +140,15 @@ class StagingArea:
         else:
             self.completed = int(state["completed_layers"])  # engine/calibrate says so, knowing the decoder's layer count
 
+    def _starting_over(self, saved_threads: int | None) -> str:
+        """Why the saved progress is not resumed: torchrun gives each rank one thread unless OMP_NUM_THREADS says
+        otherwise and one process takes every core, so a rerun on another world size is told how to resume."""
+        if saved_threads is None or saved_threads == self.threads:
+            return f"saved progress in {self.root} was made with a different recipe, data, models or settings; starting over"
+        plural = "s" if saved_threads > 1 else ""
+        return (f"saved progress in {self.root} was made with {saved_threads} thread{plural} a process, this run has "
+                f"{self.threads}; starting over (to resume it instead, stop this run and rerun with OMP_NUM_THREADS={saved_threads})")
+
     def _read_state(self) -> dict | None:
         try:
             return json.loads((self.root / STATE_FILE).read_text())
@@ -146,7 +156,7 @@ class StagingArea:
             return None
 
     def _write_state(self) -> None:
-        state = {"fingerprint": self.fingerprint, "completed_layers": self.completed}
+        state = {"fingerprint": self.fingerprint, "completed_layers": self.completed, "threads": self.threads}
         _write_atomically(self.root / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
 
     def layer_file(self, layer: int) -> Path:
