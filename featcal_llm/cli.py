@@ -117,8 +117,9 @@ Examples:
 @click.option("--force", is_flag=True, help="Replace an existing output (an earlier featcal-llm output, or an empty folder); "
                                              "also how a run stopped after its output was written resumes.")
 @click.option("--device", default=None, help="Override featcal.device (auto, cpu, cuda, cuda:N).")
-@click.option("--log", "log_file", type=click.Path(path_type=Path), default=None, metavar="FILE",  # a folder: check_log_file's one line
-              help="Also write the run's messages, a line per layer and full errors to FILE (appended).")
+@click.option("--log", "--log-file", "log_file", type=click.Path(path_type=Path), default=None, metavar="FILE",  # a folder: check_log_file's one line
+              help="Also write the run's messages, a line per layer and full errors to FILE (appended); under torchrun "
+                   "write --log-file, as torchrun reads --log as its own --log-dir.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, stage lines or summary: warnings, errors and the result only.")
 @click.option("--verbose", "-v", is_flag=True, help="Also a line per layer (time, tokens/s, ETA) and full tracebacks of failures.")
 @click.option("--push-to-hub", "repo_id", default=None, metavar="REPO_ID",

@@ -438,7 +438,6 @@ def test_under_torchrun_the_ranks_the_agent_stops_say_so_and_release_the_lock(un
     assert json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())["completed_layers"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="torchrun takes run's --log for an abbreviation of its own --log-dir; no other spelling")
 def test_run_s_log_option_has_a_spelling_torchrun_passes_on():
     """`torchrun ... -m featcal_llm run r.yaml --log run.log` stops in torchrun's parser ('ambiguous option: --log could
     match --log-dir, ...'): argparse matches abbreviations across the script's arguments too. `--log-file` passes."""
