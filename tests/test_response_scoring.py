@@ -331,3 +331,18 @@ def test_the_tokens_a_record_is_judged_on_are_those_whose_successor_is_scored():
     from featcal_llm.maths.advantage import judged_tokens
 
     assert (judged_tokens(1, 0), judged_tokens(5, 0), judged_tokens(5, 3), judged_tokens(3, 3)) == (0, 4, 2, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="a tokenizer saved with truncation_side: left has its records cut from the start: the prompt's tail is judged as response")
+def test_a_tokenizer_that_truncates_on_the_left_still_keeps_each_record_s_start():
+    """featcal.max_length keeps a record's first tokens whatever side the tokenizer truncates on for its own uses (some
+    ship `truncation_side: left`): cut from the left, a record would lose its BOS and prompt, and the LCP rule would
+    judge what is left of the prompt as response. Reference: one token a character, so the ids are the text's."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    tokenizer.truncation_side = "left"
+    [record] = tokenize_texts(["2+3=five!"], tokenizer, 7, "d", ["2+3="])
+    assert list(record) == [tokenizer.bos_token_id] + tokenizer.convert_tokens_to_ids(list("2+3=fi"))
+    assert record.response_from == 5 and tokenizer.truncation_side == "left"  # the tokenizer is left as it was
