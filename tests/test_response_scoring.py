@@ -333,7 +333,6 @@ def test_the_tokens_a_record_is_judged_on_are_those_whose_successor_is_scored():
     assert (judged_tokens(1, 0), judged_tokens(5, 0), judged_tokens(5, 3), judged_tokens(3, 3)) == (0, 4, 2, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="a tokenizer saved with truncation_side: left has its records cut from the start: the prompt's tail is judged as response")
 def test_a_tokenizer_that_truncates_on_the_left_still_keeps_each_record_s_start():
     """featcal.max_length keeps a record's first tokens whatever side the tokenizer truncates on for its own uses (some
     ship `truncation_side: left`): cut from the left, a record would lose its BOS and prompt, and the LCP rule would

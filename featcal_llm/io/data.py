@@ -199,10 +199,16 @@ def response_start(ids: list[int], prompt_ids: list[int]) -> int:
 
 
 def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int]:
-    """The text's token ids with the tokenizer's special tokens, except a BOS the text (a chat template's output) already starts with."""
+    """The text's token ids with the tokenizer's special tokens, except a BOS the text (a chat template's output) already
+    starts with; past `max_length`, the end is cut (also for a tokenizer saved with `truncation_side: left`)."""
     has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
     truncation = {"truncation": True, "max_length": max_length} if max_length is not None else {}
-    return list(tokenizer(text, add_special_tokens=not has_bos, **truncation)["input_ids"])
+    side = getattr(tokenizer, "truncation_side", "right")
+    tokenizer.truncation_side = "right"  # a record keeps its start (its BOS, its prompt) whatever side the tokenizer cuts on
+    try:
+        return list(tokenizer(text, add_special_tokens=not has_bos, **truncation)["input_ids"])
+    finally:
+        tokenizer.truncation_side = side
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str,
