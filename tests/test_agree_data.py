@@ -233,3 +233,28 @@ def test_validate_s_first_rows_of_a_csv_or_parquet_file_are_those_datasets_hands
     header, rows, _ = file_head(parquet_path, "w")
     assert header == ["text", "n"] and rows == datasets.load_dataset("parquet", data_files=str(parquet_path), split="train").to_list()
 
+
+
+@pytest.mark.xfail(strict=True, reason="a datasets save_to_disk folder passes validate, and run refuses it (load_dataset cannot read it)")
+def test_a_save_to_disk_folder_is_read_at_its_split_and_a_missing_split_refused_alike(tmp_path):
+    """A folder `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote is a local dataset directory (docs/recipe.md):
+    run reads it with `datasets.load_from_disk`, the split the entry names (a single Dataset is one split, train);
+    a split it lacks is refused by validate and run in one line naming the key and the splits there are."""
+    import datasets
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data_files import load_records
+    from featcal_llm.io.validate_data import check_data
+
+    rows = {split: [{"text": f"{split} {i}"} for i in range(3)] for split in ("train", "validation")}
+    datasets.Dataset.from_list(rows["train"]).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in rows.items()}).save_to_disk(str(tmp_path / "two"))
+    assert list(load_records(DataSpec(path=str(tmp_path / "one")), "featcal.data.e")) == rows["train"]
+    for split in ("train", "validation"):
+        assert list(load_records(DataSpec(path=str(tmp_path / "two"), split=split), "featcal.data.e")) == rows[split]
+    for folder, split in (("two", "test"), ("one", "validation")):
+        spec = DataSpec(path=str(tmp_path / folder), split=split)
+        for check in (lambda: load_records(spec, "featcal.data.e"), lambda: check_data(spec, "featcal.data.e", tmp_path, False, [])):
+            with pytest.raises(FeatCalError, match=rf"^featcal\.data\.e\.split: {split}: {tmp_path / folder} has the splits? (train, validation|train) \(") as error:
+                check()
+            assert "\n" not in str(error.value)
