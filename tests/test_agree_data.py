@@ -235,7 +235,6 @@ def test_validate_s_first_rows_of_a_csv_or_parquet_file_are_those_datasets_hands
 
 
 
-@pytest.mark.xfail(strict=True, reason="a datasets save_to_disk folder passes validate, and run refuses it (load_dataset cannot read it)")
 def test_a_save_to_disk_folder_is_read_at_its_split_and_a_missing_split_refused_alike(tmp_path):
     """A folder `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote is a local dataset directory (docs/recipe.md):
     run reads it with `datasets.load_from_disk`, the split the entry names (a single Dataset is one split, train);

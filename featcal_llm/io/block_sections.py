@@ -63,7 +63,7 @@ class DataSpec(RecipeModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    path: str | None = Field(None, min_length=1, description="local .jsonl/.json/.parquet/.csv file, local dataset dir, or hub dataset id")
+    path: str | None = Field(None, min_length=1, description="local .jsonl/.json/.parquet/.csv file, local dataset dir (data files, or a folder datasets' save_to_disk wrote), or hub dataset id")
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")

@@ -1,5 +1,5 @@
 """One expert's calibration data read into records: a local file (JSON lines, JSON, parquet, CSV), a local dataset
-directory or a hub dataset, through `datasets.load_dataset`.
+directory or a hub dataset, through `datasets.load_dataset` (a folder `save_to_disk` wrote: `load_from_disk`).
 
 One shortcut: a local JSON-lines file of flat string records, read in file order, is parsed with `json` instead of
 `datasets` (whose import, with pyarrow and pandas, is ≈ 0.5 s of a ≈ 3.5 s start-up). Such records are exactly what
@@ -138,6 +138,29 @@ def check_file_options(spec: DataSpec, where: str) -> None:
                            "dataset or a dataset directory")
 
 
+def saved_splits(path: Path) -> list[str] | None:
+    """The splits of a folder `save_to_disk` wrote, which `load_dataset` cannot read (`load_from_disk` does): a
+    DatasetDict's are listed in its dataset_dict.json, a single Dataset (state.json) is one split, train; None for any
+    other folder."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return [str(split) for split in splits] if isinstance(splits, list) else None
+    return ["train"] if (path / "state.json").is_file() and (path / "dataset_info.json").is_file() else None
+
+
+def check_saved_folder(spec: DataSpec, where: str, splits: list[str]) -> None:
+    """A save_to_disk folder has the splits it was saved with and no configurations: anything else is one line."""
+    if spec.name is not None:
+        raise FeatCalError(f"{where}.name: {spec.name}: a folder datasets' save_to_disk wrote has no configurations; "
+                           "name applies to a hub dataset or a dataset directory of data files")
+    if spec.split not in splits:
+        raise FeatCalError(f"{where}.split: {spec.split}: {spec.path} has the split{'s' if len(splits) > 1 else ''} "
+                           f"{', '.join(splits)} (a folder datasets' save_to_disk wrote; a split is named whole, not sliced)")
+
+
 class RepeatedKey(ValueError):
     """A JSON object that gives one key twice: `json` keeps the last value, Arrow (datasets' reader) refuses the file."""
 
@@ -190,6 +213,10 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
             check_file_options(spec, where)
             with runlog.library_silenced("datasets"):  # a reader's error is logged, then raised: refused below in one line
                 return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
+        if path.is_dir() and (splits := saved_splits(path)) is not None:
+            check_saved_folder(spec, where, splits)
+            saved = datasets.load_from_disk(str(path))
+            return saved[spec.split] if isinstance(saved, datasets.DatasetDict) else saved
         if path.is_dir():
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         if not looks_like_hub_id(spec.path):

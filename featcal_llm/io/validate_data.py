@@ -15,7 +15,7 @@ from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import alpaca_input, chat_messages, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options, close_sibling, data_path,
                                        distinct_keys, file_builder, file_not_found, looks_like_hub_id, no_records, not_utf8,
-                                       repeated_key)
+                                       repeated_key, check_saved_folder, saved_splits)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -111,6 +111,9 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         if count == 0:
             raise no_records(spec, where)
         return count
+    if path.is_dir() and (splits := saved_splits(path)) is not None:
+        check_saved_folder(spec, where, splits)
+        return None  # its record count: the run's load_from_disk says it
     if path.is_dir():
         check_dataset_directory(spec, where, path)
         return None  # its record count: datasets decides the layout's files when the run loads it
