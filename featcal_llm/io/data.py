@@ -129,13 +129,22 @@ def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str)
     return template.format(instruction=instruction, input=extra, response=response)
 
 
+def completion_text(record: dict, spec: DataSpec, where: str, index: int) -> str:
+    """TRL's prompt then completion, as is; both empty is no text at all, refused naming them (as `validate` does)."""
+    text = text_field(record, spec, spec.prompt, where, index) + text_field(record, spec, spec.response, where, index)
+    if not text:
+        raise FeatCalError(f"{where}.path: {spec.path}: record {index}: fields {spec.prompt!r} and {spec.response!r} are both "
+                           "empty; drop the record or fill it")
+    return text
+
+
 def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str:
     if spec.format == "text":
         return text_field(record, spec, spec.text, where, index)
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, text_field(record, spec, spec.response, where, index))
     if spec.format == "completion":
-        return text_field(record, spec, spec.prompt, where, index) + text_field(record, spec, spec.response, where, index)
+        return completion_text(record, spec, where, index)
     if not carries_chat_template(tokenizer):
         raise FeatCalError(f"{where}.format: chat needs a tokenizer with a chat template")
     return render_chat(tokenizer, _chat_messages(record, spec, where, index), f"{where}: record {index}: the tokenizer's chat template refused it")

@@ -12,7 +12,7 @@ from typing import Any
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
-from featcal_llm.io.data import alpaca_input, chat_messages, missing_field, text_field, text_fields
+from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options, close_sibling, data_path,
                                        distinct_keys, file_builder, file_not_found, looks_like_hub_id, no_records, not_utf8,
                                        repeated_key, check_saved_folder, saved_splits)
@@ -107,6 +107,8 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
                 chat_messages(record, spec, where, index)
             if spec.format == "alpaca":
                 alpaca_input(record, spec, where, index)
+            if spec.format == "completion":
+                completion_text(record, spec, where, index)
         count = len(records) if complete else record_count(path) if fields is not None else None
         if count == 0:
             raise no_records(spec, where)
