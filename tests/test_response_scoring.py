@@ -361,3 +361,31 @@ def test_a_completion_record_with_nothing_in_it_is_refused_alike_naming_the_file
     for shuffle in (False, True):
         with pytest.raises(FeatCalError, match=line.replace("^r", "^" + str(tmp_path).replace(".", r"\.") + "/r")):
             calibration_sequences({"e": spec}, ["e"], build_char_tokenizer(), 4, 64, shuffle, 0, tmp_path / "r.yaml")
+
+
+GENERATION_TEMPLATE = (  # tiny.CHAT_TEMPLATE with the assistant's turns marked, for transformers' assistant mask
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|assistant|>' }}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{% else %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_a_conversation_is_judged_on_its_last_assistant_turn_with_one_bos():
+    """Against transformers' own `apply_chat_template(return_assistant_tokens_mask=True)`: the record's ids are the
+    template's (a tokenizer that adds BOS does not add a second one to the template's), and the judged tokens are
+    the assistant mask's last turn; earlier turns, the assistant's included, are the prompt it answers (docs/methods.md)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    tokenizer.chat_template = GENERATION_TEMPLATE
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5, é\r\n"}]
+    spec = DataSpec(path="x.jsonl", format="chat", messages="messages")
+    record = {"messages": messages}
+    [ids] = tokenize_texts([record_to_text(record, spec, tokenizer, "d", 0)], tokenizer, 512, "d", [record_prompt(record, spec, tokenizer, "d", 0)])
+    reference = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert list(ids) == reference["input_ids"] and list(ids).count(tokenizer.bos_token_id) == 1
+    mask = reference["assistant_masks"]
+    last = max(i for i in range(len(mask)) if mask[i] and not mask[i - 1])  # where the last assistant turn starts
+    assert ids.response_from == last and all(mask[last:]) and sum(mask[:last]) == 2  # the first answer: "2" and its </s>

@@ -67,7 +67,7 @@ class DataSpec(RecipeModel):
     generate: GenerateSpec | None = Field(None, description="instead of path: the expert samples its own texts")
     split: str = Field("train", description="dataset split (local dataset directories and hub datasets)")
     name: str | None = Field(None, description="dataset configuration name for load_dataset")
-    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then completion, as is (TRL's standard prompt-completion records: string fields prompt and completion; its conversational form, lists of messages, is refused). With the last three, whether an expert leads the merge on its records (trailing_experts) is judged on the responses")
+    format: Literal["text", "alpaca", "chat", "completion"] = Field("text", description="text: one field as is; alpaca: instruction/input/response in the Alpaca template; chat: the tokenizer's chat template; completion: prompt then completion, as is (TRL's standard prompt-completion records: string fields prompt and completion; its conversational form, lists of messages, is refused). With the last three, whether an expert leads the merge on its records (trailing_experts) is judged on the responses (a conversation's: its last turn, where that is the assistant's; else every token)")
     text: str = Field("text", description="field holding the text (format: text)")
     instruction: str = Field("instruction", description="field holding the instruction (format: alpaca)")
     input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
