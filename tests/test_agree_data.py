@@ -257,3 +257,22 @@ def test_a_save_to_disk_folder_is_read_at_its_split_and_a_missing_split_refused_
             with pytest.raises(FeatCalError, match=rf"^featcal\.data\.e\.split: {split}: {tmp_path / folder} has the splits? (train, validation|train) \(") as error:
                 check()
             assert "\n" not in str(error.value)
+
+
+@pytest.mark.xfail(strict=True, reason="validate reads a CSV line of spaces as a record (refusing it as only whitespace); datasets (pandas) skips it")
+def test_a_csv_line_of_spaces_is_no_record_to_validate_as_to_datasets(tmp_path):
+    """pandas, datasets' CSV reader, skips a line of spaces or tabs as it skips an empty one (not inside a quoted cell):
+    validate counted it as a record, refused it as "only whitespace" and numbered the records after it one too high."""
+    import datasets
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.validate_data import check_data
+
+    body = 'text,x\r\n \t \r\na,1\r\n   \r\n"b\n  \nc",2\r\n\t\r\n'
+    (tmp_path / "d.csv").write_text(body, encoding="utf-8", newline="")
+    rows = datasets.load_dataset("csv", data_files=str(tmp_path / "d.csv"), split="train")["text"]
+    assert rows == ["a", "b\n  \nc"]
+    assert check_data(DataSpec(path="d.csv"), "featcal.data.e", tmp_path, False, []) == len(rows)
+    (tmp_path / "d.csv").write_text(body + ",3\r\n", encoding="utf-8", newline="")  # record 2, to datasets, has no text
+    with pytest.raises(FeatCalError, match=r"^featcal\.data\.e\.path: d\.csv: record 2: field 'text' is null"):
+        check_data(DataSpec(path="d.csv"), "featcal.data.e", tmp_path, False, [])
