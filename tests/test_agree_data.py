@@ -259,7 +259,6 @@ def test_a_save_to_disk_folder_is_read_at_its_split_and_a_missing_split_refused_
             assert "\n" not in str(error.value)
 
 
-@pytest.mark.xfail(strict=True, reason="validate reads a CSV line of spaces as a record (refusing it as only whitespace); datasets (pandas) skips it")
 def test_a_csv_line_of_spaces_is_no_record_to_validate_as_to_datasets(tmp_path):
     """pandas, datasets' CSV reader, skips a line of spaces or tabs as it skips an empty one (not inside a quoted cell):
     validate counted it as a record, refused it as "only whitespace" and numbered the records after it one too high."""

@@ -8,7 +8,7 @@ import csv
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
@@ -130,7 +130,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
 
 def record_count(path: Path) -> int | None:
     """The rows of a parquet file (its footer says), or the records of a CSV or JSON-lines file of at most
-    `COUNT_MAX_BYTES` (one pass: CSV rows after the header, blank lines skipped as pandas skips them; non-blank
+    `COUNT_MAX_BYTES` (one pass: CSV rows after the header, blank lines (empty, or spaces and tabs) skipped as pandas skips them; non-blank
     JSON lines); None for anything else, which run counts once `datasets` has loaded it."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -141,7 +141,7 @@ def record_count(path: Path) -> int | None:
         return None
     if suffix == ".csv":
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
-            return sum(1 for row in csv.reader(handle) if row) - 1
+            return sum(1 for _ in csv_records(handle)) - 1
     with open(path, "rb") as handle:
         return sum(1 for line in handle if line.strip())
 
@@ -183,7 +183,7 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
     if suffix == ".csv":
         try:
             with open(path, newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel's "CSV UTF-8"), as datasets skips it
-                reader = csv.reader(handle)
+                reader = csv_records(handle)
                 header = next(reader, None)
                 rows = csv_rows(reader, header) if header else []
         except UnicodeDecodeError as error:
@@ -246,6 +246,24 @@ CSV_MISSING = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-n
                "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 
 
+def csv_records(handle: Any) -> Iterator[list[str]]:
+    """The CSV rows pandas (datasets' reader) reads: a line that is empty or holds only spaces and tabs, outside a
+    quoted cell, is no row to it (a quoted cell's lines are kept as they are)."""
+    between = True  # whether the reader asks for a record's first line
+
+    def lines() -> Iterator[str]:
+        nonlocal between
+        for line in handle:
+            if between and not line.strip(" \t\r\n"):
+                continue
+            between = False
+            yield line
+
+    for cells in csv.reader(lines()):
+        between = True
+        yield cells
+
+
 def csv_rows(reader: Any, header: list[str]) -> list[dict]:
     """The first rows after the header as datasets hands them to the run, as far as their text goes: a missing cell
     is null."""
@@ -253,8 +271,7 @@ def csv_rows(reader: Any, header: list[str]) -> list[dict]:
     for number, cells in enumerate(reader):
         if number >= FIELD_SCAN_LINES:
             break
-        if cells:  # a blank line is no row to pandas
-            rows.append({name: (None if cell in CSV_MISSING else cell) for name, cell in zip(header, cells)})
+        rows.append({name: (None if cell in CSV_MISSING else cell) for name, cell in zip(header, cells)})
     return rows
 
 
