@@ -130,8 +130,8 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
 
 def record_count(path: Path) -> int | None:
     """The rows of a parquet file (its footer says), or the records of a CSV or JSON-lines file of at most
-    `COUNT_MAX_BYTES` (one pass: CSV rows after the header, blank lines (empty, or spaces and tabs) skipped as pandas skips them; non-blank
-    JSON lines); None for anything else, which run counts once `datasets` has loaded it."""
+    `COUNT_MAX_BYTES` (one pass: CSV rows after the header, lines empty or of spaces and tabs skipped as pandas skips
+    them; non-blank JSON lines); None for anything else, which run counts once `datasets` has loaded it."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as parquet
