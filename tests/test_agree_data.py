@@ -277,7 +277,6 @@ def test_a_csv_line_of_spaces_is_no_record_to_validate_as_to_datasets(tmp_path):
         check_data(DataSpec(path="d.csv"), "featcal.data.e", tmp_path, False, [])
 
 
-@pytest.mark.xfail(strict=True, reason="validate skips a JSON-lines line holding a form feed or no-break space as blank; datasets' reader refuses the file")
 @pytest.mark.parametrize("blank", ["\x0c", "\x0b", "\u00a0"])
 def test_a_json_lines_line_of_other_whitespace_is_refused_alike(tmp_path, blank):
     """JSON's whitespace is space, tab, CR and LF: Arrow (datasets' JSON reader, the run's) refuses a line holding only

@@ -25,6 +25,7 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 PLAIN_JSONL_MAX_BYTES = 64 * 2**20  # larger files go through datasets (memory-mapped Arrow, not one Python string)
 # Arrow's JSON reader turns ISO-8601 date(-time) strings into timestamps; any value starting like one goes to datasets.
 DATE_LIKE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+JSON_WHITESPACE = " \t\r\n"  # a JSON-lines line of these alone is blank to Arrow; a form feed or no-break space is not
 
 
 FILE_SUFFIX = re.compile(r"\.[A-Za-z]{1,8}")  # `.jsonl`, `.txt`: a file type; `.5`, `.1-8B-Instruct`: part of an id
@@ -188,7 +189,7 @@ def _first_repeated_key(path: Path) -> tuple[int, str] | None:
     try:
         with open(path, encoding="utf-8") as handle:
             for line in handle:
-                if not line.strip():
+                if not line.strip(JSON_WHITESPACE):
                     continue
                 try:
                     json.loads(line, object_pairs_hook=distinct_keys)

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, missing_field, text_field, text_fields
-from featcal_llm.io.data_files import (PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options, close_sibling, data_path,
-                                       distinct_keys, file_builder, file_not_found, looks_like_hub_id, no_records, not_utf8,
-                                       repeated_key, check_saved_folder, saved_splits)
+from featcal_llm.io.data_files import (JSON_WHITESPACE, PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options,
+                                       check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
+                                       file_not_found, looks_like_hub_id, no_records, not_utf8, repeated_key, saved_splits)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -143,7 +143,7 @@ def record_count(path: Path) -> int | None:
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
             return sum(1 for _ in csv_records(handle)) - 1
     with open(path, "rb") as handle:
-        return sum(1 for line in handle if line.strip())
+        return sum(1 for line in handle if line.strip(JSON_WHITESPACE.encode()))
 
 
 def short_file_findings(path: Path, featcal: Any, counts: dict[str, int], notes: list[str], problems: list[Problem]) -> None:
@@ -224,7 +224,7 @@ def file_head(path: Path, where: str) -> tuple[list[str] | None, list[dict], boo
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM before the first record, as datasets skips it
             except UnicodeDecodeError as error:
                 raise FeatCalError(f"{where}: {not_utf8(error).replace('at offset', f'on line {number}, at offset')}") from None
-            if not line.strip():
+            if not line.strip(JSON_WHITESPACE):
                 continue
             try:
                 records.append(json.loads(line, object_pairs_hook=distinct_keys))
