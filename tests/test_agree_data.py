@@ -292,3 +292,24 @@ def test_a_json_lines_line_of_other_whitespace_is_refused_alike(tmp_path, blank)
         check_data(spec, "featcal.data.e", tmp_path, False, [])
     with pytest.raises(FeatCalError, match=r"featcal\.data\.e\.path: d\.jsonl: cannot load calibration data \("):
         calibration_sequences({"e": spec}, ["e"], None, 4, 16, False, 0, tmp_path / "r.yaml")
+
+
+@pytest.mark.xfail(strict=True, reason="validate passes name: for a folder of data files; run refuses it, blaming .path")
+def test_a_configuration_name_for_a_folder_of_data_files_is_refused_alike(tmp_path):
+    """A folder of data files is one configuration to datasets (`default`): `name: main` passed validate, and run
+    stopped on "featcal.data.e.path: ...: cannot load calibration data (BuilderConfig 'main' not found ...)". Both
+    now name the key; `name: default` reads the folder as without a name."""
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data_files import load_records
+    from featcal_llm.io.validate_data import check_data
+
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    spec = DataSpec(path="ds", name="main")
+    line = r"^featcal\.data\.e\.name: main: ds is a folder of data files, one configuration to datasets \(default\); "
+    for check in (lambda: check_data(spec, "featcal.data.e", tmp_path, False, []), lambda: load_records(spec, "featcal.data.e", tmp_path)):
+        with pytest.raises(FeatCalError, match=line):
+            check()
+    assert list(load_records(DataSpec(path="ds", name="default"), "featcal.data.e", tmp_path)) == [{"text": "a"}, {"text": "b"}]
+    check_data(DataSpec(path="ds", name="default"), "featcal.data.e", tmp_path, False, [])
