@@ -294,7 +294,6 @@ def test_a_json_lines_line_of_other_whitespace_is_refused_alike(tmp_path, blank)
         calibration_sequences({"e": spec}, ["e"], None, 4, 16, False, 0, tmp_path / "r.yaml")
 
 
-@pytest.mark.xfail(strict=True, reason="validate passes name: for a folder of data files; run refuses it, blaming .path")
 def test_a_configuration_name_for_a_folder_of_data_files_is_refused_alike(tmp_path):
     """A folder of data files is one configuration to datasets (`default`): `name: main` passed validate, and run
     stopped on "featcal.data.e.path: ...: cannot load calibration data (BuilderConfig 'main' not found ...)". Both

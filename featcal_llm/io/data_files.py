@@ -162,6 +162,15 @@ def check_saved_folder(spec: DataSpec, where: str, splits: list[str]) -> None:
                            f"{', '.join(splits)} (a folder datasets' save_to_disk wrote; a split is named whole, not sliced)")
 
 
+def check_folder_name(spec: DataSpec, where: str, path: Path) -> None:
+    """A folder of data files is one configuration to datasets, `default`: another `name:` is refused in one line
+    (datasets: "BuilderConfig not found"), unless a README.md or a loading script there may declare configurations."""
+    if spec.name in (None, "default") or (path / "README.md").is_file() or any(path.glob("*.py")):
+        return
+    raise FeatCalError(f"{where}.name: {spec.name}: {spec.path} is a folder of data files, one configuration to datasets "
+                       "(default); name applies to a hub dataset or a folder whose README.md declares configurations")
+
+
 class RepeatedKey(ValueError):
     """A JSON object that gives one key twice: `json` keeps the last value, Arrow (datasets' reader) refuses the file."""
 
@@ -219,6 +228,7 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
             saved = datasets.load_from_disk(str(path))
             return saved[spec.split] if isinstance(saved, datasets.DatasetDict) else saved
         if path.is_dir():
+            check_folder_name(spec, where, path)
             return datasets.load_dataset(str(path), spec.name, split=spec.split)
         if not looks_like_hub_id(spec.path):
             raise file_not_found(path, where, base_dir)

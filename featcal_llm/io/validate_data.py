@@ -14,7 +14,7 @@ from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (JSON_WHITESPACE, PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options,
-                                       check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
+                                       check_folder_name, check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
                                        file_not_found, looks_like_hub_id, no_records, not_utf8, repeated_key, saved_splits)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
@@ -38,9 +38,10 @@ def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> None:
 def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
     """A local dataset directory holds data files and the split asked for, as datasets reads its listing (its own
     `get_data_patterns`: `train.jsonl` is split train, a lone `foo.jsonl` too); a directory that declares its layout
-    itself (a README's configs, a loading script, a `save_to_disk` folder) or a named config is left to the run."""
+    itself (a README's configs, a loading script, a `save_to_disk` folder) is left to the run, a configuration `name:` refused where no README.md or script can declare one."""
+    check_folder_name(spec, where, path)
     declared = ("README.md", "dataset_dict.json", "dataset_info.json", "state.json")
-    if spec.name or any((path / name).is_file() for name in declared) or any(path.glob("*.py")):
+    if spec.name not in (None, "default") or any((path / name).is_file() for name in declared) or any(path.glob("*.py")):
         return
     from datasets.data_files import EmptyDatasetError, get_data_patterns
 
