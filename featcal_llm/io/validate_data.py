@@ -38,7 +38,8 @@ def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> None:
 def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
     """A local dataset directory holds data files and the split asked for, as datasets reads its listing (its own
     `get_data_patterns`: `train.jsonl` is split train, a lone `foo.jsonl` too); a directory that declares its layout
-    itself (a README's configs, a loading script, a `save_to_disk` folder) is left to the run, a configuration `name:` refused where no README.md or script can declare one."""
+    itself (a README's configs, a loading script, a `save_to_disk` folder) is left to the run; a configuration `name:`
+    is refused where no README.md or script can declare one."""
     check_folder_name(spec, where, path)
     declared = ("README.md", "dataset_dict.json", "dataset_info.json", "state.json")
     if spec.name not in (None, "default") or any((path / name).is_file() for name in declared) or any(path.glob("*.py")):
