@@ -314,20 +314,21 @@ def test_a_configuration_name_for_a_folder_of_data_files_is_refused_alike(tmp_pa
     check_data(DataSpec(path="ds", name="default"), "featcal.data.e", tmp_path, False, [])
 
 
-@pytest.mark.xfail(strict=True, reason="datasets' JSON reader (Arrow) turns a string field holding only an ISO date into a timestamp, "
-                   "and run refuses it as 'a datetime, not a string' while validate (json) passes it; reading such "
-                   "columns as the file's strings needs a reader that bypasses Arrow's inference (open: design of data_files)")
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_a_prompt_that_is_an_iso_date_is_read_as_the_file_s_string(tmp_path, shuffle):
+def test_a_prompt_that_is_an_iso_date_is_read_as_the_file_s_string(tmp_path, shuffle, suffix):
+    """Arrow (datasets' JSON reader) types a string column holding only ISO dates as timestamps: run refused such a
+    prompt as "a datetime, not a string" while validate (json) passed it. Both read the file's strings now."""
     from featcal_llm.io.block_sections import DataSpec
     from featcal_llm.io.data import calibration_sequences
     from featcal_llm.io.validate_data import check_data
     from featcal_llm.tiny import build_char_tokenizer
 
-    (tmp_path / "d.jsonl").write_text('{"prompt": "2024-01-01", "completion": " was a Monday"}\n'
-                                      '{"prompt": "2024-02-01", "completion": " was a Thursday"}\n')
-    spec = DataSpec(path="d.jsonl", format="completion")
+    rows = [{"prompt": "2024-01-01", "completion": " was a Monday"}, {"prompt": "2024-02-01 10:00", "completion": " was a Thursday"}]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(row) + "\n" for row in rows)
+    (tmp_path / f"d{suffix}").write_text(text)
+    spec = DataSpec(path=f"d{suffix}", format="completion")
     assert check_data(spec, "featcal.data.e", tmp_path, False, []) == 2
     tokenizer = build_char_tokenizer()
     records = calibration_sequences({"e": spec}, ["e"], tokenizer, 2, 64, shuffle, 0, tmp_path / "r.yaml")["e"]
-    assert sorted(tokenizer.decode(record) for record in records) == ["2024-01-01 was a Monday", "2024-02-01 was a Thursday"]
+    assert sorted(tokenizer.decode(record) for record in records) == ["2024-01-01 was a Monday", "2024-02-01 10:00 was a Thursday"]

@@ -4,7 +4,8 @@ directory or a hub dataset, through `datasets.load_dataset` (a folder `save_to_d
 One shortcut: a local JSON-lines file of flat string records, read in file order, is parsed with `json` instead of
 `datasets` (whose import, with pyarrow and pandas, is ≈ 0.5 s of a ≈ 3.5 s start-up). Such records are exactly what
 `datasets` would return (same keys, order and strings; tested against it); anything else (numbers, nulls, nesting,
-ragged keys, strings Arrow reads as dates, shuffling, other formats) goes through `datasets`. What the file cannot
+ragged keys, strings Arrow reads as dates (read back as the file's strings: io/json_dates.py), shuffling, other
+formats) goes through `datasets`. What the file cannot
 give (a key repeated in a record, a split of a single file) is refused in one line, by `validate` and the run alike.
 """
 
@@ -214,6 +215,8 @@ def _first_repeated_key(path: Path) -> tuple[int, str] | None:
 
 def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     """The records of one expert's calibration set, as a `datasets.Dataset`."""
+    from featcal_llm.io.json_dates import restore_dates  # it imports this module's JSON_WHITESPACE
+
     datasets = heavy_import("datasets")
 
     datasets.disable_progress_bars()
@@ -221,8 +224,10 @@ def load_records(spec: DataSpec, where: str, base_dir: Path | None = None):
     try:
         if path.is_file():
             check_file_options(spec, where)
+            builder = file_builder(path, where)
             with runlog.library_silenced("datasets"):  # a reader's error is logged, then raised: refused below in one line
-                return datasets.load_dataset(file_builder(path, where), data_files=str(path), split="train")
+                loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+            return restore_dates(loaded, path) if builder == "json" else loaded
         if path.is_dir() and (splits := saved_splits(path)) is not None:
             check_saved_folder(spec, where, splits)
             saved = datasets.load_from_disk(str(path))
