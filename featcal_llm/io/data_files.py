@@ -5,8 +5,8 @@ One shortcut: a local JSON-lines file of flat string records, read in file order
 `datasets` (whose import, with pyarrow and pandas, is ≈ 0.5 s of a ≈ 3.5 s start-up). Such records are exactly what
 `datasets` would return (same keys, order and strings; tested against it); anything else (numbers, nulls, nesting,
 ragged keys, strings Arrow reads as dates (read back as the file's strings: io/json_dates.py), shuffling, other
-formats) goes through `datasets`. What the file cannot
-give (a key repeated in a record, a split of a single file) is refused in one line, by `validate` and the run alike.
+formats) goes through `datasets`. What the file cannot give (a key repeated in a record, a split of a single file)
+is refused in one line, by `validate` and the run alike.
 """
 
 from __future__ import annotations
