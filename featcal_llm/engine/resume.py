@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from featcal_llm.errors import warn
+from featcal_llm.io.checkpoint import owned_tensor
 from featcal_llm.io.records import response_from
 
 STATE_FILE = "state.json"
@@ -199,7 +200,7 @@ class StagingArea:
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         with safe_open(self.layer_file(layer), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys()}
+            return {name: owned_tensor(handle, name) for name in handle.keys()}
 
     def record(self, layer: int) -> dict | None:
         """What `commit` recorded with the layer (tuning table, drift), if anything."""

@@ -63,7 +63,7 @@ class CheckpointReader:
         if shard is None:
             raise FeatCalError(f"{self.what}: {self.directory}: tensor {name} is missing")
         try:
-            return self._handle(shard).get_tensor(name)
+            return owned_tensor(self._handle(shard), name)
         except Exception as error:
             raise FeatCalError(f"{self.what}: {self.directory / shard}: cannot read tensor {name} ({error})") from None
 
@@ -94,6 +94,14 @@ class CheckpointReader:
         self._handles.clear()
 
 
+def owned_tensor(handle: Any, name: str) -> torch.Tensor:
+    """`name` from a safetensors handle as a tensor of its own, in fresh (64-byte aligned) memory. safetensors 0.8 hands
+    out views of the file's mapping at the file's offsets; a kernel takes another path for a misaligned operand, so two
+    copies of one tensor (a merge and its copy, an expert of the same weights) computed results a rounding apart, and a
+    view would change with a file rewritten under it."""
+    return handle.get_tensor(name).clone()
+
+
 def check_same_layers(reference: dict, other: dict, prefix: str, what: str) -> None:
     """Every decoder-layer tensor of the merged model exists in `other` with the same shape."""
     for name, (shape, _) in reference.items():
@@ -118,7 +126,7 @@ def checkpoint_tensors(reader: Any, replacements: dict[str, Path] | None = None)
             return reader.get(name)
         if source not in handles:
             handles[source] = safe_open(source, framework="pt")
-        return handles[source].get_tensor(name)
+        return owned_tensor(handles[source], name)
 
     return names, get
 

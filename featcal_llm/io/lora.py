@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.checkpoint import CheckpointReader
+from featcal_llm.io.checkpoint import CheckpointReader, owned_tensor
 
 
 @contextmanager
@@ -121,7 +121,7 @@ class LoraReader:
         """The base tensor (or the adapter's replacement) plus every LoRA update of it, in the base tensor's dtype."""
         tensor = self.base.get(name)
         if name in self.replacements:
-            tensor = self._handle.get_tensor(self.replacements[name]).to(tensor.dtype)
+            tensor = owned_tensor(self._handle, self.replacements[name]).to(tensor.dtype)
         deltas = self.deltas.get(name)
         if not deltas:
             return tensor
@@ -130,8 +130,8 @@ class LoraReader:
         work = torch.float64 if tensor.dtype == torch.float64 else torch.float32
         total = tensor.to(work)
         for delta in deltas:
-            b = self._handle.get_tensor(delta.b).to(work)
-            update = b if not delta.a else b @ self._handle.get_tensor(delta.a).to(work)
+            b = owned_tensor(self._handle, delta.b).to(work)
+            update = b if not delta.a else b @ owned_tensor(self._handle, delta.a).to(work)
             update = update.T * delta.scale if delta.transpose else delta.scale * update
             if delta.transpose:  # embedding
                 total = (total.to(tensor.dtype) + update.to(tensor.dtype)).to(work)
