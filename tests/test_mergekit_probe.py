@@ -23,7 +23,6 @@ def _mergekit_merge(merge: dict, out: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(out.glob("*.safetensors")))).hexdigest()
 
 
-@pytest.mark.xfail(strict=True, reason="a per-expert parameter given to the base model is ignored by mergekit; validate and run passed it")
 @pytest.mark.parametrize("method, parameters", [("task_arithmetic", {"weight": 0.3}), ("ties", {"density": 0.5}),
                                                 ("nuslerp", {"weight": 0.3})])
 def test_a_per_expert_parameter_given_to_the_base_model_is_refused_alike(scenario, tmp_path, method, parameters):

@@ -130,14 +130,19 @@ def merge_inputs(config: Any) -> list[tuple[str, Any, list[tuple[str, dict | Non
     return found
 
 
-def _sites(config: Any) -> list[tuple[str, dict, bool]]:
-    """Where the recipe sets parameters: (key, the settings, whether per-model parameters only)."""
-    sites = [("parameters", config.parameters, False)]
-    sites += [(f"models.{i}.parameters", entry.parameters, True) for i, entry in enumerate(config.models or [])]
+def _sites(config: Any) -> list[tuple[str, dict, bool, bool]]:
+    """Where the recipe sets parameters: (key, the settings, whether per-model parameters only, whether they are the
+    base model's: the slice's base_model, else the recipe's)."""
+    base = config.base_model
+    sites = [("parameters", config.parameters, False, False)]
+    sites += [(f"models.{i}.parameters", entry.parameters, True, base is not None and entry.model == base)
+              for i, entry in enumerate(config.models or [])]
     for i, output_slice in enumerate(config.slices or []):
-        sites.append((f"slices.{i}.parameters", output_slice.parameters, False))
-        sites += [(f"slices.{i}.sources.{j}.parameters", source.parameters, True) for j, source in enumerate(output_slice.sources)]
-    return [(key, settings, per_model) for key, settings, per_model in sites if settings]
+        slice_base = output_slice.base_model or base
+        sites.append((f"slices.{i}.parameters", output_slice.parameters, False, False))
+        sites += [(f"slices.{i}.sources.{j}.parameters", source.parameters, True, slice_base is not None and source.model == slice_base)
+                  for j, source in enumerate(output_slice.sources)]
+    return [site for site in sites if site[1]]
 
 
 def parameter_problems(config: Any, file: str) -> list[Problem]:
@@ -152,7 +157,7 @@ def parameter_problems(config: Any, file: str) -> list[Problem]:
     spec = method["parameters"]
     per_model = [p for p, entry in spec.items() if entry["scope"] != "shared"]
     problems, hinted = [], set()
-    for key, settings, model_site in _sites(config):
+    for key, settings, model_site, of_base in _sites(config):
         for parameter, setting in settings.items():
             where = f"{key}.{parameter}"
             if parameter not in spec:
@@ -165,6 +170,10 @@ def parameter_problems(config: Any, file: str) -> list[Problem]:
             if model_site and spec[parameter]["scope"] == "shared":
                 problems.append(Problem(file, where, f"a global parameter of {name}: mergekit reads it only under the top-level "
                                                      "parameters: (here it would be ignored)"))
+                continue
+            if of_base and spec[parameter]["scope"] == "non_base" and method["base"] != "ignored":
+                problems.append(Problem(file, where, f"merge method {name} reads {parameter} for the experts only: given to the "
+                                                     "base model, mergekit would ignore it (remove it)"))
                 continue
             bad = _bad_value(spec[parameter]["type"], setting)
             if bad is not None:
