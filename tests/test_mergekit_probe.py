@@ -46,7 +46,6 @@ def test_a_per_expert_parameter_given_to_the_base_model_is_refused_alike(scenari
     assert not (tmp_path / "merged").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="an empty slice or a base_model only in a slice was refused in words naming another problem")
 @pytest.mark.parametrize("form, says", [
     ("empty sources", "r.yaml: slices[0]: sources: empty (list the base model and every expert, each with its layer_range)"),
     ("slice base only", "r.yaml: slices[0]: base_model: given in this slice only; FeatCal needs the base model at the top level "

@@ -66,6 +66,11 @@ def check_slices(merge_config: Any, path: Path) -> None:
     expected_start, models = 0, None
     for index, output_slice in enumerate(merge_config.slices):
         where = f"{path}: slices[{index}]"
+        if not output_slice.sources:  # mergekit-yaml stops on an IndexError
+            raise FeatCalError(f"{where}: sources: empty (list the base model and every expert, each with its layer_range)")
+        if output_slice.base_model is not None and merge_config.base_model is None:
+            raise FeatCalError(f"{where}: base_model: given in this slice only; FeatCal needs the base model at the top level "
+                               "(write it as the recipe's base_model:)")
         if output_slice.base_model is not None and not _same_reference(output_slice.base_model, merge_config.base_model):
             raise FeatCalError(f"{where}: base_model {output_slice.base_model} differs from the recipe's {merge_config.base_model} (FeatCal needs one base)")
         ranges = {tuple(source.layer_range) for source in output_slice.sources}
