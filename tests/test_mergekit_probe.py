@@ -65,7 +65,6 @@ def test_a_slice_without_sources_or_with_the_only_base_model_is_refused_naming_i
     assert line.endswith(says), line
 
 
-@pytest.mark.xfail(strict=True, reason="docs/methods.md and forms.py said karcher averages the experts; mergekit averages the base in too")
 def test_karcher_averages_the_base_model_in_as_the_docs_say(scenario, tmp_path):
     """mergekit adds the recipe's base_model to karcher's inputs (an equal share of the mean), as it adds it to
     linear's: the merge of two experts with a base_model is the merge of the three models without one. The docs' table

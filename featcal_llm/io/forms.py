@@ -32,7 +32,7 @@ MERGE_METHODS: dict[str, tuple[bool, str]] = {
     "nuslerp": (True, "with base_model: SLERP of the two experts' task vectors"),
     "multislerp": (True, "with base_model: hyperspherical average of the task vectors"),
     "linear": (True, "weighted average of the experts; the recipe's base_model is FeatCal's anchor"),
-    "karcher": (True, "Riemannian mean of the experts; the recipe's base_model is FeatCal's anchor"),
+    "karcher": (True, "Riemannian mean of the experts, with the base_model in too (mergekit adds it, an equal share); the recipe's base_model is FeatCal's anchor"),
     "slerp": (False, "base_model is one end of a two-model interpolation, not a common base: FeatCal would calibrate toward the other model only; use nuslerp with the common base as base_model"),
     "nearswap": (False, "base_model is one end of a two-model interpolation, not a common base: FeatCal would calibrate toward the other model only; use nuslerp or task_arithmetic with the common base"),
     "passthrough": (False, "copies layers without merging (frankenmerges): there is no merge for FeatCal to calibrate"),
