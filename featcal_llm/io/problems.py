@@ -206,6 +206,11 @@ def one_error_per_key(errors: list[dict], root: type[BaseModel] | None) -> list[
             missing = [".".join(str(part) for part in item["loc"][len(key) + 1:]) for item in items if item["type"] == "missing"]
             if missing:  # the mapping form was meant, short of a key: say which
                 message += "; " + ", ".join(dict.fromkeys(f"{where} is missing" for where in missing))
+            fields = [item for item in items if len(item["loc"]) == len(key) + 2 and isinstance(item["loc"][-1], str)
+                      and item["type"] != "missing"]
+            if fields:  # the mapping form was meant, one of its keys wrong (`filter: 5`): name it, not its value alone
+                wrong = fields[0]
+                message += f"; {wrong['loc'][-1]}: {wrong['msg']} (got {_shown(wrong['input'])})"
         merged.append({**items[0], "loc": key, "type": "union", "msg": message})
     return merged
 
