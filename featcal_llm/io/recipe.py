@@ -174,7 +174,12 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     collect(problems, path, lambda: check_forms(merge_config, path))
     if len(problems) > before:  # a form FeatCal cannot calibrate: what follows would only repeat it
         return ()
-    problems.extend(parameter_problems(merge_config, str(path)))
+    base = str(merge_config.base_model) if merge_config.base_model is not None else None
+    taken_for_expert = tuple(f"models.{i}.parameters." for i, entry in enumerate(merge_config.models or ())
+                             if featcal is not None and str(entry.model) == base and base in featcal.data)
+    # the base listed as an expert, with data and an expert's weight: one problem (its data entry, below), not two
+    problems.extend(problem for problem in parameter_problems(merge_config, str(path))
+                    if not (taken_for_expert and problem.key.startswith(taken_for_expert)))
     problems.extend(value_problems(merge_config, str(path)))
     if merge_config.base_model is None:
         problems.append(Problem(str(path), "base_model", "FeatCal needs the base model the experts were fine-tuned from"))
@@ -185,7 +190,6 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
-    base = str(merge_config.base_model) if merge_config.base_model is not None else None
     problems.extend(Problem(str(path), "models", message) for message in _one_model_two_ways(merge_config))
     if base in listed and featcal is not None and base in featcal.data:
         problems.append(Problem(str(path), f"featcal.data.{base}", "this is the base_model, not an expert: calibrating toward "
