@@ -4,7 +4,8 @@ The types come from mergekit's registry (io/mergekit_methods.py); these ranges a
 DARE's random drop draws `torch.bernoulli(density)`, which refuses a density below 0; DELLA's magnitude-ranked
 drop needs density ± epsilon inside (0, 1) wherever 0 < density < 1 (epsilon 0.15 unless set); `linear` divides by
 the weights' sum unless `normalize: false` (a base not listed among the models counts as one more input, at the
-top level's weight), so weights that sum to 0 merge into NaN. Only plain numbers are judged
+top level's weight), and `multislerp` by the experts' unless `normalize_weights: false`, so weights that sum to 0
+merge into NaN. Only plain numbers are judged
 (a gradient or a filtered value is left to mergekit). tests/test_merge_values.py and tests/test_agree_settings.py run
 mergekit on each.
 """
@@ -19,6 +20,7 @@ from featcal_llm.io.problems import Problem
 RANDOM_DROP = ("dare_linear", "dare_ties")  # mergekit's SparsificationMethod.random
 RANKED_DROP = ("della", "della_linear")  # SparsificationMethod.della_magprune
 DELLA_EPSILON = 0.15  # mergekit's default epsilon for the ranked drop
+WEIGHT_SUM_DIVIDERS = {"linear": "normalize", "multislerp": "normalize_weights"}  # method → its flag that divides by the sum
 
 
 def _plain(chain: list[tuple[str, dict | None]], parameter: str) -> tuple[str, float] | None:
@@ -58,11 +60,12 @@ def value_problems(config: Any, file: str) -> list[Problem]:
                 add(where, f"density {density[1]:g} ± epsilon {spread:g} must lie inside (0, 1): {name} keeps changes "
                            "with probabilities in that range (mergekit: \"Epsilon must be chosen such that density +/- "
                            "epsilon is in (0, 1)\")")
-    normalize = (config.parameters or {}).get("normalize", True)
-    if name == "linear" and normalize is not False:
-        weights = [_plain(chain, "weight") for _, _, chain in inputs]  # a base not among the models is one more input
+    flag = WEIGHT_SUM_DIVIDERS.get(name)
+    if flag is not None and (config.parameters or {}).get(flag, True) is not False:
+        # linear: a base not among the models is one more input; multislerp weighs the experts only
+        weights = [_plain(chain, "weight") for _, reference, chain in inputs if name == "linear" or reference != config.base_model]
         if weights and all(weight is not None for weight in weights) and sum(weight[1] for weight in weights) == 0:
             add("parameters" if config.parameters and "weight" in config.parameters else "models",
-                "the weights sum to 0, and linear divides by their sum (normalize, on by default): the merge would be "
-                "NaN; give weights with a non-zero sum, or set normalize: false")
+                f"the weights sum to 0, and {name} divides by their sum ({flag}, on by default): the merge would be "
+                f"NaN; give weights with a non-zero sum, or set {flag}: false")
     return problems
