@@ -119,3 +119,23 @@ def test_multislerp_weights_that_sum_to_zero_are_refused_alike(scenario, tmp_pat
     import featcal_llm
 
     assert featcal_llm.validate(tmp_path / "r.yaml") == []
+
+
+@pytest.mark.parametrize("merge, keys", [
+    ({"merge_method": "ties", "base_model": "b", "slices": [{"sources": [
+        {"model": "b", "layer_range": [0, 2], "parameters": {"weight": 0.3}},
+        {"model": "e", "layer_range": [0, 2], "parameters": {"weight": 0.5}}]}]}, ["slices.0.sources.0.parameters.weight"]),
+    ({"merge_method": "linear", "base_model": "b", "models": [{"model": "b", "parameters": {"weight": 0.3}},
+                                                              {"model": "e", "parameters": {"weight": 0.5}}]}, []),
+    ({"merge_method": "multislerp", "base_model": "b", "models": [{"model": "b", "parameters": {"weight": 0.3}},
+                                                                  {"model": "e", "parameters": {"weight": 0.5}}]}, ["models.0.parameters.weight"]),
+], ids=["slice source", "linear weighs its base", "multislerp"])
+def test_the_base_s_own_parameters_are_refused_only_where_the_method_does_not_read_them(merge, keys):
+    """A slice source that is the base is the base too; linear's weight is read for every input, the base included."""
+    from mergekit.config import MergeConfiguration
+
+    from featcal_llm.io.mergekit_methods import parameter_problems
+
+    problems = parameter_problems(MergeConfiguration.model_validate(merge), "r")
+    assert [problem.key for problem in problems] == keys
+    assert all("reads weight for the experts only" in problem.message for problem in problems)
