@@ -139,3 +139,24 @@ def test_the_base_s_own_parameters_are_refused_only_where_the_method_does_not_re
     problems = parameter_problems(MergeConfiguration.model_validate(merge), "r")
     assert [problem.key for problem in problems] == keys
     assert all("reads weight for the experts only" in problem.message for problem in problems)
+
+
+@pytest.mark.xfail(strict=True, reason="a number written as a string (weight: '0') was not judged; mergekit reads it as the number")
+def test_numbers_written_as_strings_are_judged_as_mergekit_reads_them():
+    """mergekit validates `weight: "0"` with pydantic's lax rules: the number 0 (tests/test_mergekit_schema.py). The
+    range checks left strings to mergekit, so linear weights "0" and "0.0" passed validate and merged into NaN, and a
+    DARE density "-0.2" passed and stopped the merge."""
+    from mergekit.config import MergeConfiguration
+    from test_merge_values import _linear_merge_is_finite
+
+    from featcal_llm.io.merge_values import value_problems
+
+    assert not _linear_merge_is_finite(["0", "0.0"])
+    linear = MergeConfiguration.model_validate({"merge_method": "linear", "models": [
+        {"model": "expert-a", "parameters": {"weight": "0"}}, {"model": "expert-b", "parameters": {"weight": "0.0"}}]})
+    dare = MergeConfiguration.model_validate({"merge_method": "dare_linear", "base_model": "base", "models": [
+        {"model": "expert-a", "parameters": {"weight": 0.5, "density": "-0.2"}}]})
+    assert [problem.key for problem in value_problems(linear, "r")] == ["models"]
+    assert [problem.key for problem in value_problems(dare, "r")] == ["models.0.parameters.density"]
+    assert value_problems(MergeConfiguration.model_validate({"merge_method": "linear", "models": [
+        {"model": "expert-a", "parameters": {"weight": "0.5"}}, {"model": "expert-b", "parameters": {"weight": "x"}}]}), "r") == []
