@@ -141,7 +141,6 @@ def test_the_base_s_own_parameters_are_refused_only_where_the_method_does_not_re
     assert all("reads weight for the experts only" in problem.message for problem in problems)
 
 
-@pytest.mark.xfail(strict=True, reason="a number written as a string (weight: '0') was not judged; mergekit reads it as the number")
 def test_numbers_written_as_strings_are_judged_as_mergekit_reads_them():
     """mergekit validates `weight: "0"` with pydantic's lax rules: the number 0 (tests/test_mergekit_schema.py). The
     range checks left strings to mergekit, so linear weights "0" and "0.0" passed validate and merged into NaN, and a

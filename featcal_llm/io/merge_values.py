@@ -28,6 +28,13 @@ def _plain(chain: list[tuple[str, dict | None]], parameter: str) -> tuple[str, f
     for site, settings in chain:
         if settings and parameter in settings:
             value = settings[parameter]
+            if isinstance(value, str):  # `weight: "0"`: the number mergekit's lax validation reads (not one: its type check's)
+                from pydantic import TypeAdapter, ValidationError
+
+                try:
+                    value = TypeAdapter(float).validate_python(value)
+                except ValidationError:
+                    return None
             # a boolean is the number mergekit's validation makes of it (false: 0.0); else: io/mergekit_methods
             plain = isinstance(value, (int, float)) and abs(value) <= LARGEST_VALUE
             return (f"{site}.{parameter}", float(value)) if plain else None
