@@ -91,7 +91,8 @@ def _runs(scenario, tmp_path, spy: WeightSpy | None = None, **settings) -> dict:
 def test_token_weights_are_applied_in_the_statistics_precision(trained, tmp_path, monkeypatch):
     """Every token at weight 0.7 (√w not a power of two, so not exact in bf16): on Llama (no biases) that rescales every
     sum alike and the solve undoes it, so a bf16 run weighted by it is the unweighted bf16 run, to float64's rounding
-    (measured 1.3e-12), and so is its float64 twin (1.4e-10). Scaled by √w in bf16 (the defect), each weighted row was
+    (measured 1.3e-12), and so is its float64 twin (1.4e-10 on two threads; 1.7e-8 on one thread of an AMD EPYC, where
+    λ 1e-5 leaves the solve ill-conditioned enough to show the kernels' rounding). Scaled by √w in bf16 (the defect), each weighted row was
     rounded again before its float64 product: 0.080 from the unweighted run. An exact comparison, not a ratio of two
     bf16 errors, which moves with the machine's kernels (1.146 × with AVX-512, 1.157 × on CI's AVX2, real weights)."""
     original = pipeline.advantage_weights
@@ -106,7 +107,7 @@ def test_token_weights_are_applied_in_the_statistics_precision(trained, tmp_path
     errors = {name: update_error(runs[f"weighted{precision}"], runs[f"equal{precision}"], runs["merged"]) for name, precision
               in (("bf16", "16"), ("float64", "64"))}
     print(f"llama, every token at weight 0.7: ΔW from the unweighted run's, bf16 {errors['bf16']:.1e}, float64 {errors['float64']:.1e}")
-    assert errors["bf16"] <= 1e-8 and errors["float64"] <= 1e-8
+    assert errors["bf16"] <= 1e-8 and errors["float64"] <= 1e-6
     assert update_error(runs["equal16"], runs["equal64"], runs["merged"]) <= EQUAL_BF16_BOUND
 
 
