@@ -7,12 +7,11 @@ adapter trained for another base in run's words, before anything is loaded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from featcal_llm.errors import FeatCalError
-from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, index_weight_map, missing_weights
+from featcal_llm.io.model_files import INDEX_FILE, SINGLE_FILE, index_weight_map, missing_weights, read_config_json
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -121,8 +120,8 @@ def _tied_head(target: str, base_directory: Path) -> str | None:
     if target != "lm_head.weight":
         return None
     try:
-        tied = json.loads((base_directory / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings", True)  # no lm_head.weight and no key: tied, the default
-    except (OSError, ValueError, AttributeError):
+        tied = read_config_json(base_directory).get("tie_word_embeddings", True)  # no lm_head.weight and no key: tied, the default
+    except ValueError:
         return None
     if not tied:
         return None
