@@ -59,6 +59,24 @@ def damaged_shard(path: Path) -> str | None:
     return None
 
 
+def tensor_names(directory: Path) -> set[str]:
+    """The tensor names a checkpoint stores (its index's, else its one file's header's), without loading a tensor or
+    importing safetensors; empty where `missing_weights` finds no readable weights (it reports why)."""
+    import json
+
+    if (directory / INDEX_FILE).is_file():
+        try:
+            return set(index_weight_map(directory))
+        except ValueError:
+            return set()
+    try:
+        with (directory / SINGLE_FILE).open("rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    except (OSError, ValueError):
+        return set()
+    return {str(name) for name in header if name != "__metadata__"} if isinstance(header, dict) else set()
+
+
 def missing_weights(directory: Path) -> str | None:
     """Why `directory` holds no safetensors weights featcal-llm can read (None: an index whose shards are all there, or
     a single file, each with a header that parses), from the listing, the index and the shards' headers alone."""

@@ -19,6 +19,7 @@ from featcal_llm.io.data import chat_template_unparsable
 from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.merge_identity import supplied_merge
+from featcal_llm.io.mergekit_architecture import check_mergekit_weights
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
@@ -126,9 +127,9 @@ def check_per_layer(featcal: Any, num_layers: int, where: str) -> None:
             raise FeatCalError(f"{where}: featcal.{key}.per_layer: {len(values)} values for a model of {num_layers} decoder layers")
 
 
-def _check_layers(path: Path, featcal: Any, base_config: dict, base_what: str, problems: list[Problem]) -> None:
+def _check_layers(path: Path, featcal: Any, base_config: dict, base_what: str, problems: list[Problem]) -> bool:
     """What `run` refuses from the base's config before its first layer: the architecture, `modules`, a head re-fit
-    vLLM could not serve, per-layer values."""
+    vLLM could not serve, per-layer values. Whether the architecture is one featcal-llm calibrates."""
     from featcal_llm.family.architectures import architecture_for, check_head_refit, select_projections
 
     architecture = collect(problems, path, lambda: architecture_for(SimpleNamespace(**base_config), base_what))  # run's words
@@ -137,6 +138,7 @@ def _check_layers(path: Path, featcal: Any, base_config: dict, base_what: str, p
         collect(problems, path, lambda: check_head_refit(architecture, featcal, str(path)))
     if featcal is not None and isinstance(base_config.get("num_hidden_layers"), int):
         collect(problems, path, lambda: check_per_layer(featcal, base_config["num_hidden_layers"], str(path)))
+    return architecture is not None
 
 
 def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: str | None, online: bool, report: Report,
@@ -150,20 +152,25 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
     base_reference = merge_config.base_model
     base_source = base_config = None
     base_what = f"{path}: base_model"
+    supplied = bool(merged) and supplied_merge(Path(merged))  # run merges nothing: it compares each expert with the merge
+    weights = False  # whether mergekit's required weights are checked
     if base_reference is not None:
         result = collect(problems, path, lambda: _model_config(base_reference, base_what, online, report, recipe_dir=path.parent))
         base_source, base_config = result or (None, None)
     if base_config is not None:
         configs["base_model"] = base_config
         collect(problems, path, lambda: check_override_architecture(base_reference, SimpleNamespace(**base_config), f"{base_what} {base_reference}"))
-        _check_layers(path, featcal, base_config, f"{base_what} {base_reference}", problems)
+        # what mergekit's merge would stop at, of an architecture featcal-llm calibrates (else that is the one refusal)
+        calibrated = _check_layers(path, featcal, base_config, f"{base_what} {base_reference}", problems)
+        weights = calibrated and not supplied
+        if base_source is not None and weights:
+            collect(problems, path, lambda: check_mergekit_weights(base_source.directory, base_config, base_what))
         slices_refused = any(problem.key.startswith("slices") for problem in problems)  # depth would only repeat it
         if isinstance(base_config.get("num_hidden_layers"), int) and not slices_refused:
             collect(problems, path, lambda: check_slice_depth(merge_config, base_config["num_hidden_layers"], path))
     experts = _experts_of(merge_config)
     vocabularies: list[tuple[dict, str]] = []  # (config, what) of each expert whose config could be read
     sources = {str(base_reference): base_source} if base_source is not None else {}
-    supplied = bool(merged) and supplied_merge(Path(merged))  # run merges nothing: it compares each expert with the merge
     typos = misspelt_models(tuple(Expert(str(reference), reference) for reference in experts), data or {})
     for reference in experts:
         what = f"{path}: models: {reference}"
@@ -178,6 +185,7 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         if config is None:
             continue
         configs[str(reference)] = config
+        before = len(problems)
         collect(problems, path, lambda: check_override_architecture(reference, SimpleNamespace(**config), what))
         spec = (data or {}).get(str(reference))
         if source is not None and spec is not None and spec.generate is not None:
@@ -190,6 +198,8 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         named = f"{what}: {(source.directory if source is not None else Path(str(reference.model))) / 'config.json'}"
         if base_config is not None:
             collect(problems, path, lambda: check_same_shapes(base_config, config, named))
+        if weights and source is not None and len(problems) == before and source.directory != getattr(base_source, "directory", None):
+            collect(problems, path, lambda: check_mergekit_weights(source.directory, config, what))
         vocabularies.append((config, named))
         if source is not None:
             sources[str(reference)] = source
