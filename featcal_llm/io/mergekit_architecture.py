@@ -9,7 +9,9 @@ a missing head from the tied embedding. `validate` answers without torch, and im
 imports it (5-10 s), so the installed mergekit's own definition files are read here, found without importing mergekit,
 and resolved as `mergekit.architecture.arch_info_for_config` and `all_weights` resolve them; tests/test_mergekit_weights.py
 compares the result with mergekit's API for every definition it ships. An architecture mergekit has no definition for
-(it infers one from the models' own tensors) is not checked.
+(it infers one from the models' own tensors) is not checked. mergekit also builds a missing tensor from a checkpoint
+layout transformers renames (its conversion mapping: MoE and some vision types); validate checks only the families
+featcal-llm calibrates, none of which has one (a test watches that).
 """
 
 from __future__ import annotations
