@@ -26,10 +26,7 @@ from featcal_llm.tiny import CHAT_TEMPLATE, build_char_tokenizer
 
 # tiny.CHAT_TEMPLATE less its leading BOS: a template (ChatML-like) that deliberately starts without one.
 NO_BOS_TEMPLATE = CHAT_TEMPLATE.removeprefix("{{ bos_token }}")
-TEMPLATES = [pytest.param(CHAT_TEMPLATE, id="template-writes-bos"),
-             pytest.param(NO_BOS_TEMPLATE, id="template-without-bos", marks=pytest.mark.xfail(strict=True, reason=(
-                 "encode adds the tokenizer's special tokens to a template's output that does not start with BOS: "
-                 "<s> before it and a second </s> after it")))]
+TEMPLATES = [pytest.param(CHAT_TEMPLATE, id="template-writes-bos"), pytest.param(NO_BOS_TEMPLATE, id="template-without-bos")]
 MESSAGES = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"},
             {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2 ok"}]
 

@@ -81,7 +81,7 @@ def resolve_start(
         texts = tuple(chat_request(tokenizer, p, where) for p in prompts)
     else:
         texts = tuple(prompts)
-    ids = tuple(prompt_ids(text, tokenizer) for text in texts)
+    ids = tuple(prompt_ids(text, tokenizer, templated=chat) for text in texts)
     empty = [i for i, sequence in enumerate(ids) if not sequence]
     if empty:
         raise FeatCalError(f"{where}.prompts: prompt {empty[0] + 1} tokenises to nothing")
@@ -98,14 +98,15 @@ def chat_request(tokenizer: Any, request: str, where: str = "generate") -> str:
 def empty_request(tokenizer: Any, where: str = "generate") -> Start:
     """A user turn with nothing in it: the expert answers with what it writes unasked, the kind of text it was tuned on."""
     text = chat_request(tokenizer, "", where)
-    return Start((text,), (prompt_ids(text, tokenizer),), "empty request", chat=True)
+    return Start((text,), (prompt_ids(text, tokenizer, templated=True),), "empty request", chat=True)
 
 
-def prompt_ids(text: str, tokenizer: Any) -> tuple[int, ...]:
-    """The token ids a sample continues: the text encoded as calibration records are (a BOS the tokenizer adds, not a
-    chat template's doubled), less an EOS the tokenizer appends (`add_eos_token`): the expert continues the prompt, not
-    a closed document."""
-    ids = encode(text, tokenizer)
+def prompt_ids(text: str, tokenizer: Any, templated: bool = False) -> tuple[int, ...]:
+    """The token ids a sample continues: the text encoded as calibration records are (a chat template's output as the
+    template wrote it, `templated`, with no special token added, as `apply_chat_template(tokenize=True)` encodes it;
+    raw text with the BOS the tokenizer adds), less an EOS the tokenizer appends (`add_eos_token`): the expert
+    continues the prompt, not a closed document."""
+    ids = encode(text, tokenizer, templated=templated)
     eos = tokenizer.eos_token_id
     if ids and eos is not None and ids[-1] == eos and not (tokenizer.eos_token and text.endswith(tokenizer.eos_token)):
         ids = ids[:-1]

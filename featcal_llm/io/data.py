@@ -207,36 +207,43 @@ def response_start(ids: list[int], prompt_ids: list[int]) -> int:
     return start
 
 
-def encode(text: str, tokenizer: Any, max_length: int | None = None) -> list[int]:
-    """The text's token ids with the tokenizer's special tokens, except a BOS the text (a chat template's output) already
-    starts with; past `max_length`, the end is cut (also for a tokenizer saved with `truncation_side: left`)."""
+def encode(text: str, tokenizer: Any, max_length: int | None = None, templated: bool = False) -> list[int]:
+    """The text's token ids; past `max_length`, the end is cut (also for a tokenizer saved with `truncation_side: left`).
+
+    `templated`: the text is a chat template's output, which is the whole truth: it is encoded with no special token
+    added, as transformers' `apply_chat_template(tokenize=True)` and vLLM's chat path encode it (a tokenizer saved with
+    `add_eos_token` would otherwise close it with a second EOS, and one that adds BOS would put a BOS before a template
+    that writes none). Plain text gets the tokenizer's special tokens, except a BOS the text already starts with."""
     has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
     truncation = {"truncation": True, "max_length": max_length} if max_length is not None else {}
     side = getattr(tokenizer, "truncation_side", "right")
     tokenizer.truncation_side = "right"  # a record keeps its start (its BOS, its prompt) whatever side the tokenizer cuts on
     try:
-        return list(tokenizer(text, add_special_tokens=not has_bos, **truncation)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=not (templated or has_bos), **truncation)["input_ids"])
     finally:
         tokenizer.truncation_side = side
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str,
-                   prompts: list[str | None] | None = None, numbers: list[int] | None = None) -> list[list[int]]:
-    """Token ids per text, truncated to `max_length`; a chat template's own BOS is not doubled. Where a text has a
-    prompt, a `Record` that knows where its response starts; an expert none of whose records keeps a response token
-    within `max_length` is refused (nothing of it would be scored). `numbers`: each text's record number in its file."""
+                   prompts: list[str | None] | None = None, numbers: list[int] | None = None,
+                   templated: bool = False) -> list[list[int]]:
+    """Token ids per text, truncated to `max_length`. Where a text has a prompt, a `Record` that knows where its
+    response starts; an expert none of whose records keeps a response token within `max_length` is refused (nothing of
+    it would be scored). `numbers`: each text's record number in its file. `templated`: the texts and prompts are a
+    chat template's output, encoded as the template wrote them (`encode`); the prompt alone is encoded by the same
+    rule as its record, so the two agree up to where the response starts."""
     sequences: list[list[int]] = []
     for index, text in enumerate(texts):
-        ids = encode(text, tokenizer, max_length)
+        ids = encode(text, tokenizer, max_length, templated)
         if len(ids) == 0:
             raise FeatCalError(f"{where}: record {numbers[index] if numbers is not None else index} tokenises to nothing")
         prompt = prompts[index] if prompts is not None else None
         if prompt is None:
             sequences.append(list(ids))
             continue
-        prompt_ids = encode(prompt, tokenizer)
+        prompt_ids = encode(prompt, tokenizer, templated=templated)
         start = response_start(ids, prompt_ids)
-        if prompt_ids and start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
+        if not templated and prompt_ids and start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
             start = len(ids)  # a truncated prompt and the special token the tokenizer appends (its EOS): no response
         sequences.append(Record(ids, start))
     if prompts is not None and any(p is not None for p in prompts) and all(
@@ -286,5 +293,5 @@ def calibration_sequences(
         except UnicodeDecodeError as error:
             raise FeatCalError(f"{where}.path: {spec.path}: {not_utf8(error)}") from None
         prompts = None if spec.format == "text" else [record_prompt(record, spec, tokenizer, where, i) for i, record in zip(numbers, records)]
-        result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts, numbers)
+        result[expert] = tokenize_texts(texts, tokenizer, max_length, where, prompts, numbers, templated=spec.format == "chat")
     return result
