@@ -70,3 +70,24 @@ def test_the_added_tokens_of_tokenizer_json_are_in_the_vocabulary_at_the_ids_loa
     assert "<tool>" not in saved["model"]["vocab"] and saved["model"]["vocab"]["<s>"] == 1  # <s> is in both, at 1
     loaded = AutoTokenizer.from_pretrained(folder).get_vocab()
     assert loaded["<tool>"] == 100 and saved_vocabulary(folder) == loaded
+
+
+@pytest.mark.parametrize("entries", [
+    [(50, "<tool>")],  # an id the model vocabulary gives another token: loading puts <tool> at 100
+    [(7, "K")],  # a token of the model vocabulary at another id: loading keeps its own
+    [(150, "<gap>")],  # past the next id: loading gives it 100
+    [(101, "<b>"), (100, "<a>")],  # listed out of id order: loading numbers them as listed
+    [(100, "<a>"), (101, "<a>")],  # one token twice: loading keeps the first id
+], ids=["id of another token", "model token moved", "gap", "out of order", "twice"])
+def test_added_tokens_at_ids_loading_does_not_give_leave_the_vocabulary_undecided(tmp_path, entries):
+    """tokenizers ignores an added token's saved id where it disagrees with the vocabulary (a hand-edited
+    tokenizer.json): the file's ids are not the loaded tokenizer's, so saved_vocabulary says None, not a mapping
+    validate would compare in run's stead."""
+    folder = saved_tokenizer(tmp_path / "tok")
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    saved["added_tokens"] += [{"id": index, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                               "normalized": False, "special": True} for index, content in entries]
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    loaded = AutoTokenizer.from_pretrained(folder).get_vocab()
+    assert any(loaded[content] != index for index, content in entries)  # loading gives another id than the file says
+    assert saved_vocabulary(folder) is None

@@ -182,14 +182,23 @@ def vocabulary_has(directory: Path, token: str) -> bool | None:
 def saved_vocabulary(directory: Path) -> dict[str, int] | None:
     """tokenizer.json's vocabulary with its added tokens, as a fast tokenizer's `get_vocab()` gives it; None where
     loading could give another (no tokenizer.json, a vocabulary that is not a mapping, a token tokenizer_config.json
-    names that transformers would add on loading)."""
+    names that transformers would add on loading, an added token the file gives another id than loading does)."""
     saved = _saved_tokenizer(directory)
     if saved is None or not isinstance(saved[0], dict):
         return None
     ids = {str(token): index for token, index in saved[0].items() if isinstance(index, int)}
+    held, following = set(ids.values()), len(ids)
     for entry in saved[1]:
         if isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int):
-            ids[entry["content"]] = entry["id"]
+            # tokenizers ignores an added token's saved id: one its vocabulary has keeps that id, a new one gets the
+            # next (the model vocabulary's size, then on); a file that says otherwise is not what loading gives
+            if entry["content"] not in ids:
+                if following in held:
+                    return None
+                ids[entry["content"]], following = following, following + 1
+                held.add(ids[entry["content"]])
+            if ids[entry["content"]] != entry["id"]:
+                return None
     return None if _configured_tokens(directory) - set(ids) else ids
 
 
