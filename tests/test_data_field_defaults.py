@@ -25,7 +25,6 @@ from featcal_llm.io.validate_data import check_data
 from featcal_llm.tiny import build_char_tokenizer
 from scenario import build_scenario
 
-XFAIL = pytest.mark.xfail(strict=True, reason="chat `messages` and alpaca `output` columns are not read by default yet")
 CONVERSATIONS = [
     [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -58,7 +57,6 @@ def as_pairs(records: list) -> list:
     return [(list(record), getattr(record, "response_from", None)) for record in records]
 
 
-@XFAIL
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved"])
 def test_format_chat_reads_a_messages_column_by_default_as_the_template_encodes_it(tmp_path, kind):
     path = write_source(tmp_path, [{"messages": turns, "id": str(i)} for i, turns in enumerate(CONVERSATIONS)], kind)
@@ -69,7 +67,6 @@ def test_format_chat_reads_a_messages_column_by_default_as_the_template_encodes_
     assert as_pairs(read) == as_pairs(sequences(DataSpec(path=path, format="chat", messages="messages"), tmp_path, tokenizer))
 
 
-@XFAIL
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved"])
 def test_format_alpaca_reads_an_output_column_where_the_records_have_no_response(tmp_path, kind):
     path = write_source(tmp_path, ALPACA, kind)
@@ -98,7 +95,6 @@ def test_data_that_resolved_before_reads_as_before_and_keeps_its_digest(tmp_path
     assert _digest(DataSpec(path="d.jsonl", format=fmt).model_dump(mode="json")) == digest
 
 
-@XFAIL
 @pytest.mark.parametrize("fmt, rows, said", [
     ("chat", [{"question": "2+3?", "answer": "5"}], "format: chat reads a `messages` field"),
     ("alpaca", [{"instruction": "add", "answer": "5"}], "format: alpaca reads the response from a `response` field (or `output`"),
@@ -115,7 +111,6 @@ def test_data_with_neither_reading_is_refused_in_one_line_naming_the_file_and_it
     assert line.startswith(f"r.yaml: featcal.data.e.path: {path}: {said}") and ", ".join(rows[0]) in line
 
 
-@XFAIL
 def test_validate_reads_the_defaults_as_run_does(tmp_path):
     chat = write_source(tmp_path, [{"messages": turns} for turns in CONVERSATIONS], "jsonl")
     (tmp_path / "a").mkdir()
@@ -137,14 +132,14 @@ def small(tmp_path_factory):
     return scenario
 
 
-def calibrated(small, folder: Path, entries: list[dict]) -> tuple[bytes, dict, dict]:
-    """Runs the scenario's recipe with these data entries; (the weights' bytes, the saved recipe, the run record)."""
+def calibrated(small, folder: Path, entries: list[dict]) -> tuple[bytes, dict, dict, str]:
+    """Runs the scenario's recipe with these data entries; (the weights' bytes, the saved recipe, the run record, the card)."""
     import featcal_llm
 
     recipe = yaml.safe_load(small.recipe.read_text())
     for (name, _), entry in zip(recipe["featcal"]["data"].items(), entries):
         recipe["featcal"]["data"][name] = entry
-    recipe["featcal"]["output"] = str(folder / "out")
+    recipe["featcal"].update(output=str(folder / "out"), max_length=512)  # the Alpaca template is 150 characters
     (folder / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     from featcal_llm.io.validate import check_recipe
 
@@ -152,10 +147,9 @@ def calibrated(small, folder: Path, entries: list[dict]) -> tuple[bytes, dict, d
     featcal_llm.calibrate(folder / "r.yaml", progress=False)
     weights = b"".join(file.read_bytes() for file in sorted((folder / "out").glob("*.safetensors")))
     return (weights, yaml.safe_load((folder / "out" / "featcal_recipe.yml").read_text()),
-            json.loads((folder / "out" / "featcal_weights.json").read_text()))
+            json.loads((folder / "out" / "featcal_weights.json").read_text()), (folder / "out" / "README.md").read_text())
 
 
-@XFAIL
 def test_a_run_on_the_defaults_makes_the_explicit_keys_weights_and_writes_them_out(small, tmp_path):
     (tmp_path / "data").mkdir()
     rows = [{"messages": [{"role": "user", "content": f"q{i} {t[:20]}"}, {"role": "assistant", "content": t}]}
@@ -173,4 +167,9 @@ def test_a_run_on_the_defaults_makes_the_explicit_keys_weights_and_writes_them_o
     assert saved[0]["messages"] == "messages" and saved[1]["response"] == "output"  # a replay reads the same fields
     assert list(default[2]["settings"]["data_fields"].values()) == [{"messages": "messages"}, {"response": "output"}]
     assert "data_fields" not in explicit[2]["settings"]
+    assert "(resolved from its data's fields): `expert0`: messages: `messages`; `expert1`: response: `output`" in default[3]
     assert default[2]["made_from"].keys() == explicit[2]["made_from"].keys()
+    import featcal_llm
+
+    featcal_llm.calibrate(tmp_path / "default" / "out" / "featcal_recipe.yml", output=tmp_path / "replay", progress=False)
+    assert b"".join(file.read_bytes() for file in sorted((tmp_path / "replay").glob("*.safetensors"))) == default[0]

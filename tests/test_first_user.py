@@ -70,16 +70,16 @@ def _data_recipe(small, tmp_path, records: list[dict], entry: dict) -> "Path":  
 
 
 @pytest.mark.parametrize("records, entry, hint", [
-    ([{"instruction": "add 2 and 3", "input": "", "output": "5"}] * 12, {"format": "alpaca"}, "response: output"),
-    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 12, {"format": "chat"},
-     "messages: messages"),
+    ([{"instruction": "add 2 and 3", "input": "", "answer": "5"}] * 12, {"format": "alpaca", "response": "reply"}, "response: answer"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 12,
+     {"format": "chat", "prompt": "prompt"}, "messages: messages"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 12, {"format": "text"},
      "format: chat, messages: messages"),
-], ids=["alpaca-output", "chat-messages", "text-on-messages"])
+], ids=["alpaca-answer", "chat-messages", "text-on-messages"])
 def test_a_missing_default_field_names_the_key_to_set(small, tmp_path, records, entry, hint):
-    """Stanford Alpaca's records name the response `output` and chat records hold `messages`; with `format: alpaca` or
-    `format: chat` alone, validate said "record 0 has no field 'response' (fields: instruction, input, output)" and left
-    the user to find out which key of the entry names it."""
+    """Records that hold what the entry reads under another name; validate said "record 0 has no field 'response'
+    (fields: instruction, input, answer)" and left the user to find out which key of the entry names it. (Stanford
+    Alpaca's `output` and a `messages` column are read by default: tests/test_data_field_defaults.py.)"""
     path = _data_recipe(small, tmp_path, records, entry)
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2

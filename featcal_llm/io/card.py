@@ -204,7 +204,7 @@ def write_card(
     precisions: dict[str, torch.dtype] | None = None, sources: dict[str, Any] | None = None, calibrated: dict | None = None,
     starts: dict[str, dict] | None = None, weights: dict[str, float] | None = None, coverage: dict | None = None,
     sampling: dict[str, dict[str, Any]] | None = None, advantage: dict[str, dict[str, float]] | None = None,
-    refined: dict[str, Any] | None = None,
+    refined: dict[str, Any] | None = None, data_fields: dict[str, dict[str, str]] | None = None,
 ) -> None:
     """README.md (the Hub's front matter, then the run in sentences), the recipe, and featcal_weights.json beside it.
 
@@ -220,7 +220,7 @@ def write_card(
     expert's resolved sampling settings (generation.run.settings_of), written out in the saved recipe.
     `advantage`: per expert, the share of its tokens where it predicts the next token better than the
     merge and its mean positive lead in nats (engine.token_weights), when tokens were weighed by it. `refined`: the
-    `refine:` stage's report, whose machine-dependent choices the saved recipe writes out.
+    `refine:` stage's report, whose machine-dependent choices the saved recipe writes out (and `data_fields`: io/data_fields.py).
 
     For a tuned run (`tuning`: featcal_tuning.json's payload) the hyper-parameters are the
     per-layer chosen lists, and the saved recipe replays them (`replay_text`; `precisions`:
@@ -257,6 +257,7 @@ def write_card(
     settings = {key: getattr(featcal, key) for key in ("samples", "max_length", "shuffle", "seed")}
     settings["merge_seed"] = featcal.merge_seed  # the seed a random merge (RANDOM_METHODS) was drawn with
     settings["expert_weights"] = featcal.balancing
+    settings |= {"data_fields": {names[name]: chosen for name, chosen in data_fields.items()}} if data_fields else {}
     settings |= {key: str(value).removeprefix("torch.") for key, value in (precisions or {}).items()}
     head_stats = settings.pop("head_stats_dtype", None)
     if head_stats is not None:  # the head's re-fit solves at its own λ: its statistics took their own precision
@@ -349,7 +350,7 @@ data written out: running it again makes this checkpoint{_where_generated_again(
 """
     text = "---\n" + yaml.safe_dump(rounded(front), sort_keys=False, allow_unicode=True) + "---\n\n" + body
     (directory / "README.md").write_text(text, encoding="utf-8")
-    (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts, refined), encoding="utf-8")
+    (directory / RECIPE_FILE).write_text(saved_recipe(recipe, tuning, precisions or {}, sampling or {}, starts, refined, data_fields), encoding="utf-8")
     write_run_record(directory, run)
 
 

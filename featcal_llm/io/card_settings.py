@@ -25,6 +25,7 @@ SETTING_TEXT = {
     "norms": "norm scales re-fitted",
     "biases": "biases re-fitted",
     "head": "LM head",
+    "data_fields": "record fields read where an entry's defaults named others (resolved from its data's fields)",
 }
 TRAILING_TEXT = {"merge": "the merged model (`merge`)", "keep": "the expert itself (`keep`)"}
 
@@ -50,6 +51,8 @@ def _setting_text(key: str, value: Any) -> str:
     if key == "head":
         fitted = ", ".join(f"{SYMBOLS[name]} = {human(value[name])}" for name in ("lambda", "alpha", "rho") if name in value)
         return f"re-fitted ({fitted})" + (", untied from the input embeddings" if value.get("untied") else "")
+    if key == "data_fields":  # expert → {key: field}
+        return "; ".join(f"`{name}`: " + ", ".join(f"{k}: `{f}`" for k, f in chosen.items()) for name, chosen in value.items())
     if key == "trailing_experts":
         return TRAILING_TEXT.get(value, human(value))
     if key == "projections" and isinstance(value, list):

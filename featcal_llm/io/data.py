@@ -20,6 +20,7 @@ from typing import Any
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.records import Record
 from featcal_llm.io.block_sections import DataSpec
+from featcal_llm.io.data_fields import default_fields
 from featcal_llm.io.data_files import (check_file_options, data_path, load_records, no_records, not_utf8,
                                        plain_jsonl_records)
 from featcal_llm.io.model_files import carries_chat_template, chat_template_syntax_error
@@ -264,8 +265,10 @@ def calibration_sequences(
     shuffle: bool,
     seed: int,
     recipe_path: Path,
+    resolved: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, list[list[int]]]:
-    """Expert name → token id lists. Fewer records than requested is a warning, not an error."""
+    """Expert name → token id lists. Fewer records than requested is a warning, not an error. `resolved`, where given,
+    gets each expert's keys its defaults resolved from its data's fields (io/data_fields.py), where they did."""
     result = {}
     for expert in experts:
         spec = data[expert]
@@ -277,6 +280,11 @@ def calibration_sequences(
             records = load_records(spec, where, recipe_path.parent)
         if len(records) == 0:
             raise no_records(spec, where)
+        chosen = default_fields(spec, list(records[0]) if isinstance(records, list) else records.column_names, where)
+        if chosen:  # as validate resolves them (check_fields)
+            spec = spec.model_copy(update=chosen)
+            if resolved is not None:
+                resolved[expert] = chosen
         numbers = list(range(len(records)))  # each record's number in its file, which errors name
         if shuffle:
             records = records.shuffle(seed=seed)

@@ -117,11 +117,12 @@ def with_found_paths(text: str, recipe_dir: Path) -> str:
 
 
 def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torch.dtype], sampling: dict[str, dict[str, Any]],
-                 starts: dict[str, dict], refined: dict[str, Any] | None = None) -> str:
-    """The recipe as run: input files found beside the recipe written as found, `auto` precisions pinned, a tuned run's
+                 starts: dict[str, dict], refined: dict[str, Any] | None = None, data_fields: dict[str, dict[str, str]] | None = None) -> str:
+    """The recipe as run: input files found beside the recipe written as found, the record fields data entries' defaults
+    resolved to (`data_fields`: io/data_fields.py) written out, `auto` precisions pinned, a tuned run's
     choices replayed (replay_text), each `generate:` expert's sampling pinned, a comment naming where each began its samples, and
     `refine:`'s machine-dependent choices written out (`refined`: the stage's report)."""
-    recipe = replace(recipe, text=with_found_paths(recipe.text, recipe.path.parent))
+    recipe = replace(recipe, text=with_data_fields(with_found_paths(recipe.text, recipe.path.parent), data_fields or {}))
     if tuning is None:  # the text as written, comments kept, with the precisions `auto` resolved written in
         saved = with_featcal_values(recipe.text, pinned_precisions(yaml.safe_load(recipe.text)["featcal"], precisions))
     else:
@@ -132,6 +133,21 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
         )
     return with_refine_pinned(saved, refined)
+
+
+DATA_FIELDS_HEADER = ("# Written by featcal-llm: the recipe as run, with the record fields each data entry's defaults read in\n"
+                      "# its data written out, so that running it again reads the same fields.\n")
+
+
+def with_data_fields(text: str, fields: dict[str, dict[str, str]]) -> str:
+    """The recipe text with each data entry's keys its defaults resolved from the data (`fields`: expert → {key: field})
+    written out; the YAML is written out again (comments dropped), as with_sampling_pinned writes it."""
+    if not fields:
+        return text
+    raw = yaml.safe_load(text)
+    for name, chosen in fields.items():  # copies: a YAML anchor may be one dict for several entries
+        raw["featcal"]["data"][name] = {**raw["featcal"]["data"][name], **chosen}
+    return DATA_FIELDS_HEADER + yaml.safe_dump(raw, sort_keys=False)
 
 
 REFINE_NOTE = "# refine's automatic choices (params, precision) are written out, so that another machine refines alike.\n"

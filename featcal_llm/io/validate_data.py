@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
+from featcal_llm.io.data_fields import resolve_fields
 from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (JSON_WHITESPACE, PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options,
                                        check_folder_name, check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
@@ -28,11 +29,14 @@ def needed_fields(spec: DataSpec) -> list[str]:
     return [spec.messages] if spec.messages and spec.format not in ("text", "alpaca") else text_fields(spec)
 
 
-def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> None:
-    """Record 0 holds every field the entry reads (None: only datasets can tell, nothing is checked)."""
+def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> DataSpec:
+    """Record 0 holds every field the entry reads (None: only datasets can tell, nothing is checked), its defaults
+    resolved from these fields as the run resolves them (io/data_fields.py); returns the entry reading them."""
+    spec = resolve_fields(spec, fields, where)
     for name in needed_fields(spec) if fields is not None else []:
         if name not in fields:
             raise missing_field(spec, name, fields, where, 0)
+    return spec
 
 
 def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
@@ -101,7 +105,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         file_builder(path, where)
         check_file_options(spec, where)
         fields, records, complete = file_head(path, f"{where}.path: {spec.path}")
-        check_fields(spec, where, fields)
+        spec = check_fields(spec, where, fields)
         for index, record in enumerate(records[:taken]):
             for name in text_fields(spec):  # a field some records lack is null to run's reader (datasets)
                 text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)

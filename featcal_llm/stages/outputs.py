@@ -129,7 +129,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     write_card(checkpoint, recipe, recipe.merged_label or featcal.merged, tokens, tuning=tuning,
                precisions=precisions, sources=resolved.sources, calibrated=calibrated,
                starts=start_records(recipe), weights=weights, coverage=covered, sampling=sampling_records(recipe),
-               advantage=lead_summary, refined=refined)
+               advantage=lead_summary, refined=refined, data_fields=data.fields)
     if refined is not None:
         append_refinement(checkpoint, refined)
     move_into_place(checkpoint, output, "featcal-old")  # an old output (--force) is swapped out, then removed

@@ -182,6 +182,7 @@ class Data:
     probe: Probe
     every: dict[str, list[list[int]]]  # every record read or generated, held-out ones included
     tokenizer: Any = None  # what the records were tokenised with (the output gets it where the merge has no tokenizer)
+    fields: dict[str, dict[str, str]] | None = None  # expert → the keys its defaults resolved from its data (io/data_fields.py)
 
 
 @dataclass
@@ -250,9 +251,10 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         comm.run_on_main("merge", lambda: _merge(recipe, merged_path, str(resolved.device), resolved.merge_inputs, trust))
     tokenizer_source = calibration_tokenizer_directory(featcal.tokenizer, merged_path, resolved.base.directory)
     tokenizer = load_tokenizer(tokenizer_source, f"{recipe.path}: featcal.tokenizer", trust)
+    fields: dict[str, dict[str, str]] = {}
     sequences = calibration_sequences(
         featcal.data, [e.name for e in recipe.experts if featcal.data[e.name].generate is None], tokenizer, featcal.samples,
-        featcal.max_length, featcal.shuffle, featcal.seed, recipe.path,
+        featcal.max_length, featcal.shuffle, featcal.seed, recipe.path, fields,
     )
     for name, source in resolved.experts.items():  # before any expert generates: minutes to hours that a refusal would waste
         directory = source.tokenizer_directory
@@ -284,7 +286,7 @@ def read_data(comm: Single, resolved: Resolved, progress: bool) -> Data:
         "held-out records" if featcal.holds_out else "calibration subsample",
     )
     comm.agree(None)  # every rank got its data; only rank 0 merges, the others wait for it in the next stage
-    return Data(calibration, probe_sequences, batches, probe, sequences, tokenizer)
+    return Data(calibration, probe_sequences, batches, probe, sequences, tokenizer, fields)
 
 
 def open_merged(comm: Single, resolved: Resolved, data: Data) -> Opened:
