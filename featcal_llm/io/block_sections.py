@@ -73,9 +73,12 @@ class DataSpec(RecipeModel):
     input: str | None = Field("input", description="field holding the optional input (format: alpaca); null: none")
     response: str = Field(default_factory=lambda data: "completion" if data.get("format") == "completion" else "response",
                           description="field holding the response (formats alpaca, chat and completion)",
-                          json_schema_extra={"shown_default": "`completion` (format completion, TRL's name), else `response`"})
+                          json_schema_extra={"shown_default": "`completion` (format completion, TRL's name), else `response` "
+                                             "(format alpaca: `output`, Stanford Alpaca's name, where the records have an `output` field and no `response`)"})
     prompt: str = Field("prompt", description="field holding the user turn or prompt (formats chat without messages, and completion)")
-    messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)")
+    messages: str | None = Field(None, description="field holding a list of chat messages (format: chat)",
+                                 json_schema_extra={"shown_default": "null; with format chat and none of messages, prompt and response "
+                                                    "set: `messages` where the records have a `messages` field but not both prompt and response"})
     samples: int | None = Field(None, ge=1, description="overrides featcal.samples for this expert")
     weight: float = Field(1.0, ge=0, description="how much this expert counts in the re-fit: it multiplies the expert's ω against the others' and against "
                           "the ridge λ, which stays as set, so scaling every weight alike leans the fit from the anchor (×10) or "
