@@ -99,8 +99,9 @@ def test_data_that_resolved_before_reads_as_before_and_keeps_its_digest(tmp_path
     ("chat", [{"question": "2+3?", "answer": "5"}], "format: chat reads a `messages` field"),
     ("alpaca", [{"instruction": "add", "answer": "5"}], "format: alpaca reads the response from a `response` field (or `output`"),
 ])
-def test_data_with_neither_reading_is_refused_in_one_line_naming_the_file_and_its_fields_alike(tmp_path, fmt, rows, said):
-    path = write_source(tmp_path, rows, "jsonl")
+@pytest.mark.parametrize("kind", ["jsonl", "saved"])
+def test_data_with_neither_reading_is_refused_in_one_line_naming_the_file_and_its_fields_alike(tmp_path, fmt, rows, said, kind):
+    path = write_source(tmp_path, rows, kind)
     spec = DataSpec(path=path, format=fmt)
     with pytest.raises(FeatCalError) as run:
         sequences(spec, tmp_path)
@@ -117,6 +118,8 @@ def test_validate_reads_the_defaults_as_run_does(tmp_path):
     alpaca = write_source(tmp_path / "a", ALPACA, "jsonl")
     assert check_data(DataSpec(path=chat, format="chat"), "r.yaml: featcal.data.e", tmp_path, False, []) == 2
     assert check_data(DataSpec(path=alpaca, format="alpaca"), "r.yaml: featcal.data.e", tmp_path, False, []) == 2
+    saved = write_source(tmp_path, [{"messages": turns} for turns in CONVERSATIONS], "saved")  # its columns: dataset_info.json
+    assert check_data(DataSpec(path=saved, format="chat"), "r.yaml: featcal.data.e", tmp_path, False, []) is None
     bad = write_source(tmp_path, [{"messages": "not a list"}], "jsonl")  # read as messages, so judged as messages
     with pytest.raises(FeatCalError, match="field 'messages' is 'not a list'; format: chat reads a non-empty list"):
         check_data(DataSpec(path=bad, format="chat"), "r.yaml: featcal.data.e", tmp_path, False, [])

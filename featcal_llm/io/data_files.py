@@ -153,6 +153,17 @@ def saved_splits(path: Path) -> list[str] | None:
     return ["train"] if (path / "state.json").is_file() and (path / "dataset_info.json").is_file() else None
 
 
+def saved_fields(path: Path, split: str) -> list[str] | None:
+    """The column names of a `save_to_disk` folder's split, as its dataset_info.json's features list them (the order
+    `load_from_disk` gives them); None where that file does not say."""
+    folder = path / split if (path / "dataset_dict.json").is_file() else path
+    try:
+        features = json.loads((folder / "dataset_info.json").read_text(encoding="utf-8"))["features"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(name) for name in features] if isinstance(features, dict) else None
+
+
 def check_saved_folder(spec: DataSpec, where: str, splits: list[str]) -> None:
     """A save_to_disk folder has the splits it was saved with and no configurations: anything else is one line."""
     if spec.name is not None:

@@ -16,7 +16,8 @@ from featcal_llm.io.data_fields import resolve_fields
 from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, missing_field, text_field, text_fields
 from featcal_llm.io.data_files import (JSON_WHITESPACE, PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options,
                                        check_folder_name, check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
-                                       file_not_found, looks_like_hub_id, no_records, not_utf8, repeated_key, saved_splits)
+                                       file_not_found, looks_like_hub_id, no_records, not_utf8, repeated_key, saved_fields,
+                                       saved_splits)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -121,6 +122,7 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         return count
     if path.is_dir() and (splits := saved_splits(path)) is not None:
         check_saved_folder(spec, where, splits)
+        check_fields(spec, where, saved_fields(path, spec.split))
         return None  # its record count: the run's load_from_disk says it
     if path.is_dir():
         check_dataset_directory(spec, where, path)
