@@ -61,11 +61,12 @@ def test_a_chat_record_s_ids_and_response_are_the_template_s_own_with_a_tokenize
     whole = template_ids(tokenizer, MESSAGES)
     assert list(record) == whole
     assert whole.count(tokenizer.eos_token_id) == len(MESSAGES) and whole[-2] != tokenizer.eos_token_id  # one </s> a turn
-    # The response starts where the prompt alone, encoded as transformers encodes it, ends (one token a character,
-    # so that is its length): the last turn's text and the EOS its template writes.
-    prompt = template_ids(tokenizer, MESSAGES[:-1], add_generation_prompt=True)
-    assert whole[:len(prompt)] == prompt and record.response_from == len(prompt)
-    assert tokenizer.decode(whole[record.response_from:]) == "2 ok</s>"
+    # Each assistant turn starts where the conversation before it, encoded as transformers encodes it, ends (one token
+    # a character, so that is its length), and ends with the conversation through it: its text and the EOS its
+    # template writes.
+    first, prompt = (template_ids(tokenizer, MESSAGES[:turn], add_generation_prompt=True) for turn in (1, 3))
+    assert whole[:len(prompt)] == prompt and record.spans == ((len(first), len(template_ids(tokenizer, MESSAGES[:2]))), (len(prompt), len(whole)))
+    assert [tokenizer.decode(whole[start:end]) for start, end in record.spans] == ["5</s>", "2 ok</s>"]
 
 
 @pytest.mark.parametrize("template", TEMPLATES)

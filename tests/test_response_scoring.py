@@ -328,9 +328,11 @@ def test_the_log_says_on_its_responses_only_for_the_experts_judged_on_them(tmp_p
 
 def test_the_tokens_a_record_is_judged_on_are_those_whose_successor_is_scored():
     """Plain text: every token but the last (a one-token record has none); prompt/response: from the response's start."""
+    from featcal_llm.io.records import judged_positions
     from featcal_llm.maths.advantage import judged_tokens
 
-    assert (judged_tokens(1, 0), judged_tokens(5, 0), judged_tokens(5, 3), judged_tokens(3, 3)) == (0, 4, 2, 0)
+    assert (judged_tokens(1, [(0, 1)]), judged_tokens(5, [(0, 5)]), judged_tokens(5, [(3, 5)]), judged_tokens(3, [])) == (0, 4, 2, 0)
+    assert judged_tokens(9, [(2, 4), (6, 9)]) == 5 == len(judged_positions(9, [(2, 4), (6, 9)]))  # two assistant turns
 
 
 def test_a_tokenizer_that_truncates_on_the_left_still_keeps_each_record_s_start():
@@ -387,7 +389,6 @@ CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "con
                 {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5, é\r\n"}]
 
 
-@pytest.mark.xfail(strict=True, reason="a conversation is judged on its last assistant turn only, not on every one")
 def test_a_conversation_is_judged_on_every_assistant_turn_with_one_bos():
     """Every assistant turn is judged, as TRL's `assistant_only_loss` trains on every one; the system and user turns
     between them are not. Against transformers' own renders of the conversation's prefixes (each turn's ids, turn by
@@ -395,6 +396,7 @@ def test_a_conversation_is_judged_on_every_assistant_turn_with_one_bos():
     tokenizer that adds BOS does not add a second one to the template's). `max_length` cuts the spans with the ids."""
     from tokenizers.processors import TemplateProcessing
 
+    from featcal_llm.engine.refine_data import judged_positions as refine_judged, pad
     from featcal_llm.io.records import judged_positions, response_mask
 
     tokenizer = build_char_tokenizer()
@@ -410,6 +412,10 @@ def test_a_conversation_is_judged_on_every_assistant_turn_with_one_bos():
     assert [list(ids[start:end]) for start, end in ids.spans] == turns and len(turns) == 2  # "2</s>", then "5, é\r\n</s>"
     assert response_mask(len(ids), ids.spans) == [bool(flag) for flag in reference["assistant_masks"]]
     assert judged_positions(len(ids), ids.spans) == [p for p in range(len(ids) - 1) if reference["assistant_masks"][p + 1]]
+    [batch] = make_batches([ids], 10_000)  # the token-weight pass's mask and the refine stage's positions say the same
+    assert batch.response[0].tolist() == response_mask(len(ids), ids.spans)
+    assert refine_judged(ids) == judged_positions(len(ids), ids.spans) and pad([("e", 0)], {"e": [ids]}).judged[0].tolist() == [
+        p in refine_judged(ids) for p in range(len(ids))]
     cut = ids.spans[1][0] + 3  # inside the second answer: its first three tokens are left
     [short] = tokenize_texts([text], tokenizer, cut, "d", [prompt])
     assert list(short) == list(ids)[:cut] and short.spans == (ids.spans[0], (ids.spans[1][0], cut))
@@ -436,7 +442,6 @@ def _as_conversations(scenario) -> dict[str, list[list[dict]]]:
     return conversations
 
 
-@pytest.mark.xfail(strict=True, reason="a conversation is judged on its last assistant turn only, not on every one")
 def test_a_conversation_s_lead_is_its_every_assistant_turn_s_by_brute_force(tmp_path):
     """The mean lead the run records for chat data equals one computed by hand from the whole models' per-token
     log-probabilities on exactly the tokens of every assistant turn, each found by transformers' own renders of the

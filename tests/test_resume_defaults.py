@@ -87,6 +87,26 @@ def test_where_a_records_response_starts_is_part_of_the_data_digest():
     assert digest(1) != digest(2) != sequences_digest({"a": [[1, 2, 3, 4]]})
 
 
+def test_each_assistant_turn_s_span_is_part_of_the_data_digest():
+    """A conversation judged on every assistant turn is other data than the same ids judged on the last turn alone (the
+    rule before): progress saved under one is not resumed under the other. A record with one span to its end (a
+    single-turn one, alpaca, completion) digests as it did, written out here by hand."""
+    import hashlib
+
+    import numpy as np
+
+    from featcal_llm.engine.resume import sequences_digest
+    from featcal_llm.io.records import Record
+
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    every, last = Record(ids, spans=[(2, 4), (6, 8)]), Record(ids, 6)
+    ended_early = Record(ids, spans=[(2, 4)])  # a conversation that ends on a user's turn
+    digests = {sequences_digest({"a": [record]}) for record in (every, last, ended_early, Record(ids, 2), list(ids))}
+    assert len(digests) == 5
+    by_hand = hashlib.sha256(b"a" + np.array(ids, dtype=np.int64).tobytes() + b"@6|").hexdigest()
+    assert sequences_digest({"a": [last]}) == sequences_digest({"a": [Record(ids, spans=[(6, 8)])]}) == by_hand
+
+
 def test_a_damaged_saved_pass_is_computed_again(tmp_path):
     from featcal_llm.engine.resume import StagingArea
 

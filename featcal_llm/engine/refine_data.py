@@ -2,8 +2,10 @@
 
 A record is judged where its expert is judged (engine/token_weights.py): on
 the tokens of its response for prompt/response records, on every token of
-plain text and of generated records. Position p predicts token p + 1, so a
-record of n tokens whose response starts at r is judged at p = max(r − 1, 0) … n − 2.
+plain text and of generated records (a conversation: every assistant turn's).
+Position p predicts token p + 1, so a record of n tokens whose response starts
+at r is judged at p = max(r − 1, 0) … n − 2, and a response span [s, e) at
+p = max(s − 1, 0) … e − 2.
 
 Teachers run one at a time, each a whole model on the compute device; what
 is kept of them is, per judged position, the k most likely next tokens'
@@ -20,15 +22,15 @@ import torch
 
 from featcal_llm.engine.refine_memory import logit_chunk
 from featcal_llm.engine.refine_models import decoder, logits_of
-from featcal_llm.io.records import response_from
+from featcal_llm.io.records import judged_positions as judged_in, response_spans
 from featcal_llm.maths.topk_kl import topk_teacher
 
 Key = tuple[str, int]  # (expert, index of the record in that expert's list)
 
 
-def judged_positions(sequence: list[int]) -> range:
-    """The positions whose next token the record is judged on."""
-    return range(max(response_from(sequence) - 1, 0), len(sequence) - 1)
+def judged_positions(sequence: list[int]) -> list[int]:
+    """The positions whose next token the record is judged on, in order."""
+    return judged_in(len(sequence), response_spans(sequence))
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,7 @@ def pad(keys: list[Key], sequences: dict[str, list[list[int]]]) -> Padded:
     for row, sequence in enumerate(rows):
         ids[row, : len(sequence)] = torch.tensor(list(sequence), dtype=torch.long)
         attention[row, : len(sequence)] = 1
-        span = judged_positions(sequence)
-        judged[row, span.start: span.stop] = True
+        judged[row, judged_positions(sequence)] = True
     return Padded(keys, ids, attention, judged)
 
 

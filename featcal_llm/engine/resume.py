@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from featcal_llm.errors import warn
 from featcal_llm.io.checkpoint import owned_tensor
-from featcal_llm.io.records import response_from
+from featcal_llm.io.records import Record, response_from
 
 STATE_FILE = "state.json"
 
@@ -101,7 +101,10 @@ def sequences_digest(sequences: dict[str, list[list[int]]]) -> str:
         digest.update(task.encode())
         for sequence in sequences[task]:
             digest.update(torch.tensor(sequence, dtype=torch.int64).numpy().tobytes())
-            if response_from(sequence):  # where a prompt/response record's scored tokens start
+            if isinstance(sequence, Record) and sequence.spans not in ((), ((response_from(sequence), len(sequence)),)):
+                # a conversation's assistant turns: each span, so that a change of the judged tokens starts over
+                digest.update(("@" + ",".join(f"{start}-{end}" for start, end in sequence.spans)).encode())
+            elif response_from(sequence):  # where a prompt/response record's scored tokens start
                 digest.update(f"@{response_from(sequence)}".encode())
             digest.update(b"|")
     return digest.hexdigest()

@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 
 from featcal_llm.family.batch import TokenBatch
-from featcal_llm.io.records import response_from
+from featcal_llm.io.records import response_mask, response_spans
 
 
 def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0) -> list[TokenBatch]:
     """Deterministic length-sorted batches whose padded size stays within `batch_tokens`.
 
     A sequence longer than the budget gets a batch of its own. A batch of plain-text sequences has no response mask
-    (every token counts); one with a prompt/response `Record` marks each record's response.
+    (every token counts); one with a prompt/response `Record` marks each record's response tokens (a conversation's:
+    every assistant turn's).
     """
     order = sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), i))
     groups: list[list[int]] = []
@@ -44,7 +45,7 @@ def make_batches(sequences: list[list[int]], batch_tokens: int, pad_id: int = 0)
         for row, index in enumerate(group):
             ids[row, : len(sequences[index])] = torch.tensor(sequences[index], dtype=torch.long)
             keep[row, : len(sequences[index])] = True
-            response[row, response_from(sequences[index]): len(sequences[index])] = True
+            response[row, : len(sequences[index])] = torch.tensor(response_mask(len(sequences[index]), response_spans(sequences[index])))
         batches.append(TokenBatch(ids, keep, None if torch.equal(response, keep) else response))
     return batches
 

@@ -38,7 +38,7 @@ from featcal_llm.engine.context import Models
 from featcal_llm.engine.streams import TokenBatch
 from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.io.names import short_names
-from featcal_llm.io.records import response_from
+from featcal_llm.io.records import response_spans
 from featcal_llm.maths.advantage import judged_tokens, trails
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def check_judged(sequences: dict[str, list[list[int]]], where: str, held_out: bo
     """Refuse an expert whose calibration records keep no judged token: its lead over the merge would read 0.0 (no
     evidence) and it would be declared trailing. Checked on the records that enter the statistics, before any pass."""
     for task, records in sequences.items():
-        if sum(judged_tokens(len(record), response_from(record)) for record in records) == 0:
+        if sum(judged_tokens(len(record), response_spans(record)) for record in records) == 0:
             split = " after the hold-out split" if held_out else ""
             raise FeatCalError(
                 f"{where}.data.{task}: none of its {len(records)} calibration records keeps a judged (response) token{split}, so whether "

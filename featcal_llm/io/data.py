@@ -4,9 +4,9 @@ Records come from `datasets.load_dataset` (a local file, a local dataset
 directory or a hub id), are turned into text by the configured format and
 tokenised with the merged model's tokenizer. No padding here: batching and
 masks belong to the streams. Prompt/response records (`alpaca`, `chat`,
-`completion`: TRL's string `prompt` and `completion` fields) also say where
-their response starts: whether an expert leads the merge is judged there
-(io.records.Record).
+`completion`: TRL's string `prompt` and `completion` fields) also say which
+of their tokens are the response's (a conversation's: every assistant
+turn's): whether an expert leads the merge is judged there (io.records.Record).
 
 The records themselves are read by io/data_files.py (its JSON-lines shortcut
 included).
@@ -151,19 +151,22 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
     return render_chat(tokenizer, _chat_messages(record, spec, where, index), f"{where}: record {index}: the tokenizer's chat template refused it")
 
 
-def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str | None:
-    """The text a record's response follows (what a user asks, not what the expert answers); None: no response to tell
-    apart (plain text, or a chat whose last turn is not the assistant's), so every token counts."""
+def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str | list[tuple[str, str]] | None:
+    """The text a record's response follows (what a user asks, not what the expert answers); for a conversation, per
+    assistant turn, the conversation before it with the generation prompt (where the turn starts) and the conversation
+    through it (where it ends): every assistant turn is judged, as TRL's `assistant_only_loss` trains on every one.
+    None: no response to tell apart (plain text, or a chat with no assistant turn), so every token counts."""
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, "")
     if spec.format == "completion":
         return text_field(record, spec, spec.prompt, where, index)
     if spec.format == "chat":
         messages = _chat_messages(record, spec, where, index)
-        if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
-            return None
-        return render_chat(tokenizer, messages[:-1], f"{where}: record {index}: the tokenizer's chat template refused it",
-                           add_generation_prompt=True)
+        refused = f"{where}: record {index}: the tokenizer's chat template refused it"
+        turns = [(render_chat(tokenizer, messages[:turn], refused, add_generation_prompt=True),
+                  render_chat(tokenizer, messages[:turn + 1], refused))
+                 for turn, message in enumerate(messages) if isinstance(message, dict) and message.get("role") == "assistant"]
+        return turns or None
     return None
 
 
@@ -208,6 +211,20 @@ def response_start(ids: list[int], prompt_ids: list[int]) -> int:
     return start
 
 
+def turn_spans(ids: list[int], text: str, turns: list[tuple[str, str]], tokenizer: Any, templated: bool) -> list[tuple[int, int]]:
+    """Per assistant turn of a conversation whose text `text` encodes to `ids`: [start, end), where `start` is
+    response_start of the conversation before the turn with the generation prompt (what a single-turn record's
+    prompt is) and `end` is where the ids and the conversation through the turn first differ (all of them where the
+    turn ends the conversation). The turns between (user, system) are not judged; `max_length` cuts the spans with the
+    ids. A template that renders a turn otherwise once the conversation goes on (one that drops an earlier turn's
+    reasoning) gives that turn only the tokens both renders share."""
+    spans = []
+    for before, through in turns:
+        start = response_start(ids, encode(before, tokenizer, templated=templated))
+        spans.append((start, len(ids) if through == text else response_start(ids, encode(through, tokenizer, templated=templated))))
+    return spans
+
+
 def encode(text: str, tokenizer: Any, max_length: int | None = None, templated: bool = False) -> list[int]:
     """The text's token ids; past `max_length`, the end is cut (also for a tokenizer saved with `truncation_side: left`).
 
@@ -226,13 +243,14 @@ def encode(text: str, tokenizer: Any, max_length: int | None = None, templated: 
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str,
-                   prompts: list[str | None] | None = None, numbers: list[int] | None = None,
+                   prompts: list[str | list[tuple[str, str]] | None] | None = None, numbers: list[int] | None = None,
                    templated: bool = False) -> list[list[int]]:
-    """Token ids per text, truncated to `max_length`. Where a text has a prompt, a `Record` that knows where its
-    response starts; an expert none of whose records keeps a response token within `max_length` is refused (nothing of
-    it would be scored). `numbers`: each text's record number in its file. `templated`: the texts and prompts are a
-    chat template's output, encoded as the template wrote them (`encode`); the prompt alone is encoded by the same
-    rule as its record, so the two agree up to where the response starts."""
+    """Token ids per text, truncated to `max_length`. Where a text has a prompt (record_prompt's), a `Record` that
+    knows its response tokens: from where the response starts, or each assistant turn's span (turn_spans); an expert
+    none of whose records keeps a response token within `max_length` is refused (nothing of it would be scored).
+    `numbers`: each text's record number in its file. `templated`: the texts and prompts are a chat template's output,
+    encoded as the template wrote them (`encode`); the prompt alone is encoded by the same rule as its record, so the
+    two agree up to where the response starts."""
     sequences: list[list[int]] = []
     for index, text in enumerate(texts):
         ids = encode(text, tokenizer, max_length, templated)
@@ -241,19 +259,25 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
         prompt = prompts[index] if prompts is not None else None
         if prompt is None:
             sequences.append(list(ids))
-            continue
-        prompt_ids = encode(prompt, tokenizer, templated=templated)
-        start = response_start(ids, prompt_ids)
-        if not templated and prompt_ids and start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
-            start = len(ids)  # a truncated prompt and the special token the tokenizer appends (its EOS): no response
-        sequences.append(Record(ids, start))
-    if prompts is not None and any(p is not None for p in prompts) and all(
-            isinstance(s, Record) and s.response_from >= len(s) for s in sequences):
-        if all(prompt is None or text == prompt for text, prompt in zip(texts, prompts)):  # nothing follows any prompt
+        elif isinstance(prompt, list):  # a conversation's assistant turns
+            sequences.append(Record(ids, spans=turn_spans(ids, text, prompt, tokenizer, templated)))
+        else:
+            prompt_ids = encode(prompt, tokenizer, templated=templated)
+            start = response_start(ids, prompt_ids)
+            if not templated and prompt_ids and start == len(ids) - 1 and ids[-1] == prompt_ids[-1] and ids[-1] in tokenizer.all_special_ids:
+                start = len(ids)  # a truncated prompt and the special token the tokenizer appends (its EOS): no response
+            sequences.append(Record(ids, start))
+    if prompts is not None and any(p is not None for p in prompts) and all(isinstance(s, Record) and not s.spans for s in sequences):
+        if all(prompt is None or _nothing_follows(text, prompt) for text, prompt in zip(texts, prompts)):
             raise FeatCalError(f"{where}: no record has a response to score: every response is empty")
         raise FeatCalError(f"{where}: no record keeps a response token within featcal.max_length {max_length} "
                            "(the prompts fill it); raise max_length or shorten the prompts")
     return sequences
+
+
+def _nothing_follows(text: str, prompt: str | list[tuple[str, str]]) -> bool:
+    """Whether the record's text is its prompt's (every assistant turn's rendering, its prompt's): no response."""
+    return text == prompt if isinstance(prompt, str) else all(before == through for before, through in prompt)
 
 
 def calibration_sequences(

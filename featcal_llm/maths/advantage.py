@@ -25,6 +25,7 @@ whose answers attend to unpredictable prompts lost most of its gain.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -39,10 +40,11 @@ def advantages(expert_log_probs: torch.Tensor, merged_log_probs: torch.Tensor, s
     return leads(expert_log_probs, merged_log_probs, scored).clamp(min=0.0)
 
 
-def judged_tokens(length: int, response_from: int) -> int:
-    """How many of a record's tokens the lead is judged on: those whose successor is a response token (every token but
-    the last of plain text, `response_from` 0). engine/scoring.response_positions marks the same positions."""
-    return max(0, length - max(response_from, 1))
+def judged_tokens(length: int, spans: Iterable[tuple[int, int]]) -> int:
+    """How many of a record's tokens the lead is judged on: those whose successor is a response token, inside one of
+    the disjoint [start, end) `spans` (every token but the last of plain text, one span [0, length)); the first token
+    is no one's successor. engine/scoring.response_positions marks the same positions."""
+    return sum(max(0, min(end, length) - max(start, 1)) for start, end in spans)
 
 
 LEAD_STANDARD_ERRORS = 2.0  # how far below 0 an expert's lead must be before the merge teaches its records
