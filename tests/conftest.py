@@ -6,8 +6,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-# one thread a worker when pytest-xdist runs several (PYTEST_XDIST_WORKER_COUNT), two otherwise
-torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else min(2, torch.get_num_threads()))
+# one thread a worker when pytest-xdist runs several (PYTEST_XDIST_WORKER_COUNT), two otherwise; the processes a worker
+# starts (the CLI, torchrun ranks, lm-eval's worker) inherit one thread too: two workers each starting a two-thread
+# process on two cores spun OpenMP threads against each other (the suite took 950 s on two cores, 650 s with this)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from scenario import build_scenario  # noqa: E402
 
