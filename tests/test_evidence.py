@@ -54,7 +54,7 @@ def test_judged_tokens_are_those_whose_successor_is_a_response_token(length, sta
     from featcal_llm.engine.streams import make_batches
 
     record = Record(list(range(3, 3 + length)), start) if start else list(range(3, 3 + length))
-    assert judged_tokens(length, start) == judged
+    assert judged_tokens(length, [(start, length)]) == judged
     batch = make_batches([record, list(range(3, 10))], 64)[0]  # beside a longer plain record: the mask of a real batch
     row = [i for i in range(2) if int(batch.keep[i].sum()) == length][0]
     assert int(response_positions(batch)[row].sum()) == judged  # the pass counts the same positions
