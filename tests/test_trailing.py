@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from reference import advantage_token_weights, brute_force_featcal, brute_force_head, mean_leads
+from reference import advantage_token_weights, behind_beyond_doubt, brute_force_featcal, brute_force_head, mean_leads
 from test_coverage import card_front, exact_weights, trained_scenario
-from test_exactness import TOLERANCE, delta_error, read_weights
+from test_exactness import TOLERANCE, delta_error, load, read_weights
 from test_head import HEAD, reference_models
 
 from featcal_llm.engine.teachers import trailing_experts
@@ -286,6 +286,69 @@ def test_refine_trains_on_the_records_the_closed_form_weighs(lead_and_trail, tmp
         assert job.train[task] == [s for i, s in enumerate(kept[task]) if i not in dropped[task]], task
         assert job.left_out[task] == len(dropped[task])
     assert f"{len(dropped[second])} of `expert1`'s records" in (output / "README.md").read_text()
+
+
+@pytest.mark.xfail(strict=True, reason="refine's held-out check still counts the held-out records a leading expert trails "
+                                        "the merge on, which trailing_records: drop leaves out of its training")
+def test_refines_held_out_check_leaves_out_the_records_the_expert_trails_on(lead_and_trail, tmp_path, monkeypatch):
+    """`trailing_records: drop` leaves out of refine's held-out check the held-out records the same rule marks: an
+    expert not behind the merge beyond doubt (judged on the statistics records, the margin at ten standard errors)
+    whose leads over a held-out record's judged tokens sum below 0 (from the whole models' forward). The stage's
+    held-out KL before the first step is the closed form's full-vocabulary KL(expert ‖ model) over exactly the other
+    held-out records' judged tokens (transformers alone), not over all of them; the report and the card count them."""
+    from reference import _token_leads
+    from test_refine import full_kl
+
+    import featcal_llm.engine.refine as refine_module
+
+    scenario, merged, base, experts, sequences, leads = lead_and_trail
+    monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)
+    second = list(experts)[1]
+    record_leads = {task: [float(_token_leads(merged, experts[task], row).sum()) for row in rows] for task, rows in sequences.items()}
+
+    def split(seed: int):
+        kept, held = split_holdout(sequences, 0.25, seed, "x")
+        lead_of = {task: dict(zip(map(tuple, sequences[task]), record_leads[task])) for task in sequences}
+        leading = [task for task in kept if not behind_beyond_doubt(
+            [_token_leads(merged, experts[task], row) for row in kept[task]], [len(row) - 1 for row in kept[task]], 10.0)]
+        trailing = {task: [i for i, row in enumerate(held[task]) if task in leading and lead_of[task][tuple(row)] < 0] for task in held}
+        return kept, held, trailing
+
+    # the first seed whose held-out records of expert1 hold some it trails the merge on and some it does not
+    seed = next(seed for seed in range(64) if 0 < len(split(seed)[2][second]) < len(split(seed)[1][second]))
+    kept, held, trailing = split(seed)
+    top_k = 1000  # every token of the scenario's vocabulary: the stage's KL is the full one (its teachers in float16)
+    keys = dict(batch_tokens=150, dtype="float64", token_weights="expert_lead", trailing_experts="merge", seed=seed,
+                refine={"steps": 2, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32", "top_k": top_k})
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), **keys), progress=False)
+
+    def stand_in(job):  # the closed form's output: what the check before the first step measures
+        return job.replacements, {"params": "full", "lr": 0.0, "steps_run": 0, "chosen_step": 0, "max_steps": 0, "top_k": 1,
+                                  "held_out_kl": {"before": 0.0, "after": 0.0}, "teachers": {}}
+
+    monkeypatch.setattr(refine_module, "refine", stand_in)
+    closed = run_recipe(scenario.write_recipe(tmp_path / "c.yaml", output=str(tmp_path / "closed"), **keys), progress=False)
+    model = load(closed, torch.float64)
+
+    @torch.no_grad()
+    def kl_over(task: str, rows: list[list[int]]) -> float:
+        """The token mean over the rows' judged tokens (every token but the last) of KL(expert ‖ closed form)."""
+        ids = [torch.tensor([row]) for row in rows]
+        total = sum(float(full_kl(model(row).logits[0, :-1], experts[task](row).logits[0, :-1])) for row in ids)
+        return total / sum(len(row) - 1 for row in rows)
+
+    report = json.loads((output / "featcal_refine.json").read_text())
+    for task in held:
+        name = Path(task).name
+        counted = [row for i, row in enumerate(held[task]) if i not in trailing[task]]
+        assert report["per_expert"]["before"][name] == pytest.approx(kl_over(task, counted), rel=1e-2), name
+        if trailing[task]:  # the trailing records move the KL beyond the tolerance: the comparison tells them apart
+            assert kl_over(task, held[task]) != pytest.approx(kl_over(task, counted), rel=5e-2), name
+    assert report["held_out_left_out"] == {Path(task).name: len(trailing[task]) for task in held}
+    assert report["held_out_records"] == {Path(task).name: len(held[task]) for task in held}  # the split, as before
+    card = " ".join((output / "README.md").read_text().split())
+    assert (f"{len(trailing[second])} of `expert1`'s held-out records left out of the checks, as the expert trails the merge on "
+            "them (`trailing_records: drop`)") in card
 
 
 def test_an_expert_with_a_lead_of_exactly_zero_is_said_to_be_no_better_not_behind(capsys):
