@@ -19,9 +19,10 @@ from pathlib import Path
 from featcal_llm import runlog
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
-from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach
+from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach, trailing_experts
 from featcal_llm.engine.token_weights import advantage_weights
-from featcal_llm.engine.passes import load_passes, record_rows, save_passes, saved_token_weights, trailing_record_indices
+from featcal_llm.engine.passes import (held_out_trailing_indices, load_passes, record_rows, save_passes, saved_token_weights,
+                                       trailing_record_indices)
 from featcal_llm.engine.context import RunContext
 from featcal_llm.engine.devices import release_memory
 from featcal_llm.engine.distributed import Single, WorldError, communicator
@@ -164,7 +165,7 @@ def _calibrate(comm: Single, resolved: Resolved, progress: bool) -> RunOutcome:
     data = read_data(comm, resolved, progress)
     opened = open_merged(comm, resolved, data)
     context = run_context(comm, resolved, data, opened)
-    lead_summary, coverage, taught, dropped = _weights(context, resolved, data, opened)
+    lead_summary, coverage, taught, dropped, leading = _weights(context, resolved, data, opened)
     if every_expert_taught_by_the_merge(taught, {task: context.plan.task_weight(task) for task in context.batches}):
         # nothing to calibrate toward (every expert with a weight above 0 trails): the output is the merge
         runlog.stage("trailing_experts: merge: every expert trails the merged model on its own records, so no layer is "
@@ -172,19 +173,24 @@ def _calibrate(comm: Single, resolved: Resolved, progress: bool) -> RunOutcome:
         replacements = None
     else:
         replacements = calibrate(context, opened.num_layers, progress and comm.is_main)
+    held_dropped = {}
+    if leading is not None and replacements is not None:  # every rank: the held-out records' marks are gathered
+        held_dropped = held_out_trailing_indices(context, leading, data.probe_sequences, recipe.featcal.batch_tokens)
     comm.barrier()
     if not comm.is_main:
         return RunOutcome(resolved.output, opened.models.merged.directory)
     refined = None
     if recipe.featcal.refine is not None:  # rank 0 alone, after the others finished their layers (docs/refine.md)
         _drop_the_layer_loops_state(context)
-        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress)
+        replacements, refined = _refine(context, resolved, data, opened, replacements, taught, dropped, progress, held_dropped)
     return write_outputs(context, resolved, data, opened, replacements, lead_summary, coverage, taught, refined)
 
 
 def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened):
     """The passes before the layers: each expert's weight (coverage), each token's (its expert's lead), who teaches
-    each expert's records (`trailing_experts:`), and, for `refine:`, the records that weigh 0 (`trailing_records: drop`).
+    each expert's records (`trailing_experts:`), and, for `refine:`, the records that weigh 0 (`trailing_records: drop`)
+    and the experts whose held-out records are marked alike after the layers (those not behind the merge beyond doubt;
+    None where no record is left out).
 
     Rank 0 keeps their results in the staging area with the layers, record by record (engine/passes.py), so a resumed
     run reuses them with any number of ranks.
@@ -211,11 +217,13 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     if featcal.trailing == "merge":
         taught = let_the_merge_teach(context, token_weights.mean_leads, f"{where}.trailing_experts", token_weights.lead_margins)
     lead_summary = token_weights.summary if featcal.token_weighting == "expert_lead" else None
-    dropped = {}
+    dropped, leading = {}, None
     if featcal.refine is not None and featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop":
         counts = {task: len(records) for task, records in data.sequences.items()}  # every rank: the gather is collective
         dropped = trailing_record_indices(comm, token_weights.advantages, context.batches, rows, counts)
-    return lead_summary, (weights, coverage), taught, dropped
+        behind = trailing_experts(token_weights.mean_leads, token_weights.lead_margins)  # as advantage_weights marks
+        leading = [task for task in data.sequences if task not in behind]
+    return lead_summary, (weights, coverage), taught, dropped, leading
 
 
 def _drop_the_layer_loops_state(context: RunContext) -> None:
@@ -231,9 +239,11 @@ def _drop_the_layer_loops_state(context: RunContext) -> None:
 
 
 def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened, replacements, taught: dict[str, float],
-            dropped: dict[str, frozenset[int]], progress: bool):
+            dropped: dict[str, frozenset[int]], progress: bool, held_dropped: dict[str, frozenset[int]] | None = None):
     """`refine:`: gradient steps from the closed form's output toward each record's teacher (engine/refine.py), on the
-    records the closed form weighs: not those an expert trails the merge on (`trailing_records: drop`)."""
+    records the closed form weighs: not those an expert trails the merge on (`trailing_records: drop`), and checked
+    on the held-out records alike (`held_dropped`: those of the held-out ones it trails the merge on)."""
+    held_dropped = held_dropped or {}
     if replacements is None:
         runlog.stage("refine: skipped, as the output is the merged model and every record's teacher is the merge")
         return None, None
@@ -244,9 +254,11 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
     job = RefineJob(featcal.refine, featcal.seed, featcal.batch_tokens, opened.merged_config, opened.models.merged,
                     context.models.experts, taught, replacements,
                     {t: [s for i, s in enumerate(data.sequences[t]) if i not in dropped.get(t, ())] for t in calibrated},
-                    {t: data.probe_sequences[t] for t in calibrated}, resolved.plan.projections,
+                    {t: [s for i, s in enumerate(data.probe_sequences[t]) if i not in held_dropped.get(t, ())] for t in calibrated},
+                    resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
-                    {t: len(dropped.get(t, ())) for t in calibrated}, resolved.plan.architecture.head_tied_only)
+                    {t: len(dropped.get(t, ())) for t in calibrated}, resolved.plan.architecture.head_tied_only,
+                    {t: len(held_dropped.get(t, ())) for t in calibrated})
     try:
         return refine(job)
     except (MemoryError, RuntimeError) as error:  # its levers are its own keys, which keep the calibrated layers

@@ -389,6 +389,8 @@ def test_two_ranks_leave_out_the_records_one_process_leaves_out_of_refine(uneven
     ours, theirs = (json.loads((d / "featcal_refine.json").read_text()) for d in (tmp_path / "out", single))
     assert ours["records_left_out"] == theirs["records_left_out"] and ours["records"] == theirs["records"]
     assert sum(theirs["records_left_out"].values()) > 0, theirs["records_left_out"]
+    # the held-out records the experts trail on, marked on each rank's shard of the probe and gathered, are one process's
+    assert ours.get("held_out_left_out") == theirs.get("held_out_left_out") and ours["held_out_kl"] == theirs["held_out_kl"]
 
 
 def test_a_stack_on_two_ranks_gives_the_one_process_weights_and_leaves_no_stage_behind(uneven, tmp_path):

@@ -288,8 +288,6 @@ def test_refine_trains_on_the_records_the_closed_form_weighs(lead_and_trail, tmp
     assert f"{len(dropped[second])} of `expert1`'s records" in (output / "README.md").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="refine's held-out check still counts the held-out records a leading expert trails "
-                                        "the merge on, which trailing_records: drop leaves out of its training")
 def test_refines_held_out_check_leaves_out_the_records_the_expert_trails_on(lead_and_trail, tmp_path, monkeypatch):
     """`trailing_records: drop` leaves out of refine's held-out check the held-out records the same rule marks: an
     expert not behind the merge beyond doubt (judged on the statistics records, the margin at ten standard errors)
@@ -341,14 +339,16 @@ def test_refines_held_out_check_leaves_out_the_records_the_expert_trails_on(lead
     for task in held:
         name = Path(task).name
         counted = [row for i, row in enumerate(held[task]) if i not in trailing[task]]
-        assert report["per_expert"]["before"][name] == pytest.approx(kl_over(task, counted), rel=1e-2), name
-        if trailing[task]:  # the trailing records move the KL beyond the tolerance: the comparison tells them apart
-            assert kl_over(task, held[task]) != pytest.approx(kl_over(task, counted), rel=5e-2), name
+        # the stage's top-100 of a 100-token vocabulary is every token; its teachers' log-probabilities are float16
+        assert report["per_expert"]["before"][name] == pytest.approx(kl_over(task, counted), rel=1e-3), name
+        if trailing[task]:  # the trailing records move the KL well beyond that tolerance (1.3 % and 2.4 % here)
+            assert kl_over(task, held[task]) != pytest.approx(kl_over(task, counted), rel=5e-3), name
     assert report["held_out_left_out"] == {Path(task).name: len(trailing[task]) for task in held}
     assert report["held_out_records"] == {Path(task).name: len(held[task]) for task in held}  # the split, as before
     card = " ".join((output / "README.md").read_text().split())
-    assert (f"{len(trailing[second])} of `expert1`'s held-out records left out of the checks, as the expert trails the merge on "
-            "them (`trailing_records: drop`)") in card
+    counts = ", ".join(f"{len(trailing[task])} of `{Path(task).name}`'s" for task in held if trailing[task])
+    assert ("Held-out records left out of the checks, as of the training, since the expert trails the merge on them "
+            f"(`trailing_records: drop`): {counts}.") in card
 
 
 def test_an_expert_with_a_lead_of_exactly_zero_is_said_to_be_no_better_not_behind(capsys):

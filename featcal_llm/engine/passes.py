@@ -17,9 +17,10 @@ import torch
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.token_weights import TokenWeights, weight_roots
 from featcal_llm.family.batch import TokenBatch
-from featcal_llm.maths.advantage import marked_trailing
+from featcal_llm.maths.advantage import leads, mark_trailing_records, marked_trailing
 
 if TYPE_CHECKING:
+    from featcal_llm.engine.context import RunContext
     from featcal_llm.engine.distributed import Single
     from featcal_llm.engine.resume import StagingArea
 
@@ -111,5 +112,53 @@ def trailing_record_indices(comm: "Single", advantages: dict[str, list[torch.Ten
     return result
 
 
-__all__ = ["LAYOUT", "PASS", "by_batch", "by_record", "load_passes", "record_rows", "save_passes", "saved_token_weights",
-           "trailing_record_indices"]
+HELD_OUT_PASS = "held-out-trailing"
+
+
+def held_out_trailing_indices(ctx: "RunContext", leading: list[str], sequences: dict[str, list[list[int]]],
+                              batch_tokens: int) -> dict[str, frozenset[int]]:
+    """Per expert in `leading` (not behind the merge beyond doubt), the indices of its held-out records (`sequences`,
+    the probe's) that `trailing_records: drop` marks as it marks a calibration record: the expert's leads over the
+    merge on the record's judged tokens summed below 0 (maths/advantage.mark_trailing_records). The lead pass never
+    saw these records; the layer loop left each one's last decoder-layer output of the merged model and of the expert
+    (the probe's streams, engine/calibrate.py), so their final norms and LM heads alone measure it, no second forward.
+    A collective: every rank measures its shard and the marks are summed over the ranks; rank 0 keeps what it first
+    measured in the staging area, so a resumed run, on any number of ranks, leaves out the same records."""
+    from featcal_llm.engine.drift import Head
+    from featcal_llm.engine.scoring import response_positions, token_log_probs
+    from featcal_llm.engine.transfer import on_device
+
+    probe, runner, comm = ctx.probe, ctx.runner, ctx.comm
+    rows = record_rows(comm, sequences, batch_tokens)
+    merged_head = Head(runner, ctx.models.merged)
+    flags: list[float] = []
+    for task in leading:
+        marked = [0.0] * len(sequences[task])
+        batches = probe.batches.get(task, [])
+        if batches:
+            expert_head = Head(runner, ctx.models.experts[task])
+            pairs = on_device(runner.device, probe.merged[task], probe.expert[task])
+            for batch, indices, (merged_hidden, expert_hidden) in zip(batches, rows[task], pairs):
+                lead = leads(token_log_probs(expert_head, expert_hidden, batch), token_log_probs(merged_head, merged_hidden, batch),
+                             response_positions(batch)).sum(dim=1)
+                trailing = marked_trailing(mark_trailing_records(torch.zeros((len(indices), 1), dtype=lead.dtype), lead))
+                for index, flag in zip(indices, trailing.tolist()):
+                    marked[index] = float(flag)
+            del expert_head
+        flags += marked
+    flags = comm.sum_floats(flags)
+    result, start = {}, 0
+    for task in leading:
+        result[task] = frozenset(index for index in range(len(sequences[task])) if flags[start + index] > 0)
+        start += len(sequences[task])
+    if comm.is_main:
+        saved = ctx.staging.load_pass(HELD_OUT_PASS)
+        if saved is not None and saved.get("leading") == list(leading):
+            result = {task: frozenset(indices) for task, indices in saved["marks"].items()}
+        else:
+            ctx.staging.save_pass(HELD_OUT_PASS, {"leading": list(leading), "marks": {task: sorted(v) for task, v in result.items()}})
+    return result
+
+
+__all__ = ["HELD_OUT_PASS", "LAYOUT", "PASS", "by_batch", "by_record", "held_out_trailing_indices", "load_passes", "record_rows",
+           "save_passes", "saved_token_weights", "trailing_record_indices"]

@@ -97,6 +97,7 @@ class RefineJob:
     progress: bool = False  # a step bar on the terminal (the log has a line per check either way)
     left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
     head_tied_only: bool = False  # a family vLLM serves only tied (Gemma-2): the student's head is its input embedding
+    held_out_left_out: dict[str, int] = field(default_factory=dict)  # per expert, held-out records not in `held_out`: as `left_out`
 
 
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
@@ -210,18 +211,27 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
     records = {task: list(job.train[task]) + list(job.held_out.get(task, [])) for task in job.train}
     checkpointing = checkpointing_for(job, params, autocast is not None, records)
     train_keys = [(task, i) for task in job.train for i in range(len(job.train[task]))]
-    held_keys = {task: [(task, len(job.train[task]) + i) for i in range(len(job.held_out.get(task, [])))] for task in job.train}
-    teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys[task] for task in job.train}
+    # an expert whose held-out records are all left out (it trails the merge on each) has none to check: no KL of 0 for it
+    held_keys = {task: [(task, len(job.train[task]) + i) for i in range(len(job.held_out[task]))] for task in job.train
+                 if job.held_out.get(task)}
+    teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys.get(task, []) for task in job.train}
     names = short_names(list(job.train))
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
                 "gradient_checkpointing": checkpointing, "kept": KEPT_RULE}  # progress saved under another rule starts over
-    left_out = sum(job.left_out.values())
+    left_out, held_left_out = sum(job.left_out.values()), sum(job.held_out_left_out.values())
     precision = f"bf16 autocast, {str(master).removeprefix('torch.')} masters" if autocast is not None else str(master).removeprefix("torch.")
     runlog.stage(f"refine: {params} parameters, lr {lr:g}, {precision}, gradient checkpointing {'on' if checkpointing else 'off'}, "
                  f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) over each teacher's "
                  f"top-{spec.top_k} tokens on {len(train_keys)} records"
                  + (f" ({left_out} left out, as the closed form weighs them 0: their expert trails the merge on them)" if left_out else "")
-                 + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones")
+                 + f", stopped by {sum(len(v) for v in held_keys.values())} held-out ones"
+                 + (f" ({held_left_out} left out alike)" if held_left_out else ""))
+    unchecked = [names[task] for task in job.train if job.held_out_left_out.get(task) and task not in held_keys]
+    if unchecked:
+        one = len(unchecked) == 1
+        warn(f"refine: {', '.join(unchecked)} {'trails' if one else 'trail'} the merge on every one of {'its' if one else 'their'} "
+             f"held-out records (trailing_records: drop), so no check measures {'it' if one else 'them'}: the stopping rule "
+             "reads the other experts' held-out records alone; a larger tune.holdout or more samples give it some")
     if 0 < len(train_keys) < spec.batch_records:
         warn(f"featcal.refine.batch_records: {spec.batch_records} is more than the {len(train_keys)} training records, so "
              f"every step repeats records (each one about {spec.batch_records / len(train_keys):.1f} times); a step "
@@ -305,7 +315,9 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "top_k": spec.top_k, "max_steps": spec.steps, "eval_every": spec.eval_every, "patience": spec.patience,
               "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
-              "held_out_records": {task: len(job.held_out.get(task, [])) for task in job.train}}
+              "held_out_records": {task: len(job.held_out.get(task, [])) + job.held_out_left_out.get(task, 0) for task in job.train}}
+    if held_left_out:  # only then: a run that leaves none out writes the bytes it wrote before
+        report["held_out_left_out"] = {task: job.held_out_left_out.get(task, 0) for task in job.train}
     # no wall times in the report, which the output holds (a resumed run writes the same bytes): the log line says them
     if params == "adapter":
         report["rank"] = spec.rank

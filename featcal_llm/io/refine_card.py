@@ -42,6 +42,10 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     if any(held.values()):
         outcome += (" The checks' records (" + ", ".join(f"{count} of `{task}`'s" for task, count in held.items())
                     + ") were held out of the closed form's statistics too (`tune.holdout`): both stages fitted the rest.")
+    held_left_out = {task: count for task, count in refined.get("held_out_left_out", {}).items() if count}
+    if held_left_out:
+        outcome += (" Held-out records left out of the checks, as of the training, since the expert trails the merge on them "
+                    "(`trailing_records: drop`): " + ", ".join(f"{count} of `{task}`'s" for task, count in held_left_out.items()) + ".")
     master = str(refined.get("master", "torch.float32")).removeprefix("torch.")
     precision = (f"under bf16 autocast with {master} master weights" if refined.get("autocast") == "torch.bfloat16"
                  else f"in {master} throughout")
@@ -66,6 +70,7 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
                "records_left_out": rename(refined.get("records_left_out", {})),
                "held_out_records": rename(refined.get("held_out_records", {})),
+               **({"held_out_left_out": rename(refined["held_out_left_out"])} if "held_out_left_out" in refined else {}),
                "per_expert": {when: rename(values) for when, values in refined.get("per_expert", {}).items()},
                "history": [{**check, "per_expert": rename(check["per_expert"]),
                             "above_closed_form": [names.get(key, key) for key in check.get("above_closed_form", [])]}
