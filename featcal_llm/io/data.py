@@ -123,8 +123,11 @@ def alpaca_input(record: dict, spec: DataSpec, where: str, index: int) -> str | 
     return extra
 
 
-def _alpaca(record: dict, spec: DataSpec, where: str, index: int, response: str) -> str:
+def _alpaca(record: dict, spec: DataSpec, where: str, index: int, with_response: bool) -> str:
+    """The record in the Alpaca template (its response left empty for the prompt alone), its fields read in validate's
+    order (instruction, response, input), so that a record bad in several is refused for the same one by both."""
     instruction = text_field(record, spec, spec.instruction, where, index)
+    response = text_field(record, spec, spec.response, where, index) if with_response else ""
     extra = alpaca_input(record, spec, where, index)
     template = ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT
     return template.format(instruction=instruction, input=extra, response=response)
@@ -143,7 +146,7 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
     if spec.format == "text":
         return text_field(record, spec, spec.text, where, index)
     if spec.format == "alpaca":
-        return _alpaca(record, spec, where, index, text_field(record, spec, spec.response, where, index))
+        return _alpaca(record, spec, where, index, with_response=True)
     if spec.format == "completion":
         return completion_text(record, spec, where, index)
     if not carries_chat_template(tokenizer):
@@ -157,7 +160,7 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
     through it (where it ends): every assistant turn is judged, as TRL's `assistant_only_loss` trains on every one.
     None: no response to tell apart (plain text, or a chat with no assistant turn), so every token counts."""
     if spec.format == "alpaca":
-        return _alpaca(record, spec, where, index, "")
+        return _alpaca(record, spec, where, index, with_response=False)
     if spec.format == "completion":
         return text_field(record, spec, spec.prompt, where, index)
     if spec.format == "chat":
