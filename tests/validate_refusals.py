@@ -97,6 +97,20 @@ def _short_for_refine(recipe: dict, root: Path) -> None:
     recipe["featcal"]["refine"] = True
 
 
+def _tied_phi3(recipe: dict, root: Path) -> None:
+    """Phi-4-mini's layout: Phi3ForCausalLM with `tie_word_embeddings`, no `lm_head.weight` stored (mergekit's phi3
+    definition requires one)."""
+    from scenario import build_scenario
+
+    scenario = build_scenario(root / "phi3-setup", experts=3, layers=1, samples=4, family="phi3", tie_word_embeddings=True)
+    os.symlink(scenario.base, root / "models" / "phi3-tied", target_is_directory=True)
+    recipe["base_model"] = "models/phi3-tied"
+    for name, entry, expert in zip(EXPERTS, recipe["models"], scenario.experts.values()):
+        os.symlink(expert, root / "models" / f"{name}-phi3-tied", target_is_directory=True)
+        entry["model"] = f"models/{name}-phi3-tied"
+    recipe["featcal"]["data"] = {f"{key}-phi3-tied": spec for key, spec in recipe["featcal"]["data"].items()}
+
+
 def _text(edit: Callable[[str], str]) -> Callable[[dict, Path], str]:
     return lambda recipe, _root: edit(yaml.safe_dump(recipe, sort_keys=False))
 
@@ -133,6 +147,7 @@ CASES: dict[str, tuple[str, Callable, list[str]]] = {
     "data-fields": ("records without the fields their format reads", _fields, []),
     "data-not-text": ("records whose text fields are not text (TRL's conversational prompt/completion)", _conversational, []),
     "other-shape": ("an expert of another shape", _wider, []),
+    "phi3-tied": ("a model lacking a tensor mergekit's architecture requires (Phi-4-mini's tied head)", _tied_phi3, []),
     "data-short": ("a data file too short for `refine:`'s held-out split", _short_for_refine, []),
     "push-no-login": ("`--push-to-hub` without a Hugging Face login", _change(lambda r: None), ["--push-to-hub", "me/merged-featcal"]),
 }

@@ -199,7 +199,7 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         if base_config is not None:
             collect(problems, path, lambda: check_same_shapes(base_config, config, named))
         if weights and source is not None and len(problems) == before and source.directory != getattr(base_source, "directory", None):
-            collect(problems, path, lambda: check_mergekit_weights(source.directory, config, what))
+            collect(problems, path, lambda: check_mergekit_weights(source.directory, config, f"{path}: models"))  # the line names the directory
         vocabularies.append((config, named))
         if source is not None:
             sources[str(reference)] = source
