@@ -219,8 +219,10 @@ def turn_spans(ids: list[int], text: str, turns: list[tuple[str, str]], tokenize
     response_start of the conversation before the turn with the generation prompt (what a single-turn record's
     prompt is) and `end` is where the ids and the conversation through the turn first differ (all of them where the
     turn ends the conversation). The turns between (user, system) are not judged; `max_length` cuts the spans with the
-    ids. A template that renders a turn otherwise once the conversation goes on (one that drops an earlier turn's
-    reasoning) gives that turn only the tokens both renders share."""
+    ids. A template that renders a turn otherwise once the conversation goes on gives that turn only the tokens both
+    renders share: under Qwen3's, which drops an earlier turn's reasoning and writes a think block only after the last
+    user message, none, so the final exchange alone is judged, as Qwen3's training masks do (an earlier turn's bare
+    answer is not what the expert writes there). tests/test_reasoning_turns.py pins both kinds."""
     spans = []
     for before, through in turns:
         start = response_start(ids, encode(before, tokenizer, templated=templated))
