@@ -391,6 +391,7 @@ def test_two_ranks_leave_out_the_records_one_process_leaves_out_of_refine(uneven
     assert sum(theirs["records_left_out"].values()) > 0, theirs["records_left_out"]
     # the held-out records the experts trail on, marked on each rank's shard of the probe and gathered, are one process's
     assert ours.get("held_out_left_out") == theirs.get("held_out_left_out") and ours["held_out_kl"] == theirs["held_out_kl"]
+    assert sum(theirs.get("held_out_left_out", {}).values()) > 0, theirs.get("held_out_left_out")  # a check that can fail
 
 
 def test_a_stack_on_two_ranks_gives_the_one_process_weights_and_leaves_no_stage_behind(uneven, tmp_path):
