@@ -49,7 +49,6 @@ def test_a_run_killed_mid_refinement_resumes_with_the_held_out_records_it_left_o
     assert differ == ["README.md", "featcal_recipe.yml"], differ  # the card and the recipe name the output
 
 
-@pytest.mark.xfail(strict=True, reason="teachers are read by each record's place, whatever records they were computed for")
 def test_teachers_saved_for_other_held_out_records_are_computed_again(lead_and_trail, tmp_path, monkeypatch, capsys):  # noqa: F811
     """The teachers and the refinement's progress are kept by each record's place among the records they cover: a
     resume whose held-out records left out differ (the saved marks lost, the records measured otherwise) computes the

@@ -45,6 +45,7 @@ from featcal_llm.engine.refine_models import build_causal_lm, logits_of
 from featcal_llm.io.checkpoint import checkpoint_tensors
 from featcal_llm.engine.refine_progress import (REFINED_FOLDER, ProgressSaver, MissingBest, forget_progress, load_best, rng_state,
                                                 saved_progress, set_rng_state)
+from featcal_llm.engine.resume import sequences_digest
 from featcal_llm.io.names import short_names
 from featcal_llm.engine.refine_rules import KEPT_RULE, expert_kls, improves, mean_kl, raised, spread, why_none_kept
 from featcal_llm.engine.refine_schedule import lr_factor, record_order
@@ -161,13 +162,15 @@ def train_step(student: Student, store: TeacherStore, keys: list[Key], records, 
     return total / count
 
 
-def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast, dtype: torch.dtype) -> TeacherStore:
+def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast, dtype: torch.dtype, covered: str) -> TeacherStore:
     """Each expert's records through their teacher, one whole model on the device at a time, in the precision the student
     computes in (bf16 autocast where it trains under it: a CPU's teachers as a GPU's, whose weights are bf16; without
-    it, weights in `dtype`, the student's master dtype, not bf16 layers' dtype); kept in the staging area."""
+    it, weights in `dtype`, the student's master dtype, not bf16 layers' dtype); kept in the staging area with the digest
+    of the records they cover (`covered`): a store is keyed by each record's place, so one saved for other records (held-
+    out records left out otherwise) is computed again, never read for the wrong record."""
     saved = job.staging.load_pass("refine-teachers")
     if (saved is not None and saved.get("top_k") == job.spec.top_k and saved.get("autocast") == str(autocast)
-            and saved.get("dtype") == str(dtype)):
+            and saved.get("dtype") == str(dtype) and saved.get("records") == covered):
         runlog.stage("refine: the teachers' distributions reused from the saved progress")
         return TeacherStore.from_dict(saved)
     store = TeacherStore(job.spec.top_k, {}, {}, {})
@@ -180,7 +183,7 @@ def _teachers(job: RefineJob, keys: dict[str, list[Key]], records, autocast, dty
         del model
         if job.device.type == "cuda":
             torch.cuda.empty_cache()
-    job.staging.save_pass("refine-teachers", {**store.as_dict(), "autocast": str(autocast), "dtype": str(dtype)})
+    job.staging.save_pass("refine-teachers", {**store.as_dict(), "autocast": str(autocast), "dtype": str(dtype), "records": covered})
     runlog.stage(f"refine: the teachers' top-{job.spec.top_k} next-token distributions in {time.perf_counter() - started:.0f} s "
                  f"({store.nbytes() / 2**20:.1f} MiB on the host)")
     return store
@@ -216,8 +219,10 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                  if job.held_out.get(task)}
     teacher_keys = {task: [k for k in train_keys if k[0] == task] + held_keys.get(task, []) for task in job.train}
     names = short_names(list(job.train))
+    covered = sequences_digest({task: [records[k[0]][k[1]] for k in keys] for task, keys in teacher_keys.items()})
     settings = {**spec.model_dump(mode="json"), "params": params, "lr": lr, "master": str(master), "autocast": str(autocast),
-                "gradient_checkpointing": checkpointing, "kept": KEPT_RULE}  # progress saved under another rule starts over
+                "gradient_checkpointing": checkpointing, "kept": KEPT_RULE,  # progress saved under another rule starts over
+                "records": covered}  # or for other records (each is known by its place)
     left_out, held_left_out = sum(job.left_out.values()), sum(job.held_out_left_out.values())
     precision = f"bf16 autocast, {str(master).removeprefix('torch.')} masters" if autocast is not None else str(master).removeprefix("torch.")
     runlog.stage(f"refine: {params} parameters, lr {lr:g}, {precision}, gradient checkpointing {'on' if checkpointing else 'off'}, "
@@ -236,7 +241,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
         warn(f"featcal.refine.batch_records: {spec.batch_records} is more than the {len(train_keys)} training records, so "
              f"every step repeats records (each one about {spec.batch_records / len(train_keys):.1f} times); a step "
              f"costs that many more forwards for about the same gradient as one of {len(train_keys)}")
-    store = _teachers(job, teacher_keys, records, autocast, job.compute_dtype if autocast is not None else master)
+    store = _teachers(job, teacher_keys, records, autocast, job.compute_dtype if autocast is not None else master, covered)
     torch.manual_seed(job.seed)
     student = Student(job, params, master, checkpointing, autocast)
     trainable = list(student.trainable.values())
