@@ -16,6 +16,7 @@ else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from scenario import build_scenario  # noqa: E402
+from refine_scenario import closed_form, far_scenario, refined  # noqa: E402,F401  (refine's shared runs, once a session)
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ against what ran (each test one finding; the stage end to end: test_refine.py)."
 from __future__ import annotations
 
 import yaml
-from test_refine import REFINE, far_scenario, run  # noqa: F401  (far_scenario: the shared module fixture)
+from refine_scenario import REFINE, run
 
 
 def test_a_float64_runs_saved_recipe_does_not_say_its_refinement_ran_in_float32():
