@@ -133,3 +133,14 @@ def no_weights(monkeypatch):
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", guarded_open)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two experts, two layers, merged once a module (tests/test_api*.py, test_run_display.py)."""
+    from featcal_llm.io.merge import ensure_merged
+    from featcal_llm.io.recipe import load_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("api"), experts=2, layers=2, samples=8)
+    ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
+    return scenario
