@@ -144,3 +144,18 @@ def small(tmp_path_factory):
     scenario = build_scenario(tmp_path_factory.mktemp("api"), experts=2, layers=2, samples=8)
     ensure_merged(load_recipe(scenario.recipe), scenario.root / "merged", "cpu")
     return scenario
+
+
+@pytest.fixture(scope="module")
+def tiny_instruct_model(tmp_path_factory):
+    """A random tiny Llama with a chat template, named like an -Instruct model (the evaluation's tests)."""
+    from featcal_llm.tiny import (
+        build_char_tokenizer,
+        new_tiny_llama,
+        save_model,
+        tiny_llama_config,
+    )
+
+    tokenizer = build_char_tokenizer()
+    model = new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed=0)
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny-Instruct")
