@@ -159,3 +159,14 @@ def tiny_instruct_model(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     model = new_tiny_llama(tiny_llama_config(len(tokenizer), max_position_embeddings=1024), seed=0)
     return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny-Instruct")
+
+
+@pytest.fixture
+def count_samplers(monkeypatch):
+    """How many times an expert model was opened for sampling (0 on a cache hit): tests/test_generate*.py."""
+    from featcal_llm.generation import run as generation_run
+
+    opened = []
+    original = generation_run.open_sampler
+    monkeypatch.setattr(generation_run, "open_sampler", lambda *a, **k: opened.append(a[1].reference) or original(*a, **k))
+    return opened
