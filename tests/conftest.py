@@ -170,3 +170,26 @@ def count_samplers(monkeypatch):
     original = generation_run.open_sampler
     monkeypatch.setattr(generation_run, "open_sampler", lambda *a, **k: opened.append(a[1].reference) or original(*a, **k))
     return opened
+
+
+@pytest.fixture(scope="session")
+def uneven(tmp_path_factory):
+    """Three experts of 7, 7 and 1 records, float64, norms and biases calibrated; merged once, and the one-process run
+    the ranks of tests/test_distributed*.py are compared with."""
+    import yaml
+
+    from featcal_llm.pipeline import run_recipe
+
+    scenario = build_scenario(tmp_path_factory.mktemp("dist"), experts=3, layers=2, samples=7, words=(4, 10), dtype="float64")
+    recipe = yaml.safe_load(scenario.recipe.read_text())
+    recipe["featcal"]["data"][str(scenario.experts["expert2"])]["samples"] = 1
+    recipe["featcal"].update(dtype="float64", norms=True, batch_tokens=150)
+    scenario.recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    single = run_recipe(scenario.write_recipe(scenario.root / "single.yaml", output=str(scenario.root / "single")), progress=False)
+    return scenario, single
+
+
+@pytest.fixture(scope="module")
+def reuse_scenario(tmp_path_factory):
+    """Two experts, two layers, short records, not merged yet (tests/test_reuse*.py: what a rerun reuses)."""
+    return build_scenario(tmp_path_factory.mktemp("reuse"), experts=2, layers=2, samples=4, words=(2, 6))

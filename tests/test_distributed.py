@@ -22,20 +22,6 @@ from featcal_llm.pipeline import run_recipe
 EQUAL = 1e-10
 
 
-@pytest.fixture(scope="module")
-def uneven(tmp_path_factory):
-    """Three experts of 7, 7 and 1 records, float64, norms and biases calibrated; merged once."""
-    from scenario import build_scenario
-
-    scenario = build_scenario(tmp_path_factory.mktemp("dist"), experts=3, layers=2, samples=7, words=(4, 10), dtype="float64")
-    recipe = yaml.safe_load(scenario.recipe.read_text())
-    recipe["featcal"]["data"][str(scenario.experts["expert2"])]["samples"] = 1
-    recipe["featcal"].update(dtype="float64", norms=True, batch_tokens=150)
-    scenario.recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    single = run_recipe(scenario.write_recipe(scenario.root / "single.yaml", output=str(scenario.root / "single")), progress=False)
-    return scenario, single
-
-
 def worst_delta(ours, reference, merged_dir) -> float:
     a, b, merged = read_weights(ours), read_weights(reference), read_weights(merged_dir)
     changed = {n for n in b if not torch.equal(b[n], merged[n])}
@@ -68,34 +54,6 @@ def test_groups_are_owned_by_cost(uneven):
     widest = max(plan.groups(), key=lambda g: layer.get_submodule(g.projections[0]).in_features).name
     assert owners[widest] == 0 and set(owners.values()) == {0, 1}
     assert all(rank == 1 for name, rank in owners.items() if name != widest)  # d_ff³ > 3 · d³ here
-
-
-def test_a_stopped_rank_is_named_by_its_heartbeat_and_a_failed_one_by_its_error(monkeypatch):
-    """Rank 0's view of a 3-rank world in which rank 1 stopped beating and rank 2 is alive (real TCPStore, no process group)."""
-    import threading
-
-    import torch.distributed as dist
-
-    from featcal_llm.engine import torch_world as distributed
-
-
-    master = _local_store(monkeypatch, 3)
-    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
-    ranks = {}
-    for rank in (0, 2):  # rank 1 never beats
-        comm = object.__new__(distributed.TorchDistributed)
-        comm.dist, comm.rank, comm.world, comm._stop = dist, rank, 3, threading.Event()
-        comm._start_heartbeat()
-        ranks[rank] = comm
-    try:
-        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
-        assert str(stopped) == "rank 1 of 3 stopped (no heartbeat); rerun the same command to resume after the last finished layer"
-        ranks[2].report_failure("layer 1: calibrated layer produced NaN/Inf hidden states")
-        assert str(ranks[0]._peer_failure(RuntimeError("x"))) == "rank 2 of 3 failed: layer 1: calibrated layer produced NaN/Inf hidden states"
-    finally:
-        for comm in ranks.values():
-            comm._stop.set()
-        del master
 
 
 def test_two_ranks_give_the_one_process_weights(uneven, tmp_path):
@@ -159,22 +117,6 @@ def test_tuned_run_on_two_ranks_chooses_and_gives_what_one_process_does(uneven, 
         assert a["chosen"]["criterion"] == pytest.approx(b["chosen"]["criterion"], rel=1e-9)
 
 
-def test_a_dead_rank_stops_the_others_naming_it_and_a_rerun_resumes_on_one_rank(uneven, tmp_path):
-    scenario, single = uneven
-    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
-    ranks = launch(recipe, 2, tmp_path / "logs", "--kill-at", "1:1", timeout=120)
-    assert ranks[1].returncode == -9 and ranks[0].returncode != 0
-    lines = [line for line in ranks[0].stderr.splitlines() if line.startswith("featcal-llm: error:")]
-    assert len(lines) == 1 and "rank 1 of 2 stopped" in lines[0], ranks[0].stderr[-2000:]
-    assert not (tmp_path / "out").exists()
-    state = json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())
-    assert state["completed_layers"] == 1
-    again = launch(recipe, 1, tmp_path / "logs1")  # the same command on another world size
-    assert again[0].returncode == 0, again[0].stderr[-2000:]
-    assert "resuming from" in again[0].stderr
-    assert worst_delta(tmp_path / "out", single, scenario.root / "merged") <= EQUAL
-
-
 def test_bad_input_is_one_line_from_rank_0_and_nothing_is_written(uneven, tmp_path):
     scenario, _ = uneven
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), alpha=2.5)
@@ -198,29 +140,6 @@ def test_ranks_that_see_different_recipes_refuse_to_start(uneven, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "other.yaml", "r.yaml"]
 
 
-LEAVE = """
-import sys, time
-from featcal_llm.engine.torch_world import TorchDistributed
-comm = TorchDistributed()
-time.sleep(float(sys.argv[1]) if comm.rank == 1 else 0.0)
-started = time.monotonic()
-comm.close()
-print(f"closed after {time.monotonic() - started:.1f} s")
-"""
-
-
-def test_rank_0_leaves_the_store_last_so_a_slower_rank_closes_cleanly(tmp_path):
-    """Rank 0 hosts the rendezvous store: leaving at once, it had left rank 1's heartbeat a C++ traceback (or an abort at exit)."""
-    import sys
-
-    from featcal_llm.benchmark.distributed import launch_world
-
-    ranks = launch_world([sys.executable, "-c", LEAVE, "2.5"], 2, tmp_path / "logs", timeout=60)
-    assert [code for code, _, _ in ranks] == [0, 0], ranks
-    assert ranks[1][2] == "", ranks[1][2]  # no "recvValue failed ... Did the remote server shutdown or crash?"
-    assert float(ranks[0][1].split()[2]) >= 2.0  # rank 0 waited for rank 1 to sign off
-
-
 def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(uneven, tmp_path):
     """`generate:` under torchrun: rank 0 samples (once), every rank calibrates on the same ids as one process does."""
     scenario, _ = uneven
@@ -242,78 +161,6 @@ def test_generated_data_is_written_by_rank_0_and_calibrates_as_in_one_process(un
     assert worst_delta(tmp_path / "two" / "out", tmp_path / "one" / "out", scenario.root / "merged") <= EQUAL
 
 
-def test_rank_0_steps_longer_than_the_collective_timeout_are_waited_for(uneven, tmp_path):
-    """Rank 0's merge and generation each take longer than FEATCAL_DISTRIBUTED_TIMEOUT: rank 1 waits on the store, both finish."""
-    scenario, _ = uneven
-    recipe = yaml.safe_load(scenario.recipe.read_text())
-    recipe["featcal"]["data"][str(scenario.experts["expert0"])] = {"generate": {"samples": 4, "max_new_tokens": 6, "chat_template": "off"}}
-    recipe["featcal"]["output"] = str(tmp_path / "out")
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    ranks = launch(path, 2, tmp_path / "logs", "--slow-main", "9", env={"FEATCAL_DISTRIBUTED_TIMEOUT": "6"})  # 1.5 × the timeout, twice
-    assert [r.returncode for r in ranks] == [0, 0], ranks
-    assert "calibrated checkpoint written" in ranks[0].stdout and ranks[1].stderr == ""
-
-
-def test_a_rank_that_gave_up_waiting_is_named_as_such(monkeypatch):
-    """Rank 0's view when rank 1 timed out in a collective (it left a record and stopped beating): it gave up, it is not the cause."""
-    import threading
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from featcal_llm.engine import torch_world as distributed
-
-    master = _local_store(monkeypatch, 2)
-    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.2)
-    ranks = {}
-    for rank in (0, 1):
-        comm = object.__new__(distributed.TorchDistributed)
-        comm.dist, comm.rank, comm.world, comm._stop, comm.timeout = dist, rank, 2, threading.Event(), timedelta(seconds=6)
-        ranks[rank] = comm
-    ranks[0]._start_heartbeat()
-    try:
-        mine = ranks[1]._peer_failure(RuntimeError("[gloo] Timed out waiting 6000ms for recv operation to complete"))
-        assert "rank 1 of 2 gave up: it waited 6 s in a collective" in str(mine)
-        stopped = ranks[0]._peer_failure(RuntimeError("Connection closed by peer"))
-        assert str(stopped) == (
-            "rank 1 of 2 gave up: it waited 6 s in a collective (FEATCAL_DISTRIBUTED_TIMEOUT); "
-            "raise FEATCAL_DISTRIBUTED_TIMEOUT if a step is legitimately that slow"
-        )
-    finally:
-        ranks[0]._stop.set()
-        del master
-
-
-def test_a_waiting_rank_shows_it_waits_and_names_rank_0_when_its_heartbeat_stops(monkeypatch, capsys):
-    """Rank 1 waiting for rank 0's step (real TCPStore): it notes the wait while rank 0 beats, and stops naming rank 0 once it does not."""
-    import threading
-
-    import torch.distributed as dist
-
-    from featcal_llm.engine import torch_world as distributed
-
-    master = _local_store(monkeypatch, 2)
-    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr(distributed, "WAIT_NOTE_S", 0.2)
-    comms = {}
-    for rank in (0, 1):
-        comm = object.__new__(distributed.TorchDistributed)
-        comm.dist, comm.rank, comm.world, comm._stop, comm.is_main = dist, rank, 2, threading.Event(), rank == 0
-        comms[rank] = comm
-    comms[0]._start_heartbeat()
-    try:
-        threading.Timer(0.8, master.set, ("featcal/step/1", "null")).start()  # rank 0 finishes its step after 0.8 s
-        comms[1]._wait_for_main("merge", "featcal/step/1")
-        assert "featcal-llm: rank 1: waiting for rank 0's merge" in capsys.readouterr().err
-        comms[0]._stop.set()  # rank 0's heartbeat stops during the next step
-        with pytest.raises(distributed.WorldError, match=r"^rank 0 of 2 stopped \(no heartbeat for \d+ s\) during the generation"):
-            comms[1]._wait_for_main("generation", "featcal/step/2")
-    finally:
-        comms[0]._stop.set()
-        del master
-
-
 def test_a_generating_expert_without_tokenizer_files_stops_both_ranks_in_one_line(uneven, tmp_path):
     import shutil
 
@@ -333,21 +180,6 @@ def test_a_generating_expert_without_tokenizer_files_stops_both_ranks_in_one_lin
     lines = ranks[0].stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("featcal-llm: error:") and f"expert {expert}" in lines[0] and "no tokenizer files" in lines[0]
     assert ranks[1].stderr == ""
-
-
-def _local_store(monkeypatch, world: int):
-    """A rendezvous store on a free loopback port, found by the code under test through MASTER_ADDR / MASTER_PORT."""
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    return dist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
 
 
 def _two_ranks_and_one(uneven, tmp_path, **featcal) -> list[dict]:
@@ -419,26 +251,6 @@ def test_a_gpu_named_by_index_under_torchrun_is_refused_before_any_model_loads(m
     assert rank_device(torch.device("cpu")) == torch.device("cpu")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert rank_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # one process: the GPU it names
-
-
-def test_under_torchrun_the_ranks_the_agent_stops_say_so_and_release_the_lock(uneven, tmp_path):
-    """torchrun's agent SIGTERMs the ranks left once one dies (or once it is stopped itself: `scancel`, `kill`): rank 0
-    stops as a SIGTERM'd one-process run does, with the one line and its lock released, its saved layers kept."""
-    from distributed_world import torchrun
-
-    from featcal_llm.io.output_lock import lock_path
-
-    scenario, _ = uneven
-    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"))
-    world = torchrun(recipe, 2, tmp_path / "logs", "--kill-at", "1:1", timeout=150)
-    assert world.returncode != 0 and "exitcode  : -9" in world.stderr, world.stderr[-2000:]
-    assert world.ranks[0].strip().splitlines()[-1] == (
-        "featcal-llm: terminated (SIGTERM); what the run finished (a merge, generated records, calibrated layers, "
-        "refinement steps) is kept, and the same command resumes from there"), world.ranks[0][-2000:]
-    assert "featcal-llm: error" not in world.ranks[0] and world.ranks[1].count("featcal-llm:") == 0, world.ranks
-    assert "Traceback" not in world.ranks[0] and "exitcode  : 143" in world.stderr
-    assert not lock_path(tmp_path / "out").exists() and not (tmp_path / "out").exists()
-    assert json.loads((tmp_path / ".out.featcal-partial" / "state.json").read_text())["completed_layers"] == 1
 
 
 def test_run_s_log_option_has_a_spelling_torchrun_passes_on():

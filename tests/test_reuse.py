@@ -29,13 +29,6 @@ from featcal_llm.pipeline import run_recipe
 MARKER, MERGEKIT_CONFIG = "featcal_merge.json", "mergekit_config.yml"  # what featcal-llm and mergekit leave in a merge
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    from scenario import build_scenario
-
-    return build_scenario(tmp_path_factory.mktemp("reuse"), experts=2, layers=2, samples=4, words=(2, 6))
-
-
 def _recipe(scenario, path: Path, weight: float = 0.5, **featcal) -> Path:
     recipe = yaml.safe_load(scenario.recipe.read_text())
     recipe["models"][0]["parameters"]["weight"] = weight
@@ -62,76 +55,76 @@ def _perturb(directory: Path) -> None:
 # --- the merged model --------------------------------------------------------------------------------------------
 
 
-def test_a_merge_made_by_featcal_from_another_configuration_is_merged_again(small, tmp_path, capsys):
+def test_a_merge_made_by_featcal_from_another_configuration_is_merged_again(reuse_scenario, tmp_path, capsys):
     merged = tmp_path / "merged"
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
     assert (merged / MARKER).is_file() and (merged / MERGEKIT_CONFIG).is_file()
     capsys.readouterr()
-    changed = load_recipe(_recipe(small, tmp_path / "b.yaml", weight=0.2, merged=str(merged)))
+    changed = load_recipe(_recipe(reuse_scenario, tmp_path / "b.yaml", weight=0.2, merged=str(merged)))
     ensure_merged(changed, merged, "cpu")
     log = capsys.readouterr().err
     assert "was made from other inputs than the recipe's (differs in models[0].parameters.weight); merging again" in log
     reference = tmp_path / "reference"
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "c.yaml", weight=0.2, merged=str(reference))), reference, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "c.yaml", weight=0.2, merged=str(reference))), reference, "cpu")
     ours, theirs = load_file(merged / "model.safetensors"), load_file(reference / "model.safetensors")
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
 
 
-def test_a_rerun_with_force_after_editing_a_merge_weight_calibrates_the_new_merge(small, tmp_path, capsys):
+def test_a_rerun_with_force_after_editing_a_merge_weight_calibrates_the_new_merge(reuse_scenario, tmp_path, capsys):
     """The edited recipe's run equals a run of it from scratch (its own fresh merge), not a calibration of the old merge."""
-    recipe = _recipe(small, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    recipe = _recipe(reuse_scenario, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
     run_recipe(recipe, progress=False)
-    recipe = _recipe(small, tmp_path / "r.yaml", weight=0.2, merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    recipe = _recipe(reuse_scenario, tmp_path / "r.yaml", weight=0.2, merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
     run_recipe(recipe, force=True, progress=False)
     log = capsys.readouterr().err
-    fresh = run_recipe(_recipe(small, tmp_path / "f.yaml", weight=0.2, merged=str(tmp_path / "m2"), output=str(tmp_path / "fresh")), progress=False)
+    fresh = run_recipe(_recipe(reuse_scenario, tmp_path / "f.yaml", weight=0.2, merged=str(tmp_path / "m2"), output=str(tmp_path / "fresh")), progress=False)
     ours, theirs = load_file(tmp_path / "out" / "model.safetensors"), load_file(fresh / "model.safetensors")
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
     assert "merging again" in log
     assert "weight: 0.2" in (tmp_path / "out" / "featcal_recipe.yml").read_text()
 
 
-def test_a_merge_the_user_supplied_from_another_configuration_is_refused_naming_the_keys(small, tmp_path):
+def test_a_merge_the_user_supplied_from_another_configuration_is_refused_naming_the_keys(reuse_scenario, tmp_path):
     merged = tmp_path / "merged"
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
     (merged / MARKER).unlink()  # made by mergekit-yaml, say
     getattr(merge_module, "_settled", {}).clear()  # a new process
-    changed = load_recipe(_recipe(small, tmp_path / "b.yaml", weight=0.2, merged=str(merged)))
+    changed = load_recipe(_recipe(reuse_scenario, tmp_path / "b.yaml", weight=0.2, merged=str(merged)))
     with pytest.raises(FeatCalError) as refused:
         ensure_merged(changed, merged, "cpu")
     message = str(refused.value)
     assert "\n" not in message and "differs in models[0].parameters.weight)" in message and str(merged) in message
 
 
-def test_a_merge_without_its_configuration_is_used_with_a_warning(small, tmp_path, capsys):
+def test_a_merge_without_its_configuration_is_used_with_a_warning(reuse_scenario, tmp_path, capsys):
     merged = tmp_path / "merged"
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
     (merged / MERGEKIT_CONFIG).unlink()
     (merged / MARKER).unlink()
     getattr(merge_module, "_settled", {}).clear()
     before = (merged / "model.safetensors").read_bytes()
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "b.yaml", weight=0.2, merged=str(merged))), merged, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "b.yaml", weight=0.2, merged=str(merged))), merged, "cpu")
     assert "cannot be checked" in capsys.readouterr().err
     assert (merged / "model.safetensors").read_bytes() == before
 
 
-def test_a_moved_and_touched_merge_of_the_same_configuration_is_reused(small, tmp_path, capsys, monkeypatch):
+def test_a_moved_and_touched_merge_of_the_same_configuration_is_reused(reuse_scenario, tmp_path, capsys, monkeypatch):
     merged = tmp_path / "merged"
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
     moved = tmp_path / "elsewhere" / "merged"
     moved.parent.mkdir()
     shutil.move(merged, moved)
     _touch(moved)
     monkeypatch.setattr(merge_module, "_merge", lambda *a, **k: pytest.fail("merged again"), raising=False)
-    ensure_merged(load_recipe(_recipe(small, tmp_path / "b.yaml", merged=str(moved))), moved, "cpu")
+    ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "b.yaml", merged=str(moved))), moved, "cpu")
     assert f"reusing {moved}" in capsys.readouterr().err
 
 
-def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when_its_files_change(small, tmp_path, capsys):
+def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when_its_files_change(reuse_scenario, tmp_path, capsys):
     expert = tmp_path / "experts" / "expert0"
-    shutil.copytree(small.experts["expert0"], expert)
-    recipe = _recipe(small, tmp_path / "a.yaml", merged=str(tmp_path / "merged"))
-    recipe.write_text(recipe.read_text().replace(str(small.experts["expert0"]), str(expert)))
+    shutil.copytree(reuse_scenario.experts["expert0"], expert)
+    recipe = _recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(tmp_path / "merged"))
+    recipe.write_text(recipe.read_text().replace(str(reuse_scenario.experts["expert0"]), str(expert)))
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     getattr(merge_module, "_settled", {}).clear()  # a new process
     _touch(expert)
@@ -146,8 +139,8 @@ def test_a_merge_featcal_made_is_reused_for_a_moved_expert_and_merged_again_when
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     assert "(differs in models[0].model); merging again" in capsys.readouterr().err
     base = tmp_path / "base"  # the base too is judged by its files, not by its path
-    shutil.copytree(small.base, base)
-    recipe.write_text(recipe.read_text().replace(str(small.base), str(base)))
+    shutil.copytree(reuse_scenario.base, base)
+    recipe.write_text(recipe.read_text().replace(str(reuse_scenario.base), str(base)))
     ensure_merged(load_recipe(recipe), tmp_path / "merged", "cpu")
     assert "reusing" in capsys.readouterr().err
     getattr(merge_module, "_settled", {}).clear()
@@ -180,12 +173,12 @@ def _crash_at_layer(monkeypatch, at: int):
     monkeypatch.setattr(calibrate, "calibrate_layer", crashing)
 
 
-def test_saved_layers_survive_a_touch_and_a_moved_merge_but_not_a_changed_expert(small, tmp_path, monkeypatch, capsys):
+def test_saved_layers_survive_a_touch_and_a_moved_merge_but_not_a_changed_expert(reuse_scenario, tmp_path, monkeypatch, capsys):
     merged = tmp_path / "merged"
-    recipe = _recipe(small, tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"))
+    recipe = _recipe(reuse_scenario, tmp_path / "r.yaml", merged=str(merged), output=str(tmp_path / "out"))
     experts = tmp_path / "experts"
-    shutil.copytree(small.experts["expert0"], experts / "expert0")  # an expert this test may change
-    text = recipe.read_text().replace(str(small.experts["expert0"]), str(experts / "expert0"))
+    shutil.copytree(reuse_scenario.experts["expert0"], experts / "expert0")  # an expert this test may change
+    text = recipe.read_text().replace(str(reuse_scenario.experts["expert0"]), str(experts / "expert0"))
     recipe.write_text(text)
     _crash_at_layer(monkeypatch, 1)
     with pytest.raises(RuntimeError, match="injected"):
@@ -204,10 +197,10 @@ def test_saved_layers_survive_a_touch_and_a_moved_merge_but_not_a_changed_expert
     assert "starting over" in err and "resuming" not in err
 
 
-def test_spilled_streams_are_never_reused(small, tmp_path, monkeypatch):
+def test_spilled_streams_are_never_reused(reuse_scenario, tmp_path, monkeypatch):
     """Streams spill to files under the run's partial directory; a rerun rebuilds them (replaying saved layers) and ignores leftovers."""
-    clean = run_recipe(_recipe(small, tmp_path / "clean.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "clean")), progress=False)
-    recipe = _recipe(small, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"), host_memory_gb=1e-9)
+    clean = run_recipe(_recipe(reuse_scenario, tmp_path / "clean.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "clean")), progress=False)
+    recipe = _recipe(reuse_scenario, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"), host_memory_gb=1e-9)
     _crash_at_layer(monkeypatch, 1)
     with pytest.raises(RuntimeError):
         run_recipe(recipe, progress=False)
@@ -226,10 +219,10 @@ def test_spilled_streams_are_never_reused(small, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
-def test_a_full_or_read_only_disk_fails_in_one_line_and_the_rerun_resumes(small, tmp_path, monkeypatch, capsys, code):
+def test_a_full_or_read_only_disk_fails_in_one_line_and_the_rerun_resumes(reuse_scenario, tmp_path, monkeypatch, capsys, code):
     import featcal_llm.engine.resume as resume
 
-    recipe = _recipe(small, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
+    recipe = _recipe(reuse_scenario, tmp_path / "r.yaml", merged=str(tmp_path / "merged"), output=str(tmp_path / "out"))
     real, writes = resume.save_file, []
 
     def failing(tensors, path, *args, **kwargs):  # the second layer's file does not fit / may not be written
@@ -248,7 +241,7 @@ def test_a_full_or_read_only_disk_fails_in_one_line_and_the_rerun_resumes(small,
     assert "resuming from" in capsys.readouterr().err and (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_a_full_disk_during_the_merge_leaves_no_merged_directory(small, tmp_path, monkeypatch):
+def test_a_full_disk_during_the_merge_leaves_no_merged_directory(reuse_scenario, tmp_path, monkeypatch):
     merged = tmp_path / "merged"
 
     def full(*args, **kwargs):
@@ -256,141 +249,8 @@ def test_a_full_disk_during_the_merge_leaves_no_merged_directory(small, tmp_path
 
     monkeypatch.setattr("mergekit.merge.run_merge", full)
     with pytest.raises(FeatCalError, match="No space left on device"):
-        ensure_merged(load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
+        ensure_merged(load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged))), merged, "cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml"]
-
-
-# --- the evaluation cache ----------------------------------------------------------------------------------------------
-
-
-def test_the_evaluation_cache_key_follows_content_not_mtime_or_place(small, tmp_path):
-    from featcal_llm.evaluation.modelinfo import model_fingerprint
-
-    model = tmp_path / "model"
-    shutil.copytree(small.experts["expert1"], model)
-    first = model_fingerprint(model)
-    _touch(model)
-    assert model_fingerprint(model) == first
-    moved = tmp_path / "moved"
-    shutil.move(model, moved)
-    assert model_fingerprint(moved) == first
-    config = json.loads((moved / "config.json").read_text())
-    (moved / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
-    assert model_fingerprint(moved) != first
-    (moved / "config.json").write_text(json.dumps(config))
-    _perturb(moved)
-    assert model_fingerprint(moved) != first
-
-
-def test_the_evaluation_cache_key_follows_a_saved_chat_template_file(small, tmp_path):
-    """transformers saves a tokenizer's template as chat_template.jinja: a new template there is another model to
-    score (the key records only whether a template was applied), a README beside the weights is not."""
-    from featcal_llm.evaluation.modelinfo import model_fingerprint
-
-    model = tmp_path / "model"
-    shutil.copytree(small.experts["expert1"], model)
-    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    first = model_fingerprint(model)
-    (model / "README.md").write_text("notes")
-    assert model_fingerprint(model) == first
-    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
-    assert model_fingerprint(model) != first
-
-
-# --- generated sample sets -----------------------------------------------------------------------------------------------
-
-
-def _generation(small, root: Path, expert_dir: Path, dtype=torch.float32):
-    """Generate expert0's set from `expert_dir` into `root`; True when a sampler ran (the set was not reused)."""
-    from transformers import AutoConfig
-
-    from featcal_llm.generation import run as generation_run
-    from featcal_llm.io.references import resolve_source
-
-    recipe_data = yaml.safe_load(small.recipe.read_text())
-    recipe_data["models"][0]["model"] = str(expert_dir)
-    recipe_data["featcal"]["data"].pop(str(small.experts["expert0"]))
-    recipe_data["featcal"]["data"][str(expert_dir)] = {"generate": {"samples": 3, "max_new_tokens": 6, "chat_template": "off"}}
-    recipe_data["featcal"]["output"] = str(root / "out")
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "r.yaml").write_text(yaml.safe_dump(recipe_data, sort_keys=False))
-    recipe = load_recipe(root / "r.yaml")
-    base = resolve_source(recipe.base, "base_model")
-    sources = {e.name: resolve_source(e.reference, e.name, base) for e in recipe.experts}
-    configs = {name: AutoConfig.from_pretrained(source.directory) for name, source in sources.items()}
-    opened = []
-    real = generation_run.open_sampler
-    generation_run.open_sampler = lambda *a, **k: opened.append(1) or real(*a, **k)
-    try:
-        generation_run.generated_sequences(recipe, sources, configs, torch.device("cpu"), dict.fromkeys(sources, dtype), False)
-    finally:
-        generation_run.open_sampler = real
-    return bool(opened)
-
-
-def test_generated_sets_are_redone_when_stop_tokens_tokenizer_or_dtype_change(small, tmp_path, capsys):
-    expert = tmp_path / "m" / "expert0"
-    shutil.copytree(small.experts["expert0"], expert)
-    work = tmp_path / "work"
-    assert _generation(small, work, expert) is True
-    assert _generation(small, work, expert) is False
-    assert "reused: same weights, generation config, tokenizer files" in capsys.readouterr().err
-    generation = expert / "generation_config.json"
-    before = generation.read_text() if generation.is_file() else None
-    config = json.loads(before) if before else {}
-    generation.write_text(json.dumps({**config, "eos_token_id": [2, 5]}))  # a missing stop token added
-    assert _generation(small, work, expert) is True
-    tokenizer_config = expert / "tokenizer_config.json"
-    settings = json.loads(tokenizer_config.read_text())
-    tokenizer_config.write_text(json.dumps({**settings, "model_max_length": 77}))
-    assert _generation(small, work, expert) is True
-    assert _generation(small, work, expert, dtype=torch.float64) is True
-    assert _generation(small, work, expert, dtype=torch.float64) is False
-
-
-def test_generated_sets_survive_a_touch_and_a_moved_expert(small, tmp_path):
-    expert = tmp_path / "m" / "expert0"
-    shutil.copytree(small.experts["expert0"], expert)
-    work = tmp_path / "work"
-    assert _generation(small, work, expert) is True
-    _touch(expert)
-    assert _generation(small, work, expert) is False
-    moved = tmp_path / "n" / "expert0"
-    moved.parent.mkdir()
-    shutil.move(expert, moved)
-    assert _generation(small, work, moved) is False
-    _perturb(moved)
-    assert _generation(small, work, moved) is True
-
-
-def test_generating_expert_without_tokenizer_files_is_one_line(small, tmp_path):
-    expert = tmp_path / "m" / "expert0"
-    shutil.copytree(small.experts["expert0"], expert)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt"):
-        (expert / name).unlink(missing_ok=True)
-    with pytest.raises(FeatCalError) as refused:
-        _generation(small, tmp_path / "work", expert)
-    message = str(refused.value)
-    assert "\n" not in message and "expert " + str(expert) in message and "no tokenizer files" in message
-
-
-@pytest.mark.parametrize("stop", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), KeyboardInterrupt()])
-def test_a_full_disk_while_storing_samples_leaves_no_set_and_no_temporary_file(small, tmp_path, monkeypatch, stop):
-    """A full disk, and Ctrl-C or SIGTERM (a KeyboardInterrupt in the CLI) at the same point, alike."""
-    from featcal_llm.generation import store
-
-    real = Path.replace
-
-    def full(self, target):
-        raise stop
-
-    monkeypatch.setattr(Path, "replace", full)
-    samples, record = tmp_path / "g" / "e.jsonl", tmp_path / "g" / "e.json"
-    with pytest.raises(type(stop)):
-        store.store_samples(samples, record, [{"token_ids": [1, 2]}], {"key": "k"})
-    monkeypatch.setattr(Path, "replace", real)
-    assert list((tmp_path / "g").iterdir()) == []
-    assert store.cached_samples(samples, record, "k") is None
 
 
 def test_a_merge_of_hub_models_is_judged_by_their_snapshots_files(tmp_path, capsys):
@@ -459,13 +319,13 @@ def test_another_merge_seed_merges_again_only_for_a_random_method(tmp_path, caps
     merge_module._settled.clear()
 
 
-def test_the_merge_s_lines_are_time_stamped_in_a_log_file_as_every_other_line(small, tmp_path):
+def test_the_merge_s_lines_are_time_stamped_in_a_log_file_as_every_other_line(reuse_scenario, tmp_path):
     import re
 
     from featcal_llm import runlog
 
     merged = tmp_path / "merged"
-    recipe = load_recipe(_recipe(small, tmp_path / "a.yaml", merged=str(merged)))
+    recipe = load_recipe(_recipe(reuse_scenario, tmp_path / "a.yaml", merged=str(merged)))
     ensure_merged(recipe, merged, "cpu")
     getattr(merge_module, "_settled", {}).clear()  # a new process
     log = tmp_path / "run.log"
