@@ -193,3 +193,24 @@ def uneven(tmp_path_factory):
 def reuse_scenario(tmp_path_factory):
     """Two experts, two layers, short records, not merged yet (tests/test_reuse*.py: what a rerun reuses)."""
     return build_scenario(tmp_path_factory.mktemp("reuse"), experts=2, layers=2, samples=4, words=(2, 6))
+
+
+@pytest.fixture()
+def fake_worker(monkeypatch):
+    """Writes a cache entry per pending task, as the worker would after lm-eval (tests/test_eval_cache.py, test_leaderboard_refusals.py)."""
+    from featcal_llm.evaluation import cache, runner
+
+    runs = []
+
+    def run_worker(job, output, label, echo):
+        runs.append([task["id"] for task in job["tasks"]])
+        for task in job["tasks"]:
+            metric = task["metric"].split(",")
+            record = {"key_fields": task["key_fields"], "task": {"id": task["id"], "metric": task["metric"], "value": 0.5},
+                      "metrics": {task["metric"]: 0.5, f"{metric[0]}_stderr,{metric[1]}": 0.1},
+                      "lm_eval": {"n-samples": {"original": 4, "effective": 4}}}
+            cache.write_entry(Path(task["dir"]), record, [])
+
+    monkeypatch.setattr(runner, "_run_worker", run_worker)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return runs
