@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from featcal_llm.errors import FeatCalError
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.data import calibration_sequences
 from featcal_llm.tiny import CHAT_TEMPLATE, build_char_tokenizer
@@ -36,13 +39,13 @@ CONVERSATION = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "cont
 MARK = "<|assistant|>"
 
 
-def _spans(tmp_path, template: str, conversation: list[dict]) -> tuple[str, tuple, object]:
+def _spans(tmp_path, template: str, conversation: list[dict], max_length: int = 512) -> tuple[str, tuple, object]:
     """The rendered conversation, its record's judged spans, and the token index at a character offset."""
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = template
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": conversation}) + "\n")
     spec = DataSpec(path="chat.jsonl", format="chat", messages="messages")
-    [record] = calibration_sequences({"e": spec}, ["e"], tokenizer, 1, 512, False, 0, tmp_path / "r.yaml")["e"]
+    [record] = calibration_sequences({"e": spec}, ["e"], tokenizer, 1, max_length, False, 0, tmp_path / "r.yaml")["e"]
     text = tokenizer.apply_chat_template(conversation, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert list(record) == encoded["input_ids"]
@@ -65,3 +68,21 @@ def test_a_template_that_renders_every_turn_alike_judges_each(tmp_path):
     second = text.rindex(MARK) + len(MARK)
     # a middle turn ends where the conversation through it ends within the whole one: past its EOS
     assert spans == ((token(first), token(text.index("<|user|>", first))), (token(second), token(len(text))))
+
+
+@pytest.mark.xfail(strict=True, reason="such records were refused as if max_length cut them (raise max_length)")
+def test_conversations_whose_every_turn_is_re_rendered_are_refused_for_that_not_for_max_length(tmp_path):
+    ends_on_user = CONVERSATION[:3]  # its one assistant turn comes before the last user message: rendered "5" alone
+    tokenizer = build_char_tokenizer()
+    text = tokenizer.apply_chat_template(ends_on_user, tokenize=False, chat_template=REASONING_TEMPLATE)
+    assert len(text) < 512 and "<think>" not in text  # nothing is cut
+    with pytest.raises(FeatCalError, match=r"^.*r\.yaml: featcal\.data\.e: no record has an assistant turn to judge: the chat "
+                       r"template renders every one otherwise once a user turn follows it \(as Qwen3's drops its "
+                       r"reasoning\), so none is judged; end each conversation on an assistant turn$"):
+        _spans(tmp_path, REASONING_TEMPLATE, ends_on_user)
+    _, spans, _ = _spans(tmp_path, CHAT_TEMPLATE, ends_on_user)  # a template that renders it alike judges it
+    assert len(spans) == 1
+    whole = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, chat_template=REASONING_TEMPLATE)
+    cut = len(tokenizer(whole[:whole.rindex(MARK) + len(MARK)], add_special_tokens=False)["input_ids"])  # through its mark
+    with pytest.raises(FeatCalError, match=rf"no record keeps a response token within featcal\.max_length {cut} "):
+        _spans(tmp_path, REASONING_TEMPLATE, CONVERSATION, max_length=cut)  # cut before its final turn: max_length is why
