@@ -70,7 +70,6 @@ def test_a_template_that_renders_every_turn_alike_judges_each(tmp_path):
     assert spans == ((token(first), token(text.index("<|user|>", first))), (token(second), token(len(text))))
 
 
-@pytest.mark.xfail(strict=True, reason="such records were refused as if max_length cut them (raise max_length)")
 def test_conversations_whose_every_turn_is_re_rendered_are_refused_for_that_not_for_max_length(tmp_path):
     ends_on_user = CONVERSATION[:3]  # its one assistant turn comes before the last user message: rendered "5" alone
     tokenizer = build_char_tokenizer()

@@ -252,7 +252,8 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
                    templated: bool = False) -> list[list[int]]:
     """Token ids per text, truncated to `max_length`. Where a text has a prompt (record_prompt's), a `Record` that
     knows its response tokens: from where the response starts, or each assistant turn's span (turn_spans); an expert
-    none of whose records keeps a response token within `max_length` is refused (nothing of it would be scored).
+    none of whose records keeps a response token within `max_length` is refused (nothing of it would be scored), as
+    is one whose conversations are all judged on nothing though none is cut (the template re-renders every turn).
     `numbers`: each text's record number in its file. `templated`: the texts and prompts are a chat template's output,
     encoded as the template wrote them (`encode`); the prompt alone is encoded by the same rule as its record, so the
     two agree up to where the response starts."""
@@ -275,6 +276,10 @@ def tokenize_texts(texts: list[str], tokenizer: Any, max_length: int, where: str
     if prompts is not None and any(p is not None for p in prompts) and all(isinstance(s, Record) and not s.spans for s in sequences):
         if all(prompt is None or _nothing_follows(text, prompt) for text, prompt in zip(texts, prompts)):
             raise FeatCalError(f"{where}: no record has a response to score: every response is empty")
+        if all(isinstance(p, list) for p in prompts if p is not None) and all(len(s) < max_length for s in sequences):
+            raise FeatCalError(f"{where}: no record has an assistant turn to judge: the chat template renders every one "
+                               "otherwise once a user turn follows it (as Qwen3's drops its reasoning), so none is judged; "
+                               "end each conversation on an assistant turn")  # no record was cut: max_length is not why
         raise FeatCalError(f"{where}: no record keeps a response token within featcal.max_length {max_length} "
                            "(the prompts fill it); raise max_length or shorten the prompts")
     return sequences
