@@ -20,9 +20,22 @@ def _keys(seed: int) -> dict:
                 refine={"steps": 4, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32"})
 
 
+def _killed_after_step_2(recipe, monkeypatch) -> None:
+    """Run the recipe and stop it right after refine's check at step 2, as a crash would."""
+    import featcal_llm.engine.refine as refine_module
+
+    def crash(step, saved):
+        if step == 2:
+            raise RuntimeError("killed after step 2")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        with pytest.raises(RuntimeError, match="killed after step 2"):
+            run_recipe(recipe, progress=False)
+
+
 def test_a_run_killed_mid_refinement_resumes_with_the_held_out_records_it_left_out(lead_and_trail, tmp_path, monkeypatch):  # noqa: F811
     import featcal_llm.engine.passes as passes
-    import featcal_llm.engine.refine as refine_module
 
     scenario = lead_and_trail[0]
     monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)  # expert1 is not behind beyond doubt: its records count
@@ -33,14 +46,7 @@ def test_a_run_killed_mid_refinement_resumes_with_the_held_out_records_it_left_o
 
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **_keys(SEED))
 
-    def crash(step, saved):
-        if step == 2:
-            raise RuntimeError("killed after step 2")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 2"):
-            run_recipe(recipe, progress=False)
+    _killed_after_step_2(recipe, monkeypatch)
     assert list((tmp_path / ".resumed.featcal-partial").glob(f"*{passes.HELD_OUT_PASS}*"))
     with monkeypatch.context() as patch:  # measured again, no held-out record would be left out
         patch.setattr(passes, "mark_trailing_records", lambda weights, leads: weights)
@@ -54,20 +60,12 @@ def test_teachers_saved_for_other_held_out_records_are_computed_again(lead_and_t
     resume whose held-out records left out differ (the saved marks lost, the records measured otherwise) computes the
     teachers again and refines from the calibrated layers, to a fresh run's bytes; it stopped on a KeyError."""
     import featcal_llm.engine.passes as passes
-    import featcal_llm.engine.refine as refine_module
 
     scenario = lead_and_trail[0]
     monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **_keys(SEED))
 
-    def crash(step, saved):
-        if step == 2:
-            raise RuntimeError("killed after step 2")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 2"):
-            run_recipe(recipe, progress=False)
+    _killed_after_step_2(recipe, monkeypatch)
     marks = list((tmp_path / ".resumed.featcal-partial").glob(f"*{passes.HELD_OUT_PASS}*"))
     assert marks
     for path in marks:
