@@ -15,6 +15,7 @@ import yaml
 from scenario import build_scenario
 
 import featcal_llm.engine.refine as refine_module
+import featcal_llm.stages.prepare as prepare
 from featcal_llm.engine.tuning import split_holdout
 from featcal_llm.pipeline import run_recipe
 
@@ -109,3 +110,27 @@ def test_a_record_added_before_the_resume_starts_it_over(data, tmp_path, monkeyp
     assert log.count("was made with a different recipe, data, models or settings; starting over") == 1, log
     assert "reused" not in log and "resuming" not in log, log
 
+
+
+@pytest.mark.xfail(strict=True, reason="the held-out marks are saved with the experts they cover, not their records: read "
+                                       "for other records where the fingerprint does not tell them apart, the teachers and the progress follow")
+def test_marks_saved_for_other_held_out_records_are_measured_again(data, tmp_path, monkeypatch, capsys):
+    """Beyond the fingerprint: the held-out records' marks are kept with the digest of the records they mark, as the
+    teachers and the progress are, so that none of the three is read for other records even where the fingerprint
+    does not tell them apart (here prepare.sequences_digest made a constant: the saved layers and passes, which the
+    unchanged training records decide, are rightly reused). The marks are measured again, and with them the teachers
+    and the refinement, to a fresh run's refined weights and report."""
+    scenario, spare = data
+    monkeypatch.setattr(prepare, "sequences_digest", lambda sequences: "blind")
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
+    _killed_after_step_2(recipe, monkeypatch)
+    _change_a_held_out_record(scenario, spare)
+    capsys.readouterr()
+    resumed = run_recipe(recipe, progress=False)
+    log = capsys.readouterr().err
+    assert "2 of 2 layers already calibrated" in log, log  # the fingerprint did not see the change
+    fresh = run_recipe(scenario.write_recipe(tmp_path / "f.yaml", output=str(tmp_path / "fresh"), **KEYS), progress=False)
+    assert _left_out(resumed) == _left_out(fresh) == {"expert0": 0, "expert1": 1, "expert2": 2}, _left_out(resumed)
+    for name in ("featcal_refine.json", "model.safetensors"):  # the drift report's layer records are the saved layers'
+        assert (resumed / name).read_bytes() == (fresh / name).read_bytes(), name
+    assert "teachers' distributions reused" not in log and "resuming after step" not in log, log
