@@ -111,9 +111,6 @@ def test_a_record_added_before_the_resume_starts_it_over(data, tmp_path, monkeyp
     assert "reused" not in log and "resuming" not in log, log
 
 
-
-@pytest.mark.xfail(strict=True, reason="the held-out marks are saved with the experts they cover, not their records: read "
-                                       "for other records where the fingerprint does not tell them apart, the teachers and the progress follow")
 def test_marks_saved_for_other_held_out_records_are_measured_again(data, tmp_path, monkeypatch, capsys):
     """Beyond the fingerprint: the held-out records' marks are kept with the digest of the records they mark, as the
     teachers and the progress are, so that none of the three is read for other records even where the fingerprint

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from featcal_llm.engine.resume import sequences_digest
 from featcal_llm.engine.streams import make_batches
 from featcal_llm.engine.token_weights import TokenWeights, weight_roots
 from featcal_llm.family.batch import TokenBatch
@@ -123,7 +124,8 @@ def held_out_trailing_indices(ctx: "RunContext", leading: list[str], sequences: 
     saw these records; the layer loop left each one's last decoder-layer output of the merged model and of the expert
     (the probe's streams, engine/calibrate.py), so their final norms and LM heads alone measure it, no second forward.
     A collective: every rank measures its shard and the marks are summed over the ranks; rank 0 keeps what it first
-    measured in the staging area, so a resumed run, on any number of ranks, leaves out the same records."""
+    measured in the staging area with the digest of the records marked, so a resumed run, on any number of ranks,
+    leaves out the same records, and one for other records (each is known by its place) measures them again."""
     from featcal_llm.engine.drift import Head
     from featcal_llm.engine.scoring import response_positions, token_log_probs
     from featcal_llm.engine.transfer import on_device
@@ -151,12 +153,14 @@ def held_out_trailing_indices(ctx: "RunContext", leading: list[str], sequences: 
     for task in leading:
         result[task] = frozenset(index for index in range(len(sequences[task])) if flags[start + index] > 0)
         start += len(sequences[task])
-    if comm.is_main:
+    if comm.is_main:  # kept with the digest of the records they mark, as refine's teachers are: never read for others
+        covered = sequences_digest({task: sequences[task] for task in leading})
         saved = ctx.staging.load_pass(HELD_OUT_PASS)
-        if saved is not None and saved.get("leading") == list(leading):
+        if saved is not None and saved.get("leading") == list(leading) and saved.get("records") == covered:
             result = {task: frozenset(indices) for task, indices in saved["marks"].items()}
         else:
-            ctx.staging.save_pass(HELD_OUT_PASS, {"leading": list(leading), "marks": {task: sorted(v) for task, v in result.items()}})
+            ctx.staging.save_pass(HELD_OUT_PASS, {"leading": list(leading), "records": covered,
+                                                  "marks": {task: sorted(v) for task, v in result.items()}})
     return result
 
 
