@@ -131,3 +131,19 @@ def test_marks_saved_for_other_held_out_records_are_measured_again(data, tmp_pat
     for name in ("featcal_refine.json", "model.safetensors"):  # the drift report's layer records are the saved layers'
         assert (resumed / name).read_bytes() == (fresh / name).read_bytes(), name
     assert "teachers' distributions reused" not in log and "resuming after step" not in log, log
+
+
+def test_a_resume_on_the_same_records_writes_the_uninterrupted_bytes_with_a_check_after_the_kill_kept(data, tmp_path, monkeypatch):
+    """The same records: the resume reads the saved marks (measured again, none would be left out here) and writes an
+    uninterrupted run's bytes. Unlike tests/test_trailing_resume.py's run, whose closed form stands (step 0 kept),
+    here the check kept is the last one, after the kill, so the refined weights themselves are compared."""
+    import featcal_llm.engine.passes as passes
+
+    scenario, _ = data
+    whole = run_recipe(scenario.write_recipe(tmp_path / "w.yaml", output=str(tmp_path / "whole"), **KEYS), progress=False)
+    report = json.loads((whole / "featcal_refine.json").read_text())
+    assert report["chosen_step"] == report["steps_run"] == 4 and sum(report["held_out_left_out"].values()) > 0, report
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
+    _killed_after_step_2(recipe, monkeypatch)
+    monkeypatch.setattr(passes, "mark_trailing_records", lambda weights, leads: weights)
+    assert _differ(whole, run_recipe(recipe, progress=False)) == SAME
