@@ -43,7 +43,6 @@ CASES = {  # name → (rows, the entry's keys, the folder's writer, the line's e
 }
 
 
-@pytest.mark.xfail(strict=True, reason="validate checks a dataset folder's fields, not its records: it says ok, run refuses")
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_record_in_a_dataset_folder_is_refused_alike(scenario, tmp_path, case):
     rows, keys, write, said = CASES[case]
@@ -53,3 +52,30 @@ def test_a_bad_record_in_a_dataset_folder_is_refused_alike(scenario, tmp_path, c
     line = refused_alike(recipe, tmp_path)[0]
     assert line.endswith(f"featcal.data.{expert_of(recipe, 0)}.path: {tmp_path / 'ds'}: {said}"), line
     assert not (tmp_path / "merged").exists()
+
+
+def test_validate_reads_a_folder_s_records_in_the_order_the_run_numbers_them(tmp_path):
+    """The records validate checks are those the run loads, in its order: a save_to_disk folder of two Arrow shards
+    (load_from_disk), and a folder of data files (load_dataset: the split's files in datasets' order, not by name
+    length), each against datasets' own loading; a bad record in the second file is named by its place in the split."""
+    import datasets
+
+    from featcal_llm.errors import FeatCalError
+    from featcal_llm.io.block_sections import DataSpec
+    from featcal_llm.io.data_files import load_records, saved_records
+    from featcal_llm.io.validate_data import check_data
+
+    rows = [{"text": f"record {i}"} for i in range(7)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) == 2
+    assert saved_records(tmp_path / "saved", "train", 100) == list(load_records(DataSpec(path=str(tmp_path / "saved")), "e")) == rows
+    assert saved_records(tmp_path / "saved", "train", 5) == rows[:5]
+    (tmp_path / "files").mkdir()
+    for name, chunk in (("train-10.jsonl", rows[4:]), ("train-9.jsonl", rows[2:4]), ("train-1.jsonl", rows[:2])):
+        (tmp_path / "files" / name).write_text("".join(json.dumps(row) + "\n" for row in chunk))
+    loaded = list(load_records(DataSpec(path=str(tmp_path / "files")), "e"))
+    (tmp_path / "files" / "train-9.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    number = [row["text"] for row in loaded].index("record 3")  # the blank record's place in the split, as run numbers it
+    with pytest.raises(FeatCalError, match=rf": record {number}: field 'text' is empty; drop the record or fill it$"):
+        check_data(DataSpec(path=str(tmp_path / "files")), "featcal.data.e", tmp_path, False, [])
+    assert check_data(DataSpec(path=str(tmp_path / "files")), "featcal.data.e", tmp_path, False, [], taken=number) is None

@@ -164,6 +164,27 @@ def saved_fields(path: Path, split: str) -> list[str] | None:
     return [str(name) for name in features] if isinstance(features, dict) else None
 
 
+def saved_records(path: Path, split: str, limit: int) -> list[dict]:
+    """The first `limit` records of a `save_to_disk` folder's split, as `load_from_disk` hands them to the run: its
+    Arrow files (state.json's `_data_files`, in order) read with pyarrow alone, no `datasets` or torch; none where the
+    folder does not say or pyarrow cannot read them (the run's load_from_disk says it)."""
+    folder = path / split if (path / "dataset_dict.json").is_file() else path
+    try:
+        import pyarrow.ipc
+
+        names = [str(entry["filename"]) for entry in json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]]
+        records: list[dict] = []
+        for name in names:
+            with pyarrow.memory_map(str(folder / name)) as source:
+                for batch in pyarrow.ipc.open_stream(source):  # datasets writes Arrow's stream format
+                    records += batch.slice(0, limit - len(records)).to_pylist()
+                    if len(records) >= limit:
+                        return records
+        return records
+    except Exception:  # noqa: BLE001 (what pyarrow or the folder's JSON raises: left to the run)
+        return []
+
+
 def check_saved_folder(spec: DataSpec, where: str, splits: list[str]) -> None:
     """A save_to_disk folder has the splits it was saved with and no configurations: anything else is one line."""
     if spec.name is not None:

@@ -17,7 +17,7 @@ from featcal_llm.io.data import alpaca_input, chat_messages, completion_text, mi
 from featcal_llm.io.data_files import (JSON_WHITESPACE, PLAIN_JSONL_MAX_BYTES, RepeatedKey, check_file_options,
                                        check_folder_name, check_saved_folder, close_sibling, data_path, distinct_keys, file_builder,
                                        file_not_found, looks_like_hub_id, no_records, not_utf8, repeated_key, saved_fields,
-                                       saved_splits)
+                                       saved_records, saved_splits)
 from featcal_llm.io.hub_lookup import hub_lookup
 from featcal_llm.io.problems import Problem
 
@@ -40,7 +40,7 @@ def check_fields(spec: DataSpec, where: str, fields: list[str] | None) -> DataSp
     return spec
 
 
-def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
+def check_dataset_directory(spec: DataSpec, where: str, path: Path, taken: int | None = None) -> None:
     """A local dataset directory holds data files and the split asked for, as datasets reads its listing (its own
     `get_data_patterns`: `train.jsonl` is split train, a lone `foo.jsonl` too); a directory that declares its layout
     itself (a README's configs, a loading script, a `save_to_disk` folder) is left to the run; a configuration `name:`
@@ -62,26 +62,28 @@ def check_dataset_directory(spec: DataSpec, where: str, path: Path) -> None:
         raise FeatCalError(f"{where}.split: {spec.split}: {spec.path} has the split{'s' if len(splits) > 1 else ''} "
                            f"{', '.join(splits)} (named by its files, as datasets reads them)")
     files = {split: _split_files(found, path) for split, found in patterns.items()}
-    _check_split_files(spec, where, files, files.get(asked.group(0), []) if asked is not None else [])
+    _check_split_files(spec, where, files, files.get(asked.group(0), []) if asked is not None else [], taken)
 
 
 def _split_files(patterns: list[str], directory: Path) -> list[Path]:
-    """The files of one split, as datasets resolves its patterns (a pattern that matches nothing adds none)."""
+    """The files of one split, in the order datasets reads them (DataFilesList.from_patterns: pattern by pattern, each
+    pattern's matches in resolve_pattern's order; a pattern that matches nothing adds none)."""
     from datasets.data_files import resolve_pattern
 
-    found: set[str] = set()
+    found: dict[str, None] = {}
     for pattern in patterns:
         try:
-            found.update(resolve_pattern(pattern, str(directory)))
+            found.update(dict.fromkeys(resolve_pattern(pattern, str(directory))))
         except FileNotFoundError:
             continue
-    return sorted(Path(name) for name in found)
+    return [Path(name) for name in found]
 
 
-def _check_split_files(spec: DataSpec, where: str, files: dict[str, list[Path]], asked: list[Path]) -> None:
+def _check_split_files(spec: DataSpec, where: str, files: dict[str, list[Path]], asked: list[Path], taken: int | None = None) -> None:
     """What datasets refuses of a directory's files, and the fields the entry reads in the asked split's first file:
     one builder for every split (train.jsonl beside test.csv: "Couldn't infer the same data file format for all
-    splits"), and record 0's fields where the file's head tells them."""
+    splits"), record 0's fields where the file's head tells them, and the records the run converts first, as check_data
+    reads a file's: those of the split's JSON files in datasets' order, while each is read whole."""
     try:  # datasets' own table of file types → builders (private: where it moved, no type is judged)
         from datasets.packaged_modules import _EXTENSION_TO_MODULE as builders
     except ImportError:
@@ -91,7 +93,20 @@ def _check_split_files(spec: DataSpec, where: str, files: dict[str, list[Path]],
         raise FeatCalError(f"{where}.path: {spec.path}: its splits are files of different types ({', '.join(sorted(kinds))}), "
                            "and datasets reads one type for every split; keep files of one type there, or name the file")
     first = next((file for file in asked if file.suffix.lower() in (".jsonl", ".json")), None)
-    check_fields(spec, where, file_head(first, f"{where}.path: {spec.path}")[0] if first is not None else None)
+    fields, records_first, complete_first = file_head(first, f"{where}.path: {spec.path}") if first is not None else (None, [], False)
+    spec = check_fields(spec, where, fields)
+    wanted, records = taken or FIELD_SCAN_LINES, []
+    for file in asked:  # the split's records, file after file
+        if len(records) >= wanted or file.suffix.lower() not in (".jsonl", ".json"):
+            break
+        try:
+            head, complete = file_head(file, f"{where}.path: {spec.path}")[1:] if file != first else (records_first, complete_first)
+        except FeatCalError:
+            break  # a later file datasets may read otherwise: left to the run, in its reader's words
+        records += head
+        if not complete:  # a large file's first lines: the next file's are not the next records
+            break
+    check_records(spec, where, fields, records[:wanted])
 
 
 def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, unchecked: list[str], offline: list[str] | None = None,
@@ -107,25 +122,19 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         check_file_options(spec, where)
         fields, records, complete = file_head(path, f"{where}.path: {spec.path}")
         spec = check_fields(spec, where, fields)
-        for index, record in enumerate(records[:taken]):
-            for name in text_fields(spec):  # a field some records lack is null to run's reader (datasets)
-                text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)
-            if spec.format == "chat" and spec.messages:
-                chat_messages(record, spec, where, index)
-            if spec.format == "alpaca":
-                alpaca_input(record, spec, where, index)
-            if spec.format == "completion":
-                completion_text(record, spec, where, index)
+        check_records(spec, where, fields, records[:taken])
         count = len(records) if complete else record_count(path) if fields is not None else None
         if count == 0:
             raise no_records(spec, where)
         return count
     if path.is_dir() and (splits := saved_splits(path)) is not None:
         check_saved_folder(spec, where, splits)
-        check_fields(spec, where, saved_fields(path, spec.split))
+        fields = saved_fields(path, spec.split)
+        spec = check_fields(spec, where, fields)
+        check_records(spec, where, fields, saved_records(path, spec.split, taken or FIELD_SCAN_LINES) if fields is not None else [])
         return None  # its record count: the run's load_from_disk says it
     if path.is_dir():
-        check_dataset_directory(spec, where, path)
+        check_dataset_directory(spec, where, path, taken)
         return None  # its record count: datasets decides the layout's files when the run loads it
     if not looks_like_hub_id(spec.path) or (path.parent.is_dir() and close_sibling(path) is not None):  # a local typo
         raise file_not_found(path, where, base_dir)
@@ -134,6 +143,21 @@ def check_data(spec: DataSpec, where: str, base_dir: Path, online: bool, uncheck
         return None
     hub_lookup("dataset", spec.path, None, f"{where}.path", offline if offline is not None else [])
     return None
+
+
+def check_records(spec: DataSpec, where: str, fields: list[str] | None, records: list[dict]) -> None:
+    """The records the run converts first, read as it reads them: each field the entry reads as text is text (a field
+    some records lack is null to run's reader, datasets), a chat's messages {role, content} turns, an alpaca input
+    absent or text, a completion not empty."""
+    for index, record in enumerate(records):
+        for name in text_fields(spec):
+            text_field({**record, name: record.get(name)} if fields is not None and name in fields else record, spec, name, where, index)
+        if spec.format == "chat" and spec.messages:
+            chat_messages(record, spec, where, index)
+        if spec.format == "alpaca":
+            alpaca_input(record, spec, where, index)
+        if spec.format == "completion":
+            completion_text(record, spec, where, index)
 
 
 def record_count(path: Path) -> int | None:
@@ -310,4 +334,4 @@ def _union(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(key for record in records for key in record))
 
 
-__all__ = ["COUNT_MAX_BYTES", "FIELD_SCAN_LINES", "check_data", "file_head", "needed_fields", "record_count", "short_file_findings"]
+__all__ = ["COUNT_MAX_BYTES", "FIELD_SCAN_LINES", "check_data", "check_records", "file_head", "needed_fields", "record_count", "short_file_findings"]
