@@ -39,7 +39,6 @@ def tied_phi3_on_the_hub(tmp_path, monkeypatch):
     return scenario, tmp_path / "hub.yaml"
 
 
-@pytest.mark.xfail(strict=True, reason="run checks mergekit's required tensors of local models only: a hub snapshot reaches mergekit")
 def test_a_tied_phi3_from_the_hub_is_refused_by_run_before_the_merge_in_validate_s_words(tied_phi3_on_the_hub):
     scenario, recipe = tied_phi3_on_the_hub
     local = CliRunner().invoke(main, ["validate", str(scenario.recipe)])  # the same model as a local folder

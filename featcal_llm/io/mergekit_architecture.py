@@ -113,6 +113,18 @@ def check_mergekit_weights(directory: Path, config: dict, what: str) -> None:
         raise FeatCalError(f"{what}: {missing_weight_refusal(directory, config, missing)}")
 
 
+def check_merge_inputs(recipe_path: Any, base: Any, experts: dict[str, Any]) -> None:
+    """`check_mergekit_weights` of every model the merge reads as it is, before run merges: `validate` checks the local
+    folders (in the same words), run also the hub snapshots it resolved (Phi-4-mini is a hub id); an adapter expert
+    reads the base's tensors."""
+    from featcal_llm.io.model_files import read_config_json
+
+    check_mergekit_weights(base.directory, read_config_json(base.directory), f"{recipe_path}: base_model")
+    for source in experts.values():
+        if source.adapter is None and source.directory != base.directory:
+            check_mergekit_weights(source.directory, read_config_json(source.directory), f"{recipe_path}: models")
+
+
 def _config_value(config: dict, key: str) -> Any:
     value: Any = config
     for part in key.split("."):  # mergekit's get_config_value: `text_config.num_hidden_layers`

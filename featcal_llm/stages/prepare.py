@@ -34,6 +34,7 @@ from featcal_llm.errors import FeatCalError, warn
 from featcal_llm.family.layers import LayerRunner
 from featcal_llm.io.merge import ensure_merged
 from featcal_llm.io.merge_identity import merge_identity, supplied_merge
+from featcal_llm.io.mergekit_architecture import check_merge_inputs
 from featcal_llm.io.mergekit_config import merge_config_dict
 from featcal_llm.io.model_files import calibration_tokenizer_directory, read_config_json
 from featcal_llm.io.output_dir import not_an_output, partial_dir, unwritable
@@ -226,6 +227,8 @@ def resolve(comm: Single, recipe: Recipe, force: bool, device: str | None) -> Re
     finally:
         for reader in readers.values():
             reader.close()
+    if not supplied_merge(merged_path):  # what mergekit's merge would stop at, hub snapshots included (validate reads none)
+        check_merge_inputs(recipe.path, base, experts)
     plan = CalibrationPlan(
         architecture=architecture,
         projections=select_projections(architecture, featcal.modules, str(recipe.path)),
