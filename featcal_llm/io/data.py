@@ -157,8 +157,10 @@ def record_to_text(record: dict, spec: DataSpec, tokenizer: Any, where: str, ind
 def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, index: int) -> str | list[tuple[str, str]] | None:
     """The text a record's response follows (what a user asks, not what the expert answers); for a conversation, per
     assistant turn, the conversation before it with the generation prompt (where the turn starts) and the conversation
-    through it (where it ends): every assistant turn is judged, as TRL's `assistant_only_loss` trains on every one.
-    None: no response to tell apart (plain text, or a chat with no assistant turn), so every token counts."""
+    through it (where it ends): every assistant turn is judged, as TRL's `assistant_only_loss` trains on every one. A
+    turn that opens the conversation has nothing before it (transformers renders no empty conversation): it is judged
+    from the record's start. None: no response to tell apart (plain text, or a chat with no assistant turn), so every
+    token counts."""
     if spec.format == "alpaca":
         return _alpaca(record, spec, where, index, with_response=False)
     if spec.format == "completion":
@@ -166,7 +168,7 @@ def record_prompt(record: dict, spec: DataSpec, tokenizer: Any, where: str, inde
     if spec.format == "chat":
         messages = _chat_messages(record, spec, where, index)
         refused = f"{where}: record {index}: the tokenizer's chat template refused it"
-        turns = [(render_chat(tokenizer, messages[:turn], refused, add_generation_prompt=True),
+        turns = [(render_chat(tokenizer, messages[:turn], refused, add_generation_prompt=True) if turn else "",
                   render_chat(tokenizer, messages[:turn + 1], refused))
                  for turn, message in enumerate(messages) if isinstance(message, dict) and message.get("role") == "assistant"]
         return turns or None
