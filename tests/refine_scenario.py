@@ -72,4 +72,19 @@ def refined(far_scenario) -> Path:
     return run(far_scenario, "refined", refine=REFINE)
 
 
-__all__ = ["REFINE", "closed_form", "far_scenario", "kind_texts", "refined", "run"]
+def killed_after_step_2(recipe, monkeypatch) -> None:
+    """Run the recipe and stop it right after refine's check at step 2, as a crash would."""
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.pipeline import run_recipe
+
+    def crash(step, saved):
+        if step == 2:
+            raise RuntimeError("killed after step 2")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(refine_module, "after_check", crash)
+        with pytest.raises(RuntimeError, match="killed after step 2"):
+            run_recipe(recipe, progress=False)
+
+
+__all__ = ["REFINE", "closed_form", "far_scenario", "killed_after_step_2", "kind_texts", "refined", "run"]

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from scenario import build_scenario
 
-import featcal_llm.engine.refine as refine_module
 import featcal_llm.stages.prepare as prepare
 from featcal_llm.engine.tuning import split_holdout
 from featcal_llm.pipeline import run_recipe
+from refine_scenario import killed_after_step_2
 
 RECORDS, SEED = 9, 2  # 2 of each expert's 9 records held out; seed 2 leaves out held-out records {0, 2, 2}, keeps its last check
 KEYS = {"token_weights": "expert_lead", "trailing_experts": "keep", "seed": SEED,
@@ -39,17 +39,6 @@ def nine(tmp_path_factory):
         path.write_text("\n".join(lines[:RECORDS]) + "\n")
         spare[name] = lines[RECORDS:]
     return scenario, spare
-
-
-def _killed_after_step_2(recipe, monkeypatch) -> None:
-    def crash(step, saved):
-        if step == 2:
-            raise RuntimeError("killed after step 2")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 2"):
-            run_recipe(recipe, progress=False)
 
 
 def _left_out(output) -> dict:
@@ -82,7 +71,7 @@ def _change_a_held_out_record(scenario, spare) -> None:
 def test_a_held_out_record_changed_before_the_resume_starts_it_over(data, tmp_path, monkeypatch, capsys):
     scenario, spare = data
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     _change_a_held_out_record(scenario, spare)
     capsys.readouterr()
     resumed = run_recipe(recipe, progress=False)
@@ -97,7 +86,7 @@ def test_a_held_out_record_changed_before_the_resume_starts_it_over(data, tmp_pa
 def test_a_record_added_before_the_resume_starts_it_over(data, tmp_path, monkeypatch, capsys):
     scenario, spare = data
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     with scenario.data["expert0"].open("a") as handle:
         handle.write(spare["expert0"][0] + "\n")
     capsys.readouterr()
@@ -120,7 +109,7 @@ def test_marks_saved_for_other_held_out_records_are_measured_again(data, tmp_pat
     scenario, spare = data
     monkeypatch.setattr(prepare, "sequences_digest", lambda sequences: "blind")
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     _change_a_held_out_record(scenario, spare)
     capsys.readouterr()
     resumed = run_recipe(recipe, progress=False)
@@ -144,6 +133,6 @@ def test_a_resume_on_the_same_records_writes_the_uninterrupted_bytes_with_a_chec
     report = json.loads((whole / "featcal_refine.json").read_text())
     assert report["chosen_step"] == report["steps_run"] == 4 and sum(report["held_out_left_out"].values()) > 0, report
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **KEYS)
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     monkeypatch.setattr(passes, "mark_trailing_records", lambda weights, leads: weights)
     assert _differ(whole, run_recipe(recipe, progress=False)) == SAME

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from featcal_llm.maths import advantage
 from featcal_llm.pipeline import run_recipe
+from refine_scenario import killed_after_step_2
 from test_trailing import lead_and_trail  # noqa: F401  (the module's fixture: one expert leads the merge, one trails)
 
 SEED = 0  # a split whose held-out records hold some a leading expert trails the merge on (asserted below)
@@ -18,20 +18,6 @@ SEED = 0  # a split whose held-out records hold some a leading expert trails the
 def _keys(seed: int) -> dict:
     return dict(batch_tokens=150, dtype="float64", token_weights="expert_lead", trailing_experts="merge", seed=seed,
                 refine={"steps": 4, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32"})
-
-
-def _killed_after_step_2(recipe, monkeypatch) -> None:
-    """Run the recipe and stop it right after refine's check at step 2, as a crash would."""
-    import featcal_llm.engine.refine as refine_module
-
-    def crash(step, saved):
-        if step == 2:
-            raise RuntimeError("killed after step 2")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(refine_module, "after_check", crash)
-        with pytest.raises(RuntimeError, match="killed after step 2"):
-            run_recipe(recipe, progress=False)
 
 
 def test_a_run_killed_mid_refinement_resumes_with_the_held_out_records_it_left_out(lead_and_trail, tmp_path, monkeypatch):  # noqa: F811
@@ -46,7 +32,7 @@ def test_a_run_killed_mid_refinement_resumes_with_the_held_out_records_it_left_o
 
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **_keys(SEED))
 
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     assert list((tmp_path / ".resumed.featcal-partial").glob(f"*{passes.HELD_OUT_PASS}*"))
     with monkeypatch.context() as patch:  # measured again, no held-out record would be left out
         patch.setattr(passes, "mark_trailing_records", lambda weights, leads: weights)
@@ -65,7 +51,7 @@ def test_teachers_saved_for_other_held_out_records_are_computed_again(lead_and_t
     monkeypatch.setattr(advantage, "LEAD_STANDARD_ERRORS", 10.0)
     recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "resumed"), **_keys(SEED))
 
-    _killed_after_step_2(recipe, monkeypatch)
+    killed_after_step_2(recipe, monkeypatch)
     marks = list((tmp_path / ".resumed.featcal-partial").glob(f"*{passes.HELD_OUT_PASS}*"))
     assert marks
     for path in marks:
