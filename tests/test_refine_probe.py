@@ -20,7 +20,7 @@ def test_a_float64_runs_saved_recipe_does_not_say_its_refinement_ran_in_float32(
     assert pinned["params"] == "full"  # the memory's choice is still pinned
 
 
-def test_the_teachers_run_in_the_students_precision_over_half_precision_layers(far_scenario, monkeypatch):  # noqa: F811
+def test_the_teachers_run_in_the_students_precision_over_half_precision_layers(far_scenario, monkeypatch):
     """docs/refine.md: "The teachers' pass runs in the same precision as the student". Layers in bf16 (a GPU's default,
     or a bf16 checkpoint on a CPU with native bf16) and `precision: float32`: the student is float32 throughout, so
     its teachers' top-k log-probabilities are computed in float32 too, not from bf16 logits."""
