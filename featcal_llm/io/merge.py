@@ -15,6 +15,7 @@ without `mergekit_config.yml` cannot be checked: it is used, with a warning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import shutil
@@ -164,6 +165,30 @@ def _check_tokenizer_written(recipe: Recipe, partial: Path, sources: dict[str, A
                            "check tokenizer_source, tokenizer and chat_template)")
 
 
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write that fails names no file where Python's own does
+HUB_MODULES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3")  # where a download's errors come from
+
+
+def _failed_to_write(error: OSError, staging: tuple[Path, ...]) -> bool:
+    """Whether the merge failed writing its own files (the disk, the folder): not reading an input, nor fetching one
+    from the hub (huggingface_hub's errors are OSErrors too)."""
+    if type(error).__module__.startswith(HUB_MODULES):
+        return False
+    named = [Path(name) for name in (error.filename, error.filename2) if isinstance(name, (str, Path))]
+    if not named:
+        return error.errno in WRITE_ERRORS
+    return any(path.absolute().is_relative_to(folder.absolute()) for path in named for folder in staging)
+
+
+def _merge_failure(recipe: Recipe, error: Exception) -> str:
+    """The one line for mergekit's failure: its first line, naming the hub where a download failed."""
+    first = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    if type(error).__module__.startswith(HUB_MODULES):
+        return (f"{recipe.path}: mergekit could not download an input from the Hugging Face hub during the merge "
+                f"({first}); check the connection and the model ids, then run again")
+    return f"{recipe.path}: mergekit failed to merge the recipe: {first}"
+
+
 def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | None, trust_remote_code: bool) -> None:
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -205,10 +230,12 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         raise
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
+        if not _failed_to_write(error, (partial, lora_cache)):
+            raise RunFailure(_merge_failure(recipe, error)) from error
         raise RunFailure(f"{recipe.path}: featcal.merged: {merged}: cannot write the merge ({error.strerror or error})") from None
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise RunFailure(f"{recipe.path}: mergekit failed to merge the recipe: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from error  # the CLI shows mergekit's full error
+        raise RunFailure(_merge_failure(recipe, error)) from error  # the CLI shows mergekit's full error
     finally:
         shutil.rmtree(lora_cache, ignore_errors=True)
     from featcal_llm.io.checkpoint import move_into_place  # torch: `validate` imports this module without it
