@@ -72,10 +72,25 @@ def collected_warnings() -> Iterator[list[str]]:
         _COLLECTORS.remove(found)
 
 
+_SILENCED = [0]  # open `silenced_warnings` blocks
+
+
+@contextmanager
+def silenced_warnings() -> Iterator[None]:
+    """Inside: no warning is shown or kept (a recipe read again to digest what the run wrote, its warnings said)."""
+    _SILENCED[0] += 1
+    try:
+        yield
+    finally:
+        _SILENCED[0] -= 1
+
+
 def warn(message: str) -> None:
     """A one-line warning on stderr, in the same voice as errors (and kept for the API's result)."""
     import sys
 
+    if _SILENCED[0]:
+        return
     if _COLLECTORS and all(message in found for found in _COLLECTORS):
         return  # said once a run: the recipe is read by validate's checks and again by the run
     for found in _COLLECTORS:

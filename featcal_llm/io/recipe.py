@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from featcal_llm.errors import warn
+from featcal_llm.errors import silenced_warnings, warn
 from featcal_llm.io.block import FEATCAL_ONLY, REGMEAN_ONLY, FeatCalConfig, beside_recipe
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.forms import check_forms
@@ -29,7 +29,7 @@ from featcal_llm.io.mergekit_methods import parameter_problems
 from featcal_llm.io.merge_settings import merge_setting_problems
 from featcal_llm.io.output_dir import name_problem, shown
 from featcal_llm.io.recipe_yaml import read_yaml_mapping, recipe_text
-from featcal_llm.io.run_settings import made_from
+from featcal_llm.io.run_settings import made_from, settings_root
 from featcal_llm.io.problems import (Problem, RecipeProblems, collect, in_document_order, known_keys, one_error_per_key,
                                      pydantic_problems, suggestion)
 from featcal_llm.startup import heavy_import
@@ -54,6 +54,7 @@ class Recipe:
     card_text: str | None = None  # the recipe the card shows, where `text` is a stage's (a stack's second, with the first's choices)
     output_key: str = "featcal.output"  # how refusals name the output: OUTPUT where the command line (output=) gave it
     made_from: dict | None = None  # the user's settings (io/run_settings.made_from), a stack's stages keep them; its run record keeps them
+    settings_root: str | None = None  # the digest of the settings first run (io/run_settings.settings_root): a replay's original's
 
 
 def _one_model_two_ways(merge_config: Any) -> list[str]:
@@ -357,9 +358,20 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
             return parsed
         experts = tuple(Expert(str(reference), reference) for reference in _experts_of(merge_config))
     text = recipe_text(path)
+    settings = made_from(parsed.featcal, raw)
     parsed.recipe = Recipe(path=path, text=text, merge_config=merge_config, featcal=parsed.featcal, base=merge_config.base_model,
-                           experts=experts, made_from=made_from(parsed.featcal, raw))
+                           experts=experts, made_from=settings, settings_root=settings_root(text, settings))
     return parsed
+
+
+def settings_of_text(text: str, path: Path) -> dict[str, str] | None:
+    """made_from of a recipe's text (the saved recipe a run writes), or None where its block does not validate."""
+    import yaml
+
+    raw = yaml.safe_load(text)
+    with silenced_warnings():
+        featcal = _read_block(path, raw.pop("featcal", None), [], raw) if isinstance(raw, dict) else None
+    return None if featcal is None else made_from(featcal, raw)
 
 
 def load_recipe(path: str | Path) -> Recipe:

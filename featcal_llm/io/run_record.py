@@ -27,7 +27,10 @@ ABOUT = {
     "expert_weights": "each expert's weight in the objective as the run used it",
     "made_from": "per setting the weights follow from (the featcal block's, its defaults filled in; the mergekit part's, "
                  "as written), a digest of its value: run --eval-only scores this output only under a recipe that still "
-                 "says them",
+                 "says them, or one of the same settings_root",
+    "settings_root": "the digest of the settings of the recipe this output's weights were first made from (the recipe's "
+                     "own, or, for a run of a saved featcal_recipe.yml, the recipe it replays): run --eval-only also "
+                     "scores it under a recipe of the same root",
 }
 
 
@@ -66,6 +69,8 @@ def run_record(recipe: Recipe, merged: str, names: dict[str, str], hyper: dict, 
         run["unchanged"] = True
     if recipe.made_from is not None:
         run["made_from"] = recipe.made_from
+    if recipe.settings_root is not None:
+        run["settings_root"] = recipe.settings_root
     run["about"] = {key: text for key, text in ABOUT.items() if key in run}
     return run
 

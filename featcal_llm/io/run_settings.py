@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 FEATCAL_PREFIX = "featcal."
@@ -48,4 +49,31 @@ def changed_settings(recorded: dict[str, str], current: dict[str, str]) -> list[
     return sorted(key for key in set(recorded) | set(current) if recorded.get(key) != current.get(key))
 
 
-__all__ = ["changed_settings", "made_from", "resolved_settings"]
+def settings_digest(settings: dict[str, str]) -> str:
+    """One digest for all of made_from's."""
+    return _digest(settings)
+
+
+# A saved recipe (featcal_recipe.yml) writes out what the run resolved (`auto` precisions, data fields, paths found
+# beside the recipe, a search's choices), so its settings differ from the recipe it replays although the weights are
+# the same. This line ties the two: a run of the saved recipe records the first recipe's settings as its own root, and
+# `run --eval-only` compares roots. An edited saved recipe no longer has the settings the line names, so it roots itself.
+REPLAY_LINE = "# featcal-llm: these settings ({own}) replay the settings {root}; run --eval-only takes either recipe\n"
+_REPLAY_LINE = re.compile(r"^# featcal-llm: these settings \(([0-9a-f]{16})\) replay the settings ([0-9a-f]{16});.*\n?", re.M)
+
+
+def settings_root(text: str, settings: dict[str, str]) -> str:
+    """The digest of the settings a recipe's weights were first made from: those of the recipe its replay line names,
+    where the recipe still has the settings the line was written for; else its own."""
+    own = settings_digest(settings)
+    return next((root for replayed, root in _REPLAY_LINE.findall(text) if replayed == own), own)
+
+
+def with_replay_line(text: str, root: str, settings: dict[str, str]) -> str:
+    """The saved recipe's text with its replay line (any earlier one dropped); none where it replays itself."""
+    text = _REPLAY_LINE.sub("", text)
+    own = settings_digest(settings)
+    return text if own == root else text.rstrip("\n") + "\n" + REPLAY_LINE.format(own=own, root=root)
+
+
+__all__ = ["changed_settings", "made_from", "resolved_settings", "settings_digest", "settings_root", "with_replay_line"]

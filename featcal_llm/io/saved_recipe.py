@@ -10,8 +10,9 @@ import torch
 import yaml
 
 from featcal_llm.io.block import beside_recipe
-from featcal_llm.io.recipe import Recipe
+from featcal_llm.io.recipe import Recipe, settings_of_text
 from featcal_llm.io.recipe_yaml import value_span, with_featcal_values
+from featcal_llm.io.run_settings import with_replay_line
 
 REPLAY_HEADER = (
     "# Written by featcal-llm: the recipe as run, with the values its search chose per decoder layer\n"
@@ -121,7 +122,8 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
     """The recipe as run: input files found beside the recipe written as found, the record fields data entries' defaults
     resolved to (`data_fields`: io/data_fields.py) written out, `auto` precisions pinned, a tuned run's
     choices replayed (replay_text), each `generate:` expert's sampling pinned, a comment naming where each began its samples, and
-    `refine:`'s machine-dependent choices written out (`refined`: the stage's report)."""
+    `refine:`'s machine-dependent choices written out (`refined`: the stage's report), and a line naming the settings it
+    replays (io/run_settings.with_replay_line)."""
     recipe = replace(recipe, text=with_data_fields(with_found_paths(recipe.text, recipe.path.parent), data_fields or {}))
     if tuning is None:  # the text as written, comments kept, with the precisions `auto` resolved written in
         saved = with_featcal_values(recipe.text, pinned_precisions(yaml.safe_load(recipe.text)["featcal"], precisions))
@@ -132,7 +134,9 @@ def saved_recipe(recipe: Recipe, tuning: dict | None, precisions: dict[str, torc
         saved = saved.rstrip("\n") + "\n" + "".join(
             f"# generate: {name} began its samples from the {s['start']} (chosen by {s['chosen_by']})\n" for name, s in starts.items()
         )
-    return with_refine_pinned(saved, refined)
+    saved = with_refine_pinned(saved, refined)
+    settings = settings_of_text(saved, recipe.path) if recipe.settings_root is not None else None
+    return saved if settings is None else with_replay_line(saved, recipe.settings_root, settings)
 
 
 DATA_FIELDS_HEADER = ("# Written by featcal-llm: the recipe as run, with the record fields each data entry's defaults read in\n"

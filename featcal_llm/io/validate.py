@@ -20,13 +20,14 @@ from typing import Any
 from featcal_llm.io.problems import Problem, RecipeProblems, collect
 
 from featcal_llm.io.recipe import Recipe, _experts_of, read_recipe
+from featcal_llm.io.recipe_yaml import recipe_text
 from featcal_llm.io.validate_data import check_data, short_file_findings
 from featcal_llm.io.validate_eval import check_eval
 from featcal_llm.io.validate_models import check_models
 from featcal_llm.io.validate_outputs import check_first_stage, check_output, check_writes
 from featcal_llm.io.output_dir import argument_problem, RECIPE_FILE, scored_merge
 from featcal_llm.io.run_record import read_run_record
-from featcal_llm.io.run_settings import changed_settings, made_from
+from featcal_llm.io.run_settings import changed_settings, made_from, settings_digest, settings_root
 
 
 @dataclass
@@ -81,7 +82,7 @@ def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, e
                 else "the merged model")
         problems.append(Problem(str(path), EVAL_ONLY, f"{scored}, {what}, is not there to score beside the output"))
     elif settings is not None:
-        changed = settings_since(path, output, settings)
+        changed = settings_since(path, output, settings, settings_root(recipe_text(path), settings))
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
             problems.append(Problem(str(path), EVAL_ONLY, f"{output} was made from other settings than the recipe's now "
@@ -89,16 +90,21 @@ def check_run_flags(path: Path, featcal: Any, output: Path, keep_layers: bool, e
                                                           "them, or put them back"))
 
 
-def settings_since(path: Path, output: Path, settings: dict) -> list[str]:
+def settings_since(path: Path, output: Path, settings: dict, root: str) -> list[str]:
     """The recipe's settings that differ from those the output was made from; none where the recipe is the output's own
-    (its featcal_recipe.yml, which pins the tuned values) or the output does not say (one an earlier version wrote)."""
+    (its featcal_recipe.yml, which pins the tuned values), where the two replay the same first settings (`root`: a
+    recipe and the output of its saved recipe's run, or the other way round; io/run_settings.settings_root) or where
+    the output does not say (one an earlier version wrote)."""
     if path.resolve() == (output / RECIPE_FILE).resolve():
         return []
     try:
-        recorded = read_run_record(output).get("made_from")
+        record = read_run_record(output)
     except (OSError, ValueError):
         return []
-    return [] if recorded is None else changed_settings(recorded, settings)
+    recorded = record.get("made_from")
+    if recorded is None or record.get("settings_root", settings_digest(recorded)) == root:
+        return []
+    return changed_settings(recorded, settings)
 
 
 def check_before_run(path: str | Path, output: str | Path | None = None, device: str | None = None,
