@@ -90,7 +90,7 @@ def test_a_replays_output_is_scored_under_the_recipe_it_replays_and_an_edited_re
     del record["settings_root"]
     (second / "featcal_weights.json").write_text(json.dumps(record))
     refused = _run("validate", recipe, second, "--eval-only")
-    assert refused.exit_code == 2 and f"(featcal.data, featcal.dtype, featcal.stats_dtype)" in refused.stderr
+    assert refused.exit_code == 2 and "(featcal.data, featcal.dtype, featcal.stats_dtype)" in refused.stderr
 
 
 def test_a_saved_recipe_that_resolved_nothing_has_no_replay_line(small, tmp_path):
