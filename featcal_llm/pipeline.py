@@ -19,7 +19,8 @@ from pathlib import Path
 from featcal_llm import runlog
 from featcal_llm.engine.calibrate import calibrate
 from featcal_llm.engine.coverage import expert_weights
-from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_merge_teach, trailing_experts
+from featcal_llm.engine.teachers import every_expert_taught_by_the_merge, let_the_best_teach, let_the_merge_teach, trailing_experts
+from featcal_llm.maths.coverage import better_teachers
 from featcal_llm.engine.token_weights import advantage_weights
 from featcal_llm.engine.passes import (held_out_trailing_indices, load_passes, record_rows, save_passes, saved_token_weights,
                                        trailing_record_indices)
@@ -202,14 +203,18 @@ def _weights(context: RunContext, resolved: Resolved, data: Data, opened: Opened
     if cached is not None:
         runlog.stage("expert and token weights: reused from the saved progress")
         weights, coverage = cached["weights"], cached["coverage"]
+        teachers = {task: tuple(chosen) for task, chosen in cached.get("teachers", {}).items()}
+        let_the_best_teach(context, teachers)
         token_weights = None if cached["tokens"] is None else saved_token_weights(cached["tokens"], context.batches, rows)
     else:
-        weights, coverage = expert_weights(context, featcal, data.sequences, opened.num_layers)
+        weights, coverage, leads = expert_weights(context, featcal, data.sequences, opened.num_layers)
+        teachers = better_teachers(leads) if featcal.teaching == "best" and leads is not None else {}
+        let_the_best_teach(context, teachers, f"{where}.teachers" if featcal.teaching == "best" else None)
         token_weights = None
         if featcal.token_weighting == "expert_lead" or featcal.trailing == "merge":  # one pass measures both
             token_weights = advantage_weights(context, opened.num_layers, f"{where}.token_weights",
                                               featcal.token_weighting == "expert_lead" and featcal.trailing_records == "drop")
-        save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows)
+        save_passes(comm, staging, weights, coverage, token_weights, context.batches, rows, teachers)
     context.plan = resolved.plan = replace(resolved.plan, task_weights=weights)
     if featcal.token_weighting == "expert_lead":
         context.token_roots = token_weights.roots

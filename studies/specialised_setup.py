@@ -31,6 +31,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     "featcal defaults": {},
     "featcal paper rule": paper_rule(),
     "featcal defaults + refine": {"refine": True},
+    # each expert's records taught by the expert that predicts them best (the broad setting's lever)
+    "featcal teachers best": {"teachers": "best"},
+    "featcal teachers best + refine": {"teachers": "best", "refine": True},
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
     "featcal defaults + refine, adapter, float32": {"refine": {"params": "adapter", "precision": "float32"}},
     # the adapter's budget (8B's mode): what 20 and 80 steps give beside the default 40

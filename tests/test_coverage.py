@@ -67,9 +67,10 @@ def exact_weights(output) -> dict:
     return json.loads((output / "featcal_weights.json").read_text())
 
 
-def trained_scenario(root, family: str, steps: tuple[int, ...]):
+def trained_scenario(root, family: str, steps: tuple[int, ...], kinds: tuple[tuple[int, ...], ...] | None = None):
     """A float64 scenario whose experts are fine-tuned on their own records (expert i for steps[i] Adam steps), so
-    that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only."""
+    that each has a gain over the base to share: random experts' NLLs differ from the base's by noise only.
+    `kinds[i]`: the experts whose records expert i is fine-tuned on, in turn (default: its own)."""
     from scenario import build_char_tokenizer
     from test_exactness import scenario_family
     from transformers import AutoModelForCausalLM
@@ -78,11 +79,13 @@ def trained_scenario(root, family: str, steps: tuple[int, ...]):
     tokenizer = build_char_tokenizer()
     records = {name: [tokenizer(json.loads(line)["text"])["input_ids"] for line in path.read_text().splitlines()]
                for name, path in scenario.data.items()}
-    for (name, path), count in zip(scenario.experts.items(), steps):
+    names = list(scenario.experts)
+    for index, ((name, path), count) in enumerate(zip(scenario.experts.items(), steps)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        texts = [records[names[k]][i] for i in range(len(records[name])) for k in (kinds[index] if kinds else (index,))]
         for step in range(count):
-            ids = torch.tensor([records[name][step % len(records[name])]])
+            ids = torch.tensor([texts[step % len(texts)]])
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -48,6 +48,8 @@ class RunContext:
     cal: Streams = field(default_factory=dict)  # h_cal per task, advanced through each calibrated layer
     expert: Streams = field(default_factory=dict)  # h_exp,i of expert i on its own task
     token_roots: dict[str, list[torch.Tensor]] | None = None  # √(token weight) per task and batch (`token_weights: expert_lead`)
+    teachers: dict[str, tuple[str, float, float]] = field(default_factory=dict)  # `teachers: best`: expert → (the expert
+    # that teaches its records in its place, its mean lead over the expert there, two standard errors)
     head: torch.Tensor | None = None  # the calibrated LM head (`head:`), once solved
     heads: Heads | None = None  # final norm + LM head per model, for the `output` tuning criterion
     workspace: StatisticsWorkspace = field(default_factory=StatisticsWorkspace)

@@ -64,7 +64,8 @@ def by_batch(records: list[torch.Tensor], batches: list[TokenBatch], rows: list[
 
 
 def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float], coverage: Any,
-                token_weights: TokenWeights | None, batches: dict[str, list[TokenBatch]], rows: Rows) -> None:
+                token_weights: TokenWeights | None, batches: dict[str, list[TokenBatch]], rows: Rows,
+                teachers: dict[str, tuple[str, float, float]] | None = None) -> None:
     """Rank 0 saves the passes' results with every rank's records' advantages (a collective: every rank calls it)."""
     tokens = None
     if token_weights is not None:
@@ -76,7 +77,8 @@ def save_passes(comm: "Single", staging: "StagingArea", weights: dict[str, float
                       "lead_margins": token_weights.lead_margins,
                       "records": {task: [found[index] for index in range(len(found))] for task, found in records.items()}}
     if comm.is_main:
-        staging.save_pass(PASS, {"layout": LAYOUT, "weights": weights, "coverage": coverage, "tokens": tokens})
+        staging.save_pass(PASS, {"layout": LAYOUT, "weights": weights, "coverage": coverage, "tokens": tokens,
+                                 "teachers": {task: list(chosen) for task, chosen in (teachers or {}).items()}})
 
 
 def load_passes(comm: "Single", staging: "StagingArea", sequences: dict[str, list[list[int]]]) -> dict | None:

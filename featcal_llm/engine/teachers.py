@@ -69,6 +69,27 @@ def taught_by_the_merge(models: Models, tasks: list[str] | dict[str, float]) -> 
     return replace(models, experts={task: models.merged if task in tasks else reader for task, reader in models.experts.items()})
 
 
+def let_the_best_teach(ctx: "RunContext", teachers: dict[str, tuple[str, float, float]], where: str | None = None) -> None:
+    """`teachers: best`: each expert in `teachers` has its records taught by the expert named there (ctx.models,
+    ctx.teachers), before the token-weight pass, so that its tokens' weights, whether the merge teaches instead
+    (`trailing_experts`) and refine's teacher all read the chosen model. `where`: the key to log under (None: a resume,
+    which logged the choice the first time)."""
+    ctx.teachers = dict(teachers)
+    if teachers:
+        ctx.models = replace(ctx.models, experts={task: ctx.models.experts[teachers[task][0]] if task in teachers else reader
+                                                  for task, reader in ctx.models.experts.items()})
+    if where is None:
+        return
+    names = short_names(list(ctx.models.experts))
+    if not teachers:
+        runlog.stage("teachers: best: each expert predicts its own records best (no other expert beats it there by more "
+                     "than two standard errors), so each teaches its own")
+        return
+    runlog.stage("teachers: best: " + "; ".join(
+        f"{names[teacher]} teaches {names[task]}'s records (it predicts them better by {lead:.3f} ± {margin:.3f} nats a token)"
+        for task, (teacher, lead, margin) in teachers.items()) + "; each expert's weight stays its own")
+
+
 def pulling(weights: dict[str, float]) -> set[str]:
     """The experts that pull the layers at all: weight above 0 in the objective (`data.<expert>.weight: 0` counts for nothing)."""
     return {task for task, weight in weights.items() if weight > 0}
@@ -120,4 +141,4 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     return behind
 
 
-__all__ = ["alike", "check_judged", "every_expert_taught_by_the_merge", "let_the_merge_teach", "pulling", "taught_by_the_merge", "trailing_experts"]
+__all__ = ["alike", "check_judged", "every_expert_taught_by_the_merge", "let_the_best_teach", "let_the_merge_teach", "pulling", "taught_by_the_merge", "trailing_experts"]

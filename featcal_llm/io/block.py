@@ -56,7 +56,7 @@ _RANGES = {  # hyper-parameter → (lower bound, lower inclusive, upper bound)
 METHODS = ("featcal", "regmean", "regmean++")
 STACKS = (("regmean", "featcal"), ("regmean++", "featcal"))  # `method: [first, then]`
 # keys that only FeatCal reads, and the one only RegMean/RegMean++ read: setting one for the other method is an error
-FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head", "trailing_experts", "trailing_records")
+FEATCAL_ONLY = ("lambda_", "alpha", "rho", "norms", "biases", "head", "trailing_experts", "trailing_records", "teachers")
 REGMEAN_ONLY = ("reduction",)
 
 
@@ -148,6 +148,16 @@ class FeatCalConfig(RecipeModel):
         "Where every expert with a weight above 0 trails, no layer is re-fitted and the output is the merged model; an expert "
         "whose calibration records keep no judged (response) token is refused, its lead being unmeasured",
         json_schema_extra={"shown_default": "`merge` (RegMean: `keep`)"},
+    )
+    teachers: Literal["own", "best"] | None = Field(
+        None, description="which model each expert's records are calibrated toward. own (the default): the expert's own "
+        "(or the merge's, by trailing_experts); best: the expert that predicts those records best, where another expert "
+        "does so beyond doubt (its mean lead over the records' own expert at predicting the next token, on the judged "
+        "tokens of the coverage pass's sample of 16 records, stays above 0 when lowered by two standard errors counted "
+        "over the records), as a broad expert beside a narrow one that it beats on the narrow one's own text; the "
+        "records keep their expert's weight, and the token weights, trailing_experts and refine then read the chosen "
+        "teacher in the expert's place. Runs the coverage pass even with expert_weights: equal",
+        json_schema_extra={"shown_default": "`own`"},
     )
     trailing_records: Literal["drop", "keep"] = Field(
         "drop", description="with token_weights: expert_lead, what a record weighs whose own expert predicts it worse than "
@@ -313,6 +323,11 @@ class FeatCalConfig(RecipeModel):
     def trailing(self) -> str:
         """The `trailing_experts:` the run uses: the recipe's, else merge for FeatCal and keep for RegMean."""
         return self.trailing_experts or ("keep" if self.regmean else "merge")
+
+    @property
+    def teaching(self) -> str:
+        """The `teachers:` the run uses: the recipe's, else own."""
+        return self.teachers or "own"
 
     @property
     def merge_seed(self) -> int:

@@ -263,7 +263,7 @@ def write_card(
     if head_stats is not None:  # the head's re-fit solves at its own λ: its statistics took their own precision
         settings["stats_dtype"] += f" (the LM head's re-fit: {head_stats})"
     if calibrated is not None and not featcal.regmean:
-        settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing}
+        settings |= {"token_weights": featcal.token_weighting, "trailing_experts": featcal.trailing, "teachers": featcal.teaching}
         if featcal.token_weighting == "expert_lead":
             settings["trailing_records"] = featcal.trailing_records
     if calibrated is not None and not unchanged:  # what was re-fitted: nothing, in an unchanged run
@@ -279,8 +279,9 @@ def write_card(
     weights = weights if weights is not None else {e.name: featcal.data[e.name].weight for e in recipe.experts if e.name in featcal.data}
     weighed = any(weight != 1 for weight in weights.values())
     taught = (calibrated or {}).get("taught_by_merge") or {}
+    teachers = (calibrated or {}).get("teachers") or {}
     run = run_record(recipe, merged, names, hyper, settings, tokens, starts=starts, models=models, weights=weights if weighed else None,
-                     coverage=coverage, advantage=advantage, taught=taught, unchanged=unchanged)
+                     coverage=coverage, advantage=advantage, taught=taught, unchanged=unchanged, teachers=teachers)
     given = {e.name for e in recipe.experts if e.name in featcal.data and "weight" in featcal.data[e.name].model_fields_set}
     how = lambda name: "" if not weighed else f", weight {weights[name]:.4g}" + ("" if name in given or featcal.balancing == "equal" else " (coverage)")  # noqa: E731
 
@@ -298,6 +299,8 @@ def write_card(
     experts = "\n".join(
         f"- `{names[e.name]}`: {tokens[e.name]} calibration tokens" + held_out + how(e.name)
         + (f", written by the expert from the {starts[e.name]['start']} (chosen by {starts[e.name]['chosen_by']})" if e.name in starts else "")
+        + (f"; its records were calibrated toward `{names[teachers[e.name][0]]}`, which predicts them better (by "
+           f"{teachers[e.name][1]:.3g} ± {teachers[e.name][2]:.3g} nats a token: `teachers: best`)" if e.name in teachers else "")
         + lead_text(e.name)
         + (f"; it predicts its own records worse than the merged model (by {-taught[e.name]:.3g} nats a token), so its records "
            "were calibrated toward the merged model (`trailing_experts: merge`)" if e.name in taught else "")

@@ -115,7 +115,8 @@ def _block_checks(path: Path, featcal: FeatCalConfig, problems: list[Problem]) -
     """What the block says wrong on its own, across its keys: method-specific keys, tuning, weights, prompts files."""
     wrong = [] if featcal.stacked else [key for key in (REGMEAN_ONLY if not featcal.regmean else FEATCAL_ONLY) if key in featcal.model_fields_set
                                         and not (key == "head" and featcal.head is None)  # `head: false` is what RegMean does
-                                        and not (key == "trailing_experts" and featcal.trailing_experts == "keep")]  # so is keep
+                                        and not (key == "trailing_experts" and featcal.trailing_experts == "keep")  # so is keep
+                                        and not (key == "teachers" and featcal.teachers == "own")]  # and own teachers
     for key in wrong:
         owner = "methods regmean and regmean++ read" if not featcal.regmean else "method featcal reads"
         problems.append(Problem(str(path), f"featcal.{key.rstrip('_')}", f"only {owner} it (method is {featcal.method})"))

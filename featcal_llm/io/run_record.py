@@ -22,6 +22,10 @@ ABOUT = {
     "taught_by_merge": "per expert that trails the merge on its own records beyond two standard errors: its mean signed lead log p_expert - "
                        "log p_merged in nats (below 0) over its judged tokens (the responses of prompt/response records, "
                        "every token of plain and generated text); the merged model taught those records (trailing_experts: merge)",
+    "teachers": "per expert whose records another expert taught (teachers: best): that expert, its mean lead log p_teacher "
+                "- log p_expert in nats over the judged tokens of the coverage pass's records, and two standard errors of "
+                "it counted over the records (margin); the expert_lead and taught_by_merge entries of such an expert are "
+                "its teacher's lead over the merge on its records",
     "coverage_nll": "model (the base under base) -> expert whose records -> mean NLL in nats: what the coverage expert "
                     "weights came from",
     "expert_weights": "each expert's weight in the objective as the run used it",
@@ -36,7 +40,8 @@ ABOUT = {
 
 def run_record(recipe: Recipe, merged: str, names: dict[str, str], hyper: dict, settings: dict[str, Any], tokens: dict[str, int], *,
                starts: dict[str, dict], models: dict[str, dict], weights: dict[str, float] | None, coverage: dict | None,
-               advantage: dict[str, dict[str, float]] | None, taught: dict[str, float], unchanged: bool) -> dict[str, Any]:
+               advantage: dict[str, dict[str, float]] | None, taught: dict[str, float], unchanged: bool,
+               teachers: dict[str, tuple[str, float, float]] | None = None) -> dict[str, Any]:
     """The record's content (card.write_card's arguments, resolved; `merged`: the merged model's reference; `names`:
     each model as the card shows it; `weights`: None where every expert weighs 1)."""
     featcal = recipe.featcal
@@ -63,6 +68,9 @@ def run_record(recipe: Recipe, merged: str, names: dict[str, str], hyper: dict, 
                                             **{key: summary[key] for key in ("net_lead", "net_lead_margin", "records_dropped")
                                                if key in summary}}
                               for task, summary in advantage.items()}
+    if teachers:  # expert → the expert that taught its records in its place (`teachers: best`)
+        run["teachers"] = {names[task]: {"teacher": names[teacher], "lead": lead, "margin": margin}
+                           for task, (teacher, lead, margin) in teachers.items()}
     if taught:  # expert → its mean signed lead over the merge on its own records (≤ 0): the merge taught those records instead
         run["taught_by_merge"] = {names[task]: lead for task, lead in taught.items()}
     if unchanged:

@@ -20,10 +20,13 @@ def resolved_settings(featcal: Any) -> dict[str, Any]:
     its refinement (out of memory, say) and rerun with `gradient_checkpointing: true` or `params: adapter` keeps
     its calibrated layers, 15-18 minutes at 8B, and refines again from them.
     """
-    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license", "refine"})
+    settings = featcal.model_dump(mode="json", exclude={"output", "eval", "device", "host_memory_gb", "merged", "license", "refine",
+                                                         "teachers"})
     settings.update(expert_weights=featcal.balancing, token_weights=featcal.token_weighting, trailing_experts=featcal.trailing,
                     tune=featcal.tune_settings().model_dump(mode="json"),
                     holds_out=featcal.holds_out, refine=featcal.refine is not None)
+    if featcal.teaching != "own":  # a key added later: absent where it has its old behaviour, so earlier outputs still match
+        settings["teachers"] = featcal.teaching
     return settings
 
 

@@ -47,3 +47,29 @@ def behind_the_base(losses: Losses, base: dict[str, float]) -> dict[str, tuple[f
 def coverage_weights(losses: Losses, base: dict[str, float]) -> dict[str, float]:
     """weight_i = Σ_j s_ij: 1 for an expert that only does its own work, up to the number of experts."""
     return {i: sum(row.values()) for i, row in coverage_shares(losses, base).items()}
+
+
+def better_teachers(leads: dict[str, dict[str, list[float]]], standard_errors: float | None = None) -> dict[str, tuple[str, float, float]]:
+    """`teachers: best`: for each expert i, the other expert j that predicts i's records best, where it does so beyond
+    doubt (i → (j, its mean lead over i, the margin)); an expert whose own model is best, or not beaten beyond two
+    standard errors, is left out (it teaches its own records).
+
+    `leads[i][j]`: advantage.lead_moments of j's lead over i (log p_j − log p_i of the next token) on i's records,
+    summed over ranks. The lead of j is judged as an expert's lead over the merge is (advantage.lead_margin, the record
+    as the unit), with the sign reversed: j is ahead where its mean lead minus its margin is above 0. Of several such
+    experts the one with the largest mean lead teaches (the first in the recipe's order on a tie).
+    """
+    from featcal_llm.maths.advantage import lead_margin
+
+    chosen: dict[str, tuple[str, float, float]] = {}
+    for i, row in leads.items():
+        best = None
+        for j, moments in row.items():
+            if j == i or moments[0] < 2 or moments[2] <= 0:  # one record measures no spread: no doubt can be judged
+                continue
+            mean, margin = moments[1] / moments[2], lead_margin(moments, standard_errors)
+            if mean - margin > 0 and (best is None or mean > best[1]):
+                best = (j, mean, margin)
+        if best is not None:
+            chosen[i] = best
+    return chosen

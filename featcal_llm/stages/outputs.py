@@ -110,6 +110,8 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
         report = drift_report(probe, records)
         if taught:  # their probe's expert streams are the merge's: drift and KL to the records' teacher, not to the expert
             report["taught_by_merge"] = [name for name in report["experts"] if name in taught]
+        if context.teachers:  # their probe's expert streams are the teacher's: drift and KL to it, not to the expert
+            report["teachers"] = {name: context.teachers[name][0] for name in report["experts"] if name in context.teachers}
         if refined is not None and refined["chosen_step"] > 0:  # measured in the layer loop, before the refinement
             report["measured_on"] = f"the closed form's output, before refine: changed the weights ({REFINE_FILE})"
         write_report(checkpoint, report)
@@ -118,6 +120,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
                   "norms": plan.norms, "biases": plan.biases,
                   "head": None if plan.head is None else {**plan.head.values(), "untied": untied},
                   "own_heads": plan.own_heads, "taught_by_merge": taught, "unchanged": unchanged, "own_stored_head": own_stored_head,
+                  "teachers": context.teachers,
                   "head_as_embedding": head_as_embedding,
                   "untied_by_refine": untied and plan.head is None}
     from featcal_llm.generation.run import sampling_records, start_records

@@ -1,0 +1,117 @@
+"""`teachers: best`: an expert's records are taught by the other expert that predicts them better beyond doubt.
+
+The scenario's expert0 is fine-tuned on both experts' records (a broad expert), expert1 a few steps on its own (a
+narrow one that expert0 beats on its own text). The choice is checked against the leads computed here from the whole
+models' forward; the updates against the brute force with expert0 in expert1's place (its token weights read from
+expert0's lead over the merge on expert1's records), and far from the brute force that keeps expert1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from reference import _token_leads, advantage_token_weights, brute_force_featcal, mean_leads
+from test_coverage import card_front, exact_weights, trained_scenario
+from test_exactness import TOLERANCE, delta_error, read_weights
+from test_head import reference_models
+
+from featcal_llm.io.problems import RecipeProblems
+from featcal_llm.maths.advantage import lead_moments
+from featcal_llm.maths.coverage import better_teachers
+from featcal_llm.pipeline import run_recipe
+
+
+def test_better_teachers_by_hand():
+    """The largest lead beyond two standard errors wins; a lead within them, one record, or the expert itself does not."""
+    def moments(leads, counts):
+        return lead_moments(torch.tensor(leads, dtype=torch.float64), torch.tensor(counts))
+
+    clear = moments([2.0, 2.2, 1.8, 2.1], [10, 10, 10, 10])  # mean 0.2025 nats a token
+    clearer = moments([3.0, 3.1, 2.9, 3.2], [10, 10, 10, 10])  # 0.305
+    noisy = moments([5.0, -4.0, 6.0, -5.5], [10, 10, 10, 10])  # mean 0.0375, spread far larger
+    single = moments([9.0], [10])
+    own = moments([0.0] * 4, [10] * 4)
+    chosen = better_teachers({"a": {"a": own, "b": clear, "c": clearer}, "b": {"a": noisy, "b": own, "c": single},
+                              "c": {"a": moments([-2.0, -2.2, -1.8, -2.1], [10] * 4), "b": noisy, "c": clearer}})
+    assert set(chosen) == {"a"}
+    teacher, lead, margin = chosen["a"]
+    residuals = torch.tensor([3.0, 3.1, 2.9, 3.2], dtype=torch.float64) - 0.305 * 10
+    assert teacher == "c" and lead == pytest.approx(0.305) and margin == pytest.approx(2 * math.sqrt(float((residuals ** 2).sum()) / 12) / 10)
+    tie = better_teachers({"a": {"b": clear, "c": clear}})
+    assert tie["a"][0] == "b"  # the recipe's order breaks a tie
+
+
+@pytest.fixture(scope="module")
+def broad_and_narrow(tmp_path_factory):
+    """expert0 trained on both experts' records, expert1 on its own for 3 steps; the models and records in float64."""
+    root = tmp_path_factory.mktemp("best-teachers")
+    scenario = trained_scenario(root / "scenario", "llama", (48, 3), kinds=((0, 1), (1,)))
+    run_recipe(scenario.write_recipe(root / "merge.yaml", output=str(root / "first"), expert_weights="equal"), progress=False)
+    return (scenario, *reference_models(scenario))
+
+
+def _leads_over(own, other, records) -> tuple[float, float]:
+    """`other`'s mean lead over `own` per judged token of `records`, and two standard errors of it (records as units)."""
+    sums = [float(_token_leads(own, other, record).sum()) for record in records]
+    counts = [len(record) - 1 for record in records]
+    mean = sum(sums) / sum(counts)
+    spread = sum((s - mean * n) ** 2 for s, n in zip(sums, counts)) / ((len(sums) - 1) * len(sums))
+    return mean, 2 * math.sqrt(spread) / (sum(counts) / len(counts))
+
+
+def test_the_broad_expert_teaches_the_narrow_expert_s_records(broad_and_narrow, tmp_path, capsys):
+    scenario, merged, base, experts, sequences = broad_and_narrow
+    first, second = experts
+    ahead, margin = _leads_over(experts[second], experts[first], sequences[second])  # 12 records: the pass scores all
+    behind, _ = _leads_over(experts[first], experts[second], sequences[first])
+    assert ahead - margin > 0.05 and behind < 0, (ahead, margin, behind)
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                   expert_weights="equal", token_weights="expert_lead", teachers="best")
+    output = run_recipe(recipe, progress=False)
+    teachers = {first: experts[first], second: copy.deepcopy(experts[first])}  # a copy: the brute force hooks each model once
+    assert min(mean_leads(merged, teachers, sequences).values()) > 0  # the merge teaches neither: trailing_experts keeps out
+    weights = advantage_token_weights(merged, teachers, sequences)
+    reference = brute_force_featcal(merged, base, teachers, sequences, 1e-3, 0.3, 0.5, 1e-8, token_weights=weights).state_dict()
+    kept = brute_force_featcal(merged, base, experts, sequences, 1e-3, 0.3, 0.5, 1e-8,
+                               token_weights=advantage_token_weights(merged, experts, sequences)).state_dict()
+    ours, merged_weights = read_weights(output), read_weights(scenario.root / "merged")
+    changed = [name for name in ours if not torch.equal(ours[name], merged_weights[name])]
+    error = max(delta_error(ours[name], reference[name], merged_weights[name]) for name in changed)
+    away = max(delta_error(ours[name], kept[name], merged_weights[name]) for name in changed)
+    print(f"updates within {error:.1e} of the brute force with expert0 teaching expert1's records, {away:.1e} from the own-teacher one")
+    assert error <= TOLERANCE and away > 1e-2
+    record = exact_weights(output)["teachers"]
+    assert list(record) == ["expert1"] and record["expert1"]["teacher"] == "expert0"
+    assert record["expert1"]["lead"] == pytest.approx(ahead, abs=1e-9) and record["expert1"]["margin"] == pytest.approx(margin, abs=1e-9)
+    assert card_front(output)["featcal"]["settings"]["teachers"] == "best"
+    readme = (output / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("- `expert1`"))
+    assert "its records were calibrated toward `expert0`, which predicts them better (by 0.813" in line, line
+    assert "teachers: best: expert0 teaches expert1's records" in capsys.readouterr().err
+
+
+def test_where_each_expert_is_best_on_its_own_records_best_changes_no_byte(tmp_path, capsys):
+    scenario = trained_scenario(tmp_path / "scenario", "llama", (24, 6))
+    own = run_recipe(scenario.write_recipe(tmp_path / "own.yaml", output=str(tmp_path / "own"), dtype="float64"), progress=False)
+    best = run_recipe(scenario.write_recipe(tmp_path / "best.yaml", output=str(tmp_path / "best"), dtype="float64", teachers="best"),
+                      progress=False)
+    for name in ("model-00001-of-00001.safetensors",) if (own / "model-00001-of-00001.safetensors").exists() else ():
+        assert (own / name).read_bytes() == (best / name).read_bytes()
+    ours, theirs = read_weights(best), read_weights(own)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert "each expert predicts its own records best" in capsys.readouterr().err
+    assert "teachers" not in exact_weights(best)
+
+
+def test_teachers_is_featcal_s_key(tmp_path):
+    from scenario import build_scenario
+
+    scenario = build_scenario(tmp_path / "s", experts=2, layers=1, samples=4)
+    with pytest.raises(RecipeProblems, match=r"featcal\.teachers: only method featcal reads it \(method is regmean\)"):
+        run_recipe(scenario.write_recipe(tmp_path / "r.yaml", method="regmean", teachers="best"), progress=False)
+    with pytest.raises(RecipeProblems, match=r"featcal\.teachers"):
+        run_recipe(scenario.write_recipe(tmp_path / "bad.yaml", teachers="broad"), progress=False)
+    assert not (tmp_path / "s" / "out").exists()
