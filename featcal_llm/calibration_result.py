@@ -25,6 +25,7 @@ class ExpertSummary:
     # the merge teaches this expert's records (trailing_experts: merge): every number above is to the merged model, the
     # records' teacher, not to the expert (so the merged model's are 0)
     taught_by_merge: bool = False
+    taught_by: str | None = None  # `teachers: best`: the other expert that teaches this expert's records, every number above is to it
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class CalibrationResult:
         from featcal_llm.io.names import short_names
 
         labels = short_names(list(self.experts))  # experts named by long paths: the part that tells them apart
-        width = max([len("expert"), *(len(labels[name]) + 2 * summary.taught_by_merge for name, summary in self.experts.items())])
+        width = max([len("expert"), *(len(labels[name]) + 2 * (summary.taught_by_merge or summary.taught_by is not None)
+                                      for name, summary in self.experts.items())])
         ours = "closed form" if self.refined else "calibrated"  # measured before refine: changed the weights
         columns = [f"drift {self.start}", f"drift {ours}", f"KL {self.start}", f"KL {ours}"]
         header = "  ".join([f"{'expert':<{width}}", *columns])
@@ -94,7 +96,7 @@ class CalibrationResult:
                    and summary.kl_calibrated is not None and summary.kl_calibrated > summary.kl_merged]
         for name, summary in self.experts.items():
             values = (summary.drift_merged, summary.drift_calibrated, summary.kl_merged, summary.kl_calibrated)
-            label = labels[name] + (" *" if summary.taught_by_merge else "")
+            label = labels[name] + (" *" if summary.taught_by_merge else " †" if summary.taught_by is not None else "")
             rows.append("  ".join([f"{label:<{width}}", *(f"{number(v):>{len(c)}}" for v, c in zip(values, columns))])
                         + ("  !" if name in farther else ""))
         rows.append("drift: ‖h − h_expert‖ / ‖h_expert‖ after the last layer; KL: the next-token KL divergence to the expert; "
@@ -111,6 +113,11 @@ class CalibrationResult:
         if taught:
             rows.append(f"* the merge teaches {', '.join(taught)}'s records (trailing_experts: merge): drift and KL there are to the "
                         "merged model, not to the expert")
+        chosen = {labels[name]: labels.get(summary.taught_by, summary.taught_by) for name, summary in self.experts.items()
+                  if summary.taught_by is not None and not summary.taught_by_merge}
+        if chosen:
+            rows.append("† " + "; ".join(f"{teacher} teaches {name}'s records" for name, teacher in chosen.items())
+                        + " (teachers: best): drift and KL there are to that teacher, not to the expert")
         if self.refined:
             changes = ", ".join(f"{labels.get(name, name)} {number(before)} → {number(after)}"
                                 for name, (before, after) in self.refined.held_out_kl.items())
@@ -135,11 +142,11 @@ def summarize_report(report: Mapping[str, Any]) -> dict[str, ExpertSummary]:
     layers = report.get("layers") or []
     last = layers[-1] if layers else {}
     divergence = report.get("output_divergence") or {}
-    taught = set(report.get("taught_by_merge", []))
+    taught, teachers = set(report.get("taught_by_merge", [])), report.get("teachers", {})
     return {
         name: ExpertSummary(
             last.get("merged", {}).get(name), last.get("calibrated", {}).get(name),
-            divergence.get("merged", {}).get(name), divergence.get("calibrated", {}).get(name), name in taught,
+            divergence.get("merged", {}).get(name), divergence.get("calibrated", {}).get(name), name in taught, teachers.get(name),
         )
         for name in report.get("experts", [])
     }

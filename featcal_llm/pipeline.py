@@ -263,7 +263,7 @@ def _refine(context: RunContext, resolved: Resolved, data: Data, opened: Opened,
                     resolved.plan.projections,
                     resolved.device, opened.runner.dtype, context.staging, featcal.trust_remote_code, progress,
                     {t: len(dropped.get(t, ())) for t in calibrated}, resolved.plan.architecture.head_tied_only,
-                    {t: len(held_dropped.get(t, ())) for t in calibrated})
+                    {t: len(held_dropped.get(t, ())) for t in calibrated}, {t: chosen[0] for t, chosen in context.teachers.items()})
     try:
         return refine(job)
     except (MemoryError, RuntimeError) as error:  # its levers are its own keys, which keep the calibrated layers

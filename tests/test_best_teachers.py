@@ -9,7 +9,9 @@ expert0's lead over the merge on expert1's records), and far from the brute forc
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,41 @@ def test_teachers_is_featcal_s_key(tmp_path):
     with pytest.raises(RecipeProblems, match=r"featcal\.teachers"):
         run_recipe(scenario.write_recipe(tmp_path / "bad.yaml", teachers="broad"), progress=False)
     assert not (tmp_path / "s" / "out").exists()
+
+
+def test_refine_and_the_run_s_table_name_the_chosen_teacher(broad_and_narrow, tmp_path, monkeypatch):
+    """refine's teacher of expert1's records is expert0 (the reader it builds its distributions from), featcal_refine.json
+    and the card say so by the short name, and the run's table marks the row whose drift and KL are to expert0."""
+    import featcal_llm.engine.refine as refine_module
+    from featcal_llm.calibration_result import CalibrationResult, summarize_report
+
+    scenario, *_ = broad_and_narrow
+    seen = {}
+    real = refine_module.refine
+
+    def spy(job):
+        seen["readers"] = {task: reader.directory for task, reader in job.teachers.items()}
+        return real(job)
+
+    monkeypatch.setattr(refine_module, "refine", spy)
+    output = run_recipe(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150, dtype="float64",
+                                              expert_weights="equal", token_weights="expert_lead", teachers="best",
+                                              refine={"steps": 2, "eval_every": 2, "lr": 1e-4, "params": "full", "precision": "float32"}),
+                        progress=False)
+    first, second = scenario.experts.values()
+    assert {Path(d).resolve() for d in seen["readers"].values()} == {first.resolve()}
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert report["teachers"] == {"expert0": "own expert", "expert1": "expert expert0"}
+    drift = json.loads((output / "featcal_drift.json").read_text())
+    table = CalibrationResult(output, scenario.root / "merged", summarize_report(drift)).table()
+    assert table.splitlines()[3].split()[:2] == ["expert1", "†"], table
+    assert "† expert0 teaches expert1's records (teachers: best): drift and KL there are to that teacher" in table
+
+
+def test_a_best_teachers_run_resumes_to_the_same_bytes(broad_and_narrow, tmp_path, monkeypatch):
+    """The choice is kept with the passes in the staging area: a resumed run reads it back and writes the same bytes."""
+    from test_reliability import resumes_to_the_same_bytes
+
+    scenario, *_ = broad_and_narrow
+    recipe = scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), dtype="float64", teachers="best")
+    resumes_to_the_same_bytes(recipe, tmp_path / "out", 1, monkeypatch)

@@ -99,6 +99,7 @@ class RefineJob:
     left_out: dict[str, int] = field(default_factory=dict)  # per expert, records not in `train`: it trails the merge on them
     head_tied_only: bool = False  # a family vLLM serves only tied (Gemma-2): the student's head is its input embedding
     held_out_left_out: dict[str, int] = field(default_factory=dict)  # per expert, held-out records not in `held_out`: as `left_out`
+    chosen: dict[str, str] = field(default_factory=dict)  # `teachers: best`: expert → the other expert that teaches its records
 
 
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
@@ -316,7 +317,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "gradient_checkpointing": checkpointing, "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
-              "teachers": {task: ("merged model" if task in job.taught else "own expert") for task in job.train},
+              "teachers": {task: ("merged model" if task in job.taught else f"expert {job.chosen[task]}" if task in job.chosen
+                                  else "own expert") for task in job.train},
               "top_k": spec.top_k, "max_steps": spec.steps, "eval_every": spec.eval_every, "patience": spec.patience,
               "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),

@@ -67,7 +67,9 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     """Add the `refine:` stage's section to the card (before Usage) and its full record beside it (`featcal_refine.json`)."""
     names = public_names(list(refined["teachers"]))  # local paths by short name, as the rest of the card
     rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
-    refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
+    teachers = {task: (f"expert {names.get(teacher.removeprefix('expert '), teacher.removeprefix('expert '))}"  # teachers: best
+                       if teacher.startswith("expert ") else teacher) for task, teacher in refined["teachers"].items()}
+    refined = {**refined, "teachers": rename(teachers), "records": rename(refined.get("records", {})),
                "records_left_out": rename(refined.get("records_left_out", {})),
                "held_out_records": rename(refined.get("held_out_records", {})),
                **({"held_out_left_out": rename(refined["held_out_left_out"])} if "held_out_left_out" in refined else {}),
