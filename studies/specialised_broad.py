@@ -68,17 +68,34 @@ def _average_interval(model: dict, reference: dict, resamples: int, seed: int = 
     return percentile_interval(values)
 
 
-def report(args) -> None:
-    work = args.workdir.resolve()
+PAIRS = (("featcal teachers best", "featcal defaults"), ("featcal teachers best + refine", "featcal defaults + refine"))
+# the choices a default follows: each row against the one it would replace, on val (which chooses) and test (reported)
+
+
+def _scores(work: Path, split: str) -> dict[str, dict]:
+    """Every model's and row's records' (NLL, tokens) on `split`, by name (the first SCORED[split] records of a kind)."""
     models = {}
     for name in ("base", "merged", *(f"expert:{e}" for e in EXPERTS)):
         scores = load_json(work / "scores" / f"{slug(name)}.json")
-        if scores:
-            models[name] = {k: v[: SCORED["test"]] for k, v in scores["scores"]["test"].items()}
+        if scores and split in scores["scores"]:
+            models[name] = {k: v[: SCORED[split]] for k, v in scores["scores"][split].items()}
+    for path in sorted((work / "rows").glob("*.json")):
+        record = load_json(path)
+        if split in record["scores"]:
+            models[record["name"]] = {k: v[: SCORED[split]] for k, v in record["scores"][split].items()}
+    return models
+
+
+def _average(model: dict) -> float:
+    return sum(mean_nll(model[k]) for k in KINDS) / len(KINDS)
+
+
+def report(args) -> None:
+    work = args.workdir.resolve()
+    models, val = _scores(work, "test"), _scores(work, "val")
     rows_meta = {}
     for path in sorted((work / "rows").glob("*.json")):
         record = load_json(path)
-        models[record["name"]] = {k: v[: SCORED["test"]] for k, v in record["scores"]["test"].items()}
         rows_meta[record["name"]] = {k: record.get(k) for k in ("seconds", "featcal_effective", "record_leads", "record_lead_margins")}
     merged, broad = models["merged"], models[f"expert:{BROAD}"]
     table = []
@@ -89,15 +106,32 @@ def report(args) -> None:
                  "nll_ci95": bootstrap_nll(test, args.resamples),
                  "minus_merge": {k: round(nll[k] - mean_nll(merged[k]), 4) for k in KINDS},
                  "minus_merge_ci95": {k: [round(x, 4) for x in _paired_interval(test[k], merged[k], args.resamples)] for k in KINDS},
-                 "average_minus_broad": round(average - sum(mean_nll(broad[k]) for k in KINDS) / len(KINDS), 4),
+                 "average_minus_broad": round(average - _average(broad), 4),
                  "average_minus_broad_ci95": [round(x, 4) for x in _average_interval(test, broad, args.resamples)],
                  **rows_meta.get(name, {})}
+        if name in val and f"expert:{BROAD}" in val:  # the split the choices are made on
+            entry["val"] = {"nll": {k: round(mean_nll(val[name][k]), 4) for k in KINDS}, "average": round(_average(val[name]), 4),
+                            "average_minus_broad": round(_average(val[name]) - _average(val[f"expert:{BROAD}"]), 4),
+                            "average_minus_broad_ci95": [round(x, 4) for x in _average_interval(val[name], val[f"expert:{BROAD}"], args.resamples)]}
         table.append(entry)
         log(f"{name:<40} avg {average:.4f} (vs broad {entry['average_minus_broad']:+.4f}) " +
             " ".join(f"{k} {nll[k]:.4f} ({entry['minus_merge'][k]:+.4f})" for k in KINDS))
+    pairs = []
+    for row, against in PAIRS:
+        if row in models and against in models:
+            pair = {"row": row, "against": against}
+            for split, scores in (("val", val), ("test", models)):
+                if row in scores and against in scores:
+                    pair[split] = {"average_difference": round(_average(scores[row]) - _average(scores[against]), 4),
+                                   "ci95": [round(x, 4) for x in _average_interval(scores[row], scores[against], args.resamples)],
+                                   "per_kind": {k: round(mean_nll(scores[row][k]) - mean_nll(scores[against][k]), 4) for k in KINDS}}
+            pairs.append(pair)
+            log(f"{row} against {against}: " + "; ".join(f"{split} {pair[split]['average_difference']:+.4f} {pair[split]['ci95']}"
+                                                        for split in ("val", "test") if split in pair))
     save_json(args.json, {"setting": "broad", "experts": list(EXPERTS), "ta_weight": TA_WEIGHT, "cal_records": CAL_RECORDS,
-                          "test_records_per_domain": SCORED["test"], "training": {e: load_json(work / f"training-{e}.json") for e in EXPERTS},
-                          "rows": table})
+                          "test_records_per_domain": SCORED["test"], "val_records_per_domain": SCORED["val"],
+                          "training": {e: load_json(work / f"training-{e}.json") for e in EXPERTS},
+                          "rows": table, "pairs": pairs})
 
 
 def main(argv: list[str] | None = None) -> int:
