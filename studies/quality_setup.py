@@ -93,7 +93,10 @@ def expert_weights_key() -> str:
 def paper_rule() -> dict:
     """The paper's rule: every expert and every token weighs 1, every expert teaches its own records, and the LM head
     stays merged."""
-    return {expert_weights_key(): "equal", "token_weights": "equal", "trailing_experts": "keep", "head": False}
+    from featcal_llm.io.block import FeatCalConfig
+
+    teachers = {"teachers": "own"} if "teachers" in FeatCalConfig.model_fields else {}  # a key of later versions
+    return {expert_weights_key(): "equal", "token_weights": "equal", "trailing_experts": "keep", **teachers, "head": False}
 
 
 def rows(phase: str, sweep: tuple = SWEEP, samples: tuple[int, ...] = (64, 256)) -> list[Row]:

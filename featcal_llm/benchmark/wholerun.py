@@ -104,7 +104,8 @@ def build(spec: WholeRunSpec, workdir: Path, lam: float, log, dtype: str = "auto
             "samples": spec.sequences, "max_length": spec.seq_len, "device": "cpu",
             "dtype": dtype, "stats_dtype": stats_dtype,
             # the baseline weighs every expert and token 1 and each expert teaches its records: so does the product run it is compared with
-            **({"lambda": lam, "expert_weights": "equal", "token_weights": "equal", "trailing_experts": "keep"} if method == "featcal"
+            **({"lambda": lam, "expert_weights": "equal", "token_weights": "equal", "trailing_experts": "keep",
+                "teachers": "own"} if method == "featcal"
                else {"method": method}),
         },
     }, sort_keys=False))

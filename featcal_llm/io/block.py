@@ -150,14 +150,16 @@ class FeatCalConfig(RecipeModel):
         json_schema_extra={"shown_default": "`merge` (RegMean: `keep`)"},
     )
     teachers: Literal["own", "best"] | None = Field(
-        None, description="which model each expert's records are calibrated toward. own (the default): the expert's own "
-        "(or the merge's, by trailing_experts); best: the expert that predicts those records best, where another expert "
-        "does so beyond doubt (its mean lead over the records' own expert at predicting the next token, on the judged "
-        "tokens of the coverage pass's sample of 16 records, stays above 0 when lowered by two standard errors counted "
-        "over the records), as a broad expert beside a narrow one that it beats on the narrow one's own text; the "
-        "records keep their expert's weight, and the token weights, trailing_experts and refine then read the chosen "
-        "teacher in the expert's place. Runs the coverage pass even with expert_weights: equal",
-        json_schema_extra={"shown_default": "`own`"},
+        None, description="which model each expert's records are calibrated toward. best (the default for FeatCal): "
+        "another expert where it predicts those records better beyond doubt (its mean lead over the records' own expert "
+        "at predicting the next token, on the judged tokens of the coverage pass's sample of 16 records, stays above 0 "
+        "when lowered by two standard errors counted over the records), as a broad expert beside a narrow one that it "
+        "beats on the narrow one's own text; else the expert itself. The records keep their expert's weight, and the "
+        "token weights, trailing_experts and refine read the chosen teacher in the expert's place; where every expert "
+        "predicts its own records best the run is own's, byte for byte. It runs the coverage pass even with "
+        "expert_weights: equal. own (the paper's, and RegMean's): every expert teaches its own records (or the merge, by "
+        "trailing_experts)",
+        json_schema_extra={"shown_default": "`best` (RegMean: `own`)"},
     )
     trailing_records: Literal["drop", "keep"] = Field(
         "drop", description="with token_weights: expert_lead, what a record weighs whose own expert predicts it worse than "
@@ -326,8 +328,8 @@ class FeatCalConfig(RecipeModel):
 
     @property
     def teaching(self) -> str:
-        """The `teachers:` the run uses: the recipe's, else own."""
-        return self.teachers or "own"
+        """The `teachers:` the run uses: the recipe's, else best for FeatCal and own for RegMean."""
+        return self.teachers or ("own" if self.regmean else "best")
 
     @property
     def merge_seed(self) -> int:
