@@ -101,6 +101,7 @@ def build_scenario(
             "token_weights": "equal",  # every token 1, likewise; test_token_weights covers the default
             "head": False,  # the layers only (every expert here changes its head); test_head covers the default, auto
             "trailing_experts": "keep",  # every expert teaches its records, as in the brute force; test_trailing covers the default, merge
+            "teachers": "own",  # likewise (a random expert may predict another's records better); test_best_teachers covers best
             "device": "cpu",
             "batch_tokens": 256,
         },

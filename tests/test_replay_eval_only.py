@@ -102,3 +102,22 @@ def test_a_saved_recipe_that_resolved_nothing_has_no_replay_line(small, tmp_path
     saved = yaml.safe_load((output / "featcal_recipe.yml").read_text())
     assert "featcal-llm: these settings" not in (output / "featcal_recipe.yml").read_text()
     assert saved["featcal"]["dtype"] == "float32" and saved["featcal"]["stats_dtype"] == "float64"
+
+
+def test_an_output_written_before_teachers_best_is_scored_under_teachers_own(small, tmp_path, monkeypatch, scored):
+    """`teachers:` came later, and its setting counts only where it is not `own`: an output whose record has no
+    `featcal.teachers` digest (an earlier version's, made with every expert teaching its records) is scored under a
+    recipe that says `teachers: own`, and refused under today's default, `best`, naming that setting."""
+    monkeypatch.chdir(tmp_path)
+    evaluate = {"tasks": ["arc_challenge"], "backend": {"name": "hf"}}
+    output = tmp_path / "out"
+    own = small.write_recipe(tmp_path / "own.yaml", output=str(output), teachers="own", eval=evaluate)
+    assert _run("run", "-q", own).exit_code == 0
+    record = json.loads((output / "featcal_weights.json").read_text())
+    assert "featcal.teachers" not in record["made_from"]
+    del record["settings_root"]  # as an earlier version wrote it: no root, no teachers digest
+    (output / "featcal_weights.json").write_text(json.dumps(record))
+    assert _run("validate", own, output, "--eval-only").exit_code == 0
+    default = small.write_recipe(tmp_path / "default.yaml", output=str(output), eval=evaluate)
+    refused = _run("validate", default, output, "--eval-only")
+    assert refused.exit_code == 2 and "recipe's now (featcal.teachers)" in refused.stderr, refused.output
