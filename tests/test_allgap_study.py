@@ -30,7 +30,7 @@ def test_share_is_a_ratio_of_sums_over_every_domain():
 def test_allgap_rows_are_the_defaults_the_paper_rule_and_one_expert_at_a_time():
     assert SETTINGS["allgap"].merge_weight is not None and SETTINGS["allgap"].experts == ("code", "prose", "c")
     main, single = rows("allgap"), rows("single")
-    assert [r.keys for r in main] == [{}, paper_rule(), {"refine": True}] and set(paper_rule().values()) == {"equal", "keep", False}
+    assert [r.keys for r in main] == [{}, paper_rule(), {"refine": True}] and set(paper_rule().values()) == {"equal", "keep", "own", False}
     assert [dict(r.weights) for r in single] == [{"prose": 0.0, "c": 0.0}, {"code": 0.0, "c": 0.0}, {"code": 0.0, "prose": 0.0}]
     assert all(r.settings == ("allgap", "allgap-half") for r in [main[0], main[2], *single])
     assert main[1].settings == ("allgap", "allgap-half", "broad")  # the paper's rule is also the broad setting's ablation

@@ -72,6 +72,8 @@ def test_every_row_writes_a_recipe_the_product_accepts(tmp_path, monkeypatch, se
                     assert featcal.norms is value
                 elif key == "trailing_experts":
                     assert featcal.trailing == value
+                elif key == "teachers":
+                    assert featcal.teaching == value
                 elif key == "refine":  # `true`: the stage with its defaults
                     assert value is True and featcal.refine is not None and featcal.refine.steps == 40
                 elif key != "tune":

@@ -118,6 +118,6 @@ def test_an_output_written_before_teachers_best_is_scored_under_teachers_own(sma
     del record["settings_root"]  # as an earlier version wrote it: no root, no teachers digest
     (output / "featcal_weights.json").write_text(json.dumps(record))
     assert _run("validate", own, output, "--eval-only").exit_code == 0
-    default = small.write_recipe(tmp_path / "default.yaml", output=str(output), eval=evaluate)
+    default = small.write_recipe(tmp_path / "default.yaml", output=str(output), eval=evaluate, teachers=None)  # not written
     refused = _run("validate", default, output, "--eval-only")
     assert refused.exit_code == 2 and "recipe's now (featcal.teachers)" in refused.stderr, refused.output
