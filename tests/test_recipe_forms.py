@@ -24,7 +24,7 @@ from featcal_llm.io.forms import MERGE_METHODS
 from featcal_llm.pipeline import run_recipe
 
 SAMPLES, MAX_LENGTH, HYPER = 4, 32, {"lambda": 1e-3, "alpha": 0.3, "rho": 0.5, "eps": 1e-8, "token_weights": "equal", "head": False,
-                               "trailing_experts": "keep"}
+                               "trailing_experts": "keep", "teachers": "own"}
 
 
 @pytest.fixture(scope="module")
