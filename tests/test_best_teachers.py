@@ -92,7 +92,8 @@ def test_the_broad_expert_teaches_the_narrow_expert_s_records(broad_and_narrow, 
     readme = (output / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("- `expert1`"))
     assert "its records were calibrated toward `expert0`, which predicts them better (by 0.813" in line, line
-    assert "teachers: best: expert0 teaches expert1's records" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "teachers: best: expert0 teaches expert1's records" in err and "; expert1 (taught by expert0) ahead on " in err
 
 
 def test_where_each_expert_is_best_on_its_own_records_best_changes_no_byte(tmp_path, capsys):

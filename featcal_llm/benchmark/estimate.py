@@ -136,7 +136,8 @@ def memory_plan(config: dict, featcal: Any, experts: int, merged_exists: bool) -
     tokens = sum(spec.records(featcal.samples) for spec in featcal.data.values()) * featcal.max_length
     activations = min(featcal.batch_tokens, tokens) * (4 * hidden + 3 * inter) * compute
     streams = tokens * hidden * 2 * compute
-    if featcal.balancing == "coverage" and experts > 1:  # before the loop: (1 + experts) models on a sample of every expert's records
+    if (featcal.balancing == "coverage" or featcal.teaching == "best") and experts > 1:  # before the loop: (1 + experts)
+        # models on a sample of every expert's records (the coverage pass, which `teachers: best` reads too)
         from featcal_llm.maths.coverage import COVERAGE_RECORDS
 
         sample = sum(min(COVERAGE_RECORDS, spec.records(featcal.samples)) for spec in featcal.data.values()) * featcal.max_length

@@ -116,6 +116,9 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     `ctx.plan.task_weights` must be set: whether every expert that counts trails is judged on those weights."""
     behind = trailing_experts(mean_leads, margins)
     names = short_names(list(mean_leads))
+    short = dict(names)
+    for task, (teacher, *_) in ctx.teachers.items():  # `teachers: best`: the lead judged is the chosen teacher's
+        names[task] = f"{names[task]} (taught by {short[teacher]})"
     doubtful = [task for task, lead in mean_leads.items() if lead <= 0 and task not in behind]
     if doubtful:
         runlog.stage("trailing_experts: merge: " + ", ".join(
