@@ -34,6 +34,9 @@ ROWS = {  # row name → the featcal: keys set beyond the data and the study's s
     # each expert's records taught by the expert that predicts them best (the broad setting's lever)
     "featcal teachers best": {"teachers": "best"},
     "featcal teachers best + refine": {"teachers": "best", "refine": True},
+    # every expert teaching its own records (the default before `teachers: best`)
+    "featcal teachers own": {"teachers": "own"},
+    "featcal teachers own + refine": {"teachers": "own", "refine": True},
     "featcal defaults + refine, adapter": {"refine": {"params": "adapter"}},
     "featcal defaults + refine, adapter, float32": {"refine": {"params": "adapter", "precision": "float32"}},
     # the adapter's budget (8B's mode): what 20 and 80 steps give beside the default 40
