@@ -68,7 +68,8 @@ def _average_interval(model: dict, reference: dict, resamples: int, seed: int = 
     return percentile_interval(values)
 
 
-PAIRS = (("featcal teachers best", "featcal defaults"), ("featcal teachers best + refine", "featcal defaults + refine"))
+PAIRS = (("featcal teachers best", "featcal defaults"), ("featcal teachers best + refine", "featcal defaults + refine"),
+         ("featcal defaults", "featcal teachers own"), ("featcal defaults + refine", "featcal teachers own + refine"))
 # the choices a default follows: each row against the one it would replace, on val (which chooses) and test (reported)
 
 
