@@ -86,7 +86,7 @@ def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_l
         for task, loss in losses[model].items():
             if not math.isfinite(loss):
                 raise RunFailure(f"expert_weights: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
-                                   "check that model's weights, or set expert_weights: equal")
+                                   "check that model's weights, or set expert_weights: equal and teachers: own (which skip this pass)")
     leads = {own: {other: moments[6 * (i * len(models.experts) + k): 6 * (i * len(models.experts) + k) + 6]
                    for k, other in enumerate(models.experts)} for i, own in enumerate(batches)}
     base = losses.pop(BASE)
