@@ -359,7 +359,7 @@ def test_an_expert_with_a_lead_of_exactly_zero_is_said_to_be_no_better_not_behin
     from featcal_llm.engine.context import Models
     from featcal_llm.engine.teachers import let_the_merge_teach
 
-    ctx = SimpleNamespace(models=Models(merged="M", base="B", experts={"copy": "C", "lead": "L", "behind": "D"}), token_roots=None,
+    ctx = SimpleNamespace(models=Models(merged="M", base="B", experts={"copy": "C", "lead": "L", "behind": "D"}), token_roots=None, teachers={},
                           plan=SimpleNamespace(task_weight=lambda task: 1.0))
     behind = let_the_merge_teach(ctx, {"copy": 0.0, "lead": 0.2, "behind": -0.3}, "r.yaml: featcal.trailing_experts",
                                  {"copy": 0.0, "lead": 0.05, "behind": 0.1})
