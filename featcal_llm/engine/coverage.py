@@ -68,12 +68,10 @@ def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_l
             sums += [total, float(count)]
             judged_sums[role[0], task] = torch.cat(per_record) if per_record else torch.zeros(0, dtype=torch.float64)
         del head
-    moments: list[float] = []
     judged = {task: torch.cat([response_positions(b).sum(dim=1) for b in task_batches]) if task_batches else torch.zeros(0)
               for task, task_batches in batches.items()}
-    for own in batches:
-        for other in models.experts:
-            moments += lead_moments(judged_sums[other, own] - judged_sums[own, own], judged[own])
+    pairs = [(own, other) for own in batches for other in models.experts]  # other's lead over own on own's records
+    moments = [value for own, other in pairs for value in lead_moments(judged_sums[other, own] - judged_sums[own, own], judged[own])]
     sums, moments = ctx.comm.sum_floats(sums), ctx.comm.sum_floats(moments)
     losses: Losses = {}
     position = 0
@@ -87,8 +85,9 @@ def model_losses(ctx: "RunContext", sequences: dict[str, list[list[int]]], num_l
             if not math.isfinite(loss):
                 raise RunFailure(f"expert_weights: coverage: {reader.what}'s NLL on expert {task}'s records is not finite; "
                                    "check that model's weights, or set expert_weights: equal and teachers: own (which skip this pass)")
-    leads = {own: {other: moments[6 * (i * len(models.experts) + k): 6 * (i * len(models.experts) + k) + 6]
-                   for k, other in enumerate(models.experts)} for i, own in enumerate(batches)}
+    leads: dict[str, dict[str, list[float]]] = {}
+    for index, (own, other) in enumerate(pairs):
+        leads.setdefault(own, {})[other] = moments[6 * index: 6 * index + 6]
     base = losses.pop(BASE)
     return CoveragePass(losses, base, leads)
 
@@ -118,9 +117,10 @@ def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[in
     """
     given = {name: spec.weight for name, spec in featcal.data.items() if "weight" in spec.model_fields_set}
     unset = [name for name in featcal.data if name not in given]
+    unweighed = {name: given.get(name, 1.0) for name in featcal.data}
     weigh = featcal.balancing == "coverage" and bool(unset) and len(featcal.data) >= 2
     if not weigh and not (featcal.teaching == "best" and len(featcal.data) >= 2):
-        return {name: given.get(name, 1.0) for name in featcal.data}, None, None
+        return unweighed, None, None
     sample = coverage_sample(sequences)
     counts = {task: len(records) for task, records in sample.items()}
     counted = (f"{min(counts.values())}" if len(set(counts.values())) == 1
@@ -136,7 +136,7 @@ def expert_weights(ctx: "RunContext", featcal, sequences: dict[str, list[list[in
         weights = {name: given.get(name, covered[name]) for name in featcal.data}
         runlog.stage(describe(weights, losses, base, names, time.perf_counter() - started, set(given)))
     else:
-        weights = {name: given.get(name, 1.0) for name in featcal.data}
+        weights = unweighed
     for name, (own, base_nll) in behind_the_base(losses, base).items():
         warn(f"featcal.data.{name}: expert {names[name]} predicts its own records no better than the base model does "
              f"({own:.3f} against {base_nll:.3f} nats a token, on {counts[name]} of them): it has not learnt this kind "

@@ -90,6 +90,12 @@ def let_the_best_teach(ctx: "RunContext", teachers: dict[str, tuple[str, float, 
         for task, (teacher, lead, margin) in teachers.items()) + "; each expert's weight stays its own")
 
 
+def with_teachers(names: dict[str, str], teachers: dict[str, tuple[str, float, float]]) -> dict[str, str]:
+    """Each expert's label for a line about its lead: `manpage (taught by broad)` where `teachers: best` handed its
+    records over, since the lead measured on them is the chosen teacher's."""
+    return {task: f"{name} (taught by {names[teachers[task][0]]})" if task in teachers else name for task, name in names.items()}
+
+
 def pulling(weights: dict[str, float]) -> set[str]:
     """The experts that pull the layers at all: weight above 0 in the objective (`data.<expert>.weight: 0` counts for nothing)."""
     return {task for task, weight in weights.items() if weight > 0}
@@ -115,10 +121,7 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
 
     `ctx.plan.task_weights` must be set: whether every expert that counts trails is judged on those weights."""
     behind = trailing_experts(mean_leads, margins)
-    names = short_names(list(mean_leads))
-    short = dict(names)
-    for task, (teacher, *_) in ctx.teachers.items():  # `teachers: best`: the lead judged is the chosen teacher's
-        names[task] = f"{names[task]} (taught by {short[teacher]})"
+    names = with_teachers(short_names(list(mean_leads)), ctx.teachers)
     doubtful = [task for task, lead in mean_leads.items() if lead <= 0 and task not in behind]
     if doubtful:
         runlog.stage("trailing_experts: merge: " + ", ".join(
@@ -144,4 +147,4 @@ def let_the_merge_teach(ctx: "RunContext", mean_leads: dict[str, float], where: 
     return behind
 
 
-__all__ = ["alike", "check_judged", "every_expert_taught_by_the_merge", "let_the_best_teach", "let_the_merge_teach", "pulling", "taught_by_the_merge", "trailing_experts"]
+__all__ = ["alike", "check_judged", "every_expert_taught_by_the_merge", "let_the_best_teach", "let_the_merge_teach", "pulling", "taught_by_the_merge", "trailing_experts", "with_teachers"]

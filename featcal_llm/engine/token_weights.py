@@ -30,7 +30,7 @@ from featcal_llm.engine.scoring import final_hidden, response_positions, scored_
 from featcal_llm.engine.transfer import on_device
 from featcal_llm.errors import warn
 from featcal_llm.io.names import short_names
-from featcal_llm.engine.teachers import trailing_experts
+from featcal_llm.engine.teachers import trailing_experts, with_teachers
 from featcal_llm.maths.advantage import (advantages, lead_margin, lead_moments, leads, mark_trailing_records, marked_trailing,
                                          mean_one_scale, token_weights)
 
@@ -118,9 +118,7 @@ def advantage_weights(ctx: "RunContext", num_layers: int, where: str, drop_trail
         if summary[task]["tokens_ahead"] == 0:
             warn(f"{where}: expert {task} predicts none of its records' tokens better than the merge, so its tokens weigh "
                  "alike; check that its data is its kind of text")
-    short = dict(names)
-    for task, (teacher, *_) in ctx.teachers.items():  # `teachers: best`: the lead read on its records is its teacher's
-        names[task] = f"{names[task]} (taught by {short[teacher]})"
+    names = with_teachers(names, ctx.teachers)
     runlog.stage(f"tokens weighed by the expert's lead over the merge ({time.perf_counter() - started:.0f} s): "
                  + "; ".join(f"{names[task]} ahead on {s['tokens_ahead']:.0%} of its tokens, by {s['lead']:.3f} nats a token on average "
                              f"(net of where it trails{', on its responses' if on_responses[task] else ''}: {mean_leads[task]:+.3f} "
