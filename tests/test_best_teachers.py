@@ -142,7 +142,8 @@ def test_refine_and_the_run_s_table_name_the_chosen_teacher(broad_and_narrow, tm
     first, second = scenario.experts.values()
     assert {Path(d).resolve() for d in seen["readers"].values()} == {first.resolve()}
     report = json.loads((output / "featcal_refine.json").read_text())
-    assert report["teachers"] == {"expert0": "own expert", "expert1": "expert expert0"}
+    assert report["teachers"] == {"expert0": "own expert", "expert1": "another expert"} and report["taught_by"] == {"expert1": "expert0"}
+    assert "`expert1`: expert `expert0`" in (output / "README.md").read_text()
     drift = json.loads((output / "featcal_drift.json").read_text())
     table = CalibrationResult(output, scenario.root / "merged", summarize_report(drift)).table()
     assert table.splitlines()[3].split()[:2] == ["expert1", "†"], table

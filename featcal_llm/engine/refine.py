@@ -317,12 +317,14 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
               "gradient_checkpointing": checkpointing, "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},
-              "teachers": {task: ("merged model" if task in job.taught else f"expert {job.chosen[task]}" if task in job.chosen
+              "teachers": {task: ("merged model" if task in job.taught else "another expert" if task in job.chosen
                                   else "own expert") for task in job.train},
               "top_k": spec.top_k, "max_steps": spec.steps, "eval_every": spec.eval_every, "patience": spec.patience,
               "history": progress["history"],
               "records": {task: len(job.train[task]) for task in job.train}, "records_left_out": dict(job.left_out),
               "held_out_records": {task: len(job.held_out.get(task, [])) + job.held_out_left_out.get(task, 0) for task in job.train}}
+    if job.chosen:  # `teachers: best` handed records over; only then, so `own` runs write the bytes they wrote before
+        report["taught_by"] = {task: job.chosen[task] for task in job.train if task in job.chosen}
     if held_left_out:  # only then: a run that leaves none out writes the bytes it wrote before
         report["held_out_left_out"] = {task: job.held_out_left_out.get(task, 0) for task in job.train}
     # no wall times in the report, which the output holds (a resumed run writes the same bytes): the log line says them

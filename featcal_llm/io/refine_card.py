@@ -22,7 +22,9 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     kept = refined["chosen_step"] > 0
     params = "every parameter" if refined["params"] == "full" else adapter_trained(refined.get("rank"), biases,
                                                                                   bool(refined.get("tied_head")), kept)
-    teachers = ", ".join(f"`{task}`: {teacher}" for task, teacher in refined["teachers"].items())
+    taught_by = refined.get("taught_by", {})
+    teachers = ", ".join(f"`{task}`: " + (f"expert `{taught_by[task]}`" if task in taught_by else teacher)
+                         for task, teacher in refined["teachers"].items())
     left_out = {task: count for task, count in refined.get("records_left_out", {}).items() if count}
     if left_out:
         teachers += (". Left out, as the closed form weighs them 0 (the expert trails the merge on them): "
@@ -67,9 +69,9 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
     """Add the `refine:` stage's section to the card (before Usage) and its full record beside it (`featcal_refine.json`)."""
     names = public_names(list(refined["teachers"]))  # local paths by short name, as the rest of the card
     rename = lambda mapping: {names.get(key, key): value for key, value in mapping.items()}  # noqa: E731
-    teachers = {task: (f"expert {names.get(teacher.removeprefix('expert '), teacher.removeprefix('expert '))}"  # teachers: best
-                       if teacher.startswith("expert ") else teacher) for task, teacher in refined["teachers"].items()}
-    refined = {**refined, "teachers": rename(teachers), "records": rename(refined.get("records", {})),
+    refined = {**refined, "teachers": rename(refined["teachers"]), "records": rename(refined.get("records", {})),
+               **({"taught_by": {names.get(task, task): names.get(teacher, teacher) for task, teacher in refined["taught_by"].items()}}
+                  if "taught_by" in refined else {}),
                "records_left_out": rename(refined.get("records_left_out", {})),
                "held_out_records": rename(refined.get("held_out_records", {})),
                **({"held_out_left_out": rename(refined["held_out_left_out"])} if "held_out_left_out" in refined else {}),
