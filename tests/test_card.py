@@ -11,7 +11,8 @@ import yaml
 from huggingface_hub import ModelCard, metadata_load
 from safetensors.torch import save_file
 
-from featcal_llm.io.card import append_evaluation, point_usage_at, write_card
+from featcal_llm.io.card import write_card
+from featcal_llm.io.card_edits import append_evaluation, point_usage_at
 from featcal_llm.io.run_record import read_run_record
 from featcal_llm.io.recipe import load_recipe
 from featcal_llm.io.references import ModelSource

@@ -74,7 +74,8 @@ def test_card_has_no_local_paths_lists_the_calibrated_projections_and_the_evalua
 
 
 def test_card_keeps_hub_ids_and_says_every_projection():
-    from featcal_llm.io.card import _calibrated_text, is_local, public_names
+    from featcal_llm.io.card import _calibrated_text
+    from featcal_llm.io.names import is_local, public_names
 
     names = public_names(["meta-llama/Llama-3.2-3B", "/data/runs/a/math", "/data/runs/b/math", "./experts/code+/lora/x"])
     assert names == {"meta-llama/Llama-3.2-3B": "meta-llama/Llama-3.2-3B", "/data/runs/a/math": "a/math",

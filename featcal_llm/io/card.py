@@ -1,5 +1,5 @@
 """The calibrated checkpoint's model card (its run record: run_record.py; its saved recipe: saved_recipe.py; the
-`refine:` section: refine_card.py).
+`refine:` section: refine_card.py; the evaluation section and the Hub repository's usage line, added later: card_edits.py).
 
 The card is written to be published: its front matter holds what the Hub reads
 (card_meta.py), its body says in words what was done; models given by local
@@ -21,6 +21,7 @@ import yaml
 from featcal_llm import __version__
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
 from featcal_llm.io.card_settings import SYMBOLS, adapter_trained, human, settings_lines
+from featcal_llm.io.names import is_local, public_names
 from featcal_llm.io.recipe import Recipe
 from featcal_llm.io.run_record import WEIGHTS_FILE, run_record, write_run_record
 from featcal_llm.io.output_dir import RECIPE_FILE
@@ -39,23 +40,6 @@ HOW_TEXT = {
 }
 USAGE_ID = 'model_id = "'  # the usage snippet's line that --push-to-hub points at the Hub repository
 
-
-EVAL_HEADING = "## Evaluation"
-
-
-def is_local(reference: str) -> bool:
-    """Whether a model reference (or one part of `model+adapter`) is a local path rather than a hub id."""
-    part = reference.split("@")[0]
-    return os.path.isabs(part) or part.startswith(("./", "../", "~", ".\\")) or part in (".", "..") or Path(part).exists()
-
-
-def public_names(references: list[str]) -> dict[str, str]:
-    """Each reference as a card shows it: hub ids unchanged, local paths (also as `base+adapter` parts) by short name."""
-    from featcal_llm.io.names import short_names
-
-    parts = {part for reference in references for part in reference.split("+") if is_local(part)}
-    short = short_names(sorted(parts))
-    return {reference: "+".join(short.get(part, part) for part in reference.split("+")) for reference in references}
 
 
 def _where_generated_again(featcal: Any) -> str:
@@ -181,15 +165,6 @@ print(tokenizer.decode(outputs[0][inputs["input_ids"].shape[1]:], skip_special_t
 ```
 
 Without a chat template, call `tokenizer(text, return_tensors="pt")` instead of `apply_chat_template`."""
-
-
-def point_usage_at(directory: Path, repo_id: str) -> None:
-    """The usage snippet of the card in `directory` loads `repo_id` (what `--push-to-hub` publishes)."""
-    card = directory / "README.md"
-    if not card.is_file():
-        return
-    lines = card.read_text(encoding="utf-8").splitlines(keepends=True)
-    card.write_text("".join(f'{USAGE_ID}{repo_id}"\n' if line.startswith(USAGE_ID) else line for line in lines), encoding="utf-8")
 
 
 LEAD_NOTE = ("\nAn expert's *mean positive lead* is max(0, log p_expert − log p_merged) over every token of its records, "
@@ -364,39 +339,9 @@ def net_lead_text(summary: dict[str, Any]) -> str:
     return f", net lead {summary['net_lead']:+.3g} ± {summary['net_lead_margin']:.2g}"
 
 
-def split_card(text: str) -> tuple[dict[str, Any], str]:
-    """A card's front matter (parsed) and its body."""
-    if not text.startswith("---\n"):
-        return {}, text
-    front, _, body = text[4:].partition("\n---\n")
-    return yaml.safe_load(front) or {}, body
-
-
 def _trails(advantage: dict | None, name: str) -> bool:
     """Behind the merge on its own records beyond doubt: its net lead stays below 0 when raised by its margin."""
     from featcal_llm.maths.advantage import trails
 
     summary = (advantage or {}).get(name) or {}
     return "net_lead" in summary and trails(summary["net_lead"], summary.get("net_lead_margin", 0.0))
-
-
-def append_evaluation(directory: Path, table: str, summary: dict[str, Any] | None = None) -> None:
-    """Add the merged-vs-calibrated evaluation table (a run's `eval:` block) to the card, before the recipe, and, given
-    the calibrated model's evaluation summary (evaluation.runner's `<label>.json`), its scores as the front matter's
-    `model-index`, which the Hub shows as the model's evaluation results."""
-    from featcal_llm.io.card_meta import model_index
-
-    card = directory / "README.md"
-    front, body = split_card(card.read_text(encoding="utf-8"))
-    section = f"{EVAL_HEADING}\nThe merged and the calibrated model scored with one pipeline (featcal-llm `eval:`):\n\n{table.rstrip()}\n\n"
-    if EVAL_HEADING in body:  # scored again (run --eval-only): the new table replaces the old one
-        before, _, after = body.partition(EVAL_HEADING)
-        rest = after.find("\n## ")
-        body = before + (after[rest + 1:] if rest >= 0 else "")
-    head, marker, tail = body.partition("## Recipe")
-    body = head + section + marker + tail if marker else body.rstrip() + "\n\n" + section
-    index = model_index(Path(directory).name, summary) if summary is not None else []
-    if index:
-        front["model-index"] = index
-    text = ("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n" if front else "") + body
-    card.write_text(text, encoding="utf-8")

@@ -44,7 +44,7 @@ def push_folder(folder: Path, repo_id: str, private: bool = True) -> str:
 
     from featcal_llm import runlog
 
-    from featcal_llm.io.card import point_usage_at
+    from featcal_llm.io.card_edits import point_usage_at
 
     point_usage_at(folder, repo_id)  # the card's usage snippet loads the repository it is published in
     api = HfApi()

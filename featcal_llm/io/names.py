@@ -1,6 +1,9 @@
-"""Short, unambiguous labels for models a recipe names by (often long) paths."""
+"""Short, unambiguous labels for models a recipe names by (often long) paths, and the names a card shows."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 def short_names(names: list[str]) -> dict[str, str]:
@@ -42,3 +45,16 @@ def parse_parameter_count(value: int | str) -> int:
     if count <= 0:
         raise ValueError(f"expected a positive parameter count such as 5B, 500M or 1000000, got {value!r}")
     return count
+
+
+def is_local(reference: str) -> bool:
+    """Whether a model reference (or one part of `model+adapter`) is a local path rather than a hub id."""
+    part = reference.split("@")[0]
+    return os.path.isabs(part) or part.startswith(("./", "../", "~", ".\\")) or part in (".", "..") or Path(part).exists()
+
+
+def public_names(references: list[str]) -> dict[str, str]:
+    """Each reference as a card shows it: hub ids unchanged, local paths (also as `base+adapter` parts) by short name."""
+    parts = {part for reference in references for part in reference.split("+") if is_local(part)}
+    short = short_names(sorted(parts))
+    return {reference: "+".join(short.get(part, part) for part in reference.split("+")) for reference in references}

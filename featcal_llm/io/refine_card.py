@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from featcal_llm.io.card import has_biases, public_names
+from featcal_llm.io.card import has_biases
+from featcal_llm.io.names import public_names
 from featcal_llm.engine.refine_rules import why_none_kept
 from featcal_llm.io.card_settings import adapter_trained
 

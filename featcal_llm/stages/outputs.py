@@ -13,7 +13,8 @@ import torch
 from featcal_llm import runlog
 from featcal_llm.errors import FeatCalError
 from featcal_llm.engine.context import RunContext
-from featcal_llm.io.card import append_evaluation, write_card
+from featcal_llm.io.card import write_card
+from featcal_llm.io.card_edits import append_evaluation
 from featcal_llm.io.refine_card import REFINE_FILE, append_refinement
 from featcal_llm.io.checkpoint import (
     copy_side_files,
