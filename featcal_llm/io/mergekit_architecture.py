@@ -113,15 +113,21 @@ def check_mergekit_weights(directory: Path, config: dict, what: str) -> None:
         raise FeatCalError(f"{what}: {missing_weight_refusal(directory, config, missing)}")
 
 
+def reads_other_weights(source: Any, base_directory: Path | None) -> bool:
+    """Whether mergekit's merge reads this expert's own checkpoint, not the base's: a plain adapter applies to the
+    base's tensors (its directory is the base's), a `model+adapter` to the model's."""
+    return source.directory != base_directory
+
+
 def check_merge_inputs(recipe_path: Any, base: Any, experts: dict[str, Any]) -> None:
     """`check_mergekit_weights` of every model the merge reads as it is, before run merges: `validate` checks the local
-    folders (in the same words), run also the hub snapshots it resolved (Phi-4-mini is a hub id); an adapter expert
-    reads the base's tensors."""
+    folders (in the same words, of the same models: `reads_other_weights`), run also the hub snapshots it resolved
+    (Phi-4-mini is a hub id)."""
     from featcal_llm.io.model_files import read_config_json
 
     check_mergekit_weights(base.directory, read_config_json(base.directory), f"{recipe_path}: base_model")
     for source in experts.values():
-        if source.adapter is None and source.directory != base.directory:
+        if reads_other_weights(source, base.directory):
             check_mergekit_weights(source.directory, read_config_json(source.directory), f"{recipe_path}: models")
 
 

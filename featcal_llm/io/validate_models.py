@@ -19,7 +19,7 @@ from featcal_llm.io.data import chat_template_unparsable
 from featcal_llm.io.data_files import looks_like_hub_id
 from featcal_llm.io.hub_lookup import hub_config, hub_lookup
 from featcal_llm.io.merge_identity import supplied_merge
-from featcal_llm.io.mergekit_architecture import check_mergekit_weights
+from featcal_llm.io.mergekit_architecture import check_mergekit_weights, reads_other_weights
 from featcal_llm.io.merge_vocabulary import MergeVocabulary, merge_vocabulary, tokenizer_source
 from featcal_llm.io.model_files import (NO_TOKENIZER, calibration_tokenizer_directory, chat_template_syntax_error,
                                         generating_expert_without_tokenizer, has_chat_template, has_tokenizer_files,
@@ -198,7 +198,7 @@ def check_models(path: Path, merge_config: Any, merged: str | None, tokenizer: s
         named = f"{what}: {(source.directory if source is not None else Path(str(reference.model))) / 'config.json'}"
         if base_config is not None:
             collect(problems, path, lambda: check_same_shapes(base_config, config, named))
-        if weights and source is not None and len(problems) == before and source.directory != getattr(base_source, "directory", None):
+        if weights and source is not None and len(problems) == before and reads_other_weights(source, getattr(base_source, "directory", None)):
             collect(problems, path, lambda: check_mergekit_weights(source.directory, config, f"{path}: models"))  # the line names the directory
         vocabularies.append((config, named))
         if source is not None:
