@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from featcal_llm import __version__
+from featcal_llm.io.card_edits import USAGE_ID
 from featcal_llm.io.card_meta import CITATION, PAPER_URL, hub_front_matter, rounded
 from featcal_llm.io.card_settings import SYMBOLS, adapter_trained, human, settings_lines
 from featcal_llm.io.names import is_local, public_names
@@ -38,8 +39,6 @@ HOW_TEXT = {
     "regmean": "Each re-fitted weight is W* = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹ with G̃ = r·G + (1 − r)·diag(G), over the experts' "
                "Grams G_i of their calibration inputs; {rest} are the merged model's.",
 }
-USAGE_ID = 'model_id = "'  # the usage snippet's line that --push-to-hub points at the Hub repository
-
 
 
 def _where_generated_again(featcal: Any) -> str:

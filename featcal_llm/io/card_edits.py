@@ -8,9 +8,8 @@ from typing import Any
 
 import yaml
 
-from featcal_llm.io.card import USAGE_ID
-
 EVAL_HEADING = "## Evaluation"
+USAGE_ID = 'model_id = "'  # the usage snippet's line (io/card.py writes it) that --push-to-hub points at the Hub repository
 
 
 def point_usage_at(directory: Path, repo_id: str) -> None:
