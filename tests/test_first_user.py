@@ -43,19 +43,28 @@ def test_a_quiet_logged_run_keeps_the_summary_table_in_the_log(small, tmp_path):
     assert "drift merged" in text and "drift calibrated" in text and "\ntime " in text, text
 
 
-def test_a_featcal_key_at_the_top_level_is_named_as_one(small, tmp_path):
+def test_a_featcal_key_at_the_top_level_is_refused_by_validate_and_run(small, tmp_path):
     """`samples:` or `refine: true` written at the top level instead of under `featcal:`: validate said 'ok' (or, for
-    `samples`, "not a mergekit or featcal key; did you mean 'slices'?"), and the run went on without them."""
+    `samples`, "not a mergekit or featcal key; did you mean 'slices'?"), and the run went on without them. Now both
+    refuse it in the same line per key, and the run writes nothing."""
+    from agreement import error_lines
+
     recipe = yaml.safe_load(small.recipe.read_text())
     recipe["samples"] = 4
     recipe["refine"] = True
+    output = tmp_path / "out"
+    recipe["featcal"]["output"] = str(output)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    result = CliRunner().invoke(main, ["validate", str(path)])
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("featcal-llm: warning:")]
+    validated = CliRunner().invoke(main, ["validate", str(path)])
+    ran = CliRunner().invoke(main, ["run", str(path)])
+    assert validated.exit_code == 2 and ran.exit_code == 2, (validated.output, ran.output)
+    lines = error_lines(validated)
+    assert error_lines(ran) == lines
     for key in ("samples", "refine"):
-        (line,) = [w for w in warnings if f": {key}:" in w]
-        assert "is a featcal key" in line and "under featcal:" in line and "slices" not in line, line
+        (line,) = [line for line in lines if f": {key}: " in line]
+        assert f"{path}" in line and "a featcal key" in line and "under featcal:" in line and "slices" not in line, line
+    assert not output.exists()
 
 
 def _data_recipe(small, tmp_path, records: list[dict], entry: dict) -> "Path":  # noqa: F821

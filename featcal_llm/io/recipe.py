@@ -97,14 +97,16 @@ def _stages(featcal: FeatCalConfig) -> list[FeatCalConfig]:
     return [featcal.stage(i, featcal.output) for i in range(2)] if featcal.stacked else [featcal]
 
 
-def _unknown_top_keys(path: Path, raw: dict, merge_model: Any) -> None:
-    """mergekit ignores keys it does not know; a misspelled one (`base_modle`) would silently change the merge."""
+def _unknown_top_keys(path: Path, raw: dict, merge_model: Any, problems: list[Problem]) -> None:
+    """mergekit ignores keys it does not know; a misspelled one (`base_modle`) would silently change the merge (a
+    warning: mergekit's own recipes may carry keys of other tools). A featcal key there is refused: `samples:` or
+    `refine: true` one indent too far left is read by no one, and the run would not do what the recipe says."""
     known = [*known_keys(merge_model), "featcal"]
     ours = known_keys(FeatCalConfig)
     for key in raw:
-        if key not in known and key in ours:  # `samples:` or `refine: true` one indent too far left: read by no one
-            warn(f"{path}: {key}: is a featcal key, read only under featcal: (indent it there); here mergekit ignores it "
-                 "and the run does not read it")
+        if key not in known and key in ours:
+            problems.append(Problem(str(path), str(key), "a featcal key, read only under featcal: (indent it there); at the "
+                                                         "top level mergekit ignores it and the run would not read it"))
             continue
         hint = suggestion(str(key), known)
         if key not in known and hint:
@@ -341,7 +343,7 @@ def read_recipe(path: str | Path, mergekit: bool = True) -> Parsed:
     parsed = Parsed(None, problems, block=block if isinstance(block, dict) else None, mergekit_part=raw)
     block_problems: list[Problem] = []
     parsed.featcal = _read_block(path, block, block_problems, raw)
-    _unknown_top_keys(path, raw, MergeConfiguration)
+    _unknown_top_keys(path, raw, MergeConfiguration, problems)
     try:
         parsed.merge_config = MergeConfiguration.model_validate(raw)
     except ValidationError as error:
