@@ -21,6 +21,12 @@ def point_usage_at(directory: Path, repo_id: str) -> None:
     card.write_text("".join(f'{USAGE_ID}{repo_id}"\n' if line.startswith(USAGE_ID) else line for line in lines), encoding="utf-8")
 
 
+def insert_before(text: str, heading: str, section: str) -> str:
+    """`section` placed before the card's `heading` (at the end where the card has none)."""
+    head, marker, tail = text.partition(heading)
+    return head + section + marker + tail if marker else text.rstrip() + "\n\n" + section
+
+
 def split_card(text: str) -> tuple[dict[str, Any], str]:
     """A card's front matter (parsed) and its body."""
     if not text.startswith("---\n"):
@@ -42,8 +48,7 @@ def append_evaluation(directory: Path, table: str, summary: dict[str, Any] | Non
         before, _, after = body.partition(EVAL_HEADING)
         rest = after.find("\n## ")
         body = before + (after[rest + 1:] if rest >= 0 else "")
-    head, marker, tail = body.partition("## Recipe")
-    body = head + section + marker + tail if marker else body.rstrip() + "\n\n" + section
+    body = insert_before(body, "## Recipe", section)
     index = model_index(Path(directory).name, summary) if summary is not None else []
     if index:
         front["model-index"] = index

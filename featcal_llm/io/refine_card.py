@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_llm.io.card import has_biases
+from featcal_llm.io.card_edits import insert_before
 from featcal_llm.io.names import public_names
 from featcal_llm.engine.refine_rules import why_none_kept
 from featcal_llm.io.card_settings import adapter_trained
@@ -81,10 +82,8 @@ def append_refinement(directory: Path, refined: dict[str, Any]) -> None:
                             "above_closed_form": [names.get(key, key) for key in check.get("above_closed_form", [])]}
                            for check in refined.get("history", [])]}
     card = directory / "README.md"
-    text = card.read_text(encoding="utf-8")
-    head, marker, tail = text.partition("## Usage")
     section = refine_text(refined, has_biases(directory))
-    card.write_text(head + section + marker + tail if marker else text.rstrip() + "\n\n" + section, encoding="utf-8")
+    card.write_text(insert_before(card.read_text(encoding="utf-8"), "## Usage", section), encoding="utf-8")
     (directory / REFINE_FILE).write_text(json.dumps(_finite(refined), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
