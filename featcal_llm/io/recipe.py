@@ -23,6 +23,7 @@ from featcal_llm.errors import silenced_warnings, warn
 from featcal_llm.io.block import FEATCAL_ONLY, REGMEAN_ONLY, FeatCalConfig, beside_recipe
 from featcal_llm.io.block_sections import DataSpec
 from featcal_llm.io.forms import check_forms
+from featcal_llm.io.key_homes import placed_message
 from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.merge_values import value_problems
 from featcal_llm.io.mergekit_methods import parameter_problems
@@ -300,18 +301,21 @@ def _read_block(path: Path, block: Any, problems: list[Problem], raw: dict | Non
 
 def _placed(found: list[Problem], raw: dict | None) -> list[Problem]:
     """An unknown key one indentation level off, told where it goes: an expert's data entry level with `data:` (which
-    is then empty), a featcal key inside a data entry."""
+    is then empty), a featcal key inside a data entry, a key of another section (io/key_homes.py)."""
     models = (raw or {}).get("models")
     experts = {str(item.get("model")) for item in models if isinstance(item, dict)} if isinstance(models, list) else set()
-    ours, placed = known_keys(FeatCalConfig), []
+    placed = []
     for problem in found:
         key, message = problem.key, problem.message
         if message.startswith("unknown key") and key.removeprefix("featcal.") in experts:
             message = "unknown key: an expert of models:, so its data entry goes under featcal.data: (indent it there)"
-        elif message.startswith("unknown key") and key.startswith("featcal.data.") and key.rpartition(".")[2] in ours:
-            message = "unknown key: a featcal key, read under featcal:, not in a data entry"
         elif key == "featcal.data" and message.startswith("Input should be a valid dictionary") and message.endswith("(got null)"):
             message = "empty: one entry per expert goes under it, indented (EXPERT: {path: ..., format: ...})"
+        elif key == "featcal.data" and message.startswith("Input should be a valid dictionary"):  # a YAML list of entries
+            got = message[message.find(" (got "):] if " (got " in message else ""
+            message = "expected a mapping: one entry per expert, keyed by its name under models: (EXPERT: {path: ..., format: ...})" + got
+        elif message.startswith("unknown key") and (home := placed_message(key)) is not None:
+            message = home  # `steps:` level with `refine:`: its nearest spelling there ('eps') points the wrong way
         placed.append(Problem(problem.file, key, message))
     return placed
 
