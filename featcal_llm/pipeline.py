@@ -110,7 +110,7 @@ def _run(comm: Single, recipe_path: str | Path | Recipe, force: bool, device: st
         return replace(outcome, merged=Path(recipe.featcal.merged), unchanged=False, start=recipe.featcal.method[0])
     resolved = resolve(comm, recipe, force, device)
     with nullcontext() if locked else _output_lock(comm, recipe, resolved.output, force):
-        outcome = _calibrate(comm, resolved, progress)
+        outcome = _calibrate_or_clean_up(comm, resolved, progress)
         if comm.is_main:  # the run's models, streams and statistics went with _calibrate's frame: `eval:` finds the memory
             release_memory()
             outcome = evaluate_outputs(recipe, outcome)  # under the lock: a --force run may not swap the output it reads
@@ -157,6 +157,22 @@ def _output_lock(comm: Single, recipe: Recipe, output: Path, force: bool):
     finally:
         if lock is not None:
             lock.release()
+
+
+def _calibrate_or_clean_up(comm: Single, resolved: Resolved, progress: bool) -> RunOutcome:
+    """`_calibrate`; where it refuses its input (a NaN weight met at the first layer, say) before any layer is saved,
+    the staging folder this run made goes too: nothing there to resume, and the output's folder is left as it was."""
+    from featcal_llm.engine.resume import holds_no_layer, remove_staging
+    from featcal_llm.io.output_dir import partial_dir
+
+    partial = partial_dir(resolved.output)
+    made_here = not partial.exists()
+    try:
+        return _calibrate(comm, resolved, progress)
+    except FeatCalError as error:
+        if made_here and comm.is_main and not isinstance(error, RunFailure) and holds_no_layer(partial):
+            remove_staging(partial)
+        raise
 
 
 def _calibrate(comm: Single, resolved: Resolved, progress: bool) -> RunOutcome:

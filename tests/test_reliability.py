@@ -140,8 +140,8 @@ def test_nan_in_expert_weights_names_layer_and_module(merged_scenario, tmp_path)
         target = expert / item.name
         if item.suffix == ".safetensors":
             tensors = load_file(item)
-            if "model.layers.1.mlp.down_proj.weight" in tensors:
-                tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+            if "model.layers.0.mlp.down_proj.weight" in tensors:
+                tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
             save_file(tensors, target, metadata={"format": "pt"})
         else:
             target.write_bytes(item.read_bytes())
@@ -157,8 +157,11 @@ def test_nan_in_expert_weights_names_layer_and_module(merged_scenario, tmp_path)
     # the recipe now names the NaN expert, so the merge featcal-llm made from the old one is made again, from it:
     # the first model read with NaN in that tensor is the new merge
     last = result.stderr.strip().splitlines()[-1]
-    assert "layer 1 mlp.down_proj.weight contains NaN or Inf" in last and "merged" in last, last
+    assert "tensor model.layers.0.mlp.down_proj.weight contains NaN or Inf" in last and "merged" in last, last
     assert not (tmp_path / "out").exists()
+    # refused at the first layer, before any layer was saved: the staging folder this run made is gone (it left
+    # `.out.featcal-partial/` with a state naming no layer and an empty `layers/`; a layer saved before is kept)
+    assert not (tmp_path / ".out.featcal-partial").exists()
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does_and_the_rerun_resumes(slow_scenario, tmp_path):

@@ -43,7 +43,10 @@ class LayerPrefetcher:
                 # safetensors hands out memory-mapped tensors: copy here so the disk read happens in this thread.
                 tensor = tensor.pin_memory() if self._pin else tensor.clone()
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise FeatCalError(f"{reader.what}: layer {layer} {name} contains NaN or Inf")
+                    shard = getattr(reader, "weight_map", {}).get(prefix + name)  # a LoRA expert: base and adapter summed
+                    raise FeatCalError(f"{reader.what}: tensor {prefix}{name} contains NaN or Inf (read from "
+                                       f"{reader.directory / shard if shard else reader.directory}); the re-fit starts from "
+                                       "finite weights only (a damaged download or a diverged fine-tune?)")
                 tensors[name] = tensor
             return tensors
 

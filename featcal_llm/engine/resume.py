@@ -124,6 +124,15 @@ def remove_staging(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def holds_no_layer(root: Path) -> bool:
+    """No calibrated layer saved there (no state, or none completed): nothing a rerun could resume but the passes
+    before the layers, which a fixed input recomputes anyway (its fingerprint changes)."""
+    try:
+        return int(json.loads((root / STATE_FILE).read_text()).get("completed_layers", 0)) == 0
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 class StagingArea:
     """The `layers/` directory of a run's partial output, plus its state file."""
 
