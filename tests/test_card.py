@@ -271,9 +271,29 @@ def test_the_refinement_section_says_why_it_stopped_before_its_last_step():
 
     report = {"params": "full", "lr": 1e-4, "top_k": 64, "steps_run": 12, "max_steps": 40, "chosen_step": 4,
               "eval_every": 4, "patience": 2, "teachers": {"a": "own expert"}, "held_out_kl": {"before": 0.5, "after": 0.25},
-              "autocast": "None", "master": "torch.float32"}
+              "autocast": None, "master": "float32"}
     assert ("It ran 12 of at most 40 steps, stopping once 2 checks in a row (one every 4 steps) kept no better state "
             "(`patience`). The held-out KL") in refine_text(report)
     assert "stopping once a check (one every 4 steps) kept no better state" in refine_text({**report, "patience": 1})
     for finished in ({**report, "steps_run": 40}, {key: value for key, value in report.items() if key != "patience"}):
         assert f"It ran {finished['steps_run']} of at most 40 steps. The held-out KL" in refine_text(finished)
+
+
+@pytest.mark.parametrize("written, expected", [
+    ({"master": "float32", "autocast": "bfloat16"}, ("float32", True)),
+    ({"master": "float32", "autocast": None}, ("float32", False)),
+    ({"master": "float64", "autocast": None}, ("float64", False)),
+    ({"master": "torch.float32", "autocast": "torch.bfloat16"}, ("float32", True)),  # as earlier versions wrote them
+    ({"master": "torch.float32", "autocast": "None"}, ("float32", False)),
+])
+def test_the_refine_report_names_its_precision_in_json_and_earlier_reports_read_alike(written, expected):
+    """`featcal_refine.json` wrote `"autocast": "None"` (a Python repr in a string) and `"torch.float32"`; it writes
+    null and `float32` now, and the card and the saved recipe's pinning still read an earlier output's strings."""
+    from featcal_llm.io.refine_card import refine_precision
+    from featcal_llm.io.saved_recipe import with_refine_pinned
+
+    assert refine_precision(written) == expected
+    text = "merge_method: linear\nfeatcal:\n  refine: true\n"
+    pinned = yaml.safe_load(with_refine_pinned(text, {"params": "full", **written}))["featcal"]["refine"]
+    assert pinned == ({"params": "full"} if expected[0] == "float64" else
+                      {"params": "full", "precision": "bfloat16" if expected[1] else "float32"})

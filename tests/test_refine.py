@@ -313,7 +313,7 @@ def test_a_diverged_check_is_written_as_null_in_strict_json(tmp_path):
     (tmp_path / "README.md").write_text("# card\n\n## Usage\n")
     nan = float("nan")
     refined = {"params": "full", "lr": 1e10, "top_k": 64, "steps_run": 4, "max_steps": 4, "chosen_step": 0, "teachers": {"a": "own expert"},
-               "held_out_kl": {"before": 0.5, "after": 0.5}, "autocast": "None", "master": "torch.float32",
+               "held_out_kl": {"before": 0.5, "after": 0.5}, "autocast": None, "master": "float32",
                "history": [{"step": 2, "train_kl": nan, "held_out_kl": float("inf"), "per_expert": {"a": nan}, "above_closed_form": ["a"]}]}
     append_refinement(tmp_path, refined)
 

@@ -14,7 +14,7 @@ def test_a_float64_runs_saved_recipe_does_not_say_its_refinement_ran_in_float32(
     from featcal_llm.io.saved_recipe import with_refine_pinned
 
     text = yaml.safe_dump({"featcal": {"output": "o", "dtype": "float64", "refine": {"steps": 5}}}, sort_keys=False)
-    report = {"params": "full", "autocast": "None", "master": "torch.float64"}
+    report = {"params": "full", "autocast": None, "master": "float64"}
     pinned = yaml.safe_load(with_refine_pinned(text, report))["featcal"]["refine"]
     assert pinned.get("precision", "auto") == "auto", pinned
     assert pinned["params"] == "full"  # the memory's choice is still pinned

@@ -216,7 +216,7 @@ def test_the_saved_recipe_pins_refines_machine_dependent_choices_and_replays_els
     output = run(far_scenario, "pinned", refine={**settings, "steps": 2, "eval_every": 2})
     report = json.loads((output / "featcal_refine.json").read_text())
     saved = (output / "featcal_recipe.yml").read_text()
-    resolved = "bfloat16" if report["autocast"] == "torch.bfloat16" else "float32"
+    resolved = "bfloat16" if report["autocast"] == "bfloat16" else "float32"
     assert REFINE_NOTE in saved and saved.startswith("# Written by featcal-llm")
     assert yaml.safe_load(saved)["featcal"]["refine"] == {**settings, "steps": 2, "eval_every": 2, "params": report["params"], "precision": resolved}
     monkeypatch.setattr(refine_module, "native_bf16", lambda device: not native_bf16(device))  # the other kind of machine

@@ -102,6 +102,11 @@ class RefineJob:
     chosen: dict[str, str] = field(default_factory=dict)  # `teachers: best`: expert → the other expert that teaches its records
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32`, as recipes and `featcal_refine.json` spell a dtype (not `torch.float32`)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def checkpointing_for(job: RefineJob, params: str, autocast: bool, records: dict[str, list[list[int]]]) -> bool:
     """refine.gradient_checkpointing resolved by the memory model at the run's shapes (engine/refine_memory), the
     student's head untied where the closed form untied it."""
@@ -225,7 +230,7 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                 "gradient_checkpointing": checkpointing, "kept": KEPT_RULE,  # progress saved under another rule starts over
                 "records": covered}  # or for other records (each is known by its place)
     left_out, held_left_out = sum(job.left_out.values()), sum(job.held_out_left_out.values())
-    precision = f"bf16 autocast, {str(master).removeprefix('torch.')} masters" if autocast is not None else str(master).removeprefix("torch.")
+    precision = f"bf16 autocast, {dtype_name(master)} masters" if autocast is not None else dtype_name(master)
     runlog.stage(f"refine: {params} parameters, lr {lr:g}, {precision}, gradient checkpointing {'on' if checkpointing else 'off'}, "
                  f"at most {spec.steps} steps of {spec.batch_records} records, KL(teacher ‖ model) over each teacher's "
                  f"top-{spec.top_k} tokens on {len(train_keys)} records"
@@ -313,7 +318,8 @@ def refine(job: RefineJob) -> tuple[dict[str, Path], dict[str, Any]]:
                                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         after_check(step, kept)
     bar.close()
-    report = {"params": params, "lr": lr, "master": str(master), "autocast": str(autocast), "tied_head": student.tied,
+    report = {"params": params, "lr": lr, "master": dtype_name(master), "autocast": dtype_name(autocast) if autocast else None,
+              "tied_head": student.tied,
               "gradient_checkpointing": checkpointing, "steps_run": progress["step"], "chosen_step": progress["best_step"],
               "held_out_kl": {"before": progress["history"][0]["held_out_kl"], "after": progress["best_kl"]},
               "per_expert": {"before": expert_kls(progress["before"]), "after": next(h["per_expert"] for h in progress["history"] if h["step"] == progress["best_step"])},

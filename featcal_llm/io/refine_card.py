@@ -17,6 +17,13 @@ from featcal_llm.io.card_settings import adapter_trained
 REFINE_FILE = "featcal_refine.json"
 
 
+
+def refine_precision(refined: dict[str, Any]) -> tuple[str, bool]:
+    """(master dtype, whether it trained under bf16 autocast) from `featcal_refine.json`: `"master": "float32",
+    "autocast": "bfloat16" | null`, or the `torch.float32` / `"None"` strings earlier versions wrote."""
+    master = str(refined.get("master") or "float32").removeprefix("torch.")
+    return master, str(refined.get("autocast")).removeprefix("torch.") == "bfloat16"
+
 def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose (`biases`:
     whether the model has any)."""
@@ -50,9 +57,8 @@ def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     if held_left_out:
         outcome += (" Held-out records left out of the checks, as of the training, since the expert trails the merge on them "
                     "(`trailing_records: drop`): " + ", ".join(f"{count} of `{task}`'s" for task, count in held_left_out.items()) + ".")
-    master = str(refined.get("master", "torch.float32")).removeprefix("torch.")
-    precision = (f"under bf16 autocast with {master} master weights" if refined.get("autocast") == "torch.bfloat16"
-                 else f"in {master} throughout")
+    master, autocast = refine_precision(refined)
+    precision = f"under bf16 autocast with {master} master weights" if autocast else f"in {master} throughout"
     return (f"## Refinement\nAfter the closed form, `refine:` trained {params} (AdamW, peak learning rate {refined['lr']:g}, warm-up "
             f"then cosine, {precision}) toward each record's teacher, KL(teacher ‖ model) on the tokens each expert is judged on, the teachers "
             f"kept as their top-{refined['top_k']} tokens. Teachers: {teachers}. It ran {refined['steps_run']} of at most "

@@ -170,8 +170,11 @@ def with_refine_pinned(text: str, refined: dict[str, Any] | None) -> str:
     if spec is None or spec is False:
         return text
     spec = {} if spec is True else dict(spec)
-    resolved = {"params": refined["params"], "precision": "bfloat16" if refined.get("autocast") == "torch.bfloat16" else "float32"}
-    if refined.get("master") == "torch.float64":  # a float64 run refines in float64 whatever precision says: nothing to pin
+    from featcal_llm.io.refine_card import refine_precision
+
+    master, autocast = refine_precision(refined)
+    resolved = {"params": refined["params"], "precision": "bfloat16" if autocast else "float32"}
+    if master == "float64":  # a float64 run refines in float64 whatever precision says: nothing to pin
         del resolved["precision"]
     unset = {key: value for key, value in resolved.items() if spec.get(key, "auto") == "auto"}
     if not unset:
