@@ -13,6 +13,8 @@ PROMPT_SUFFIXES = (".txt", ".jsonl")
 
 def read_prompts(path: Path, where: str) -> list[str]:
     """The prompts of a `.txt` file (one per non-blank line) or a `.jsonl` file (a string field `prompt` per record)."""
+    if path.is_dir():
+        raise FeatCalError(f"{where}: {path}: a directory; expected a .txt file (one prompt per line) or a .jsonl file (field `prompt`)")
     if not path.is_file():
         tilde = f": {TILDE_NOT_EXPANDED}" if str(path).startswith("~") else ""
         raise FeatCalError(f"{where}: {path}: prompts file not found{tilde}")
@@ -37,5 +39,5 @@ def read_prompts(path: Path, where: str) -> list[str]:
                 raise FeatCalError(f"{where}: {path}: line {number}: expected an object with a non-empty string field `prompt`")
             prompts.append(record["prompt"])
     if not prompts:
-        raise FeatCalError(f"{where}: {path}: no prompts (the file is empty)")
+        raise FeatCalError(f"{where}: {path}: no prompts (the file {'holds only blank lines' if any(lines) else 'is empty'})")
     return prompts
