@@ -156,6 +156,18 @@ def test_the_refine_batch_note_counts_what_run_trains_on(scenario, tmp_path, no_
         scenario, tmp_path, lambda r, t: edit(r, t, trained))).notes)
 
 
+def test_every_weight_zero_is_one_error_without_a_note_about_zero_records(scenario, tmp_path, no_weights):
+    """Every expert at weight 0 is refused; validate also noted `batch_records: 8 is more than the at most 0 records`."""
+    def edit(r, _t):
+        for entry in r["featcal"]["data"].values():
+            entry["weight"] = 0
+        r["featcal"].update(refine=True)
+
+    result = featcal_llm.validate(_write(scenario, tmp_path, edit))
+    assert not result.ok and any("weight" in f"{problem.key} {problem.message}" for problem in result), list(result)
+    assert not any("batch_records" in note for note in result.notes), result.notes
+
+
 def test_a_block_s_pydantic_errors_read_as_a_recipe_spells_them():
     """io/problems.pydantic_problems on a block of its own: a long value cut at 60 characters (57 and "..."), a
     literal's choices as YAML spells them (true/false, not Python's True/False), and a validator's "was renamed" message
