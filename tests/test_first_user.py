@@ -65,6 +65,8 @@ def test_a_featcal_key_at_the_top_level_is_refused_by_validate_and_run(small, tm
         (line,) = [line for line in lines if f": {key}: " in line]
         assert f"{path}" in line and "a featcal key" in line and "under featcal:" in line and "slices" not in line, line
     assert not output.exists()
+    for result in (validated, ran):  # the key is refused, not also warned about as a misspelt mergekit key
+        assert "did you mean 'slices'" not in result.output, result.output
 
 
 def _data_recipe(small, tmp_path, records: list[dict], entry: dict) -> "Path":  # noqa: F821

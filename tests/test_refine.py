@@ -197,6 +197,39 @@ def test_a_check_that_raises_one_experts_kl_is_not_kept(far_scenario, closed_for
     assert (refined / "model.safetensors").read_bytes() != (closed_form / "model.safetensors").read_bytes()
 
 
+def test_patience_counts_checks_in_a_row_the_last_step_is_checked_and_gradients_are_clipped(far_scenario, monkeypatch):
+    """Held-out KLs scripted per check (× the closed form's: 1.1, 0.9, 0.95, 0.8, 0.7) over 9 steps checked every 2:
+    a worse check, a better one, a worse one, two better; with patience 2 the two worse checks are not in a row, so the
+    run goes on to step 9, which is checked although 9 is no multiple of eval_every, and kept. Every step's global
+    gradient norm, as AdamW receives it, is at most max_grad_norm (1e-3, far below this merge's unclipped norms)."""
+    import featcal_llm.engine.refine as refine_module
+
+    measured, calls = refine_module.heldout_kl, []
+    factors = [1.0, 1.1, 0.9, 0.95, 0.8, 0.7]
+
+    def scripted(*args):
+        real = measured(*args)
+        start = calls[0] if calls else real
+        factor = factors[len(calls)]
+        calls.append(real)
+        return {task: {"sums": [v * factor for v in kl["sums"]], "counts": kl["counts"]} for task, kl in start.items()}
+
+    norms, adamw_step = [], torch.optim.AdamW.step
+
+    def measured_step(self, *args, **kwargs):
+        grads = [p.grad.detach().double() for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(refine_module, "heldout_kl", scripted)
+    monkeypatch.setattr(torch.optim.AdamW, "step", measured_step)
+    output = run(far_scenario, "patience", refine={**REFINE, "steps": 9, "eval_every": 2, "patience": 2, "max_grad_norm": 1e-3})
+    report = json.loads((output / "featcal_refine.json").read_text())
+    assert [check["step"] for check in report["history"]] == [0, 2, 4, 6, 8, 9]
+    assert report["steps_run"] == 9 and report["chosen_step"] == 9, report
+    assert len(norms) == 9 and max(norms) <= 1e-3 * (1 + 1e-6), norms
+
+
 def test_a_steps_gradient_is_that_of_the_token_mean_kl_over_its_records(far_scenario, monkeypatch):
     """The first step's gradient, micro-batched over padded batches of top-k teachers, against autograd of the textbook
     token mean of the full-vocabulary KL(expert ‖ model) over the step's judged tokens, one record at a time (top_k 128
@@ -224,6 +257,7 @@ def test_a_steps_gradient_is_that_of_the_token_mean_kl_over_its_records(far_scen
                 target = teacher(ids).logits[0, positions]
             total = total + full_kl(student.model(input_ids=ids).logits[0, positions], target)
             count += len(positions)
+        assert loss == pytest.approx(float(total / count), rel=1e-2)  # the step's training KL, as the history keeps it
         (total / count).backward()
         for name, p in student.trainable.items():
             reference, p.grad = p.grad.detach().double(), ours[name]  # the run goes on with its own gradient

@@ -66,6 +66,8 @@ def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypa
         with torch.no_grad():
             seen["logits"] = student.module(input_ids=ids).logits.detach().clone()
             seen["lora"] = [name for name in student.trainable if "lora_" in name]
+            one_d = [name for name, p in student.module.named_parameters() if p.dim() == 1]
+            seen["norms"], seen["frozen_norms"] = one_d, [name for name in one_d if name not in student.trainable]
         return written(student)
 
     monkeypatch.setattr(refine_module.Student, "written", capture)
@@ -73,6 +75,7 @@ def test_adapter_merged_back_gives_the_peft_models_logits(far_scenario, monkeypa
     report = json.loads((output / "featcal_refine.json").read_text())
     assert report["params"] == "adapter" and report["rank"] == 4 and report["chosen_step"] > 0
     assert seen["lora"]  # a LoRA was trained, not the whole model
+    assert seen["norms"] and not seen["frozen_norms"], seen  # and the norms (biases) in full, as the card says below
     assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]  # peft's use of a deprecated name, silenced
     card = " ".join((output / "README.md").read_text().split())
     biases, tied = _has_biases(output), report["tied_head"]
