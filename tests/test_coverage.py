@@ -227,3 +227,23 @@ def test_an_expert_no_better_than_the_base_includes_one_exactly_as_good():
     losses = {"a": {"a": 3.0, "b": 4.0}, "b": {"a": 4.5, "b": 2.0}}
     assert behind_the_base(losses, {"a": 3.0, "b": 2.5}) == {"a": (3.0, 3.0)}
     assert behind_the_base(losses, {"a": 3.1, "b": 1.9}) == {"b": (2.0, 1.9)}
+
+
+def test_every_weight_given_runs_no_coverage_pass(tmp_path, monkeypatch, capsys):
+    """expert_weights: coverage with every expert's `weight:` given (and teachers: own): nothing is left for the pass
+    to weigh, so no model runs over the records for it (a forward of the base and every expert: minutes at 8B)."""
+    import featcal_llm.engine.coverage as coverage_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the coverage pass ran")
+
+    monkeypatch.setattr(coverage_module, "model_losses", refuse)
+    scenario = build_scenario(tmp_path / "scenario", experts=2, layers=1, samples=4)
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), expert_weights="coverage",
+                                                  teachers="own").read_text())
+    for weight, entry in zip((1.0, 0.5), recipe["featcal"]["data"].values()):
+        entry["weight"] = weight
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    assert "coverage" not in capsys.readouterr().err
+    assert list(card_front(output)["featcal"]["expert_weights"].values()) == [1.0, 0.5]

@@ -131,3 +131,33 @@ def _names(directory) -> list[str]:
     from featcal_llm.io.lora_layout import checkpoint_shapes
 
     return list(checkpoint_shapes(directory, "test"))
+
+
+def test_an_expert_lacking_a_weight_mergekit_reads_is_refused_naming_the_expert(tmp_path):
+    """The base complete, expert0's checkpoint without `lm_head.weight` (an untied Phi-3, where mergekit reads the head
+    of every input model): validate and run refuse it in the same line, naming expert0's folder, before any merge; the
+    check reads each expert's own checkpoint (`reads_other_weights`), not only the base's."""
+    from safetensors.torch import load_file, save_file
+
+    scenario, recipe = _tiny(tmp_path, "phi3")
+    expert = scenario.experts["expert0"]
+    for shard in expert.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if "lm_head.weight" in tensors:
+            del tensors["lm_head.weight"]
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = expert / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        layout = json.loads(index.read_text())
+        layout["weight_map"].pop("lm_head.weight", None)
+        index.write_text(json.dumps(layout))
+    assert "lm_head.weight" in _names(scenario.base) and "lm_head.weight" not in _names(expert)
+    validated = CliRunner().invoke(main, ["validate", str(scenario.recipe)])
+    ran = CliRunner().invoke(main, ["run", str(scenario.recipe)])
+    assert validated.exit_code == 2 and ran.exit_code == 2, (validated.output, ran.output)
+    lines = error_lines(validated)
+    assert error_lines(ran)[0] == lines[0]
+    assert any(f"{expert}" in line and "lm_head.weight" in line for line in lines), lines
+    assert not (scenario.root / "merged").exists()

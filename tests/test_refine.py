@@ -340,6 +340,25 @@ def test_no_record_left_to_train_on_keeps_the_closed_form(capsys):
     assert "refine: skipped, as no calibration record is left to train on" in capsys.readouterr().err
 
 
+def test_one_expert_with_every_record_left_out_does_not_skip_the_others(monkeypatch):
+    """Expert a trails the merge on each of its records (all left out), b has one to train on: the refinement goes on
+    (past the skip, to the vocabulary check that starts it) rather than keep the closed form for both."""
+    from types import SimpleNamespace
+
+    import featcal_llm.engine.refine as refine_module
+
+    class Started(Exception):
+        pass
+
+    def started(*args):
+        raise Started
+
+    monkeypatch.setattr(refine_module, "within_vocabulary", started)
+    job = SimpleNamespace(train={"a": [], "b": [[1, 2, 3, 4]]}, replacements={}, spec=None, config=SimpleNamespace(vocab_size=8))
+    with pytest.raises(Started):
+        refine_module.refine(job)
+
+
 def test_a_diverged_check_is_written_as_null_in_strict_json(tmp_path):
     """A learning rate that diverges gives NaN KLs; featcal_refine.json holds null there, which every JSON parser reads."""
     from featcal_llm.io.refine_card import append_refinement
