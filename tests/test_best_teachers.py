@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from reference import _token_leads, advantage_token_weights, brute_force_featcal, mean_leads
 from test_coverage import card_front, exact_weights, trained_scenario
 from test_exactness import TOLERANCE, delta_error, read_weights
@@ -94,6 +95,51 @@ def test_the_broad_expert_teaches_the_narrow_expert_s_records(broad_and_narrow, 
     assert "its records were calibrated toward `expert0`, which predicts them better (by 0.813" in line, line
     err = capsys.readouterr().err
     assert "teachers: best: expert0 teaches expert1's records" in err and "; expert1 (taught by expert0) ahead on " in err
+
+
+def test_on_prompt_response_records_the_choice_reads_the_responses_and_the_nll_every_token(broad_and_narrow, tmp_path):
+    """The same experts on completion records (each text cut in two): the coverage pass's NLLs count every token of a
+    record (its mean over the scored tokens, from each whole model's forward), while the lead that chooses expert1's
+    teacher counts only the tokens that predict its response (test_response_scoring.py judges the lead over the merge
+    alike)."""
+    from test_coverage import full_model_nll
+
+    from featcal_llm.tiny import build_char_tokenizer
+
+    scenario, merged, base, experts, sequences = broad_and_narrow
+    first, second = experts
+    tokenizer, starts, names = build_char_tokenizer(), {}, {}
+    recipe = yaml.safe_load(scenario.write_recipe(tmp_path / "r.yaml", output=str(tmp_path / "out"), batch_tokens=150,
+                                                  dtype="float64", expert_weights="coverage", token_weights="expert_lead",
+                                                  teachers="best").read_text())
+    for name, path in scenario.data.items():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        cuts = [max(1, len(row["text"]) // 2) for row in rows]
+        written = tmp_path / f"{name}.jsonl"
+        written.write_text("".join(json.dumps({"prompt": row["text"][:cut], "completion": row["text"][cut:]}) + "\n"
+                                   for row, cut in zip(rows, cuts)))
+        expert = str(scenario.experts[name])
+        recipe["featcal"]["data"][expert].update(path=str(written), format="completion")
+        starts[expert] = [len(tokenizer(row["text"][:cut])["input_ids"]) for row, cut in zip(rows, cuts)][:12]
+        names[expert] = name
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    output = run_recipe(tmp_path / "r.yaml", progress=False)
+    with torch.no_grad():
+        sums = [float(_token_leads(experts[second], experts[first], record, start).sum())
+                for record, start in zip(sequences[second], starts[second])]
+        nll = {i: {j: full_model_nll(model, sequences[j]) for j in experts} for i, model in experts.items()}
+    counts = [len(record) - max(start, 1) for record, start in zip(sequences[second], starts[second])]  # successors in the response
+    mean = sum(sums) / sum(counts)
+    spread = sum((s - mean * n) ** 2 for s, n in zip(sums, counts)) / ((len(sums) - 1) * len(sums))
+    margin = 2 * math.sqrt(spread) / (sum(counts) / len(counts))
+    every_token, _ = _leads_over(experts[second], experts[first], sequences[second])
+    assert abs(mean - every_token) > 0.01, (mean, every_token)  # the prompts' tokens would move the lead
+    record = exact_weights(output)
+    assert record["teachers"]["expert1"]["teacher"] == "expert0"
+    assert record["teachers"]["expert1"]["lead"] == pytest.approx(mean, abs=1e-9)
+    assert record["teachers"]["expert1"]["margin"] == pytest.approx(margin, abs=1e-9)
+    ours = record["coverage_nll"]
+    assert max(abs(ours[names[i]][names[j]] - nll[i][j]) for i in experts for j in experts) < 1e-10, (ours, nll)
 
 
 def test_where_each_expert_is_best_on_its_own_records_best_changes_no_byte(tmp_path, capsys):
