@@ -275,6 +275,9 @@ def test_the_refinement_section_says_why_it_stopped_before_its_last_step():
     assert ("It ran 12 of at most 40 steps, stopping once 2 checks in a row (one every 4 steps) kept no better state "
             "(`patience`). The held-out KL") in refine_text(report)
     assert "stopping once a check (one every 4 steps) kept no better state" in refine_text({**report, "patience": 1})
+    assert "The checks' records (3 of `a`'s) were held out of the closed form's statistics too" in refine_text(
+        {**report, "held_out_records": {"a": 3}})
+    assert "were held out" not in refine_text({**report, "held_out_records": {"a": 0}})  # none held out: no such claim
     for finished in ({**report, "steps_run": 40}, {key: value for key, value in report.items() if key != "patience"}):
         assert f"It ran {finished['steps_run']} of at most 40 steps. The held-out KL" in refine_text(finished)
 

@@ -51,6 +51,9 @@ def test_micro_batches_keep_their_padded_tokens_within_the_budget():
     assert [batch.keys for batch in batches] == [[("a", 0), ("a", 1)], [("a", 2)], [("a", 3)], [("a", 4)], [("a", 5)]]
     assert all(batch.input_ids.numel() <= 12 or len(batch.keys) == 1 for batch in batches)
     assert [key for batch in batches for key in batch.keys] == keys
+    # after a long record's batch the next one starts from its own longest: three short records share one (3 × 2 ≤ 12)
+    sequences = {"a": [[1] * 10, [1] * 2, [1] * 2, [1] * 2]}
+    assert [batch.keys for batch in micro_batches([("a", i) for i in range(4)], sequences, 12)] == [[("a", 0)], [("a", 1), ("a", 2), ("a", 3)]]
 
 
 def test_the_top_k_kl_without_a_stored_rest_is_the_full_kl_at_k_equal_to_the_vocabulary():
