@@ -17,12 +17,12 @@ from featcal_llm.io.card_settings import adapter_trained
 REFINE_FILE = "featcal_refine.json"
 
 
-
 def refine_precision(refined: dict[str, Any]) -> tuple[str, bool]:
     """(master dtype, whether it trained under bf16 autocast) from `featcal_refine.json`: `"master": "float32",
     "autocast": "bfloat16" | null`, or the `torch.float32` / `"None"` strings earlier versions wrote."""
     master = str(refined.get("master") or "float32").removeprefix("torch.")
     return master, str(refined.get("autocast")).removeprefix("torch.") == "bfloat16"
+
 
 def refine_text(refined: dict[str, Any], biases: bool = True) -> str:
     """The card's `## Refinement` section: what the `refine:` stage ran and what the held-out records chose (`biases`:

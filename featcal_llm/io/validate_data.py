@@ -189,7 +189,8 @@ def short_file_findings(path: Path, featcal: Any, counts: dict[str, int], notes:
     if refine is not None:  # run's warning, before the closed form's hours
         read = {name: min(counts.get(name, spec.records(featcal.samples)), spec.records(featcal.samples)) for name, spec in featcal.data.items()}
         at_most = sum(n - round(share * n) if share is not None else n for name, n in read.items() if featcal.data[name].weight > 0)
-        if 0 < at_most < refine.batch_records:  # trains on (none at all: every weight 0 is its own error): each calibrated expert's records less its held-out ones
+        # trains on: each calibrated expert's records less its held-out ones (none at all: every weight 0, its own error)
+        if 0 < at_most < refine.batch_records:
             notes.append(f"{path}: featcal.refine.batch_records: {refine.batch_records} is more than the at most {at_most} "
                          "records the refinement can train on (the held-out ones stop it), so every step would repeat "
                          "records (a step costs that many more forwards for about the same gradient)")
