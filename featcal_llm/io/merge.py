@@ -165,6 +165,21 @@ def _check_tokenizer_written(recipe: Recipe, partial: Path, sources: dict[str, A
                            "check tokenizer_source, tokenizer and chat_template)")
 
 
+def _keep_generation_config(recipe: Recipe, partial: Path, sources: dict[str, Any] | None) -> None:
+    """mergekit copies its donor's generation_config.json (the base model, else the first model) only where it copies
+    the tokenizer's files as they are: a recipe with `tokenizer_source` or `chat_template`, which has it build the
+    tokenizer, lost the sampling defaults and the extra stop ids (Llama-3's `<|eot_id|>`) that runtimes read there."""
+    from featcal_llm.io.model_files import GENERATION_CONFIG
+
+    if (partial / GENERATION_CONFIG).exists():
+        return
+    donor = recipe.merge_config.base_model or recipe.merge_config.referenced_models()[0]
+    source = (sources or {}).get(str(donor))
+    directory = source.directory if source is not None else Path(str(donor.model.path))
+    if (directory / GENERATION_CONFIG).is_file():
+        shutil.copy2(directory / GENERATION_CONFIG, partial / GENERATION_CONFIG)
+
+
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write that fails names no file where Python's own does
 HUB_MODULES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3")  # where a download's errors come from
 
@@ -220,6 +235,7 @@ def _merge(recipe: Recipe, merged: Path, device: str, sources: dict[str, Any] | 
         with contextlib.redirect_stderr(io.StringIO()):  # mergekit's tokenizer permutations draw a progress bar even when quiet
             run_merge(spell_out_adapters(recipe.merge_config, sources), str(partial), options=options, config_source=recipe.text)
         _check_tokenizer_written(recipe, partial, sources)
+        _keep_generation_config(recipe, partial, sources)
         (partial / MERGEKIT_CONFIG).write_text(recipe.text, encoding="utf-8")
         marker = {"made_by": "featcal-llm", "version": __version__, "recipe": str(recipe.path), "inputs": input_identities(recipe, sources),
                   "random_seed": recipe.featcal.merge_seed}

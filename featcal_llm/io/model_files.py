@@ -8,6 +8,7 @@ from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"  # sampling defaults and stop ids: transformers, vLLM and lm-eval read them
 
 
 def index_weight_map(directory: Path) -> dict[str, str]:

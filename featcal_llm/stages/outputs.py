@@ -45,6 +45,18 @@ def _tokenizer_where_the_merge_has_none(featcal: Any, tokenizer: Any, checkpoint
     tokenizer.save_pretrained(checkpoint)
 
 
+def _generation_config_where_the_merge_has_none(base: Path, checkpoint: Path) -> None:
+    """A merge given without generation_config.json (mergekit writes none where it builds the tokenizer: a
+    `tokenizer_source` or `chat_template` recipe merged by mergekit itself): the output gets the base's, the file
+    mergekit's plain copy takes, so that runtimes stop and sample as the base does."""
+    from featcal_llm.io.model_files import GENERATION_CONFIG
+
+    if (checkpoint / GENERATION_CONFIG).exists() or not (base / GENERATION_CONFIG).is_file():
+        return
+    runlog.stage(f"the merge has no {GENERATION_CONFIG}: the output gets the base model's (its stop ids and sampling defaults)")
+    shutil.copy2(base / GENERATION_CONFIG, checkpoint / GENERATION_CONFIG)
+
+
 def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> tuple[dict[str, str], bool]:
     """A family vLLM serves only tied (Gemma-2: its loader asserts tie_word_embeddings and reads logits off the
     embedding) whose merge stores an lm_head.weight: that tensor is written as the input embedding the output keeps
@@ -93,6 +105,7 @@ def write_outputs(context: RunContext, resolved: Resolved, data: Data, opened: O
     write_calibrated_checkpoint(models.merged, replacements, checkpoint, copies)
     copy_side_files(merged_dir, checkpoint)
     _tokenizer_where_the_merge_has_none(featcal, data.tokenizer, checkpoint)
+    _generation_config_where_the_merge_has_none(resolved.base.directory, checkpoint)
     untied = not copies and head_needs_untying(LM_HEAD in replacements, ties, LM_HEAD in models.merged.weight_map)
     own_stored_head = not copies and not untied and ties and stores_its_own_head(models.merged, replacements, plan.architecture.embed_tokens)
     if own_stored_head:  # the head the run calibrated against and transformers serves; vLLM too, once untied
