@@ -292,3 +292,19 @@ def test_the_table_marks_an_expert_the_calibration_took_the_model_farther_from()
             "worse than the merged model did") in rows
     assert not any(row.startswith("! ") for row in CalibrationResult(Path("out"), Path("merged"), {
         "models/down": experts["models/down"]}).table().splitlines())
+
+
+def test_a_folder_whose_path_holds_a_plus_is_refused_by_validate_and_run_alike(tmp_path):
+    """Models under `runs/a+b/`: mergekit reads `+` as model+adapter (model `runs/a`, hub adapter `b/base`); validate
+    said ok (the 'hub ids' left to --online) and run failed looking the adapter up on the hub."""
+    from agreement import error_lines
+
+    scenario = build_scenario(tmp_path / "a+b", experts=2, layers=1, samples=4)
+    validated = CliRunner().invoke(main, ["validate", str(scenario.recipe)])
+    ran = CliRunner().invoke(main, ["run", str(scenario.recipe)])
+    assert validated.exit_code == 2 and ran.exit_code == 2, (validated.output, ran.output)
+    lines = error_lines(validated)
+    assert error_lines(ran) == lines and len(lines) == 3, lines  # the base and the two experts, one line each
+    base = next(line for line in lines if ": base_model: " in line)
+    assert f"{scenario.base}: mergekit reads '+' as model+adapter (model {tmp_path / 'a'}, adapter b/base)" in base, base
+    assert not (tmp_path / "a+b" / "merged").exists()

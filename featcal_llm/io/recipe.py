@@ -75,6 +75,22 @@ def _one_model_two_ways(merge_config: Any) -> list[str]:
             for folder, spellings in folders.items() if len(spellings) > 1]
 
 
+def _plus_in_a_folder(path: Path, merge_config: Any) -> list[Problem]:
+    """A local folder whose path holds `+` (`runs/llama+math/expert`): mergekit reads `+` as model+adapter, so the
+    recipe names the model `runs/llama` with the hub adapter `math/expert`, which validate left to --online and run
+    failed to download. Refused where the whole path is a folder and the part before `+` is none."""
+    found = []
+    for key, reference in [("base_model", merge_config.base_model), *(("models", entry.model) for entry in merge_config.models or ())]:
+        if reference is None or reference.lora is None:
+            continue
+        whole, model = str(reference), str(reference.model.path)
+        if beside_recipe(whole, path.parent).is_dir() and not beside_recipe(model, path.parent).is_dir():
+            found.append(Problem(str(path), key, f"{whole}: mergekit reads '+' as model+adapter (model {model}, adapter "
+                                 f"{reference.lora.path}), not as part of the folder's name; rename the folder or link to it "
+                                 "from a path without '+'"))
+    return found
+
+
 def _experts_of(merge_config: Any) -> list[Any]:
     """Every input model except the base, in recipe order, from `models:` or `slices:`."""
     references: list[Any] = []
@@ -196,6 +212,7 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
     problems.extend(Problem(str(path), "models", message) for message in _one_model_two_ways(merge_config))
+    problems.extend(_plus_in_a_folder(path, merge_config))
     if base in listed and featcal is not None and base in featcal.data:
         problems.append(Problem(str(path), f"featcal.data.{base}", "this is the base_model, not an expert: calibrating toward "
                                 "the base would pull the merge back to it; remove its data entry"))
