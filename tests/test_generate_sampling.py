@@ -228,3 +228,26 @@ def test_replacement_rounds_continue_the_prompts_and_draw_new_seeds():
     assert calls[0][1] != calls[1][1]
     assert len(tally.kept) == 4 and tally.dropped == {"empty": 2}
     assert [sample["prompt"] for sample in tally.kept] == ["p2", "p3", "p4", "p0"]
+
+
+
+def test_a_tail_with_exactly_the_loop_share_of_distinct_4_grams_is_kept():
+    """"Fewer than" LOOP_DISTINCT_SHARE of the tail's 4-grams distinct is a loop; exactly that share is not. 46 tokens:
+    the tail (the last 23) holds 20 4-grams, of which 6 distinct (0.3 × 20)."""
+    from featcal_llm.generation.quality import LOOP_DISTINCT_SHARE, LOOP_NGRAM
+
+    sample = list(range(100, 123)) + [1, 2, 3, 4, 5, 6] * 3 + [1, 2, 3, 4, 5]
+    tail = sample[len(sample) // 2:]
+    grams = [tuple(tail[i:i + LOOP_NGRAM]) for i in range(len(tail) - LOOP_NGRAM + 1)]
+    assert (LOOP_NGRAM, LOOP_DISTINCT_SHARE, len(grams), len(set(grams))) == (4, 0.3, 20, 6)
+    assert degeneracy(sample, set()) is None
+
+
+def test_sets_whose_halves_share_no_bigram_are_not_alike():
+    """Short or very varied samples: no bigram shared within either set, none between them. They are not 'nearly the
+    same text' (0 ≥ 0.9 × 0 would have said so)."""
+    from featcal_llm.generation.alike import alikeness, look_alike
+
+    sets = {"a": [[1, 2], [3, 4], [5, 6], [7, 8]], "b": [[11, 12], [13, 14], [15, 16], [17, 18]]}
+    assert alikeness(sets["a"], sets["b"]) == (0.0, 0.0)
+    assert look_alike(sets) == []

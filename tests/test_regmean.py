@@ -59,6 +59,18 @@ def test_regmean_matches_brute_force(family_scenarios, family, method, tmp_path)
     assert all(torch.equal(ours[n], merged[n]) for n in merged if not n.endswith("_proj.weight"))
 
 
+@pytest.mark.parametrize("method", ["regmean", "regmean++"])
+def test_a_reduction_other_than_a_half_is_the_gram_s_off_diagonal_share(family_scenarios, method, tmp_path):
+    """At `reduction: 0.5` the reduced Gram r·G + (1 − r)·diag G reads the same with r and 1 − r swapped; at 0.3 the
+    brute force tells them apart (the full and diagonal parts swapped in the Gram or the targets: the 0.7 merge)."""
+    scenario = family_scenarios("llama")
+    ours = run_method(scenario, tmp_path, method, reduction=0.3)
+    merged = read_weights(scenario.root / "merged")  # (made by the run where no test before it made it)
+    propagated = method == "regmean++"
+    assert max(delta_errors(ours, reference_weights(scenario, 0.3, propagated), merged).values()) <= TOLERANCE
+    assert max(delta_errors(ours, reference_weights(scenario, 0.7, propagated), merged).values()) > 1e-3
+
+
 def test_wrong_stream_or_missing_reduction_is_caught(family_scenarios, tmp_path):
     """The comparison is sensitive to what the issue names: the input stream (expert vs propagated) and the reduction."""
     scenario = family_scenarios("llama")

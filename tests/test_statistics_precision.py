@@ -192,3 +192,14 @@ def test_run_picks_the_statistics_precision_from_every_lambda_it_may_use(merged_
         with pytest.raises(Stop):
             run_recipe(recipe, progress=False)
     assert seen == [torch.float32, torch.float64]
+
+
+def test_a_per_layer_lambda_decides_the_statistics_precision_by_its_smallest():
+    """`lambda: {per_layer: [1e-3, 1e-2]}` (a tuned run's replay): the statistics' precision follows its smallest λ
+    (1e-3, below the float64 rule's 1e-2), as a fixed or searched λ's does."""
+    from featcal_llm.engine.objectives import FeatCal
+    from featcal_llm.maths.objective import Hyperparameters
+
+    per_layer = [Hyperparameters(1e-3, 0.3, 0.5, 1e-8), Hyperparameters(1e-2, 0.3, 0.5, 1e-8)]
+    assert FeatCal(per_layer).smallest_lambda() == 1e-3
+    assert FeatCal(per_layer[::-1]).smallest_lambda() == 1e-3

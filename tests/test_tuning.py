@@ -372,3 +372,16 @@ def test_the_replay_recipe_pins_a_precision_written_as_auto_too():
         recipe = SimpleNamespace(text=f"merge_method: task_arithmetic\nfeatcal:\n  dtype: bfloat16\n{written}")
         block = yaml.safe_load(replay_text(recipe, tuning, precisions))["featcal"]
         assert (block["stats_dtype"], block["dtype"], block["lambda"]) == ("float64", "bfloat16", {"per_layer": [1e-3]})
+
+
+
+def test_the_head_s_statistics_precision_is_not_pinned_in_the_replay_recipe():
+    """`head_stats_dtype` is the run's own (float64 whatever the layers'), not a recipe key: pinning it would write a
+    key the replay's block refuses."""
+    import torch
+
+    from featcal_llm.io.saved_recipe import pinned_precisions
+
+    resolved = {"dtype": torch.float32, "stats_dtype": torch.float32, "head_stats_dtype": torch.float64}
+    assert pinned_precisions({}, resolved) == {"dtype": "float32", "stats_dtype": "float32"}
+    assert pinned_precisions({"dtype": "bfloat16"}, resolved) == {"stats_dtype": "float32"}  # a key set stays as written
