@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from featcal_llm.generation import backends
+from featcal_llm.generation.backends import batch_seed
 from featcal_llm.generation.prompts import SEED_PROMPTS, read_prompts, resolve_start
 from featcal_llm.generation.quality import LOOP_MIN_TOKENS, degeneracy
 from featcal_llm.tiny import build_char_tokenizer
@@ -251,3 +252,34 @@ def test_sets_whose_halves_share_no_bigram_are_not_alike():
     sets = {"a": [[1, 2], [3, 4], [5, 6], [7, 8]], "b": [[11, 12], [13, 14], [15, 16], [17, 18]]}
     assert alikeness(sets["a"], sets["b"]) == (0.0, 0.0)
     assert look_alike(sets) == []
+
+
+
+def test_each_expert_s_replacement_rounds_draw_seeds_no_other_expert_draws():
+    """Round r of expert stream k draws from round index k × MAX_ROUNDS + r: a replacement round (its first round's
+    samples all dropped) never repeats a seed another expert's stream draws, or two similar experts would sample alike."""
+    from types import SimpleNamespace
+
+    from featcal_llm.generation.prompts import Start
+    from featcal_llm.generation.run import MAX_ROUNDS, _sample
+
+    class Recording:
+        def __init__(self):
+            self.seeds, self.calls = [], 0
+
+        def sample(self, prompts, settings, seed):
+            self.seeds.append(seed)
+            self.calls += 1
+            return [[] if self.calls == 1 else [5, 6, 7] for _ in prompts]  # the first batch empty: dropped, so a round 1
+
+    start = Start(texts=("a",), ids=((1,),), source="BOS token", chat=False)
+    tokenizer = SimpleNamespace(all_special_ids=[0, 1, 2], decode=lambda ids: " ".join(map(str, ids)))
+    seeds = {}
+    for stream in range(3):
+        sampler = Recording()
+        tally = _sample(sampler, "transformers", start, {"samples": 2, "batch_size": 2, "seed": 7, "stream": stream},
+                        tokenizer, f"e{stream}", progress=False)
+        assert len(tally.kept) == 2 and tally.dropped["empty"] == 2 and len(sampler.seeds) == 2  # rounds 0 and 1
+        assert sampler.seeds == [batch_seed(7, stream * MAX_ROUNDS, 0), batch_seed(7, stream * MAX_ROUNDS + 1, 0)]
+        seeds[stream] = set(sampler.seeds)
+    assert not (seeds[0] & seeds[1]) and not (seeds[0] & seeds[2]) and not (seeds[1] & seeds[2]), seeds
