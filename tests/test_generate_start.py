@@ -222,10 +222,24 @@ def test_look_alike_sets_are_warned_about(kinds, tmp_path, capsys):
     assert "nearly the same text" not in capsys.readouterr().err
 
 
-def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys):
-    """Both experts answer the shipped seed prompts: only what they write is compared, not the prompts they share."""
-    _generate_only(kinds_recipe(kinds, tmp_path / "seeds", experts=("raw", "chat"), chat_template="on", samples=16))
+def test_a_prompt_every_expert_shares_does_not_make_their_sets_look_alike(kinds, tmp_path, capsys, monkeypatch):
+    """Both experts answer the shipped seed prompts: only what they write is compared, not the prompts they share
+    (each sample's tokens after its prompt, up to max_length, as the stored samples record them)."""
+    from featcal_llm.generation.store import generated_set_paths
+    from featcal_llm.io.recipe import load_recipe
+
+    compared, original = {}, generation_run._warn_look_alike
+    monkeypatch.setattr(generation_run, "_warn_look_alike", lambda recipe, sets: compared.update(sets) or original(recipe, sets))
+    path = kinds_recipe(kinds, tmp_path / "seeds", experts=("raw", "chat"), chat_template="on", samples=16)
+    _generate_only(path)
     assert "nearly the same text" not in capsys.readouterr().err
+    recipe = load_recipe(path)
+    stored = generated_set_paths(Path(recipe.featcal.output), [expert.name for expert in recipe.experts])
+    assert set(compared) == set(stored)
+    for name, (samples, _) in stored.items():
+        records = [json.loads(line) for line in samples.read_text().splitlines()]
+        assert all(record["prompt_length"] > 0 for record in records)  # the seed prompts' tokens are there to leave out
+        assert compared[name] == [record["token_ids"][record["prompt_length"]:recipe.featcal.max_length] for record in records]
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
