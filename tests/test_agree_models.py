@@ -215,7 +215,7 @@ def test_one_model_two_ways_is_only_one_local_folder_without_an_adapter(tmp_path
     from mergekit.common import ModelReference
     from mergekit.config import MergeConfiguration
 
-    from featcal_llm.io.recipe import _one_model_two_ways
+    from featcal_llm.io.model_spellings import one_model_two_ways
 
     (tmp_path / "base").mkdir()
     (tmp_path / "e1").mkdir()
@@ -223,7 +223,7 @@ def test_one_model_two_ways_is_only_one_local_folder_without_an_adapter(tmp_path
     os.symlink(tmp_path / "e1", tmp_path / "link")
 
     def found(models, base=str(tmp_path / "base")):
-        return _one_model_two_ways(MergeConfiguration.model_validate({"merge_method": "task_arithmetic", "base_model": base,
+        return one_model_two_ways(MergeConfiguration.model_validate({"merge_method": "task_arithmetic", "base_model": base,
                                                                       "models": [{"model": m} for m in models]}))
 
     e1, adapted = str(tmp_path / "e1"), f"{tmp_path / 'e1'}+{tmp_path / 'lora'}"

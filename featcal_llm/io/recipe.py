@@ -27,6 +27,7 @@ from featcal_llm.io.key_homes import placed_message
 from featcal_llm.io.mergekit_config import MergeConfiguration
 from featcal_llm.io.merge_values import value_problems
 from featcal_llm.io.mergekit_methods import parameter_problems
+from featcal_llm.io.model_spellings import one_model_two_ways, plus_in_a_folder
 from featcal_llm.io.merge_settings import merge_setting_problems
 from featcal_llm.io.output_dir import name_problem, shown
 from featcal_llm.io.recipe_yaml import read_yaml_mapping, recipe_text
@@ -56,39 +57,6 @@ class Recipe:
     output_key: str = "featcal.output"  # how refusals name the output: OUTPUT where the command line (output=) gave it
     made_from: dict | None = None  # the user's settings (io/run_settings.made_from), a stack's stages keep them; its run record keeps them
     settings_root: str | None = None  # the digest of the settings first run (io/run_settings.settings_root): a replay's original's
-
-
-def _one_model_two_ways(merge_config: Any) -> list[str]:
-    """Local models written two ways that are one folder (a link and its target, a trailing slash): mergekit merges
-    each as an input of its own, so the model counts twice (and an expert that is the base is calibrated toward it)."""
-    import os
-
-    written = [entry.model for entry in merge_config.models or ()]
-    written += [merge_config.base_model] if merge_config.base_model is not None else []
-    folders: dict[str, list[str]] = {}
-    for reference in written:
-        if reference.lora is None and Path(reference.model.path).is_dir():
-            spellings = folders.setdefault(os.path.realpath(reference.model.path), [])
-            if str(reference) not in spellings:
-                spellings.append(str(reference))
-    return [f"{' and '.join(spellings)} are one model (the folder {folder}); list each model once, written one way"
-            for folder, spellings in folders.items() if len(spellings) > 1]
-
-
-def _plus_in_a_folder(path: Path, merge_config: Any) -> list[Problem]:
-    """A local folder whose path holds `+` (`runs/llama+math/expert`): mergekit reads `+` as model+adapter, so the
-    recipe names the model `runs/llama` with the hub adapter `math/expert`, which validate left to --online and run
-    failed to download. Refused where the whole path is a folder and the part before `+` is none."""
-    found = []
-    for key, reference in [("base_model", merge_config.base_model), *(("models", entry.model) for entry in merge_config.models or ())]:
-        if reference is None or reference.lora is None:
-            continue
-        whole, model = str(reference), str(reference.model.path)
-        if beside_recipe(whole, path.parent).is_dir() and not beside_recipe(model, path.parent).is_dir():
-            found.append(Problem(str(path), key, f"{whole}: mergekit reads '+' as model+adapter (model {model}, adapter "
-                                 f"{reference.lora.path}), not as part of the folder's name; rename the folder or link to it "
-                                 "from a path without '+'"))
-    return found
 
 
 def _experts_of(merge_config: Any) -> list[Any]:
@@ -211,8 +179,8 @@ def _merge_checks(path: Path, featcal: FeatCalConfig | None, merge_config: Any, 
     listed = [str(entry.model) for entry in merge_config.models or ()]
     for name in dict.fromkeys(name for name in listed if listed.count(name) > 1):  # mergekit refuses it mid-run
         problems.append(Problem(str(path), "models", f"{name} is listed {listed.count(name)} times; list each model once"))
-    problems.extend(Problem(str(path), "models", message) for message in _one_model_two_ways(merge_config))
-    problems.extend(_plus_in_a_folder(path, merge_config))
+    problems.extend(Problem(str(path), "models", message) for message in one_model_two_ways(merge_config))
+    problems.extend(plus_in_a_folder(path, merge_config))
     if base in listed and featcal is not None and base in featcal.data:
         problems.append(Problem(str(path), f"featcal.data.{base}", "this is the base_model, not an expert: calibrating toward "
                                 "the base would pull the merge back to it; remove its data entry"))
