@@ -169,15 +169,11 @@ def _keep_generation_config(recipe: Recipe, partial: Path, sources: dict[str, An
     """mergekit copies its donor's generation_config.json (the base model, else the first model) only where it copies
     the tokenizer's files as they are: a recipe with `tokenizer_source` or `chat_template`, which has it build the
     tokenizer, lost the sampling defaults and the extra stop ids (Llama-3's `<|eot_id|>`) that runtimes read there."""
-    from featcal_llm.io.model_files import GENERATION_CONFIG
+    from featcal_llm.io.model_files import lend_generation_config
 
-    if (partial / GENERATION_CONFIG).exists():
-        return
     donor = recipe.merge_config.base_model or recipe.merge_config.referenced_models()[0]
     source = (sources or {}).get(str(donor))
-    directory = source.directory if source is not None else Path(str(donor.model.path))
-    if (directory / GENERATION_CONFIG).is_file():
-        shutil.copy2(directory / GENERATION_CONFIG, partial / GENERATION_CONFIG)
+    lend_generation_config(source.directory if source is not None else Path(str(donor.model.path)), partial)
 
 
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write that fails names no file where Python's own does

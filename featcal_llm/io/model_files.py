@@ -291,3 +291,14 @@ def chat_template_syntax_error(template: str) -> str | None:
 
 def has_chat_template(directory: Path) -> bool:
     return saved_chat_template(directory) is not None
+
+
+def lend_generation_config(source: Path, target: Path) -> bool:
+    """`source`'s generation_config.json copied into `target` where `target` has none (mergekit writes none where it
+    builds the tokenizer); whether it was."""
+    import shutil
+
+    if (target / GENERATION_CONFIG).exists() or not (source / GENERATION_CONFIG).is_file():
+        return False
+    shutil.copy2(source / GENERATION_CONFIG, target / GENERATION_CONFIG)
+    return True

@@ -49,12 +49,10 @@ def _generation_config_where_the_merge_has_none(base: Path, checkpoint: Path) ->
     """A merge given without generation_config.json (mergekit writes none where it builds the tokenizer: a
     `tokenizer_source` or `chat_template` recipe merged by mergekit itself): the output gets the base's, the file
     mergekit's plain copy takes, so that runtimes stop and sample as the base does."""
-    from featcal_llm.io.model_files import GENERATION_CONFIG
+    from featcal_llm.io.model_files import GENERATION_CONFIG, lend_generation_config
 
-    if (checkpoint / GENERATION_CONFIG).exists() or not (base / GENERATION_CONFIG).is_file():
-        return
-    runlog.stage(f"the merge has no {GENERATION_CONFIG}: the output gets the base model's (its stop ids and sampling defaults)")
-    shutil.copy2(base / GENERATION_CONFIG, checkpoint / GENERATION_CONFIG)
+    if lend_generation_config(base, checkpoint):
+        runlog.stage(f"the merge has no {GENERATION_CONFIG}: the output gets the base model's (its stop ids and sampling defaults)")
 
 
 def _tied_head_copy(merged: Any, architecture: Any, ties: bool) -> tuple[dict[str, str], bool]:
